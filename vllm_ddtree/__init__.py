@@ -1,0 +1,3 @@
+"""vLLM DDTree plugin."""
+def register():
+    pass

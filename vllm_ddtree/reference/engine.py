@@ -1,0 +1,173 @@
+"""Reference generation loop: AR, DFlash chain and DDTree on transformers models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from vllm_ddtree.drafter_config import check_drafter_target_pair
+from vllm_ddtree.reference.sampling import choose_tokens
+from vllm_ddtree.reference.target import TargetRunner
+from vllm_ddtree.tree import build_ddtree, follow_tree
+
+Method = Literal["ar", "dflash", "ddtree"]
+MAX_BUDGET = 512
+
+
+@dataclass
+class RoundStats:
+    """One decoding round: ``committed == accepted_depth + 1`` always."""
+
+    committed: int
+    accepted_depth: int
+    nodes: int
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]
+    stats: list[RoundStats] = field(default_factory=list)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.stats)
+
+    @property
+    def mean_committed(self) -> float:
+        """Tokens committed per round (vLLM's "mean acceptance length")."""
+        return sum(s.committed for s in self.stats) / max(1, len(self.stats))
+
+
+def _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed):
+    if method not in ("ar", "dflash", "ddtree"):
+        raise ValueError(f"method must be 'ar', 'dflash' or 'ddtree', got {method!r}")
+    if len(prompt_ids) == 0:
+        raise ValueError("prompt_ids must hold at least one token")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if temperature > 0 and seed is None:
+        raise ValueError("temperature > 0 needs `seed` so that draws are reproducible")
+    if method == "ar":
+        return
+    if drafter is None:
+        raise ValueError(f"method {method!r} needs a DFlash `drafter`")
+    if method == "ddtree" and not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget (tree nodes per round) must be in 1..{MAX_BUDGET}, got {budget}")
+    check_drafter_target_pair(drafter.config, target.config)
+
+
+@torch.no_grad()
+def generate(
+    target,
+    drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    method: Method,
+    budget: int = 64,
+    temperature: float = 0.0,
+    seed: int | None = None,
+    eos_token_id: int | None = None,
+    top_k: int | None = None,
+) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    ``method``: ``"ar"`` (target only), ``"dflash"`` (the drafter's greedy chain
+    of ``block_size - 1`` tokens) or ``"ddtree"`` (a tree of ``budget`` nodes,
+    children of a node limited to the ``top_k`` best tokens of their depth).
+    Every committed token is the target's own choice (argmax, or a draw keyed by
+    ``(seed, position)``), so all methods return the same ``tokens`` (list[int]);
+    ``stats`` has one ``RoundStats`` per round (prefill excluded).
+    """
+    _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed)
+    device = next(target.parameters()).device
+    aux_ids = drafter.target_layer_ids if method != "ar" else None
+    runner = TargetRunner(target, aux_ids)
+    try:
+        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+        n = prompt.shape[0]
+        logits, aux = runner.forward(prompt, torch.arange(n, device=device), None)
+        bonus = int(choose_tokens(logits[-1:], torch.tensor([n]), temperature, seed)[0])
+        result = GenerationResult(tokens=[bonus])
+        if method != "ar":
+            context = drafter.new_context_cache()
+            context.append(aux, torch.arange(n, device=device))
+        position = n  # position of `bonus`, whose KV is not cached yet
+        done = eos_token_id is not None and bonus == eos_token_id
+        while not done and len(result.tokens) < max_new_tokens:
+            if method == "ar":
+                logits, _ = runner.forward(
+                    torch.tensor([bonus], device=device),
+                    torch.tensor([position], device=device),
+                    None,
+                )
+                new = choose_tokens(logits, torch.tensor([position + 1]), temperature, seed)
+                committed = new.tolist()
+                result.stats.append(RoundStats(committed=1, accepted_depth=0, nodes=0))
+            else:
+                committed, stats = _speculative_round(
+                    runner,
+                    drafter,
+                    context,
+                    bonus,
+                    position,
+                    method,
+                    budget,
+                    top_k,
+                    temperature,
+                    seed,
+                )
+                result.stats.append(stats)
+            for tok in committed:
+                result.tokens.append(tok)
+                if (eos_token_id is not None and tok == eos_token_id) or (
+                    len(result.tokens) >= max_new_tokens
+                ):
+                    done = True
+                    break
+            position += len(committed)
+            bonus = committed[-1]
+        return result
+    finally:
+        runner.close()
+
+
+def _speculative_round(
+    runner: TargetRunner,
+    drafter,
+    context,
+    bonus: int,
+    position: int,
+    method: Method,
+    budget: int,
+    top_k: int | None,
+    temperature: float,
+    seed: int | None,
+) -> tuple[list[int], RoundStats]:
+    device = next(runner.model.parameters()).device
+    draft_logits = drafter.block_logits(
+        bonus, position, context, runner.embed, runner.lm_head_logits
+    )[None]  # [1, L, V]
+    if method == "dflash":
+        tree = build_ddtree(draft_logits, budget=drafter.block_size - 1, top_k=1)
+    else:
+        tree = build_ddtree(draft_logits, budget=budget, top_k=top_k)
+
+    nodes = tree.tokens.shape[1]
+    verify_ids = torch.cat([torch.tensor([bonus], device=device), tree.tokens[0]])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths[0]])
+    first_new = runner.num_cached
+    logits, aux = runner.forward(verify_ids, position + offsets, tree.ancestor_mask()[0])
+    # The token chosen at a row sits at that row's position + 1.
+    target_tokens = choose_tokens(logits, (position + offsets + 1).cpu(), temperature, seed)
+    walk = follow_tree(tree, target_tokens[None])
+    depth = int(walk.accepted_depth[0])
+    src_rows = walk.kv_src_rows[0, :depth]
+    runner.keep_accepted(first_new, src_rows)
+    keep_rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), src_rows])
+    context.append(aux[keep_rows], torch.arange(position, position + depth + 1, device=device))
+    committed = walk.committed_tokens[0, : depth + 1].tolist()
+    return committed, RoundStats(committed=depth + 1, accepted_depth=depth, nodes=nodes)
