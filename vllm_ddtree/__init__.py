@@ -1,3 +1,28 @@
-"""vLLM DDTree plugin."""
-def register():
-    pass
+"""vllm-ddtree: DDTree tree speculative decoding with a DFlash drafter for vLLM 0.26.
+
+``register`` is the ``vllm.general_plugins`` entry point: vLLM calls it once in
+every process (front-end, engine core, workers). It is idempotent and does no
+GPU work, so it is harmless on CPU-only machines.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__version__ = "0.1.0"
+
+logger = logging.getLogger(__name__)
+_registered = False
+
+
+def register() -> None:
+    """Apply the plugin's vLLM patches and backend registrations (idempotent)."""
+    global _registered
+    if _registered:
+        return
+    from patches import apply_all, require_vllm_version
+
+    require_vllm_version("vllm_ddtree.register")
+    applied = apply_all()
+    _registered = True
+    logger.debug("vllm-ddtree registered; patches applied: %s", applied)
