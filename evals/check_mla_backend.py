@@ -1,0 +1,51 @@
+"""Greedy tokens of a model under one vLLM attention backend (GPU), as JSON.
+
+    python evals/check_mla_backend.py MODEL_DIR --backend CUSTOM --out tokens.json [--graphs]
+
+Used by tests/gpu/test_mla_backend_vllm.py to compare our backend (CUSTOM) with
+vLLM's own MLA backends on the same prompts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
+              enforce_eager=not args.graphs, gpu_memory_utilization=0.3, max_model_len=4096,
+              dtype="bfloat16", max_num_seqs=8, seed=0)
+    prompts = [
+        [3 + (7 * i) % 900 for i in range(n)] for n in (5, 17, 64, 130, 700)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2,
+                            detokenize=False, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    result = []
+    for out in outputs:
+        completion = out.outputs[0]
+        gaps = []
+        for lp in completion.logprobs:
+            top = sorted((v.logprob for v in lp.values()), reverse=True)
+            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        result.append({"tokens": list(completion.token_ids), "top2_gap": gaps})
+    with open(args.out, "w") as f:
+        json.dump({"backend": args.backend, "graphs": args.graphs, "outputs": result}, f)
+    os._exit(0)  # vLLM was seen to hang at exit on the device machine
+
+
+if __name__ == "__main__":
+    main()
