@@ -24,5 +24,16 @@ def register() -> None:
 
     require_vllm_version("vllm_ddtree.register")
     applied = apply_all()
+    _register_attention_backends()
     _registered = True
     logger.debug("vllm-ddtree registered; patches applied: %s", applied)
+
+
+MLA_TREE_BACKEND = "attention_backends.mla_tree.backend.TreeMLABackend"
+
+
+def _register_attention_backends() -> None:
+    """Expose the MLA tree-verify backend as ``--attention-backend CUSTOM``."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, MLA_TREE_BACKEND)
