@@ -174,3 +174,16 @@ def test_generate_rejects_mismatched_pair():
     drafter = tiny_drafter(qwen)  # target_layer_ids [0, 2]: layer 2 missing in `other`
     with pytest.raises(DrafterConfigError, match="target_layer_ids"):
         generate(other, drafter, [1, 2, 3], 4, "ddtree")
+
+
+def test_from_pretrained_drafter_drafts_like_the_original(tmp_path):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, rope_parameters=dict(YARN))
+    drafter.save_pretrained(tmp_path)
+    loaded = DFlashDraftModel.from_pretrained(tmp_path).eval()
+    torch.testing.assert_close(loaded.rotary.inv_freq, drafter.rotary.inv_freq)
+    assert loaded.rotary.attention_scaling == drafter.rotary.attention_scaling != 1.0
+    with torch.no_grad():
+        want = _block_logits_after_context(drafter, target, 40, 100)
+        got = _block_logits_after_context(loaded, target, 40, 100)
+    torch.testing.assert_close(got, want)

@@ -49,6 +49,15 @@ class DrafterRotary(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        self.config = config
+        self.register_buffer("inv_freq", torch.empty(config.head_dim // 2), persistent=False)
+        self.attention_scaling = 1.0
+        self.reset_tables()
+
+    def reset_tables(self) -> None:
+        """(Re)compute ``inv_freq`` from the config; transformers 5's ``from_pretrained``
+        allocates non-persistent buffers empty and refills them via ``_init_weights``."""
+        config = self.config
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             base = config.rope_parameters["rope_theta"]
@@ -57,7 +66,8 @@ class DrafterRotary(nn.Module):
             scaling = 1.0
         else:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        with torch.no_grad():
+            self.inv_freq = inv_freq.float().to(self.inv_freq.device)
         self.attention_scaling = float(scaling)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -241,6 +251,8 @@ class DFlashDraftModel(PreTrainedModel):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, Qwen3RMSNorm):
             nn.init.ones_(module.weight)
+        elif isinstance(module, DrafterRotary):
+            module.reset_tables()
 
     def new_context_cache(self) -> DFlashContextCache:
         return DFlashContextCache(self)

@@ -1,0 +1,214 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Launcher of GQA tree-verify attention: validation, config choice, kernel launch."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from attention_backends.mla_tree import kernels as mla_kernels
+from attention_backends.mla_tree.configs import select_num_kv_splits
+from attention_backends.mla_tree.tree_mask import check_tree_batch
+
+from . import kernels
+from .configs import GQATileConfig, block_head_dim, select_config
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpreted() -> bool:
+    return type(kernels._gqa_tree_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _check_gqa_inputs(q, k_cache, v_cache, scale, sliding_window) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [T, Hq, Dh], got {getattr(q, 'shape', q)}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+            raise ValueError(
+                f"{name} must be a 4-D paged cache [num_blocks, page_size, Hkv, Dh], "
+                f"got {getattr(cache, 'shape', cache)}"
+            )
+        if cache.dtype != q.dtype:
+            raise ValueError(f"{name} dtype {cache.dtype} must equal q dtype {q.dtype}")
+        if cache.device != q.device:
+            raise ValueError(f"{name} is on {cache.device}, q on {q.device}")
+        if cache.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous along the head dim")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape"
+        )
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(f"k_cache head dim {k_cache.shape[3]} must equal q's {head_dim}")
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"q's {num_q_heads} heads must be a multiple of the caches' {num_kv_heads} KV heads"
+        )
+    if head_dim > 256:
+        raise ValueError(f"head dim {head_dim} is not supported (at most 256)")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous along the head dim")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+
+
+def gqa_tree_verify(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ancestor_bits: torch.Tensor,
+    scale: float,
+    *,
+    sliding_window: int | None = None,
+    num_kv_splits: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    validate_values: bool = True,
+    config: GQATileConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GQA attention of tree-verify query tokens against vLLM's paged K/V caches.
+
+    The new tokens of request ``r`` are q rows ``query_start_loc[r]:query_start_loc[r+1]``
+    and the last ``qlen_r`` keys of its sequence. Context keys are visible; new key ``j``
+    is visible to new token ``t`` iff bit ``j`` of ``ancestor_bits[t]`` is set (``j <= t``).
+
+    Args:
+        q: ``[T, Hq, Dh]`` bf16/fp16/fp32, Dh <= 256.
+        k_cache, v_cache: ``[num_blocks, page_size, Hkv, Dh]`` (vLLM's flash-attn layout,
+            ``kv_cache[0]`` / ``kv_cache[1]``), q's dtype; ``Hq % Hkv == 0``.
+        block_table: int32 ``[R, max_blocks]``.
+        seq_lens: int32 ``[R]``: context + new tokens.
+        query_start_loc: int32 ``[R + 1]``.
+        ancestor_bits: int64 ``[>= T, W]`` (row t: query token t; extra rows are
+            ignored), ``W >= ceil(max_query_len / 64)``, last dim contiguous.
+        scale: softmax scale.
+        sliding_window: if set, a token at position ``p`` sees only keys at positions
+            ``> p - sliding_window``. A new token's position is ``ctx_len + depth``
+            (depth = number of ancestors, from its bit row), so tree nodes see the same
+            window as in autoregressive decoding; context keys' positions are their
+            indices.
+        num_kv_splits: CTAs per (request, KV head) along the keys (flash-decoding);
+            None picks it from the context length and the SM count.
+        max_query_len, max_seq_len: host-side maxima; required with
+            ``validate_values=False`` (no device sync).
+        validate_values: check the metadata values on the host (one sync).
+        config: force a tile config.
+        out: optional ``[T, Hq, Dh]`` output buffer in q's dtype.
+
+    Returns:
+        ``[T, Hq, Dh]`` in q's dtype. Rows that see no key are 0; rows not covered by
+        ``query_start_loc`` are left unwritten.
+    """
+    _check_gqa_inputs(q, k_cache, v_cache, scale, sliding_window)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_blocks, page_size, num_kv_heads, _ = k_cache.shape
+    stats = check_tree_batch(
+        num_tokens=num_tokens,
+        device=q.device,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        ancestor_bits=ancestor_bits,
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        validate_values=validate_values,
+    )
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, contiguous in the last dim")
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
+        return out
+
+    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
+        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    group = num_q_heads // num_kv_heads
+    rows = stats.max_query_len * group
+    if config is None:
+        config = select_config(rows, head_dim, q.dtype)
+    row_blocks = triton.cdiv(rows, config.block_m)
+    keys = stats.max_seq_len
+    if sliding_window is not None:
+        keys = min(keys, sliding_window + stats.max_query_len + config.block_n)
+    if num_kv_splits is None:
+        num_sms = (
+            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
+        )
+        num_kv_splits = select_num_kv_splits(
+            num_requests=num_reqs * num_kv_heads,
+            row_blocks=row_blocks,
+            max_seq_len=keys,
+            block_n=config.block_n,
+            num_sms=num_sms,
+            ctas_per_sm=config.ctas_per_sm,
+        )
+    num_kv_splits = min(num_kv_splits, max(1, triton.cdiv(keys, config.block_n)))
+
+    block_d = block_head_dim(head_dim)
+    lse_buf = torch.empty(
+        num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=q.device
+    )
+    if num_kv_splits == 1:
+        out_buf, out_strides = out, (out.stride(0), out.stride(1), 0)
+    else:
+        out_buf = torch.empty(
+            num_tokens, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device
+        )
+        out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
+    grid = (row_blocks, num_kv_heads * num_kv_splits, num_reqs)
+    kernels._gqa_tree_fwd_kernel[grid](
+        q, k_cache, v_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
+        out_buf, lse_buf,
+        scale * kernels.LOG2E,
+        sliding_window or 0,
+        num_kv_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        ancestor_bits.stride(0), ancestor_bits.shape[1],
+        *out_strides,
+        lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE_SIZE=page_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+        mla_kernels._mla_tree_merge_kernel[(num_tokens, num_q_heads)](
+            out_buf, lse_buf, out, lse,
+            num_kv_splits,
+            out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
+            lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+            out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1),
+            KV_LORA=head_dim,
+            BLOCK_L=block_d,
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,184 @@
+"""vLLM attention backend for MLA targets whose decode/verify path is the tree kernel.
+
+Registered as ``AttentionBackendEnum.CUSTOM`` by the plugin. Decode and verify
+tokens (requests with up to ``reorder_batch_threshold`` new tokens, any mix of
+lengths) go through ``mla_tree_verify``, which reads each request's latent context
+once for all its query tokens and heads. Prefill chunks keep vLLM's MLA prefill
+path. Without a DDTree tree the mask is causal, so the backend is a plain MLA
+backend usable with ``--attention-backend CUSTOM``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+
+from attention_backends.mla_tree.ops import mla_tree_verify
+from attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
+
+
+@dataclass
+class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
+    query_start_loc: torch.Tensor  # int32 [num_decodes + 1]
+    ancestor_bits: torch.Tensor  # int64 [num_decode_tokens, W]
+    max_query_len: int
+    max_seq_len: int
+
+
+@dataclass
+class TreeMLAMetadata(MLACommonMetadata[TreeMLADecodeMetadata]):
+    pass
+
+
+class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device, TreeMLAMetadata)
+        max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # Causal bits live in our own persistent buffer (stable address under
+        # FULL CUDA graphs); the DDTree speculator provides the tree's.
+        self._causal_bits = torch.zeros(
+            max_tokens,
+            max(1, -(-self.reorder_batch_threshold // 64)),
+            dtype=torch.int64,
+            device=device,
+        )
+
+    def _build_decode(
+        self,
+        block_table_tensor: torch.Tensor,
+        seq_lens_device: torch.Tensor,
+        max_seq_len: int,
+        query_start_loc_cpu: torch.Tensor,
+        query_start_loc_device: torch.Tensor,
+        num_decode_tokens: int,
+        dcp_tot_seq_lens_device: torch.Tensor | None,
+    ) -> TreeMLADecodeMetadata:
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        max_query_len = int(query_lens.max()) if query_lens.numel() else 0
+        if TREE_MASK_STATE.active and TREE_MASK_STATE.ancestor_bits is not None:
+            bits = TREE_MASK_STATE.ancestor_bits[:num_decode_tokens]
+        else:
+            bits = causal_bits_(self._causal_bits, query_start_loc_device, num_decode_tokens)
+        return TreeMLADecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            query_start_loc=query_start_loc_device,
+            ancestor_bits=bits,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
+
+
+class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
+    can_return_lse_for_decode: bool = True
+
+    def __init__(
+        self,
+        num_heads,
+        head_size,
+        scale,
+        num_kv_heads,
+        alibi_slopes,
+        sliding_window,
+        kv_cache_dtype,
+        logits_soft_cap,
+        attn_type,
+        kv_sharing_target_layer_name,
+        **mla_args,
+    ) -> None:
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            alibi_slopes,
+            sliding_window,
+            kv_cache_dtype,
+            logits_soft_cap,
+            attn_type,
+            kv_sharing_target_layer_name,
+            **mla_args,
+        )
+        if any([alibi_slopes, sliding_window, logits_soft_cap]):
+            raise NotImplementedError(
+                "the DDTree MLA backend does not support alibi_slopes, sliding_window or "
+                "logits_soft_cap; pick another --attention-backend for this model"
+            )
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError("the DDTree MLA backend supports decoder attention only")
+        if kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+            raise NotImplementedError(
+                f"the DDTree MLA backend has no {kv_cache_dtype} KV cache yet; "
+                "use --kv-cache-dtype auto"
+            )
+
+    def forward_mqa(
+        self,
+        q: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+        kv_c_and_k_pe_cache: torch.Tensor,
+        attn_metadata: TreeMLAMetadata,
+        layer: AttentionLayer,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode/verify attention: ``q [T, H, kv_lora_rank + rope]`` (or its two
+        parts) -> ``out [T, H, kv_lora_rank]``, ``lse [T, H]`` (natural log)."""
+        decode = attn_metadata.decode
+        assert decode is not None
+        if isinstance(q, tuple):
+            q = torch.cat(q, dim=-1)
+        return mla_tree_verify(
+            q,
+            kv_c_and_k_pe_cache,
+            decode.block_table,
+            decode.seq_lens,
+            decode.query_start_loc,
+            decode.ancestor_bits,
+            self.scale,
+            self.kv_lora_rank,
+            max_query_len=decode.max_query_len,
+            max_seq_len=decode.max_seq_len,
+            validate_values=False,
+        )
+
+
+class TreeMLABackend(MLACommonBackend):
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_builder_cls() -> type[TreeMLAMetadataBuilder]:
+        return TreeMLAMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type[TreeMLAImpl]:
+        return TreeMLAImpl
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return []
+
+    @classmethod
+    def supports_block_size(cls, block_size: int | None) -> bool:
+        return True
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return capability.major >= 8

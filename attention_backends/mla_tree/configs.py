@@ -1,0 +1,155 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Tile configurations of the MLA tree-verify kernel, their shared-memory cost, and the
+launch heuristics (which config, how many KV splits).
+
+Every config in :data:`MLA_TILE_CONFIGS` must fit in the shared memory of one block on
+consumer Blackwell (sm_120: 99 KiB, no TMA/wgmma) for the DeepSeek/Kimi shape
+(kv_lora_rank 512 + rope 64) in 16-bit dtypes; tests/test_mla_tree_kernel.py checks it.
+fp32 (tests, debugging) uses the same table through :func:`fit_config`, which shrinks
+the KV tile until it fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+SM120_SHARED_MEMORY_BYTES = 99 * 1024
+
+
+@dataclass(frozen=True)
+class MLATileConfig:
+    """One launch configuration of ``_mla_tree_fwd_kernel``.
+
+    Attributes:
+        block_m: flattened ``(token, head)`` rows per CTA (token-major).
+        block_n: keys per KV tile (at most 64).
+        num_warps: warps per CTA.
+        num_stages: software-pipelining depth of the KV tile loads
+            (``num_stages - 1`` tiles in flight).
+        min_rows: picked for requests with at least this many rows
+            (``max_query_len * num_heads``), largest qualifying ``min_rows`` wins.
+        ctas_per_sm: resident CTAs per SM (registers / shared memory), for the split
+            heuristic.
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_rows: int = 0
+    ctas_per_sm: int = 2
+
+
+# Register budget: the fp32 accumulator [block_m, kv_lora_rank] costs
+# block_m * 512 / (32 * num_warps) registers per thread (64 and 128 here). Triton's
+# mma.sync layout spreads the warps along the V dim, so block_n >= 8 * num_warps keeps
+# QK^T free of duplicated work. A 64-row tile would halve the L2 re-reads of the latent
+# KV at large H * qlen, but it does not fit: 64 x 576 query staging plus a 32-key tile
+# is ~115 KB on sm_120 and ~148 KB with Hopper's wgmma lowering (a 16-key tile: 95 KB on
+# sm_120, 131 KB on Hopper). evals/bench_verify_attention.py --sweep-configs times them.
+MLA_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
+    MLATileConfig(block_m=16, block_n=32, num_warps=4, num_stages=2, min_rows=0),
+    MLATileConfig(block_m=32, block_n=32, num_warps=4, num_stages=2, min_rows=32),
+)
+
+
+def _next_pow2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def padded_dims(head_dim: int, kv_lora_rank: int) -> tuple[int, int]:
+    """``(BLOCK_L, BLOCK_R)``: the power-of-two tile widths of the nope and rope parts."""
+    rope = head_dim - kv_lora_rank
+    block_r = max(16, _next_pow2(rope)) if rope > 0 else 16
+    return _next_pow2(kv_lora_rank), block_r
+
+
+def estimate_shared_memory_bytes(
+    config: MLATileConfig, head_dim: int, kv_lora_rank: int, dtype: torch.dtype
+) -> int:
+    """Upper estimate of one CTA's shared memory, in bytes.
+
+    What Triton 3.6 allocates for this kernel (checked against compiled sm_120 kernels,
+    tests/test_mla_tree_kernel.py): the query block ``[block_m, head_dim]`` staged once
+    for the QK^T MMA operand, ``num_stages - 1`` KV tiles of ``block_n`` latent rows,
+    the probabilities ``[block_m, block_n]`` re-laid out as the PV operand (counted at
+    4 bytes), and 1 KiB of reduction/page-id scratch. This models the mma.sync lowering
+    (sm_80/sm_89/sm_120, and Hopper for block_m < 64, which is all of the table); a
+    64-row tile on Hopper is lowered to wgmma and keeps ``num_stages`` KV tiles.
+    """
+    block_l, block_r = padded_dims(head_dim, kv_lora_rank)
+    width = block_l + (block_r if head_dim > kv_lora_rank else 0)
+    elem = torch.empty((), dtype=dtype).element_size()
+    q_block = config.block_m * width * elem
+    kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * elem
+    probs = config.block_m * config.block_n * 4
+    return q_block + kv_tiles + probs + 1024
+
+
+def fit_config(
+    config: MLATileConfig,
+    head_dim: int,
+    kv_lora_rank: int,
+    dtype: torch.dtype,
+    budget: int = SM120_SHARED_MEMORY_BYTES,
+) -> MLATileConfig:
+    """``config`` shrunk (fewer stages, then smaller KV and row tiles) to fit ``budget``."""
+    cfg = config
+    while estimate_shared_memory_bytes(cfg, head_dim, kv_lora_rank, dtype) > budget:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 16:
+            cfg = replace(cfg, block_n=cfg.block_n // 2)
+        elif cfg.block_m > 16:
+            cfg = replace(cfg, block_m=cfg.block_m // 2)
+        else:
+            raise ValueError(
+                f"no tile config fits {budget} bytes of shared memory for head_dim={head_dim}, "
+                f"kv_lora_rank={kv_lora_rank}, dtype={dtype}"
+            )
+    return cfg
+
+
+def select_config(
+    rows_per_request: int, head_dim: int, kv_lora_rank: int, dtype: torch.dtype
+) -> MLATileConfig:
+    """The config for requests of up to ``rows_per_request = max_query_len * H`` rows."""
+    config = MLA_TILE_CONFIGS[0]
+    for cand in MLA_TILE_CONFIGS:
+        if rows_per_request >= cand.min_rows:
+            config = cand
+    return fit_config(config, head_dim, kv_lora_rank, dtype)
+
+
+def select_num_kv_splits(
+    *,
+    num_requests: int,
+    row_blocks: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int,
+    ctas_per_sm: int = 2,
+    min_tiles_per_split: int = 8,
+    max_splits: int = 128,
+    split_overhead_tiles: int = 2,
+) -> int:
+    """Number of CTAs that share one request's keys (flash-decoding).
+
+    Minimises ``waves * (tiles per split + overhead)``: ``waves`` counts rounds of
+    ``num_sms * ctas_per_sm`` resident CTAs, the overhead (query load, partial result and
+    merge, in KV-tile units) keeps splits from becoming tiny. Each split keeps at least
+    ``min_tiles_per_split`` tiles.
+    """
+    base_ctas = max(1, num_requests * row_blocks)
+    tiles = max(1, -(-max_seq_len // block_n))
+    limit = max(1, min(max_splits, tiles // min_tiles_per_split))
+    slots = max(1, num_sms * ctas_per_sm)
+    best, best_cost = 1, None
+    for splits in range(1, limit + 1):
+        waves = -(-base_ctas * splits // slots)
+        cost = waves * (-(-tiles // splits) + split_overhead_tiles)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = splits, cost
+    return best

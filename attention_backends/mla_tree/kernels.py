@@ -1,0 +1,301 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton kernels of MLA tree-verify attention (absorbed form, latent paged cache).
+
+``_mla_tree_fwd_kernel``: grid ``(row_blocks, kv_splits, requests)``. A CTA takes
+``BLOCK_M`` flattened rows ``row = token * H + head`` of one request and one split of
+that request's keys, so every query token and head of the request shares each KV tile
+it loads. Axis 0 varies fastest in launch order: the CTAs that read the same split of
+the same request run side by side and share the tile through L2.
+
+``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
+were split across CTAs (flash-decoding).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``. ``UPCAST`` works around the Triton interpreter's bf16 dot."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _page_ids(BlockTable, bt_row, start_n, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Page ids of the keys ``start_n .. start_n + BLOCK_N`` (clamped/masked to ``limit``)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        # The whole tile lies in one page: one scalar lookup.
+        return tl.load(BlockTable + bt_row + tl.minimum(start_n, limit - 1) // PAGE_SIZE)
+    else:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        return tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE, mask=offs_n < limit, other=0)
+
+
+@triton.jit
+def _load_kv_tile(
+    KV,
+    pages,
+    start_n,
+    key_valid,
+    offs_l,
+    offs_r,
+    stride_kvb,
+    stride_kvp,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """``k_nope [BLOCK_N, BLOCK_L]`` and ``k_rope [BLOCK_N, BLOCK_R]`` of one KV tile."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
+    ptrs = KV + row_off[:, None]
+    if MASKED:
+        k_nope = tl.load(
+            ptrs + offs_l[None, :],
+            mask=key_valid[:, None] & (offs_l[None, :] < KV_LORA),
+            other=0.0,
+        )
+    elif BLOCK_L != KV_LORA:
+        k_nope = tl.load(ptrs + offs_l[None, :], mask=offs_l[None, :] < KV_LORA, other=0.0)
+    else:
+        k_nope = tl.load(ptrs + offs_l[None, :])
+    k_rope = k_nope  # placeholder when ROPE == 0
+    if ROPE > 0:
+        if MASKED:
+            k_rope = tl.load(
+                ptrs + KV_LORA + offs_r[None, :],
+                mask=key_valid[:, None] & (offs_r[None, :] < ROPE),
+                other=0.0,
+            )
+        elif BLOCK_R != ROPE:
+            k_rope = tl.load(
+                ptrs + KV_LORA + offs_r[None, :], mask=offs_r[None, :] < ROPE, other=0.0
+            )
+        else:
+            k_rope = tl.load(ptrs + KV_LORA + offs_r[None, :])
+    return k_nope, k_rope
+
+
+@triton.jit
+def _mla_tree_fwd_kernel(
+    Q,
+    KV,
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    AncestorBits,
+    Out,
+    Lse,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kvb,
+    stride_kvp,
+    stride_bt,
+    stride_bits,
+    num_words,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    NUM_HEADS: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    tl.static_assert(BLOCK_N <= 64)
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)
+    num_splits = tl.num_programs(1)
+
+    q_start = tl.load(QueryStartLoc + pid_r)
+    q_len = tl.load(QueryStartLoc + pid_r + 1) - q_start
+    num_rows = q_len * NUM_HEADS
+    if pid_m * BLOCK_M >= num_rows:
+        return
+
+    seq_len = tl.load(SeqLens + pid_r)
+    ctx_len = seq_len - q_len
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < num_rows
+    tok = offs_m // NUM_HEADS
+    head = offs_m % NUM_HEADS
+    q_row = (q_start + tok).to(tl.int64)
+
+    # Even split of the request's keys, in whole tiles.
+    keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = pid_s * keys_per_split
+    split_end = tl.minimum(split_start + keys_per_split, seq_len)
+    # Topological order: the last token of this CTA sees no new token after itself.
+    last_tok = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
+    split_end = tl.minimum(split_end, ctx_len + last_tok + 1)
+
+    offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
+    if split_start >= split_end:
+        # Nothing to attend in this split; the merge kernel skips it.
+        tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+        return
+
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
+    q_nope = tl.load(
+        q_ptrs + offs_l[None, :],
+        mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
+        other=0.0,
+    )
+    if ROPE > 0:
+        q_rope = tl.load(
+            q_ptrs + KV_LORA + offs_r[None, :],
+            mask=row_valid[:, None] & (offs_r[None, :] < ROPE),
+            other=0.0,
+        )
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    bt_row = pid_r.to(tl.int64) * stride_bt
+
+    # Phase 1: whole tiles of context keys; no mask at all.
+    ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
+    # The page ids of the next tile are loaded one iteration ahead: an address that
+    # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
+    pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+    for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
+        cur_pages = pages
+        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+        k_nope, k_rope = _load_kv_tile(
+            KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
+            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+        )  # fmt: skip
+        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+        if ROPE > 0:
+            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+        qk = qk * qk_scale
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
+    for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_valid = offs_n < split_end
+        cur_pages = pages
+        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+        k_nope, k_rope = _load_kv_tile(
+            KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
+            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
+        )  # fmt: skip
+        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+        if ROPE > 0:
+            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+        qk = qk * qk_scale
+
+        new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
+        is_new = new_idx >= 0
+        bit_idx = tl.maximum(new_idx, 0)
+        # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
+        word_lo = tl.maximum(start_n - ctx_len, 0) // 64
+        bits_row = AncestorBits + q_row * stride_bits
+        lo = tl.load(bits_row + word_lo, mask=row_valid, other=0)
+        hi = tl.load(bits_row + word_lo + 1, mask=row_valid & (word_lo + 1 < num_words), other=0)
+        words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
+        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
+        visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
+        visible = visible & (new_idx[None, :] <= tok[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        # A row may have seen nothing yet: keep exp2 arguments finite.
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_base)
+        p = tl.exp2(qk - m_base[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = _dot(p.to(k_nope.dtype), k_nope, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh + pid_s * stride_os
+    tl.store(
+        Out + offs_out + offs_l[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
+    )
+    tl.store(Lse + offs_lse, lse, mask=row_valid)
+
+
+@triton.jit
+def _mla_tree_merge_kernel(
+    OutPart,  # fp32 [T, H, S, L]
+    LsePart,  # fp32 [T, H, S]
+    Out,  # [T, H, L]
+    Lse,  # fp32 [T, H]
+    num_splits,
+    stride_pt,
+    stride_ph,
+    stride_ps,
+    stride_lpt,
+    stride_lph,
+    stride_lps,
+    stride_ot,
+    stride_oh,
+    stride_lt,
+    stride_lh,
+    KV_LORA: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = tl.arange(0, BLOCK_L)
+    mask_l = offs_l < KV_LORA
+
+    lse_base = LsePart + t * stride_lpt + h * stride_lph
+    lse_s = tl.load(lse_base + offs_s * stride_lps, mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse_s, 0)
+    base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    denom = tl.sum(tl.exp(lse_s - base), 0)
+
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    part_base = OutPart + t * stride_pt + h * stride_ph
+    for s in range(num_splits):
+        lse_one = tl.load(lse_base + s * stride_lps)
+        part = tl.load(part_base + s * stride_ps + offs_l, mask=mask_l, other=0.0)
+        # Splits without keys left their partial output unwritten: drop it.
+        acc += tl.where(lse_one > float("-inf"), tl.exp(lse_one - base) * part, 0.0)
+
+    seen = denom > 0.0
+    out = acc / tl.where(seen, denom, 1.0)
+    lse = tl.where(seen, base + tl.log(tl.where(seen, denom, 1.0)), float("-inf"))
+    out_ptrs = Out + t * stride_ot + h * stride_oh + offs_l
+    tl.store(out_ptrs, out.to(Out.dtype.element_ty), mask=mask_l)
+    tl.store(Lse + t * stride_lt + h * stride_lh, lse)

@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Launcher of MLA tree-verify attention: validation, config choice, kernel launches."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+
+from . import kernels
+from .configs import (
+    SM120_SHARED_MEMORY_BYTES,
+    MLATileConfig,
+    fit_config,
+    padded_dims,
+    select_config,
+    select_num_kv_splits,
+)
+from .tree_mask import check_tree_batch
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+MAX_ROPE_DIM = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def _interpreted() -> bool:
+    return type(kernels._mla_tree_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _max_shared_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return getattr(props, "shared_memory_per_block_optin", SM120_SHARED_MEMORY_BYTES)
+    return SM120_SHARED_MEMORY_BYTES
+
+
+def _check_mla_inputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, scale: float, kv_lora_rank: int
+) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [T, H, D], got {getattr(q, 'shape', q)}")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
+        raise ValueError(
+            "kv_cache must be a 3-D latent cache [num_blocks, page_size, D], "
+            f"got {getattr(kv_cache, 'shape', kv_cache)}"
+        )
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if kv_cache.device != q.device:
+        raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
+    head_dim = q.shape[2]
+    if kv_cache.shape[2] != head_dim:
+        raise ValueError(
+            f"kv_cache last dim {kv_cache.shape[2]} must equal q's head dim {head_dim}"
+        )
+    if not isinstance(kv_lora_rank, int) or kv_lora_rank < 16 or kv_lora_rank % 16:
+        raise ValueError(f"kv_lora_rank must be a positive multiple of 16, got {kv_lora_rank}")
+    rope = head_dim - kv_lora_rank
+    if not 0 <= rope <= MAX_ROPE_DIM:
+        raise ValueError(
+            f"q's head dim {head_dim} = kv_lora_rank ({kv_lora_rank}) + rope dim must have "
+            f"a rope dim in [0, {MAX_ROPE_DIM}], got {rope}"
+        )
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1:
+        raise ValueError("q and kv_cache must be contiguous along the head dim")
+    if not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float, got {scale!r}")
+
+
+def mla_tree_verify(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ancestor_bits: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    *,
+    num_kv_splits: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    validate_values: bool = True,
+    config: MLATileConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA attention of tree-verify query tokens against a latent paged cache.
+
+    Absorbed MLA: a cached row is the latent ``[kv_lora_rank + rope_dim]`` vector; K is
+    the whole row, V its first ``kv_lora_rank`` entries. The new tokens of request ``r``
+    are q rows ``query_start_loc[r]:query_start_loc[r+1]`` and the last ``qlen_r`` keys
+    of its sequence (positions ``seq_len - qlen .. seq_len - 1``). Every context key is
+    visible; new key ``j`` is visible to new token ``t`` iff bit ``j`` of
+    ``ancestor_bits[t]`` is set (and ``j <= t``, topological order).
+
+    Args:
+        q: ``[T, H, kv_lora_rank + rope_dim]`` bf16/fp16/fp32, rope_dim in 0..64.
+        kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype.
+        block_table: int32 ``[R, max_blocks]``.
+        seq_lens: int32 ``[R]``: context + new tokens of each request.
+        query_start_loc: int32 ``[R + 1]``.
+        ancestor_bits: int64 ``[>= T, W]`` (row t: query token t; extra rows are
+            ignored), ``W >= ceil(max_query_len / 64)``, last dim contiguous.
+        scale: softmax scale of ``q . k``.
+        kv_lora_rank: multiple of 16.
+        num_kv_splits: CTAs per request along the keys; None picks it from the context
+            length and the SM count.
+        max_query_len, max_seq_len: host-side maxima; required with
+            ``validate_values=False`` (no device sync, CUDA-graph friendly).
+        validate_values: check the metadata values on the host (one sync).
+        config: force a tile config (benchmarks); it is shrunk only if it does not fit
+            the device's shared memory per block (the estimate models mma.sync GPUs).
+        out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
+
+    Returns:
+        ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
+        log of the softmax denominator ``sum_k exp(scale * q.k)`` over visible keys. A row
+        that sees no key gets ``out = 0, lse = -inf``. Rows not covered by
+        ``query_start_loc`` (padding) hold unspecified values.
+    """
+    _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, page_size, _ = kv_cache.shape
+    stats = check_tree_batch(
+        num_tokens=num_tokens,
+        device=q.device,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        ancestor_bits=ancestor_bits,
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        validate_values=validate_values,
+    )
+    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
+        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype:
+        raise ValueError(
+            f"out must be [{num_tokens}, {num_heads}, {kv_lora_rank}] {q.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    elif out.stride(2) != 1:
+        raise ValueError("out must be contiguous along its last dimension")
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
+        return out, lse
+
+    rows = stats.max_query_len * num_heads
+    if config is None:
+        config = select_config(rows, head_dim, kv_lora_rank, q.dtype)
+    else:
+        budget = _max_shared_memory(q.device)
+        config = fit_config(config, head_dim, kv_lora_rank, q.dtype, budget=budget)
+    row_blocks = triton.cdiv(rows, config.block_m)
+    if num_kv_splits is None:
+        num_kv_splits = select_num_kv_splits(
+            num_requests=num_reqs,
+            row_blocks=row_blocks,
+            max_seq_len=stats.max_seq_len,
+            block_n=config.block_n,
+            num_sms=_num_sms(q.device),
+            ctas_per_sm=config.ctas_per_sm,
+        )
+    num_kv_splits = min(num_kv_splits, max(1, triton.cdiv(stats.max_seq_len, config.block_n)))
+
+    block_l, block_r = padded_dims(head_dim, kv_lora_rank)
+    if num_kv_splits == 1:
+        out_buf, lse_buf = out, lse
+        out_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out_buf = torch.empty(
+            num_tokens, num_heads, num_kv_splits, kv_lora_rank,
+            dtype=torch.float32, device=q.device,
+        )  # fmt: skip
+        lse_buf = torch.empty(
+            num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device
+        )
+        out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
+        lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
+
+    grid = (row_blocks, num_kv_splits, num_reqs)
+    kernels._mla_tree_fwd_kernel[grid](
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
+        out_buf, lse_buf,
+        scale * kernels.LOG2E,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        ancestor_bits.stride(0), ancestor_bits.shape[1],
+        *out_strides,
+        *lse_strides,
+        NUM_HEADS=num_heads,
+        KV_LORA=kv_lora_rank,
+        ROPE=head_dim - kv_lora_rank,
+        BLOCK_L=block_l,
+        BLOCK_R=block_r,
+        PAGE_SIZE=page_size,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        kernels._mla_tree_merge_kernel[(num_tokens, num_heads)](
+            out_buf, lse_buf, out, lse,
+            num_kv_splits,
+            out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
+            lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+            out.stride(0), out.stride(1),
+            lse.stride(0), lse.stride(1),
+            KV_LORA=kv_lora_rank,
+            BLOCK_L=block_l,
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            num_warps=4,
+        )  # fmt: skip
+    return out, lse

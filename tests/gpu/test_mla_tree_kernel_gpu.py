@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA tree-verify kernel vs its reference on CUDA at DeepSeek/Kimi shapes (bf16)."""
+
+import os
+import random
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
+
+from attention_backends.mla_tree import (  # noqa: E402
+    MLA_TILE_CONFIGS,
+    MLATileConfig,
+    ancestor_bits_from_parents,
+    causal_ancestor_bits,
+    kernels,
+    mla_tree_verify,
+    mla_tree_verify_reference,
+    num_mask_words,
+)
+
+if type(kernels._mla_tree_fwd_kernel).__name__ == "InterpretedFunction":
+    pytest.skip("kernels were loaded in interpreter mode", allow_module_level=True)
+
+KV_LORA, ROPE = 512, 64
+HEAD_DIM = KV_LORA + ROPE
+OUT_TOL = dict(atol=1e-2, rtol=5e-2)
+LSE_TOL = dict(atol=2e-2, rtol=1e-3)
+
+
+def tree_parents(n, rng):
+    """A bushy random tree (parent < child), like a DDTree draft tree."""
+    return [-1] + [rng.randrange(max(0, i - 8), i) for i in range(1, n)]
+
+
+def make_batch(specs, *, heads, page_size, dtype=torch.bfloat16, seed=0):
+    """``specs``: list of ``(context_len, kind, qlen)``, kind in decode/chain/tree."""
+    rng = random.Random(seed)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    qlens = [q for _, _, q in specs]
+    seq_lens = [c + q for c, _, q in specs]
+    pages = [-(-s // page_size) for s in seq_lens]
+    num_blocks = sum(pages) + 7
+    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
+    block_table = torch.zeros(len(specs), max(pages) + 1, dtype=torch.int32, device="cuda")
+    i = 0
+    for r, n in enumerate(pages):
+        block_table[r, :n] = perm[i : i + n]
+        i += n
+    words = num_mask_words(max(qlens))
+    bits = []
+    for _, kind, qlen in specs:
+        if kind == "tree":
+            bits.append(ancestor_bits_from_parents(tree_parents(qlen, rng), words))
+        else:
+            bits.append(causal_ancestor_bits(qlen, words))
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    return dict(
+        q=torch.randn(sum(qlens), heads, HEAD_DIM, device="cuda", generator=gen).to(dtype),
+        kv_cache=torch.randn(num_blocks, page_size, HEAD_DIM, device="cuda", generator=gen).to(
+            dtype
+        ),
+        block_table=block_table,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+        query_start_loc=qsl.cuda(),
+        ancestor_bits=torch.cat(bits).cuda(),
+        scale=HEAD_DIM**-0.5,
+        kv_lora_rank=KV_LORA,
+    )
+
+
+def check(batch, **kwargs):
+    out, lse = mla_tree_verify(**batch, **kwargs)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+    return out, lse
+
+
+@pytest.mark.parametrize(
+    "heads,ctx,qlen,page_size,kind",
+    [
+        (8, 1024, 1, 64, "decode"),
+        (16, 8192, 16, 64, "tree"),
+        (64, 4096, 65, 1, "tree"),
+        (128, 2048, 16, 64, "chain"),
+        (8, 32768, 65, 64, "tree"),
+        (16, 32768, 16, 1, "chain"),
+        (128, 32768, 1, 64, "decode"),
+        (64, 32768, 65, 64, "tree"),
+    ],
+)
+def test_realistic_shapes(heads, ctx, qlen, page_size, kind):
+    specs = [(ctx, kind, qlen), (ctx // 3 + 5, kind, qlen)]
+    check(make_batch(specs, heads=heads, page_size=page_size))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_mixed_batch(page_size):
+    specs = [
+        (5000, "decode", 1),
+        (0, "chain", 7),
+        (1200, "tree", 65),
+        (31, "tree", 16),
+        (20000, "chain", 16),
+        (3, "decode", 1),
+    ]
+    check(make_batch(specs, heads=16, page_size=page_size, seed=page_size))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 4, 32])
+def test_forced_splits(num_kv_splits):
+    batch = make_batch([(9000, "tree", 65), (100, "decode", 1)], heads=8, page_size=64)
+    check(batch, num_kv_splits=num_kv_splits)
+
+
+# Outside the table (more than sm_120's 99 KB when lowered for Hopper), benchmarked
+# by evals/bench_verify_attention.py --sweep-configs; shrunk where they do not fit.
+EXTRA_CONFIGS = [
+    MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2),
+    MLATileConfig(block_m=64, block_n=16, num_warps=8, num_stages=2),
+    MLATileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
+    MLATileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
+]
+
+
+@pytest.mark.parametrize("config", list(MLA_TILE_CONFIGS) + EXTRA_CONFIGS, ids=str)
+def test_every_config(config):
+    batch = make_batch([(4000, "tree", 65), (70, "chain", 9)], heads=16, page_size=64)
+    check(batch, config=config)
+
+
+def test_fp16():
+    batch = make_batch([(3000, "tree", 16)], heads=16, page_size=64, dtype=torch.float16)
+    check(batch)
+
+
+def test_cuda_graph_capture():
+    batch = make_batch([(8000, "tree", 16), (100, "chain", 16)], heads=16, page_size=64)
+    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=8016)
+    expected, _ = mla_tree_verify(**batch, **kwargs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = mla_tree_verify(**batch, **kwargs)
+    batch["q"].mul_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_tree_verify(**batch, **kwargs)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert not torch.equal(out, expected)

@@ -1,0 +1,401 @@
+# SPDX-License-Identifier: Apache-2.0
+"""MLA tree-verify kernel vs its PyTorch reference, and the reference vs SDPA.
+
+Without a GPU the Triton kernels run in the interpreter: TRITON_INTERPRET=1 must be set
+before triton is first imported. When another module imported triton earlier in the
+same pytest process, the kernel tests rerun this file in a subprocess instead.
+With a GPU the same small cases run compiled.
+"""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from attention_backends.mla_tree import (  # noqa: E402
+    MLA_TILE_CONFIGS,
+    SM120_SHARED_MEMORY_BYTES,
+    ancestor_bits_from_parents,
+    estimate_shared_memory_bytes,
+    kernels,
+    mla_tree_verify,
+    mla_tree_verify_reference,
+    num_mask_words,
+    select_config,
+)
+from attention_backends.mla_tree.configs import fit_config  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_INTERPRETED = all(
+    type(f).__name__ == "InterpretedFunction" for f in (triton.language.max, kernels._page_ids)
+)
+KERNELS_RUN_HERE = DEVICE == "cuda" or _INTERPRETED
+needs_kernels = pytest.mark.skipif(
+    not KERNELS_RUN_HERE,
+    reason="triton was imported before TRITON_INTERPRET was set; see test_kernels_in_subprocess",
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(KERNELS_RUN_HERE, reason="kernel tests run in this process")
+def test_kernels_in_subprocess():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_ROOT,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+
+
+TOLS = {
+    torch.float32: dict(atol=2e-4, rtol=2e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+}
+
+
+def chain(n):
+    return list(range(-1, n - 1))
+
+
+def random_tree(n, rng):
+    """Parents of a random tree on n tokens rooted at token 0 (parent < child)."""
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def make_batch(
+    specs,
+    *,
+    heads=2,
+    kv_lora=64,
+    rope=16,
+    page_size=4,
+    dtype=torch.float32,
+    seed=0,
+    num_words=None,
+):
+    """A verify batch. ``specs``: list of ``(context_len, parents)`` per request."""
+    gen = torch.Generator().manual_seed(seed)
+    head_dim = kv_lora + rope
+    qlens = [len(p) for _, p in specs]
+    seq_lens = [c + n for (c, _), n in zip(specs, qlens, strict=True)]
+    pages_per_req = [-(-s // page_size) for s in seq_lens]
+    num_blocks = sum(pages_per_req) + 3
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    block_table = torch.full((len(specs), max(pages_per_req) + 2), -1, dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(pages_per_req):
+        block_table[r, :n] = torch.tensor(perm[i : i + n], dtype=torch.int32)
+        i += n
+    num_words = num_words or num_mask_words(max(qlens))
+    bits = torch.cat([ancestor_bits_from_parents(p, num_words) for _, p in specs])
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(qlens), heads, head_dim, generator=gen)
+    kv = torch.randn(num_blocks, page_size, head_dim, generator=gen)
+    return dict(
+        q=q.to(dtype).to(DEVICE),
+        kv_cache=kv.to(dtype).to(DEVICE),
+        block_table=block_table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        query_start_loc=qsl.to(DEVICE),
+        ancestor_bits=bits.to(DEVICE),
+        scale=head_dim**-0.5,
+        kv_lora_rank=kv_lora,
+    )
+
+
+def assert_matches_reference(batch, **kwargs):
+    out, lse = mla_tree_verify(**batch, **kwargs)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    tol = TOLS[batch["q"].dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    return out, lse
+
+
+MIXED = [
+    (10, [-1]),  # plain decode
+    (0, chain(5)),  # chain, no context
+    (37, [-1, 0, 0, 1, 1, 2, 0, 6, 3]),  # tree
+    (70, chain(3)),  # chain, long context
+    (5, [-1]),
+]
+
+
+@needs_kernels
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_batch_matches_reference(page_size, dtype):
+    batch = make_batch(MIXED, page_size=page_size, dtype=dtype, seed=page_size)
+    assert_matches_reference(batch, num_kv_splits=1)
+    assert_matches_reference(batch)  # automatic split count
+
+
+@needs_kernels
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trees(seed):
+    rng = random.Random(seed)
+    specs = [(rng.randrange(0, 71), random_tree(rng.randrange(1, 12), rng)) for _ in range(3)]
+    batch = make_batch(specs, heads=rng.choice([2, 3, 4]), page_size=rng.choice([1, 4, 16]))
+    assert_matches_reference(batch, num_kv_splits=rng.choice([1, 2, 5]))
+
+
+@needs_kernels
+def test_multi_split_equals_single_split():
+    batch = make_batch([(70, random_tree(9, random.Random(1))), (45, chain(4))], page_size=4)
+    one, lse_one = mla_tree_verify(**batch, num_kv_splits=1)
+    for splits in (2, 3, 8):
+        out, lse = mla_tree_verify(**batch, num_kv_splits=splits)
+        torch.testing.assert_close(out, one, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse, lse_one, atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+def test_more_than_64_new_tokens_uses_second_mask_word():
+    rng = random.Random(7)
+    batch = make_batch([(20, random_tree(70, rng)), (3, [-1])], heads=2, page_size=16)
+    assert batch["ancestor_bits"].shape[1] == 2
+    assert_matches_reference(batch, num_kv_splits=2)
+
+
+@needs_kernels
+def test_non_power_of_two_dims():
+    batch = make_batch(MIXED[:3], kv_lora=48, rope=8, page_size=4)
+    assert_matches_reference(batch, num_kv_splits=2)
+
+
+@needs_kernels
+def test_no_rope_dims():
+    batch = make_batch(MIXED[:3], kv_lora=32, rope=0, page_size=4)
+    assert_matches_reference(batch)
+
+
+@needs_kernels
+def test_fp16_and_many_heads():
+    batch = make_batch(MIXED[:3], heads=16, dtype=torch.float16, page_size=16)
+    assert_matches_reference(batch, num_kv_splits=2)
+
+
+@needs_kernels
+def test_tree_mask_matters():
+    parents = [-1, 0, 0, 1, 2]
+    batch = make_batch([(6, parents)], page_size=4)
+    out, _ = mla_tree_verify(**batch)
+    bits = batch["ancestor_bits"].clone()
+    bits[3, 0] &= ~(1 << 1)  # token 3 no longer sees its parent 1
+    out2, _ = mla_tree_verify(**{**batch, "ancestor_bits": bits})
+    changed = (out2 - out).abs().amax(dim=(1, 2))
+    assert changed[3] > 1e-3
+    assert torch.all(changed[[0, 1, 2, 4]] == 0)
+    ref_out, _ = mla_tree_verify_reference(**{**batch, "ancestor_bits": bits})
+    torch.testing.assert_close(out2, ref_out, **TOLS[torch.float32])
+
+
+@needs_kernels
+def test_row_without_visible_keys():
+    batch = make_batch([(0, [-1, 0])], page_size=4)
+    batch["ancestor_bits"][1] = 0  # token 1 sees nothing (outside the contract)
+    out, lse = assert_matches_reference(batch)
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+
+
+@needs_kernels
+def test_no_sync_mode_matches():
+    batch = make_batch(MIXED, page_size=4)
+    ref, _ = mla_tree_verify(**batch)
+    out, _ = mla_tree_verify(**batch, validate_values=False, max_query_len=9, max_seq_len=73)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------
+# The reference itself, against a brute-force dense computation.
+
+
+def brute_force(batch, specs):
+    """Dense K/V per request, mask from the parent lists, torch SDPA."""
+    q, kv = batch["q"].float().cpu(), batch["kv_cache"].float().cpu()
+    bt, lora = batch["block_table"].cpu(), batch["kv_lora_rank"]
+    page = kv.shape[1]
+    outs, lses, start = [], [], 0
+    for r, (ctx, parents) in enumerate(specs):
+        n = len(parents)
+        seq = ctx + n
+        keys = torch.stack([kv[bt[r, p // page], p % page] for p in range(seq)])
+        mask = torch.zeros(n, seq, dtype=torch.bool)
+        mask[:, :ctx] = True
+        for t in range(n):
+            a = t
+            while a >= 0:
+                mask[t, ctx + a] = True
+                a = parents[a]
+        qr = q[start : start + n].transpose(0, 1)  # [H, n, D]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qr[None],
+            keys[None, None].expand(1, qr.shape[0], seq, -1),
+            keys[None, None, :, :lora].expand(1, qr.shape[0], seq, -1),
+            attn_mask=mask,
+            scale=batch["scale"],
+        )[0]
+        scores = (qr.double() @ keys.double().T) * batch["scale"]
+        lse = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        outs.append(out.transpose(0, 1))
+        lses.append(lse.T.float())
+        start += n
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reference_matches_sdpa(page_size):
+    rng = random.Random(page_size)
+    specs = MIXED + [(rng.randrange(30), random_tree(8, rng)) for _ in range(3)]
+    batch = make_batch(specs, heads=3, page_size=page_size)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    bf_out, bf_lse = brute_force(batch, specs)
+    torch.testing.assert_close(ref_out.cpu(), bf_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_lse.cpu(), bf_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_ancestor_bits_from_parents():
+    bits = ancestor_bits_from_parents([-1, 0, 1, 0], num_words=1)
+    assert bits[:, 0].tolist() == [0b1, 0b11, 0b111, 0b1001]
+    deep = ancestor_bits_from_parents(chain(66))
+    assert deep.shape == (66, 2)
+    assert deep[63, 0].item() == -1  # all 64 bits set
+    assert deep[65].tolist() == [-1, 0b11]
+    with pytest.raises(ValueError, match="topological"):
+        ancestor_bits_from_parents([-1, 2, 0])
+
+
+# ---------------------------------------------------------------------------------------
+# Input validation.
+
+
+def test_validation_errors():
+    batch = make_batch(MIXED, page_size=4)
+    cases = [
+        (dict(q=batch["q"][0]), "q must be a 3-D"),
+        (dict(q=batch["q"].to(torch.int32)), "q must be bf16"),
+        (dict(kv_cache=batch["kv_cache"].to(torch.float16)), "kv_cache dtype"),
+        (dict(kv_cache=batch["kv_cache"][..., :-1]), "kv_cache last dim"),
+        (dict(kv_lora_rank=40), "multiple of 16"),
+        (dict(kv_lora_rank=96), "rope dim"),
+        (dict(block_table=batch["block_table"].long()), "block_table must be torch.int32"),
+        (dict(block_table=batch["block_table"][:, :2]), "block_table has 2 columns"),
+        (dict(seq_lens=batch["seq_lens"][:-1]), "query_start_loc must have"),
+        (dict(seq_lens=batch["seq_lens"] * 0), "seq_lens\\[0\\]"),
+        (dict(ancestor_bits=batch["ancestor_bits"].int()), "ancestor_bits must be torch.int64"),
+        (dict(ancestor_bits=batch["ancestor_bits"][:-1]), "one row per query token"),
+        (dict(ancestor_bits=batch["ancestor_bits"][:, :0]), "at least one int64 word"),
+        (dict(scale=float("nan")), "scale"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError, match=message):
+            mla_tree_verify(**{**batch, **override})
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        mla_tree_verify(**batch, num_kv_splits=0)
+    with pytest.raises(ValueError, match="max_query_len and max_seq_len are required"):
+        mla_tree_verify(**batch, validate_values=False)
+    bad_pages = batch["block_table"].clone()
+    bad_pages[0, 0] = 10_000
+    with pytest.raises(ValueError, match="outside the cache"):
+        mla_tree_verify(**{**batch, "block_table": bad_pages})
+
+
+def test_w_too_small_for_query_len():
+    batch = make_batch([(3, chain(70))], page_size=4)
+    with pytest.raises(ValueError, match="W=1 words per row"):
+        mla_tree_verify(**{**batch, "ancestor_bits": batch["ancestor_bits"][:, :1]})
+    with pytest.raises(ValueError, match="W=1 words per row"):
+        mla_tree_verify(
+            **{**batch, "ancestor_bits": batch["ancestor_bits"][:, :1]},
+            validate_values=False,
+            max_query_len=70,
+            max_seq_len=73,
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Tile configs and shared memory (sm_120: 99 KiB per block).
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_config_fits_sm120_shared_memory(dtype):
+    for config in MLA_TILE_CONFIGS:
+        used = estimate_shared_memory_bytes(config, 576, 512, dtype)
+        assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
+        assert config.block_n <= 64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(576, 512), (80, 64), (288, 256)])
+def test_selected_config_fits(dtype, dims):
+    for rows in (1, 16, 64, 520, 8192):
+        config = select_config(rows, *dims, dtype)
+        assert estimate_shared_memory_bytes(config, *dims, dtype) <= 99 * 1024
+    assert fit_config(MLA_TILE_CONFIGS[0], 576, 512, torch.bfloat16) == MLA_TILE_CONFIGS[0]
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from attention_backends.mla_tree import MLA_TILE_CONFIGS, kernels
+
+    fn = kernels._mla_tree_fwd_kernel
+    ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
+            "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32"}
+    aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
+    result = []
+    for cfg in MLA_TILE_CONFIGS:
+        consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                      PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      DOT_PRECISION="tf32", DOT_UPCAST=False)
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else
+                           "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                 if n in ptrs or n in aligned}
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 120, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        result.append(k.metadata.shared)
+    print(json.dumps(result))
+    """
+)
+
+
+def test_compiled_sm120_shared_memory_within_estimate():
+    """Compile each config for sm_120 (no GPU needed) and compare with the estimate."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _COMPILE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=_ROOT,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        if "ptxas" in proc.stderr or "No such file" in proc.stderr:
+            pytest.skip(f"Triton's CUDA toolchain is unavailable: {proc.stderr[-300:]}")
+        raise AssertionError(proc.stderr[-3000:])
+    shared = [int(x) for x in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    for config, used in zip(MLA_TILE_CONFIGS, shared, strict=True):
+        assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
+        assert used <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16)
