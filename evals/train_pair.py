@@ -1,0 +1,486 @@
+#!/usr/bin/env python
+"""Train the embedded model pair (MLA target + DFlash drafter) in one go.
+
+    python -m vllm_ddtree.training.corpus --out data/          # once, CPU
+    python evals/train_pair.py --data data/ --out vllm_ddtree/checkpoints \\
+        --target-minutes 3 --drafter-minutes 3                 # CUDA
+
+Stages (``--stage``): ``target`` trains and saves ``<out>/target``; ``drafter``
+loads it, generates the greedy pools, trains and saves ``<out>/drafter``;
+``report`` (also run after the others) prints the held-out perplexity, greedy
+completions and the reference engine's acceptance (DFlash chain and DDTree B=32)
+on held-out prompts. ``all`` = the three. Loss plots and ``train_pair.json`` go to
+``--results``. ``--tiny`` runs tiny models for a few steps (CPU smoke test).
+
+Splits: ``train`` is trained on; ``valid`` picks the kept checkpoint of each model
+(lowest validation loss) and feeds the drafter's monitoring pool; ``heldout`` is
+only reported on (perplexity, acceptance prompts).
+
+Step counts: without ``--target-steps`` / ``--drafter-steps`` each run times its
+first steps and takes as many as fit in the minute budget, capped by
+``--*-max-steps`` and, for the target, ``--target-max-epochs`` passes over the
+train split. The chosen counts are printed and saved; passing them back as
+``--target-steps N --drafter-steps M`` repeats the run step for step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import transformers
+from transformers import DeepseekV3ForCausalLM
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from vllm_ddtree.reference import DFlashDraftModel, generate  # noqa: E402
+from vllm_ddtree.training import configs  # noqa: E402
+from vllm_ddtree.training.common import (  # noqa: E402
+    dir_size,
+    load_drafter,
+    plot_losses,
+    save_checkpoint,
+    seed_everything,
+)
+from vllm_ddtree.training.corpus import (  # noqa: E402
+    SPLITS,
+    TOKENIZER_SUBDIR,
+    load_split,
+    load_tokenizer,
+)
+from vllm_ddtree.training.train_drafter import (  # noqa: E402
+    DrafterTrainConfig,
+    build_pool,
+    evaluate_drafter,
+    greedy_continue,
+    train_drafter,
+)
+from vllm_ddtree.training.train_target import (  # noqa: E402
+    TargetTrainConfig,
+    evaluate_nll,
+    perplexity,
+    train_target,
+)
+
+SIZE_LIMIT_BYTES = 24_000_000
+SANITY_PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "import os\n\n\ndef list_python_files(path):\n",
+]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", default="data", help="output of vllm_ddtree.training.corpus")
+    p.add_argument("--out", default="vllm_ddtree/checkpoints", help="checkpoint root")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="plots + JSON (default evals/results; <out>/results with --tiny)",
+    )
+    p.add_argument("--stage", choices=["all", "target", "drafter", "report"], default="all")
+    p.add_argument("--tiny", action="store_true", help="tiny models, few steps (CPU smoke)")
+    p.add_argument("--device", default=None, help="default: cuda if available")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target-minutes", type=float, default=3.0)
+    p.add_argument("--drafter-minutes", type=float, default=3.0)
+    p.add_argument("--target-steps", type=int, default=None, help="fixed steps (reproduce)")
+    p.add_argument("--drafter-steps", type=int, default=None, help="fixed steps (reproduce)")
+    p.add_argument("--target-max-steps", type=int, default=None)
+    p.add_argument("--drafter-max-steps", type=int, default=None)
+    p.add_argument("--target-max-epochs", type=float, default=None, help="default 30")
+    p.add_argument("--target-batch", type=int, default=None)
+    p.add_argument("--drafter-batch", type=int, default=None)
+    p.add_argument("--target-lr", type=float, default=None)
+    p.add_argument("--drafter-lr", type=float, default=None)
+    p.add_argument("--gen-sequences", type=int, default=None, help="greedy pool size")
+    p.add_argument(
+        "--gen-minutes",
+        type=float,
+        default=None,
+        help="no new generation batch after this long (default 1.5; 0 = no limit)",
+    )
+    p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
+    p.add_argument("--accept-prompts", type=int, default=None)
+    p.add_argument("--accept-new-tokens", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="deterministic CUDA kernels where torch has them (slower); without it a "
+        "rerun repeats batches and init but GPU atomics may change the last bits",
+    )
+    p.add_argument(
+        "--pack",
+        default=None,
+        help="also write <out>/target, <out>/drafter and the results as target.tar, "
+        "drafter.tar, results.tar into this folder (e.g. $OUT on the device machine)",
+    )
+    return p.parse_args(argv)
+
+
+def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
+    seed = args.seed
+    if args.tiny:
+        tc = TargetTrainConfig(
+            seq_len=64,
+            batch_size=8,
+            lr=3e-3,
+            warmup_steps=5,
+            steps=40,
+            max_steps=40,
+            eval_every=20,
+            eval_windows=4,
+            seed=seed,
+        )
+        dc = DrafterTrainConfig(
+            seq_len=64,
+            prefix_min=8,
+            prefix_max=24,
+            gen_sequences=32,
+            gen_batch=16,
+            eval_sequences=8,
+            batch_size=8,
+            anchors_per_seq=8,
+            eval_anchors_per_seq=8,
+            lr=3e-3,
+            warmup_steps=5,
+            steps=40,
+            max_steps=40,
+            eval_every=20,
+            seed=seed,
+        )
+    else:
+        tc = TargetTrainConfig(seed=seed)
+        dc = DrafterTrainConfig(seed=seed)
+    tc.minutes, dc.minutes = args.target_minutes, args.drafter_minutes
+    for cfg, prefix in ((tc, "target"), (dc, "drafter")):
+        for field, arg in (
+            ("steps", "steps"),
+            ("max_steps", "max_steps"),
+            ("batch_size", "batch"),
+            ("lr", "lr"),
+        ):
+            value = getattr(args, f"{prefix}_{arg}")
+            if value is not None:
+                setattr(cfg, field, value)
+    if args.target_max_epochs is not None:
+        tc.max_epochs = args.target_max_epochs
+    if args.gen_sequences is not None:
+        dc.gen_sequences = args.gen_sequences
+    if args.gen_minutes is not None:
+        dc.gen_minutes = args.gen_minutes or None
+    return tc, dc
+
+
+def heldout_prompts(heldout: np.ndarray, eos_id: int, n: int, length: int) -> list[list[int]]:
+    """``length`` tokens from a third of the way into ``n`` held-out files (files of at
+    least ``3 * length`` tokens, spread over the split in file order)."""
+    ends = np.flatnonzero(heldout == eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    files = [(s, e) for s, e in zip(starts, ends, strict=True) if e - s >= 3 * length]
+    if not files:
+        return []
+    pick = np.linspace(0, len(files) - 1, num=min(n, len(files))).round().astype(int)
+    prompts = []
+    for i in pick:
+        s, e = files[i]
+        first = s + (e - s) // 3
+        prompts.append(heldout[first : first + length].astype(np.int64).tolist())
+    return prompts
+
+
+def acceptance_estimate(target, drafter, prompts, max_new: int, budget: int = 32) -> dict:
+    """Reference-engine decoding of ``prompts``: AR, DFlash chain and DDTree
+    (``budget`` nodes); mean committed tokens per round, pooled over prompts, and
+    whether each method reproduced AR's tokens."""
+    out = {"prompts": len(prompts), "max_new_tokens": max_new, "ddtree_budget": budget}
+    ar_tokens = [generate(target, None, p, max_new, "ar").tokens for p in prompts]
+    for name, method, b in (("dflash", "dflash", 1), (f"ddtree_b{budget}", "ddtree", budget)):
+        committed = rounds = 0
+        same = True
+        t0 = time.perf_counter()
+        for p, ref in zip(prompts, ar_tokens, strict=True):
+            res = generate(target, drafter, p, max_new, method, budget=b)
+            committed += sum(s.committed for s in res.stats)
+            rounds += res.rounds
+            same &= res.tokens == ref
+        out[name] = {
+            "mean_committed_per_round": committed / max(1, rounds),
+            "rounds": rounds,
+            "tokens_equal_ar": bool(same),
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+    return out
+
+
+def run_target(args, out, results, device, tok, splits, summary) -> None:
+    tc, _ = train_configs(args)
+    seed_everything(args.seed)
+    cfg = configs.target_config(len(tok), tok.eos_token_id, tiny=args.tiny)
+    model = DeepseekV3ForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(
+        f"[target] DeepseekV3ForCausalLM {n_params / 1e6:.2f} M params, "
+        f"batch {tc.batch_size} x {tc.seq_len}, device {device}"
+    )
+    log = train_target(
+        model, splits["train"], splits["valid"], tc, device, progress=not args.no_progress
+    )
+    planned = "fixed" if tc.steps is not None else "from time budget"
+    print(
+        f"[target] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, "
+        f"{log.extra['train_epochs']:.2f} epochs, final train loss {log.final_loss():.4f}, "
+        f"kept step {log.extra['kept_step']} (validation loss {log.extra['kept_eval_loss']})"
+        + ("  [stopped by the clock]" if log.stopped_by_clock else "")
+    )
+    size = save_checkpoint(model, out / "target", Path(args.data) / TOKENIZER_SUBDIR)
+    print(f"[target] saved {out / 'target'} ({size / 1e6:.2f} MB)")
+    plot_losses(results / "train_target_loss.png", log, "target (DeepseekV3 MLA) LM loss")
+    summary["target"] = {
+        "params": n_params,
+        "train_config": {k: v for k, v in vars(tc).items()},
+        "log": log.to_dict(),
+        "reproduce_with": f"--target-steps {log.total_steps} --target-batch {tc.batch_size}",
+    }
+
+
+def load_frozen_target(out: Path, device: torch.device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    target = DeepseekV3ForCausalLM.from_pretrained(str(out / "target"), dtype=dtype)
+    return target.to(device).eval()
+
+
+def run_drafter(args, out, results, device, tok, splits, summary) -> None:
+    _, dc = train_configs(args)
+    target = load_frozen_target(out, device)
+    ids = None
+    if args.target_layer_ids:
+        ids = tuple(int(i) for i in args.target_layer_ids.split(","))
+    dcfg = configs.drafter_config(
+        target.config, tok.mask_token_id, tiny=args.tiny, target_layer_ids=ids
+    )
+    layer_ids = dcfg.dflash_config["target_layer_ids"]
+    t0 = time.perf_counter()
+    pool = build_pool(
+        target,
+        splits["train"],
+        dc.gen_sequences,
+        layer_ids,
+        dc,
+        seed=args.seed + 1,
+        device=device,
+        progress=not args.no_progress,
+        desc="greedy pool (train)",
+        max_seconds=None if dc.gen_minutes is None else 60 * dc.gen_minutes,
+    )
+    eval_pool = build_pool(
+        target,
+        splits["valid"],
+        dc.eval_sequences,
+        layer_ids,
+        dc,
+        seed=args.seed + 2,
+        device=device,
+        progress=not args.no_progress,
+        desc="greedy pool (valid)",
+    )
+    gen_s = time.perf_counter() - t0
+    print(
+        f"[drafter] greedy pools: {len(pool)} train + {len(eval_pool)} valid sequences "
+        f"of {dc.seq_len} tokens in {gen_s:.1f} s"
+    )
+    seed_everything(args.seed)
+    drafter = DFlashDraftModel(dcfg)
+    n_params = sum(p.numel() for p in drafter.parameters())
+    print(
+        f"[drafter] DFlashDraftModel {n_params / 1e6:.2f} M params, block "
+        f"{drafter.block_size}, target_layer_ids {layer_ids}, batch {dc.batch_size} seqs x "
+        f"{dc.anchors_per_seq} anchors"
+    )
+    init = evaluate_drafter(drafter.to(device), target, eval_pool, dc)
+    log = train_drafter(drafter, target, pool, eval_pool, dc, progress=not args.no_progress)
+    final = log.extra.get("eval_kept") or log.extra.get("eval_last", {})
+    planned = "fixed" if dc.steps is not None else "from time budget"
+    print(
+        f"[drafter] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, final train "
+        f"loss {log.final_loss():.4f}; kept step {log.extra['kept_step']}: validation loss "
+        f"{final.get('loss', float('nan')):.4f} (init {init['loss']:.4f}), validation chain "
+        f"tau {final.get('tau', float('nan')):.3f}"
+        + ("  [stopped by the clock]" if log.stopped_by_clock else "")
+    )
+    print(f"[drafter] validation top-1 accuracy by depth: {final.get('acc_by_depth')}")
+    size = save_checkpoint(drafter, out / "drafter", Path(args.data) / TOKENIZER_SUBDIR)
+    print(f"[drafter] saved {out / 'drafter'} ({size / 1e6:.2f} MB)")
+    plot_losses(
+        results / "train_drafter_loss.png",
+        log,
+        "DFlash drafter loss (depth-weighted)",
+        extra_axis="eval_tau",
+    )
+    summary["drafter"] = {
+        "params": n_params,
+        "config": {
+            "target_layer_ids": layer_ids,
+            "block_size": drafter.block_size,
+            "mask_token_id": drafter.mask_token_id,
+            "layer_types": dcfg.layer_types,
+            "sliding_window": dcfg.sliding_window,
+        },
+        "train_config": {k: v for k, v in vars(dc).items()},
+        "greedy_pool_seconds": round(gen_s, 2),
+        "init_eval": init,
+        "log": log.to_dict(),
+        "reproduce_with": (
+            f"--drafter-steps {log.total_steps} --gen-sequences {len(pool)} --gen-minutes 0"
+        ),
+    }
+
+
+def run_report(args, out, device, tok, splits, summary, with_drafter: bool = True) -> None:
+    # Shipped weights (bf16 on disk), fp32 compute.
+    target = DeepseekV3ForCausalLM.from_pretrained(str(out / "target"), dtype=torch.float32)
+    target = target.to(device).eval()
+    seq_len = 64 if args.tiny else 512
+    summary["perplexity"] = {}
+    for name in ("heldout", "valid"):
+        nll, count = evaluate_nll(target, splits[name], seq_len, device=device, amp=False)
+        print(
+            f"[report] {name} perplexity (checkpoint, fp32 compute, {count} tokens in "
+            f"{seq_len}-token windows): {perplexity(nll):.3f}  (nll {nll:.4f} nats/token)"
+        )
+        summary["perplexity"][name] = {
+            "nll": nll,
+            "perplexity": perplexity(nll),
+            "tokens": count,
+            "window": seq_len,
+        }
+    heldout = splits["heldout"]
+    completions = []
+    for prompt in SANITY_PROMPTS:
+        ids = torch.tensor([tok.encode(prompt)], device=device)
+        seq = greedy_continue(target, ids, 24 if args.tiny else 80)
+        text = tok.decode(seq[0, ids.shape[1] :].tolist())
+        completions.append({"prompt": prompt, "completion": text})
+        print(f"[report] greedy completion of {prompt!r}:\n{prompt}{text}\n" + "-" * 60)
+    summary["sanity_completions"] = completions
+    drafter_dir = out / "drafter"
+    if with_drafter and drafter_dir.exists():
+        drafter = load_drafter(drafter_dir, torch.float32, device)
+        n_prompts = args.accept_prompts or (2 if args.tiny else 4)
+        new = args.accept_new_tokens or (24 if args.tiny else 128)
+        prompts = heldout_prompts(heldout, tok.eos_token_id, n_prompts, 32 if args.tiny else 128)
+        t0 = time.perf_counter()
+        try:
+            acc = acceptance_estimate(target, drafter, prompts, new)
+        except Exception as exc:  # the reference engine's home is the CPU
+            print(f"[report] reference engine failed on {device} ({exc!r}); retrying on CPU")
+            acc = acceptance_estimate(target.cpu(), drafter.cpu(), prompts, new)
+            acc["device"] = "cpu (fallback)"
+        print(
+            f"[report] reference engine on {len(prompts)} held-out prompts x {new} tokens "
+            f"({time.perf_counter() - t0:.1f} s):"
+        )
+        for key in ("dflash", "ddtree_b32"):
+            r = acc[key]
+            print(
+                f"[report]   {key:11s} mean committed/round {r['mean_committed_per_round']:.3f}"
+                f"  rounds {r['rounds']}  tokens == AR: {r['tokens_equal_ar']}"
+            )
+        summary["acceptance"] = acc
+    sizes = {d.name: dir_size(d) for d in (out / "target", out / "drafter") if d.exists()}
+    total = sum(sizes.values())
+    summary["checkpoint_bytes"] = {**sizes, "total": total}
+    flag = "OK" if total <= SIZE_LIMIT_BYTES else "OVER THE 24 MB LIMIT"
+    print(f"[report] checkpoint sizes: {sizes}, total {total / 1e6:.2f} MB ({flag})")
+
+
+def pack(out: Path, results: Path, dest: Path) -> None:
+    """Tar ``out/target``, ``out/drafter`` and ``results`` into ``dest`` (3 files,
+    each under 16 MiB for the full-size pair)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, src in (
+        ("target", out / "target"),
+        ("drafter", out / "drafter"),
+        ("results", results),
+    ):
+        if src.exists():
+            tar_path = dest / f"{name}.tar"
+            with tarfile.open(tar_path, "w") as tar:
+                tar.add(src, arcname=name)
+            print(f"packed {src} -> {tar_path} ({tar_path.stat().st_size / 2**20:.2f} MiB)")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.tiny:
+        sys.exit("full-size training needs CUDA; use --tiny for a CPU smoke run")
+    out = Path(args.out)
+    results = (
+        Path(args.results)
+        if args.results
+        else (out / "results" if args.tiny else REPO / "evals" / "results")
+    )
+    results.mkdir(parents=True, exist_ok=True)
+    data = Path(args.data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    tok = load_tokenizer(data / TOKENIZER_SUBDIR)
+    splits = {name: load_split(data, name) for name in SPLITS}
+    summary_path = results / "train_pair.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    summary.update(
+        {
+            "command": " ".join(sys.argv),
+            "tiny": args.tiny,
+            "seed": args.seed,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            },
+            "corpus": {
+                "python_version": manifest["python_version"],
+                "splits": {
+                    k: {f: v[f] for f in ("files", "bytes", "tokens", "npy_sha256")}
+                    for k, v in manifest["splits"].items()
+                },
+                "tokenizer": manifest["tokenizer"],
+            },
+        }
+    )
+    print(
+        f"corpus: stdlib of Python {manifest['python_version'].split()[0]}: "
+        + ", ".join(f"{k} {len(v):,}" for k, v in splits.items())
+        + f" tokens; vocab {len(tok)}"
+    )
+    t0 = time.perf_counter()
+    if args.stage in ("all", "target"):
+        run_target(args, out, results, device, tok, splits, summary)
+    if args.stage in ("all", "drafter"):
+        run_drafter(args, out, results, device, tok, splits, summary)
+    # After `--stage target` a drafter in <out> belongs to an older target: no acceptance.
+    run_report(args, out, device, tok, splits, summary, with_drafter=args.stage != "target")
+    summary["wall_seconds_last_run"] = round(time.perf_counter() - t0, 1)
+    summary_path.write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    print(f"wrote {summary_path} (wall {summary['wall_seconds_last_run']} s)")
+    if args.pack:
+        pack(out, results, Path(args.pack))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Training pipeline of the embedded pair: corpus, tokenizer, batched DFlash forward,
+training steps, checkpoints (CPU, fp32, tiny shapes)."""
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer, DeepseekV3ForCausalLM
+
+from vllm_ddtree.drafter_config import check_drafter_target_pair
+from vllm_ddtree.reference import DFlashDraftModel
+from vllm_ddtree.reference.target import TargetRunner
+from vllm_ddtree.training import configs, corpus
+from vllm_ddtree.training.common import cosine_lr, load_drafter, save_checkpoint
+from vllm_ddtree.training.drafter_forward import (
+    attention_mask,
+    block_labels,
+    drafter_block_logits,
+    target_aux_hidden,
+)
+from vllm_ddtree.training.train_drafter import (
+    DrafterTrainConfig,
+    build_pool,
+    evaluate_drafter,
+    sample_anchors,
+    train_drafter,
+)
+from vllm_ddtree.training.train_target import TargetTrainConfig, evaluate_nll, train_target
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 96
+MASK_ID = 1
+
+
+@pytest.fixture(scope="module")
+def stdlib_files():
+    return corpus.list_stdlib_files()
+
+
+def tiny_target(seed=0, std=0.2):
+    torch.manual_seed(seed)
+    cfg = configs.target_config(VOCAB, 0, tiny=True)
+    cfg.initializer_range = std  # larger than default: non-degenerate greedy text
+    return DeepseekV3ForCausalLM(cfg).eval()
+
+
+def tiny_drafter(target, seed=0, std=0.2, **overrides):
+    cfg = configs.drafter_config(target.config, MASK_ID, tiny=True)
+    cfg.initializer_range = std
+    for key, value in overrides.items():
+        if key in ("causal", "swa_window_size"):
+            cfg.dflash_config[key] = value
+        else:
+            setattr(cfg, key, value)
+    torch.manual_seed(1000 + seed)
+    return DFlashDraftModel(cfg).eval()
+
+
+# ---------------------------------------------------------------- corpus / tokenizer
+
+
+def test_split_is_deterministic_and_disjoint(stdlib_files):
+    kept, skipped = stdlib_files
+    paths = list(kept)
+    assert len(paths) > 100
+    for p in paths:
+        parts = p.split("/")
+        assert not {"test", "tests", "idle_test", "site-packages"} & set(parts[:-1]), p
+    splits = corpus.split_files(paths)
+    train, valid, heldout = (set(splits[k]) for k in ("train", "valid", "heldout"))
+    assert train.isdisjoint(heldout) and train.isdisjoint(valid) and valid.isdisjoint(heldout)
+    assert train | valid | heldout == set(paths)
+    for part in (valid, heldout):
+        assert 0.01 < len(part) / len(paths) < 0.15
+    # Same split again, and a file's side does not depend on the other files.
+    assert corpus.split_files(reversed(paths)) == splits
+    sub = corpus.split_files(paths[::3])
+    assert all(set(sub[k]) <= set(splits[k]) for k in corpus.SPLITS)
+    # The rule itself is pinned (a change would silently move files between splits).
+    assert corpus.is_heldout("chunk.py") and not corpus.is_heldout("os.py")
+    assert corpus.split_of("os.py") == "train"
+    assert "generated (codec table)" in skipped.values()
+
+
+SNIPPET = (
+    'class Ünïcode:\n    """Döc — with a tab\tand   spaces."""\n\n'
+    "    def f(self, x):  # comment\n        return {x: [1, 2.5e-3, 'a']}\n\n\n"
+)
+
+
+def test_tokenizer_round_trip(stdlib_files, tmp_path):
+    kept, _ = stdlib_files
+    texts = [kept[p] for p in sorted(kept)[:20]]
+    tok = corpus.train_tokenizer(texts, vocab_size=512)
+    assert tok.get_vocab_size() == 512
+    assert tok.token_to_id(corpus.EOS_TOKEN) == 0 and tok.token_to_id(corpus.MASK_TOKEN) == 1
+    corpus.save_tokenizer(tok, tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    ids = hf.encode(SNIPPET)
+    assert hf.decode(ids) == SNIPPET
+    assert 0 not in ids and 1 not in ids  # no BOS/EOS added
+    assert len(ids) < len(SNIPPET.encode())  # merges were learned
+    assert (hf.eos_token_id, hf.mask_token_id) == (0, 1)
+    flat = corpus.tokenize_texts(tok, ["a = 1\n", "b = 2\n"], eos_id=0)
+    assert flat.dtype == np.uint16
+    assert (flat == 0).sum() == 2 and flat[-1] == 0
+    assert hf.decode(flat[: int(np.flatnonzero(flat == 0)[0])].tolist()) == "a = 1\n"
+
+
+# ---------------------------------------------------------------- batched DFlash forward
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"sliding_window": 4}, {"causal": True}, {"causal": False, "swa_window_size": 5}],
+    ids=["default", "window<block", "all-causal", "noncausal-window"],
+)
+def test_training_forward_equals_reference_block_logits(overrides):
+    target = tiny_target()
+    drafter = tiny_drafter(target, **overrides)
+    seq_len = 40
+    torch.manual_seed(3)
+    tokens = torch.randint(2, VOCAB, (2, seq_len))
+    aux = target_aux_hidden(target, tokens, drafter.target_layer_ids)
+    runner = TargetRunner(target, drafter.target_layer_ids)
+    _, aux_ref = runner.forward(tokens[1], torch.arange(seq_len), None)
+    runner.close()
+    torch.testing.assert_close(aux[1], aux_ref, rtol=0, atol=1e-6)
+
+    anchors = torch.tensor([[0, 5, 17, 30, 32], [1, 13, 20, 25, 31]])
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    with torch.no_grad():
+        batched = drafter_block_logits(drafter, tokens, aux, anchors, embed, head)
+        assert batched.shape == (2, 5, drafter.block_size - 1, VOCAB)
+        for b in range(2):
+            for n in range(anchors.shape[1]):
+                a = int(anchors[b, n])
+                ctx = drafter.new_context_cache()
+                ctx.append(aux[b, :a], torch.arange(a))
+                ref = drafter.block_logits(int(tokens[b, a]), a, ctx, embed, head)
+                torch.testing.assert_close(batched[b, n], ref, rtol=1e-5, atol=1e-5)
+    # The check has teeth: a context shifted by one position changes the logits.
+    with torch.no_grad():
+        shifted = drafter_block_logits(drafter, tokens, aux.roll(1, dims=1), anchors, embed, head)
+    assert (shifted - batched).abs().max() > 1e-3
+
+
+def test_attention_mask_context_and_blocks():
+    target = tiny_target()
+    drafter = tiny_drafter(target)  # window 12, block 8
+    sliding = drafter.layers[0].self_attn
+    full = drafter.layers[1].self_attn
+    anchors = torch.tensor([[3, 20]])
+    m_full = attention_mask(full, anchors, 8, 30)[0]
+    m_slide = attention_mask(sliding, anchors, 8, 30)[0]
+    q = 8 + 2  # block 1 (anchor 20), offset 2, position 22
+    assert m_full[q, :20].all() and not m_full[q, 20:30].any()
+    assert m_full[q, 30 + 8 : 30 + 16].all() and not m_full[q, 30 : 30 + 8].any()
+    # Sliding: causal inside the block, keys at positions > 22 - 12 only.
+    assert not m_slide[q, :11].any() and m_slide[q, 11:20].all()
+    assert m_slide[q, 30 + 8 : 30 + 11].all() and not m_slide[q, 30 + 11 : 30 + 16].any()
+
+
+def test_anchor_sampling_and_labels():
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.tensor([10, 30])
+    anchors = sample_anchors(prefix, 48, 8, 6, gen)
+    assert anchors.shape == (2, 6)
+    assert (anchors[:, 1:] > anchors[:, :-1]).all()
+    assert (anchors >= prefix[:, None]).all() and (anchors <= 40).all()
+    tokens = torch.arange(100).view(2, 50)
+    labels = block_labels(tokens, torch.tensor([[3], [7]]), 4)
+    assert labels.tolist() == [[[4, 5, 6]], [[58, 59, 60]]]
+    assert cosine_lr(0, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
+    assert cosine_lr(100, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
+
+
+# ---------------------------------------------------------------- training steps
+
+
+def test_target_training_reduces_loss():
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(configs.target_config(VOCAB, 0, tiny=True))
+    rng = np.random.default_rng(0)
+    period = rng.integers(2, VOCAB, size=24)
+    data = np.tile(period, 400).astype(np.uint16)  # learnable: period-24 sequence
+    before, _ = evaluate_nll(model, data, 32, max_windows=8)
+    cfg = TargetTrainConfig(
+        seq_len=32, batch_size=8, lr=3e-3, warmup_steps=3, steps=30, eval_every=1000, seed=0
+    )
+    log = train_target(model, data, None, cfg, "cpu", progress=False)
+    after, _ = evaluate_nll(model, data, 32, max_windows=8)
+    assert log.total_steps == 30 and len(log.losses) == 30
+    assert after < 0.6 * before, (before, after)
+
+
+def test_drafter_training_reduces_loss():
+    target = tiny_target()
+    params_before = copy.deepcopy(target.state_dict())
+    drafter = tiny_drafter(target, std=0.02)
+    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
+    cfg = DrafterTrainConfig(
+        seq_len=48,
+        prefix_min=8,
+        prefix_max=16,
+        gen_batch=16,
+        batch_size=8,
+        anchors_per_seq=8,
+        eval_anchors_per_seq=8,
+        lr=3e-3,
+        warmup_steps=3,
+        steps=40,
+        eval_every=1000,
+        seed=0,
+    )
+    pool = build_pool(
+        target,
+        corpus_tokens.numpy(),
+        32,
+        drafter.target_layer_ids,
+        cfg,
+        seed=1,
+        device="cpu",
+        progress=False,
+    )
+    assert pool.tokens.shape == (32, 48) and pool.aux.shape[:2] == (32, 48)
+    # The pool's continuation is the target's own greedy text.
+    row = pool.tokens[0]
+    p = int(pool.prefix_len[0])
+    logits = target(input_ids=row[None]).logits[0]
+    assert torch.equal(logits[p - 1 : -1].argmax(-1), row[p:])
+
+    before = evaluate_drafter(drafter, target, pool, cfg)
+    log = train_drafter(drafter, target, pool, None, cfg, progress=False)
+    after = evaluate_drafter(drafter, target, pool, cfg)
+    assert log.total_steps == 40
+    assert after["loss"] < 0.7 * before["loss"], (before, after)
+    assert after["tau"] > before["tau"]
+    for key, value in target.state_dict().items():  # the target stays frozen
+        assert torch.equal(value, params_before[key]), key
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_round_trip(tmp_path):
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    tok_dir = tmp_path / "tok"
+    corpus.save_tokenizer(corpus.train_tokenizer(["x = 1\n" * 50], vocab_size=300), tok_dir)
+    save_checkpoint(target, tmp_path / "target", tok_dir)
+    save_checkpoint(drafter, tmp_path / "drafter", tok_dir)
+    for d in ("target", "drafter"):
+        names = {f.name for f in (tmp_path / d).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert next(target.parameters()).dtype == torch.float32  # the model is not changed
+
+    t2 = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "target"), dtype=torch.float32)
+    d2 = load_drafter(tmp_path / "drafter", torch.float32)
+    raw = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert raw["architectures"] == ["DFlashDraftModel"]
+    assert raw["dflash_config"] == {"target_layer_ids": [0, 1], "mask_token_id": MASK_ID}
+    assert raw["dtype"] == "bfloat16" and raw["sliding_window"] == 12
+    assert raw["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    check_drafter_target_pair(d2.config, t2.config)
+
+    # Same logits as the in-memory models with their weights rounded to bf16
+    # (parameters only: `.to(bf16)` would also round the RoPE buffers).
+    t_ref, d_ref = copy.deepcopy(target), copy.deepcopy(drafter)
+    with torch.no_grad():
+        for p in [*t_ref.parameters(), *d_ref.parameters()]:
+            p.copy_(p.to(torch.bfloat16).float())
+    ids = torch.randint(2, VOCAB, (1, 24), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(t2(input_ids=ids).logits, t_ref(input_ids=ids).logits)
+        aux = target_aux_hidden(t2, ids, d2.target_layer_ids)
+        anchors = torch.tensor([[4, 12]])
+        got = drafter_block_logits(
+            d2, ids, aux, anchors, t2.get_input_embeddings(), t2.get_output_embeddings()
+        )
+        want = drafter_block_logits(
+            d_ref, ids, aux, anchors, t2.get_input_embeddings(), t2.get_output_embeddings()
+        )
+    assert torch.equal(got, want)
+
+
+def test_full_size_configs_fit():
+    vocab = corpus.DEFAULT_VOCAB_SIZE
+    tcfg = configs.target_config(vocab, 0)
+    dcfg = configs.drafter_config(tcfg, 1)
+    assert (tcfg.kv_lora_rank, tcfg.qk_rope_head_dim, tcfg.q_lora_rank) == (512, 64, None)
+    assert tcfg.first_k_dense_replace == tcfg.num_hidden_layers and not tcfg.tie_word_embeddings
+    check_drafter_target_pair(dcfg, tcfg)
+    assert dcfg.sliding_window == 256 and dcfg.block_size == 16
+    with torch.device("meta"):
+        n_target = sum(p.numel() for p in DeepseekV3ForCausalLM(tcfg).parameters())
+        n_drafter = sum(p.numel() for p in DFlashDraftModel(dcfg).parameters())
+    assert 2 * (n_target + n_drafter) + 2 * 400_000 <= 24_000_000  # bf16 + tokenizer copies
+
+
+# ---------------------------------------------------------------- end to end (tiny)
+
+
+def test_train_pair_tiny_end_to_end(tmp_path):
+    data = tmp_path / "data"
+    manifest = corpus.build_corpus(
+        data, vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30, valid_fraction=0.3
+    )
+    assert all(manifest["splits"][k]["files"] > 0 for k in corpus.SPLITS)
+    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ckpt"
+    flags = "--tiny --no-progress --target-steps 6 --drafter-steps 6 --accept-new-tokens 8"
+    mod.main([*flags.split(), "--data", str(data), "--out", str(out)])
+    summary = json.loads((out / "results" / "train_pair.json").read_text())
+    assert summary["target"]["log"]["total_steps"] == 6
+    assert summary["drafter"]["log"]["total_steps"] == 6
+    for key in ("dflash", "ddtree_b32"):
+        assert summary["acceptance"][key]["tokens_equal_ar"]
+    assert (out / "results" / "train_target_loss.png").stat().st_size > 0
+    assert (out / "results" / "train_drafter_loss.png").stat().st_size > 0

@@ -1,0 +1,341 @@
+"""DFlash drafter training on the frozen target's own greedy continuations.
+
+Data. Random corpus prefixes (length ``prefix_min..prefix_max``) are continued
+greedily by the frozen target (batched, KV-cached) up to ``seq_len`` tokens; one
+causal target forward over ``prefix + continuation`` gives the aux hidden states
+(``target_layer_ids`` outputs). Why greedy continuations and not teacher-forced
+argmax labels on corpus text: at decoding time the drafter's context is the
+*target's own* committed text and depth ``j`` must predict the target's greedy
+token after the target's own tokens ``a+1..a+j-1``. Teacher forcing would label
+depth ``j`` with ``argmax p(. | corpus[:a+j])``, which conditions on corpus tokens
+the target would not have produced, so the labels of one block would not form a
+single continuation wherever the target disagrees with the text. Continuations
+match the decoding distribution exactly (context included); the cost is one
+batched generation pass before training.
+
+Training. Per sequence, ``anchors_per_seq`` distinct anchors ``a`` are drawn in
+the continuation region (``prefix_len <= a <= seq_len - block_size``); block
+``[token[a], MASK x (block_size-1)]`` at positions ``a..`` sees the context
+positions ``< a`` (``drafter_forward``). Loss: cross-entropy of depth ``j``
+against ``token[a+j]`` weighted by ``exp(-(j-1)/gamma)``. Embeddings and LM head
+are the target's, frozen. Metric: the chain acceptance length ``tau`` (1 +
+number of leading depths whose argmax equals the label), i.e. tokens committed
+per DFlash round at that anchor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from vllm_ddtree.reference.drafter import DFlashDraftModel
+from vllm_ddtree.training.common import (
+    BestKeeper,
+    StepPlan,
+    TrainLog,
+    cosine_lr,
+    host_to_device,
+    progress_bar,
+)
+from vllm_ddtree.training.drafter_forward import (
+    block_labels,
+    drafter_block_logits,
+    target_aux_hidden,
+)
+from vllm_ddtree.training.train_target import autocast_for
+
+
+@dataclass
+class DrafterTrainConfig:
+    seq_len: int = 512
+    prefix_min: int = 32
+    prefix_max: int = 256
+    gen_sequences: int = 12288
+    gen_batch: int = 1024
+    gen_minutes: float | None = 1.5  # stop generating new batches after this long
+    eval_sequences: int = 128
+    batch_size: int = 32  # sequences per step
+    anchors_per_seq: int = 32
+    eval_anchors_per_seq: int = 16
+    loss_gamma: float = 7.0
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    steps: int | None = None  # fixed step count; None: as many as fit in `minutes`
+    minutes: float = 3.0
+    max_steps: int = 20000
+    keep_best: bool = True  # restore the weights of the best validation loss
+    log_every: int = 10
+    eval_every: int = 250
+    seed: int = 0
+
+
+@torch.no_grad()
+def greedy_continue(target, prefix: torch.Tensor, num_new: int) -> torch.Tensor:
+    """``[B, P + num_new]``: ``prefix [B, P]`` (int64) followed by the target's
+    greedy (argmax) continuation, computed with a KV cache."""
+    if num_new <= 0:
+        return prefix
+    cache = DynamicCache(config=target.config)
+    out = target(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1].argmax(-1)
+    new = [nxt]
+    for _ in range(num_new - 1):
+        out = target(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)
+        new.append(nxt)
+    return torch.cat([prefix, torch.stack(new, dim=1)], dim=1)
+
+
+@dataclass
+class GreedyPool:
+    """Training sequences: ``tokens [N, S]`` int64 (corpus prefix + target greedy
+    continuation), ``prefix_len [N]`` int64 (on the CPU: anchors are drawn there),
+    ``aux [N, S, A]`` (target dtype); ``tokens`` and ``aux`` on the device."""
+
+    tokens: torch.Tensor
+    prefix_len: torch.Tensor
+    aux: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+
+@torch.no_grad()
+def build_pool(
+    target,
+    corpus: np.ndarray,
+    num_seqs: int,
+    layer_ids,
+    cfg: DrafterTrainConfig,
+    seed: int,
+    device: torch.device | str,
+    progress: bool = True,
+    desc: str = "greedy pool",
+    max_seconds: float | None = None,
+) -> GreedyPool:
+    """Generate ``num_seqs`` sequences of ``cfg.seq_len`` tokens from random prefixes of
+    the flat ``corpus`` (one prefix length per generation batch of ``cfg.gen_batch``)
+    and their aux hidden states. Seeded by ``seed``. With ``max_seconds`` no new
+    batch starts after that long (the pool is then smaller; its size is the
+    sequence count to pass back for an exact rerun)."""
+    device = torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
+    chunks_t, chunks_p, chunks_a = [], [], []
+    bar = progress_bar(num_seqs, desc, progress)
+    done = 0
+    t0 = time.perf_counter()
+    while done < num_seqs:
+        if done and max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+            break
+        b = min(cfg.gen_batch, num_seqs - done)
+        p = int(torch.randint(cfg.prefix_min, cfg.prefix_max + 1, (1,), generator=gen))
+        starts = torch.randint(0, toks.shape[0] - p + 1, (b,), generator=gen)
+        prefix = toks[starts[:, None] + torch.arange(p)].to(device)
+        seq = greedy_continue(target, prefix, cfg.seq_len - p)
+        chunks_t.append(seq)
+        chunks_p.append(torch.full((b,), p, dtype=torch.long))
+        chunks_a.append(target_aux_hidden(target, seq, layer_ids))
+        done += b
+        bar.update(b)
+    bar.close()
+    return GreedyPool(torch.cat(chunks_t), torch.cat(chunks_p), torch.cat(chunks_a))
+
+
+def sample_anchors(
+    prefix_len: torch.Tensor, seq_len: int, block_size: int, n: int, gen: torch.Generator
+) -> torch.Tensor:
+    """``[B, n]`` distinct sorted anchors per row (CPU int64), uniform in
+    ``prefix_len[b] .. seq_len - block_size`` (drawn from the CPU generator ``gen``)."""
+    bsz = prefix_len.shape[0]
+    lo = prefix_len.cpu()[:, None]
+    pos = torch.arange(seq_len)[None, :]
+    valid = (pos >= lo) & (pos <= seq_len - block_size)
+    if int(valid.sum(1).min()) < n:
+        raise ValueError(f"fewer than {n} anchor positions in a row; shorten the prefix")
+    scores = torch.rand(bsz, seq_len, generator=gen).masked_fill(~valid, -1.0)
+    return scores.topk(n, dim=1).indices.sort(dim=1).values
+
+
+def depth_weights(num_depths: int, gamma: float, device=None) -> torch.Tensor:
+    """``exp(-(j-1)/gamma)`` for depths ``j = 1..num_depths`` (fp32)."""
+    return torch.exp(-torch.arange(num_depths, device=device, dtype=torch.float32) / gamma)
+
+
+def dflash_loss(
+    logits: torch.Tensor, labels: torch.Tensor, gamma: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Depth-weighted cross-entropy of ``logits [B, N, L, V]`` against
+    ``labels [B, N, L]``: ``sum_j w_j CE_j / sum_j w_j``, mean over blocks.
+
+    Also returns detached stats: ``acc`` (per-depth top-1 accuracy ``[L]``) and
+    ``tau`` (mean of 1 + leading correct depths, scalar)."""
+    depths = logits.shape[-2]
+    w = depth_weights(depths, gamma, logits.device)
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view(
+        labels.shape
+    )
+    loss = (ce * w).sum(-1).mean() / w.sum()
+    with torch.no_grad():
+        correct = logits.argmax(-1) == labels
+        stats = {
+            "acc": correct.float().mean(dim=(0, 1)),
+            "tau": 1.0 + correct.long().cumprod(-1).sum(-1).float().mean(),
+        }
+    return loss, stats
+
+
+def _batch_logits(drafter, target, pool: GreedyPool, idx, anchors):
+    tokens = pool.tokens[idx]
+    logits = drafter_block_logits(
+        drafter,
+        tokens,
+        pool.aux[idx],
+        anchors,
+        target.get_input_embeddings(),
+        target.get_output_embeddings(),
+    )
+    return logits, block_labels(tokens, anchors, drafter.block_size)
+
+
+@torch.no_grad()
+def evaluate_drafter(
+    drafter: DFlashDraftModel, target, pool: GreedyPool, cfg: DrafterTrainConfig, seed: int = 1234
+) -> dict:
+    """Loss, ``tau`` and per-depth accuracy on ``pool`` with seeded anchors
+    (``cfg.eval_anchors_per_seq`` per sequence)."""
+    device = pool.tokens.device
+    gen = torch.Generator().manual_seed(seed)
+    was_training = drafter.training
+    drafter.eval()
+    tot_loss, tot_tau, acc, batches = 0.0, 0.0, None, 0
+    for start in range(0, len(pool), cfg.batch_size):
+        idx = torch.arange(start, min(len(pool), start + cfg.batch_size))
+        anchors = sample_anchors(
+            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.eval_anchors_per_seq, gen
+        )
+        idx, anchors = idx.to(device), anchors.to(device)
+        with autocast_for(device):
+            logits, labels = _batch_logits(drafter, target, pool, idx, anchors)
+            loss, stats = dflash_loss(logits, labels, cfg.loss_gamma)
+        tot_loss += float(loss)
+        tot_tau += float(stats["tau"])
+        acc = stats["acc"] if acc is None else acc + stats["acc"]
+        batches += 1
+    drafter.train(was_training)
+    return {
+        "loss": tot_loss / batches,
+        "tau": tot_tau / batches,
+        "acc_by_depth": [round(float(a) / batches, 4) for a in acc],
+    }
+
+
+def train_drafter(
+    drafter: DFlashDraftModel,
+    target,
+    pool: GreedyPool,
+    eval_pool: GreedyPool | None,
+    cfg: DrafterTrainConfig,
+    progress: bool = True,
+) -> TrainLog:
+    """Train ``drafter`` in place on ``pool`` (the target stays frozen).
+
+    ``eval_pool`` (from the validation split) is evaluated every ``cfg.eval_every``
+    steps; ``TrainLog.extra["eval_tau"]`` holds its chain acceptance length. With
+    ``cfg.keep_best`` the drafter ends with the weights of the lowest eval loss."""
+    device = pool.tokens.device
+    drafter.to(device).train()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [
+            {"params": decay, "weight_decay": cfg.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
+        lr=cfg.lr,
+        betas=cfg.betas,
+        fused=device.type == "cuda",
+    )
+    plan = StepPlan(cfg.steps, cfg.minutes, cfg.max_steps, device)
+    log = TrainLog()
+    log.extra["eval_tau"] = {"steps": [], "values": [], "label": "validation tau (chain)"}
+    best = BestKeeper()
+    pending: list[torch.Tensor] = []
+    taus: list[torch.Tensor] = []
+    bar = progress_bar(plan.total, "drafter", progress)
+
+    def flush(step: int) -> None:
+        if pending:
+            vals = torch.stack(pending).tolist()
+            log.steps.extend(range(step - len(vals) + 1, step + 1))
+            log.losses.extend(vals)
+            tau = float(torch.stack(taus).mean())
+            pending.clear()
+            taus.clear()
+            bar.set_postfix(loss=f"{vals[-1]:.3f}", tau=f"{tau:.2f}")
+
+    def evaluate(step: int) -> None:
+        if eval_pool is None:
+            return
+        res = evaluate_drafter(drafter, target, eval_pool, cfg)
+        log.eval_steps.append(step)
+        log.eval_losses.append(res["loss"])
+        log.extra["eval_tau"]["steps"].append(step)
+        log.extra["eval_tau"]["values"].append(res["tau"])
+        log.extra["eval_last"] = res
+        if cfg.keep_best and res["loss"] < best.loss:
+            best.update(drafter, res["loss"], step)
+            log.extra["eval_kept"] = res
+
+    plan.start()
+    step = 0
+    while not plan.finished(step):
+        lr = cosine_lr(step, plan.horizon(), cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        idx = torch.randint(0, len(pool), (cfg.batch_size,), generator=gen)
+        anchors = sample_anchors(
+            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.anchors_per_seq, gen
+        )
+        idx, anchors = host_to_device(idx, device), host_to_device(anchors, device)
+        with autocast_for(device):
+            logits, labels = _batch_logits(drafter, target, pool, idx, anchors)
+            loss, stats = dflash_loss(logits, labels, cfg.loss_gamma)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        pending.append(loss.detach())
+        taus.append(stats["tau"])
+        step += 1
+        plan.after_step(step)
+        if bar.total != plan.total:
+            bar.total = plan.total
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            flush(step)
+        if step % cfg.eval_every == 0:
+            evaluate(step)
+    flush(step)
+    if not log.eval_steps or log.eval_steps[-1] != step:
+        evaluate(step)
+    bar.close()
+    log.total_steps = step
+    log.seconds = plan.elapsed()
+    log.stopped_by_clock = plan.stopped_by_clock
+    log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
+    log.extra["kept_step"] = best.step if best.restore(drafter) else step
+    drafter.eval()
+    return log
