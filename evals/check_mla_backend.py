@@ -44,7 +44,17 @@ def main() -> None:
         result.append({"tokens": list(completion.token_ids), "top2_gap": gaps})
     with open(args.out, "w") as f:
         json.dump({"backend": args.backend, "graphs": args.graphs, "outputs": result}, f)
-    os._exit(0)  # vLLM was seen to hang at exit on the device machine
+    exit_now()
+
+
+def exit_now() -> None:
+    """Kill vLLM's engine-core children (they keep GPU memory otherwise), then exit
+    without the interpreter's shutdown, where vLLM was seen to hang."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ def make_tiny_deepseek(out: Path, *, hidden: int = 256, layers: int = 2, heads: 
     config = DeepseekV3Config(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64,
-        v_head_dim=64, first_k_dense_replace=layers, n_routed_experts=4,
+        q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, first_k_dense_replace=layers, n_routed_experts=4,
         moe_intermediate_size=64, num_experts_per_tok=2, n_group=1, topk_group=1,
         max_position_embeddings=8192, initializer_range=0.1, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2,

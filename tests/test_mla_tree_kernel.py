@@ -399,3 +399,23 @@ def test_compiled_sm120_shared_memory_within_estimate():
     for config, used in zip(MLA_TILE_CONFIGS, shared, strict=True):
         assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
         assert used <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16)
+
+
+def test_large_tiles_only_where_shared_memory_allows():
+    import torch
+
+    from attention_backends.mla_tree.configs import (
+        LARGE_SMEM_TILE_CONFIGS,
+        MLA_TILE_CONFIGS,
+        SM120_SHARED_MEMORY_BYTES,
+        estimate_shared_memory_bytes,
+        select_config,
+    )
+
+    for rows in (1, 16, 64, 520, 8192):
+        cfg = select_config(rows, 576, 512, torch.bfloat16, SM120_SHARED_MEMORY_BYTES)
+        assert cfg in MLA_TILE_CONFIGS
+        assert estimate_shared_memory_bytes(cfg, 576, 512, torch.bfloat16) <= 99 * 1024
+    hopper = 227 * 1024
+    assert select_config(520, 576, 512, torch.bfloat16, hopper) == LARGE_SMEM_TILE_CONFIGS[0]
+    assert select_config(16, 576, 512, torch.bfloat16, hopper) in MLA_TILE_CONFIGS

@@ -55,6 +55,16 @@ MLA_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 )
 
 
+# Tiles for GPUs with more shared memory per block than sm_120 (Hopper: 227 KB). A
+# 64-row tile halves the L2 re-reads of the latent KV at large H * qlen; measured on
+# the H200 (evals/results/verify_attention_sweep.md) 25-35 % faster than the 32-row
+# tile from 64 rows per request up. Never picked where it does not fit.
+LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
+    MLATileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, min_rows=64,
+                  ctas_per_sm=1),
+)
+
+
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
@@ -113,14 +123,27 @@ def fit_config(
 
 
 def select_config(
-    rows_per_request: int, head_dim: int, kv_lora_rank: int, dtype: torch.dtype
+    rows_per_request: int,
+    head_dim: int,
+    kv_lora_rank: int,
+    dtype: torch.dtype,
+    max_shared_memory: int = SM120_SHARED_MEMORY_BYTES,
 ) -> MLATileConfig:
-    """The config for requests of up to ``rows_per_request = max_query_len * H`` rows."""
-    config = MLA_TILE_CONFIGS[0]
-    for cand in MLA_TILE_CONFIGS:
+    """The config for requests of up to ``rows_per_request = max_query_len * H`` rows.
+
+    ``max_shared_memory`` is the device's shared memory per block; the large-tile
+    configs are candidates only where they fit it.
+    """
+    candidates = list(MLA_TILE_CONFIGS)
+    candidates += [
+        c for c in LARGE_SMEM_TILE_CONFIGS
+        if estimate_shared_memory_bytes(c, head_dim, kv_lora_rank, dtype) <= max_shared_memory
+    ]
+    config = candidates[0]
+    for cand in candidates:
         if rows_per_request >= cand.min_rows:
             config = cand
-    return fit_config(config, head_dim, kv_lora_rank, dtype)
+    return fit_config(config, head_dim, kv_lora_rank, dtype, budget=max_shared_memory)
 
 
 def select_num_kv_splits(

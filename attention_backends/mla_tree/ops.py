@@ -160,7 +160,7 @@ def mla_tree_verify(
 
     rows = stats.max_query_len * num_heads
     if config is None:
-        config = select_config(rows, head_dim, kv_lora_rank, q.dtype)
+        config = select_config(rows, head_dim, kv_lora_rank, q.dtype, _max_shared_memory(q.device))
     else:
         budget = _max_shared_memory(q.device)
         config = fit_config(config, head_dim, kv_lora_rank, q.dtype, budget=budget)

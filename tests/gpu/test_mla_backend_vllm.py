@@ -11,9 +11,9 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ROOT = Path(__file__).resolve().parents[2]
-# bf16 noise: a mismatch is explained by a tie when the reference's top-2 logprob
-# gap at that position is below this.
-TIE_GAP = 0.02
+# bf16 noise: logits are bf16, 1/32 apart at magnitude 4-8. A mismatch counts as a
+# tie when the reference's top-2 logprob gap there is at most two such steps.
+TIE_GAP = 0.07
 
 
 def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False) -> dict:

@@ -22,8 +22,10 @@ def target_config(
 ) -> DeepseekV3Config:
     """The target's ``DeepseekV3Config`` (dense MLA, untied LM head).
 
-    Full size: hidden 256, 4 layers, 8 heads, ``qk_nope_head_dim`` 32,
-    ``v_head_dim`` 32, intermediate 768 (about 7.1 M parameters at vocab 4096).
+    Full size: hidden 256, 4 layers, 4 heads, ``qk_nope_head_dim`` 128,
+    ``v_head_dim`` 128, intermediate 768 (about 8.5 M parameters at vocab 4096).
+    The head dims are DeepSeek-V3's own: vLLM 0.26's MLA prefill backends accept only
+    (nope 128 + rope 64, v 128), so smaller heads would not load in vLLM.
     """
     if tiny:
         shape = dict(
@@ -41,11 +43,11 @@ def target_config(
             hidden_size=256,
             intermediate_size=768,
             num_hidden_layers=4,
-            num_attention_heads=8,
+            num_attention_heads=4,
             kv_lora_rank=512,
             qk_rope_head_dim=64,
-            qk_nope_head_dim=32,
-            v_head_dim=32,
+            qk_nope_head_dim=128,
+            v_head_dim=128,
         )
     layers = shape["num_hidden_layers"]
     return DeepseekV3Config(

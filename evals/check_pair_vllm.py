@@ -1,0 +1,56 @@
+"""Greedy tokens of the embedded pair in vLLM (GPU): AR, or vLLM's own DFlash chain.
+
+    python evals/check_pair_vllm.py --mode ar|dflash --out tokens.json [--prompts 4]
+
+Prompts are the first HumanEval prompts, tokenized with the target's tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from vllm_ddtree.demo import CHECKPOINTS, humaneval_prompts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["ar", "dflash"], required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
+    spec = None
+    if args.mode == "dflash":
+        spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}
+    llm = LLM(model=str(target), speculative_config=spec, enforce_eager=True, dtype="bfloat16",
+              gpu_memory_utilization=0.3, max_model_len=4096, max_num_seqs=8, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2,
+                            ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    result = []
+    for prompt, out in zip(prompts, outputs, strict=True):
+        completion = out.outputs[0]
+        gaps = []
+        for lp in completion.logprobs:
+            top = sorted((v.logprob for v in lp.values()), reverse=True)
+            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        result.append({"prompt": prompt, "tokens": list(completion.token_ids), "top2_gap": gaps,
+                       "text": completion.text})
+    with open(args.out, "w") as f:
+        json.dump({"mode": args.mode, "outputs": result}, f)
+    from check_mla_backend import exit_now
+
+    exit_now()
+
+
+if __name__ == "__main__":
+    main()
