@@ -12,7 +12,7 @@ import importlib
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
-PATCH_MODULES: list[str] = []
+PATCH_MODULES: list[str] = ["speculative_config"]
 
 
 def apply_all() -> list[str]:

@@ -1,0 +1,85 @@
+"""`method: ddtree` speculative configs: split into vLLM's part, and clear errors."""
+
+import pytest
+from tiny_models import drafter_config, tiny_target
+
+from vllm_ddtree.config import (
+    DDTreeConfig,
+    DDTreeConfigError,
+    check_drafter_for_target,
+    split_ddtree_spec,
+)
+from vllm_ddtree.drafter_config import DrafterConfigError
+
+BASE = {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 64}
+
+
+def test_ddtree_becomes_dflash_with_its_own_keys_apart():
+    spec, cfg = split_ddtree_spec({**BASE, "ddtree_top_k": 8, "attention_backend": None})
+    assert spec == {"method": "dflash", "model": "/drafter", "num_speculative_tokens": 64,
+                    "attention_backend": None}
+    assert cfg == DDTreeConfig(budget=64, top_k=8)
+
+
+def test_other_methods_pass_through():
+    spec = {"method": "dflash", "model": "/d", "num_speculative_tokens": 7}
+    assert split_ddtree_spec(spec) == (spec, None)
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"ddtree_budjet": 3}, "ddtree_budjet"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": 513}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": "64"}, "num_speculative_tokens"),
+    ({"num_speculative_tokens": None}, "num_speculative_tokens"),
+    ({"ddtree_top_k": 0}, "ddtree_top_k"),
+    ({"model": None}, "model"),
+    ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
+    ({"num_speculative_tokens_per_batch_size": [(1, 8, 4)]}, "num_speculative_tokens_per_batch"),
+])
+def test_bad_specs_name_the_field(patch, field):
+    with pytest.raises(DDTreeConfigError, match=field):
+        split_ddtree_spec({**BASE, **patch})
+
+
+def test_ddtree_keys_without_ddtree_method_are_rejected():
+    with pytest.raises(DDTreeConfigError, match="method"):
+        split_ddtree_spec({"method": "dflash", "model": "/d", "ddtree_top_k": 4})
+
+
+def test_drafter_checked_against_target(tmp_path):
+    target = tiny_target("qwen3")
+    drafter_config(target.config).save_pretrained(tmp_path / "good")
+    check_drafter_for_target(str(tmp_path / "good"), target.config)
+    bad = drafter_config(target.config)
+    bad.vocab_size = 50
+    bad.save_pretrained(tmp_path / "bad")
+    with pytest.raises(DrafterConfigError, match="vocab_size"):
+        check_drafter_for_target(str(tmp_path / "bad"), target.config)
+    with pytest.raises(DDTreeConfigError, match="config.json"):
+        check_drafter_for_target(str(tmp_path / "missing"), target.config)
+
+
+def test_engine_args_reject_bad_ddtree_spec_before_gpu_work(tmp_path):
+    from vllm.config import ModelConfig, ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_ddtree
+
+    vllm_ddtree.register()
+    target = tiny_target("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    drafter_config(target.config).save_pretrained(tmp_path / "drafter")
+    model_config = ModelConfig(model=str(tmp_path / "target"), skip_tokenizer_init=True)
+
+    def build(spec):
+        args = EngineArgs(model=str(tmp_path / "target"), speculative_config=spec)
+        return args.create_speculative_config(model_config, ParallelConfig())
+
+    spec = {**BASE, "model": str(tmp_path / "drafter")}
+    with pytest.raises(DDTreeConfigError, match="ddtree_topk"):
+        build({**spec, "ddtree_topk": 4})
+    with pytest.raises(DDTreeConfigError, match="num_speculative_tokens"):
+        build({**spec, "num_speculative_tokens": 1000})
+    with pytest.raises(NotImplementedError, match="not yet wired"):
+        build(spec)
