@@ -11,14 +11,19 @@ import subprocess
 import sys
 import textwrap
 
+import pytest  # noqa: E402
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
 triton = pytest.importorskip("triton")
+
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    ROOT,
+    TOLS,
+    chain,
+    kernels_run_here,
+    random_tree,
+)
 
 from attention_backends.gqa_tree import (  # noqa: E402
     GQA_TILE_CONFIGS,
@@ -36,46 +41,11 @@ from attention_backends.mla_tree import (  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_INTERPRETED = all(
-    type(f).__name__ == "InterpretedFunction"
-    for f in (triton.language.max, kernels._gqa_tree_fwd_kernel, kernels._dot)
-)
-KERNELS_RUN_HERE = DEVICE == "cuda" or _INTERPRETED
+KERNELS_RUN_HERE = kernels_run_here(triton.language.max, kernels._gqa_tree_fwd_kernel, kernels._dot)
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN_HERE,
-    reason="triton was imported before TRITON_INTERPRET was set; see test_kernels_in_subprocess",
+    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
 )
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.skipif(KERNELS_RUN_HERE, reason="kernel tests run in this process")
-def test_kernels_in_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=_ROOT,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-
-
-TOLS = {
-    torch.float32: dict(atol=2e-4, rtol=2e-4),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-    torch.float16: dict(atol=5e-3, rtol=5e-3),
-}
-
-
-def chain(n):
-    return list(range(-1, n - 1))
-
-
-def random_tree(n, rng):
-    return [-1] + [rng.randrange(i) for i in range(1, n)]
 
 
 def make_batch(
@@ -309,7 +279,7 @@ def test_compiled_sm120_shared_memory_within_estimate():
         capture_output=True,
         text=True,
         env=env,
-        cwd=_ROOT,
+        cwd=ROOT,
         timeout=600,
     )
     if proc.returncode != 0:

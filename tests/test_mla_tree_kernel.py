@@ -1,10 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """MLA tree-verify kernel vs its PyTorch reference, and the reference vs SDPA.
 
-Without a GPU the Triton kernels run in the interpreter: TRITON_INTERPRET=1 must be set
-before triton is first imported. When another module imported triton earlier in the
-same pytest process, the kernel tests rerun this file in a subprocess instead.
-With a GPU the same small cases run compiled.
+Without a GPU the Triton kernels run in the interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1 before triton's first import); with a GPU the same small cases run
+compiled.
 """
 
 import os
@@ -13,14 +12,19 @@ import subprocess
 import sys
 import textwrap
 
+import pytest  # noqa: E402
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
 triton = pytest.importorskip("triton")
+
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    ROOT,
+    TOLS,
+    chain,
+    kernels_run_here,
+    random_tree,
+)
 
 from attention_backends.mla_tree import (  # noqa: E402
     MLA_TILE_CONFIGS,
@@ -37,46 +41,11 @@ from attention_backends.mla_tree.configs import fit_config  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-_INTERPRETED = all(
-    type(f).__name__ == "InterpretedFunction" for f in (triton.language.max, kernels._page_ids)
-)
-KERNELS_RUN_HERE = DEVICE == "cuda" or _INTERPRETED
+KERNELS_RUN_HERE = kernels_run_here(triton.language.max, kernels._page_ids)
 needs_kernels = pytest.mark.skipif(
     not KERNELS_RUN_HERE,
-    reason="triton was imported before TRITON_INTERPRET was set; see test_kernels_in_subprocess",
+    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
 )
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.mark.skipif(KERNELS_RUN_HERE, reason="kernel tests run in this process")
-def test_kernels_in_subprocess():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=_ROOT,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-
-
-TOLS = {
-    torch.float32: dict(atol=2e-4, rtol=2e-4),
-    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
-    torch.float16: dict(atol=5e-3, rtol=5e-3),
-}
-
-
-def chain(n):
-    return list(range(-1, n - 1))
-
-
-def random_tree(n, rng):
-    """Parents of a random tree on n tokens rooted at token 0 (parent < child)."""
-    return [-1] + [rng.randrange(i) for i in range(1, n)]
 
 
 def make_batch(
@@ -388,7 +357,7 @@ def test_compiled_sm120_shared_memory_within_estimate():
         capture_output=True,
         text=True,
         env=env,
-        cwd=_ROOT,
+        cwd=ROOT,
         timeout=600,
     )
     if proc.returncode != 0:

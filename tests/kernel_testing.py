@@ -1,0 +1,34 @@
+"""Shared helpers of the Triton kernel tests (CPU interpreter or GPU)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+TOLS = {
+    torch.float32: dict(atol=2e-4, rtol=2e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+}
+
+
+def chain(n: int) -> list[int]:
+    """Parents of a chain of n tokens (token 0 is the root)."""
+    return list(range(-1, n - 1))
+
+
+def random_tree(n: int, rng) -> list[int]:
+    """Parents of a random tree on n tokens rooted at token 0 (parent < child)."""
+    return [-1] + [rng.randrange(i) for i in range(1, n)]
+
+
+def kernels_run_here(*jit_functions) -> bool:
+    """True on a GPU, or when the kernels were built for Triton's interpreter
+    (TRITON_INTERPRET=1 set by conftest.py before triton's first import)."""
+    return DEVICE == "cuda" or all(
+        type(f).__name__ == "InterpretedFunction" for f in jit_functions
+    )
