@@ -12,10 +12,12 @@ PROMPT = [5, 17, 33, 2, 60, 41, 9, 12, 77, 3, 28, 50]
 KINDS = ["qwen3", "deepseek_v3"]
 
 
-@pytest.fixture(scope="module", params=KINDS)
+@pytest.fixture(scope="module", params=[(k, s) for k in KINDS for s in (0, 1)],
+                ids=lambda p: f"{p[0]}-seed{p[1]}")
 def pair(request):
-    target = tiny_target(request.param, seed=KINDS.index(request.param))
-    return target, tiny_drafter(target)
+    kind, seed = request.param
+    target = tiny_target(kind, seed=seed)
+    return target, tiny_drafter(target, seed=seed)
 
 
 def oracle_for(target, truth, ranks, **kwargs):
