@@ -42,4 +42,72 @@ def apply() -> None:
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._ddtree_patched = True
+    create_speculative_config._ddtree_original = original
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+# --------------------------------------------------------------------------------
+# The runner path that will replace the NotImplementedError above once the V2
+# integration (PENDING_GPU_VALIDATION in patches/__init__.py) is validated on a GPU.
+# Until then only patches.ddtree_frontend (pending) reaches it.
+# --------------------------------------------------------------------------------
+
+TREE_ATTENTION_BACKEND = "CUSTOM"  # attention_backends.mla_tree, see vllm_ddtree.register
+
+
+def choose_target_attention_backend(engine_args, target_model_config) -> None:
+    """Give an MLA target DDTree's tree-verify backend (``CUSTOM``) unless the user
+    chose one; refuse any other choice (it would verify the tree with a causal mask).
+
+    Runs inside ``create_speculative_config``, which ``create_engine_config`` calls
+    (``arg_utils.py:2159``) before it turns ``engine_args.attention_backend`` into
+    ``attention_config.backend`` (``arg_utils.py:2249-2259``).
+    """
+    from vllm_ddtree.config import DDTreeConfigError
+
+    if not target_model_config.use_mla:
+        raise NotImplementedError(
+            "speculative method 'ddtree' needs an MLA target (DeepSeek-V3 / Kimi-K2 style) "
+            "in this build: the GQA tree kernel (attention_backends.gqa_tree) is not a vLLM "
+            "attention backend yet"
+        )
+    chosen = engine_args.attention_backend
+    config_backend = getattr(engine_args.attention_config, "backend", None)
+    if chosen is None and config_backend is None:
+        engine_args.attention_backend = TREE_ATTENTION_BACKEND
+        return
+    name = getattr(chosen or config_backend, "name", chosen or config_backend)
+    if str(name).upper() != TREE_ATTENTION_BACKEND:
+        raise DDTreeConfigError(
+            f"attention backend {name!r} cannot apply DDTree's tree mask: drop "
+            f"--attention-backend (DDTree selects {TREE_ATTENTION_BACKEND}) or pass "
+            f"--attention-backend {TREE_ATTENTION_BACKEND}"
+        )
+
+
+def create_ddtree_speculative_config(
+    engine_args, original, vllm_spec, ddtree, target_model_config, target_parallel_config
+):
+    """Build vLLM's ``SpeculativeConfig`` for a validated DDTree spec.
+
+    vLLM gets ``vllm_spec`` (``method: dflash``, ``num_speculative_tokens = B``) and
+    the built config carries ``ddtree`` as a plain dict (it pickles to the workers;
+    ``vllm_ddtree.runtime_state.ddtree_config_of`` reads it back). Also selects the
+    target's tree attention backend and the V2 model runner, the only runner with a
+    DDTree speculator (``VLLM_USE_V2_MODEL_RUNNER`` is read lazily, ``config/vllm.py:551``).
+    """
+    import os
+
+    from vllm_ddtree.config import DDTreeConfigError
+
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
+        raise DDTreeConfigError(
+            "speculative method 'ddtree' runs on vLLM's V2 model runner only: unset "
+            "VLLM_USE_V2_MODEL_RUNNER=0"
+        )
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    choose_target_attention_backend(engine_args, target_model_config)
+    engine_args.speculative_config = vllm_spec
+    config = original(engine_args, target_model_config, target_parallel_config)
+    config.ddtree = ddtree.to_dict()
+    return config

@@ -92,3 +92,13 @@ def test_compaction_reads_sources_before_writing():
     nothing = torch.arange(10.0)[:, None]
     compact_kv_cache_(nothing, torch.tensor([-1, -1]), torch.tensor([-1, -1]))
     assert nothing[:, 0].tolist() == list(range(10))
+
+
+def test_compaction_slots_with_a_short_last_request():
+    # request 0: a tree verify of 1+4 rows, accepted depth 2; request 1: one decode row
+    slots = torch.arange(100, 106)
+    qsl = torch.tensor([0, 5, 6], dtype=torch.int32)
+    src_rows = torch.tensor([[3, 4, -1, -1], [-1, -1, -1, -1]])
+    src, dst = compaction_slots(slots, qsl, src_rows)
+    assert src.tolist() == [103, 104, -1, -1, -1, -1, -1, -1]
+    assert dst.tolist() == [101, 102, -1, -1, -1, -1, -1, -1]

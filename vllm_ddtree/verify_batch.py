@@ -110,8 +110,12 @@ def compaction_slots(
     starts = query_start_loc[:-1].to(torch.int64)[:, None]
     depth_index = torch.arange(1, kv_src_rows.shape[1] + 1, device=kv_src_rows.device)
     valid = kv_src_rows >= 0
-    src = torch.where(valid, slot_mapping[(starts + kv_src_rows.clamp(min=0))], -1)
-    dst = torch.where(valid, slot_mapping[starts + depth_index[None, :]], -1)
+    last = slot_mapping.shape[0] - 1
+    # Padded columns of a short last request would index past the batch: clamp, mask.
+    src_index = (starts + kv_src_rows.clamp(min=0)).clamp(max=last)
+    dst_index = (starts + depth_index[None, :]).clamp(max=last)
+    src = torch.where(valid, slot_mapping[src_index], -1)
+    dst = torch.where(valid, slot_mapping[dst_index], -1)
     moving = valid & (src != dst)
     return torch.where(moving, src, -1).flatten(), torch.where(moving, dst, -1).flatten()
 

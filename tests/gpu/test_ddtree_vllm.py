@@ -1,0 +1,154 @@
+"""vLLM 0.26 V2 runner with ``method: ddtree`` on the embedded pair (GPU).
+
+Greedy DDTree tokens must equal vLLM's plain AR tokens (a mismatch is allowed only
+where AR's top-2 logprob gap shows a bf16 tie; nothing after it is compared, as in
+test_mla_backend_vllm.py), and trees must be accepted beyond the root (mean
+acceptance length > 1). Runs vLLM in subprocesses (evals/check_*_vllm.py) that exit
+without the interpreter's shutdown.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_ddtree.demo import CHECKPOINTS
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
+                       reason="embedded pair not trained yet"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+TIE_GAP = 0.07  # two bf16 steps at logit magnitude 4-8, as in test_mla_backend_vllm
+
+
+def run_script(script: str, args: list[str], out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'evals'}:{ROOT}:" +
+           os.environ.get("PYTHONPATH", "")}
+    subprocess.run([sys.executable, str(ROOT / "evals" / script), *args, "--out", str(out)],
+                   check=True, timeout=900, env=env)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def ar(tmp_path_factory):
+    return run_script("check_pair_vllm.py", ["--mode", "ar"],
+                      tmp_path_factory.mktemp("ar") / "ar.json")
+
+
+def unexplained_mismatches(got: dict, ref: dict) -> list[str]:
+    problems = []
+    for i, (a, b) in enumerate(zip(got["outputs"], ref["outputs"], strict=True)):
+        assert a["prompt"] == b["prompt"]
+        for pos, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)):
+            if x != y:
+                if b["top2_gap"][pos] > TIE_GAP:
+                    problems.append(f"prompt {i} pos {pos}: {x} vs {y} "
+                                    f"(AR top-2 gap {b['top2_gap'][pos]:.3f})")
+                else:
+                    print(f"prompt {i}: bf16 tie at pos {pos} ({x} vs {y}); rest not compared")
+                break
+    return problems
+
+
+# B=32 > L=15: trees wider than the drafter block; B=8 < L: lookahead patch and
+# trees shallower than the block.
+@pytest.mark.parametrize("budget", [32, 8])
+def test_ddtree_greedy_equals_ar_and_accepts(ar, tmp_path, budget):
+    got = run_script("check_ddtree_vllm.py", ["--budget", str(budget)],
+                     tmp_path / f"ddtree-{budget}.json")
+    assert "tree_positions" in got["patches"]
+    for out in got["outputs"]:
+        assert len(out["tokens"]) == 64 and out["logprobs_len"] == 64
+    problems = unexplained_mismatches(got, ar)
+    assert not problems, "\n".join(problems)
+    mal = got["ddtree_mean_acceptance_length"]
+    print(f"B={budget}: mean acceptance length {mal:.2f} (DDTree counters), "
+          f"vLLM metrics {got['vllm_metrics']}")
+    assert mal > 1.0
+    vllm_mal = got["vllm_metrics"].get("mean_acceptance_length")
+    if vllm_mal is not None:
+        assert vllm_mal > 1.0
+
+
+@pytest.mark.xfail(strict=False, reason="bf16 differences between the AR and DDTree target "
+                   "backends can flip a Gumbel draw; report, do not gate")
+def test_ddtree_sampling_draws_what_ar_draws(tmp_path):
+    """Same request seed: DDTree's target draws are keyed by (seed, position) exactly
+    as plain decoding keys them, so the sampled tokens should agree."""
+    common = ["--temperature", "0.8", "--budget", "32"]
+    ar = run_script("check_ddtree_vllm.py", [*common, "--method", "ar"], tmp_path / "ar.json")
+    got = run_script("check_ddtree_vllm.py", common, tmp_path / "ddtree.json")
+    firsts = []
+    for a, b in zip(got["outputs"], ar["outputs"], strict=True):
+        diff = [i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True))
+                if x != y]
+        firsts.append(diff[0] if diff else None)
+    print(f"first sampled mismatch per prompt: {firsts}; "
+          f"mean acceptance length {got['ddtree_mean_acceptance_length']:.2f}")
+    assert all(f is None for f in firsts)
+
+
+def _to_cuda(ns):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                              for k, v in vars(ns).items()})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verifier_with_vllm_kernels(temperature):
+    """DDTreeVerifier on CUDA with vLLM's own gumbel_sample and
+    get_num_sampled_and_rejected (the CPU test injects stand-ins for both)."""
+    from types import SimpleNamespace as NS
+
+    from test_ddtree_integration_units import BUDGET, DEPTHS, make_scenario
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    from vllm_ddtree.runtime_state import DDTreeRuntimeState
+    from vllm_ddtree.verifier import DDTreeVerifier
+
+    sc = make_scenario(temperature)
+    state = DDTreeRuntimeState()
+    state.allocate(6, 512, BUDGET, DEPTHS, 1 + 2 * BUDGET, "cuda")
+    for name in ("parents", "depths", "ancestor_bits"):
+        getattr(state, name).copy_(getattr(sc.state, name))
+    fake = sc.sampler
+    sampler = NS(
+        compute_nans=False, logprobs_mode="raw_logprobs", use_fp64_gumbel=False,
+        req_states=NS(prefill_len=NS(gpu=fake.req_states.prefill_len.gpu.cuda())),
+        sampling_states=NS(temperature=NS(gpu=fake.temperature.cuda()),
+                           seeds=NS(gpu=fake.seeds.cuda()),
+                           get_top_k_top_p=lambda *a: (None, None),
+                           max_num_logprobs=lambda idx: -1),
+        penalties_state=fake.penalties_state, bad_words_state=fake.bad_words_state,
+        apply_sampling_params=lambda logits, eim, *a, **k: fake.apply_sampling_params(
+            logits.cpu(), eim.cpu(), *[x.cpu() if isinstance(x, torch.Tensor) else x
+                                       for x in a], **k).cuda(),
+    )
+    batch = _to_cuda(sc.batch)
+    verifier = DDTreeVerifier(sampler, NS(num_speculative_tokens=BUDGET), "cuda", DEPTHS,
+                              state=state)
+    logits = sc.logits.cuda()
+    out = verifier(logits.clone(), batch)
+    assert out.sampled_token_ids.is_cuda and out.num_rejected.dtype == torch.int32
+    # every committed token is vLLM's own draw at its row's tree position
+    drawn, processed, positions = verifier.draw_target_tokens(logits.clone(), batch)
+    want = gumbel_sample(processed, batch.expanded_idx_mapping,
+                         sampler.sampling_states.temperature.gpu,
+                         sampler.sampling_states.seeds.gpu, positions,
+                         apply_temperature=False)
+    assert torch.equal(drawn, want)
+    walk = state.take_walk(4)
+    assert walk is not None
+    for r in range(2):
+        n = int(out.num_sampled[r])
+        start = int(batch.cu_num_logits[r])
+        rows = [start] + [start + int(c) for c in walk[r, : n - 1]]
+        assert out.sampled_token_ids[r, :n].tolist() == want[rows].tolist()
+    assert out.num_sampled[2:].tolist() == [1, 0]

@@ -1,0 +1,517 @@
+"""CPU tests of the pure-PyTorch parts of the V2-runner integration (speculator,
+verifier, runtime state, pending patches). The runner itself needs a GPU:
+tests/gpu/test_ddtree_vllm.py."""
+
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+import torch
+
+from attention_backends.tree_mask_state import TREE_MASK_STATE
+from vllm_ddtree.reference.sampling import keyed_uniform
+from vllm_ddtree.runtime_state import (
+    DDTreeRuntimeState,
+    ddtree_lookahead_tokens,
+    hidden_row_gather_index,
+    logit_row_positions,
+    verify_inputs_,
+)
+from vllm_ddtree.tree import build_ddtree, follow_tree_reference, unpack_ancestor_bits
+from vllm_ddtree.verifier import (
+    DDTreeVerifier,
+    UnsupportedForTreeError,
+    committed_logit_rows,
+    flatten_committed,
+    num_sampled_and_rejected_torch,
+)
+
+VOCAB, BUDGET, DEPTHS, MAX_REQS = 5, 24, 4, 6
+NO_LOGPROBS = -1  # vllm.v1.worker.gpu.sample.states.NO_LOGPROBS
+
+
+@pytest.fixture(autouse=True)
+def _restore_tree_mask_state():
+    saved = (TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active)
+    yield
+    TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active = saved
+
+
+def new_state(max_tokens: int = 512) -> DDTreeRuntimeState:
+    TREE_MASK_STATE.ancestor_bits = None
+    state = DDTreeRuntimeState()
+    state.allocate(MAX_REQS, max_tokens, BUDGET, DEPTHS, 1 + 2 * BUDGET, "cpu")
+    return state
+
+
+# -- a toy target: logits are a pure function of the token prefix --------------------
+
+
+def target_logits(prefix: tuple[int, ...]) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(hash(prefix) % (2**31))
+    return torch.randn(VOCAB, generator=gen) * 2
+
+
+def draw(logits: torch.Tensor, temperature: float, seed: int, pos: int) -> int:
+    """vLLM's rule on one row: argmax, or Gumbel-max keyed by (seed, pos) of the
+    temperature-scaled logits (a CPU stand-in for gumbel_sample's keyed noise)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    u = keyed_uniform(seed, torch.tensor([pos]), VOCAB)[0]
+    return int((logits.double() + (-torch.log(-torch.log(u)))).argmax())
+
+
+class FakeSampler:
+    """The parts of vLLM's V2 ``Sampler`` the verifier uses (temperature only)."""
+
+    def __init__(self, temperature, seeds, prefill_len, use_penalty=None):
+        self.compute_nans = False
+        self.logprobs_mode = "raw_logprobs"
+        self.use_fp64_gumbel = False
+        self.temperature = torch.tensor(temperature, dtype=torch.float32)
+        self.seeds = torch.tensor(seeds, dtype=torch.int64)
+        self.req_states = NS(prefill_len=NS(gpu=torch.tensor(prefill_len, dtype=torch.int32)))
+        self.sampling_states = NS(get_top_k_top_p=lambda *a: (None, None),
+                                  max_num_logprobs=lambda idx: NO_LOGPROBS)
+        n = len(temperature)
+        self.penalties_state = NS(use_penalty=np.zeros(n, bool) if use_penalty is None
+                                  else np.array(use_penalty))
+        self.bad_words_state = NS(num_bad_words=NS(np=np.zeros(n, np.int32)))
+        self.seen_positions = None
+
+    def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping_np, pos,
+                              input_ids, expanded_local_pos, skip_top_k_top_p=False):
+        self.seen_positions = pos.clone()
+        temp = self.temperature[expanded_idx_mapping.long()][:, None]
+        return torch.where(temp > 0, logits / temp.clamp(min=1e-6), logits)
+
+    def draw_fn(self, logits, expanded_idx_mapping, pos):
+        out = []
+        for row, req in enumerate(expanded_idx_mapping.tolist()):
+            out.append(draw(logits[row], float(self.temperature[req]), int(self.seeds[req]),
+                            int(pos[row])))
+        return torch.tensor(out, dtype=torch.int64)
+
+
+def make_scenario(temperature: float):
+    """A verify batch of 4 requests (batch order):
+
+    0: full tree, request state 3;  1: tree truncated to 5 nodes, state 0;
+    2: last prefill chunk (1 logit), state 5;  3: middle prefill chunk, state 1.
+    """
+    gen = torch.Generator().manual_seed(1)
+    state = new_state()
+    idx_mapping = torch.tensor([3, 0, 5, 1], dtype=torch.int32)
+    trees = build_ddtree(torch.randn(2, DEPTHS, VOCAB, generator=gen), BUDGET)
+    state.store_trees_(idx_mapping[:2], trees.parents, trees.depths, trees.ancestor_bits())
+    contexts = [tuple(torch.randint(2, VOCAB, (n,), generator=gen).tolist()) for n in (9, 6)]
+    num_drafts = [BUDGET, 5]
+    prefill_qlens = [7, 12]  # requests 2, 3 (prefill_len 20 and 50, set below)
+
+    rows, positions, input_ids, qlens = [], [], [], []
+    for r in range(2):
+        ctx, n = contexts[r], num_drafts[r]
+        root_pos = len(ctx) - 1
+        qlens.append(1 + n)
+        for i in range(1 + n):
+            path, node = [], i - 1
+            while node >= 0:
+                path.append(int(trees.tokens[r, node]))
+                node = int(trees.parents[r, node])
+            rows.append(target_logits(ctx + tuple(reversed(path))))
+            positions.append(root_pos + i)  # linear positions, as vLLM keeps them
+            input_ids.append(ctx[-1] if i == 0 else int(trees.tokens[r, i - 1]))
+    for r, q in enumerate(prefill_qlens):
+        start = 13 if r == 0 else 0
+        qlens.append(q)
+        positions.extend(range(start, start + q))
+        input_ids.extend([2] * q)
+        rows.append(torch.randn(VOCAB, generator=gen))  # its single logit row
+    qsl = torch.tensor([0] + np.cumsum(qlens).tolist(), dtype=torch.int32)
+    num_logits = [1 + n for n in num_drafts] + [1, 1]
+    cu = torch.tensor([0] + np.cumsum(num_logits).tolist(), dtype=torch.int32)
+    logits_indices = torch.cat([torch.arange(int(qsl[r + 1]) - k, int(qsl[r + 1]))
+                                for r, k in enumerate(num_logits)])
+    local = torch.cat([torch.arange(k) for k in num_logits]).to(torch.int32)
+    expanded = torch.repeat_interleave(idx_mapping, torch.tensor(num_logits))
+    seq_lens = torch.tensor([len(contexts[0]) + BUDGET, len(contexts[1]) + 5, 20, 12],
+                            dtype=torch.int32)
+    batch = NS(
+        num_reqs=4, num_tokens=int(qsl[-1]), req_ids=[f"r{i}" for i in range(4)],
+        idx_mapping=idx_mapping, idx_mapping_np=idx_mapping.numpy(),
+        query_start_loc=qsl, cu_num_logits=cu, cu_num_logits_np=cu.numpy(),
+        logits_indices=logits_indices, positions=torch.tensor(positions),
+        input_ids=torch.tensor(input_ids), expanded_idx_mapping=expanded,
+        expanded_local_pos=local, seq_lens=seq_lens, has_structured_output_reqs=False,
+    )
+    prefill_len = [0] * MAX_REQS
+    prefill_len[3], prefill_len[0], prefill_len[5], prefill_len[1] = 1, 1, 20, 50
+    temps = [temperature] * MAX_REQS
+    sampler = FakeSampler(temps, [11, 22, 33, 44, 55, 66], prefill_len)
+    return NS(state=state, trees=trees, batch=batch, logits=torch.stack(rows),
+              contexts=contexts, num_drafts=num_drafts, sampler=sampler)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_verifier_commits_what_autoregressive_decoding_draws(temperature):
+    sc = make_scenario(temperature)
+    verifier = DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu", DEPTHS,
+                              state=sc.state, draw_fn=sc.sampler.draw_fn)
+    out = verifier(sc.logits.clone(), sc.batch)
+    assert out.sampled_token_ids.shape == (4, BUDGET + 1)
+    depths = []
+    for r in range(2):
+        ctx, seed = list(sc.contexts[r]), int(sc.sampler.seeds[[3, 0][r]])
+        num_sampled = int(out.num_sampled[r])
+        ar = []
+        for _ in range(num_sampled):  # AR: key = position of the last input token
+            tok = draw(target_logits(tuple(ctx)) / (temperature or 1.0), temperature, seed,
+                       len(ctx) - 1)
+            ar.append(tok)
+            ctx.append(tok)
+        assert out.sampled_token_ids[r, :num_sampled].tolist() == ar
+        assert (out.sampled_token_ids[r, num_sampled:] == -1).all()
+        assert int(out.num_rejected[r]) == sc.num_drafts[r] - (num_sampled - 1)
+        depths.append(num_sampled - 1)
+    assert max(depths) >= 1, "scenario should accept part of a tree"
+    # last prefill chunk samples its token; a middle chunk samples nothing
+    assert out.num_sampled[2:].tolist() == [1, 0] and out.num_rejected[2:].tolist() == [0, 0]
+    # Gumbel keys: tree rows at root + depth, other rows at their linear position
+    want = logit_row_positions(sc.batch.positions[sc.batch.logits_indices],
+                               sc.batch.expanded_local_pos, sc.batch.expanded_idx_mapping,
+                               sc.state.depths)
+    assert torch.equal(sc.sampler.seen_positions, want)
+    root0 = len(sc.contexts[0]) - 1
+    assert want[1 : 1 + BUDGET].tolist() == [root0 + int(d) for d in sc.trees.depths[0]]
+    # the walk is recorded for the next propose, and only once
+    walk = sc.state.take_walk(4)
+    assert walk is not None and sc.state.take_walk(4) is None
+    assert (walk[:, 0] >= 0).sum() == sum(d > 0 for d in depths)
+    assert int(sc.state.num_drafts) == 2 and int(sc.state.accepted_sum) == sum(depths)
+
+
+def test_verifier_walk_matches_reference_walk():
+    sc = make_scenario(0.0)
+    verifier = DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu", DEPTHS,
+                              state=sc.state, draw_fn=sc.sampler.draw_fn)
+    drawn, _, _ = verifier.draw_target_tokens(sc.logits.clone(), sc.batch)
+    walk = verifier.walk(drawn, sc.batch)
+    for r in range(2):
+        n = sc.num_drafts[r]
+        start = int(sc.batch.cu_num_logits[r])
+        tree = build_ddtree(torch.zeros(1, 1, 1), 1)  # placeholder, replaced below
+        tree.tokens = sc.trees.tokens[r : r + 1, :n]
+        tree.parents = sc.trees.parents[r : r + 1, :n]
+        tree.depths = sc.trees.depths[r : r + 1, :n]
+        tree.scores = sc.trees.scores[r : r + 1, :n]
+        ref = follow_tree_reference(tree, drawn[start : start + 1 + n][None], DEPTHS)
+        assert walk.accepted_depth[r] == ref.accepted_depth[0]
+        assert torch.equal(walk.committed_tokens[r], ref.committed_tokens[0])
+        assert torch.equal(walk.kv_src_rows[r], ref.kv_src_rows[0])
+
+
+def test_verifier_rejects_chain_features_except_for_warmup():
+    sc = make_scenario(0.0)
+    sc.sampler.penalties_state.use_penalty[0] = True
+    verifier = DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu", DEPTHS,
+                              state=sc.state, draw_fn=sc.sampler.draw_fn)
+    with pytest.raises(UnsupportedForTreeError, match="penalties"):
+        verifier(sc.logits.clone(), sc.batch)
+    sc.batch.req_ids = [f"_warmup_{i}_" for i in range(4)]
+    verifier(sc.logits.clone(), sc.batch)
+    sc.batch.has_structured_output_reqs = True
+    sc.batch.req_ids = ["a", "b", "c", "d"]
+    sc.sampler.penalties_state.use_penalty[0] = False
+    with pytest.raises(UnsupportedForTreeError, match="structured outputs"):
+        verifier(sc.logits.clone(), sc.batch)
+    with pytest.raises(UnsupportedForTreeError, match="greedily"):
+        verifier(sc.logits.clone(), sc.batch, draft_logits=torch.zeros(1))
+
+
+def test_verify_inputs_follow_request_state_trees():
+    sc = make_scenario(0.0)
+    b = sc.batch
+    padded = b.num_tokens + 3
+    linear = torch.cat([b.positions, torch.tensor([0, 0, 0])])
+    pos = verify_inputs_(sc.state, linear, b.query_start_loc, b.cu_num_logits, b.idx_mapping,
+                         b.num_tokens, padded)
+    assert pos.shape == (padded,) and pos.data_ptr() == sc.state.positions.data_ptr()
+    bits = unpack_ancestor_bits(TREE_MASK_STATE.ancestor_bits[: b.num_tokens], 1 + 2 * BUDGET)
+    masks = sc.trees.ancestor_mask()
+    qsl = b.query_start_loc.tolist()
+    for r in range(4):
+        for i in range(qsl[r + 1] - qsl[r]):
+            t = qsl[r] + i
+            if r < 2:
+                depth = 0 if i == 0 else int(sc.trees.depths[r, i - 1])
+                assert int(pos[t]) == int(b.positions[qsl[r]]) + depth
+                assert bits[t, : 1 + BUDGET].tolist() == masks[r, i].tolist()
+            else:
+                assert int(pos[t]) == int(b.positions[t])
+                assert bits[t].tolist() == [j <= i for j in range(1 + 2 * BUDGET)]
+
+
+def test_default_trees_are_chains_and_store_scatters_by_request_state():
+    state = new_state()
+    assert state.parents[2].tolist() == list(range(-1, BUDGET - 1))
+    assert state.depths[2].tolist() == list(range(1, BUDGET + 1))
+    chain = unpack_ancestor_bits(state.ancestor_bits[2], 1 + BUDGET)
+    assert torch.equal(chain, torch.ones(1 + BUDGET, 1 + BUDGET, dtype=torch.bool).tril())
+    trees = build_ddtree(torch.randn(2, DEPTHS, VOCAB), BUDGET)
+    state.store_trees_(torch.tensor([4, 1], dtype=torch.int32), trees.parents, trees.depths,
+                       trees.ancestor_bits())
+    assert torch.equal(state.parents[4], trees.parents[0])
+    assert torch.equal(state.depths[1], trees.depths[1])
+    assert state.parents[0].tolist() == list(range(-1, BUDGET - 1))
+    assert TREE_MASK_STATE.active and TREE_MASK_STATE.ancestor_bits.shape[1] == 1
+    assert ddtree_lookahead_tokens(16) == 16
+
+
+def test_logprob_layout_helpers_follow_the_path():
+    kv_src_rows = torch.tensor([[3, 7, -1], [-1, -1, -1], [1, 2, 5]])
+    cu = torch.tensor([0, 9, 11, 18], dtype=torch.int32)
+    rows = committed_logit_rows(kv_src_rows, cu, 18)
+    want = list(range(18))
+    want[1], want[2] = 3, 7
+    want[12], want[13], want[14] = 12, 13, 16
+    assert rows.tolist() == want
+    sampled = torch.tensor([[5, 6, 7, -1], [8, -1, -1, -1], [1, 2, 3, 4]])
+    flat = flatten_committed(sampled, torch.tensor([3, 1, 4], dtype=torch.int32), cu, 18)
+    want = [0] * 18
+    want[0:3], want[9], want[11:15] = [5, 6, 7], 8, [1, 2, 3, 4]
+    assert flat.tolist() == want
+
+
+def test_num_sampled_and_rejected_matches_vllm_rule():
+    num_sampled = torch.tensor([3, 1, 1, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([40, 12, 20, 9], dtype=torch.int32)
+    cu = torch.tensor([0, 25, 31, 32, 33], dtype=torch.int32)
+    idx = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    prefill_len = torch.tensor([5, 50, 1, 20], dtype=torch.int32)
+    sampled, rejected = num_sampled_and_rejected_torch(num_sampled, seq_lens, cu, idx,
+                                                       prefill_len)
+    assert sampled.tolist() == [3, 1, 1, 0] and rejected.tolist() == [22, 5, 0, 0]
+
+
+def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
+    from vllm_ddtree.speculator import path_compaction_slots, slot_rows_views
+    from vllm_ddtree.verify_batch import compact_kv_cache_
+
+    qlens = [1 + BUDGET, 1 + BUDGET, 3]
+    qsl = torch.tensor([0] + np.cumsum(qlens).tolist(), dtype=torch.int32)
+    total = int(qsl[-1])
+    kv_src_rows = torch.tensor([[2, 9, 17, -1], [-1, -1, -1, -1], [-1, -1, -1, -1]])
+    index = hidden_row_gather_index(qsl, kv_src_rows, total + 4)  # + graph padding
+    want = list(range(total + 4))
+    want[1:4] = [2, 9, 17]
+    assert index.tolist() == want
+
+    page, dim = 4, 3
+    num_blocks = 40
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
+    slots = torch.cat([perm[t // page] * page + t % page for t in [torch.arange(total)]])
+    cache = torch.zeros(num_blocks, page, dim)
+    flat = slot_rows_views(cache)[0]
+    assert flat.data_ptr() == cache.data_ptr()
+    flat[slots] = torch.arange(total, dtype=torch.float32)[:, None].expand(-1, dim)
+    src, dst = path_compaction_slots(slots, qsl, kv_src_rows)  # short last request
+    compact_kv_cache_(flat, src, dst)
+    got = cache.view(-1, dim)[slots][:, 0].long().tolist()
+    want = list(range(total))
+    want[1:4] = [2, 9, 17]
+    assert got == want
+
+    fa = torch.zeros(2, num_blocks, page, 2, 5)
+    views = slot_rows_views(fa)
+    assert [v.shape for v in views] == [(num_blocks * page, 2, 5)] * 2
+    assert views[1].data_ptr() == fa[1].data_ptr()
+    with pytest.raises(NotImplementedError):
+        slot_rows_views(torch.zeros(4, 2, 3, 5).transpose(0, 1))
+
+
+def fake_speculator(state):
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec.state = state
+    spec.budget, spec.top_k, spec.num_draft_depths = BUDGET, None, DEPTHS
+    spec.max_num_reqs = MAX_REQS
+    spec.draft_tokens = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
+    spec.batch_parents = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
+    spec.batch_depths = torch.ones(MAX_REQS, BUDGET, dtype=torch.int64)
+    spec.batch_ancestor_bits = torch.zeros(MAX_REQS, 1 + BUDGET, 1, dtype=torch.int64)
+    spec.sample_indices = torch.zeros(MAX_REQS * DEPTHS, dtype=torch.int64)
+    return spec
+
+
+def test_generate_draft_builds_trees_from_drafter_logits():
+    state = new_state()
+    spec = fake_speculator(state)
+    num_reqs, block = 2, DEPTHS + 1
+    hidden = torch.randn(num_reqs * block, VOCAB)
+    spec._run_model = lambda *args: hidden
+    spec.model = NS(compute_logits=lambda h: h * 3)
+    # sample rows: query offsets 1..L of each request (prepare_dflash_inputs' layout)
+    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
+    want = build_ddtree((hidden * 3).view(num_reqs, block, VOCAB)[:, 1:], BUDGET)
+    assert torch.equal(spec.draft_tokens[:num_reqs], want.tokens)
+    assert torch.equal(spec.batch_parents[:num_reqs], want.parents)
+    assert torch.equal(spec.batch_depths[:num_reqs], want.depths)
+    assert torch.equal(spec.batch_ancestor_bits[:num_reqs], want.ancestor_bits())
+
+
+def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    state = new_state()
+    spec = fake_speculator(state)
+    qlens = [1 + BUDGET, 1 + BUDGET]
+    qsl = torch.tensor([0, qlens[0], sum(qlens)], dtype=torch.int32)
+    total = sum(qlens)
+    slots = torch.arange(100, 100 + total)
+    cache = torch.zeros(200, 1, 2)
+    cache[slots, 0] = torch.arange(total, dtype=torch.float32)[:, None]
+    spec._target_layers_by_group = {0: ["target.0"]}
+    spec.vllm_config = NS(compilation_config=NS(
+        static_forward_context={"target.0": NS(kv_cache=cache)}))
+    state.record_walk_(torch.tensor([[3, 8, -1, -1], [-1, -1, -1, -1]]))
+    seen = {}
+
+    def fake_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden, aux,
+                     *args, **kwargs):
+        seen["aux"] = aux
+        seen["kv_at_propose"] = cache[slots, 0, 0].clone()
+        self.batch_parents[:2] = 5
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
+    aux = [torch.arange(total + 2, dtype=torch.float32)[:, None] * (k + 1) for k in range(3)]
+    batch = NS(num_reqs=2, query_start_loc=qsl, idx_mapping=torch.tensor([4, 2],
+                                                                          dtype=torch.int32))
+    ones = torch.ones(2, dtype=torch.int32)
+    spec.propose(batch, None, {"target.0": slots}, None, aux, ones, ones, None, None, None,
+                 None)
+    path = [0, 3, 8] + list(range(3, total + 2))
+    assert seen["aux"][1][:, 0].tolist() == [2.0 * i for i in path]
+    assert seen["kv_at_propose"].tolist()[:3] == [0.0, 3.0, 8.0]
+    assert state.parents[4].tolist() == [5] * BUDGET and state.parents[2].tolist() == [5] * BUDGET
+    # no walk recorded (e.g. an all-prefill step): nothing moves
+    cache_before = cache.clone()
+    spec.propose(batch, None, {"target.0": slots}, None, aux, ones, ones, None, None, None,
+                 None)
+    assert torch.equal(cache, cache_before) and seen["aux"] is aux
+
+
+def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    import patches
+
+    patches.apply_all()
+    # Undo the pending patches after the test: other tests expect the plugin's
+    # released behaviour (method ddtree -> NotImplementedError).
+    for owner, name in [(model_runner, "init_speculator"),
+                        (EngineArgs, "create_speculative_config"),
+                        (Scheduler, "__init__"),
+                        (DefaultModelState, "custom_sampler"),
+                        (DefaultModelState, "prepare_inputs"),
+                        (DefaultModelState, "prepare_dummy_inputs")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
+                        SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
+
+    assert patches.PATCH_MODULES == ["speculative_config"]
+    assert set(patches.PENDING_GPU_VALIDATION).isdisjoint(patches.PATCH_MODULES)
+    applied = patches.apply_pending_gpu_validation()
+    assert applied == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
+    patches.apply_pending_gpu_validation()
+
+    assert model_runner.init_speculator._ddtree_patched
+    assert not getattr(model_runner.init_speculator._ddtree_original, "_ddtree_patched", False)
+    for fn in (DefaultModelState.custom_sampler, DefaultModelState.prepare_inputs,
+               DefaultModelState.prepare_dummy_inputs, Scheduler.__init__,
+               EngineArgs.create_speculative_config):
+        assert fn._ddtree_patched
+    slots = SpeculativeConfig.max_num_new_slots_for_drafting.fget
+    drafter = NS(hf_config=NS(block_size=16))
+    assert slots(NS(ddtree={"budget": 64, "top_k": None}, draft_model_config=drafter)) == 14
+    dflash = NS(ddtree=None, parallel_drafting=True, num_speculative_tokens=15,
+                uses_draft_model=lambda: False)
+    assert slots(dflash) == 14
+
+
+def test_target_backend_choice_for_mla_targets():
+    from patches.speculative_config import choose_target_attention_backend
+    from vllm_ddtree.config import DDTreeConfigError
+
+    args = NS(attention_backend=None, attention_config=NS(backend=None))
+    choose_target_attention_backend(args, NS(use_mla=True))
+    assert args.attention_backend == "CUSTOM"
+    choose_target_attention_backend(args, NS(use_mla=True))  # CUSTOM chosen: fine
+    with pytest.raises(DDTreeConfigError, match="tree mask"):
+        choose_target_attention_backend(
+            NS(attention_backend="FLASHMLA", attention_config=NS(backend=None)),
+            NS(use_mla=True))
+    with pytest.raises(NotImplementedError, match="MLA target"):
+        choose_target_attention_backend(args, NS(use_mla=False))
+
+
+def test_set_attn_refuses_targets_without_the_tree_backend():
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    spec = fake_speculator(new_state())
+    spec.draft_attn_layer_names = {"draft.0"}
+    flash = NS(get_name=lambda: "FLASH_ATTN")
+    groups = [[NS(backend=flash, layer_names=["draft.0"]),
+               NS(backend=flash, layer_names=["model.layers.0.attn"])]]
+    with pytest.raises(NotImplementedError, match="tree mask"):
+        spec.set_attn(DefaultModelState.__new__(DefaultModelState), None, None, None, groups)
+    with pytest.raises(NotImplementedError, match="DefaultModelState"):
+        spec.set_attn(object(), None, None, None, groups)
+
+
+def test_config_helpers_read_the_attached_ddtree_dict():
+    from vllm_ddtree.config import DDTreeConfig
+    from vllm_ddtree.runtime_state import ddtree_config_of, drafter_block_size
+
+    assert ddtree_config_of(None) is None and ddtree_config_of(NS()) is None
+    assert ddtree_config_of(NS(ddtree={"budget": 8, "top_k": 3})) == DDTreeConfig(8, 3)
+    # vLLM wraps the drafter config in EAGLEConfig; block_size may sit on .model
+    wrapped = NS(draft_model_config=NS(hf_config=NS(model=NS(block_size=16))))
+    assert drafter_block_size(wrapped) == 16
+    with pytest.raises(ValueError, match="block_size"):
+        drafter_block_size(NS(draft_model_config=NS(hf_config=NS())))
+
+
+def test_tree_positions_patch_only_acts_for_ddtree_configs(monkeypatch):
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    import patches.tree_positions as tree_positions
+    from vllm_ddtree import runtime_state
+
+    for name in ("prepare_inputs", "prepare_dummy_inputs"):
+        monkeypatch.setattr(DefaultModelState, name, getattr(DefaultModelState, name))
+    tree_positions.apply()
+    state = new_state()
+    monkeypatch.setattr(runtime_state, "DDTREE_STATE", state)
+    model_state = DefaultModelState.__new__(DefaultModelState)
+    model_state.rope_state = None
+    model_state.supports_mm_inputs = False
+    model_state.vllm_config = NS(speculative_config=NS(ddtree=None))
+    assert model_state.prepare_dummy_inputs(2, 8) == {}
+    model_state.vllm_config = NS(speculative_config=NS(ddtree={"budget": BUDGET}))
+    got = model_state.prepare_dummy_inputs(2, 8)["positions"]
+    assert got.data_ptr() == state.positions.data_ptr() and got.shape == (8,)
+    sc = make_scenario(0.0)
+    b = sc.batch
+    b.num_tokens_after_padding = b.num_tokens
+    state.depths.copy_(sc.state.depths)
+    state.ancestor_bits.copy_(sc.state.ancestor_bits)
+    pos = model_state.prepare_inputs(b, None)["positions"]
+    assert int(pos[1]) == int(b.positions[0]) + int(sc.trees.depths[0, 0])

@@ -1,0 +1,341 @@
+"""DDTree speculator for vLLM 0.26's V2 GPU runner (a ``DFlashSpeculator`` subclass).
+
+vLLM keeps seeing ``method: dflash`` (``vllm_ddtree.config``), so every DFlash code
+path (aux hidden states ``model_runner.py:197``, multi-KV-group drafters, CUDA-graph
+manager) keeps working; ``patches.init_speculator`` builds this class instead of
+``DFlashSpeculator`` when the speculative config carries a ``ddtree`` dict.
+
+Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
+
+* **Block size decoupled from B.** DFlash drafts ``N = num_speculative_tokens``
+  tokens with a query block of ``1 + N`` (``:45``) and samples ``N`` rows per
+  request (``:70-84``). DDTree's drafter block is the drafter's own ``block_size``
+  (HF config): ``num_query_per_req = block_size``, ``L = block_size - 1`` sample
+  rows, while the runner verifies ``B = num_speculative_tokens`` tree nodes. We set
+  ``self.num_speculative_steps = L`` after ``super().__init__`` because
+  ``DFlashSpeculator.propose`` passes it to ``prepare_dflash_inputs`` as the sample
+  stride (``:384``); ``self.draft_tokens`` stays ``[max_num_reqs, B]`` (allocated by
+  ``DraftModelSpeculator.__init__``, ``spec_decode/speculator.py:119-124``, from the
+  config's B) and ``self.budget`` is B.
+* **``_generate_draft``** (captured in FULL CUDA graphs by
+  ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
+  depths 1..L -> ``build_ddtree(logits.view(R, L, V), B, top_k)``; tokens go to
+  ``draft_tokens`` (the return value), parents / depths / ancestor bits to
+  batch-ordered buffers. Greedy drafting only: no ``draft_logits [reqs, B, V]``.
+* **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the
+  shared ``block_tables.slot_mappings`` (``:366-389``), move the KV of each request's
+  accepted path into the slots of positions ``seq+1..seq+a`` in every target layer,
+  using the target slot mappings ``propose`` receives (``model_runner.py:1510``);
+  (2) gather the target hidden rows ``[0, src_1..src_a] -> [0..a]`` so DFlash's
+  context precompute sees the committed path at linear positions; (3) after the
+  draft, scatter the batch trees to request-state rows via ``input_batch.idx_mapping``
+  (as the runner does for draft tokens, ``model_runner.py:1521``).
+  ``num_rejected`` needs no change: the runner passes the verifier's value
+  (``num_logits - (a+1)``, i.e. ``B - a`` for a full tree), which is what DFlash's
+  ``valid_ctx_end = ctx_end - num_rejected`` (``:502-503``) needs once rows 0..a
+  hold the path.
+
+Assumptions about vLLM internals (to re-check on any vLLM upgrade):
+
+* ``propose`` is called after ``postprocess_sampled`` in the same ``sample_tokens``
+  call, with the ``input_batch`` that was verified (``model_runner.py:1489-1521``),
+  and nothing recomputes the target slot mappings in between.
+* Target layers' caches are ``static_forward_context[name].kv_cache``
+  (``v1/worker/utils.py`` ``bind_kv_cache``) in the backend's logical layout, whose
+  slot index is ``block * kernel_block_size + offset`` (``block_table.py:291-305``).
+* The verify rows of a request with drafts are exactly ``[root, nodes...]`` at
+  ``query_start_loc[r] ..`` (``combine_sampled_and_draft_tokens``,
+  ``input_batch.py:304-361``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.runtime_state import (
+    DDTREE_STATE,
+    ddtree_config_of,
+    drafter_block_size,
+    hidden_row_gather_index,
+)
+from vllm_ddtree.tree import build_ddtree, num_mask_words
+from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
+
+__all__ = ["DDTreeSpeculator", "path_compaction_slots", "slot_rows_views"]
+
+
+def path_compaction_slots(
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, kv_src_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``verify_batch.compaction_slots`` on a slot mapping padded by ``L + 1`` entries.
+
+    ``compaction_slots`` reads ``slot_mapping[start_r + k]`` for every depth column k,
+    valid or not; for a short last request (a prefill chunk, a truncated tree) that
+    index passes the end of the ``[num_tokens_padded]`` view (a device-side assert
+    on CUDA). The padding entries are only ever read for masked columns.
+    """
+    pad = slot_mapping.new_full((kv_src_rows.shape[1] + 1,), -1)
+    return compaction_slots(torch.cat([slot_mapping, pad]), query_start_loc, kv_src_rows)
+
+
+def slot_rows_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """``[num_slots, ...]`` views of one layer's paged KV cache (no copies).
+
+    Supported logical layouts (``backend.get_kv_cache_shape``):
+
+    * MLA ``[num_blocks, block_size, head_size]`` -> one view ``[-1, head_size]``;
+    * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V views
+      ``[-1, H, D]``.
+
+    Raises ``NotImplementedError`` for other layouts, or when the layout's strides
+    (a non-identity ``get_kv_cache_stride_order``, padded pages) prevent a view: a
+    silent copy would drop the writes.
+    """
+    try:
+        if kv_cache.dim() == 3:
+            return [kv_cache.view(-1, kv_cache.shape[-1])]
+        if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+            return [kv_cache[i].view(-1, *kv_cache.shape[-2:]) for i in range(2)]
+    except RuntimeError as e:
+        raise NotImplementedError(
+            f"DDTree KV compaction needs a slot-major view of the KV cache; shape "
+            f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()} has none"
+        ) from e
+    raise NotImplementedError(
+        f"DDTree KV compaction does not know the KV cache layout {tuple(kv_cache.shape)}"
+    )
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """DFlash drafter + best-first draft tree of ``B`` nodes per request.
+
+    Shapes: R = requests in the batch, B = ``num_speculative_tokens`` (tree nodes),
+    L = drafter ``block_size - 1`` (draft depths), V = vocabulary.
+    """
+
+    _speculator_name = "DDTree"
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        spec = vllm_config.speculative_config
+        ddtree = ddtree_config_of(spec)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs speculative_config.ddtree")
+        if spec.draft_sample_method != "greedy":
+            # Checked before super().__init__, which would allocate draft_logits
+            # [max_num_reqs, B, V] (spec_decode/speculator.py:129-137).
+            raise ValueError("DDTree drafts greedily: leave draft_sample_method unset")
+        if spec.use_local_argmax_reduction:
+            raise ValueError("DDTree needs full drafter logits: use_local_argmax_reduction "
+                             "is not supported")
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1 or getattr(
+            parallel, "prefill_context_parallel_size", 1
+        ) > 1:
+            raise NotImplementedError("DDTree does not support context parallelism yet")
+        super().__init__(vllm_config, device)
+
+        block_size = drafter_block_size(spec)
+        self.budget = self.num_speculative_steps  # B
+        self.top_k = ddtree.top_k
+        self.num_query_per_req = block_size
+        self.num_draft_depths = block_size - 1  # L
+        # DFlashSpeculator.propose hands this to prepare_dflash_inputs as the per-request
+        # sample stride; for DDTree that is L (draft_tokens keeps its B columns).
+        self.num_speculative_steps = self.num_draft_depths
+        if self.max_num_reqs * block_size > self.max_num_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_reqs}) x drafter block_size ({block_size}) "
+                f"exceeds max_num_batched_tokens ({self.max_num_tokens}): raise the latter"
+            )
+
+        num_sample = self.max_num_reqs * self.num_draft_depths
+        self.sample_indices = torch.zeros(num_sample, dtype=torch.int64, device=device)
+        self.sample_pos = torch.zeros(num_sample, dtype=torch.int64, device=device)
+        self.sample_idx_mapping = torch.zeros(num_sample, dtype=torch.int32, device=device)
+        self.sample_col = torch.arange(
+            self.num_draft_depths, dtype=torch.int32, device=device
+        ).repeat(self.max_num_reqs)
+
+        # Batch-ordered trees written inside the (captured) draft step; scattered to
+        # request-state rows eagerly in propose, so padded CUDA-graph rows never
+        # touch live requests.
+        words = num_mask_words(1 + self.budget)
+        self.batch_parents = torch.zeros(
+            self.max_num_reqs, self.budget, dtype=torch.int64, device=device
+        )
+        self.batch_depths = torch.ones_like(self.batch_parents)
+        self.batch_ancestor_bits = torch.zeros(
+            self.max_num_reqs, 1 + self.budget, words, dtype=torch.int64, device=device
+        )
+
+        # The MLA tree backend treats queries up to its reorder_batch_threshold,
+        # 1 + 2B for DFlash (backend.py:651-681), as decodes: size the mask for them.
+        self.state = DDTREE_STATE
+        self.state.allocate(
+            max_num_reqs=self.max_num_reqs,
+            max_num_tokens=self.max_num_tokens,
+            budget=self.budget,
+            max_depth=self.num_draft_depths,
+            max_query_len=1 + 2 * self.budget,
+            device=device,
+        )
+        self._target_layers_by_group: dict[int, list[str]] = {}
+
+    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
+                 target_attn_groups) -> None:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+        from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+        if type(model_state) is not DefaultModelState:
+            # Only DefaultModelState's prepare_inputs / custom_sampler are patched.
+            raise NotImplementedError(
+                f"DDTree supports DefaultModelState targets only, not "
+                f"{type(model_state).__name__} (M-RoPE, hybrid, encoder-decoder)"
+            )
+        # Every target attention layer must apply the tree mask (the front-end picks
+        # CUSTOM for MLA targets; this catches configs built around it).
+        for groups in target_attn_groups:
+            for group in groups:
+                names = [n for n in group.layer_names if n not in self.draft_attn_layer_names]
+                if names and group.backend.get_name() != "CUSTOM":
+                    raise NotImplementedError(
+                        f"target layers {names[:2]}... use attention backend "
+                        f"{group.backend.get_name()}, which cannot apply DDTree's tree mask; "
+                        "DDTree needs the CUSTOM (MLA tree) backend"
+                    )
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
+        self._target_layers_by_group = {}
+        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+            if not isinstance(group.kv_cache_spec, AttentionSpec):
+                continue
+            names = [n for n in group.layer_names if n not in self.draft_attn_layer_names]
+            if names:
+                self._target_layers_by_group[gid] = names
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        """Drafter forward + tree build (replaces DFlash's ``sample_draft``, ``:233-265``).
+
+        Writes ``draft_tokens[:R]`` int64 ``[R, B]``, ``batch_parents[:R]``,
+        ``batch_depths[:R]`` int64 ``[R, B]`` and ``batch_ancestor_bits[:R]`` int64
+        ``[R, 1+B, W]``. No host sync (graph-capturable once ``build_ddtree``'s cached
+        index tables exist, i.e. after one eager run with the same B, top_k).
+        """
+        hidden = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        depths = self.num_draft_depths
+        num_sample = num_reqs * depths
+        logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
+        tree = build_ddtree(logits.view(num_reqs, depths, -1), self.budget, self.top_k)
+        self.draft_tokens[:num_reqs] = tree.tokens
+        self.batch_parents[:num_reqs] = tree.parents
+        self.batch_depths[:num_reqs] = tree.depths
+        self.batch_ancestor_bits[:num_reqs] = tree.ancestor_bits()
+
+    def _compact_target_kv(
+        self,
+        slot_mappings: dict[str, torch.Tensor],
+        query_start_loc: torch.Tensor,
+        kv_src_rows: torch.Tensor,
+    ) -> None:
+        """Move accepted-path KV to the slots of positions ``seq+1..seq+a`` in every
+        target layer (drafter layers are rewritten by the context precompute)."""
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        seen: set[int] = set()
+        for layer_names in self._target_layers_by_group.values():
+            src, dst = path_compaction_slots(
+                slot_mappings[layer_names[0]], query_start_loc, kv_src_rows
+            )
+            for name in layer_names:
+                kv_cache = forward_context[name].kv_cache
+                if kv_cache.data_ptr() in seen:  # KV-sharing layers alias one cache
+                    continue
+                seen.add(kv_cache.data_ptr())
+                for rows in slot_rows_views(kv_cache):
+                    compact_kv_cache_(rows, src, dst)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
+        """Same contract as ``DFlashSpeculator.propose`` (``:286-454``): returns the
+        draft tokens int64 ``[R, B]`` (a view of ``draft_tokens``)."""
+        num_reqs = input_batch.num_reqs
+        walk = None if dummy_run else self.state.take_walk(num_reqs)
+        if walk is not None:
+            query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
+            # Must precede super().propose: prepare_dflash_inputs rewrites the shared
+            # slot-mapping rows these views point to (drafter and target may share a
+            # KV-cache group).
+            self._compact_target_kv(slot_mappings, query_start_loc, walk)
+            if aux_hidden_states:
+                index = hidden_row_gather_index(
+                    query_start_loc, walk, aux_hidden_states[0].shape[0]
+                )
+                aux_hidden_states = [h[index] for h in aux_hidden_states]
+            else:
+                index = hidden_row_gather_index(
+                    query_start_loc, walk, last_hidden_states.shape[0]
+                )
+                last_hidden_states = last_hidden_states[index]
+
+        draft_tokens = super().propose(
+            input_batch,
+            attn_metadata,
+            slot_mappings,
+            last_hidden_states,
+            aux_hidden_states,
+            num_sampled,
+            num_rejected,
+            last_sampled,
+            next_prefill_tokens,
+            temperature,
+            seeds,
+            num_tokens_across_dp=num_tokens_across_dp,
+            dummy_run=dummy_run,
+            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+            mm_inputs=mm_inputs,
+            is_profile=is_profile,
+        )
+        if not dummy_run:
+            self.state.store_trees_(
+                input_batch.idx_mapping,
+                self.batch_parents[:num_reqs],
+                self.batch_depths[:num_reqs],
+                self.batch_ancestor_bits[:num_reqs],
+            )
+        return draft_tokens
