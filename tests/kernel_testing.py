@@ -32,3 +32,24 @@ def kernels_run_here(*jit_functions) -> bool:
     return DEVICE == "cuda" or all(
         type(f).__name__ == "InterpretedFunction" for f in jit_functions
     )
+
+
+def compiled_shared_memory(script: str) -> list[int]:
+    """Run ``script`` (compiles kernels for sm_120 with Triton's ptxas, no GPU needed,
+    prints a JSON list) outside the interpreter; returns the shared bytes per config.
+    Skips the calling test when Triton's CUDA toolchain is missing."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=600)
+    if proc.returncode != 0:
+        if "ptxas" in proc.stderr or "No such file" in proc.stderr:
+            pytest.skip(f"Triton's CUDA toolchain is unavailable: {proc.stderr[-300:]}")
+        raise AssertionError(proc.stderr[-3000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -5,10 +5,7 @@ Without a GPU the Triton kernel runs in the interpreter (see test_mla_tree_kerne
 how TRITON_INTERPRET is handled); with a GPU the same small cases run compiled.
 """
 
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest  # noqa: E402
@@ -18,9 +15,9 @@ triton = pytest.importorskip("triton")
 
 from kernel_testing import (  # noqa: E402
     DEVICE,
-    ROOT,
     TOLS,
     chain,
+    compiled_shared_memory,
     kernels_run_here,
     random_tree,
 )
@@ -273,20 +270,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_compiled_sm120_shared_memory_within_estimate():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        if "ptxas" in proc.stderr or "No such file" in proc.stderr:
-            pytest.skip(f"Triton's CUDA toolchain is unavailable: {proc.stderr[-300:]}")
-        raise AssertionError(proc.stderr[-3000:])
-    shared = [int(x) for x in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    shared = compiled_shared_memory(_COMPILE_SCRIPT)
     for config, used in zip(GQA_TILE_CONFIGS, shared, strict=True):
         assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
         assert used <= estimate_shared_memory_bytes(config, 128, torch.bfloat16)

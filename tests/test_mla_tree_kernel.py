@@ -6,10 +6,7 @@ TRITON_INTERPRET=1 before triton's first import); with a GPU the same small case
 compiled.
 """
 
-import os
 import random
-import subprocess
-import sys
 import textwrap
 
 import pytest  # noqa: E402
@@ -19,9 +16,9 @@ triton = pytest.importorskip("triton")
 
 from kernel_testing import (  # noqa: E402
     DEVICE,
-    ROOT,
     TOLS,
     chain,
+    compiled_shared_memory,
     kernels_run_here,
     random_tree,
 )
@@ -351,20 +348,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_compiled_sm120_shared_memory_within_estimate():
     """Compile each config for sm_120 (no GPU needed) and compare with the estimate."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _COMPILE_SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        if "ptxas" in proc.stderr or "No such file" in proc.stderr:
-            pytest.skip(f"Triton's CUDA toolchain is unavailable: {proc.stderr[-300:]}")
-        raise AssertionError(proc.stderr[-3000:])
-    shared = [int(x) for x in proc.stdout.strip().splitlines()[-1].strip("[]").split(",")]
+    shared = compiled_shared_memory(_COMPILE_SCRIPT)
     for config, used in zip(MLA_TILE_CONFIGS, shared, strict=True):
         assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
         assert used <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16)
