@@ -80,15 +80,16 @@ def report(args) -> None:
     runs = [json.loads(Path(p).read_text()) for p in args.inputs]
     lines = ["# Acceptance on HumanEval, embedded pair, reference engine", "",
              "Mean acceptance length = tokens committed per round (accepted depth + 1), "
-             "prefill excluded; all 164 HumanEval prompts, up to "
-             f"{runs[0]['max_new_tokens']} new tokens, EOS stops. `identical` = every "
-             "method produced the chain's tokens (lossless check).", ""]
+             "prefill excluded; HumanEval prompts (trailing whitespace stripped), EOS "
+             "stops. `identical` = every method produced the chain's tokens (lossless "
+             "check).", ""]
     fig, ax = plt.subplots(figsize=(6, 4))
     for data in runs:
         table = summarize(data)
         chain = table["DFlash chain (15)"]["mean_acceptance_length"]
-        lines += [f"## T = {data['temperature']} ({data['prompts']} prompts, "
-                  f"{data['seconds'] / 60:.1f} min)", "",
+        lines += [f"## T = {data['temperature']} ({data['prompts']} prompts, up to "
+                  f"{data['max_new_tokens']} new tokens, {data['seconds'] / 60:.1f} min on 1 "
+                  "CPU core)", "",
                   "| method | mean acceptance length | vs chain | mean accepted depth | rounds "
                   "| identical |", "|---|---|---|---|---|---|"]
         for name, row in table.items():
@@ -98,9 +99,12 @@ def report(args) -> None:
                          f"{row['identical_tokens']} |")
         lines += ["", f"command: `{data['command']}`", ""]
         budgets = [b for m, b in METHODS if m == "ddtree"]
-        ax.plot(budgets, [table[f"DDTree B={b}"]["mean_acceptance_length"] for b in budgets],
-                marker="o", label=f"DDTree, T={data['temperature']}")
-        ax.axhline(chain, linestyle="--", label=f"DFlash chain, T={data['temperature']}")
+        (line,) = ax.plot(
+            budgets, [table[f"DDTree B={b}"]["mean_acceptance_length"] for b in budgets],
+            marker="o", label=f"DDTree, T={data['temperature']}",
+        )
+        ax.axhline(chain, linestyle="--", color=line.get_color(),
+                   label=f"DFlash chain, T={data['temperature']}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree budget B (nodes per round)")
     ax.set_ylabel("tokens committed per round")
