@@ -41,6 +41,84 @@ def spec_decode_metrics(llm) -> dict:
     return values
 
 
+MIXED_PROMPT_TOKENS = [16, 40, 200, 600, 1200, 2000, 2600, 3000]
+MIXED_MAX_TOKENS = [64, 48, 96, 32, 80, 64, 40, 72]
+
+
+def mixed_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
+    """8 prompts cut from standard-library source (present on every machine) to
+    ``MIXED_PROMPT_TOKENS`` tokens, with ``MIXED_MAX_TOKENS`` new tokens each."""
+    import argparse as argparse_module
+    import inspect
+    import json as json_module
+
+    text = "".join(inspect.getsource(m) for m in (argparse_module, json_module, inspect))
+    ids = tokenizer.encode(text)
+    prompts = [ids[1000 * i: 1000 * i + n] for i, n in enumerate(MIXED_PROMPT_TOKENS)]
+    assert all(len(p) == n for p, n in zip(prompts, MIXED_PROMPT_TOKENS, strict=True))
+    return prompts, list(MIXED_MAX_TOKENS)
+
+
+def install_trace(max_steps: int) -> list:
+    """Record the first ``max_steps`` verify steps (debugging aid): per step the batch
+    rows, linear and tree positions, ancestor bits, row tokens, the target's draws, the
+    walk, and what the MLA backend saw (decode/prefill split, whose bits)."""
+    from attention_backends.mla_tree import backend as mla_backend
+    from attention_backends.tree_mask_state import TREE_MASK_STATE
+    from vllm_ddtree import verifier as verifier_mod
+    from vllm_ddtree.runtime_state import DDTREE_STATE
+
+    steps: list = []
+    attn_calls: list = []
+    original_call = verifier_mod.DDTreeVerifier.__call__
+    original_mqa = mla_backend.TreeMLAImpl.forward_mqa
+
+    def as_list(t):
+        return t.detach().cpu().tolist()
+
+    def traced_call(self, logits, input_batch, draft_logits=None):
+        out = original_call(self, logits, input_batch, draft_logits)
+        if len(steps) < max_steps:
+            n = input_batch.num_tokens
+            drawn, _, row_pos = self.draw_target_tokens(logits, input_batch)
+            steps.append({
+                "num_reqs": input_batch.num_reqs, "num_tokens": n,
+                "query_start_loc": as_list(input_batch.query_start_loc[: input_batch.num_reqs + 1]),
+                "cu_num_logits": as_list(input_batch.cu_num_logits),
+                "idx_mapping": as_list(input_batch.idx_mapping),
+                "input_ids": as_list(input_batch.input_ids[:n]),
+                "linear_positions": as_list(input_batch.positions[:n]),
+                "tree_positions": as_list(DDTREE_STATE.positions[:n]),
+                "bits": as_list(TREE_MASK_STATE.ancestor_bits[:n]),
+                "logits_indices": as_list(input_batch.logits_indices),
+                "drawn": as_list(drawn), "row_positions": as_list(row_pos),
+                "parents": as_list(DDTREE_STATE.parents[input_batch.idx_mapping.long()]),
+                "depths": as_list(DDTREE_STATE.depths[input_batch.idx_mapping.long()]),
+                "sampled": as_list(out.sampled_token_ids),
+                "num_sampled": as_list(out.num_sampled),
+                "attn": attn_calls[-1] if attn_calls else None,
+            })
+        return out
+
+    def traced_mqa(self, q, kv_cache, attn_metadata, layer):
+        if len(steps) < max_steps:
+            d = attn_metadata.decode
+            attn_calls.append({
+                "q_rows": int((q[0] if isinstance(q, tuple) else q).shape[0]),
+                "num_decodes": attn_metadata.num_decodes,
+                "num_prefills": attn_metadata.num_prefills,
+                "max_query_len": d.max_query_len,
+                "bits_is_tree_state": d.ancestor_bits.data_ptr()
+                == TREE_MASK_STATE.ancestor_bits.data_ptr(),
+                "seq_lens": as_list(d.seq_lens),
+            })
+        return original_mqa(self, q, kv_cache, attn_metadata, layer)
+
+    verifier_mod.DDTreeVerifier.__call__ = traced_call
+    mla_backend.TreeMLAImpl.forward_mqa = traced_mqa
+    return steps
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -51,6 +129,11 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
+    parser.add_argument("--mixed", action="store_true",
+                        help="8 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
+                        "max_num_seqs 4: requests arrive while others run")
+    parser.add_argument("--trace", type=int, default=0,
+                        help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
 
     import vllm_ddtree
@@ -67,9 +150,16 @@ def main() -> None:
     from vllm_ddtree.demo import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
 
+    trace = install_trace(args.trace) if args.trace else None
+
     target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
+    max_tokens = [args.max_tokens] * len(prompts)
+    max_num_seqs = 8
+    if args.mixed:
+        prompts, max_tokens = mixed_prompts(tokenizer)
+        max_num_seqs = 4
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k
@@ -80,22 +170,28 @@ def main() -> None:
         extra["attention_backend"] = "CUSTOM"
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
-              max_num_seqs=8, seed=0, disable_log_stats=False, **extra)
-    params = SamplingParams(temperature=args.temperature, seed=0 if args.temperature else None,
-                            max_tokens=args.max_tokens, logprobs=2, ignore_eos=True)
+              max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False, **extra)
+    params = [SamplingParams(temperature=args.temperature,
+                             seed=1000 + i if args.temperature else None,
+                             max_tokens=n, logprobs=2, ignore_eos=True)
+              for i, n in enumerate(max_tokens)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
         completion = out.outputs[0]
+        gaps = []
+        for lp in completion.logprobs or []:
+            top = sorted((v.logprob for v in lp.values()), reverse=True)
+            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
-                       "text": completion.text,
+                       "text": completion.text, "top2_gap": gaps,
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:
         json.dump({"mode": args.method, "budget": args.budget, "graphs": args.graphs,
                    "patches": applied, "outputs": result,
                    "ddtree_mean_acceptance_length": (
                        DDTREE_STATE.mean_acceptance_length() if DDTREE_STATE.enabled else None),
-                   "vllm_metrics": spec_decode_metrics(llm)}, f)
+                   "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
     from check_mla_backend import exit_now
 
     exit_now()

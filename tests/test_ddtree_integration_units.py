@@ -515,3 +515,36 @@ def test_tree_positions_patch_only_acts_for_ddtree_configs(monkeypatch):
     state.ancestor_bits.copy_(sc.state.ancestor_bits)
     pos = model_state.prepare_inputs(b, None)["positions"]
     assert int(pos[1]) == int(b.positions[0]) + int(sc.trees.depths[0, 0])
+
+
+def test_target_layers_by_group_reads_uniform_type_groups():
+    """An MLA target beside a GQA drafter's full layers shares one
+    UniformTypeKVCacheSpecs group: its target layers must still be compacted."""
+    import torch as _torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheGroupSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from vllm_ddtree.speculator import target_layers_by_group
+
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=_torch.bfloat16)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=_torch.bfloat16)
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=_torch.bfloat16,
+                            sliding_window=256)
+    uniform = UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs={"t.0": mla, "t.1": mla, "d.1": full})
+    config = NS(kv_cache_groups=[
+        KVCacheGroupSpec(["t.0", "t.1", "d.1"], uniform),
+        KVCacheGroupSpec(["d.0", "d.2"], swa),
+    ])
+    assert target_layers_by_group(config, {"d.0", "d.1", "d.2"}) == {0: ["t.0", "t.1"]}
+
+    mamba = MambaSpec(block_size=16, shapes=((4,),), dtypes=(_torch.float32,))
+    config.kv_cache_groups.append(KVCacheGroupSpec(["t.2"], mamba))
+    with pytest.raises(NotImplementedError, match="t.2"):
+        target_layers_by_group(config, {"d.0", "d.1", "d.2"})

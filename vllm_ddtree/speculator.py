@@ -66,7 +66,12 @@ from vllm_ddtree.runtime_state import (
 from vllm_ddtree.tree import build_ddtree, num_mask_words
 from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
 
-__all__ = ["DDTreeSpeculator", "path_compaction_slots", "slot_rows_views"]
+__all__ = [
+    "DDTreeSpeculator",
+    "path_compaction_slots",
+    "slot_rows_views",
+    "target_layers_by_group",
+]
 
 
 def path_compaction_slots(
@@ -109,6 +114,37 @@ def slot_rows_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
     raise NotImplementedError(
         f"DDTree KV compaction does not know the KV cache layout {tuple(kv_cache.shape)}"
     )
+
+
+def target_layers_by_group(kv_cache_config, draft_layer_names) -> dict[int, list[str]]:
+    """Target attention layers of each KV-cache group (the layers whose accepted-path KV
+    DDTree compacts), ``{group id: [layer names]}``.
+
+    A group's spec may be one ``AttentionSpec`` or a ``UniformTypeKVCacheSpecs`` (vLLM
+    merges same-type layers of different shapes into one group, e.g. an MLA target with
+    a GQA drafter's full-attention layers, ``kv_cache_interface.py:817``); drafter
+    layers are skipped (the context precompute rewrites them). Raises
+    ``NotImplementedError`` for a target layer without a slot-addressed KV cache
+    (Mamba / linear attention): its state cannot be rolled back to the accepted path.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    groups: dict[int, list[str]] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        names = [n for n in group.layer_names if n not in draft_layer_names]
+        for name in names:
+            layer_spec = (
+                spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+            )
+            if not isinstance(layer_spec, AttentionSpec):
+                raise NotImplementedError(
+                    f"DDTree cannot compact target layer {name!r} with KV spec "
+                    f"{type(layer_spec).__name__}: only attention layers are supported"
+                )
+        if names:
+            groups[gid] = names
+    return groups
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -210,13 +246,9 @@ class DDTreeSpeculator(DFlashSpeculator):
                     )
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
                          target_attn_groups)
-        self._target_layers_by_group = {}
-        for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-            if not isinstance(group.kv_cache_spec, AttentionSpec):
-                continue
-            names = [n for n in group.layer_names if n not in self.draft_attn_layer_names]
-            if names:
-                self._target_layers_by_group[gid] = names
+        self._target_layers_by_group = target_layers_by_group(
+            kv_cache_config, self.draft_attn_layer_names
+        )
 
     def _generate_draft(
         self,

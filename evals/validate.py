@@ -1,0 +1,365 @@
+"""lm-eval validation: each task without speculation, then with DDTree; compare.
+
+    python evals/validate.py --tasks ddtree_humaneval --limit 8 --max-gen-toks 64   # CPU
+    python evals/validate.py                                   # all three tasks, full, CPU
+    python evals/validate.py --backend vllm \\
+        --model-args '{"pretrained": "PATH/target", "dtype": "bfloat16"}' \\
+        --speculative-config '{"method": "ddtree", "model": "PATH/drafter",
+                               "num_speculative_tokens": 32}'             # GPU
+
+Backends: ``ddtree-ref`` (reference engine, ``vllm_ddtree.evaluation.ref_lm``;
+baseline ``method=ar``, then ``--method`` ddtree (or dflash) with ``--budget``),
+and ``vllm`` (lm-eval's own ``vllm`` model; baseline without, then with
+``speculative_config`` in its model args). Both runs go through
+``lm_eval.simple_evaluate`` on the task YAMLs of ``evals/tasks``.
+
+Per task: metrics of both runs, how many generations are identical, acceptance of
+the speculative run (reference engine: mean committed tokens per round, mean
+accepted depth, accepted-depth histogram from its ``RoundStats``; vLLM: its
+spec-decode counters, see ``vllm_spec_decode_stats``), written to
+``<out-dir>/lm_eval_<task>.md``; one ``PASS``/``FAIL`` line per task on stdout
+(PASS: at least ``--min-identical`` of the generations identical and every metric
+within ``--metric-tolerance``). Exit status 1 when a task fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TASKS_DIR = REPO / "evals" / "tasks"
+DEFAULT_TASKS = ["ddtree_humaneval", "ddtree_stdlib_completion", "ddtree_long_context"]
+DEFAULT_OUT_DIR = REPO / "evals" / "results"
+
+
+@dataclass
+class TaskRun:
+    """One task under one configuration."""
+
+    label: str
+    metrics: dict[str, float]
+    generations: dict[int, str]
+    seconds: float
+    acceptance: dict | None = None
+
+
+@dataclass
+class TaskReport:
+    """Baseline vs speculative run of one task, and the verdict."""
+
+    task: str
+    backend: str
+    baseline: TaskRun
+    speculative: TaskRun
+    identical: int
+    metrics_equal: bool
+    passed: bool
+    settings: dict = field(default_factory=dict)
+
+    @property
+    def docs(self) -> int:
+        return len(self.baseline.generations)
+
+    def line(self) -> str:
+        """The one-line verdict printed per task."""
+        metrics = ", ".join(
+            f"{k} {self.baseline.metrics[k]:.4f}{'==' if self._eq(k) else '!='}"
+            f"{self.speculative.metrics.get(k, float('nan')):.4f}"
+            for k in self.baseline.metrics
+        )
+        acc = self.speculative.acceptance or {}
+        mean = acc.get("mean_committed_per_round") or acc.get("mean_acceptance_length")
+        acc_text = f", {mean:.2f} tokens/round" if mean else ""
+        return (f"{'PASS' if self.passed else 'FAIL'} {self.task} [{self.backend}]: "
+                f"{self.identical}/{self.docs} identical generations, {metrics}{acc_text}")
+
+    def _eq(self, key: str) -> bool:
+        tol = self.settings.get("metric_tolerance", 0.0)
+        other = self.speculative.metrics.get(key)
+        return other is not None and abs(self.baseline.metrics[key] - other) <= tol
+
+
+def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict | None,
+             label: str) -> TaskRun:
+    """``lm_eval.simple_evaluate`` of one task on the local task folder."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(TASKS_DIR), include_defaults=False,
+                          metadata=metadata)
+    start = time.perf_counter()
+    out = simple_evaluate(model=lm, tasks=[task], limit=limit, task_manager=manager,
+                          log_samples=True, bootstrap_iters=0, gen_kwargs=gen_kwargs,
+                          confirm_run_unsafe_code=True)
+    seconds = time.perf_counter() - start
+    metrics = {k.split(",")[0]: float(v) for k, v in out["results"][task].items()
+               if k not in ("alias", "sample_len") and "_stderr" not in k
+               and isinstance(v, (int, float))}
+    generations = {s["doc_id"]: s["resps"][0][0] for s in out["samples"][task]}
+    return TaskRun(label, metrics, generations, seconds)
+
+
+def vllm_spec_decode_stats(lm) -> dict:
+    """HOOK, NOT VALIDATED ON A GPU YET: vLLM's spec-decode counters of lm-eval's
+    ``vllm`` model (``lm.model`` is the ``vllm.LLM``; needs ``disable_log_stats:
+    false``, which ``validate`` sets). Mean acceptance length = 1 + accepted / drafts;
+    ``accepted_per_position[i]`` = drafts whose position ``i`` was accepted. Also
+    DDTree's own counter when the engine runs in this process. Counters are
+    cumulative over the engine's life (``validate`` takes differences per task)."""
+    stats: dict = {}
+    try:
+        for metric in lm.model.get_metrics():
+            if metric.name.startswith("vllm:spec_decode_"):
+                value = getattr(metric, "value", None)
+                stats[metric.name] = value if value is not None else list(
+                    getattr(metric, "values", []))
+    except Exception as e:  # the hook must never fail a run
+        stats["error"] = repr(e)
+    try:
+        from vllm_ddtree.runtime_state import DDTREE_STATE
+
+        if DDTREE_STATE.enabled:
+            stats["ddtree_mean_acceptance_length"] = DDTREE_STATE.mean_acceptance_length()
+    except Exception as e:
+        stats["ddtree_state_error"] = repr(e)
+    return stats
+
+
+def _stats_delta(before: dict, after: dict) -> dict:
+    delta = {}
+    for key, value in after.items():
+        old = before.get(key)
+        if isinstance(value, (int, float)) and isinstance(old, (int, float)):
+            delta[key] = value - old
+        elif isinstance(value, list) and isinstance(old, list) and len(old) == len(value):
+            delta[key] = [a - b for a, b in zip(value, old, strict=True)]
+        else:
+            delta[key] = value
+    drafts = delta.get("vllm:spec_decode_num_drafts")
+    accepted = delta.get("vllm:spec_decode_num_accepted_tokens")
+    if isinstance(drafts, (int, float)) and drafts and isinstance(accepted, (int, float)):
+        delta["mean_acceptance_length"] = 1 + accepted / drafts
+    if "vllm:spec_decode_num_accepted_tokens_per_pos" in delta:
+        delta["accepted_per_position"] = delta.pop("vllm:spec_decode_num_accepted_tokens_per_pos")
+    return delta
+
+
+def _free(lm) -> None:
+    del lm
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except ImportError:
+        pass
+
+
+def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
+    from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
+
+    pair = load_pair(args.pretrained, args.drafter, args.dtype, args.device)
+    common = {"pair": pair, "seed": args.seed, "threads": args.threads}
+    spec_label = args.method if args.method != "ddtree" else f"ddtree B={args.budget}"
+    runs = {"baseline": {}, "speculative": {}}
+    for task in tasks:
+        base_lm = DDTreeRefLM(method="ar", **common)
+        run = run_task(base_lm, task, args.limit, metadata, gen_kwargs, "ar (no speculation)")
+        run.acceptance = acceptance_summary(base_lm.records)
+        runs["baseline"][task] = run
+        spec_lm = DDTreeRefLM(method=args.method, budget=args.budget, top_k=args.top_k,
+                              **common)
+        run = run_task(spec_lm, task, args.limit, metadata, gen_kwargs, spec_label)
+        run.acceptance = acceptance_summary(spec_lm.records)
+        runs["speculative"][task] = run
+    return runs, {"pair": pair.label.replace(f"{REPO}/", ""), "method": args.method,
+                  "budget": args.budget, "top_k": args.top_k, "dtype": args.dtype,
+                  "device": args.device}
+
+
+def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
+    """Baseline engine for every task, then the speculative engine (two engines
+    in turn; the first is freed before the second starts)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from lm_eval.api.registry import get_model
+
+    applied = []
+    if args.apply_pending_patches:  # DDTree's runner integration, pending GPU validation
+        from patches import apply_pending_gpu_validation
+
+        applied = apply_pending_gpu_validation()
+    model_args = {"disable_log_stats": False, **json.loads(args.model_args)}
+    if not args.speculative_config and not args.drafter:
+        raise ValueError("vllm backend: give --speculative-config or --drafter")
+    spec = json.loads(args.speculative_config) if args.speculative_config else {
+        "method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.budget}
+    runs = {"baseline": {}, "speculative": {}}
+    for key, extra, label in (("baseline", {}, "no speculation"),
+                              ("speculative", {"speculative_config": spec},
+                               f"speculative_config {json.dumps(spec)}")):
+        lm = get_model("vllm").create_from_arg_obj({**model_args, **extra})
+        for task in tasks:
+            before = vllm_spec_decode_stats(lm) if extra else {}
+            run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
+            if extra:
+                run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
+            runs[key][task] = run
+        _free(lm)
+    return runs, {"model_args": model_args, "speculative_config": spec,
+                  "patches_applied": applied}
+
+
+def compare(task: str, backend: str, baseline: TaskRun, speculative: TaskRun,
+            min_identical: float, metric_tolerance: float, settings: dict) -> TaskReport:
+    """Identical generations (per doc id) and equal metrics -> verdict."""
+    identical = sum(baseline.generations[d] == speculative.generations.get(d)
+                    for d in baseline.generations)
+    metrics_equal = set(baseline.metrics) == set(speculative.metrics) and all(
+        abs(baseline.metrics[k] - speculative.metrics[k]) <= metric_tolerance
+        for k in baseline.metrics)
+    docs = len(baseline.generations)
+    passed = (docs > 0 and identical >= min_identical * docs and metrics_equal
+              and set(baseline.generations) == set(speculative.generations))
+    settings = {**settings, "min_identical": min_identical, "metric_tolerance": metric_tolerance}
+    return TaskReport(task, backend, baseline, speculative, identical, metrics_equal, passed,
+                      settings)
+
+
+def _short(text: str, limit: int = 300) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def report_markdown(report: TaskReport, command: str) -> str:
+    """The ``lm_eval_<task>.md`` text of one task."""
+    b, s = report.baseline, report.speculative
+    lines = [f"# lm-eval validation: `{report.task}` ({report.backend})", "",
+             f"**{'PASS' if report.passed else 'FAIL'}**: {report.identical}/{report.docs} "
+             f"generations identical, metrics {'equal' if report.metrics_equal else 'DIFFER'} "
+             f"(required: at least {report.settings['min_identical']:.0%} identical, metrics "
+             f"within {report.settings['metric_tolerance']}).", "",
+             f"command: `{command}`", "",
+             "settings: `" + json.dumps(report.settings, default=str) + "`", "",
+             "| run | " + " | ".join(b.metrics) + " | seconds |",
+             "|---|" + "---|" * (len(b.metrics) + 1)]
+    for run in (b, s):
+        values = " | ".join(f"{run.metrics.get(k, float('nan')):.4f}" for k in b.metrics)
+        lines.append(f"| {run.label} | {values} | {run.seconds:.1f} |")
+    acc = s.acceptance or {}
+    lines += ["", "## Acceptance of the speculative run", ""]
+    if "depth_histogram" in acc:
+        mean_c, mean_d = acc["mean_committed_per_round"], acc["mean_accepted_depth"]
+        lines += [
+            "Reference engine `RoundStats`, prefill excluded, rounds up to the stop "
+            "sequence only.", "",
+            f"- mean committed tokens per round: {mean_c:.3f}" if mean_c is not None
+            else "- mean committed tokens per round: n/a (no rounds)",
+            f"- mean accepted depth: {mean_d:.3f}" if mean_d is not None
+            else "- mean accepted depth: n/a",
+            f"- rounds: {acc['rounds']}, tokens: {acc['tokens']}, requests: {acc['requests']}",
+            f"- decode seconds: {acc['seconds']:.1f} (no speculation: "
+            f"{(b.acceptance or {}).get('seconds', float('nan')):.1f})", "",
+            "| accepted depth | rounds |", "|---|---|",
+            *[f"| {d} | {n} |" for d, n in acc["depth_histogram"].items()],
+        ]
+    elif acc:
+        lines += ["vLLM spec-decode counters (hook `vllm_spec_decode_stats`, not yet "
+                  "validated on a GPU):", "", "```", json.dumps(acc, indent=1, default=str),
+                  "```"]
+    else:
+        lines.append("none recorded")
+    differing = [d for d in b.generations if b.generations[d] != s.generations.get(d)]
+    lines += ["", f"## Differing generations ({len(differing)})", ""]
+    for d in differing[:5]:
+        lines += [f"doc {d}, baseline:", "````", _short(b.generations[d]), "````",
+                  "speculative:", "````", _short(s.generations.get(d, "<missing>")), "````"]
+    if b.generations:
+        first = min(b.generations)
+        lines += ["", f"## Generation of doc {first} (baseline)", "", "````",
+                  _short(b.generations[first], 1000), "````"]
+    return "\n".join(lines) + "\n"
+
+
+def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
+             out_dir: Path | None = DEFAULT_OUT_DIR, command: str = "") -> list[TaskReport]:
+    """Run, compare and (with ``out_dir``) write the reports; returns them."""
+    args = args or parse_args([])
+    metadata = json.loads(args.metadata) if args.metadata else {}
+    gen_kwargs = {"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None
+    if backend == "ddtree-ref":
+        if args.pretrained:
+            metadata.setdefault("tokenizer", args.pretrained)
+        runs, settings = _run_ref(args, tasks, metadata, gen_kwargs)
+    elif backend == "vllm":
+        metadata.setdefault("pretrained", json.loads(args.model_args).get("pretrained"))
+        runs, settings = _run_vllm(args, tasks, metadata, gen_kwargs)
+    else:
+        raise ValueError(f"backend must be 'ddtree-ref' or 'vllm', got {backend!r}")
+    settings.update(limit=args.limit, max_gen_toks=args.max_gen_toks, metadata=metadata)
+    reports = []
+    for task in tasks:
+        report = compare(task, backend, runs["baseline"][task], runs["speculative"][task],
+                         args.min_identical, args.metric_tolerance, settings)
+        reports.append(report)
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / f"lm_eval_{task}.md").write_text(report_markdown(report, command))
+    return reports
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (also the defaults of ``validate``)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tasks", nargs="+", default=DEFAULT_TASKS)
+    p.add_argument("--backend", choices=["ddtree-ref", "vllm"], default="ddtree-ref")
+    p.add_argument("--limit", type=int, default=None, help="first N documents per task")
+    p.add_argument("--max-gen-toks", type=int, default=None, help="override the tasks' value")
+    p.add_argument("--metadata", default=None,
+                   help='task metadata as JSON, e.g. \'{"long_context_tokens": 16384}\'')
+    p.add_argument("--method", choices=["ddtree", "dflash"], default="ddtree",
+                   help="speculative method of the ddtree-ref run")
+    p.add_argument("--budget", type=int, default=32, help="DDTree tree nodes per round")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--pretrained", default=None, help="target dir (default: embedded pair)")
+    p.add_argument("--drafter", default=None, help="DFlash drafter dir (default: embedded)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model-args", default="{}", help="vllm backend: lm-eval model args, JSON")
+    p.add_argument("--speculative-config", default=None,
+                   help="vllm backend: JSON (default: ddtree with --drafter and --budget)")
+    p.add_argument("--apply-pending-patches", action="store_true",
+                   help="vllm backend: apply patches.PENDING_GPU_VALIDATION in-process")
+    p.add_argument("--min-identical", type=float, default=1.0,
+                   help="fraction of identical generations required (1.0 for fp32 ref)")
+    p.add_argument("--metric-tolerance", type=float, default=0.0)
+    p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
+    p.add_argument("--verbose", action="store_true", help="lm-eval's warnings and info")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = parse_args(argv)
+    if not args.verbose:
+        logging.getLogger("lm_eval").setLevel(logging.ERROR)
+    command = "python evals/validate.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))  # `patches` for the vllm backend
+    reports = validate(args.tasks, args.backend, args, args.out_dir, command)
+    for report in reports:
+        print(report.line())
+    return 0 if all(r.passed for r in reports) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

