@@ -114,6 +114,42 @@ def install_trace(max_steps: int) -> list:
             })
         return original_mqa(self, q, kv_cache, attn_metadata, layer)
 
+    from vllm_ddtree import speculator as speculator_mod
+
+    compactions: list = []
+    original_compact = speculator_mod.DDTreeSpeculator._compact_target_kv
+
+    def traced_compact(self, slot_mappings, query_start_loc, kv_src_rows):
+        record = None
+        if len(compactions) < max_steps:
+            groups = self.kv_cache_config.kv_cache_groups
+            record = {
+                "groups": [[type(g.kv_cache_spec).__name__, len(g.layer_names)] for g in groups],
+                "target_layers_by_group": {str(k): v[:2] + [len(v)] for k, v in
+                                           self._target_layers_by_group.items()},
+                "kv_src_rows": as_list(kv_src_rows[:2]),
+            }
+            if self._target_layers_by_group:
+                names = next(iter(self._target_layers_by_group.values()))
+                src, dst = speculator_mod.path_compaction_slots(
+                    slot_mappings[names[0]], query_start_loc, kv_src_rows)
+                cache = self.vllm_config.compilation_config.static_forward_context[
+                    names[0]].kv_cache
+                rows = speculator_mod.slot_rows_views(cache)[0]
+                ok = src >= 0
+                record.update(src=as_list(src[:8]), dst=as_list(dst[:8]),
+                              cache_shape=list(cache.shape), cache_stride=list(cache.stride()))
+                record["src_minus_dst_before"] = float(
+                    (rows[src[ok]].float() - rows[dst[ok]].float()).abs().sum())
+        original_compact(self, slot_mappings, query_start_loc, kv_src_rows)
+        if record is not None and "src" in record:
+            record["src_minus_dst_after"] = float(
+                (rows[src[ok]].float() - rows[dst[ok]].float()).abs().sum())
+        if record is not None:
+            compactions.append(record)
+
+    speculator_mod.DDTreeSpeculator._compact_target_kv = traced_compact
+    steps.append({"compactions": compactions})
     verifier_mod.DDTreeVerifier.__call__ = traced_call
     mla_backend.TreeMLAImpl.forward_mqa = traced_mqa
     return steps

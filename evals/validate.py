@@ -264,7 +264,8 @@ def report_markdown(report: TaskReport, command: str) -> str:
             else "- mean committed tokens per round: n/a (no rounds)",
             f"- mean accepted depth: {mean_d:.3f}" if mean_d is not None
             else "- mean accepted depth: n/a",
-            f"- rounds: {acc['rounds']}, tokens: {acc['tokens']}, requests: {acc['requests']}",
+            f"- rounds: {acc['rounds']}, tokens: {acc['tokens']}, requests: {acc['requests']} "
+            f"(longest prompt: {acc['prompt_tokens_max']} tokens)",
             f"- decode seconds: {acc['seconds']:.1f} (no speculation: "
             f"{(b.acceptance or {}).get('seconds', float('nan')):.1f})", "",
             "| accepted depth | rounds |", "|---|---|",

@@ -224,7 +224,6 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
-        from vllm.v1.kv_cache_interface import AttentionSpec
         from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
         if type(model_state) is not DefaultModelState:

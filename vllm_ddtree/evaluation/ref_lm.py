@@ -101,6 +101,7 @@ def acceptance_summary(records: list[dict]) -> dict:
         "requests": len(records),
         "rounds": rounds,
         "tokens": sum(r["tokens_used"] for r in records),
+        "prompt_tokens_max": max((r["prompt_tokens"] for r in records), default=0),
         "mean_committed_per_round": sum(committed) / rounds if rounds else None,
         "mean_accepted_depth": sum(depths) / rounds if rounds else None,
         "depth_histogram": dict(sorted(Counter(depths).items())),
