@@ -548,3 +548,31 @@ def test_target_layers_by_group_reads_uniform_type_groups():
     config.kv_cache_groups.append(KVCacheGroupSpec(["t.2"], mamba))
     with pytest.raises(NotImplementedError, match="t.2"):
         target_layers_by_group(config, {"d.0", "d.1", "d.2"})
+
+
+def test_compaction_reaches_every_group_sharing_one_storage():
+    """Found on the H200: vLLM gave each target MLA layer its own KV-cache group, all
+    backed by one storage tensor (disjoint block ids). Deduplicating caches by address
+    compacted only the first layer, and DDTree diverged from AR at the first
+    accepted off-chain node. Every group must move its own slots, exactly once."""
+    state = new_state()
+    spec = fake_speculator(state)
+    total = 2 * (1 + BUDGET)
+    qsl = torch.tensor([0, 1 + BUDGET, total], dtype=torch.int32)
+    storage = torch.zeros(400, 1, 2)
+    group_slots = {g: torch.arange(100 * g, 100 * g + total) for g in range(3)}
+    for g, slots in group_slots.items():
+        storage[slots, 0, 0] = 1000.0 * g + torch.arange(total, dtype=torch.float32)
+    spec._target_layers_by_group = {g: [f"target.{g}"] for g in group_slots}
+    spec.vllm_config = NS(compilation_config=NS(static_forward_context={
+        f"target.{g}": NS(kv_cache=storage) for g in group_slots}))
+    # request 0's path: rows 2, 3, 5 (row 3 is both a source and a destination)
+    kv_src_rows = torch.full((2, DEPTHS), -1, dtype=torch.int64)
+    kv_src_rows[0, :3] = torch.tensor([2, 3, 5])
+    spec._compact_target_kv({f"target.{g}": s for g, s in group_slots.items()}, qsl,
+                            kv_src_rows)
+    for g, slots in group_slots.items():
+        got = (storage[slots[:4], 0, 0] - 1000.0 * g).tolist()
+        assert got == [0.0, 2.0, 3.0, 5.0], f"group {g}: {got}"
+        assert (storage[slots[1 + BUDGET:], 0, 0] - 1000.0 * g).tolist() == list(
+            range(1 + BUDGET, total))

@@ -288,18 +288,25 @@ class DDTreeSpeculator(DFlashSpeculator):
         kv_src_rows: torch.Tensor,
     ) -> None:
         """Move accepted-path KV to the slots of positions ``seq+1..seq+a`` in every
-        target layer (drafter layers are rewritten by the context precompute)."""
+        target layer (drafter layers are rewritten by the context precompute).
+
+        vLLM lets layers of *different* KV-cache groups share one storage tensor (the
+        groups own disjoint block ids), so a cache is compacted once per group with
+        that group's slots; only layers of one group that alias the same cache
+        (KV sharing) are skipped, since a second pass over an overlapping path would
+        read already-moved rows.
+        """
         forward_context = self.vllm_config.compilation_config.static_forward_context
-        seen: set[int] = set()
         for layer_names in self._target_layers_by_group.values():
             src, dst = path_compaction_slots(
                 slot_mappings[layer_names[0]], query_start_loc, kv_src_rows
             )
+            seen_in_group: set[int] = set()
             for name in layer_names:
                 kv_cache = forward_context[name].kv_cache
-                if kv_cache.data_ptr() in seen:  # KV-sharing layers alias one cache
+                if kv_cache.data_ptr() in seen_in_group:
                     continue
-                seen.add(kv_cache.data_ptr())
+                seen_in_group.add(kv_cache.data_ptr())
                 for rows in slot_rows_views(kv_cache):
                     compact_kv_cache_(rows, src, dst)
 
