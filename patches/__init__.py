@@ -8,6 +8,7 @@ order of ``PATCH_MODULES``; the plugin entry point calls it in every process.
 from __future__ import annotations
 
 import importlib
+import os
 
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
 
@@ -31,12 +32,32 @@ PENDING_GPU_VALIDATION: list[str] = [
 ]
 
 
+# Opt-in for the runner path before it is validated: with this variable set to 1 in
+# the environment of `vllm serve` / the process that builds LLM(), every vLLM
+# process (they inherit the environment and call the plugin) also applies
+# PENDING_GPU_VALIDATION, so `method: ddtree` runs instead of being refused.
+EXPERIMENTAL_RUNNER_ENV = "VLLM_DDTREE_EXPERIMENTAL_RUNNER"
+
+
+def experimental_runner_enabled() -> bool:
+    """Whether ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1`` asks for the pending runner patches."""
+    value = os.environ.get(EXPERIMENTAL_RUNNER_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{EXPERIMENTAL_RUNNER_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def apply_all() -> list[str]:
-    """Apply every patch in ``PATCH_MODULES``; returns the names applied."""
+    """Apply every patch in ``PATCH_MODULES`` (and ``PENDING_GPU_VALIDATION`` when
+    ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1``); returns the names applied."""
     applied = []
     for name in PATCH_MODULES:
         importlib.import_module(f"patches.{name}").apply()
         applied.append(name)
+    if experimental_runner_enabled():
+        for name in PENDING_GPU_VALIDATION:
+            importlib.import_module(f"patches.{name}").apply()
+            applied.append(name)
     return applied
 
 
@@ -44,14 +65,15 @@ def apply_pending_gpu_validation() -> list[str]:
     """Apply ``PATCH_MODULES`` then ``PENDING_GPU_VALIDATION`` in this process only
     (GPU validation runs: call it in every vLLM process, e.g. in-process engine with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns the names applied."""
-    applied = apply_all()
-    for name in PENDING_GPU_VALIDATION:
+    applied = list(PATCH_MODULES) + list(PENDING_GPU_VALIDATION)
+    for name in applied:
         importlib.import_module(f"patches.{name}").apply()
-        applied.append(name)
     return applied
 
 
 __all__ = [
+    "EXPERIMENTAL_RUNNER_ENV",
+    "experimental_runner_enabled",
     "PENDING_GPU_VALIDATION",
     "SUPPORTED_VLLM_VERSION",
     "VllmVersionError",

@@ -34,9 +34,12 @@ def apply() -> None:
             if ddtree is not None:
                 check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config)
                 raise NotImplementedError(
-                    "speculative method 'ddtree' is validated but not yet wired into "
-                    "vLLM's V2 runner in this vllm-ddtree build; use the reference engine "
-                    "(vllm_ddtree.reference.generate) or method 'dflash' meanwhile"
+                    "speculative method 'ddtree': the config is valid, but vLLM's V2 runner "
+                    "path is experimental in this vllm-ddtree build (its equality with "
+                    "plain decoding is not yet confirmed on a GPU). To try it, set "
+                    "VLLM_DDTREE_EXPERIMENTAL_RUNNER=1 in the environment of the process "
+                    "that starts vLLM; otherwise use method 'dflash' or the reference "
+                    "engine (vllm_ddtree.reference.generate)"
                 )
             self.speculative_config = vllm_spec
         return original(self, target_model_config, target_parallel_config)

@@ -81,5 +81,5 @@ def test_engine_args_reject_bad_ddtree_spec_before_gpu_work(tmp_path):
         build({**spec, "ddtree_topk": 4})
     with pytest.raises(DDTreeConfigError, match="num_speculative_tokens"):
         build({**spec, "num_speculative_tokens": 1000})
-    with pytest.raises(NotImplementedError, match="not yet wired"):
+    with pytest.raises(NotImplementedError, match="VLLM_DDTREE_EXPERIMENTAL_RUNNER=1"):
         build(spec)

@@ -446,6 +446,40 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
     assert slots(dflash) == 14
 
 
+def test_experimental_runner_env_applies_pending_patches(monkeypatch):
+    """VLLM_DDTREE_EXPERIMENTAL_RUNNER=1 makes apply_all (the plugin, in every vLLM
+    process) apply the runner patches too; other values are refused by name."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    import patches
+
+    patches.apply_all()
+    for owner, name in [(model_runner, "init_speculator"),
+                        (EngineArgs, "create_speculative_config"),
+                        (Scheduler, "__init__"),
+                        (DefaultModelState, "custom_sampler"),
+                        (DefaultModelState, "prepare_inputs"),
+                        (DefaultModelState, "prepare_dummy_inputs")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
+                        SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
+
+    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "yes")
+    with pytest.raises(ValueError, match=patches.EXPERIMENTAL_RUNNER_ENV):
+        patches.apply_all()
+    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "0")
+    assert patches.apply_all() == patches.PATCH_MODULES
+    assert not getattr(model_runner.init_speculator, "_ddtree_patched", False)
+    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "1")
+    assert patches.apply_all() == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
+    assert model_runner.init_speculator._ddtree_patched
+    assert EngineArgs.create_speculative_config._ddtree_runner_path
+
+
 def test_target_backend_choice_for_mla_targets():
     from patches.speculative_config import choose_target_attention_backend
     from vllm_ddtree.config import DDTreeConfigError

@@ -342,6 +342,11 @@ class DDTreeVerifier:
     def _update_stats(self, walk: WalkResult, input_batch: Any) -> None:
         if self.state.accepted_sum is None or self.state.num_drafts is None:
             return
+        # V2 warm-up batches hold only warm-up requests (dummy drafts); vLLM's own
+        # spec-decode counters skip them too, so both reports count the same rounds.
+        req_ids = getattr(input_batch, "req_ids", None)
+        if req_ids and req_ids[0].startswith(_WARMUP_PREFIX):
+            return
         cu = input_batch.cu_num_logits
         num_reqs = walk.accepted_depth.shape[0]
         has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
