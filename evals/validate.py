@@ -192,11 +192,11 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lm_eval.api.registry import get_model
 
-    applied = []
-    if args.apply_pending_patches:  # DDTree's runner integration, pending GPU validation
-        from patches import apply_pending_gpu_validation
+    from patches import EXPERIMENTAL_RUNNER_ENV, apply_all
 
-        applied = apply_pending_gpu_validation()
+    if args.apply_pending_patches:  # DDTree's runner integration, pending GPU validation
+        os.environ[EXPERIMENTAL_RUNNER_ENV] = "1"
+    applied = apply_all()
     model_args = {"disable_log_stats": False, **json.loads(args.model_args)}
     if not args.speculative_config and not args.drafter:
         raise ValueError("vllm backend: give --speculative-config or --drafter")
