@@ -56,3 +56,31 @@ def test_target_perplexity_on_heldout_style_code(pair):
     with torch.no_grad():
         loss = pair.target(ids, labels=ids).loss
     assert torch.exp(loss) < 40  # a random 4096-token model sits near 4096
+
+
+def test_vllm_demo_refuses_without_cuda_and_reports_rounds(monkeypatch):
+    """`--engine vllm` names the fix on a CPU machine; its table counts one prefill
+    round per prompt plus one round per draft (AR: one per further token)."""
+    import torch as _torch
+
+    from vllm_ddtree import demo, demo_vllm
+
+    monkeypatch.setattr(_torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--engine reference"):
+        demo.run_demo(engine="vllm")
+    with pytest.raises(ValueError, match="'reference'"):
+        demo.run_demo(engine="tensorrt")
+    prompts = [[5, 6], [7]]
+    tokens = [[10, 11, 12, 13], [20, 21]]
+    results = {
+        "AR": {"method": "ar", "seconds": 2.0, "drafts": 0, "accepted": 0,
+               "prompts": prompts, "tokens": tokens, "text": "x"},
+        "DDTree": {"method": "ddtree", "seconds": 1.0, "drafts": 2, "accepted": 2,
+                   "prompts": prompts, "tokens": tokens, "text": "x"},
+    }
+    table = demo_vllm.format_report(results).splitlines()
+    ar_row = next(line for line in table if line.startswith("AR"))
+    dd_row = next(line for line in table if line.startswith("DDTree"))
+    assert ar_row.split()[1:3] == ["1.00", "6"]
+    assert dd_row.split()[1:3] == ["1.50", "4"] and dd_row.endswith("0.50x")
+    assert demo_vllm.speculative_config("ddtree", 8)["num_speculative_tokens"] == 8

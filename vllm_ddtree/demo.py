@@ -77,11 +77,12 @@ def humaneval_prompts(n: int) -> list[str]:
 def run_demo(num_prompts: int = 3, max_new_tokens: int = 64, budget: int = 32,
              engine: str = "reference") -> str:
     """Run AR, DFlash and DDTree on ``num_prompts`` prompts; returns the printed report."""
+    if engine == "vllm":
+        from vllm_ddtree.demo_vllm import run_demo_vllm
+
+        return run_demo_vllm(num_prompts, max_new_tokens, budget)
     if engine != "reference":
-        raise ValueError(
-            f"engine {engine!r}: only 'reference' (CPU, PyTorch) is available in this build; "
-            "the vLLM engine needs `method: ddtree` in vLLM (GPU)"
-        )
+        raise ValueError(f"engine {engine!r}: 'reference' (CPU, PyTorch) or 'vllm' (GPU)")
     pair = load_embedded_pair()
     lines = [f"models: {pair.label}"]
     if pair.tokenizer is not None:
