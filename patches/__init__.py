@@ -13,7 +13,7 @@ import os
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
-PATCH_MODULES: list[str] = ["speculative_config"]
+PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics"]
 
 # The V2-runner integration of DDTree, written against vLLM 0.26.0 on a CPU machine
 # and not yet run on a GPU. They are deliberately NOT in PATCH_MODULES (so the

@@ -426,7 +426,7 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
     monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
                         SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
 
-    assert patches.PATCH_MODULES == ["speculative_config"]
+    assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics"]
     assert set(patches.PENDING_GPU_VALIDATION).isdisjoint(patches.PATCH_MODULES)
     applied = patches.apply_pending_gpu_validation()
     assert applied == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
