@@ -413,18 +413,7 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
 
     import patches
 
-    patches.apply_all()
-    # Undo the pending patches after the test: other tests expect the plugin's
-    # released behaviour (method ddtree -> NotImplementedError).
-    for owner, name in [(model_runner, "init_speculator"),
-                        (EngineArgs, "create_speculative_config"),
-                        (Scheduler, "__init__"),
-                        (DefaultModelState, "custom_sampler"),
-                        (DefaultModelState, "prepare_inputs"),
-                        (DefaultModelState, "prepare_dummy_inputs")]:
-        monkeypatch.setattr(owner, name, getattr(owner, name))
-    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
-                        SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
+    undo_runner_patches_after_test(monkeypatch)
 
     assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics"]
     assert set(patches.PENDING_GPU_VALIDATION).isdisjoint(patches.PATCH_MODULES)
@@ -450,23 +439,11 @@ def test_experimental_runner_env_applies_pending_patches(monkeypatch):
     """VLLM_DDTREE_EXPERIMENTAL_RUNNER=1 makes apply_all (the plugin, in every vLLM
     process) apply the runner patches too; other values are refused by name."""
     import vllm.v1.worker.gpu.model_runner as model_runner
-    from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
     import patches
 
-    patches.apply_all()
-    for owner, name in [(model_runner, "init_speculator"),
-                        (EngineArgs, "create_speculative_config"),
-                        (Scheduler, "__init__"),
-                        (DefaultModelState, "custom_sampler"),
-                        (DefaultModelState, "prepare_inputs"),
-                        (DefaultModelState, "prepare_dummy_inputs")]:
-        monkeypatch.setattr(owner, name, getattr(owner, name))
-    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
-                        SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
+    undo_runner_patches_after_test(monkeypatch)
 
     monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "yes")
     with pytest.raises(ValueError, match=patches.EXPERIMENTAL_RUNNER_ENV):
@@ -610,3 +587,27 @@ def test_compaction_reaches_every_group_sharing_one_storage():
         assert got == [0.0, 2.0, 3.0, 5.0], f"group {g}: {got}"
         assert (storage[slots[1 + BUDGET:], 0, 0] - 1000.0 * g).tolist() == list(
             range(1 + BUDGET, total))
+
+
+def undo_runner_patches_after_test(monkeypatch) -> None:
+    """Apply the released patches, then make monkeypatch restore every attribute the
+    runner patches replace: other tests expect the plugin's released behaviour
+    (method ddtree refused)."""
+    import vllm.v1.worker.gpu.model_runner as model_runner
+    from vllm.config.speculative import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+    import patches
+
+    patches.apply_all()
+    for owner, name in [(model_runner, "init_speculator"),
+                        (EngineArgs, "create_speculative_config"),
+                        (Scheduler, "__init__"),
+                        (DefaultModelState, "custom_sampler"),
+                        (DefaultModelState, "prepare_inputs"),
+                        (DefaultModelState, "prepare_dummy_inputs")]:
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
+                        SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
