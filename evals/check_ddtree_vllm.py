@@ -41,13 +41,17 @@ def spec_decode_metrics(llm) -> dict:
     return values
 
 
-MIXED_PROMPT_TOKENS = [16, 40, 200, 600, 1200, 2000, 2600, 3000]
-MIXED_MAX_TOKENS = [64, 48, 96, 32, 80, 64, 40, 72]
+MIXED_PROMPT_TOKENS = [16, 40, 200, 600, 1200, 2000, 2600, 3000,  # greedy
+                       24, 700, 1800, 2900]  # sampled (temperature MIXED_TEMPERATURE)
+MIXED_MAX_TOKENS = [64, 48, 96, 32, 80, 64, 40, 72, 64, 56, 48, 64]
+MIXED_SAMPLED_FROM = 8
+MIXED_TEMPERATURE = 0.8
 
 
 def mixed_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
-    """8 prompts cut from standard-library source (present on every machine) to
-    ``MIXED_PROMPT_TOKENS`` tokens, with ``MIXED_MAX_TOKENS`` new tokens each."""
+    """12 prompts cut from standard-library source (present on every machine) to
+    ``MIXED_PROMPT_TOKENS`` tokens, with ``MIXED_MAX_TOKENS`` new tokens each; requests
+    ``MIXED_SAMPLED_FROM`` and later are sampled with a per-request seed."""
     import argparse as argparse_module
     import inspect
     import json as json_module
@@ -166,8 +170,9 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
     parser.add_argument("--mixed", action="store_true",
-                        help="8 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
-                        "max_num_seqs 4: requests arrive while others run")
+                        help="12 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
+                        "8 greedy then 4 seeded-sampled, max_num_seqs 4: requests arrive "
+                        "while others run")
     parser.add_argument("--trace", type=int, default=0,
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
@@ -207,10 +212,13 @@ def main() -> None:
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False, **extra)
-    params = [SamplingParams(temperature=args.temperature,
-                             seed=1000 + i if args.temperature else None,
+    temperatures = [args.temperature] * len(prompts)
+    if args.mixed:
+        temperatures = [0.0 if i < MIXED_SAMPLED_FROM else MIXED_TEMPERATURE
+                        for i in range(len(prompts))]
+    params = [SamplingParams(temperature=t, seed=1000 + i if t else None,
                              max_tokens=n, logprobs=2, ignore_eos=True)
-              for i, n in enumerate(max_tokens)]
+              for i, (n, t) in enumerate(zip(max_tokens, temperatures, strict=True))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -220,6 +228,7 @@ def main() -> None:
             top = sorted((v.logprob for v in lp.values()), reverse=True)
             gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
+                       "temperature": params[len(result)].temperature,
                        "text": completion.text, "top2_gap": gaps,
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:

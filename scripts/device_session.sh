@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Runs ON the accelerator machine (the `run` tool), after the kit parts were carried
+# (../shared/devkit/README.md). One call = one or more stages, each with its own time
+# limit, logs in $OUT/<stage>.log and one summary line per stage in $OUT/summary.txt:
+#
+#   source scripts/device_session.sh install ddtree pair kernels
+#
+# Stages:
+#   install  kit + this package (editable, offline)
+#   ddtree   tests/gpu/test_ddtree_vllm.py   (method ddtree vs AR, mixed batch; ~4 min)
+#   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
+#   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
+#   backend  tests/gpu/test_mla_backend_vllm.py tests/gpu/test_gqa_backend_vllm.py
+#   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
+#   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
+#   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
+OUT="${OUT:-/tmp/out}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/root/.triton-cache
+summary() { echo "$1 rc=$2 $(date +%T)" | tee -a "$OUT/summary.txt"; }
+stage_pytest() {  # name, timeout, pytest args...
+  local name="$1" limit="$2"; shift 2
+  timeout "$limit" python3 -m pytest -q -s -rA "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary "$name" "$rc"
+  grep -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)|passed|failed|mismatch|acceptance" \
+    "$OUT/$name.log" | grep -v "INFO\|WARNING" | tail -15
+}
+for stage in "$@"; do
+  case "$stage" in
+    install)
+      source .devkit/install-on-device.sh || return 1
+      python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+      summary install 0 ;;
+    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py ;;
+    oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
+    pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
+    backend) stage_pytest backend 300 tests/gpu/test_mla_backend_vllm.py \
+               tests/gpu/test_gqa_backend_vllm.py ;;
+    kernels) stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py \
+               tests/gpu/test_gqa_tree_kernel_gpu.py ;;
+    serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
+    bench)
+      timeout 400 python3 evals/bench_verify_attention.py --heads 8 64 \
+        --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 1 --max-minutes 3 \
+        > "$OUT/bench.log" 2>&1
+      summary bench $?
+      cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
