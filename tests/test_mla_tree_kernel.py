@@ -189,6 +189,19 @@ def test_no_sync_mode_matches():
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
 
 
+@needs_kernels
+def test_graph_sized_launch_matches():
+    """Under FULL CUDA graphs the backend sizes the KV split for max_model_len, far
+    above the batch's contexts: most splits are empty and must not change the result."""
+    batch = make_batch(MIXED, page_size=4)
+    out, lse = mla_tree_verify(**batch, validate_values=False, max_query_len=9,
+                               max_seq_len=4096, num_kv_splits=16)
+    assert_matches_reference(batch)
+    ref, ref_lse = mla_tree_verify(**batch)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
+
+
 # ---------------------------------------------------------------------------------------
 # The reference itself, against a brute-force dense computation.
 

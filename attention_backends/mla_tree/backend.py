@@ -34,6 +34,8 @@ class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
     ancestor_bits: torch.Tensor  # int64 [num_decode_tokens, W]
     max_query_len: int
     max_seq_len: int
+    # Longest context a CUDA-graph replay of this launch may see (max_model_len).
+    max_model_len: int
 
 
 @dataclass
@@ -48,6 +50,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, TreeMLAMetadata)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        self._max_model_len = vllm_config.model_config.max_model_len
         # Causal bits live in our own persistent buffer (stable address under
         # FULL CUDA graphs); the DDTree speculator provides the tree's.
         self._causal_bits = torch.zeros(
@@ -81,6 +84,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             ancestor_bits=bits,
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            max_model_len=self._max_model_len,
         )
 
 
@@ -140,6 +144,12 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
         assert decode is not None
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
+        max_seq_len = decode.max_seq_len
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # The number of KV splits is frozen into the graph and replayed for any
+            # context up to max_model_len: size it for the longest (the kernel reads
+            # each request's length at run time and skips splits past its keys).
+            max_seq_len = max(max_seq_len, decode.max_model_len)
         return mla_tree_verify(
             q,
             kv_c_and_k_pe_cache,
@@ -150,7 +160,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             self.scale,
             self.kv_lora_rank,
             max_query_len=decode.max_query_len,
-            max_seq_len=decode.max_seq_len,
+            max_seq_len=max_seq_len,
             validate_values=False,
         )
 
