@@ -50,6 +50,48 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int, min_ratio: float)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def run_step_loop(plan, cfg, opt, params, compute_loss, pending: list, bar: tqdm,
+                  flush, evaluate, log) -> int:
+    """The optimizer loop both trainers share; returns the number of steps taken.
+
+    Each step: cosine LR (``cfg.lr``, ``cfg.warmup_steps``, ``cfg.min_lr_ratio``),
+    ``compute_loss()`` (a scalar tensor; the caller samples its batch there), backward,
+    clipping at ``cfg.grad_clip``, optimizer step, ``pending.append(loss)``; then the
+    progress bar, ``flush(step)`` every ``cfg.log_every`` and ``evaluate(step)`` every
+    ``cfg.eval_every`` steps, until ``plan`` (a ``StepPlan``) says stop. Ends with a
+    final flush and evaluation and fills ``log``'s step count and timing.
+    """
+    plan.start()
+    step = 0
+    while not plan.finished(step):
+        lr = cosine_lr(step, plan.horizon(), cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        loss = compute_loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        pending.append(loss.detach())
+        step += 1
+        plan.after_step(step)
+        if bar.total != plan.total:
+            bar.total = plan.total
+        bar.update(1)
+        if step % cfg.log_every == 0:
+            flush(step)
+        if step % cfg.eval_every == 0:
+            evaluate(step)
+    flush(step)
+    if not log.eval_steps or log.eval_steps[-1] != step:
+        evaluate(step)
+    bar.close()
+    log.total_steps = step
+    log.seconds = plan.elapsed()
+    log.stopped_by_clock = plan.stopped_by_clock
+    return step
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

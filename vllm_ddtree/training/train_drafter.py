@@ -38,9 +38,9 @@ from vllm_ddtree.training.common import (
     BestKeeper,
     StepPlan,
     TrainLog,
-    cosine_lr,
     host_to_device,
     progress_bar,
+    run_step_loop,
 )
 from vllm_ddtree.training.drafter_forward import (
     block_labels,
@@ -299,12 +299,7 @@ def train_drafter(
             best.update(drafter, res["loss"], step)
             log.extra["eval_kept"] = res
 
-    plan.start()
-    step = 0
-    while not plan.finished(step):
-        lr = cosine_lr(step, plan.horizon(), cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-        for group in opt.param_groups:
-            group["lr"] = lr
+    def compute_loss() -> torch.Tensor:
         idx = torch.randint(0, len(pool), (cfg.batch_size,), generator=gen)
         anchors = sample_anchors(
             pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.anchors_per_seq, gen
@@ -313,28 +308,11 @@ def train_drafter(
         with autocast_for(device):
             logits, labels = _batch_logits(drafter, target, pool, idx, anchors)
             loss, stats = dflash_loss(logits, labels, cfg.loss_gamma)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
-        opt.step()
-        pending.append(loss.detach())
         taus.append(stats["tau"])
-        step += 1
-        plan.after_step(step)
-        if bar.total != plan.total:
-            bar.total = plan.total
-        bar.update(1)
-        if step % cfg.log_every == 0:
-            flush(step)
-        if step % cfg.eval_every == 0:
-            evaluate(step)
-    flush(step)
-    if not log.eval_steps or log.eval_steps[-1] != step:
-        evaluate(step)
-    bar.close()
-    log.total_steps = step
-    log.seconds = plan.elapsed()
-    log.stopped_by_clock = plan.stopped_by_clock
+        return loss
+
+    step = run_step_loop(plan, cfg, opt, drafter.parameters(), compute_loss, pending, bar,
+                         flush, evaluate, log)
     log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
     log.extra["kept_step"] = best.step if best.restore(drafter) else step
     drafter.eval()

@@ -23,9 +23,9 @@ from vllm_ddtree.training.common import (
     BestKeeper,
     StepPlan,
     TrainLog,
-    cosine_lr,
     host_to_device,
     progress_bar,
+    run_step_loop,
 )
 
 
@@ -180,36 +180,13 @@ def train_target(
         if cfg.keep_best:
             best.update(model, nll, step)
 
-    plan.start()
-    step = 0
-    while not plan.finished(step):
-        lr = cosine_lr(step, plan.horizon(), cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-        for group in opt.param_groups:
-            group["lr"] = lr
+    def compute_loss() -> torch.Tensor:
         windows = sample_windows(tokens, cfg.batch_size, cfg.seq_len + 1, gen)
         with autocast_for(device):
-            loss = lm_loss(model, windows)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        pending.append(loss.detach())
-        step += 1
-        plan.after_step(step)
-        if bar.total != plan.total:
-            bar.total = plan.total
-        bar.update(1)
-        if step % cfg.log_every == 0:
-            flush(step)
-        if step % cfg.eval_every == 0:
-            evaluate(step)
-    flush(step)
-    if not log.eval_steps or log.eval_steps[-1] != step:
-        evaluate(step)
-    bar.close()
-    log.total_steps = step
-    log.seconds = plan.elapsed()
-    log.stopped_by_clock = plan.stopped_by_clock
+            return lm_loss(model, windows)
+
+    step = run_step_loop(plan, cfg, opt, model.parameters(), compute_loss, pending, bar,
+                         flush, evaluate, log)
     log.extra["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
     log.extra["train_epochs"] = log.extra["tokens_seen"] / max(1, len(train_tokens))
     log.extra["kept_step"] = best.step if best.restore(model) else step
