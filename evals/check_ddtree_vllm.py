@@ -1,7 +1,7 @@
 """Tokens of the embedded pair under vLLM with ``method: ddtree`` (GPU), as JSON.
 
     python evals/check_ddtree_vllm.py --out tokens.json [--budget 32] [--graphs]
-        [--temperature 0.8] [--method ar]
+        [--temperature 0.8] [--method ar] [--extra-tokens 16]
 
 ``--method ar`` runs the target alone on the same runner (V2: its Sampler keys Gumbel
 noise by (request seed, position); V1's per-request generators do not) and the same
@@ -61,6 +61,27 @@ def mixed_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
     prompts = [ids[1000 * i: 1000 * i + n] for i, n in enumerate(MIXED_PROMPT_TOKENS)]
     assert all(len(p) == n for p, n in zip(prompts, MIXED_PROMPT_TOKENS, strict=True))
     return prompts, list(MIXED_MAX_TOKENS)
+
+
+def record_rounds() -> dict[str, list[int]]:
+    """Tokens committed per verified tree, per vLLM request id (a host sync per step:
+    for this check only)."""
+    from vllm_ddtree import verifier as verifier_mod
+
+    rounds: dict[str, list[int]] = {}
+    original_call = verifier_mod.DDTreeVerifier.__call__
+
+    def recording_call(self, logits, input_batch, draft_logits=None):
+        out = original_call(self, logits, input_batch, draft_logits)
+        cu = input_batch.cu_num_logits[: input_batch.num_reqs + 1].tolist()
+        sampled = out.num_sampled.tolist()
+        for i, req_id in enumerate(input_batch.req_ids):
+            if cu[i + 1] - cu[i] > 1 and not req_id.startswith("_warmup_"):
+                rounds.setdefault(req_id, []).append(sampled[i])
+        return out
+
+    verifier_mod.DDTreeVerifier.__call__ = recording_call
+    return rounds
 
 
 def install_trace(max_steps: int) -> list:
@@ -166,6 +187,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--extra-tokens", type=int, default=0,
+                        help="generate this many tokens more than asked for (every prompt): "
+                        "an AR reference that reaches past the end of the compared output, "
+                        "for check_ddtree_oracle_vllm.py's oracle drafts")
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
@@ -192,6 +217,7 @@ def main() -> None:
     from vllm_ddtree.runtime_state import DDTREE_STATE
 
     trace = install_trace(args.trace) if args.trace else None
+    rounds_by_req = record_rounds() if args.method == "ddtree" else {}
 
     target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -201,6 +227,7 @@ def main() -> None:
     if args.mixed:
         prompts, max_tokens = mixed_prompts(tokenizer)
         max_num_seqs = 4
+    max_tokens = [n + args.extra_tokens for n in max_tokens]
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k
@@ -227,13 +254,19 @@ def main() -> None:
         for lp in completion.logprobs or []:
             top = sorted((v.logprob for v in lp.values()), reverse=True)
             gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        # vLLM's internal request id is "<external id>-<8 hex>" (input_processor.py:240)
+        committed = [n for rid, rounds in rounds_by_req.items()
+                     if rid.rsplit("-", 1)[0] == out.request_id for n in rounds]
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
+                       "committed_per_round": committed,
                        "temperature": params[len(result)].temperature,
+                       "seed": params[len(result)].seed,
                        "text": completion.text, "top2_gap": gaps,
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:
         json.dump({"mode": args.method, "budget": args.budget, "graphs": args.graphs,
-                   "patches": applied, "outputs": result,
+                   "mixed": args.mixed, "max_num_seqs": max_num_seqs,
+                   "extra_tokens": args.extra_tokens, "patches": applied, "outputs": result,
                    "ddtree_mean_acceptance_length": (
                        DDTREE_STATE.mean_acceptance_length() if DDTREE_STATE.enabled else None),
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)

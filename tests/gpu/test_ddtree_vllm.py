@@ -104,6 +104,32 @@ def test_ddtree_greedy_equals_ar_and_accepts(ar_mixed, ddtree_mixed):
         assert vllm_mal == pytest.approx(mal, rel=0.02)
 
 
+def test_ddtree_acceptance_matches_reference_engine(ddtree_mixed):
+    """Same greedy prompts, same B: vLLM's committed tokens per round within 5 % of the
+    reference engine's (fp32). A gap means a wiring bug (target-layer offset, LM head,
+    window, RoPE)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.reference import generate
+    from vllm_ddtree.training.common import load_drafter
+
+    target = AutoModelForCausalLM.from_pretrained(CHECKPOINTS / "target",
+                                                  dtype=torch.float32).cuda().eval()
+    drafter = load_drafter(CHECKPOINTS / "drafter", device="cuda")
+    greedy, _ = split_by_temperature(ddtree_mixed)
+    vllm_rounds, ref_rounds = [], []
+    for out in greedy["outputs"]:
+        vllm_rounds += out["committed_per_round"]
+        ref = generate(target, drafter, out["prompt"], len(out["tokens"]), "ddtree",
+                       budget=ddtree_mixed["budget"])
+        ref_rounds += [s.committed for s in ref.stats]
+    got = sum(vllm_rounds) / len(vllm_rounds)
+    want = sum(ref_rounds) / len(ref_rounds)
+    print(f"B={ddtree_mixed['budget']}: committed per round vLLM {got:.3f} "
+          f"({len(vllm_rounds)} rounds), reference engine {want:.3f} ({len(ref_rounds)})")
+    assert got == pytest.approx(want, rel=0.05)
+
+
 def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     """Same request seeds: DDTree's target draws are keyed by (seed, position) exactly
     as plain decoding keys them, so the sampled tokens must agree."""
