@@ -75,7 +75,7 @@ def record_rounds() -> dict[str, list[int]]:
         out = original_call(self, logits, input_batch, draft_logits)
         cu = input_batch.cu_num_logits[: input_batch.num_reqs + 1].tolist()
         sampled = out.num_sampled.tolist()
-        for i, req_id in enumerate(input_batch.req_ids):
+        for i, req_id in enumerate(input_batch.req_ids[: input_batch.num_reqs]):
             if cu[i + 1] - cu[i] > 1 and not req_id.startswith("_warmup_"):
                 rounds.setdefault(req_id, []).append(sampled[i])
         return out

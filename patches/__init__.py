@@ -15,15 +15,12 @@ from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vll
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics"]
 
-# The V2-runner integration of DDTree, written against vLLM 0.26.0 on a CPU machine
-# and not yet run on a GPU. They are deliberately NOT in PATCH_MODULES (so the
-# plugin keeps refusing method 'ddtree' with NotImplementedError); once
-# tests/gpu/test_ddtree_vllm.py passes, move them into PATCH_MODULES (after
-# "speculative_config") and retire ddtree_frontend by letting
-# speculative_config.create_ddtree_speculative_config replace the raise.
-# Applied in this order by apply_pending_gpu_validation(); every one is idempotent.
+# The V2-runner integration of DDTree. It runs on the H200 but its equality with
+# plain decoding is not yet confirmed there, so it is applied only on request
+# (VLLM_DDTREE_EXPERIMENTAL_RUNNER=1, below); without it the front-end patch refuses
+# method 'ddtree'. Once tests/gpu/test_ddtree_vllm.py passes, move these into
+# PATCH_MODULES and drop the opt-in. Applied in this order; each is idempotent.
 PENDING_GPU_VALIDATION: list[str] = [
-    "ddtree_frontend",  # EngineArgs.create_speculative_config: ddtree -> runner path
     "drafting_slots",  # SpeculativeConfig.max_num_new_slots_for_drafting
     "scheduler_lookahead",  # Scheduler.__init__: num_lookahead_tokens = block_size
     "init_speculator",  # model_runner.init_speculator -> DDTreeSpeculator
@@ -65,6 +62,7 @@ def apply_pending_gpu_validation() -> list[str]:
     """Apply ``PATCH_MODULES`` then ``PENDING_GPU_VALIDATION`` in this process only
     (GPU validation runs: call it in every vLLM process, e.g. in-process engine with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns the names applied."""
+    os.environ[EXPERIMENTAL_RUNNER_ENV] = "1"  # the front-end patch reads it per call
     applied = list(PATCH_MODULES) + list(PENDING_GPU_VALIDATION)
     for name in applied:
         importlib.import_module(f"patches.{name}").apply()

@@ -33,6 +33,13 @@ def apply() -> None:
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
                 check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config)
+                from patches import experimental_runner_enabled
+
+                if experimental_runner_enabled():
+                    return create_ddtree_speculative_config(
+                        self, original, vllm_spec, ddtree, target_model_config,
+                        target_parallel_config,
+                    )
                 raise NotImplementedError(
                     "speculative method 'ddtree': the config is valid, but vLLM's V2 runner "
                     "path is experimental in this vllm-ddtree build (its equality with "
@@ -50,42 +57,46 @@ def apply() -> None:
 
 
 # --------------------------------------------------------------------------------
-# The runner path that will replace the NotImplementedError above once the V2
-# integration (PENDING_GPU_VALIDATION in patches/__init__.py) is validated on a GPU.
-# Until then only patches.ddtree_frontend (pending) reaches it.
+# The runner path (VLLM_DDTREE_EXPERIMENTAL_RUNNER=1, which also applies the runner
+# patches PENDING_GPU_VALIDATION in patches/__init__.py).
 # --------------------------------------------------------------------------------
 
-TREE_ATTENTION_BACKEND = "CUSTOM"  # attention_backends.mla_tree, see vllm_ddtree.register
+TREE_ATTENTION_BACKEND = "CUSTOM"  # see attention_backends.registration
 
 
 def choose_target_attention_backend(engine_args, target_model_config) -> None:
-    """Give an MLA target DDTree's tree-verify backend (``CUSTOM``) unless the user
-    chose one; refuse any other choice (it would verify the tree with a causal mask).
+    """Give the target DDTree's tree-verify backend (``CUSTOM``) unless the user chose
+    one; refuse any other choice (it would verify the tree with a causal mask).
+
+    ``CUSTOM`` is the MLA tree backend for MLA targets and the GQA one for others. The
+    kind goes into ``VLLM_DDTREE_TREE_BACKEND``, which vLLM's engine and worker
+    processes inherit, so the plugin's ``register()`` there registers the same class;
+    this process registers it at once.
 
     Runs inside ``create_speculative_config``, which ``create_engine_config`` calls
     (``arg_utils.py:2159``) before it turns ``engine_args.attention_backend`` into
     ``attention_config.backend`` (``arg_utils.py:2249-2259``).
     """
+    import os
+
+    from attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
     from vllm_ddtree.config import DDTreeConfigError
 
-    if not target_model_config.use_mla:
-        raise NotImplementedError(
-            "speculative method 'ddtree' needs an MLA target (DeepSeek-V3 / Kimi-K2 style) "
-            "in this build: the GQA tree kernel (attention_backends.gqa_tree) is not a vLLM "
-            "attention backend yet"
-        )
     chosen = engine_args.attention_backend
     config_backend = getattr(engine_args.attention_config, "backend", None)
+    if chosen is not None or config_backend is not None:
+        name = getattr(chosen or config_backend, "name", chosen or config_backend)
+        if str(name).upper() != TREE_ATTENTION_BACKEND:
+            raise DDTreeConfigError(
+                f"attention backend {name!r} cannot apply DDTree's tree mask: drop "
+                f"--attention-backend (DDTree selects {TREE_ATTENTION_BACKEND}) or pass "
+                f"--attention-backend {TREE_ATTENTION_BACKEND}"
+            )
+    kind = "mla" if target_model_config.use_mla else "gqa"
+    os.environ[TREE_BACKEND_ENV] = kind
+    register_tree_backend(kind)
     if chosen is None and config_backend is None:
         engine_args.attention_backend = TREE_ATTENTION_BACKEND
-        return
-    name = getattr(chosen or config_backend, "name", chosen or config_backend)
-    if str(name).upper() != TREE_ATTENTION_BACKEND:
-        raise DDTreeConfigError(
-            f"attention backend {name!r} cannot apply DDTree's tree mask: drop "
-            f"--attention-backend (DDTree selects {TREE_ATTENTION_BACKEND}) or pass "
-            f"--attention-backend {TREE_ATTENTION_BACKEND}"
-        )
 
 
 def create_ddtree_speculative_config(

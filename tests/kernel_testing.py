@@ -53,3 +53,48 @@ def compiled_shared_memory(script: str) -> list[int]:
             pytest.skip(f"Triton's CUDA toolchain is unavailable: {proc.stderr[-300:]}")
         raise AssertionError(proc.stderr[-3000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+VLLM_TRITON_OPS = (
+    "vllm.v1.attention.ops.triton_attention_helpers",
+    "vllm.v1.attention.ops.triton_unified_attention",
+    "vllm.v1.attention.ops.triton_reshape_and_cache_flash",
+)
+
+
+def interpreted_vllm_triton_ops() -> dict:
+    """Fresh copies of vLLM's Triton attention op modules built with the real ``triton``.
+
+    On CPU, vLLM replaces ``triton`` by a placeholder (``vllm.triton_utils``: no active
+    driver), so its kernels are plain functions. Re-executing the modules' source with
+    the real package (in Triton's interpreter, see conftest.py) makes them runnable.
+    ``sys.modules`` is restored; returns ``{module short name: module}``.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    import triton
+    import vllm.triton_utils as placeholder
+
+    real = types.ModuleType("vllm.triton_utils")
+    real.__dict__.update(placeholder.__dict__)
+    real.triton, real.tl, real.HAS_TRITON = triton, triton.language, True
+    real.tldevice = triton.language.extra.libdevice
+    saved = {name: sys.modules.get(name) for name in ("vllm.triton_utils", *VLLM_TRITON_OPS)}
+    modules = {}
+    try:
+        sys.modules["vllm.triton_utils"] = real
+        for name in VLLM_TRITON_OPS:
+            spec = importlib.util.find_spec(name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module  # later modules import the fresh helpers
+            spec.loader.exec_module(module)
+            modules[name.rsplit(".", 1)[1]] = module
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return modules

@@ -1,5 +1,8 @@
 """`method: ddtree` speculative configs: split into vLLM's part, and clear errors."""
 
+import os
+from types import SimpleNamespace
+
 import pytest
 from tiny_models import drafter_config, tiny_target
 
@@ -83,3 +86,34 @@ def test_engine_args_reject_bad_ddtree_spec_before_gpu_work(tmp_path):
         build({**spec, "num_speculative_tokens": 1000})
     with pytest.raises(NotImplementedError, match="VLLM_DDTREE_EXPERIMENTAL_RUNNER=1"):
         build(spec)
+
+
+def test_experimental_runner_builds_dflash_config_with_ddtree(monkeypatch, custom_backend_slot):
+    """With the opt-in, a valid DDTree spec becomes vLLM's DFlash config plus a
+    picklable ``ddtree`` dict, on the V2 runner, with the tree backend for the target;
+    the V1 runner is refused by name."""
+    from patches.speculative_config import create_ddtree_speculative_config
+    from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    monkeypatch.delenv("VLLM_DDTREE_TREE_BACKEND", raising=False)
+    seen = {}
+
+    def original(engine_args, target_model_config, target_parallel_config):
+        seen["spec"] = engine_args.speculative_config
+        return SimpleNamespace(method=engine_args.speculative_config["method"])
+
+    args = SimpleNamespace(attention_backend=None, attention_config=SimpleNamespace(backend=None),
+                           speculative_config=None)
+    vllm_spec = {"method": "dflash", "model": "/d", "num_speculative_tokens": 32}
+    config = create_ddtree_speculative_config(
+        args, original, vllm_spec, DDTreeConfig(budget=32, top_k=4),
+        SimpleNamespace(use_mla=True), None)
+    assert config.method == "dflash" and seen["spec"] is vllm_spec
+    assert config.ddtree == {"budget": 32, "top_k": 4}
+    assert args.attention_backend == "CUSTOM"
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    with pytest.raises(DDTreeConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
+        create_ddtree_speculative_config(args, original, vllm_spec, DDTreeConfig(budget=32),
+                                         SimpleNamespace(use_mla=True), None)

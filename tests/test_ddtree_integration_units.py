@@ -2,6 +2,7 @@
 verifier, runtime state, pending patches). The runner itself needs a GPU:
 tests/gpu/test_ddtree_vllm.py."""
 
+import os
 from types import SimpleNamespace as NS
 
 import numpy as np
@@ -454,23 +455,32 @@ def test_experimental_runner_env_applies_pending_patches(monkeypatch):
     monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "1")
     assert patches.apply_all() == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
     assert model_runner.init_speculator._ddtree_patched
-    assert EngineArgs.create_speculative_config._ddtree_runner_path
+    assert EngineArgs.create_speculative_config._ddtree_patched
 
 
-def test_target_backend_choice_for_mla_targets():
+def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from attention_backends.gqa_tree.backend import TreeGQABackend
+    from attention_backends.mla_tree.backend import TreeMLABackend
+    from attention_backends.registration import TREE_BACKEND_ENV
     from patches.speculative_config import choose_target_attention_backend
     from vllm_ddtree.config import DDTreeConfigError
 
+    monkeypatch.delenv(TREE_BACKEND_ENV, raising=False)  # restored after the test
     args = NS(attention_backend=None, attention_config=NS(backend=None))
-    choose_target_attention_backend(args, NS(use_mla=True))
+    choose_target_attention_backend(args, NS(use_mla=False))
     assert args.attention_backend == "CUSTOM"
+    assert os.environ[TREE_BACKEND_ENV] == "gqa"
+    assert AttentionBackendEnum.CUSTOM.get_class() is TreeGQABackend
     choose_target_attention_backend(args, NS(use_mla=True))  # CUSTOM chosen: fine
-    with pytest.raises(DDTreeConfigError, match="tree mask"):
-        choose_target_attention_backend(
-            NS(attention_backend="FLASHMLA", attention_config=NS(backend=None)),
-            NS(use_mla=True))
-    with pytest.raises(NotImplementedError, match="MLA target"):
-        choose_target_attention_backend(args, NS(use_mla=False))
+    assert os.environ[TREE_BACKEND_ENV] == "mla"
+    assert AttentionBackendEnum.CUSTOM.get_class() is TreeMLABackend
+    for chosen, target in (("FLASHMLA", True), ("FLASH_ATTN", False)):
+        with pytest.raises(DDTreeConfigError, match="tree mask"):
+            choose_target_attention_backend(
+                NS(attention_backend=chosen, attention_config=NS(backend=None)),
+                NS(use_mla=target))
 
 
 def test_set_attn_refuses_targets_without_the_tree_backend():
@@ -601,6 +611,8 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
 
     import patches
 
+    # apply_pending_gpu_validation sets the opt-in variable: restore it afterwards
+    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "0")
     patches.apply_all()
     for owner, name in [(model_runner, "init_speculator"),
                         (EngineArgs, "create_speculative_config"),
