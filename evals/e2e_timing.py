@@ -1,0 +1,280 @@
+"""Where a decoding step's time goes: CUDA events around vLLM 0.26's V2 runner stages.
+
+Used by ``evals/bench_e2e.py`` inside the process that runs the model (the engine runs
+in-process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, with the uni-process executor, which
+calls the runner synchronously from the engine loop's thread).
+
+One engine step of the V2 runner (``vllm/v1/worker/gpu/model_runner.py``) is
+``execute_model`` (input preparation + the target forward; for speculative methods the
+forward over ``[bonus, drafts...]`` is the *verify* pass) followed by ``sample_tokens``
+(sampler / rejection sampler / DDTree's tree walk, bookkeeping, then
+``speculator.propose``: the *draft* of the next round, ``model_runner.py:1507``). The
+engine core calls them in that order for every step (``v1/engine/core.py``
+``step_with_batch_queue``). We record a CUDA event pair on the current stream around
+
+- ``GPUModelRunner.execute_model``                 -> ``verify``
+- ``GPUModelRunner.sample_tokens``                 -> ``sample_tokens`` (contains draft)
+- ``DFlashSpeculator.propose`` / ``DDTreeSpeculator.propose`` -> ``draft`` (outermost
+  call only: ``DDTreeSpeculator.propose`` calls ``DFlashSpeculator.propose`` through
+  ``super()``, so a depth counter keeps the time from being counted twice)
+- ``DDTreeSpeculator._compact_target_kv``          -> ``compact`` (part of draft)
+
+Events are only recorded while ``StepTimer.active`` is set, never in dummy runs or
+during CUDA-graph capture, and never synchronized inside a step: ``StepTimer.end``
+synchronizes once after ``generate`` and converts the events to milliseconds. A span
+measures GPU-timeline time from the moment the stream reaches its start event to the
+moment it reaches its end event, so host time during which the GPU waits for the
+stage's launches is included in that stage; the gaps between stages (scheduler, output
+handling) end up in *other*.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+# Raw span labels recorded per step.
+VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT = "verify", "sample_tokens", "draft", "compact"
+SPAN_LABELS = (VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT)
+
+
+def _cuda_event():
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _cuda_capturing() -> bool:
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
+
+
+def _cuda_sync() -> None:
+    import torch
+
+    torch.cuda.synchronize()
+
+
+def is_decode_step(scheduler_output: Any, prompt_len: int | None) -> bool:
+    """Whether a scheduled step only continues requests past their prompt.
+
+    With ``prompt_len`` (every prompt of the measured batch has this length): no new
+    request, and every scheduled request has ``num_computed_tokens >= prompt_len``
+    (``CachedRequestData.num_computed_tokens``, ``v1/core/sched/output.py``). Without
+    it: every request schedules exactly ``1 + its draft tokens``.
+    """
+    if getattr(scheduler_output, "total_num_scheduled_tokens", 0) == 0:
+        return False
+    if getattr(scheduler_output, "scheduled_new_reqs", None):
+        return False
+    scheduled = scheduler_output.num_scheduled_tokens
+    if prompt_len is not None:
+        cached = scheduler_output.scheduled_cached_reqs
+        computed = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        return all(computed.get(req_id, -1) >= prompt_len for req_id in scheduled)
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    return all(n == 1 + len(spec.get(req_id, ())) for req_id, n in scheduled.items())
+
+
+def _arg(args: tuple, kwargs: dict, names: list[str], name: str, default=None):
+    """Argument ``name`` of a call ``f(self, *args, **kwargs)`` whose parameters after
+    ``self`` are ``names``."""
+    if name in kwargs:
+        return kwargs[name]
+    if name in names:
+        index = names.index(name)
+        if index < len(args):
+            return args[index]
+    return default
+
+
+class StepTimer:
+    """Records per-step CUDA event spans of vLLM's V2 runner (see the module doc)."""
+
+    def __init__(self, event_factory: Callable[[], Any] = _cuda_event,
+                 capturing: Callable[[], bool] = _cuda_capturing,
+                 synchronize: Callable[[], None] = _cuda_sync):
+        self.event_factory = event_factory
+        self.capturing = capturing
+        self.synchronize = synchronize
+        self.active = False
+        self.prompt_len: int | None = None
+        self.raw_steps: list[dict] = []
+        self._current: dict | None = None
+        self._depth: dict[str, int] = {}
+        self._suppressed = 0
+        self.installed: list[str] = []
+
+    # -- measurement window -------------------------------------------------------------
+
+    def begin(self, prompt_len: int | None) -> None:
+        self.raw_steps = []
+        self._current = None
+        self._depth = {}
+        self._suppressed = 0
+        self.prompt_len = prompt_len
+        self.active = True
+
+    def end(self) -> list[dict]:
+        """Stop recording; synchronize once; per step: ``decode``, ``tokens``,
+        ``start`` / ``end`` (ms from the first step's start) and ms per span label."""
+        self.active = False
+        self._current = None
+        if not self.raw_steps:
+            return []
+        self.synchronize()
+        ref = self.raw_steps[0]["spans"][VERIFY][0][0]
+        steps = []
+        for raw in self.raw_steps:
+            spans = raw["spans"]
+            start = ref.elapsed_time(spans[VERIFY][0][0])
+            last = spans.get(SAMPLE_TOKENS) or spans[VERIFY]
+            step = {"decode": raw["decode"], "tokens": raw["tokens"], "start": start,
+                    "end": ref.elapsed_time(last[-1][1])}
+            for label in SPAN_LABELS:
+                step[label] = sum(e0.elapsed_time(e1) for e0, e1 in spans.get(label, ()))
+            steps.append(step)
+        return steps
+
+    # -- wrappers -----------------------------------------------------------------------
+
+    def _recording(self) -> bool:
+        return self.active and not self.capturing()
+
+    def wrap_step(self, cls: type, name: str = "execute_model") -> None:
+        """``cls.name(self, scheduler_output, ..., dummy_run=False, ...)`` starts a step."""
+        original = cls.__dict__[name]
+        if getattr(original, "_e2e_timer", None) is self:
+            return
+        names = list(inspect.signature(original).parameters)[1:]
+        timer = self
+
+        def wrapper(runner, *args, **kwargs):
+            scheduler_output = _arg(args, kwargs, names, "scheduler_output",
+                                    args[0] if args else None)
+            if (not timer._recording() or _arg(args, kwargs, names, "dummy_run", False)
+                    or scheduler_output is None
+                    or not getattr(scheduler_output, "total_num_scheduled_tokens", 0)):
+                return original(runner, *args, **kwargs)
+            step = {"decode": is_decode_step(scheduler_output, timer.prompt_len),
+                    "tokens": int(scheduler_output.total_num_scheduled_tokens),
+                    "spans": {}}
+            timer._current = None
+            start = timer.event_factory()
+            try:
+                return original(runner, *args, **kwargs)
+            finally:
+                step["spans"][VERIFY] = [(start, timer.event_factory())]
+                timer.raw_steps.append(step)
+                timer._current = step
+
+        self._install(cls, name, original, wrapper)
+
+    def wrap_span(self, cls: type, name: str, label: str) -> None:
+        """Record ``cls.name`` as span ``label`` of the current step (outermost call
+        only; ``dummy_run=True`` calls are skipped)."""
+        original = cls.__dict__[name]
+        if getattr(original, "_e2e_timer", None) is self:
+            return
+        names = list(inspect.signature(original).parameters)[1:]
+        timer = self
+
+        def wrapper(obj, *args, **kwargs):
+            step = timer._current
+            depth = timer._depth.get(label, 0)
+            dummy = bool(_arg(args, kwargs, names, "dummy_run", False))
+            if step is None or depth or dummy or timer._suppressed or not timer._recording():
+                # Pass through; a dummy run also hides the spans nested in it.
+                timer._depth[label] = depth + 1
+                timer._suppressed += dummy
+                try:
+                    return original(obj, *args, **kwargs)
+                finally:
+                    timer._depth[label] = depth
+                    timer._suppressed -= dummy
+            timer._depth[label] = 1
+            start = timer.event_factory()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                step["spans"].setdefault(label, []).append((start, timer.event_factory()))
+                timer._depth[label] = 0
+
+        self._install(cls, name, original, wrapper)
+
+    def _install(self, cls: type, name: str, original, wrapper) -> None:
+        wrapper.__name__ = getattr(original, "__name__", name)
+        wrapper.__qualname__ = getattr(original, "__qualname__", name)
+        wrapper.__doc__ = getattr(original, "__doc__", None)
+        wrapper.__wrapped__ = original
+        wrapper._e2e_timer = self
+        setattr(cls, name, wrapper)
+        self.installed.append(f"{cls.__module__}.{cls.__qualname__}.{name}")
+
+    def install_vllm(self) -> list[str]:
+        """Wrap vLLM 0.26's V2 runner and speculators (and DDTree's when importable)."""
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+        self.wrap_step(GPUModelRunner, "execute_model")
+        self.wrap_span(GPUModelRunner, "sample_tokens", SAMPLE_TOKENS)
+        self.wrap_span(DFlashSpeculator, "propose", DRAFT)
+        try:
+            from vllm_ddtree.speculator import DDTreeSpeculator
+        except ImportError:
+            return self.installed
+        if "propose" in DDTreeSpeculator.__dict__:
+            self.wrap_span(DDTreeSpeculator, "propose", DRAFT)
+        if "_compact_target_kv" in DDTreeSpeculator.__dict__:
+            self.wrap_span(DDTreeSpeculator, "_compact_target_kv", COMPACT)
+        return self.installed
+
+
+# ---------------------------------------------------------------------------------------
+# Arithmetic (pure Python; tested on CPU)
+
+
+def summarize_steps(steps: list[dict]) -> dict | None:
+    """Decode-step figures from ``StepTimer.end`` output, in ms.
+
+    ``decode_ms`` spans from the first decode step's start to the last one's end (GPU
+    timeline, so gaps between steps count); ``step_ms = decode_ms / steps``. Per step
+    (means): ``draft`` (propose), ``verify`` (execute_model: input preparation + target
+    forward), ``sample`` (sample_tokens minus draft: sampler / rejection / tree walk and
+    bookkeeping), ``compact`` (DDTree's KV compaction, inside draft) and
+    ``other = step - draft - verify`` (sample + host gaps), so
+    ``draft + verify + other == step`` exactly.
+    """
+    decode = [s for s in steps if s["decode"]]
+    if not decode:
+        return None
+    n = len(decode)
+    decode_ms = decode[-1]["end"] - decode[0]["start"]
+    durations = [b["start"] - a["start"] for a, b in zip(decode, decode[1:], strict=False)]
+    durations.append(decode[-1]["end"] - decode[-1]["start"])
+    draft = sum(s[DRAFT] for s in decode) / n
+    verify = sum(s[VERIFY] for s in decode) / n
+    sample = sum(s[SAMPLE_TOKENS] - s[DRAFT] for s in decode) / n
+    compact = sum(s[COMPACT] for s in decode) / n
+    return split_step(decode_ms, n, draft, verify) | {
+        "sample_ms": sample,
+        "compact_ms": compact,
+        "step_ms_median": statistics.median(durations),
+        "step_ms_max": max(durations),
+        "prefill_steps": len(steps) - n,
+        "prefill_tokens": sum(s["tokens"] for s in steps if not s["decode"]),
+    }
+
+
+def split_step(decode_ms: float, steps: int, draft_ms: float, verify_ms: float) -> dict:
+    """``step_ms = decode_ms / steps`` split into draft, verify and the rest."""
+    if steps <= 0:
+        raise ValueError("no decode steps")
+    step = decode_ms / steps
+    return {"decode_ms": decode_ms, "steps": steps, "step_ms": step, "draft_ms": draft_ms,
+            "verify_ms": verify_ms, "other_ms": step - draft_ms - verify_ms}

@@ -1,0 +1,437 @@
+"""The end-to-end benchmark's CPU parts (evals/bench_e2e.py and its helpers): model
+configs, argument parsing, prompts, the step-split arithmetic, the runner hooks (on fake
+runner classes), the markdown/PNG writer and the parent/child plumbing (``--fake``)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+import bench_e2e  # noqa: E402
+import e2e_models  # noqa: E402
+import e2e_timing  # noqa: E402
+from bench_e2e import RunSpec, parse_args  # noqa: E402
+
+# ---------------------------------------------------------------------------------------
+# Model configs
+
+
+@pytest.mark.parametrize("heads", [8, 64])
+def test_kimi_configs_have_the_anchor_shapes_and_pass_the_drafter_checks(heads, tmp_path):
+    from transformers import AutoConfig
+
+    from vllm_ddtree.config import check_drafter_for_target
+    from vllm_ddtree.drafter_config import resolve_layer_attention
+
+    target_dir, drafter_dir = e2e_models.write_kimi_pair(tmp_path, heads)
+    assert sorted(p.name for p in target_dir.iterdir()) == ["config.json"]  # dummy load
+    target = AutoConfig.from_pretrained(target_dir)
+    assert target.architectures == ["DeepseekV3ForCausalLM"]
+    assert (target.hidden_size, target.num_attention_heads, target.q_lora_rank,
+            target.kv_lora_rank, target.qk_rope_head_dim, target.vocab_size) == (
+        7168, heads, 1536, 512, 64, 163840)
+    assert target.num_hidden_layers == target.first_k_dense_replace == 4  # dense only
+    assert target.max_position_embeddings >= 131072 + 4096
+
+    check_drafter_for_target(str(drafter_dir), target)
+    drafter = AutoConfig.from_pretrained(drafter_dir)
+    assert drafter.architectures == ["DFlashDraftModel"]
+    assert (drafter.num_hidden_layers, drafter.hidden_size, drafter.num_attention_heads,
+            drafter.num_key_value_heads, drafter.block_size) == (6, 7168, 64, 8, 8)
+    windows = [resolve_layer_attention(drafter, i)[0] for i in range(6)]
+    assert windows == [4096] * 5 + [None]
+    ids = drafter.dflash_config["target_layer_ids"]
+    assert len(set(ids)) == len(ids) and max(ids) < target.num_hidden_layers
+
+
+def test_prepare_setup_paths_and_positions(tmp_path):
+    trained = e2e_models.prepare_setup(e2e_models.SETUPS["trained"], tmp_path)
+    assert (trained.target / "config.json").exists() and trained.tokenizer_file.exists()
+    assert e2e_models.read_config(trained.target)["max_position_embeddings"] == 4096
+    kimi = e2e_models.prepare_setup(e2e_models.SETUPS["kimi8"], tmp_path,
+                                    min_positions=300_000)
+    assert kimi.max_positions == 524288 and kimi.tokenizer_file is None
+    assert e2e_models.read_config(kimi.target)["max_position_embeddings"] == 524288
+    assert e2e_models.read_config(kimi.drafter)["max_position_embeddings"] == 524288
+    kv = e2e_models.kv_cache_bytes(e2e_models.read_config(kimi.target),
+                                   e2e_models.read_config(kimi.drafter), 131072, 8)
+    assert kv["target"] == 4 * 576 * 2 * 131072 * 8  # MLA latent + rope, 4 layers, bf16
+    assert kv["drafter"] == 2 * 8 * 128 * 2 * (5 * 4096 + 131072) * 8  # 5 windows + 1 full
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments, runs, cells
+
+
+def test_run_specs_parse_and_speculative_configs():
+    kimi, trained = e2e_models.SETUPS["kimi64"], e2e_models.SETUPS["trained"]
+    assert RunSpec.parse("ar@flash_attn_mla") == RunSpec("ar", "FLASH_ATTN_MLA")
+    assert RunSpec.parse("ddtree-64").name == "ddtree-64"
+    assert RunSpec.parse("ddtree-64@CUSTOM") == RunSpec("ddtree", "CUSTOM", 64)
+    with pytest.raises(ValueError, match="tree backend"):
+        RunSpec.parse("ddtree-64@FLASH_ATTN_MLA")
+    with pytest.raises(ValueError):
+        RunSpec.parse("eagle@X")
+    assert RunSpec.parse("ar@TRITON_MLA").speculative_config(kimi, "/d") is None
+    assert RunSpec.parse("dflash@TRITON_MLA").speculative_config(kimi, "/d") == {
+        "method": "dflash", "model": "/d", "num_speculative_tokens": 7}
+    assert RunSpec.parse("dflash@TRITON_MLA").num_spec_tokens(trained) == 15
+    assert RunSpec.parse("ddtree-32").speculative_config(trained, "/d") == {
+        "method": "ddtree", "model": "/d", "num_speculative_tokens": 32}
+    with pytest.raises(NotImplementedError, match="not implemented yet"):
+        RunSpec.parse("ddtree-auto").speculative_config(kimi, "/d")
+
+
+def test_parse_args_defaults_quick_and_errors(capsys):
+    args = parse_args([])
+    assert args.setups == ["trained", "kimi64", "kimi8"]
+    assert args.contexts == [1024, 16384, 65536, 131072] and args.batches == [1, 8]
+    names = [r.name for r in args.run_specs]
+    assert names == ["ar@FLASH_ATTN_MLA", "ar@TRITON_MLA", "ar@CUSTOM",
+                     "dflash@FLASH_ATTN_MLA", "dflash@TRITON_MLA",
+                     "ddtree-16", "ddtree-32", "ddtree-64", "ddtree-128"]
+
+    quick = parse_args(["--quick"])
+    assert quick.setups == ["kimi64"] and quick.contexts == [1024, 32768]
+    assert quick.batches == [1]
+    assert [r.name for r in quick.run_specs] == bench_e2e.QUICK["runs"]
+    custom = parse_args(["--quick", "--setup", "trained", "--contexts", "2k", "512",
+                         "--budgets", "8"])
+    assert custom.setups == ["trained"] and custom.contexts == [512, 2048]
+    assert [r.name for r in custom.run_specs][-1] == "ddtree-8"
+
+    for bad in (["--budgets", "auto"], ["--runs", "ddtree-auto"], ["--runs", "nope"],
+                ["--contexts", "12x"], ["--max-tokens", "1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "not implemented yet" in capsys.readouterr().err
+
+
+def test_plan_cells_skips_what_cannot_run():
+    trained, kimi = e2e_models.SETUPS["trained"], e2e_models.SETUPS["kimi8"]
+    runs = [RunSpec.parse("ddtree-128")]
+    margin = bench_e2e.sequence_margin(runs, trained)
+    cells, skipped = bench_e2e.plan_cells(trained, [1024, 16384], [1, 8], ["code", "random"],
+                                          128, margin)
+    assert cells == [(1024, 1, "code"), (1024, 8, "code"), (1024, 1, "random"),
+                     (1024, 8, "random")]
+    assert {s[0] for s in skipped} == {16384}
+    assert all("max_position_embeddings (4096)" in s[3] for s in skipped)
+    cells, skipped = bench_e2e.plan_cells(kimi, [131072], [8], ["code", "random"], 128, margin)
+    assert cells == [(131072, 8, "random")] and "no tokenizer" in skipped[0][3]
+
+
+def test_llm_kwargs_for_each_method():
+    spec = {"setup": "kimi64", "run": "ddtree-128", "target": "/t", "drafter": "/d",
+            "max_model_len": 140000, "max_num_seqs": 8, "gpu_mem": 0.85, "eager": False,
+            "prime": "cache", "llm_kwargs": {}}
+    kw = bench_e2e.llm_kwargs(spec)
+    assert "attention_backend" not in kw and kw["load_format"] == "dummy"
+    assert kw["speculative_config"]["method"] == "ddtree" and kw["enable_prefix_caching"]
+    # 8 x (1 + 128) = 1032 verify tokens: graphs must be captured past vLLM's 512 default
+    assert kw["compilation_config"]["max_cudagraph_capture_size"] == 1040
+    kw = bench_e2e.llm_kwargs(dict(spec, run="ar@TRITON_MLA", prime="none",
+                                   llm_kwargs={"compilation_config": {"mode": 0}}))
+    assert kw["attention_backend"] == "TRITON_MLA" and kw["speculative_config"] is None
+    assert kw["compilation_config"] == {"mode": 0} and not kw["enable_prefix_caching"]
+    kw = bench_e2e.llm_kwargs(dict(spec, setup="trained", run="dflash@FLASH_ATTN_MLA",
+                                   eager=True))
+    assert "load_format" not in kw and kw["enforce_eager"]
+    assert kw["speculative_config"]["num_speculative_tokens"] == 15
+    assert "compilation_config" not in kw
+
+
+# ---------------------------------------------------------------------------------------
+# Prompts
+
+
+def test_random_prompts_have_exact_lengths_and_range():
+    prompts = e2e_models.random_prompts(3, 777, (1000, 163584), seed=5)
+    assert [len(p) for p in prompts] == [777] * 3
+    assert min(min(p) for p in prompts) >= 1000 and max(max(p) for p in prompts) < 163584
+    assert prompts != e2e_models.random_prompts(3, 777, (1000, 163584), seed=6)
+    assert prompts == e2e_models.random_prompts(3, 777, (1000, 163584), seed=5)
+    assert e2e_models.cell_seed(1024, 1) != e2e_models.cell_seed(1024, 8)
+
+
+def test_code_prompts_are_disjoint_slices_of_stdlib_source():
+    tokenizer = e2e_models.load_tokenizer(e2e_models.CHECKPOINTS / "target" / "tokenizer.json")
+    setup = e2e_models.SETUPS["trained"]
+    prompts = e2e_models.make_prompts("code", 8, 1000, setup, tokenizer)
+    assert [len(p) for p in prompts] == [1000] * 8
+    assert len({tuple(p) for p in prompts}) == 8
+    text = tokenizer.decode(prompts[0])
+    assert "argparse" in text or "import" in text
+    assert [len(p) for p in e2e_models.make_prompts("random", 2, 33, setup)] == [33, 33]
+    with pytest.raises(ValueError, match="tokenizer"):
+        e2e_models.make_prompts("code", 1, 10, e2e_models.SETUPS["kimi8"])
+
+
+# ---------------------------------------------------------------------------------------
+# Step split
+
+
+def _step(decode, start, end, verify, sample_tokens=0.0, draft=0.0, compact=0.0, tokens=1):
+    return {"decode": decode, "tokens": tokens, "start": start, "end": end,
+            "verify": verify, "sample_tokens": sample_tokens, "draft": draft,
+            "compact": compact}
+
+
+def test_summarize_steps_split_adds_up():
+    steps = [_step(False, 0.0, 50.0, 45.0, 5.0, 2.0, tokens=4096),
+             _step(True, 51.0, 55.0, 2.0, 1.5, 1.0, 0.1),
+             _step(True, 56.0, 60.5, 2.5, 1.5, 1.0, 0.1),
+             _step(True, 61.0, 65.0, 2.0, 1.8, 1.2, 0.1)]
+    s = e2e_timing.summarize_steps(steps)
+    assert s["steps"] == 3 and s["decode_ms"] == pytest.approx(14.0)
+    assert s["step_ms"] == pytest.approx(14.0 / 3)
+    assert s["draft_ms"] + s["verify_ms"] + s["other_ms"] == pytest.approx(s["step_ms"])
+    assert s["verify_ms"] == pytest.approx(6.5 / 3) and s["draft_ms"] == pytest.approx(3.2 / 3)
+    assert s["sample_ms"] == pytest.approx((4.8 - 3.2) / 3)
+    assert s["compact_ms"] == pytest.approx(0.1)
+    assert s["step_ms_median"] == pytest.approx(5.0) and s["step_ms_max"] == pytest.approx(5.0)
+    assert (s["prefill_steps"], s["prefill_tokens"]) == (1, 4096)
+    assert e2e_timing.summarize_steps([steps[0]]) is None
+    split = e2e_timing.split_step(10.0, 4, 1.0, 0.75)
+    assert split["other_ms"] == pytest.approx(0.75)
+
+
+def test_cell_row_acceptance_and_throughput():
+    base = {"setup": "trained", "run": "ddtree-32", "method": "ddtree", "backend": "CUSTOM",
+            "budget": 32, "context": 1024, "batch": 2, "kind": "code", "max_tokens": 65}
+    summary = e2e_timing.split_step(40.0, 20, 0.5, 1.0) | {
+        "sample_ms": 0.2, "compact_ms": 0.1, "step_ms_median": 2.0, "step_ms_max": 2.5,
+        "prefill_steps": 1, "prefill_tokens": 128}
+    counters = {"vllm:spec_decode_num_drafts": 40.0,
+                "vllm:spec_decode_num_accepted_tokens": 88.0,
+                "vllm:spec_decode_num_draft_tokens": 40.0 * 32}
+    row = bench_e2e.cell_row(base, summary, counters, wall_s=0.05, produced=[65, 65])
+    assert row["status"] == "ok" and row["note"] == ""
+    assert row["acceptance_length"] == pytest.approx(3.2)
+    assert row["accepted_depth"] == pytest.approx(2.2)
+    assert row["rounds_per_request"] == pytest.approx(20.0)
+    assert row["tokens_per_s"] == pytest.approx(2 * 64 / 0.040)
+    assert row["draft_ms"] + row["verify_ms"] + row["other_ms"] == pytest.approx(row["step_ms"])
+
+    ar = dict(base, run="ar@CUSTOM", method="ar", budget=None)
+    row = bench_e2e.cell_row(ar, None, {}, wall_s=0.128, produced=[65, 60])
+    assert row["acceptance_length"] == 1.0 and row["step_ms"] == pytest.approx(2.0)
+    assert "no runner events" in row["note"] and "produced" in row["note"]
+    missed = dict(summary, prefill_tokens=2048, step_ms_max=50.0)
+    note = bench_e2e.cell_row(base, missed, counters, wall_s=0.05)["note"]
+    assert "prefix cache missed" in note and "slowest step" in note
+
+
+# ---------------------------------------------------------------------------------------
+# Runner hooks on fake vLLM classes
+
+
+class FakeEvent:
+    clock = [0.0]
+
+    def __init__(self):
+        FakeEvent.clock[0] += 1.0
+        self.t = FakeEvent.clock[0]
+
+    def elapsed_time(self, other):
+        return other.t - self.t
+
+
+class FakeSchedulerOutput:
+    def __init__(self, new, computed):
+        self.scheduled_new_reqs = ["r0"] if new else []
+        self.num_scheduled_tokens = {f"r{i}": 1 for i in range(len(computed))}
+        self.total_num_scheduled_tokens = len(computed)
+        self.scheduled_cached_reqs = type("C", (), {
+            "req_ids": [f"r{i}" for i in range(len(computed))],
+            "num_computed_tokens": computed})()
+
+
+class FakeRunner:
+    def __init__(self, speculator):
+        self.speculator = speculator
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        return None
+
+    def sample_tokens(self, grammar_output):
+        if self.speculator is not None:
+            self.speculator.propose(None, dummy_run=False)
+
+
+class FakeChain:
+    def propose(self, input_batch, dummy_run=False):
+        return "chain"
+
+
+class FakeTree(FakeChain):
+    def propose(self, input_batch, dummy_run=False):
+        self._compact_target_kv()
+        return super().propose(input_batch, dummy_run=dummy_run)
+
+    def _compact_target_kv(self):
+        pass
+
+
+def test_step_timer_hooks_count_nested_propose_once():
+    timer = e2e_timing.StepTimer(event_factory=FakeEvent, capturing=lambda: False,
+                                 synchronize=lambda: None)
+    timer.wrap_step(FakeRunner, "execute_model")
+    timer.wrap_span(FakeRunner, "sample_tokens", e2e_timing.SAMPLE_TOKENS)
+    timer.wrap_span(FakeChain, "propose", e2e_timing.DRAFT)
+    timer.wrap_span(FakeTree, "propose", e2e_timing.DRAFT)
+    timer.wrap_span(FakeTree, "_compact_target_kv", e2e_timing.COMPACT)
+    timer.wrap_span(FakeTree, "propose", e2e_timing.DRAFT)  # idempotent
+    assert len(timer.installed) == 5
+
+    runner = FakeRunner(FakeTree())
+    runner.execute_model(FakeSchedulerOutput(True, [0]))  # inactive: nothing recorded
+    runner.sample_tokens(None)
+    timer.begin(prompt_len=100)
+    runner.execute_model(FakeSchedulerOutput(False, [100]), dummy_run=True)  # skipped
+    runner.execute_model(FakeSchedulerOutput(True, [0]))  # prefill step
+    runner.sample_tokens(None)
+    for _ in range(3):
+        runner.execute_model(FakeSchedulerOutput(False, [100, 120]))
+        runner.sample_tokens(None)
+    assert runner.speculator.propose(None, dummy_run=True) == "chain"  # outside a step
+    steps = timer.end()
+    assert [s["decode"] for s in steps] == [False, True, True, True]
+    for s in steps:
+        # events: exec start/end (2), sample start (1), draft start (1), compact (2),
+        # draft end, sample end: one draft span of 4 ticks holding a 1-tick compact span
+        assert s["verify"] == 1.0 and s["draft"] == 3.0 and s["compact"] == 1.0
+        assert s["sample_tokens"] == 5.0 and s["end"] - s["start"] == 7.0
+    summary = e2e_timing.summarize_steps(steps)
+    assert summary["steps"] == 3 and summary["sample_ms"] == pytest.approx(2.0)
+    assert FakeTree.propose.__wrapped__ is not None
+
+
+def test_is_decode_step_rules():
+    so = FakeSchedulerOutput(False, [1024, 1030])
+    assert e2e_timing.is_decode_step(so, 1024)
+    assert not e2e_timing.is_decode_step(FakeSchedulerOutput(False, [1024, 512]), 1024)
+    assert not e2e_timing.is_decode_step(FakeSchedulerOutput(True, [1024]), 1024)
+    so.scheduled_spec_decode_tokens = {"r0": [5, 6], "r1": [7, 8]}
+    so.num_scheduled_tokens = {"r0": 3, "r1": 3}
+    assert e2e_timing.is_decode_step(so, None)
+    so.num_scheduled_tokens = {"r0": 3, "r1": 64}
+    assert not e2e_timing.is_decode_step(so, None)
+
+
+# ---------------------------------------------------------------------------------------
+# Writer and plumbing
+
+
+def _synthetic_store(setup: str) -> dict:
+    rows = []
+    for run in ("ar@FLASH_ATTN_MLA", "dflash@FLASH_ATTN_MLA", "ddtree-64"):
+        spec = RunSpec.parse(run)
+        for context in (1024, 131072):
+            base = bench_e2e.base_row(setup, spec, (context, 1, "random"), 128)
+            rows.append(bench_e2e.fake_row(base, spec.num_spec_tokens(
+                e2e_models.SETUPS[setup])))
+    base = bench_e2e.base_row(setup, RunSpec.parse("ddtree-64"), (65536, 1, "random"), 128)
+    rows.append(dict(base, status="failed", note="out of memory"))
+    return {"setup": setup, "setup_title": "t", "setup_description": "d",
+            "invocations": [{"command": "python evals/bench_e2e.py", "gpu": "NVIDIA H200",
+                             "versions": {"vllm": "0.26.0"}, "max_tokens": 128,
+                             "graphs": True, "prime": "cache", "temperature": 0.0}],
+            "rows": rows}
+
+
+def test_from_json_writes_markdown_and_png(tmp_path):
+    path = tmp_path / "e2e_kimi64.json"
+    path.write_text(json.dumps(_synthetic_store("kimi64")))
+    out = tmp_path / "out"
+    assert bench_e2e.main(["--from-json", str(path), "--out-dir", str(out)]) == 0
+    md = (out / "e2e_kimi64.md").read_text()
+    assert (out / "e2e_kimi64.png").stat().st_size > 10_000
+    assert "against `anchors.md`" in md and "1.86" in md  # vLLM's own anchor figure
+    assert "| DDTree B=64 | 64k | 1 | random |" in md and "out of memory" in md
+    assert "x1." in md or "x2." in md  # generated reading of the growth
+    table = [line for line in md.splitlines() if line.startswith("| DFlash chain, FA-MLA | 128k")]
+    cells = table[0].split(" | ")
+    step, draft, verify, other = (float(cells[i]) for i in (6, 10, 11, 12))
+    assert draft + verify + other == pytest.approx(step, abs=0.02)
+
+
+def test_merge_keeps_measured_rows():
+    ok = {"run": "a", "context": 1, "batch": 1, "kind": "random", "status": "ok", "x": 1}
+    not_run = dict(ok, status="not run", x=2)
+    failed = dict(ok, status="failed", x=3)
+    assert bench_e2e.merge_rows([ok], [not_run]) == [ok]
+    assert bench_e2e.merge_rows([ok], [failed]) == [failed]
+    assert len(bench_e2e.merge_rows([ok], [dict(ok, batch=8)])) == 2
+
+
+def test_fake_children_end_to_end(tmp_path, monkeypatch):
+    """The parent plans, spawns one child per run (``--fake``: synthetic figures),
+    merges and renders; later invocations merge into the same JSON; a child that dies
+    keeps the rows it wrote and the others name its error; a spent --max-minutes starts
+    no child."""
+    common = ["--fake", "--batches", "1", "--out-dir", str(tmp_path), "--model-dir",
+              str(tmp_path / "models")]
+    assert bench_e2e.main(common + ["--setup", "kimi8", "trained", "--contexts", "1k", "128k",
+                                    "--runs", "ddtree-32"]) == 0
+    trained = json.loads((tmp_path / "e2e_trained.json").read_text())
+    status = {(r["run"], r["context"], r["kind"]): r["status"] for r in trained["rows"]}
+    assert status[("ddtree-32", 1024, "code")] == "ok"
+    assert status[("ddtree-32", 131072, "random")] == "skipped"
+
+    monkeypatch.setenv("BENCH_E2E_FAKE_CRASH_AFTER", "1")
+    assert bench_e2e.main(common + ["--setup", "kimi8", "--contexts", "1k", "16k",
+                                    "--runs", "ar@FLASH_ATTN_MLA"]) == 0
+    monkeypatch.delenv("BENCH_E2E_FAKE_CRASH_AFTER")
+    assert bench_e2e.main(common + ["--setup", "kimi8", "--contexts", "1k", "--runs",
+                                    "ar@CUSTOM", "--max-minutes", "0.001"]) == 0
+    kimi = json.loads((tmp_path / "e2e_kimi8.json").read_text())
+    assert len(kimi["invocations"]) == 3
+    status = {(r["run"], r["context"]): (r["status"], r.get("note", "")) for r in kimi["rows"]}
+    assert {k: v[0] for k, v in status.items()} == {
+        ("ddtree-32", 1024): "ok", ("ddtree-32", 131072): "ok",
+        ("ar@FLASH_ATTN_MLA", 1024): "ok", ("ar@FLASH_ATTN_MLA", 16384): "failed",
+        ("ar@CUSTOM", 1024): "not run"}
+    note = status[("ar@FLASH_ATTN_MLA", 16384)][1]
+    assert "child exited 1" in note and "fake crash" in note
+    md = (tmp_path / "e2e_kimi8.md").read_text()
+    assert "x AR" in md and "fake crash" in md
+    for name in ("e2e_kimi8.png", "e2e_trained.md", "e2e_kimi8.log"):
+        assert (tmp_path / name).exists()
+
+
+def test_vllm_internals_the_timer_relies_on():
+    """Read (without importing vLLM) the 0.26 sources whose call order the step split
+    assumes: execute_model(scheduler_output, ..., dummy_run) runs the target forward;
+    sample_tokens samples / verifies, then calls speculator.propose; the engine core
+    calls execute_model then sample_tokens for each step."""
+    import ast
+    import importlib.util
+
+    root = Path(importlib.util.find_spec("vllm").submodule_search_locations[0])
+
+    def functions(path: Path, cls: str) -> dict:
+        tree = ast.parse(path.read_text())
+        node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls)
+        return {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
+
+    def params(fn) -> list[str]:
+        return [a.arg for a in fn.args.args + fn.args.kwonlyargs]
+
+    runner_src = root / "v1/worker/gpu/model_runner.py"
+    runner = functions(runner_src, "GPUModelRunner")
+    assert params(runner["execute_model"])[:2] == ["self", "scheduler_output"]
+    assert "dummy_run" in params(runner["execute_model"])
+    body = ast.get_source_segment(runner_src.read_text(), runner["sample_tokens"])
+    assert 0 <= body.index("self.sample(") < body.index("self.speculator.propose(")
+    dflash = functions(root / "v1/worker/gpu/spec_decode/dflash/speculator.py",
+                       "DFlashSpeculator")
+    assert "dummy_run" in params(dflash["propose"])
+    core = (root / "v1/engine/core.py").read_text()
+    step = core[core.index("def step_with_batch_queue"):]
+    assert step.index("model_executor.execute_model(") < step.index(
+        "model_executor.sample_tokens(")
+    output = (root / "v1/core/sched/output.py").read_text()
+    assert "num_computed_tokens: list[int]" in output  # CachedRequestData, is_decode_step
