@@ -95,8 +95,12 @@ def test_experimental_runner_builds_dflash_config_with_ddtree(monkeypatch, custo
     from patches.speculative_config import create_ddtree_speculative_config
     from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
 
-    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
-    monkeypatch.delenv("VLLM_DDTREE_TREE_BACKEND", raising=False)
+    # setenv first: delenv of an unset variable records nothing, and the values the
+    # code under test writes would leak into later tests (VllmConfig() then refuses
+    # the V2 runner without Triton)
+    for name in ("VLLM_USE_V2_MODEL_RUNNER", "VLLM_DDTREE_TREE_BACKEND"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     seen = {}
 
     def original(engine_args, target_model_config, target_parallel_config):

@@ -326,8 +326,21 @@ def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
     views = slot_rows_views(fa)
     assert [v.shape for v in views] == [(num_blocks * page, 2, 5)] * 2
     assert views[1].data_ptr() == fa[1].data_ptr()
-    with pytest.raises(NotImplementedError):
-        slot_rows_views(torch.zeros(4, 2, 3, 5).transpose(0, 1))
+    with pytest.raises(NotImplementedError, match="layout"):
+        slot_rows_views(torch.zeros(3, 4, 2, 3, 5))  # 5-D but not [2, ...]
+    with pytest.raises(NotImplementedError, match="view"):  # no slot-major view
+        slot_rows_views(torch.zeros(num_blocks, 2, page, 6).transpose(0, 2))
+
+    # vLLM Triton / GQA tree backend: logical [nb, H, page, 2D] over a physical
+    # [nb, page, H, 2D] tensor; one slot-major view moves K and V together.
+    physical = torch.arange(num_blocks * page * 2 * 6, dtype=torch.float32).view(
+        num_blocks, page, 2, 6)
+    triton_cache = physical.permute(0, 2, 1, 3)
+    (rows,) = slot_rows_views(triton_cache)
+    assert rows.shape == (num_blocks * page, 2, 6) and rows.data_ptr() == physical.data_ptr()
+    want = physical.view(-1, 2, 6)[5].clone()
+    compact_kv_cache_(rows, torch.tensor([5]), torch.tensor([1]))
+    assert torch.equal(triton_cache[0, :, 1], want)  # block 0, page offset 1, all heads
 
 
 def fake_speculator(state):
@@ -467,7 +480,9 @@ def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
     from patches.speculative_config import choose_target_attention_backend
     from vllm_ddtree.config import DDTreeConfigError
 
-    monkeypatch.delenv(TREE_BACKEND_ENV, raising=False)  # restored after the test
+    # setenv (not delenv, which records nothing for an unset variable) so that the
+    # value choose_target_attention_backend writes is undone after the test
+    monkeypatch.setenv(TREE_BACKEND_ENV, "")
     args = NS(attention_backend=None, attention_config=NS(backend=None))
     choose_target_attention_backend(args, NS(use_mla=False))
     assert args.attention_backend == "CUSTOM"

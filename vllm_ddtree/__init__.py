@@ -29,11 +29,9 @@ def register() -> None:
     logger.debug("vllm-ddtree registered; patches applied: %s", applied)
 
 
-MLA_TREE_BACKEND = "attention_backends.mla_tree.backend.TreeMLABackend"
-
-
 def _register_attention_backends() -> None:
-    """Expose the MLA tree-verify backend as ``--attention-backend CUSTOM``."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    """Expose the tree-verify backend named by ``VLLM_DDTREE_TREE_BACKEND`` (``mla``
+    default, ``gqa``) as ``--attention-backend CUSTOM``."""
+    from attention_backends.registration import register_tree_backend, tree_backend_kind_from_env
 
-    register_backend(AttentionBackendEnum.CUSTOM, MLA_TREE_BACKEND)
+    register_tree_backend(tree_backend_kind_from_env())

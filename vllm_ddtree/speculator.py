@@ -95,7 +95,9 @@ def slot_rows_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
 
     * MLA ``[num_blocks, block_size, head_size]`` -> one view ``[-1, head_size]``;
     * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V views
-      ``[-1, H, D]``.
+      ``[-1, H, D]``;
+    * vLLM Triton / DDTree GQA ``[num_blocks, H, block_size, 2 * D]`` (K and V side by
+      side, stride order block, page, head) -> one view ``[-1, H, 2 * D]``.
 
     Raises ``NotImplementedError`` for other layouts, or when the layout's strides
     (a non-identity ``get_kv_cache_stride_order``, padded pages) prevent a view: a
@@ -106,6 +108,8 @@ def slot_rows_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
             return [kv_cache.view(-1, kv_cache.shape[-1])]
         if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
             return [kv_cache[i].view(-1, *kv_cache.shape[-2:]) for i in range(2)]
+        if kv_cache.dim() == 4:  # vLLM Triton / DDTree GQA: logical [nb, H, page, 2*D]
+            return [kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], kv_cache.shape[3])]
     except RuntimeError as e:
         raise NotImplementedError(
             f"DDTree KV compaction needs a slot-major view of the KV cache; shape "
@@ -241,7 +245,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                     raise NotImplementedError(
                         f"target layers {names[:2]}... use attention backend "
                         f"{group.backend.get_name()}, which cannot apply DDTree's tree mask; "
-                        "DDTree needs the CUSTOM (MLA tree) backend"
+                        "DDTree needs the CUSTOM tree backend"
                     )
         super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
                          target_attn_groups)

@@ -1,0 +1,33 @@
+"""Which tree backend fills vLLM's CUSTOM slot (``attention_backends.registration``)."""
+
+import pytest
+
+from attention_backends.registration import (
+    TREE_BACKEND_ENV,
+    register_tree_backend,
+    tree_backend_kind_from_env,
+)
+
+
+def test_register_switches_the_custom_class(custom_backend_slot):
+    from attention_backends.gqa_tree.backend import TreeGQABackend
+    from attention_backends.mla_tree.backend import TreeMLABackend
+
+    assert register_tree_backend("gqa") == "attention_backends.gqa_tree.backend.TreeGQABackend"
+    assert custom_backend_slot.get_class() is TreeGQABackend
+    register_tree_backend("mla")
+    assert custom_backend_slot.get_class() is TreeMLABackend
+    with pytest.raises(ValueError, match="'flash'"):
+        register_tree_backend("flash")
+
+
+def test_kind_from_env(monkeypatch):
+    monkeypatch.delenv(TREE_BACKEND_ENV, raising=False)
+    assert tree_backend_kind_from_env() == "mla"
+    monkeypatch.setenv(TREE_BACKEND_ENV, " GQA ")
+    assert tree_backend_kind_from_env() == "gqa"
+    monkeypatch.setenv(TREE_BACKEND_ENV, "")
+    assert tree_backend_kind_from_env() == "mla"
+    monkeypatch.setenv(TREE_BACKEND_ENV, "flashinfer")
+    with pytest.raises(ValueError, match=TREE_BACKEND_ENV):
+        tree_backend_kind_from_env()
