@@ -198,6 +198,11 @@ def main() -> None:
                         help="12 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
                         "8 greedy then 4 seeded-sampled, max_num_seqs 4: requests arrive "
                         "while others run")
+    parser.add_argument("--pair", choices=["embedded", "qwen3", "deepseek_v3"],
+                        default="embedded",
+                        help="embedded trained pair, or a tiny random target (GQA Qwen3 / MLA "
+                        "DeepSeek-V3) with a random mixed sliding/full DFlash drafter "
+                        "(evals/tiny_pairs.py; token-id prompts, no tokenizer)")
     parser.add_argument("--trace", type=int, default=0,
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
@@ -219,23 +224,41 @@ def main() -> None:
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
 
-    target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
-    max_tokens = [args.max_tokens] * len(prompts)
+    extra = {}
     max_num_seqs = 8
+    if args.pair == "embedded":
+        target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
+        max_tokens = [args.max_tokens] * len(prompts)
+        if args.mixed:
+            prompts, max_tokens = mixed_prompts(tokenizer)
+    else:
+        import tempfile
+        from pathlib import Path
+
+        from tiny_pairs import make_tiny_pair, random_prompts
+
+        target, drafter = make_tiny_pair(args.pair, Path(tempfile.mkdtemp()))
+        lengths = MIXED_PROMPT_TOKENS if args.mixed else [24] * args.prompts
+        prompts = random_prompts(lengths)
+        max_tokens = list(MIXED_MAX_TOKENS) if args.mixed else [args.max_tokens] * len(prompts)
+        extra["skip_tokenizer_init"] = True
     if args.mixed:
-        prompts, max_tokens = mixed_prompts(tokenizer)
         max_num_seqs = 4
     max_tokens = [n + args.extra_tokens for n in max_tokens]
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k
-    extra = {}
     if args.method == "ar":
         spec = None
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         extra["attention_backend"] = "CUSTOM"
+        if args.pair == "qwen3":  # CUSTOM = the GQA tree backend (set before register)
+            from attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
+
+            os.environ[TREE_BACKEND_ENV] = "gqa"
+            register_tree_backend("gqa")
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False, **extra)
