@@ -7,7 +7,9 @@
 #
 # Stages:
 #   install  kit + this package (editable, offline)
-#   ddtree   tests/gpu/test_ddtree_vllm.py   (method ddtree vs AR, mixed batch; ~4 min)
+#   ddtree   tests/gpu/test_ddtree_vllm.py on the embedded pair (vs AR and the
+#            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
+#   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
 #   backend  tests/gpu/test_mla_backend_vllm.py tests/gpu/test_gqa_backend_vllm.py
@@ -32,7 +34,8 @@ for stage in "$@"; do
       source .devkit/install-on-device.sh || return 1
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
       summary install 0 ;;
-    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py ;;
+    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py -k "not tiny_random" ;;
+    tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
     backend) stage_pytest backend 300 tests/gpu/test_mla_backend_vllm.py \
