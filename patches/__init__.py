@@ -13,7 +13,7 @@ import os
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
-PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics"]
+PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics", "request_validation"]
 
 # The V2-runner integration of DDTree. It runs on the H200 but its equality with
 # plain decoding is not yet confirmed there, so it is applied only on request

@@ -121,3 +121,31 @@ def test_experimental_runner_builds_dflash_config_with_ddtree(monkeypatch, custo
     with pytest.raises(DDTreeConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
         create_ddtree_speculative_config(args, original, vllm_spec, DDTreeConfig(budget=32),
                                          SimpleNamespace(use_mla=True), None)
+
+
+def test_chain_only_sampling_features_refused_per_request():
+    """With DDTree, penalties, bad words and structured outputs get a ValueError naming
+    the field at request validation (HTTP 400 in vllm serve), not an engine crash."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    import patches
+    from patches.request_validation import check_request_for_ddtree
+
+    patches.apply_all()
+    assert InputProcessor._validate_params._ddtree_patched
+    ddtree = SimpleNamespace(speculative_config=SimpleNamespace(ddtree={"budget": 8}))
+    plain = SimpleNamespace(speculative_config=None)
+    for params, field in [
+        (SamplingParams(repetition_penalty=1.2), "repetition_penalty=1.2"),
+        (SamplingParams(presence_penalty=0.5), "presence_penalty=0.5"),
+        (SamplingParams(frequency_penalty=0.5), "frequency_penalty=0.5"),
+        (SamplingParams(bad_words=["x"]), "bad_words"),
+        (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
+         "structured_outputs"),
+    ]:
+        with pytest.raises(ValueError, match=field):
+            check_request_for_ddtree(ddtree, params)
+        check_request_for_ddtree(plain, params)  # without DDTree: vLLM's business
+    check_request_for_ddtree(ddtree, SamplingParams(temperature=0.8, top_p=0.9, top_k=5,
+                                                    seed=3, min_tokens=4, stop=["\n"]))

@@ -429,7 +429,8 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
 
     undo_runner_patches_after_test(monkeypatch)
 
-    assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics"]
+    assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics",
+                                     "request_validation"]
     assert set(patches.PENDING_GPU_VALIDATION).isdisjoint(patches.PATCH_MODULES)
     applied = patches.apply_pending_gpu_validation()
     assert applied == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
