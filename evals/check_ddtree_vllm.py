@@ -220,6 +220,7 @@ def main() -> None:
 
     from vllm_ddtree.demo import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
+    from vllm_ddtree.testing.compare import vllm_top2_gaps
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
@@ -273,10 +274,7 @@ def main() -> None:
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
         completion = out.outputs[0]
-        gaps = []
-        for lp in completion.logprobs or []:
-            top = sorted((v.logprob for v in lp.values()), reverse=True)
-            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        gaps = vllm_top2_gaps(completion.logprobs)
         # vLLM's internal request id is "<external id>-<8 hex>" (input_processor.py:240)
         committed = [n for rid, rounds in rounds_by_req.items()
                      if rid.rsplit("-", 1)[0] == out.request_id for n in rounds]

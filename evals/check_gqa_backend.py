@@ -44,6 +44,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_ddtree.testing.compare import vllm_top2_gaps
+
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enforce_eager=not args.graphs, gpu_memory_utilization=0.3, max_model_len=4096,
               dtype="bfloat16", max_num_seqs=8, seed=0)
@@ -54,10 +56,7 @@ def main() -> None:
     result = []
     for out in outputs:
         completion = out.outputs[0]
-        gaps = []
-        for lp in completion.logprobs:
-            top = sorted((v.logprob for v in lp.values()), reverse=True)
-            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"tokens": list(completion.token_ids), "top2_gap": gaps})
     backend_cls = None
     if args.backend == "CUSTOM":

@@ -33,6 +33,8 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from vllm_ddtree.testing.compare import vllm_top2_gaps
+
     target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
     tokenizer = AutoTokenizer.from_pretrained(target)
     prompts = [tokenizer.encode(p) for p in PROMPTS[: args.prompts]]
@@ -47,10 +49,7 @@ def main() -> None:
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
         completion = out.outputs[0]
-        gaps = []
-        for lp in completion.logprobs:
-            top = sorted((v.logprob for v in lp.values()), reverse=True)
-            gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
+        gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"prompt": prompt, "tokens": list(completion.token_ids), "top2_gap": gaps,
                        "text": completion.text})
     with open(args.out, "w") as f:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.testing.compare import mismatch_problems
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -24,7 +25,6 @@ pytestmark = [
                        reason="embedded pair not trained yet"),
 ]
 ROOT = Path(__file__).resolve().parents[2]
-TIE_GAP = 0.07  # two bf16 steps at logit magnitude 4-8, as in test_mla_backend_vllm
 
 
 def run_script(script: str, args: list[str], out: Path) -> dict:
@@ -36,18 +36,9 @@ def run_script(script: str, args: list[str], out: Path) -> dict:
 
 
 def unexplained_mismatches(got: dict, ref: dict) -> list[str]:
-    problems = []
-    for i, (a, b) in enumerate(zip(got["outputs"], ref["outputs"], strict=True)):
+    for a, b in zip(got["outputs"], ref["outputs"], strict=True):
         assert a["prompt"] == b["prompt"]
-        for pos, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)):
-            if x != y:
-                if b["top2_gap"][pos] > TIE_GAP:
-                    problems.append(f"prompt {i} pos {pos}: {x} vs {y} "
-                                    f"(AR top-2 gap {b['top2_gap'][pos]:.3f})")
-                else:
-                    print(f"prompt {i}: bf16 tie at pos {pos} ({x} vs {y}); rest not compared")
-                break
-    return problems
+    return mismatch_problems(got["outputs"], ref["outputs"])
 
 
 def first_mismatches(got: dict, ref: dict) -> list[int | None]:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.testing.compare import mismatch_problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 ROOT = Path(__file__).resolve().parents[2]
-TIE_GAP = 0.07  # two bf16 steps at logit magnitude 4-8, as in test_mla_backend_vllm
 
 
 def run_vllm(mode: str, tmp_path: Path) -> dict:
@@ -25,10 +25,7 @@ def run_vllm(mode: str, tmp_path: Path) -> dict:
 
 
 def first_unexplained(got: list[int], want: list[int], gaps: list[float]) -> str | None:
-    for pos, (x, y) in enumerate(zip(got, want, strict=False)):
-        if x != y:
-            return None if gaps[pos] <= TIE_GAP else f"pos {pos}: {x} vs {y} (gap {gaps[pos]})"
-    return None
+    return mismatch_problem(got, want, gaps)
 
 
 @pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),

@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_ddtree.testing.compare import mismatch_problems
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 ROOT = Path(__file__).resolve().parents[2]
-# bf16 noise: a mismatch counts as a tie when the reference's top-2 logprob gap there
-# is at most about two bf16 steps (see test_mla_backend_vllm.py).
-TIE_GAP = 0.07
 
 
 def run_backend(model: Path, backend: str, tmp_path: Path, *extra: str) -> dict:
@@ -27,14 +26,7 @@ def run_backend(model: Path, backend: str, tmp_path: Path, *extra: str) -> dict:
 
 def compare(ours: dict, ref: dict) -> list[str]:
     """Unexplained mismatches (the first differing position of each prompt)."""
-    problems = []
-    for i, (a, b) in enumerate(zip(ours["outputs"], ref["outputs"], strict=True)):
-        for pos, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True)):
-            if x != y:
-                if b["top2_gap"][pos] >= TIE_GAP:
-                    problems.append(f"prompt {i} pos {pos}: {x} vs {y}, gap {b['top2_gap'][pos]}")
-                break
-    return problems
+    return mismatch_problems(ours["outputs"], ref["outputs"])
 
 
 @pytest.fixture(scope="module", params=["qwen3", "llama"])

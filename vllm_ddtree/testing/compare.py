@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["TIE_GAP", "first_mismatch", "mismatch_problem", "top2_gaps"]
+__all__ = [
+    "TIE_GAP",
+    "first_mismatch",
+    "mismatch_problem",
+    "mismatch_problems",
+    "top2_gaps",
+    "vllm_top2_gaps",
+]
 
 TIE_GAP = 0.07  # two bf16 steps at logit magnitude 4-8
 
@@ -51,3 +58,22 @@ def top2_gaps(top_logprobs: Sequence[dict | None]) -> list[float]:
         values = sorted((entry or {}).values(), reverse=True)
         gaps.append(values[0] - values[1] if len(values) > 1 else float("inf"))
     return gaps
+
+
+def vllm_top2_gaps(logprobs: Sequence[dict | None] | None) -> list[float]:
+    """``top2_gaps`` of a vLLM ``CompletionOutput.logprobs`` (``{token: Logprob}`` per
+    position, requested with ``logprobs >= 2``)."""
+    return top2_gaps([{t: lp.logprob for t, lp in (entry or {}).items()}
+                      for entry in logprobs or []])
+
+
+def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
+                      tie_gap: float = TIE_GAP) -> list[str]:
+    """``mismatch_problem`` per output pair; outputs are dicts with ``tokens`` and (the
+    reference) ``top2_gap``. Returns the unexplained ones, prefixed by their index."""
+    problems = []
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        problem = mismatch_problem(a["tokens"], b["tokens"], b["top2_gap"], tie_gap)
+        if problem is not None:
+            problems.append(f"prompt {i}: {problem}")
+    return problems
