@@ -267,8 +267,15 @@ def main() -> None:
     if args.mixed:
         temperatures = [0.0 if i < MIXED_SAMPLED_FROM else MIXED_TEMPERATURE
                         for i in range(len(prompts))]
+    def stops(i: int) -> dict:
+        # Stops inside accepted paths: in the embedded mixed batch every third request
+        # may end at EOS or at a blank line, not before its 4th token (min_tokens).
+        if args.mixed and args.pair == "embedded" and i % 3 == 0:
+            return dict(ignore_eos=False, min_tokens=4, stop=["\n\n"])
+        return dict(ignore_eos=True)
+
     params = [SamplingParams(temperature=t, seed=1000 + i if t else None,
-                             max_tokens=n, logprobs=2, ignore_eos=True)
+                             max_tokens=n, logprobs=2, **stops(i))
               for i, (n, t) in enumerate(zip(max_tokens, temperatures, strict=True))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []

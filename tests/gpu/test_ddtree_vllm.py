@@ -77,8 +77,9 @@ def ddtree_mixed(request, tmp_path_factory):
 
 def test_ddtree_greedy_equals_ar_and_accepts(ar_mixed, ddtree_mixed):
     assert "tree_positions" in ddtree_mixed["patches"]
-    for out, ref in zip(ddtree_mixed["outputs"], ar_mixed["outputs"], strict=True):
-        assert out["logprobs_len"] == len(out["tokens"]) == len(ref["tokens"])
+    assert len(ddtree_mixed["outputs"]) == len(ar_mixed["outputs"])
+    for out in ddtree_mixed["outputs"]:  # output lengths are compared by mismatch_problems
+        assert out["logprobs_len"] == len(out["tokens"])
     got, _ = split_by_temperature(ddtree_mixed)
     ref, _ = split_by_temperature(ar_mixed)
     problems = unexplained_mismatches(got, ref)
