@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
-from vllm_ddtree.testing.compare import mismatch_problems
+from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -42,13 +42,11 @@ def unexplained_mismatches(got: dict, ref: dict) -> list[str]:
 
 
 def first_mismatches(got: dict, ref: dict) -> list[int | None]:
-    firsts = []
+    """First differing token index per request (a length difference counts), None if equal."""
     for a, b in zip(got["outputs"], ref["outputs"], strict=True):
-        assert a["prompt"] == b["prompt"] and len(a["tokens"]) == len(b["tokens"])
-        diff = [i for i, (x, y) in enumerate(zip(a["tokens"], b["tokens"], strict=True))
-                if x != y]
-        firsts.append(diff[0] if diff else None)
-    return firsts
+        assert a["prompt"] == b["prompt"]
+    return [first_mismatch(a["tokens"], b["tokens"])
+            for a, b in zip(got["outputs"], ref["outputs"], strict=True)]
 
 
 def split_by_temperature(result: dict) -> tuple[dict, dict]:
