@@ -9,7 +9,7 @@ import torch
 import triton
 
 from attention_backends.mla_tree import kernels as mla_kernels
-from attention_backends.mla_tree.configs import select_num_kv_splits
+from attention_backends.mla_tree.configs import resolve_num_kv_splits
 from attention_backends.mla_tree.tree_mask import check_tree_batch
 
 from . import kernels
@@ -136,8 +136,6 @@ def gqa_tree_verify(
     if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
         return out
 
-    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
-        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
     group = num_q_heads // num_kv_heads
     rows = stats.max_query_len * group
     if config is None:
@@ -146,19 +144,10 @@ def gqa_tree_verify(
     keys = stats.max_seq_len
     if sliding_window is not None:
         keys = min(keys, sliding_window + stats.max_query_len + config.block_n)
-    if num_kv_splits is None:
-        num_sms = (
-            torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 8
-        )
-        num_kv_splits = select_num_kv_splits(
-            num_requests=num_reqs * num_kv_heads,
-            row_blocks=row_blocks,
-            max_seq_len=keys,
-            block_n=config.block_n,
-            num_sms=num_sms,
-            ctas_per_sm=config.ctas_per_sm,
-        )
-    num_kv_splits = min(num_kv_splits, max(1, triton.cdiv(keys, config.block_n)))
+    num_kv_splits = resolve_num_kv_splits(
+        num_kv_splits, num_requests=num_reqs * num_kv_heads, row_blocks=row_blocks,
+        max_keys=keys, block_n=config.block_n, device=q.device, ctas_per_sm=config.ctas_per_sm,
+    )
 
     block_d = block_head_dim(head_dim)
     lse_buf = torch.empty(

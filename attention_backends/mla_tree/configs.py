@@ -176,3 +176,36 @@ def select_num_kv_splits(
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
+
+
+def resolve_num_kv_splits(
+    num_kv_splits: int | None,
+    *,
+    num_requests: int,
+    row_blocks: int,
+    max_keys: int,
+    block_n: int,
+    device: torch.device,
+    ctas_per_sm: int,
+) -> int:
+    """The KV split count of a launch: ``num_kv_splits`` when given (validated), else
+    :func:`select_num_kv_splits` for the device's SM count; never more splits than
+    ``block_n``-key tiles in ``max_keys``.
+
+    Raises:
+        ValueError: ``num_kv_splits`` is not a positive int or None.
+    """
+    if num_kv_splits is not None and (
+        isinstance(num_kv_splits, bool) or not isinstance(num_kv_splits, int) or num_kv_splits < 1
+    ):
+        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
+    if num_kv_splits is None:
+        num_sms = (
+            torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8
+        )
+        num_kv_splits = select_num_kv_splits(
+            num_requests=num_requests, row_blocks=row_blocks, max_seq_len=max_keys,
+            block_n=block_n, num_sms=num_sms, ctas_per_sm=ctas_per_sm,
+        )
+    return min(num_kv_splits, max(1, -(-max_keys // block_n)))

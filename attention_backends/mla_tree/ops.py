@@ -14,19 +14,13 @@ from .configs import (
     MLATileConfig,
     fit_config,
     padded_dims,
+    resolve_num_kv_splits,
     select_config,
-    select_num_kv_splits,
 )
 from .tree_mask import check_tree_batch
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROPE_DIM = 64
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 8
 
 
 def _interpreted() -> bool:
@@ -142,8 +136,6 @@ def mla_tree_verify(
         max_seq_len=max_seq_len,
         validate_values=validate_values,
     )
-    if num_kv_splits is not None and (not isinstance(num_kv_splits, int) or num_kv_splits < 1):
-        raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
     if out is None:
         out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
     elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype:
@@ -165,16 +157,11 @@ def mla_tree_verify(
         budget = _max_shared_memory(q.device)
         config = fit_config(config, head_dim, kv_lora_rank, q.dtype, budget=budget)
     row_blocks = triton.cdiv(rows, config.block_m)
-    if num_kv_splits is None:
-        num_kv_splits = select_num_kv_splits(
-            num_requests=num_reqs,
-            row_blocks=row_blocks,
-            max_seq_len=stats.max_seq_len,
-            block_n=config.block_n,
-            num_sms=_num_sms(q.device),
-            ctas_per_sm=config.ctas_per_sm,
-        )
-    num_kv_splits = min(num_kv_splits, max(1, triton.cdiv(stats.max_seq_len, config.block_n)))
+    num_kv_splits = resolve_num_kv_splits(
+        num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
+        max_keys=stats.max_seq_len, block_n=config.block_n, device=q.device,
+        ctas_per_sm=config.ctas_per_sm,
+    )
 
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     if num_kv_splits == 1:
