@@ -639,3 +639,21 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
         monkeypatch.setattr(owner, name, getattr(owner, name))
     monkeypatch.setattr(SpeculativeConfig, "max_num_new_slots_for_drafting",
                         SpeculativeConfig.__dict__["max_num_new_slots_for_drafting"])
+
+
+def test_tree_caches_warm_before_graph_capture():
+    """After warm_tree_caches, building trees of any batch size needs no new host-made
+    index table (a host-to-device copy would break CUDA-graph capture)."""
+    from vllm_ddtree import tree as tree_mod
+    from vllm_ddtree.speculator import warm_tree_caches
+
+    tree_mod._beam_candidates.cache_clear()
+    tree_mod._bit_values.cache_clear()
+    warm_tree_caches(DEPTHS, VOCAB, BUDGET, None, torch.device("cpu"))
+    beams, bits = tree_mod._beam_candidates.cache_info(), tree_mod._bit_values.cache_info()
+    assert beams.currsize > 0 and bits.currsize == 1
+    for num_reqs in (1, 3, 8):
+        logits = torch.randn(num_reqs, DEPTHS, VOCAB)
+        build_ddtree(logits, BUDGET).ancestor_bits()
+    assert tree_mod._beam_candidates.cache_info().misses == beams.misses
+    assert tree_mod._bit_values.cache_info().misses == bits.misses

@@ -71,6 +71,7 @@ __all__ = [
     "path_compaction_slots",
     "slot_rows_views",
     "target_layers_by_group",
+    "warm_tree_caches",
 ]
 
 
@@ -151,6 +152,17 @@ def target_layers_by_group(kv_cache_config, draft_layer_names) -> dict[int, list
     return groups
 
 
+def warm_tree_caches(num_depths: int, vocab_size: int, budget: int, top_k: int | None,
+                     device: torch.device) -> None:
+    """Build one tree and its ancestor bits eagerly, so the host-made index tables that
+    ``build_ddtree`` and ``DraftTree.ancestor_bits`` cache per (budget, top_k, width,
+    device) exist before ``_generate_draft`` is captured in a CUDA graph (a host-to-device
+    copy is not allowed while a stream is capturing). The tables do not depend on the
+    number of requests or on the logits."""
+    logits = torch.zeros(1, num_depths, vocab_size, dtype=torch.float32, device=device)
+    build_ddtree(logits, budget, top_k).ancestor_bits()
+
+
 class DDTreeSpeculator(DFlashSpeculator):
     """DFlash drafter + best-first draft tree of ``B`` nodes per request.
 
@@ -225,6 +237,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             device=device,
         )
         self._target_layers_by_group: dict[int, list[str]] = {}
+        warm_tree_caches(self.num_draft_depths, vllm_config.model_config.get_vocab_size(),
+                         self.budget, self.top_k, device)
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
