@@ -139,3 +139,27 @@ def test_target_cache_after_compaction_matches_fresh_prefill():
     for got, want in zip(runner.cache.layers, fresh.cache.layers, strict=True):
         torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ddtree", "ar"])
+def test_stop_callback_ends_after_the_round_that_reaches_it(method):
+    """`stop` is asked once per round: generation ends at the first round whose output
+    satisfies it, with every token up to there equal to AR's (a speculative round may
+    overshoot; callers cut at their own stop condition)."""
+    target = tiny_target("qwen3")
+    ar = generate(target, None, PROMPT, 40, "ar")
+    oracle = oracle_for(target, PROMPT + ar.tokens, [0] * 7)
+    asked = []
+
+    def stop(tokens):
+        asked.append(len(tokens))
+        return len(tokens) >= 12
+
+    got = generate(target, oracle if method != "ar" else None, PROMPT, 40, method,
+                   budget=16, stop=stop)
+    assert got.tokens == ar.tokens[: len(got.tokens)]
+    assert len(got.tokens) >= 12 and asked[-1] == len(got.tokens)
+    if method == "ar":
+        assert len(got.tokens) == 12
+    else:  # rounds of 8 after the prefill's token: stops at 17
+        assert len(got.tokens) == 17 and len(got.tokens) < 40

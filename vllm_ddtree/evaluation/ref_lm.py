@@ -185,10 +185,16 @@ class DDTreeRefLM(LM):
         # Sampled draws are keyed by (seed, position): the same seed for a context in
         # every run, so that AR and DDTree runs can be compared.
         seed = (self.seed + zlib.crc32(context.encode("utf-8"))) % 2**31
+        def reached_stop(tokens: list[int]) -> bool:
+            # Decoding the whole output per round is cheap at lm-eval's lengths.
+            return bool(until) and stop_index(
+                self.tokenizer.decode(tokens, skip_special_tokens=True), until) is not None
+
         start = time.perf_counter()
         result = generate(self.pair.target, self.pair.drafter, ids, max_gen, self.method,
                           budget=self.budget, temperature=temperature, seed=seed,
-                          eos_token_id=self.tokenizer.eos_token_id, top_k=self.top_k)
+                          eos_token_id=self.tokenizer.eos_token_id, top_k=self.top_k,
+                          stop=reached_stop)
         seconds = time.perf_counter() - start
         text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         cut = stop_index(text, until)

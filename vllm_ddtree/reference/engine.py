@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,6 +73,7 @@ def generate(
     seed: int | None = None,
     eos_token_id: int | None = None,
     top_k: int | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -81,6 +83,11 @@ def generate(
     Every committed token is the target's own choice (argmax, or a draw keyed by
     ``(seed, position)``), so all methods return the same ``tokens`` (list[int]);
     ``stats`` has one ``RoundStats`` per round (prefill excluded).
+
+    ``stop(tokens)`` (optional, e.g. a stop-string check) is asked after every round;
+    when it returns True generation ends there. The tokens up to that point are the
+    same for every method, but a round may commit tokens past the stop, so callers cut
+    the output at their stop condition themselves.
     """
     _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed)
     device = next(target.parameters()).device
@@ -130,6 +137,8 @@ def generate(
                     break
             position += len(committed)
             bonus = committed[-1]
+            if stop is not None and not done and stop(result.tokens):
+                done = True
         return result
     finally:
         runner.close()
