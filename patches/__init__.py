@@ -63,10 +63,7 @@ def apply_pending_gpu_validation() -> list[str]:
     (GPU validation runs: call it in every vLLM process, e.g. in-process engine with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns the names applied."""
     os.environ[EXPERIMENTAL_RUNNER_ENV] = "1"  # the front-end patch reads it per call
-    applied = list(PATCH_MODULES) + list(PENDING_GPU_VALIDATION)
-    for name in applied:
-        importlib.import_module(f"patches.{name}").apply()
-    return applied
+    return apply_all()
 
 
 __all__ = [
