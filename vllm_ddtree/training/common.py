@@ -50,11 +50,31 @@ def cosine_lr(step: int, total: int, peak: float, warmup: int, min_ratio: float)
     return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+@dataclass
+class StepLoopConfig:
+    """Optimizer and loop settings both trainers share (``run_step_loop``, ``StepPlan``)."""
+
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    steps: int | None = None  # fixed step count; None: as many as fit in `minutes`
+    minutes: float = 3.0
+    max_steps: int = 20000
+    keep_best: bool = True  # restore the weights of the best validation loss
+    log_every: int = 10
+    eval_every: int = 250
+    seed: int = 0
+
+
 def run_step_loop(plan, cfg, opt, params, compute_loss, pending: list, bar: tqdm,
                   flush, evaluate, log) -> int:
     """The optimizer loop both trainers share; returns the number of steps taken.
 
-    Each step: cosine LR (``cfg.lr``, ``cfg.warmup_steps``, ``cfg.min_lr_ratio``),
+    ``cfg`` is a ``StepLoopConfig``. Each step: cosine LR (``cfg.lr``,
+    ``cfg.warmup_steps``, ``cfg.min_lr_ratio``),
     ``compute_loss()`` (a scalar tensor; the caller samples its batch there), backward,
     clipping at ``cfg.grad_clip``, optimizer step, ``pending.append(loss)``; then the
     progress bar, ``flush(step)`` every ``cfg.log_every`` and ``evaluate(step)`` every

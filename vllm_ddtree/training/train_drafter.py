@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from vllm_ddtree.reference.drafter import DFlashDraftModel
 from vllm_ddtree.training.common import (
     BestKeeper,
+    StepLoopConfig,
     StepPlan,
     TrainLog,
     host_to_device,
@@ -51,7 +52,7 @@ from vllm_ddtree.training.train_target import autocast_for
 
 
 @dataclass
-class DrafterTrainConfig:
+class DrafterTrainConfig(StepLoopConfig):
     seq_len: int = 512
     prefix_min: int = 32
     prefix_max: int = 256
@@ -63,19 +64,7 @@ class DrafterTrainConfig:
     anchors_per_seq: int = 32
     eval_anchors_per_seq: int = 16
     loss_gamma: float = 7.0
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    steps: int | None = None  # fixed step count; None: as many as fit in `minutes`
-    minutes: float = 3.0
-    max_steps: int = 20000
-    keep_best: bool = True  # restore the weights of the best validation loss
-    log_every: int = 10
-    eval_every: int = 250
-    seed: int = 0
+    weight_decay: float = 0.01  # (StepLoopConfig: 0.1)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from vllm_ddtree.training.common import (
     BestKeeper,
+    StepLoopConfig,
     StepPlan,
     TrainLog,
     host_to_device,
@@ -30,24 +31,11 @@ from vllm_ddtree.training.common import (
 
 
 @dataclass
-class TargetTrainConfig:
+class TargetTrainConfig(StepLoopConfig):
     seq_len: int = 512
     batch_size: int = 64
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    steps: int | None = None  # fixed step count; None: as many as fit in `minutes`
-    minutes: float = 3.0
-    max_steps: int = 20000
     max_epochs: float | None = 30.0  # caps the steps at this many passes over the data
-    keep_best: bool = True  # restore the weights of the best validation loss
-    log_every: int = 10
-    eval_every: int = 250
     eval_windows: int = 64  # validation windows per periodic evaluation
-    seed: int = 0
 
 
 def autocast_for(device: torch.device):
