@@ -1,17 +1,20 @@
-"""Tokens of the embedded pair under vLLM with ``method: ddtree`` (GPU), as JSON.
+"""Tokens of a target + DFlash drafter under vLLM with ``method: ddtree`` (GPU), as JSON.
 
     python evals/check_ddtree_vllm.py --out tokens.json [--budget 32] [--graphs]
-        [--temperature 0.8] [--method ar] [--extra-tokens 16]
+        [--temperature 0.8] [--method ar] [--extra-tokens 16] [--mixed]
+        [--pair embedded|qwen3|deepseek_v3] [--trace N]
 
 ``--method ar`` runs the target alone on the same runner (V2: its Sampler keys Gumbel
 noise by (request seed, position); V1's per-request generators do not) and the same
-attention backend (CUSTOM), the reference for sampled runs.
+attention backend (CUSTOM), the reference for sampled runs. Prompts: the code prompts
+of ``check_pair_vllm.py``, or with ``--mixed`` 12 requests of 16..3000 tokens.
 
 Runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU:
-uni-process executor) so that the DDTree patches still pending GPU validation
-(``patches.PENDING_GPU_VALIDATION``) are applied where the scheduler and the model
-runner live. Same prompts as ``check_pair_vllm.py``; records the mean acceptance
-length from DDTree's own counters and from vLLM's spec-decode metrics.
+uni-process executor) so that DDTree's counters (``DDTREE_STATE``) and the per-round
+and trace hooks live where the model runner does; the runner patches are applied with
+``patches.apply_pending_gpu_validation``. Records the mean acceptance length from
+DDTree's counters and from vLLM's spec-decode metrics, and per request the tokens
+committed per round.
 """
 
 from __future__ import annotations
