@@ -449,18 +449,12 @@ def child_main(spec_path: str) -> None:
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
-    if run.method == "ddtree":
-        os.environ["VLLM_DDTREE_EXPERIMENTAL_RUNNER"] = "1"
     try:
         import torch
 
         import vllm_ddtree
 
-        vllm_ddtree.register()  # CUSTOM backend (and the DDTree patches with the variable)
-        if run.method == "ddtree":
-            from patches import apply_pending_gpu_validation
-
-            apply_pending_gpu_validation()
+        vllm_ddtree.register()  # front-end patch; LLM() applies DDTree's runner patches
         from e2e_models import load_tokenizer
         from e2e_timing import StepTimer
         from vllm import LLM

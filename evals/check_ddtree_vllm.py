@@ -11,10 +11,10 @@ of ``check_pair_vllm.py``, or with ``--mixed`` 12 requests of 16..3000 tokens.
 
 Runs the engine in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one GPU:
 uni-process executor) so that DDTree's counters (``DDTREE_STATE``) and the per-round
-and trace hooks live where the model runner does; the runner patches are applied with
-``patches.apply_pending_gpu_validation``. Records the mean acceptance length from
-DDTree's counters and from vLLM's spec-decode metrics, and per request the tokens
-committed per round.
+and trace hooks live where the model runner does; the front-end patch applies the
+runner patches when ``LLM()`` builds a DDTree config (AR runs keep vLLM's own runner).
+Records the mean acceptance length from DDTree's counters and from vLLM's
+spec-decode metrics, and per request the tokens committed per round.
 """
 
 from __future__ import annotations
@@ -208,10 +208,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_ddtree
-    from patches import apply_pending_gpu_validation
+    from patches import apply_all
 
     vllm_ddtree.register()
-    applied = apply_pending_gpu_validation()
 
     from check_pair_vllm import PROMPTS
     from transformers import AutoTokenizer
@@ -220,7 +219,7 @@ def main() -> None:
 
     from vllm_ddtree.demo import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
-    from vllm_ddtree.testing.compare import vllm_top2_gaps
+    from vllm_ddtree.testing.compare import vllm_top2_gaps, vllm_top_logprobs
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
@@ -263,6 +262,7 @@ def main() -> None:
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False, **extra)
+    applied = apply_all()  # names of the patches active in this process
     temperatures = [args.temperature] * len(prompts)
     if args.mixed:
         temperatures = [0.0 if i < MIXED_SAMPLED_FROM else MIXED_TEMPERATURE
@@ -275,7 +275,7 @@ def main() -> None:
         return dict(ignore_eos=True)
 
     params = [SamplingParams(temperature=t, seed=1000 + i if t else None,
-                             max_tokens=n, logprobs=2, **stops(i))
+                             max_tokens=n, logprobs=5, **stops(i))
               for i, (n, t) in enumerate(zip(max_tokens, temperatures, strict=True))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
@@ -290,6 +290,7 @@ def main() -> None:
                        "temperature": params[len(result)].temperature,
                        "seed": params[len(result)].seed,
                        "text": completion.text, "top2_gap": gaps,
+                       "top_logprobs": vllm_top_logprobs(completion.logprobs),
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:
         json.dump({"mode": args.method, "budget": args.budget, "graphs": args.graphs,

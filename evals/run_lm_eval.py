@@ -7,8 +7,7 @@ on the include path (lm-eval has no plugin entry point for models).
 
 Every argument goes to lm-eval (``lm-eval run --help``); ``--include_path evals/tasks``
 is added unless given. ``--model vllm`` needs no wrapper: plain ``lm-eval`` loads the
-vLLM plugin (with ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1`` for ``method: ddtree`` until
-its runner integration is validated on a GPU).
+vLLM plugin, whose front end accepts ``method: ddtree``.
 """
 
 from __future__ import annotations

@@ -192,10 +192,8 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lm_eval.api.registry import get_model
 
-    from patches import EXPERIMENTAL_RUNNER_ENV, apply_all
+    from patches import apply_all
 
-    if args.apply_pending_patches:  # DDTree's runner integration, pending GPU validation
-        os.environ[EXPERIMENTAL_RUNNER_ENV] = "1"
     applied = apply_all()
     model_args = {"disable_log_stats": False, **json.loads(args.model_args)}
     if not args.speculative_config and not args.drafter:
@@ -338,8 +336,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-args", default="{}", help="vllm backend: lm-eval model args, JSON")
     p.add_argument("--speculative-config", default=None,
                    help="vllm backend: JSON (default: ddtree with --drafter and --budget)")
-    p.add_argument("--apply-pending-patches", action="store_true",
-                   help="vllm backend: apply patches.PENDING_GPU_VALIDATION in-process")
     p.add_argument("--min-identical", type=float, default=1.0,
                    help="fraction of identical generations required (1.0 for fp32 ref)")
     p.add_argument("--metric-tolerance", type=float, default=0.0)

@@ -15,12 +15,13 @@ from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vll
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics", "request_validation"]
 
-# The V2-runner integration of DDTree. It runs on the H200 but its equality with
-# plain decoding is not yet confirmed there, so it is applied only on request
-# (VLLM_DDTREE_EXPERIMENTAL_RUNNER=1, below); without it the front-end patch refuses
-# method 'ddtree'. Once tests/gpu/test_ddtree_vllm.py passes, move these into
-# PATCH_MODULES and drop the opt-in. Applied in this order; each is idempotent.
-PENDING_GPU_VALIDATION: list[str] = [
+# The V2-runner integration of DDTree: applied only in processes that run DDTree, so
+# a vLLM process without ``method: ddtree`` keeps vLLM's own runner code untouched.
+# The front-end patch applies them when it builds a DDTree config and sets
+# ``RUNNER_ENV`` so the engine-core and worker processes started afterwards (they
+# inherit the environment and load the plugin) apply them too. In this order; each
+# is idempotent.
+RUNNER_PATCHES: list[str] = [
     "drafting_slots",  # SpeculativeConfig.max_num_new_slots_for_drafting
     "scheduler_lookahead",  # Scheduler.__init__: num_lookahead_tokens = block_size
     "init_speculator",  # model_runner.init_speculator -> DDTreeSpeculator
@@ -28,51 +29,46 @@ PENDING_GPU_VALIDATION: list[str] = [
     "tree_positions",  # DefaultModelState.prepare_inputs / prepare_dummy_inputs
 ]
 
-
-# Opt-in for the runner path before it is validated: with this variable set to 1 in
-# the environment of `vllm serve` / the process that builds LLM(), every vLLM
-# process (they inherit the environment and call the plugin) also applies
-# PENDING_GPU_VALIDATION, so `method: ddtree` runs instead of being refused.
-EXPERIMENTAL_RUNNER_ENV = "VLLM_DDTREE_EXPERIMENTAL_RUNNER"
+RUNNER_ENV = "VLLM_DDTREE_RUNNER"
 
 
-def experimental_runner_enabled() -> bool:
-    """Whether ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1`` asks for the pending runner patches."""
-    value = os.environ.get(EXPERIMENTAL_RUNNER_ENV, "0")
+def runner_patches_requested() -> bool:
+    """Whether this process must apply ``RUNNER_PATCHES`` (``VLLM_DDTREE_RUNNER=1``,
+    set by the front-end patch of a parent process that configured DDTree)."""
+    value = os.environ.get(RUNNER_ENV, "0")
     if value not in ("0", "1"):
-        raise ValueError(f"{EXPERIMENTAL_RUNNER_ENV} must be 0 or 1, got {value!r}")
+        raise ValueError(f"{RUNNER_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
 
 
 def apply_all() -> list[str]:
-    """Apply every patch in ``PATCH_MODULES`` (and ``PENDING_GPU_VALIDATION`` when
-    ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1``); returns the names applied."""
+    """Apply every patch in ``PATCH_MODULES`` (and ``RUNNER_PATCHES`` when
+    ``VLLM_DDTREE_RUNNER=1``); returns the names applied."""
     applied = []
     for name in PATCH_MODULES:
         importlib.import_module(f"patches.{name}").apply()
         applied.append(name)
-    if experimental_runner_enabled():
-        for name in PENDING_GPU_VALIDATION:
+    if runner_patches_requested():
+        for name in RUNNER_PATCHES:
             importlib.import_module(f"patches.{name}").apply()
             applied.append(name)
     return applied
 
 
-def apply_pending_gpu_validation() -> list[str]:
-    """Apply ``PATCH_MODULES`` then ``PENDING_GPU_VALIDATION`` in this process only
-    (GPU validation runs: call it in every vLLM process, e.g. in-process engine with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``). Returns the names applied."""
-    os.environ[EXPERIMENTAL_RUNNER_ENV] = "1"  # the front-end patch reads it per call
+def apply_runner_patches() -> list[str]:
+    """Apply ``PATCH_MODULES`` and ``RUNNER_PATCHES`` in this process and set
+    ``VLLM_DDTREE_RUNNER=1`` for the processes it starts. Returns the names applied."""
+    os.environ[RUNNER_ENV] = "1"
     return apply_all()
 
 
 __all__ = [
-    "EXPERIMENTAL_RUNNER_ENV",
-    "experimental_runner_enabled",
-    "PENDING_GPU_VALIDATION",
+    "RUNNER_ENV",
+    "RUNNER_PATCHES",
+    "runner_patches_requested",
     "SUPPORTED_VLLM_VERSION",
     "VllmVersionError",
     "apply_all",
-    "apply_pending_gpu_validation",
+    "apply_runner_patches",
     "require_vllm_version",
 ]

@@ -33,20 +33,9 @@ def apply() -> None:
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
                 check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config)
-                from patches import experimental_runner_enabled
-
-                if experimental_runner_enabled():
-                    return create_ddtree_speculative_config(
-                        self, original, vllm_spec, ddtree, target_model_config,
-                        target_parallel_config,
-                    )
-                raise NotImplementedError(
-                    "speculative method 'ddtree': the config is valid, but vLLM's V2 runner "
-                    "path is experimental in this vllm-ddtree build (its equality with "
-                    "plain decoding is not yet confirmed on a GPU). To try it, set "
-                    "VLLM_DDTREE_EXPERIMENTAL_RUNNER=1 in the environment of the process "
-                    "that starts vLLM; otherwise use method 'dflash' or the reference "
-                    "engine (vllm_ddtree.reference.generate)"
+                return create_ddtree_speculative_config(
+                    self, original, vllm_spec, ddtree, target_model_config,
+                    target_parallel_config,
                 )
             self.speculative_config = vllm_spec
         return original(self, target_model_config, target_parallel_config)
@@ -57,8 +46,8 @@ def apply() -> None:
 
 
 # --------------------------------------------------------------------------------
-# The runner path (VLLM_DDTREE_EXPERIMENTAL_RUNNER=1, which also applies the runner
-# patches PENDING_GPU_VALIDATION in patches/__init__.py).
+# The runner path: a DDTree config applies patches.RUNNER_PATCHES here and, through
+# VLLM_DDTREE_RUNNER=1, in the engine and worker processes this one starts.
 # --------------------------------------------------------------------------------
 
 TREE_ATTENTION_BACKEND = "CUSTOM"  # see attention_backends.registration
@@ -108,7 +97,9 @@ def create_ddtree_speculative_config(
     the built config carries ``ddtree`` as a plain dict (it pickles to the workers;
     ``vllm_ddtree.runtime_state.ddtree_config_of`` reads it back). Also selects the
     target's tree attention backend and the V2 model runner, the only runner with a
-    DDTree speculator (``VLLM_USE_V2_MODEL_RUNNER`` is read lazily, ``config/vllm.py:551``).
+    DDTree speculator (``VLLM_USE_V2_MODEL_RUNNER`` is read lazily,
+    ``config/vllm.py:551``), and applies the runner patches (``patches.RUNNER_PATCHES``)
+    here and, through ``VLLM_DDTREE_RUNNER=1``, in the processes started later.
     """
     import os
 
@@ -120,6 +111,9 @@ def create_ddtree_speculative_config(
             "VLLM_USE_V2_MODEL_RUNNER=0"
         )
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    from patches import apply_runner_patches
+
+    apply_runner_patches()
     choose_target_attention_backend(engine_args, target_model_config)
     engine_args.speculative_config = vllm_spec
     config = original(engine_args, target_model_config, target_parallel_config)

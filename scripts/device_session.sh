@@ -54,7 +54,7 @@ for stage in "$@"; do
       summary demo $?
       tail -12 "$OUT/demo.log" ;;
     lmeval)
-      timeout 540 python3 evals/validate.py --backend vllm --apply-pending-patches --limit 20 \
+      timeout 540 python3 evals/validate.py --backend vllm --limit 20 \
         --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.3}' \
         --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
         > "$OUT/lmeval.log" 2>&1

@@ -84,16 +84,18 @@ def test_engine_args_reject_bad_ddtree_spec_before_gpu_work(tmp_path):
         build({**spec, "ddtree_topk": 4})
     with pytest.raises(DDTreeConfigError, match="num_speculative_tokens"):
         build({**spec, "num_speculative_tokens": 1000})
-    with pytest.raises(NotImplementedError, match="VLLM_DDTREE_EXPERIMENTAL_RUNNER=1"):
-        build(spec)
 
 
-def test_experimental_runner_builds_dflash_config_with_ddtree(monkeypatch, custom_backend_slot):
-    """With the opt-in, a valid DDTree spec becomes vLLM's DFlash config plus a
-    picklable ``ddtree`` dict, on the V2 runner, with the tree backend for the target;
-    the V1 runner is refused by name."""
+def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backend_slot):
+    """A valid DDTree spec becomes vLLM's DFlash config plus a picklable ``ddtree``
+    dict, on the V2 runner, with the tree backend for the target and the runner
+    patches applied; the V1 runner is refused by name."""
+    import patches
     from patches.speculative_config import create_ddtree_speculative_config
     from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
+
+    runner_patches = []  # the real ones would leak into later tests of this process
+    monkeypatch.setattr(patches, "apply_runner_patches", lambda: runner_patches.append(1))
 
     # setenv first: delenv of an unset variable records nothing, and the values the
     # code under test writes would leak into later tests (VllmConfig() then refuses
@@ -117,6 +119,7 @@ def test_experimental_runner_builds_dflash_config_with_ddtree(monkeypatch, custo
     assert config.ddtree == {"budget": 32, "top_k": 4}
     assert args.attention_backend == "CUSTOM"
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert runner_patches == [1]
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(DDTreeConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
         create_ddtree_speculative_config(args, original, vllm_spec, DDTreeConfig(budget=32),

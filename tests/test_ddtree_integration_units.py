@@ -1,5 +1,5 @@
 """CPU tests of the pure-PyTorch parts of the V2-runner integration (speculator,
-verifier, runtime state, pending patches). The runner itself needs a GPU:
+verifier, runtime state, runner patches). The runner itself needs a GPU:
 tests/gpu/test_ddtree_vllm.py."""
 
 import os
@@ -418,7 +418,7 @@ def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):
     assert torch.equal(cache, cache_before) and seen["aux"] is aux
 
 
-def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
+def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -431,10 +431,10 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
 
     assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics",
                                      "request_validation"]
-    assert set(patches.PENDING_GPU_VALIDATION).isdisjoint(patches.PATCH_MODULES)
-    applied = patches.apply_pending_gpu_validation()
-    assert applied == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
-    patches.apply_pending_gpu_validation()
+    assert set(patches.RUNNER_PATCHES).isdisjoint(patches.PATCH_MODULES)
+    applied = patches.apply_runner_patches()
+    assert applied == patches.PATCH_MODULES + patches.RUNNER_PATCHES
+    patches.apply_runner_patches()
 
     assert model_runner.init_speculator._ddtree_patched
     assert not getattr(model_runner.init_speculator._ddtree_original, "_ddtree_patched", False)
@@ -450,9 +450,10 @@ def test_pending_patches_apply_idempotently_and_stay_out_of_patch_modules(monkey
     assert slots(dflash) == 14
 
 
-def test_experimental_runner_env_applies_pending_patches(monkeypatch):
-    """VLLM_DDTREE_EXPERIMENTAL_RUNNER=1 makes apply_all (the plugin, in every vLLM
-    process) apply the runner patches too; other values are refused by name."""
+def test_runner_env_applies_runner_patches(monkeypatch):
+    """VLLM_DDTREE_RUNNER=1 (set by the front end of a DDTree run) makes apply_all (the
+    plugin, in every vLLM process it starts) apply the runner patches too; without it
+    vLLM's runner stays untouched; other values are refused by name."""
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.engine.arg_utils import EngineArgs
 
@@ -460,14 +461,14 @@ def test_experimental_runner_env_applies_pending_patches(monkeypatch):
 
     undo_runner_patches_after_test(monkeypatch)
 
-    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "yes")
-    with pytest.raises(ValueError, match=patches.EXPERIMENTAL_RUNNER_ENV):
+    monkeypatch.setenv(patches.RUNNER_ENV, "yes")
+    with pytest.raises(ValueError, match=patches.RUNNER_ENV):
         patches.apply_all()
-    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "0")
+    monkeypatch.setenv(patches.RUNNER_ENV, "0")
     assert patches.apply_all() == patches.PATCH_MODULES
     assert not getattr(model_runner.init_speculator, "_ddtree_patched", False)
-    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "1")
-    assert patches.apply_all() == patches.PATCH_MODULES + patches.PENDING_GPU_VALIDATION
+    monkeypatch.setenv(patches.RUNNER_ENV, "1")
+    assert patches.apply_all() == patches.PATCH_MODULES + patches.RUNNER_PATCHES
     assert model_runner.init_speculator._ddtree_patched
     assert EngineArgs.create_speculative_config._ddtree_patched
 
@@ -617,8 +618,8 @@ def test_compaction_reaches_every_group_sharing_one_storage():
 
 def undo_runner_patches_after_test(monkeypatch) -> None:
     """Apply the released patches, then make monkeypatch restore every attribute the
-    runner patches replace: other tests expect the plugin's released behaviour
-    (method ddtree refused)."""
+    runner patches replace: other tests expect a process without DDTree (vLLM's own
+    runner code)."""
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.config.speculative import SpeculativeConfig
     from vllm.engine.arg_utils import EngineArgs
@@ -627,8 +628,8 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
 
     import patches
 
-    # apply_pending_gpu_validation sets the opt-in variable: restore it afterwards
-    monkeypatch.setenv(patches.EXPERIMENTAL_RUNNER_ENV, "0")
+    # apply_runner_patches sets VLLM_DDTREE_RUNNER: restore it afterwards
+    monkeypatch.setenv(patches.RUNNER_ENV, "0")
     patches.apply_all()
     for owner, name in [(model_runner, "init_speculator"),
                         (EngineArgs, "create_speculative_config"),

@@ -4,7 +4,6 @@
 ``LLM`` each; vLLM does not free a GPU engine reliably inside one process) and prints
 the same table as the reference-engine demo. Rounds are vLLM's spec-decode drafts
 plus one prefill round per prompt; tokens per round = generated tokens / rounds.
-DDTree runs with ``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1`` (see ``patches``).
 """
 
 from __future__ import annotations
@@ -100,14 +99,13 @@ def run_demo_vllm(num_prompts: int = 3, max_new_tokens: int = 64, budget: int = 
         )
     methods = [("AR", "ar"), ("DFlash", "dflash"), (f"DDTree B={budget}", "ddtree")]
     results = {}
-    env = {**os.environ, "VLLM_DDTREE_EXPERIMENTAL_RUNNER": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         for name, method in tqdm(methods, desc="demo (vLLM)", unit="engine"):
             out = Path(tmp) / f"{method}.json"
             subprocess.run([sys.executable, "-m", "vllm_ddtree.demo_vllm", "--method", method,
                             "--budget", str(budget), "--prompts", str(num_prompts),
                             "--max-new-tokens", str(max_new_tokens), "--out", str(out)],
-                           check=True, env=env, timeout=900)
+                           check=True, timeout=900)
             results[name] = json.loads(out.read_text())
     return format_report(results)
 

@@ -1,7 +1,8 @@
 """``vllm serve`` with ``method: ddtree`` on the embedded pair (GPU), through the
-OpenAI client: the user's path (``VLLM_DDTREE_EXPERIMENTAL_RUNNER=1`` in the server's
-environment, the plugin patches every vLLM process; API server and engine core are
-separate processes, unlike the in-process checks in test_ddtree_vllm.py).
+OpenAI client: the user's path (plain ``vllm serve``: the plugin's front-end patch
+applies the runner patches and passes them on to the engine-core process through
+``VLLM_DDTREE_RUNNER=1``; API server and engine core are separate processes, unlike
+the in-process checks in test_ddtree_vllm.py).
 
 One server for the module (``--enforce-eager --gpu-memory-utilization 0.3
 --max-model-len 4096 --max-num-seqs 32``, plus ``--max-num-batched-tokens 2048`` so
@@ -131,7 +132,7 @@ def server(setup, ar_reference, tmp_path_factory):
     if not DRY_RUN and not plugin_installed():
         pytest.fail("the vllm-ddtree plugin entry point is not installed: run "
                     "`python3 -m pip install --no-deps --no-build-isolation --no-index -e .`")
-    env = {**os.environ, "VLLM_DDTREE_EXPERIMENTAL_RUNNER": "1", "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": f"{ROOT}:" + os.environ.get("PYTHONPATH", "")}
     log = tmp_path_factory.mktemp("serve") / "server.log"
     srv = start_server(setup.model, log, speculative_config=setup.spec,

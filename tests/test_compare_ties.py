@@ -1,0 +1,44 @@
+"""The bf16 tie allowance of vllm_ddtree.testing.compare: measured noise, not a constant."""
+
+import pytest
+
+from vllm_ddtree.testing.compare import (
+    MAX_GAP_NOISE,
+    NOISE_FACTOR,
+    TIE_GAP,
+    gap_noise,
+    mismatch_problems,
+    tie_gap_for,
+)
+
+
+def out(tokens, gaps):
+    return {"tokens": tokens, "top2_gap": gaps}
+
+
+def test_gap_noise_counts_only_matched_positions():
+    got = [out([1, 2, 3, 4], [0.50, 0.30, 0.90, 5.0]), out([7, 8], [1.0, 1.0])]
+    want = [out([1, 2, 9, 4], [0.52, 0.25, 0.10, 0.0]), out([7, 8], [1.01, float("inf")])]
+    # request 0 matches up to position 2 (|0.30 - 0.25| = 0.05); later positions and
+    # infinite gaps are ignored
+    assert gap_noise(got, want) == pytest.approx(0.05)
+    assert tie_gap_for(got, want) == (pytest.approx(max(TIE_GAP, NOISE_FACTOR * 0.05)),
+                                      pytest.approx(0.05))
+
+
+def test_measured_noise_widens_the_tie_gap_and_flags_large_noise():
+    # a flip at reference gap 0.094 with 0.06 of observed noise on matched positions
+    want = [out([1, 2, 3], [0.70, 0.40, 0.094]), out([5, 6], [0.3, 0.3])]
+    got = [out([1, 2, 9], [0.76, 0.40, 0.20]), out([5, 6], [0.3, 0.3])]
+    tie_gap, noise = tie_gap_for(got, want)
+    assert noise == pytest.approx(0.06) and tie_gap == pytest.approx(NOISE_FACTOR * 0.06)
+    assert mismatch_problems(got, want) == []
+    # the same flip with runs that agree to 1e-3 elsewhere is not a tie
+    got[0]["top2_gap"][0] = 0.701
+    problems = mismatch_problems(got, want)
+    assert len(problems) == 1 and "pos 2" in problems[0]
+    # runs whose gaps disagree by more than rounding are a failure even without flips
+    noisy = [out([1, 2, 3], [0.70 + 2 * MAX_GAP_NOISE, 0.40, 0.094]), want[1]]
+    assert any("more than bf16" in p for p in mismatch_problems(noisy, want))
+    # an explicit tie gap keeps the old fixed rule
+    assert len(mismatch_problems(got, want, tie_gap=TIE_GAP)) == 1

@@ -1,0 +1,87 @@
+"""Sampled-token comparison with an allowance for bf16 ties of the perturbed scores.
+
+vLLM's sampler draws ``argmax_v(logit_v / T + g_v)`` with Gumbel noise ``g_v`` keyed by
+the request seed, the token's position and ``v`` (``sample/gumbel.py``), and DDTree's
+verifier draws with the same function and keys. Two seeded runs therefore draw the
+same token unless the two best *perturbed* scores are within logit rounding of each
+other. At a first mismatch (AR drew ``x``, the other run ``y`` on the same prefix) we
+measure, with vLLM's own kernel, the logit offset that would flip ``x`` into ``y``:
+the flip is a tie iff that margin is within the greedy tie gap. Needs CUDA (Triton).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from vllm_ddtree.testing.compare import first_mismatch
+
+__all__ = ["gumbel_flip_margin", "sampled_mismatch_problems"]
+
+MARGIN_RANGE = 1.0  # margins are resolved in [-MARGIN_RANGE, MARGIN_RANGE] ...
+MARGIN_STEPS = 4001  # ... to 5e-4
+
+
+def gumbel_flip_margin(x: int, y: int, value_x: float, value_y: float, seed: int,
+                       position: int, temperature: float) -> float:
+    """``x``'s perturbed lead over ``y`` in logit units: with logits ``{x: value_x,
+    y: value_y + d}`` (all others -inf) vLLM's ``gumbel_sample`` at (seed, position,
+    temperature) draws ``x`` iff ``d < d*``; returns ``d*`` (positive when ``x`` wins
+    at the given values; +-inf beyond ``MARGIN_RANGE``). ``value_*`` are logits or
+    logprobs of one distribution (only their difference counts).
+    """
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    offsets = torch.linspace(-MARGIN_RANGE, MARGIN_RANGE, MARGIN_STEPS, device="cuda")
+    logits = torch.full((MARGIN_STEPS, max(x, y) + 1), float("-inf"), device="cuda")
+    logits[:, x] = value_x
+    logits[:, y] = value_y + offsets
+    drawn = gumbel_sample(
+        logits,
+        torch.zeros(MARGIN_STEPS, dtype=torch.int32, device="cuda"),
+        torch.tensor([temperature], dtype=torch.float32, device="cuda"),
+        torch.tensor([seed], dtype=torch.int64, device="cuda"),
+        torch.full((MARGIN_STEPS,), position, dtype=torch.int64, device="cuda"),
+        apply_temperature=True,
+    )
+    y_wins = (drawn == y).nonzero()
+    if y_wins.numel() == 0:
+        return float("inf")
+    first = int(y_wins[0])
+    return float("-inf") if first == 0 else float(offsets[first])
+
+
+def _values(entry: dict) -> dict[int, float]:
+    return {int(t): float(v) for t, v in entry.items()}
+
+
+def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
+                              tie_gap: float) -> list[str]:
+    """Unexplained first mismatches of seeded sampled outputs. Outputs are dicts with
+    ``prompt`` (token ids), ``tokens``, ``seed``, ``temperature`` and ``top_logprobs``
+    (``{token: logprob}`` per position, the drawn token included); ``want`` is plain
+    decoding. The drawn position of output token ``i`` is ``len(prompt) + i - 1``."""
+    problems = []
+    for n, (a, b) in enumerate(zip(got, want, strict=True)):
+        pos = first_mismatch(a["tokens"], b["tokens"])
+        if pos is None:
+            continue
+        if pos >= min(len(a["tokens"]), len(b["tokens"])):
+            problems.append(f"prompt {n}: lengths differ: {len(a['tokens'])} vs "
+                            f"{len(b['tokens'])} tokens")
+            continue
+        x, y = b["tokens"][pos], a["tokens"][pos]
+        ref_values, got_values = _values(b["top_logprobs"][pos]), _values(a["top_logprobs"][pos])
+        # Both values from one run: the reference's if it lists y, else ours if it lists x.
+        values = ref_values if y in ref_values else got_values if x in got_values else None
+        if values is None:
+            problems.append(f"prompt {n}: pos {pos}: drew {y} vs {x}, neither run lists "
+                            "both tokens' logprobs")
+            continue
+        margin = gumbel_flip_margin(x, y, values[x], values[y], int(b["seed"]),
+                                    len(b["prompt"]) + pos - 1, float(b["temperature"]))
+        if abs(margin) > tie_gap:
+            problems.append(f"prompt {n}: pos {pos}: drew {y} vs {x}, perturbed margin "
+                            f"{margin:.3f} > tie gap {tie_gap:.3f}")
+    return problems
