@@ -38,10 +38,24 @@ tensors on the host):
   position (``input_batch.positions[query_start_loc[r]]``, the last committed token)
   and accepted depth ``num_sampled - 1``.
 
-Writes JSON: outputs (prompt, tokens, top2_gap, first_mismatch vs truth), rounds,
-oracle counters, the acceptance summary over rounds whose committed prefix
-still equals the truth, the depth ``build_ddtree`` predicts for these ranks on CPU,
-DDTree's and vLLM's acceptance counters.
+Lengths (:func:`plan_max_tokens`): a request whose AR run reached its ``max_tokens``
+(the asked-for length + ``extra_tokens``) generates ``len(truth) - extra_tokens``
+tokens here, so every round's draft has the truth for all its depths. A request whose
+AR run ended early (``--mixed``: every third request may stop at EOS or a blank line)
+has no truth past that end: it still runs (the batch keeps its arrivals), generates
+exactly its AR tokens (``ignore_eos``, no stop strings, so the length is fixed) and is
+compared on all of them. The rounds whose draft reaches past the truth's end
+(:func:`rounds_within_truth`; the oracle leaves those depths to noise) are left out of
+the depth statistics and counted as ``rounds_past_truth``: those at the end of an
+early-ended truth, and steps that async scheduling (on for vLLM's ``dflash`` method)
+ran past a request's ``max_tokens`` before seeing it finish (their tokens are
+discarded).
+
+Writes JSON: outputs (prompt, tokens, top2_gap, max_tokens, truth_ended_early,
+first_mismatch vs truth), rounds, oracle counters, the acceptance summary over rounds
+whose committed prefix still equals the truth and whose draft lies within it, the depth
+``build_ddtree`` predicts for these ranks on CPU, DDTree's and vLLM's acceptance
+counters.
 """
 
 from __future__ import annotations
@@ -49,8 +63,55 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def plan_max_tokens(
+    truth_lens: Sequence[int], extra: int, requested: Sequence[int] | None = None,
+) -> tuple[list[int], dict[int, str]]:
+    """Tokens each request generates (and is compared on) under the oracle, and why
+    the requests whose AR truth ended early are treated so.
+
+    ``truth_lens[i]``: AR output tokens of request ``i``; the AR run asked for
+    ``requested[i] + extra`` (``requested`` None: unknown, every run is taken to be
+    complete unless it is not longer than ``extra``). A complete truth gives
+    ``truth_len - extra`` (the last ``extra`` tokens are the oracle's look-ahead); one
+    that ended early (EOS or a stop string) gives all its tokens: nothing past its end
+    is known, so the rounds reaching past it lose their look-ahead (see
+    :func:`rounds_within_truth`) but every generated token is still compared.
+    Returns ``(max_tokens, {i: reason})`` for the early ones."""
+    if extra < 0:
+        raise ValueError(f"extra_tokens must be >= 0, got {extra}")
+    if requested is not None and len(requested) != len(truth_lens):
+        raise ValueError(f"{len(requested)} requested lengths for {len(truth_lens)} truths")
+    max_tokens, early = [], {}
+    for i, n in enumerate(truth_lens):
+        if n < 1:
+            raise ValueError(f"request {i}: empty truth")
+        asked = None if requested is None else requested[i] + extra
+        if asked is not None and n > asked:
+            raise ValueError(f"request {i}: {n} truth tokens, more than the {asked} asked for")
+        if (asked is not None and n < asked) or n <= extra:
+            max_tokens.append(n)
+            of = "" if asked is None else f" of {asked}"
+            early[i] = (f"AR run ended after {n}{of} tokens (EOS / stop string): all {n} "
+                        "generated and compared, rounds drafting past them not in the "
+                        "depth statistics")
+        else:
+            max_tokens.append(n - extra)
+    return max_tokens, early
+
+
+def rounds_within_truth(
+    rounds: Sequence[dict], truth_ends: Sequence[int], num_depths: int,
+) -> list[dict]:
+    """The verified rounds whose whole draft lay inside the known truth: a tree rooted
+    at position ``p`` (``round["root_pos"]``, the bonus token of its draft) drafted
+    positions ``p + 1 .. p + num_depths``, all of which must be below ``truth_ends[q]``
+    (``len(prompt + AR output)`` of request ``q``); past it the oracle drafts noise."""
+    return [r for r in rounds if r["root_pos"] + num_depths < truth_ends[r["prompt"]]]
 
 
 def main() -> None:
@@ -69,12 +130,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import vllm_ddtree
-    from patches import apply_pending_gpu_validation
+    from patches import apply_all
 
     vllm_ddtree.register()
-    applied = apply_pending_gpu_validation()
 
-    from check_ddtree_vllm import spec_decode_metrics
+    from check_ddtree_vllm import MIXED_MAX_TOKENS, spec_decode_metrics
     from transformers import AutoConfig
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -95,8 +155,12 @@ def main() -> None:
     refs = truth_run["outputs"]
     prompts = [r["prompt"] for r in refs]
     truths = [r["prompt"] + r["tokens"] for r in refs]
-    max_tokens = [len(r["tokens"]) - extra for r in refs]
-    assert all(n > 0 for n in max_tokens), "truth run shorter than its extra_tokens"
+    # the --mixed AR run asked for MIXED_MAX_TOKENS (+ extra); other runs never stop early
+    requested = MIXED_MAX_TOKENS if truth_run.get("mixed") else None
+    max_tokens, ended_early = plan_max_tokens([len(r["tokens"]) for r in refs], extra,
+                                              requested)
+    for i, reason in ended_early.items():
+        print(f"oracle truth of request {i}: {reason}")
     ranks = parse_ranks(args.ranks)
 
     record, _ = install_oracle(truths, ranks)
@@ -112,25 +176,32 @@ def main() -> None:
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=True,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False)
+    applied = apply_all()  # names of the patches active in this process
+    # ignore_eos and no stop strings: every request generates exactly max_tokens
     params = [SamplingParams(temperature=float(r.get("temperature", 0.0)),
                              seed=r.get("seed"), max_tokens=n, logprobs=2, ignore_eos=True)
               for r, n in zip(refs, max_tokens, strict=True)]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
 
     result, firsts = [], []
-    for prompt, ref, out in zip(prompts, refs, outputs, strict=True):
+    for i, (prompt, ref, out, n) in enumerate(zip(prompts, refs, outputs, max_tokens,
+                                                  strict=True)):
         completion = out.outputs[0]
         gaps = []
         for lp in completion.logprobs or []:
             top = sorted((v.logprob for v in lp.values()), reverse=True)
             gaps.append(top[0] - top[1] if len(top) > 1 else float("inf"))
         tokens = list(completion.token_ids)
-        first = first_mismatch(tokens, ref["tokens"][: len(tokens)])
+        first = first_mismatch(tokens, ref["tokens"][:n])  # a short output counts
         firsts.append(first)
         result.append({"prompt": prompt, "tokens": tokens, "top2_gap": gaps,
-                       "temperature": ref.get("temperature", 0.0), "first_mismatch": first})
-    summary = acceptance_summary(record.rounds, [len(p) for p in prompts], firsts,
+                       "temperature": ref.get("temperature", 0.0), "max_tokens": n,
+                       "truth_ended_early": i in ended_early, "first_mismatch": first})
+    # depths only of rounds whose whole draft the truth covers
+    full_rounds = rounds_within_truth(record.rounds, [len(t) for t in truths], num_depths)
+    summary = acceptance_summary(full_rounds, [len(p) for p in prompts], firsts,
                                  min_depth=args.min_depth)
+    summary["rounds_past_truth"] = len(record.rounds) - len(full_rounds)
     predicted = predicted_accepted_depth(ranks, args.budget, num_depths, vocab, args.top_k)
     print(f"oracle ranks {args.ranks} B={args.budget}: {summary}; "
           f"predicted depth {predicted}; first mismatches {firsts}")
