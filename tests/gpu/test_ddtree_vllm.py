@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
-from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems
+from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems, tie_gap_for
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -47,6 +47,16 @@ def first_mismatches(got: dict, ref: dict) -> list[int | None]:
         assert a["prompt"] == b["prompt"]
     return [first_mismatch(a["tokens"], b["tokens"])
             for a, b in zip(got["outputs"], ref["outputs"], strict=True)]
+
+
+def unexplained_sampled_mismatches(got: dict, ref: dict) -> list[str]:
+    """Seeded sampled outputs: a first mismatch must be a tie of vLLM's Gumbel-perturbed
+    scores (``sampled_ties``), judged with the pair's measured bf16 noise."""
+    from vllm_ddtree.testing.sampled_ties import sampled_mismatch_problems
+
+    tie_gap, noise = tie_gap_for(got["outputs"], ref["outputs"])
+    print(f"sampled: measured top-2 gap noise {noise:.3f}, tie gap {tie_gap:.3f}")
+    return sampled_mismatch_problems(got["outputs"], ref["outputs"], tie_gap)
 
 
 def split_by_temperature(result: dict) -> tuple[dict, dict]:
@@ -95,39 +105,57 @@ def test_ddtree_greedy_equals_ar_and_accepts(ar_mixed, ddtree_mixed):
 
 
 def test_ddtree_acceptance_matches_reference_engine(ddtree_mixed):
-    """Same greedy prompts, same B: vLLM's committed tokens per round within 5 % of the
-    reference engine's (fp32). A gap means a wiring bug (target-layer offset, LM head,
-    window, RoPE)."""
+    """Same greedy requests, same B, same text: the reference engine (fp32) is replayed
+    along vLLM's own output tokens (bf16 ties make free-running texts part after ~25
+    tokens), and vLLM's committed tokens per round must be within 3 % of the replay's.
+    A gap means a wiring bug (target-layer offset, LM head, window, RoPE)."""
     from transformers import AutoModelForCausalLM
 
-    from vllm_ddtree.reference import generate
+    from vllm_ddtree.reference import clip_rounds, compare_rounds, replay
     from vllm_ddtree.training.common import load_drafter
 
     target = AutoModelForCausalLM.from_pretrained(CHECKPOINTS / "target",
                                                   dtype=torch.float32).cuda().eval()
     drafter = load_drafter(CHECKPOINTS / "drafter", device="cuda")
+    budget = ddtree_mixed["budget"]
     greedy, _ = split_by_temperature(ddtree_mixed)
-    vllm_rounds, ref_rounds = [], []
-    for out in greedy["outputs"]:
-        vllm_rounds += out["committed_per_round"]
-        ref = generate(target, drafter, out["prompt"], len(out["tokens"]), "ddtree",
-                       budget=ddtree_mixed["budget"])
-        ref_rounds += [s.committed for s in ref.stats]
-    got = sum(vllm_rounds) / len(vllm_rounds)
-    want = sum(ref_rounds) / len(ref_rounds)
-    print(f"B={ddtree_mixed['budget']}: committed per round vLLM {got:.3f} "
-          f"({len(vllm_rounds)} rounds), reference engine {want:.3f} ({len(ref_rounds)})")
-    assert got == pytest.approx(want, rel=0.05)
+    vllm_rounds, ref_rounds, same_rounds, firsts, uncovered = [], [], 0, [], []
+    for i, out in enumerate(greedy["outputs"]):
+        # vLLM counts a round before the output is cut (max_tokens, EOS, stop strings):
+        # keep the rounds that cover the returned tokens, the last one clipped, as
+        # replay counts them. Outputs of 0 or 1 tokens have no round.
+        got = clip_rounds(out["committed_per_round"], len(out["tokens"]))
+        if sum(got) != max(0, len(out["tokens"]) - 1):
+            uncovered.append(i)  # vLLM rounds missing: the per-round alignment is off
+        want = replay(target, drafter, out["prompt"], out["tokens"], "ddtree", budget=budget)
+        same, first = compare_rounds(got, want)
+        vllm_rounds += got
+        ref_rounds += want
+        same_rounds += same
+        firsts.append(first)
+    assert vllm_rounds and ref_rounds
+    got_mean = sum(vllm_rounds) / len(vllm_rounds)
+    want_mean = sum(ref_rounds) / len(ref_rounds)
+    print(f"B={budget}: committed per round on vLLM's tokens: vLLM {got_mean:.3f} "
+          f"({len(vllm_rounds)} rounds), reference replay {want_mean:.3f} "
+          f"({len(ref_rounds)} rounds); identical rounds {same_rounds}/{len(vllm_rounds)} "
+          f"= {same_rounds / len(vllm_rounds):.1%}; first differing round per request "
+          f"{firsts}; requests whose vLLM rounds do not cover their tokens {uncovered}")
+    assert got_mean == pytest.approx(want_mean, rel=0.03)
 
 
 def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     """Same request seeds: DDTree's target draws are keyed by (seed, position) exactly
-    as plain decoding keys them, so the sampled tokens must agree."""
+    as plain decoding keys them, so the sampled tokens must agree up to a tie of the
+    perturbed scores (a bug in the keys or the distribution flips far more)."""
     _, got = split_by_temperature(ddtree_mixed)
     _, ref = split_by_temperature(ar_mixed)
     firsts = first_mismatches(got, ref)
     print(f"B={ddtree_mixed['budget']}: sampled first mismatch per request {firsts}")
-    assert all(f is None for f in firsts)
+    problems = unexplained_sampled_mismatches(got, ref)
+    assert not problems, "\n".join(problems)
+    # Ties are rare on the trained pair: most sampled requests must match in full.
+    assert sum(f is None for f in firsts) >= len(firsts) - 1
 
 
 def _to_cuda(ns):
@@ -207,4 +235,39 @@ def test_tiny_random_pairs_equal_ar(pair, tmp_path):
           f"{first_mismatches(sampled, ref_sampled)}, mean acceptance length "
           f"{got['ddtree_mean_acceptance_length']:.3f}")
     assert not problems, "\n".join(problems)
-    assert all(f is None for f in first_mismatches(sampled, ref_sampled))
+    problems = unexplained_sampled_mismatches(sampled, ref_sampled)
+    assert not problems, "\n".join(problems)
+
+
+def test_gumbel_flip_margin_matches_vllm_draws():
+    """``gumbel_flip_margin`` against vLLM's own draw of a full row: the drawn token
+    leads every other token (margin > 0), and moving the closest rival's logit just
+    past its margin makes vLLM draw the rival instead."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    from vllm_ddtree.testing.sampled_ties import gumbel_flip_margin
+
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(4):
+        logits = torch.randn(64, generator=gen) * 2
+        seed, pos, temp = 1000 + trial, 37 + trial, 0.8
+
+        def draw(row: torch.Tensor, seed=seed, pos=pos, temp=temp) -> int:
+            return int(gumbel_sample(
+                row.view(1, -1).cuda(), torch.zeros(1, dtype=torch.int32, device="cuda"),
+                torch.tensor([temp], device="cuda"),
+                torch.tensor([seed], dtype=torch.int64, device="cuda"),
+                torch.tensor([pos], dtype=torch.int64, device="cuda"),
+                apply_temperature=True)[0])
+
+        won = draw(logits)
+        margins = {v: gumbel_flip_margin(won, v, float(logits[won]), float(logits[v]),
+                                         seed, pos, temp) for v in range(64) if v != won}
+        assert all(m > 0 for m in margins.values())
+        rival, margin = min(margins.items(), key=lambda kv: kv[1])
+        if margin < 0.9:  # within the resolved range
+            moved = logits.clone()
+            moved[rival] += margin + 2e-3
+            assert draw(moved) == rival
+            moved[rival] -= 4e-3
+            assert draw(moved) == won

@@ -6,6 +6,7 @@ from vllm_ddtree.reference.drafter import (
     DrafterConfigError,
 )
 from vllm_ddtree.reference.engine import GenerationResult, RoundStats, generate
+from vllm_ddtree.reference.replay import clip_rounds, compare_rounds, replay
 
 __all__ = [
     "DFlashContextCache",
@@ -13,5 +14,8 @@ __all__ = [
     "DrafterConfigError",
     "GenerationResult",
     "RoundStats",
+    "clip_rounds",
+    "compare_rounds",
     "generate",
+    "replay",
 ]

@@ -11,7 +11,7 @@ import torch
 from vllm_ddtree.drafter_config import check_drafter_target_pair
 from vllm_ddtree.reference.sampling import choose_tokens
 from vllm_ddtree.reference.target import TargetRunner
-from vllm_ddtree.tree import build_ddtree, follow_tree
+from vllm_ddtree.tree import DraftTree, WalkResult, build_ddtree, follow_tree
 
 Method = Literal["ar", "dflash", "ddtree"]
 MAX_BUDGET = 512
@@ -94,14 +94,10 @@ def generate(
     aux_ids = drafter.target_layer_ids if method != "ar" else None
     runner = TargetRunner(target, aux_ids)
     try:
-        prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-        n = prompt.shape[0]
-        logits, aux = runner.forward(prompt, torch.arange(n, device=device), None)
-        bonus = int(choose_tokens(logits[-1:], torch.tensor([n]), temperature, seed)[0])
+        n = len(prompt_ids)
+        last_logits, context = prefill(runner, drafter if method != "ar" else None, prompt_ids)
+        bonus = int(choose_tokens(last_logits, torch.tensor([n]), temperature, seed)[0])
         result = GenerationResult(tokens=[bonus])
-        if method != "ar":
-            context = drafter.new_context_cache()
-            context.append(aux, torch.arange(n, device=device))
         position = n  # position of `bonus`, whose KV is not cached yet
         done = eos_token_id is not None and bonus == eos_token_id
         while not done and len(result.tokens) < max_new_tokens:
@@ -144,6 +140,86 @@ def generate(
         runner.close()
 
 
+def prefill(runner: TargetRunner, drafter, prompt_ids: list[int]):
+    """Run the prompt through the target (and into a new drafter context cache).
+
+    Returns the target's fp32 logits ``[1, V]`` at the last prompt token and the
+    drafter's :class:`DFlashContextCache` holding the prompt's aux hidden states
+    at positions ``0..len(prompt_ids)-1`` (None when ``drafter`` is None).
+    """
+    device = next(runner.model.parameters()).device
+    prompt = torch.tensor(prompt_ids, dtype=torch.long, device=device)
+    n = prompt.shape[0]
+    logits, aux = runner.forward(prompt, torch.arange(n, device=device), None)
+    context = None
+    if drafter is not None:
+        context = drafter.new_context_cache()
+        context.append(aux, torch.arange(n, device=device))
+    return logits[-1:], context
+
+
+@dataclass
+class Verified:
+    """A drafted tree after the target's verify forward (see :func:`draft_and_verify`).
+
+    ``tree`` holds one request ``[1, B]``; ``logits`` fp32 ``[1 + B, V]`` and ``aux``
+    ``[1 + B, len(aux_layer_ids) * hidden]`` are the target's outputs at the verify
+    rows ``[root, nodes...]``; ``offsets`` int64 ``[1 + B]`` = ``[0, depths...]``;
+    ``first_new`` is the target cache index of the root row.
+    """
+
+    tree: DraftTree
+    logits: torch.Tensor
+    aux: torch.Tensor
+    offsets: torch.Tensor
+    first_new: int
+
+
+def draft_and_verify(
+    runner: TargetRunner,
+    drafter,
+    context,
+    bonus: int,
+    position: int,
+    method: Method,
+    budget: int,
+    top_k: int | None,
+) -> Verified:
+    """Draft a tree (``"ddtree"``) or chain (``"dflash"``) after ``bonus`` (at
+    ``position``) and run the target over ``[bonus, nodes...]`` with the tree mask."""
+    device = next(runner.model.parameters()).device
+    draft_logits = drafter.block_logits(
+        bonus, position, context, runner.embed, runner.lm_head_logits
+    )[None]  # [1, L, V]
+    if method == "dflash":
+        tree = build_ddtree(draft_logits, budget=drafter.block_size - 1, top_k=1)
+    else:
+        tree = build_ddtree(draft_logits, budget=budget, top_k=top_k)
+
+    verify_ids = torch.cat([torch.tensor([bonus], device=device), tree.tokens[0]])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths[0]])
+    first_new = runner.num_cached
+    logits, aux = runner.forward(verify_ids, position + offsets, tree.ancestor_mask()[0])
+    return Verified(tree, logits, aux, offsets, first_new)
+
+
+def keep_accepted(
+    runner: TargetRunner, context, verified: Verified, walk: WalkResult, position: int
+) -> int:
+    """Keep the root and the accepted path of a verified tree: compact the target's KV
+    cache and append their aux hidden states to the drafter ``context`` at positions
+    ``position..position + depth``. Returns the accepted depth."""
+    device = verified.offsets.device
+    depth = int(walk.accepted_depth[0])
+    src_rows = walk.kv_src_rows[0, :depth]
+    runner.keep_accepted(verified.first_new, src_rows)
+    keep_rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), src_rows])
+    context.append(
+        verified.aux[keep_rows], torch.arange(position, position + depth + 1, device=device)
+    )
+    return depth
+
+
 def _speculative_round(
     runner: TargetRunner,
     drafter,
@@ -156,27 +232,12 @@ def _speculative_round(
     temperature: float,
     seed: int | None,
 ) -> tuple[list[int], RoundStats]:
-    device = next(runner.model.parameters()).device
-    draft_logits = drafter.block_logits(
-        bonus, position, context, runner.embed, runner.lm_head_logits
-    )[None]  # [1, L, V]
-    if method == "dflash":
-        tree = build_ddtree(draft_logits, budget=drafter.block_size - 1, top_k=1)
-    else:
-        tree = build_ddtree(draft_logits, budget=budget, top_k=top_k)
-
-    nodes = tree.tokens.shape[1]
-    verify_ids = torch.cat([torch.tensor([bonus], device=device), tree.tokens[0]])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths[0]])
-    first_new = runner.num_cached
-    logits, aux = runner.forward(verify_ids, position + offsets, tree.ancestor_mask()[0])
+    verified = draft_and_verify(runner, drafter, context, bonus, position, method, budget, top_k)
     # The token chosen at a row sits at that row's position + 1.
-    target_tokens = choose_tokens(logits, (position + offsets + 1).cpu(), temperature, seed)
-    walk = follow_tree(tree, target_tokens[None])
-    depth = int(walk.accepted_depth[0])
-    src_rows = walk.kv_src_rows[0, :depth]
-    runner.keep_accepted(first_new, src_rows)
-    keep_rows = torch.cat([torch.zeros(1, dtype=torch.long, device=device), src_rows])
-    context.append(aux[keep_rows], torch.arange(position, position + depth + 1, device=device))
+    positions = (position + verified.offsets + 1).cpu()
+    target_tokens = choose_tokens(verified.logits, positions, temperature, seed)
+    walk = follow_tree(verified.tree, target_tokens[None])
+    depth = keep_accepted(runner, context, verified, walk, position)
     committed = walk.committed_tokens[0, : depth + 1].tolist()
+    nodes = verified.tree.tokens.shape[1]
     return committed, RoundStats(committed=depth + 1, accepted_depth=depth, nodes=nodes)
