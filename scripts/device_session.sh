@@ -12,7 +12,7 @@
 #   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
-#   backend  tests/gpu/test_mla_backend_vllm.py tests/gpu/test_gqa_backend_vllm.py
+#   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
@@ -44,8 +44,9 @@ for stage in "$@"; do
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
-    backend) stage_pytest backend 300 tests/gpu/test_mla_backend_vllm.py \
-               tests/gpu/test_gqa_backend_vllm.py ;;
+    backend)  # 4 engines each (~40 s apiece once the Triton cache is warm)
+      stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
+      stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;
     kernels) stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py \
                tests/gpu/test_gqa_tree_kernel_gpu.py ;;
     serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;

@@ -42,3 +42,36 @@ def test_measured_noise_widens_the_tie_gap_and_flags_large_noise():
     assert any("more than bf16" in p for p in mismatch_problems(noisy, want))
     # an explicit tie gap keeps the old fixed rule
     assert len(mismatch_problems(got, want, tie_gap=TIE_GAP)) == 1
+
+
+def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
+    """The margin of the first flip decides; it is computed from one distribution
+    (the reference's when it lists both tokens) at the drawn token's position."""
+    from vllm_ddtree.testing import sampled_ties
+
+    calls = []
+
+    def fake_margin(x, y, value_x, value_y, seed, position, temperature):
+        calls.append((x, y, value_x, value_y, seed, position, temperature))
+        return value_x - value_y  # a noise-free stand-in for vLLM's Gumbel draw
+
+    monkeypatch.setattr(sampled_ties, "gumbel_flip_margin", fake_margin)
+
+    def out(tokens, top):
+        return {"prompt": [0] * 10, "tokens": tokens, "seed": 7, "temperature": 0.8,
+                "top_logprobs": top}
+
+    ref = [out([1, 2, 3], [{"1": -0.1}, {"2": -1.00, "5": -1.05}, {"3": -0.2}]),
+           out([4, 4], [{"4": -0.1}, {"4": -0.1}]),
+           out([6, 6], [{"6": -0.1}, {"6": -0.1}])]
+    got = [out([1, 5, 9], [{"1": -0.1}, {"5": -1.04}, {"9": -0.3}]),   # tie: 0.05
+           out([4, 4], [{"4": -0.1}, {"4": -0.1}]),                      # equal
+           out([6, 8], [{"6": -0.1}, {"8": -2.0}])]                      # no tie
+    problems = sampled_ties.sampled_mismatch_problems(got, ref, tie_gap=0.07)
+    assert len(problems) == 1 and problems[0].startswith("prompt 2: pos 1")
+    # prompt 0 used the reference's two values, position len(prompt) + 1 - 1
+    assert calls[0] == (2, 5, -1.00, -1.05, 7, 10, 0.8)
+    # prompt 2: x from the reference, y from ours (neither lists both)
+    assert calls[1][2:4] == (-0.1, -2.0)
+    short = [out([1, 2], ref[0]["top_logprobs"][:2])] + ref[1:]
+    assert "lengths differ" in sampled_ties.sampled_mismatch_problems(short, ref, 0.07)[0]

@@ -41,10 +41,13 @@ def test_custom_backend_matches_flash_attn(tiny_gqa, tmp_path):
     ref = run_backend(tiny_gqa, "FLASH_ATTN", tmp_path)
     ours = run_backend(tiny_gqa, "CUSTOM", tmp_path)
     assert ours["backend_class"].endswith("TreeGQABackend")
-    assert not compare(ours, ref)
+    problems = {"CUSTOM vs FLASH_ATTN": compare(ours, ref)}
     # prompts of up to 64 tokens through the tree kernel (causal bits), the rest
     # through vLLM's prefill kernel, in the same batch
     short = run_backend(tiny_gqa, "CUSTOM", tmp_path, "--tree-threshold", "64")
-    assert not compare(short, ref)
+    problems["CUSTOM (tree kernel up to 64 tokens) vs FLASH_ATTN"] = compare(short, ref)
     graphs = run_backend(tiny_gqa, "CUSTOM", tmp_path, "--graphs")
-    assert not compare(graphs, ours)
+    problems["CUSTOM graphs vs eager"] = compare(graphs, ours)
+    for name, found in problems.items():  # printed at once: a time limit may cut pytest
+        print(f"{name}: {found or 'equal up to bf16 ties'}", flush=True)
+    assert not any(problems.values()), problems
