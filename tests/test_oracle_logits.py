@@ -235,28 +235,37 @@ runpy.run_path(script, run_name="__main__")
 '''
 
 
-def test_oracle_eval_script_glue_with_a_fake_engine(tmp_path):
-    """evals/check_ddtree_oracle_vllm.py end to end with vllm.LLM replaced (the engine
-    needs a GPU): truth parsing, max_tokens = truth - extra, sampling params, first
-    mismatches, output JSON."""
+def run_oracle_script_with_fake_engine(tmp_path: Path, truth_run: dict,
+                                       args: list[str]) -> tuple[dict, dict, str]:
+    """Run evals/check_ddtree_oracle_vllm.py on ``truth_run`` (the AR JSON) with the
+    fake ``LLM`` of ``FAKE_LLM_RUNNER``; returns (its output JSON, the LLM kwargs it
+    passed, its stdout)."""
     root = Path(__file__).resolve().parents[1]
-    outs = [{"prompt": [7 + i] * (5 + i), "tokens": list(range(100 * i, 100 * i + 56)),
-             "top2_gap": [1.0] * 56, "temperature": 0.8 if i == 2 else 0.0,
-             "seed": 1002 if i == 2 else None} for i in range(3)]
     truth = tmp_path / "ar.json"
-    truth.write_text(json.dumps({"mode": "ar", "extra_tokens": 16, "max_num_seqs": 4,
-                                 "outputs": outs}))
+    truth.write_text(json.dumps(truth_run))
     runner = tmp_path / "runner.py"
     runner.write_text(FAKE_LLM_RUNNER)
     env = {**os.environ, "PYTHONPATH": f"{root / 'evals'}:{root}:" +
            os.environ.get("PYTHONPATH", "")}
     out = tmp_path / "out.json"
     script = root / "evals" / "check_ddtree_oracle_vllm.py"
-    subprocess.run([sys.executable, str(runner), str(truth), str(tmp_path / "llm.json"),
-                    str(script), "--truth", str(truth), "--out", str(out), "--budget", "8",
-                    "--ranks", "0*3,1,2"], check=True, env=env, timeout=300)
-    got = json.loads(out.read_text())
-    llm = json.loads((tmp_path / "llm.json").read_text())
+    proc = subprocess.run([sys.executable, str(runner), str(truth), str(tmp_path / "llm.json"),
+                           str(script), "--truth", str(truth), "--out", str(out), *args],
+                          check=True, env=env, timeout=300, capture_output=True, text=True)
+    return (json.loads(out.read_text()), json.loads((tmp_path / "llm.json").read_text()),
+            proc.stdout)
+
+
+def test_oracle_eval_script_glue_with_a_fake_engine(tmp_path):
+    """evals/check_ddtree_oracle_vllm.py end to end with vllm.LLM replaced (the engine
+    needs a GPU): truth parsing, max_tokens = truth - extra, sampling params, first
+    mismatches, output JSON."""
+    outs = [{"prompt": [7 + i] * (5 + i), "tokens": list(range(100 * i, 100 * i + 56)),
+             "top2_gap": [1.0] * 56, "temperature": 0.8 if i == 2 else 0.0,
+             "seed": 1002 if i == 2 else None} for i in range(3)]
+    got, llm, _ = run_oracle_script_with_fake_engine(
+        tmp_path, {"mode": "ar", "extra_tokens": 16, "max_num_seqs": 4, "outputs": outs},
+        ["--budget", "8", "--ranks", "0*3,1,2"])
     assert llm["max_num_seqs"] == "4" and llm["enforce_eager"] == "True"
     assert "'num_speculative_tokens': 8" in llm["speculative_config"]
     assert [len(o["tokens"]) for o in got["outputs"]] == [40, 40, 40]

@@ -6,9 +6,7 @@ request of ``check_ddtree_vllm.py --mixed``) still runs and is compared on all i
 tokens, and the rounds drafting past its end leave the depth statistics.
 """
 
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from unittest import mock
@@ -96,7 +94,7 @@ def test_mixed_truth_with_early_stops_through_the_script(tmp_path):
     """check_ddtree_oracle_vllm.py end to end with vllm.LLM replaced (the fake engine
     of test_oracle_logits.py, which returns the truth's tokens with one changed at
     index 5 of prompt 1) on a --mixed truth whose requests 0 and 3 stopped early."""
-    from test_oracle_logits import FAKE_LLM_RUNNER
+    from test_oracle_logits import run_oracle_script_with_fake_engine
 
     asked = list(import_eval("check_ddtree_vllm").MIXED_MAX_TOKENS)
     assert len(asked) == 12
@@ -105,20 +103,9 @@ def test_mixed_truth_with_early_stops_through_the_script(tmp_path):
     outs = [{"prompt": [7 + i] * (5 + i), "tokens": list(range(100 * i, 100 * i + n)),
              "top2_gap": [1.0] * n, "temperature": 0.8 if i >= 8 else 0.0,
              "seed": 1000 + i if i >= 8 else None} for i, n in enumerate(lens)]
-    truth = tmp_path / "ar.json"
-    truth.write_text(json.dumps({"mode": "ar", "mixed": True, "extra_tokens": EXTRA,
-                                 "max_num_seqs": 4, "outputs": outs}))
-    runner = tmp_path / "runner.py"
-    runner.write_text(FAKE_LLM_RUNNER)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'evals'}:{ROOT}:" +
-           os.environ.get("PYTHONPATH", "")}
-    out = tmp_path / "out.json"
-    script = ROOT / "evals" / "check_ddtree_oracle_vllm.py"
-    proc = subprocess.run([sys.executable, str(runner), str(truth), str(tmp_path / "llm.json"),
-                           str(script), "--truth", str(truth), "--out", str(out),
-                           "--ranks", "0*15"], check=True, env=env, timeout=300,
-                          capture_output=True, text=True)
-    got = json.loads(out.read_text())
+    got, _, stdout = run_oracle_script_with_fake_engine(
+        tmp_path, {"mode": "ar", "mixed": True, "extra_tokens": EXTRA, "max_num_seqs": 4,
+                   "outputs": outs}, ["--ranks", "0*15"])
     want = [4, *asked[1:3], 20, *asked[4:]]
     assert [o["max_tokens"] for o in got["outputs"]] == want
     assert [len(o["tokens"]) for o in got["outputs"]] == want
@@ -126,5 +113,5 @@ def test_mixed_truth_with_early_stops_through_the_script(tmp_path):
     assert [o["first_mismatch"] for o in got["outputs"]] == [None, 5] + [None] * 10
     for i in (0, 3):
         line = f"oracle truth of request {i}: AR run ended after {lens[i]} of {asked[i] + EXTRA}"
-        assert line in proc.stdout, proc.stdout
+        assert line in stdout, stdout
     assert got["summary"]["rounds"] == 0 and got["summary"]["rounds_past_truth"] == 0
