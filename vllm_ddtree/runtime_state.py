@@ -197,7 +197,12 @@ class DDTreeRuntimeState:
 
     def mean_acceptance_length(self) -> float:
         """1 + accepted depth per verified tree (vLLM's "mean acceptance length").
-        Syncs the device; for tests and benchmarks only."""
+        Syncs the device; for tests and benchmarks only.
+
+        Counts every tree verified on the device, including the round that async
+        scheduling runs for a request that already finished one step earlier; vLLM's
+        scheduler drops those rounds from its counters (``scheduler.py:1660``), so the
+        two differ slightly in runs where requests stop inside a round."""
         assert self.accepted_sum is not None and self.num_drafts is not None
         drafts = int(self.num_drafts.item())
         return 1.0 + int(self.accepted_sum.item()) / max(1, drafts)
