@@ -9,6 +9,7 @@
 #   install  kit + this package (editable, offline)
 #   ddtree   tests/gpu/test_ddtree_vllm.py on the embedded pair (vs AR and the
 #            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
+#   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
@@ -50,7 +51,8 @@ for stage in "$@"; do
       tar czf "$OUT/compile-cache.tar.gz" -C / root/.triton-cache root/.cache/vllm 2>/dev/null
       summary savecache $?
       ls -la "$OUT/compile-cache.tar.gz" ;;
-    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py -k "not tiny_random" ;;
+    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs" ;;
+    graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k graphs ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;

@@ -133,7 +133,9 @@ def compact_kv_cache_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
     stay fixed for CUDA graphs.
     """
     valid = src_slots >= 0
-    first = torch.argmax(valid.to(torch.int32))  # first real move, 0 if none
+    # First real move, 0 if none. Kept 1-D: indexing with a 0-dim tensor would read
+    # it on the host (a device sync).
+    first = torch.argmax(valid.to(torch.int32)).view(1)
     any_valid = valid.any()
     fill_src = torch.where(any_valid, src_slots[first], 0)
     fill_dst = torch.where(any_valid, dst_slots[first], 0)
