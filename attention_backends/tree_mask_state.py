@@ -4,6 +4,19 @@ The DDTree speculator (GPU runner) writes the tree mask of the next target forwa
 into ``TreeMaskState.ancestor_bits`` (a persistent buffer, so FULL CUDA graphs
 replay it) and sets ``active``; attention metadata builders read rows
 ``[:num_decode_tokens]``. Without an active tree, builders use causal bits.
+
+Adaptive tree budget (``ddtree_budget: "auto"``): the verify batch keeps a uniform
+``1 + B`` query rows per tree request (one CUDA graph per batch shape), but only the
+first ``b_r`` rows of request ``r`` are real nodes (best-first topological order, so
+they form a prefix-closed tree). The speculator sets ``adaptive = True`` once at engine
+init (before CUDA graph capture, which bakes the kernel variant into the graphs),
+allocates ``active_query_lens`` with :meth:`TreeMaskState.allocate_active`, and writes
+``b_r`` into it every verify step: int32 ``[max_num_reqs]``, batch order (entry ``i``
+is the ``i``-th request of the batch; the tree requests come first), in place, as
+device ops only. While ``adaptive`` and ``active`` are both set, the tree backends
+(MLA and GQA) pass the view ``active_query_lens[:num_decode_reqs]`` to the tree-verify
+kernels, which skip the inactive rows (no KV loads for a tile of inactive rows) and
+write ``out = 0`` (MLA: ``lse = -inf``) for them. Otherwise every row is computed.
 """
 
 from __future__ import annotations
@@ -13,12 +26,27 @@ import torch
 BITS_PER_WORD = 64
 
 
+ALL_ROWS_ACTIVE = torch.iinfo(torch.int32).max
+
+
 class TreeMaskState:
-    """Holder of the batch's ancestor bits: int64 ``[max_num_tokens, max_words]``."""
+    """Holder of the batch's tree-verify state, shared by the speculator and backends.
+
+    Attributes:
+        ancestor_bits: int64 ``[max_num_tokens, max_words]`` (see the module docstring).
+        active: the verify batch has a tree (set per step by the speculator).
+        active_query_lens: int32 ``[max_num_reqs]``, batch order: the number of real
+            (active) leading query rows of each request; allocated by
+            :meth:`allocate_active`, filled per verify step by the speculator.
+        adaptive: the backends pass ``active_query_lens`` to the kernels (set once at
+            engine init, ``ddtree_budget: "auto"``).
+    """
 
     def __init__(self) -> None:
         self.ancestor_bits: torch.Tensor | None = None
         self.active = False
+        self.active_query_lens: torch.Tensor | None = None
+        self.adaptive = False
 
     def allocate(self, max_num_tokens: int, max_query_len: int, device) -> torch.Tensor:
         words = max(1, -(-max_query_len // BITS_PER_WORD))
@@ -31,6 +59,30 @@ class TreeMaskState:
                 max_num_tokens, words, dtype=torch.int64, device=device
             )
         return self.ancestor_bits
+
+    def allocate_active(self, max_num_reqs: int, device) -> torch.Tensor:
+        """The persistent ``active_query_lens`` buffer, int32 ``[>= max_num_reqs]``.
+
+        Allocated once (kept if already large enough: its address is baked into CUDA
+        graphs). A new buffer holds ``ALL_ROWS_ACTIVE`` (int32 max, larger than any
+        query length), so a step the speculator has not filled computes every row.
+        """
+        if self.active_query_lens is None or self.active_query_lens.shape[0] < max_num_reqs:
+            self.active_query_lens = torch.full(
+                (max_num_reqs,), ALL_ROWS_ACTIVE, dtype=torch.int32, device=device
+            )
+        return self.active_query_lens
+
+    def decode_active_query_lens(self, num_decode_reqs: int) -> torch.Tensor | None:
+        """What the backends pass to the kernels as ``active_query_lens``.
+
+        The view ``active_query_lens[:num_decode_reqs]`` (the batch's first, tree-verify
+        requests) while ``adaptive`` and ``active`` are set and the buffer exists, else
+        None (every row active). No device work, so safe during CUDA graph capture.
+        """
+        if self.adaptive and self.active and self.active_query_lens is not None:
+            return self.active_query_lens[:num_decode_reqs]
+        return None
 
 
 TREE_MASK_STATE = TreeMaskState()

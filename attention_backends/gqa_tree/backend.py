@@ -15,7 +15,9 @@ tree kernel's grid is sized by the longest request, while vLLM's prefill kernel 
 already tuned for long causal chunks.
 
 Without a DDTree tree the bits are causal, so the backend is a plain causal backend
-usable with ``--attention-backend CUSTOM``.
+usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the tree
+kernel also gets the speculator's per-request active query rows
+(``attention_backends.tree_mask_state``) and skips the inactive ones.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class TreeGQADecodeMetadata:
     ancestor_bits: torch.Tensor  # int64 [num_decode_tokens, W]
     max_query_len: int
     max_seq_len: int
+    # int32 [num_decodes], a view of TREE_MASK_STATE.active_query_lens (adaptive
+    # budget), or None: every query row is active.
+    active_query_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -185,6 +190,7 @@ class TreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
             ancestor_bits=bits,
             max_query_len=max_query_len,
             max_seq_len=cm.max_seq_len,
+            active_query_lens=TREE_MASK_STATE.decode_active_query_lens(num_decodes),
         )
 
     @staticmethod
@@ -309,6 +315,7 @@ class TreeGQAImpl(TritonAttentionImpl):
                 max_seq_len=decode.max_seq_len,
                 validate_values=False,
                 out=output[:num],
+                active_query_lens=decode.active_query_lens,
             )
         prefill = attn_metadata.prefill
         if prefill is not None:

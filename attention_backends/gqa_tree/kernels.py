@@ -7,6 +7,13 @@ KV head, and one split of the request's keys, so all query tokens and all query 
 of the group share each K/V tile. Axis 0 varies fastest: the CTAs reading the same
 (request, KV head, split) run side by side (L2). With more than one split the partial
 results are merged by ``attention_backends.mla_tree.kernels._mla_tree_merge_kernel``.
+
+``_gqa_tree_fwd_active_kernel``: the same with per-request active query rows (adaptive
+tree budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
+A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
+inactive rows of a partially active CTA are written the same way. Both entry kernels
+inline :func:`_gqa_tree_fwd` (``HAS_ACTIVE`` is its constexpr switch), so the default
+kernel compiles as it did before active rows existed.
 """
 
 import triton
@@ -61,7 +68,7 @@ def _load_kv(
 
 
 @triton.jit
-def _gqa_tree_fwd_kernel(
+def _gqa_tree_fwd(
     Q,
     KCache,
     VCache,
@@ -100,7 +107,10 @@ def _gqa_tree_fwd_kernel(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    ActiveQueryLens,  # int32 [R] or None
+    HAS_ACTIVE: tl.constexpr,
 ):
+    """One CTA of the forward kernels (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1) // num_splits
@@ -120,15 +130,35 @@ def _gqa_tree_fwd_kernel(
     tok = offs_m // GROUP
     q_head = kv_head * GROUP + offs_m % GROUP
     q_row = (q_start + tok).to(tl.int64)
+    row_active = row_valid
+    if HAS_ACTIVE:
+        num_active = tl.load(ActiveQueryLens + pid_r)
+        # Rows are token-major, so the CTA's first token is its lowest: if it is
+        # inactive, so is every row of the CTA. Write their result, load nothing.
+        if (pid_m * BLOCK_M) // GROUP >= num_active:
+            offs_lse = q_row * stride_lt + q_head * stride_lh + pid_s * stride_ls
+            tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            if num_splits == 1:  # else the merge writes out = 0 (no split has a key)
+                offs_d = tl.arange(0, BLOCK_D)
+                offs_out = q_row[:, None] * stride_ot + q_head[:, None] * stride_oh
+                tl.store(
+                    Out + offs_out + offs_d[None, :],
+                    tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty),
+                    mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+                )
+            return
+        row_active = row_valid & (tok < num_active)
 
     # Topological order: no row of this CTA sees a new token after its last token.
     last_tok = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // GROUP
+    if HAS_ACTIVE:
+        last_tok = tl.minimum(last_tok, num_active - 1)
     kv_end = ctx_len + last_tok + 1
     kv_start = 0
     if HAS_WINDOW:
         # A token at tree depth d has position ctx_len + d and sees positions
         # > ctx_len + d - window. Depth >= 0, so nothing before this start is visible.
-        q_pos = ctx_len + _tree_depth(AncestorBits, q_row, stride_bits, num_words, row_valid)
+        q_pos = ctx_len + _tree_depth(AncestorBits, q_row, stride_bits, num_words, row_active)
         kv_start = (tl.maximum(ctx_len - window + 1, 0) // BLOCK_N) * BLOCK_N
     # Even split of [kv_start, kv_end) in whole tiles (kv_start is tile aligned).
     keys_per_split = (((kv_end - kv_start + num_splits - 1) // num_splits + BLOCK_N - 1)
@@ -143,7 +173,7 @@ def _gqa_tree_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q = tl.load(
         Q + q_row[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
-        mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
+        mask=row_active[:, None] & (offs_d[None, :] < HEAD_DIM),
         other=0.0,
     )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -201,8 +231,8 @@ def _gqa_tree_fwd_kernel(
         bit_idx = tl.maximum(new_idx, 0)
         word_lo = tl.maximum(start_n - ctx_len, 0) // 64
         bits_row = AncestorBits + q_row * stride_bits
-        lo = tl.load(bits_row + word_lo, mask=row_valid, other=0)
-        hi = tl.load(bits_row + word_lo + 1, mask=row_valid & (word_lo + 1 < num_words), other=0)
+        lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
+        hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
         words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
         bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
         visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
@@ -227,6 +257,9 @@ def _gqa_tree_fwd_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    if HAS_ACTIVE:
+        out = tl.where(row_active[:, None], out, 0.0)
+        lse = tl.where(row_active, lse, float("-inf"))
     offs_out = q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + pid_s * stride_os
     tl.store(
         Out + offs_out + offs_d[None, :],
@@ -234,3 +267,110 @@ def _gqa_tree_fwd_kernel(
         mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
     )
     tl.store(Lse + offs_lse, lse, mask=row_valid)
+
+
+@triton.jit
+def _gqa_tree_fwd_kernel(
+    Q,
+    KCache,
+    VCache,
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    AncestorBits,
+    Out,  # [T, Hq, Dh] (one split) or fp32 [T, Hq, S, Dh] partials
+    Lse,  # fp32 [T, Hq, S] (natural log)
+    qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (keys), used when HAS_WINDOW
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kp,
+    stride_kh,
+    stride_vb,
+    stride_vp,
+    stride_vh,
+    stride_bt,
+    stride_bits,
+    num_words,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    _gqa_tree_fwd(
+        Q, KCache, VCache, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse,
+        qk_scale, window, num_splits, stride_qt, stride_qh,
+        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+        stride_bt, stride_bits, num_words, stride_ot, stride_oh, stride_os,
+        stride_lt, stride_lh, stride_ls,
+        GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_WINDOW,
+        DOT_PRECISION, DOT_UPCAST,
+        None, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _gqa_tree_fwd_active_kernel(
+    Q,
+    KCache,
+    VCache,
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    AncestorBits,
+    Out,  # [T, Hq, Dh] (one split) or fp32 [T, Hq, S, Dh] partials
+    Lse,  # fp32 [T, Hq, S] (natural log)
+    qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (keys), used when HAS_WINDOW
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kp,
+    stride_kh,
+    stride_vb,
+    stride_vp,
+    stride_vh,
+    stride_bt,
+    stride_bits,
+    num_words,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    ActiveQueryLens,  # int32 [R]: active (leading) query tokens per request
+):
+    _gqa_tree_fwd(
+        Q, KCache, VCache, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse,
+        qk_scale, window, num_splits, stride_qt, stride_qh,
+        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
+        stride_bt, stride_bits, num_words, stride_ot, stride_oh, stride_os,
+        stride_lt, stride_lh, stride_ls,
+        GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_WINDOW,
+        DOT_PRECISION, DOT_UPCAST,
+        ActiveQueryLens, True,
+    )  # fmt: skip

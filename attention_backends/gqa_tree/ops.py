@@ -78,6 +78,7 @@ def gqa_tree_verify(
     validate_values: bool = True,
     config: GQATileConfig | None = None,
     out: torch.Tensor | None = None,
+    active_query_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GQA attention of tree-verify query tokens against vLLM's paged K/V caches.
 
@@ -107,10 +108,16 @@ def gqa_tree_verify(
         validate_values: check the metadata values on the host (one sync).
         config: force a tile config.
         out: optional ``[T, Hq, Dh]`` output buffer in q's dtype.
+        active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
+            (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
+            request ``r`` are real; the others (inactive rows) cost no K/V loads and are
+            0. The active tokens must not see an inactive one (they form a prefix-closed
+            tree in topological order); their results are the same as without
+            ``active_query_lens``. None: every row is active.
 
     Returns:
-        ``[T, Hq, Dh]`` in q's dtype. Rows that see no key are 0; rows not covered by
-        ``query_start_loc`` are left unwritten.
+        ``[T, Hq, Dh]`` in q's dtype. Rows that see no key, and inactive rows, are 0;
+        rows not covered by ``query_start_loc`` are left unwritten.
     """
     _check_gqa_inputs(q, k_cache, v_cache, scale, sliding_window)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -127,6 +134,7 @@ def gqa_tree_verify(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         validate_values=validate_values,
+        active_query_lens=active_query_lens,
     )
     if out is None:
         out = torch.empty_like(q)
@@ -161,7 +169,12 @@ def gqa_tree_verify(
         )
         out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
     grid = (row_blocks, num_kv_heads * num_kv_splits, num_reqs)
-    kernels._gqa_tree_fwd_kernel[grid](
+    has_active = active_query_lens is not None
+    fwd_kernel, active_arg = kernels._gqa_tree_fwd_kernel, {}
+    if has_active:
+        fwd_kernel = kernels._gqa_tree_fwd_active_kernel
+        active_arg = dict(ActiveQueryLens=active_query_lens)
+    fwd_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
         scale * kernels.LOG2E,
@@ -183,6 +196,7 @@ def gqa_tree_verify(
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        **active_arg,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -198,6 +212,7 @@ def gqa_tree_verify(
             KV_LORA=head_dim,
             BLOCK_L=block_d,
             BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            HAS_ACTIVE=has_active,
             num_warps=4,
         )  # fmt: skip
     return out

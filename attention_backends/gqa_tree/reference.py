@@ -30,6 +30,7 @@ def gqa_tree_verify_reference(
     scale: float,
     *,
     sliding_window: int | None = None,
+    active_query_lens: torch.Tensor | None = None,
     **_unused,
 ) -> torch.Tensor:
     """Reference of :func:`gqa_tree_verify`: fp32 math, one dense softmax per request.
@@ -44,16 +45,24 @@ def gqa_tree_verify_reference(
         scale: softmax scale.
         sliding_window: a token at position p (context key: its index; new token:
             ``ctx_len + tree depth``) sees keys at positions > ``p - sliding_window``.
+        active_query_lens: optional int32 ``[R]``: request ``r`` is computed as if it had
+            only its first ``active_query_lens[r]`` new tokens (the tree's active prefix);
+            its other rows are 0.
 
     Returns:
-        ``[T, Hq, Dh]`` in q's dtype; rows that see no key are 0.
+        ``[T, Hq, Dh]`` in q's dtype; rows that see no key and inactive rows are 0.
     """
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // k_cache.shape[2]
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
+    active = None if active_query_lens is None else active_query_lens.tolist()
     for r, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[r], qsl[r + 1]
+        if active is not None:  # drop the inactive tokens, as queries and as keys
+            keep = max(0, min(active[r], end - start))
+            seq_len -= end - start - keep
+            end = start + keep
         qlen = end - start
         if qlen == 0:
             continue

@@ -5,7 +5,9 @@ tokens (requests with up to ``reorder_batch_threshold`` new tokens, any mix of
 lengths) go through ``mla_tree_verify``, which reads each request's latent context
 once for all its query tokens and heads. Prefill chunks keep vLLM's MLA prefill
 path. Without a DDTree tree the mask is causal, so the backend is a plain MLA
-backend usable with ``--attention-backend CUSTOM``.
+backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
+kernel also gets the speculator's per-request active query rows
+(``attention_backends.tree_mask_state``) and skips the inactive ones.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
     max_seq_len: int
     # Longest context a CUDA-graph replay of this launch may see (max_model_len).
     max_model_len: int
+    # int32 [num_decodes], a view of TREE_MASK_STATE.active_query_lens (adaptive
+    # budget), or None: every query row is active.
+    active_query_lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -85,6 +90,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
             max_model_len=self._max_model_len,
+            active_query_lens=TREE_MASK_STATE.decode_active_query_lens(seq_lens_device.shape[0]),
         )
 
 
@@ -162,6 +168,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             max_query_len=decode.max_query_len,
             max_seq_len=max_seq_len,
             validate_values=False,
+            active_query_lens=decode.active_query_lens,
         )
 
 

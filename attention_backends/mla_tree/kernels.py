@@ -7,8 +7,17 @@ that request's keys, so every query token and head of the request shares each KV
 it loads. Axis 0 varies fastest in launch order: the CTAs that read the same split of
 the same request run side by side and share the tile through L2.
 
+``_mla_tree_fwd_active_kernel``: the same with per-request active query rows (adaptive
+tree budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
+A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
+inactive rows of a partially active CTA are written the same way. Both entry kernels
+inline :func:`_mla_tree_fwd` (``HAS_ACTIVE`` is its constexpr switch), so the default
+kernel compiles as it did before active rows existed.
+
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
-were split across CTAs (flash-decoding).
+were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key,
+e.g. an inactive row) gets ``out = 0, lse = -inf``; with ``HAS_ACTIVE`` the partials of
+keyless splits (all of an inactive row's) are not loaded.
 """
 
 import triton
@@ -88,7 +97,7 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _mla_tree_fwd_kernel(
+def _mla_tree_fwd(
     Q,
     KV,
     BlockTable,
@@ -121,7 +130,10 @@ def _mla_tree_fwd_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    ActiveQueryLens,  # int32 [R] or None
+    HAS_ACTIVE: tl.constexpr,
 ):
+    """One CTA of the forward kernels (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -142,6 +154,24 @@ def _mla_tree_fwd_kernel(
     tok = offs_m // NUM_HEADS
     head = offs_m % NUM_HEADS
     q_row = (q_start + tok).to(tl.int64)
+    row_active = row_valid
+    if HAS_ACTIVE:
+        num_active = tl.load(ActiveQueryLens + pid_r)
+        # Rows are token-major, so the CTA's first token is its lowest: if it is
+        # inactive, so is every row of the CTA. Write their result, load nothing.
+        if (pid_m * BLOCK_M) // NUM_HEADS >= num_active:
+            offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
+            tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+            if num_splits == 1:  # else the merge writes out = 0 (no split has a key)
+                offs_l = tl.arange(0, BLOCK_L)
+                offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh
+                tl.store(
+                    Out + offs_out + offs_l[None, :],
+                    tl.zeros([BLOCK_M, BLOCK_L], Out.dtype.element_ty),
+                    mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
+                )
+            return
+        row_active = row_valid & (tok < num_active)
 
     # Even split of the request's keys, in whole tiles.
     keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -149,6 +179,8 @@ def _mla_tree_fwd_kernel(
     split_end = tl.minimum(split_start + keys_per_split, seq_len)
     # Topological order: the last token of this CTA sees no new token after itself.
     last_tok = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
+    if HAS_ACTIVE:
+        last_tok = tl.minimum(last_tok, num_active - 1)
     split_end = tl.minimum(split_end, ctx_len + last_tok + 1)
 
     offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
@@ -162,13 +194,13 @@ def _mla_tree_fwd_kernel(
     q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
     q_nope = tl.load(
         q_ptrs + offs_l[None, :],
-        mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
+        mask=row_active[:, None] & (offs_l[None, :] < KV_LORA),
         other=0.0,
     )
     if ROPE > 0:
         q_rope = tl.load(
             q_ptrs + KV_LORA + offs_r[None, :],
-            mask=row_valid[:, None] & (offs_r[None, :] < ROPE),
+            mask=row_active[:, None] & (offs_r[None, :] < ROPE),
             other=0.0,
         )
 
@@ -222,8 +254,8 @@ def _mla_tree_fwd_kernel(
         # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
         word_lo = tl.maximum(start_n - ctx_len, 0) // 64
         bits_row = AncestorBits + q_row * stride_bits
-        lo = tl.load(bits_row + word_lo, mask=row_valid, other=0)
-        hi = tl.load(bits_row + word_lo + 1, mask=row_valid & (word_lo + 1 < num_words), other=0)
+        lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
+        hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
         words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
         bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
         visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
@@ -243,6 +275,9 @@ def _mla_tree_fwd_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
+    if HAS_ACTIVE:
+        out = tl.where(row_active[:, None], out, 0.0)
+        lse = tl.where(row_active, lse, float("-inf"))
     offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh + pid_s * stride_os
     tl.store(
         Out + offs_out + offs_l[None, :],
@@ -250,6 +285,97 @@ def _mla_tree_fwd_kernel(
         mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
     )
     tl.store(Lse + offs_lse, lse, mask=row_valid)
+
+
+@triton.jit
+def _mla_tree_fwd_kernel(
+    Q,
+    KV,
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    AncestorBits,
+    Out,
+    Lse,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kvb,
+    stride_kvp,
+    stride_bt,
+    stride_bits,
+    num_words,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    NUM_HEADS: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    _mla_tree_fwd(
+        Q, KV, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse, qk_scale,
+        stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
+        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+        NUM_HEADS, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
+        DOT_PRECISION, DOT_UPCAST,
+        None, False,
+    )  # fmt: skip
+
+
+@triton.jit
+def _mla_tree_fwd_active_kernel(
+    Q,
+    KV,
+    BlockTable,
+    SeqLens,
+    QueryStartLoc,
+    AncestorBits,
+    Out,
+    Lse,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_kvb,
+    stride_kvp,
+    stride_bt,
+    stride_bits,
+    num_words,
+    stride_ot,
+    stride_oh,
+    stride_os,
+    stride_lt,
+    stride_lh,
+    stride_ls,
+    NUM_HEADS: tl.constexpr,
+    KV_LORA: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+    ActiveQueryLens,  # int32 [R]: active (leading) query tokens per request
+):
+    _mla_tree_fwd(
+        Q, KV, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse, qk_scale,
+        stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
+        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+        NUM_HEADS, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
+        DOT_PRECISION, DOT_UPCAST,
+        ActiveQueryLens, True,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -272,6 +398,7 @@ def _mla_tree_merge_kernel(
     KV_LORA: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_ACTIVE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -289,7 +416,12 @@ def _mla_tree_merge_kernel(
     part_base = OutPart + t * stride_pt + h * stride_ph
     for s in range(num_splits):
         lse_one = tl.load(lse_base + s * stride_lps)
-        part = tl.load(part_base + s * stride_ps + offs_l, mask=mask_l, other=0.0)
+        if HAS_ACTIVE:
+            # Inactive rows have no key in any split: load no partial of a keyless split.
+            width = tl.where(lse_one > float("-inf"), KV_LORA, 0)
+            part = tl.load(part_base + s * stride_ps + offs_l, mask=offs_l < width, other=0.0)
+        else:
+            part = tl.load(part_base + s * stride_ps + offs_l, mask=mask_l, other=0.0)
         # Splits without keys left their partial output unwritten: drop it.
         acc += tl.where(lse_one > float("-inf"), tl.exp(lse_one - base) * part, 0.0)
 

@@ -85,6 +85,7 @@ def mla_tree_verify(
     validate_values: bool = True,
     config: MLATileConfig | None = None,
     out: torch.Tensor | None = None,
+    active_query_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of tree-verify query tokens against a latent paged cache.
 
@@ -113,12 +114,18 @@ def mla_tree_verify(
         config: force a tile config (benchmarks); it is shrunk only if it does not fit
             the device's shared memory per block (the estimate models mma.sync GPUs).
         out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
+        active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
+            (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
+            request ``r`` are real; the others (inactive rows) cost no KV loads and get
+            ``out = 0, lse = -inf``. The active tokens must not see an inactive one
+            (they form a prefix-closed tree in topological order); their results are
+            the same as without ``active_query_lens``. None: every row is active.
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
         log of the softmax denominator ``sum_k exp(scale * q.k)`` over visible keys. A row
-        that sees no key gets ``out = 0, lse = -inf``. Rows not covered by
-        ``query_start_loc`` (padding) hold unspecified values.
+        that sees no key, or is inactive, gets ``out = 0, lse = -inf``. Rows not covered
+        by ``query_start_loc`` (padding) hold unspecified values.
     """
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     num_tokens, num_heads, head_dim = q.shape
@@ -135,6 +142,7 @@ def mla_tree_verify(
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
         validate_values=validate_values,
+        active_query_lens=active_query_lens,
     )
     if out is None:
         out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
@@ -180,7 +188,12 @@ def mla_tree_verify(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
 
     grid = (row_blocks, num_kv_splits, num_reqs)
-    kernels._mla_tree_fwd_kernel[grid](
+    has_active = active_query_lens is not None
+    fwd_kernel, active_arg = kernels._mla_tree_fwd_kernel, {}
+    if has_active:
+        fwd_kernel = kernels._mla_tree_fwd_active_kernel
+        active_arg = dict(ActiveQueryLens=active_query_lens)
+    fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
         scale * kernels.LOG2E,
@@ -200,6 +213,7 @@ def mla_tree_verify(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        **active_arg,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
@@ -214,6 +228,7 @@ def mla_tree_verify(
             KV_LORA=kv_lora_rank,
             BLOCK_L=block_l,
             BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            HAS_ACTIVE=has_active,
             num_warps=4,
         )  # fmt: skip
     return out, lse

@@ -50,6 +50,7 @@ def mla_tree_verify_reference(
     kv_lora_rank: int,
     *,
     num_kv_splits: int | None = None,
+    active_query_lens: torch.Tensor | None = None,
     **_unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`mla_tree_verify`: fp32 math, one dense softmax per request.
@@ -64,20 +65,29 @@ def mla_tree_verify_reference(
         scale: softmax scale applied to ``q . k``.
         kv_lora_rank: V is the first ``kv_lora_rank`` entries of a cached row.
         num_kv_splits: ignored (signature parity with the kernel).
+        active_query_lens: optional int32 ``[R]``: request ``r`` is computed as if it had
+            only its first ``active_query_lens[r]`` new tokens (the tree's active prefix);
+            its other rows are zero / ``-inf``.
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of
         the softmax denominator of ``scale * q.k``). A row that sees no key gets ``out = 0``
-        and ``lse = -inf``; rows outside ``query_start_loc`` are zero / ``-inf``.
+        and ``lse = -inf``; rows outside ``query_start_loc`` and inactive rows are zero /
+        ``-inf``.
     """
     del num_kv_splits
     num_tokens, num_heads, _ = q.shape
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
+    active = None if active_query_lens is None else active_query_lens.tolist()
     for r, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[r], qsl[r + 1]
-        if end == start:
+        if active is not None:  # drop the inactive tokens, as queries and as keys
+            keep = max(0, min(active[r], end - start))
+            seq_len -= end - start - keep
+            end = start + keep
+        if end <= start:
             continue
         kv = gather_request_kv(kv_cache, block_table[r], seq_len).float()  # [S, D]
         visible = request_visibility(ancestor_bits[start:end], end - start, seq_len)

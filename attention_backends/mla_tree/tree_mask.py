@@ -87,6 +87,25 @@ class BatchStats:
     max_seq_len: int
 
 
+def _check_active_query_lens_shape(
+    active_query_lens: torch.Tensor, num_reqs: int, device: torch.device
+) -> None:
+    name = "active_query_lens"
+    if not isinstance(active_query_lens, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(active_query_lens).__name__}")
+    if active_query_lens.dtype != torch.int32:
+        raise ValueError(f"{name} must be torch.int32, got {active_query_lens.dtype}")
+    if active_query_lens.shape != (num_reqs,):
+        raise ValueError(
+            f"{name} must have shape [{num_reqs}] (one entry per request), "
+            f"got {tuple(active_query_lens.shape)}"
+        )
+    if active_query_lens.device != device:
+        raise ValueError(f"{name} is on {active_query_lens.device}, expected {device} (q's)")
+    if num_reqs > 1 and active_query_lens.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous")
+
+
 def check_tree_batch(
     *,
     num_tokens: int,
@@ -100,14 +119,16 @@ def check_tree_batch(
     max_query_len: int | None,
     max_seq_len: int | None,
     validate_values: bool,
+    active_query_lens: torch.Tensor | None = None,
 ) -> BatchStats:
     """Validate the batch metadata shared by the tree-verify kernels.
 
     Shapes and dtypes are always checked (no device sync). Values (monotonic
     ``query_start_loc``, ``seq_lens >= query lens``, block table coverage and range,
-    W large enough) are checked when ``validate_values`` is set, which reads the
-    metadata on the host once. With ``validate_values=False`` the caller must pass
-    ``max_query_len`` and ``max_seq_len`` (e.g. from CPU-side metadata).
+    W large enough, ``1 <= active_query_lens <= query lens``) are checked when
+    ``validate_values`` is set, which reads the metadata on the host once. With
+    ``validate_values=False`` the caller must pass ``max_query_len`` and
+    ``max_seq_len`` (e.g. from CPU-side metadata).
 
     Raises:
         ValueError naming the offending argument.
@@ -148,6 +169,8 @@ def check_tree_batch(
         raise ValueError("ancestor_bits must have at least one int64 word per row (W >= 1)")
     if ancestor_bits.stride(1) != 1:
         raise ValueError("ancestor_bits must be contiguous along its last dimension")
+    if active_query_lens is not None:
+        _check_active_query_lens_shape(active_query_lens, num_reqs, device)
 
     if not validate_values:
         if max_query_len is None or max_seq_len is None:
@@ -178,6 +201,16 @@ def check_tree_batch(
             f"seq_lens[{r}]={int(lens[r])} is smaller than the request's query length "
             f"{int(qlens[r])} (seq_lens counts context + new tokens)"
         )
+    if active_query_lens is not None:
+        active = active_query_lens.cpu().to(torch.int64)
+        # A request without query tokens (outside the verify contract) may have 0.
+        bad = (active < qlens.clamp(max=1)) | (active > qlens)
+        if bool(bad.any()):
+            r = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"active_query_lens[{r}]={int(active[r])} must be in [1, {int(qlens[r])}] "
+                f"(1 to the request's query length)"
+            )
     true_max_q = int(qlens.max())
     true_max_s = int(lens.max())
     if max_query_len is not None and max_query_len < true_max_q:
