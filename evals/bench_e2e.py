@@ -9,7 +9,10 @@ Methods ("runs"), each in its own child process with a fresh ``LLM``:
 - ``dflash@<backend>``: vLLM's own DFlash chain (``method: dflash``, block_size - 1
   draft tokens);
 - ``ddtree-<B>``: DDTree with a tree of B nodes (``method: ddtree``; the target gets the
-  ``CUSTOM`` tree backend automatically); ``ddtree-auto`` is reserved (not implemented).
+  ``CUSTOM`` tree backend automatically);
+- ``ddtree-auto[-<M>]``: ``ddtree_budget: "auto"`` with ``num_speculative_tokens = M``
+  as the maximum (default ``--auto-max``, else the largest B of the run's grid); rows
+  add ``active_nodes_per_round`` (vLLM's draft-token counter still counts M per round).
 
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
@@ -72,10 +75,8 @@ QUICK = {
     "batches": [1],
     "runs": ["ar@FLASH_ATTN_MLA", "dflash@FLASH_ATTN_MLA", "ddtree-32", "ddtree-64"],
 }
-AUTO_BUDGET_MESSAGE = (
-    "DDTree budget 'auto' (B picked per step from context and batch) is not implemented "
-    "yet: pass numeric budgets, e.g. --budgets 16 32 64 128"
-)
+DEFAULT_AUTO_MAX = 64  # maximum B of ddtree-auto when neither --auto-max nor a grid says
+MAX_BUDGET = 512  # vllm_ddtree.config.MAX_BUDGET
 SPEC_COUNTERS = SPEC_DECODE_COUNTERS
 STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "failed", "not run"
 
@@ -86,14 +87,18 @@ STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "fai
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One method: ``ar@BACKEND``, ``dflash@BACKEND`` or ``ddtree-B`` (B int or auto)."""
+    """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or ``ddtree-auto[-M]``
+    (``auto_max`` = M, the maximum B of the adaptive budget)."""
 
     method: str
     backend: str
     budget: int | str | None = None
+    auto_max: int | None = None
 
     @property
     def name(self) -> str:
+        if self.budget == "auto" and self.auto_max is not None:
+            return f"ddtree-auto-{self.auto_max}"
         if self.method == "ddtree":
             return f"ddtree-{self.budget}"
         return f"{self.method}@{self.backend}"
@@ -101,28 +106,35 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
-        m = re.fullmatch(r"ddtree-(\d+|auto)(?:@([A-Za-z0-9_]+))?", text)
+        m = re.fullmatch(r"ddtree-(\d+|auto(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?", text)
         if m:
-            backend = (m.group(2) or TREE_BACKEND).upper()
+            backend = (m.group(3) or TREE_BACKEND).upper()
             if backend != TREE_BACKEND:
                 raise ValueError(f"{text!r}: DDTree verifies with the {TREE_BACKEND} tree "
                                  f"backend only (vLLM's MLA backends have no tree mask)")
-            budget = m.group(1)
-            return cls("ddtree", TREE_BACKEND, budget if budget == "auto" else int(budget))
+            if m.group(1).startswith("auto"):
+                auto_max = int(m.group(2)) if m.group(2) else None
+                if auto_max is not None and not 1 <= auto_max <= MAX_BUDGET:
+                    raise ValueError(f"{text!r}: the maximum budget must be in "
+                                     f"1..{MAX_BUDGET}")
+                return cls("ddtree", TREE_BACKEND, "auto", auto_max)
+            return cls("ddtree", TREE_BACKEND, int(m.group(1)))
         m = re.fullmatch(r"(ar|dflash)@([A-Za-z0-9_]+)", text)
         if m:
             return cls(m.group(1), m.group(2).upper())
-        raise ValueError(f"run {text!r}: use ar@BACKEND, dflash@BACKEND or ddtree-B "
-                         "(e.g. ar@FLASH_ATTN_MLA, dflash@TRITON_MLA, ddtree-64)")
+        raise ValueError(f"run {text!r}: use ar@BACKEND, dflash@BACKEND, ddtree-B or "
+                         "ddtree-auto[-M] (e.g. ar@FLASH_ATTN_MLA, dflash@TRITON_MLA, "
+                         "ddtree-64, ddtree-auto-128)")
 
     def num_spec_tokens(self, setup: Setup) -> int:
-        """vLLM's ``num_speculative_tokens``: 0 (AR), block_size - 1 (chain), B (tree)."""
+        """vLLM's ``num_speculative_tokens``: 0 (AR), block_size - 1 (chain), B (tree;
+        the maximum B with ``auto``)."""
         if self.method == "ar":
             return 0
         if self.method == "dflash":
             return setup.block_size - 1
         if self.budget == "auto":
-            raise NotImplementedError(AUTO_BUDGET_MESSAGE)
+            return self.auto_max or DEFAULT_AUTO_MAX
         return int(self.budget)
 
     def speculative_config(self, setup: Setup, drafter: str) -> dict | None:
@@ -131,8 +143,23 @@ class RunSpec:
         if self.method == "dflash":
             return {"method": "dflash", "model": drafter,
                     "num_speculative_tokens": self.num_spec_tokens(setup)}
-        return {"method": "ddtree", "model": drafter,
-                "num_speculative_tokens": self.num_spec_tokens(setup)}
+        config = {"method": "ddtree", "model": drafter,
+                  "num_speculative_tokens": self.num_spec_tokens(setup)}
+        if self.budget == "auto":
+            config["ddtree_budget"] = "auto"
+        return config
+
+
+def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],
+                      auto_max: int | None) -> list[RunSpec]:
+    """``ddtree-auto`` runs without a maximum get ``auto_max``, else the largest numeric
+    B among the runs and ``budgets`` (so auto competes with the grid's widest tree),
+    else :data:`DEFAULT_AUTO_MAX`."""
+    numeric = [r.budget for r in runs if isinstance(r.budget, int)]
+    numeric += [int(b) for b in budgets if str(b).isdigit()]
+    default = auto_max or max(numeric, default=DEFAULT_AUTO_MAX)
+    return [RunSpec(r.method, r.backend, "auto", default)
+            if r.budget == "auto" and r.auto_max is None else r for r in runs]
 
 
 def parse_context(text: str) -> int:
@@ -202,9 +229,11 @@ def counter_delta(before: dict, after: dict) -> dict:
 def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
              prefill_s: float | None = None, decode_s_stats: float | None = None,
              produced: list[int] | None = None, cached_tokens: int | None = None,
-             expect_cached: bool = True) -> dict:
+             expect_cached: bool = True, active_nodes: float | None = None) -> dict:
     """A result row from the step summary (``e2e_timing.summarize_steps``) and the
-    spec-decode counter deltas of the measured generate."""
+    spec-decode counter deltas of the measured generate. ``active_nodes``: verified
+    tree nodes per round of a ``ddtree-auto`` run (vLLM's ``draft_tokens`` counts the
+    maximum B every round)."""
     batch, max_tokens, context = base["batch"], base["max_tokens"], base["context"]
     tokens = batch * (max_tokens - 1)
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
@@ -215,6 +244,8 @@ def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
     row = dict(base, status=STATUS_OK, tokens=tokens, decode_s_wall=wall_s,
                prefill_s=prefill_s, decode_s_stats=decode_s_stats, cached_tokens=cached_tokens,
                drafts=drafts, accepted=accepted, draft_tokens=draft_tokens)
+    if active_nodes is not None:
+        row["active_nodes_per_round"] = active_nodes
     if spec:
         row["acceptance_length"] = 1 + accepted / drafts if drafts else None
         row["accepted_depth"] = accepted / drafts if drafts else None
@@ -261,8 +292,10 @@ def fake_row(base: dict, num_spec: int) -> dict:
     drafts = 0.0 if base["method"] == "ar" else float(steps * batch)
     counters = {SPEC_COUNTERS[0]: drafts, SPEC_COUNTERS[1]: 2.0 * drafts,
                 SPEC_COUNTERS[2]: drafts * num_spec}
+    active = num_spec / 2 if base["budget"] == "auto" else None
     return cell_row(base, summary, counters, wall_s=step * steps / 900, prefill_s=0.1,
-                    produced=[base["max_tokens"]] * batch, cached_tokens=batch * context)
+                    produced=[base["max_tokens"]] * batch, cached_tokens=batch * context,
+                    active_nodes=active)
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,6 +382,16 @@ def llm_kwargs(spec: dict) -> dict:
     return kwargs
 
 
+def ddtree_active_counters() -> tuple[int, int] | None:
+    """(active tree nodes, verified trees) counted by ``ddtree_budget: "auto"`` in this
+    process (the child runs the engine and its one worker in-process), or None."""
+    from vllm_ddtree.runtime_state import DDTREE_STATE
+
+    if not DDTREE_STATE.adaptive or DDTREE_STATE.active_nodes_sum is None:
+        return None
+    return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
+
+
 def spec_counters(llm) -> dict:
     """Current values of vLLM's spec-decode counters (summed over label sets)."""
     try:
@@ -384,6 +427,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
         prefill_s = time.perf_counter() - t0
     before = spec_counters(llm)
+    active_before = ddtree_active_counters() if run.budget == "auto" else None
     timer.begin(prompt_len=context)
     t0 = time.perf_counter()
     try:
@@ -392,6 +436,11 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         wall = time.perf_counter() - t0
         steps = timer.end()
     counters = counter_delta(before, spec_counters(llm))
+    active_nodes = None
+    active_after = ddtree_active_counters() if active_before is not None else None
+    if active_before is not None and active_after is not None:
+        trees = active_after[1] - active_before[1]
+        active_nodes = (active_after[0] - active_before[0]) / trees if trees else None
     produced = [len(o.outputs[0].token_ids) for o in outputs]
     cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
     firsts = [o.metrics.first_token_ts for o in outputs
@@ -402,7 +451,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
     base = base_row(spec["setup"], run, cell, max_tokens)
     return cell_row(base, summarize_steps(steps), counters, wall_s=wall, prefill_s=prefill_s,
                     decode_s_stats=decode_s_stats, produced=produced, cached_tokens=cached,
-                    expect_cached=spec["prime"] == "cache")
+                    expect_cached=spec["prime"] == "cache", active_nodes=active_nodes)
 
 
 def warm_up(llm, spec: dict) -> None:
@@ -753,8 +802,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=["ar", "dflash", "ddtree"])
     p.add_argument("--ar-backends", nargs="+", default=AR_BACKENDS)
     p.add_argument("--dflash-backends", nargs="+", default=DFLASH_BACKENDS)
-    p.add_argument("--budgets", nargs="+", help="DDTree B values (or 'auto': not "
-                   f"implemented yet); default {' '.join(DEFAULT_BUDGETS)}")
+    p.add_argument("--budgets", nargs="+", help="DDTree B values, or 'auto' (adaptive, "
+                   f"up to --auto-max); default {' '.join(DEFAULT_BUDGETS)}")
+    p.add_argument("--auto-max", type=int, help="maximum B of ddtree-auto runs (default: "
+                   f"the largest numeric B of the runs, else {DEFAULT_AUTO_MAX})")
     p.add_argument("--contexts", nargs="+", type=parse_context,
                    help="prompt lengths, e.g. 1k 16k 64k 128k (default)")
     p.add_argument("--batches", nargs="+", type=int, help="default 1 8")
@@ -809,8 +860,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         runs = [RunSpec.parse(r) for r in args.runs] if args.runs else default_runs(args)
     except ValueError as e:
         p.error(str(e))
-    if any(r.budget == "auto" for r in runs):
-        p.error(AUTO_BUDGET_MESSAGE)
+    if args.auto_max is not None and not 1 <= args.auto_max <= MAX_BUDGET:
+        p.error(f"--auto-max must be in 1..{MAX_BUDGET}")
+    runs = resolve_auto_runs(runs, [] if args.runs else args.budgets, args.auto_max)
     if not runs:
         p.error("no runs selected")
     if args.max_tokens < 2:

@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=int, default=32, help="tree nodes B")
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--auto", action="store_true",
+                        help='ddtree_budget "auto": --budget is the maximum B')
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--extra-tokens", type=int, default=0,
@@ -250,6 +252,8 @@ def main() -> None:
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k
+    if args.auto:
+        spec["ddtree_budget"] = "auto"
     if args.method == "ar":
         spec = None
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
@@ -298,6 +302,10 @@ def main() -> None:
                    "extra_tokens": args.extra_tokens, "patches": applied, "outputs": result,
                    "ddtree_mean_acceptance_length": (
                        DDTREE_STATE.mean_acceptance_length() if DDTREE_STATE.enabled else None),
+                   "auto": args.auto,
+                   "mean_active_nodes": (
+                       DDTREE_STATE.mean_active_nodes() if args.auto and DDTREE_STATE.enabled
+                       else None),
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
     from check_mla_backend import exit_now
 

@@ -10,6 +10,9 @@
 #   ddtree   tests/gpu/test_ddtree_vllm.py on the embedded pair (vs AR and the
 #            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
+#   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
+#   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
+#   e2e      evals/bench_e2e.py --setup kimi8 (step latency vs context; needs the time)
 #   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
@@ -51,8 +54,22 @@ for stage in "$@"; do
       tar czf "$OUT/compile-cache.tar.gz" -C / root/.triton-cache root/.cache/vllm 2>/dev/null
       summary savecache $?
       ls -la "$OUT/compile-cache.tar.gz" ;;
-    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs" ;;
-    graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k graphs ;;
+    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
+              -k "not tiny_random and not graphs and not auto" ;;
+    graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
+    auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
+    syncs)
+      timeout 420 python3 evals/count_host_syncs.py --out "$OUT/host_syncs.md" \
+        > "$OUT/syncs.log" 2>&1
+      summary syncs $?
+      tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
+    e2e)  # kimi8 then kimi64, the fixed budgets and auto, 1k..128k, batch 1
+      timeout 560 python3 evals/bench_e2e.py --setup kimi8 --max-minutes 8 \
+        --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto \
+        --contexts 1k 16k 64k 128k --batches 1 --prompts random \
+        --out-dir "$OUT" > "$OUT/e2e.log" 2>&1
+      summary e2e $?
+      cat "$OUT"/e2e_kimi8.md 2>/dev/null | head -40 ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;

@@ -80,8 +80,15 @@ def test_run_specs_parse_and_speculative_configs():
     assert RunSpec.parse("dflash@TRITON_MLA").num_spec_tokens(trained) == 15
     assert RunSpec.parse("ddtree-32").speculative_config(trained, "/d") == {
         "method": "ddtree", "model": "/d", "num_speculative_tokens": 32}
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        RunSpec.parse("ddtree-auto").speculative_config(kimi, "/d")
+    assert RunSpec.parse("ddtree-auto").speculative_config(kimi, "/d") == {
+        "method": "ddtree", "model": "/d", "num_speculative_tokens": 64,
+        "ddtree_budget": "auto"}
+    auto = RunSpec.parse("ddtree-auto-128")
+    assert auto == RunSpec("ddtree", "CUSTOM", "auto", 128) and auto.name == "ddtree-auto-128"
+    assert RunSpec.parse(auto.name) == auto  # the child re-parses the name
+    assert auto.speculative_config(trained, "/d")["num_speculative_tokens"] == 128
+    with pytest.raises(ValueError, match="1..512"):
+        RunSpec.parse("ddtree-auto-1000")
 
 
 def test_parse_args_defaults_quick_and_errors(capsys):
@@ -102,11 +109,29 @@ def test_parse_args_defaults_quick_and_errors(capsys):
     assert custom.setups == ["trained"] and custom.contexts == [512, 2048]
     assert [r.name for r in custom.run_specs][-1] == "ddtree-8"
 
-    for bad in (["--budgets", "auto"], ["--runs", "ddtree-auto"], ["--runs", "nope"],
-                ["--contexts", "12x"], ["--max-tokens", "1"]):
+    for bad in (["--runs", "nope"], ["--contexts", "12x"], ["--max-tokens", "1"],
+                ["--runs", "ddtree-auto", "--auto-max", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
-    assert "not implemented yet" in capsys.readouterr().err
+    assert "--auto-max must be in 1..512" in capsys.readouterr().err
+
+
+def test_auto_runs_take_the_largest_budget_of_the_grid():
+    names = [r.name for r in parse_args(["--budgets", "16", "auto", "32"]).run_specs]
+    assert names[-3:] == ["ddtree-16", "ddtree-auto-32", "ddtree-32"]
+    names = [r.name for r in parse_args(["--methods", "ddtree", "--budgets", "auto"]).run_specs]
+    assert names == ["ddtree-auto-64"]
+    runs = parse_args(["--runs", "ddtree-48", "ddtree-auto", "ar@TRITON_MLA"]).run_specs
+    assert [r.name for r in runs] == ["ddtree-48", "ddtree-auto-48", "ar@TRITON_MLA"]
+    runs = parse_args(["--runs", "ddtree-auto", "--auto-max", "96"]).run_specs
+    assert runs[0].name == "ddtree-auto-96"
+    assert runs[0].num_spec_tokens(e2e_models.SETUPS["kimi64"]) == 96
+    assert parse_args(["--runs", "ddtree-auto-8"]).run_specs[0].auto_max == 8
+    base = bench_e2e.base_row("kimi64", runs[0], (1024, 1, "random"), 16)
+    row = bench_e2e.fake_row(base, 96)
+    assert row["budget"] == "auto" and row["active_nodes_per_round"] == 48
+    assert "active_nodes_per_round" not in bench_e2e.fake_row(
+        bench_e2e.base_row("kimi64", RunSpec.parse("ddtree-96"), (1024, 1, "random"), 16), 96)
 
 
 def test_plan_cells_skips_what_cannot_run():

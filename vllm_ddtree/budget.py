@@ -9,16 +9,22 @@ target's tokens followed the drafter's distribution, a node is on the accepted p
 with probability ``exp(score)``, hence the expected committed tokens of a round are
 ``1 + sum of the b largest exp(scores)`` — for every ``b`` from one tree build.
 
-Status: the estimate and the choice are implemented and CPU-tested (against a Monte
-Carlo walk); the start-up cost measurement and the scheduler hook that would let the
-number of verified nodes vary per step are not wired into vLLM yet.
+This module holds the primitives (expected tokens, cost interpolation, the argmax,
+masking inactive nodes); ``vllm_ddtree.budget_policy`` measures the costs at start-up
+and applies them each round. Shapes stay fixed: the target always verifies ``1 + B``
+rows per tree request, of which only the first ``1 + b`` are *active*.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["BudgetCostTable", "choose_batch_budget", "expected_committed_by_budget"]
+__all__ = [
+    "BudgetCostTable",
+    "choose_batch_budget",
+    "expected_committed_by_budget",
+    "mask_inactive_nodes",
+]
 
 
 def expected_committed_by_budget(scores: torch.Tensor) -> torch.Tensor:
@@ -38,16 +44,40 @@ def expected_committed_by_budget(scores: torch.Tensor) -> torch.Tensor:
     return 1.0 + probs.cumsum(dim=-1)
 
 
+def mask_inactive_nodes(tokens: torch.Tensor, active_nodes: torch.Tensor) -> torch.Tensor:
+    """Tree tokens with every node of index ``>= active_nodes[r]`` set to -1.
+
+    A -1 node never matches a target token, so :func:`vllm_ddtree.tree.follow_tree`
+    on the masked tokens walks the budget-``b`` tree (the first ``b`` nodes: node order
+    is best-first and every prefix of it is prefix-closed).
+
+    Args:
+        tokens: int64 ``[R, B]`` node tokens (``DraftTree.tokens``).
+        active_nodes: int ``[R]`` (or a 0-dim tensor for the whole batch), ``b`` per
+            request.
+
+    Returns:
+        int64 ``[R, B]``, a new tensor. No host sync.
+    """
+    cols = torch.arange(tokens.shape[1], device=tokens.device)
+    active = active_nodes.to(device=tokens.device, dtype=torch.int64).reshape(-1, 1)
+    return torch.where(cols[None, :] < active, tokens.to(torch.int64), -1)
+
+
 class BudgetCostTable:
-    """Measured seconds per round of a batch, by context length and budget.
+    """Measured seconds by context length and candidate budget.
 
     Args:
         contexts: int ``[C]`` increasing context lengths the costs were measured at.
-        budgets: int64 ``[K]`` candidate budgets (those with captured CUDA graphs).
-        seconds: float ``[C, K]`` measured round time (draft + verify + other).
+        budgets: int64 ``[K]`` candidate budgets.
+        seconds: float ``[C, K]`` a measured cost (a round's time, or one request's
+            attention time per layer at query length ``1 + budget``).
+        extrapolate: past the last context, continue the last segment's line (costs
+            that grow linearly with the context, e.g. attention) instead of clamping.
     """
 
-    def __init__(self, contexts: torch.Tensor, budgets: torch.Tensor, seconds: torch.Tensor):
+    def __init__(self, contexts: torch.Tensor, budgets: torch.Tensor, seconds: torch.Tensor,
+                 extrapolate: bool = False):
         if contexts.dim() != 1 or budgets.dim() != 1:
             raise ValueError("contexts and budgets must be 1-D")
         if seconds.shape != (contexts.numel(), budgets.numel()):
@@ -62,19 +92,39 @@ class BudgetCostTable:
         self.contexts = contexts.float()
         self.budgets = budgets.long()
         self.seconds = seconds.float()
+        self.extrapolate = extrapolate
+
+    def to(self, device: torch.device | str) -> BudgetCostTable:
+        """The same table with its tensors on ``device``."""
+        return BudgetCostTable(self.contexts.to(device), self.budgets.to(device),
+                               self.seconds.to(device), self.extrapolate)
 
     def at(self, context_len: torch.Tensor) -> torch.Tensor:
-        """float32 ``[K]``: round time per candidate budget at ``context_len`` (0-dim
-        tensor, e.g. the batch's longest context), linear between measured contexts
-        and clamped outside them. Stays on the tensors' device (no host sync)."""
-        ctx = context_len.float().clamp(self.contexts[0], self.contexts[-1])
-        hi = torch.searchsorted(self.contexts, ctx.reshape(1)).clamp(1, len(self.contexts) - 1)
-        lo = hi - 1
-        span = (self.contexts[hi] - self.contexts[lo]).clamp_min(1e-9)
-        w = ((ctx - self.contexts[lo]) / span).clamp(0, 1)
+        """Cost per candidate budget at ``context_len``, linear between measured
+        contexts, clamped below the first and (unless ``extrapolate``) above the last.
+
+        Args:
+            context_len: a 0-dim tensor (e.g. the batch's longest context) or int
+                ``[R]`` (one context per request), on the table's device.
+
+        Returns:
+            float32 ``[K]`` for a 0-dim input, ``[R, K]`` for ``[R]``. No host sync.
+        """
+        flat = context_len.float().reshape(-1)
         if len(self.contexts) == 1:
-            return self.seconds[0]
-        return (self.seconds[lo] * (1 - w).unsqueeze(-1) + self.seconds[hi] * w.unsqueeze(-1))[0]
+            out = self.seconds[0].expand(flat.shape[0], -1)
+        else:
+            upper = float("inf") if self.extrapolate else self.contexts[-1]
+            ctx = flat.clamp(min=self.contexts[0]).clamp(max=upper)
+            hi = torch.searchsorted(self.contexts, ctx).clamp(1, len(self.contexts) - 1)
+            lo = hi - 1
+            span = (self.contexts[hi] - self.contexts[lo]).clamp_min(1e-9)
+            w = ((ctx - self.contexts[lo]) / span).clamp(min=0)
+            if not self.extrapolate:
+                w = w.clamp(max=1)
+            w = w.unsqueeze(-1)
+            out = (self.seconds[lo] * (1 - w) + self.seconds[hi] * w).clamp_min(0)
+        return out[0] if context_len.dim() == 0 else out
 
 
 def choose_batch_budget(expected: torch.Tensor, round_seconds: torch.Tensor,
@@ -96,4 +146,6 @@ def choose_batch_budget(expected: torch.Tensor, round_seconds: torch.Tensor,
     if budgets.numel() != round_seconds.numel():
         raise ValueError("budgets and round_seconds must have the same length")
     tokens = expected[:, budgets - 1].sum(dim=0)  # [K]
-    return budgets[torch.argmax(tokens / round_seconds)]
+    best = torch.argmax(tokens / round_seconds).reshape(1)
+    # index_select, not budgets[best]: a 0-dim tensor index may be read on the host.
+    return budgets.index_select(0, best)[0]

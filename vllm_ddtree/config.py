@@ -16,7 +16,10 @@ DDTREE_METHOD = "ddtree"
 MAX_BUDGET = 512
 DDTREE_KEYS = {
     "ddtree_top_k": "children kept per node: the top-k tokens of each depth (default: B)",
+    "ddtree_budget": '"auto": verify 1..B nodes per round, picked to maximise expected '
+    "tokens per second (default: always B)",
 }
+AUTO_BUDGET = "auto"
 # vLLM speculative-config keys that assume a chain or another drafter kind.
 UNSUPPORTED_KEYS = {
     "num_speculative_tokens_per_batch_size": "dynamic speculative decoding assumes a chain",
@@ -35,10 +38,14 @@ class DDTreeConfig:
 
     ``budget`` is the tree's node count per round (vLLM's ``num_speculative_tokens``),
     ``top_k`` caps the children per node (None = no cap beyond the budget).
+    ``adaptive`` (``ddtree_budget: "auto"``): ``budget`` is the maximum B; each round
+    verifies only the first ``b <= B`` nodes, ``b`` chosen by
+    ``vllm_ddtree.budget_policy``.
     """
 
     budget: int
     top_k: int | None = None
+    adaptive: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -88,9 +95,22 @@ def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfi
     top_k = spec.get("ddtree_top_k")
     if top_k is not None:
         top_k = _positive_int(top_k, "ddtree_top_k")
+    adaptive = _adaptive_budget(spec.get("ddtree_budget"))
     vllm_spec = {k: v for k, v in spec.items() if not k.startswith("ddtree_")}
     vllm_spec["method"] = "dflash"
-    return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k)
+    return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k, adaptive=adaptive)
+
+
+def _adaptive_budget(value: Any) -> bool:
+    """``ddtree_budget``: absent (None) = fixed budget B, ``"auto"`` = adaptive."""
+    if value is None:
+        return False
+    if value != AUTO_BUDGET:
+        raise DDTreeConfigError(
+            f'`ddtree_budget` must be "auto" (or left out), got {value!r}: the fixed node '
+            'budget is `num_speculative_tokens`; with "auto" it is the maximum B'
+        )
+    return True
 
 
 def check_drafter_for_target(drafter: str, target_hf_config) -> None:

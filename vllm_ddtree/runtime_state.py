@@ -13,7 +13,11 @@ by :class:`vllm_ddtree.speculator.DDTreeSpeculator` and read by
 * batch-token ordered: ``positions [max_num_tokens]`` (RoPE positions of the verify
   batch, a stable address for FULL CUDA graphs) and, in ``TREE_MASK_STATE``, the
   per-token ancestor bits the MLA tree backend reads;
-* the last walk (batch order), handed from the verifier to the next ``propose``.
+* the last walk (batch order), handed from the verifier to the next ``propose``;
+* with ``ddtree_budget: "auto"`` (:meth:`DDTreeRuntimeState.enable_adaptive_`):
+  ``active_nodes [max_num_reqs]`` (request-state indexed ``b`` of each stored tree),
+  and, in ``TREE_MASK_STATE``, the batch-ordered ``active_query_lens`` the tree
+  backends use to skip inactive rows.
 
 One worker process serves one model runner, so a module-level singleton is enough
 (as ``TREE_MASK_STATE``). Everything here is pure PyTorch and runs on CPU tensors.
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from attention_backends.tree_mask_state import TREE_MASK_STATE
+from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.tree import num_mask_words, pack_ancestor_mask
 from vllm_ddtree.verify_batch import tree_verify_positions_and_bits
@@ -102,6 +106,9 @@ class DDTreeRuntimeState:
         self.walk_valid = False
         self.accepted_sum: torch.Tensor | None = None
         self.num_drafts: torch.Tensor | None = None
+        self.adaptive = False
+        self.active_nodes: torch.Tensor | None = None
+        self.active_nodes_sum: torch.Tensor | None = None
 
     def allocate(
         self,
@@ -142,6 +149,20 @@ class DDTreeRuntimeState:
         TREE_MASK_STATE.active = True
         self.enabled = True
 
+    def enable_adaptive_(self, max_num_reqs: int, device: torch.device | str) -> None:
+        """Allocate the ``ddtree_budget: "auto"`` buffers (after :meth:`allocate`):
+        ``active_nodes`` int64 ``[max_num_reqs]`` (B until a tree is stored),
+        ``active_nodes_sum`` int64 ``[1]`` (active nodes of every counted tree, beside
+        ``accepted_sum``), and ``TREE_MASK_STATE.active_query_lens`` int32
+        ``[max_num_reqs]`` (``ALL_ROWS_ACTIVE``: nothing skipped until the first verify
+        step writes it); sets ``TREE_MASK_STATE.adaptive``."""
+        i64 = dict(dtype=torch.int64, device=device)
+        self.active_nodes = torch.full((max_num_reqs,), self.budget, **i64)
+        self.active_nodes_sum = torch.zeros(1, **i64)
+        TREE_MASK_STATE.allocate_active(max_num_reqs, device).fill_(ALL_ROWS_ACTIVE)
+        TREE_MASK_STATE.adaptive = True
+        self.adaptive = True
+
     def reset_trees_(self) -> None:
         """Make every request's tree a chain (node i at depth i+1, parent i-1).
 
@@ -157,6 +178,8 @@ class DDTreeRuntimeState:
         chain = torch.ones(1 + self.budget, 1 + self.budget, dtype=torch.bool).tril()
         bits = pack_ancestor_mask(chain).to(self.ancestor_bits.device)
         self.ancestor_bits.copy_(bits.expand_as(self.ancestor_bits))
+        if self.active_nodes is not None:
+            self.active_nodes.fill_(self.budget)
 
     def store_trees_(
         self,
@@ -164,16 +187,22 @@ class DDTreeRuntimeState:
         parents: torch.Tensor,
         depths: torch.Tensor,
         ancestor_bits: torch.Tensor,
+        active_nodes: torch.Tensor | None = None,
     ) -> None:
         """Scatter batch-ordered trees (``[R, B]``, ``[R, B]``, ``[R, 1+B, W]``) to the
         request-state rows ``idx_mapping`` (int32 ``[R]``), as the runner scatters the
-        draft tokens (``model_runner.py:1521``)."""
+        draft tokens (``model_runner.py:1521``). ``active_nodes``: int ``[R]`` or a
+        0-dim tensor for the whole batch (``ddtree_budget: "auto"`` only)."""
         assert self.parents is not None and self.depths is not None
         assert self.ancestor_bits is not None
         idx = idx_mapping.to(torch.int64)
         self.parents[idx] = parents
         self.depths[idx] = depths
         self.ancestor_bits[idx] = ancestor_bits
+        if active_nodes is not None:
+            if self.active_nodes is None:
+                raise RuntimeError("active_nodes given but enable_adaptive_ was not called")
+            self.active_nodes[idx] = active_nodes.to(torch.int64).expand(idx.shape[0])
 
     def record_walk_(self, kv_src_rows: torch.Tensor) -> None:
         """Keep the verifier's ``kv_src_rows`` (int64 ``[R, L]``, batch order) for
@@ -207,6 +236,13 @@ class DDTreeRuntimeState:
         drafts = int(self.num_drafts.item())
         return 1.0 + int(self.accepted_sum.item()) / max(1, drafts)
 
+    def mean_active_nodes(self) -> float:
+        """Verified (active) tree nodes per counted tree with ``ddtree_budget: "auto"``.
+        vLLM's ``num_draft_tokens`` still counts B per round (the scheduled drafts).
+        Syncs the device; for tests and benchmarks only."""
+        assert self.active_nodes_sum is not None and self.num_drafts is not None
+        return int(self.active_nodes_sum.item()) / max(1, int(self.num_drafts.item()))
+
 
 DDTREE_STATE = DDTreeRuntimeState()
 
@@ -236,7 +272,8 @@ def verify_inputs_(
 
     Returns:
         ``state.positions[:num_tokens_padded]`` (int64); ``TREE_MASK_STATE.ancestor_bits
-        [:num_tokens]`` is written as a side effect. No host sync.
+        [:num_tokens]`` (and, when ``state.adaptive``, ``active_query_lens``) are
+        written as side effects. No host sync.
     """
     assert state.positions is not None and state.depths is not None
     assert state.ancestor_bits is not None and TREE_MASK_STATE.ancestor_bits is not None
@@ -258,7 +295,26 @@ def verify_inputs_(
             linear_positions[num_tokens:num_tokens_padded]
         )
     out_bits[:num_tokens].copy_(bits)
+    if state.adaptive:
+        _active_query_lens_(state, query_start_loc, is_tree, idx)
     return state.positions[:num_tokens_padded]
+
+
+def _active_query_lens_(
+    state: DDTreeRuntimeState, query_start_loc: torch.Tensor, is_tree: torch.Tensor,
+    idx: torch.Tensor,
+) -> None:
+    """Batch-ordered rows the tree backends compute, ``TREE_MASK_STATE.
+    active_query_lens``: ``min(1 + b, query_len)`` for a tree request (its root and
+    first ``b`` nodes; a truncated tree may hold fewer), the query length otherwise;
+    entries past the batch (CUDA-graph padding) skip nothing."""
+    assert state.active_nodes is not None
+    out = TREE_MASK_STATE.active_query_lens
+    num_reqs = idx.shape[0]
+    qlen = (query_start_loc[1 : num_reqs + 1] - query_start_loc[:num_reqs]).to(torch.int64)
+    active = torch.where(is_tree, torch.minimum(1 + state.active_nodes[idx], qlen), qlen)
+    out[:num_reqs].copy_(active)
+    out[num_reqs:].fill_(ALL_ROWS_ACTIVE)
 
 
 def logit_row_positions(

@@ -34,6 +34,12 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   (``num_logits - (a+1)``, i.e. ``B - a`` for a full tree), which is what DFlash's
   ``valid_ctx_end = ctx_end - num_rejected`` (``:502-503``) needs once rows 0..a
   hold the path.
+* **``ddtree_budget: "auto"``** (``vllm_ddtree.budget_policy``): ``_generate_draft``
+  also keeps the node scores (``batch_scores``); ``propose`` then picks the batch's
+  active budget ``b`` eagerly (outside the drafter's graph, no host sync) and
+  stores it with the trees (``DDTREE_STATE.active_nodes``). Shapes do not change:
+  the runner still verifies ``1 + B`` rows per tree; the backends skip the inactive
+  ones and the verifier ignores them. Without the key none of this runs.
 
 Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
@@ -50,6 +56,7 @@ Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -171,6 +178,9 @@ class DDTreeSpeculator(DFlashSpeculator):
     """
 
     _speculator_name = "DDTree"
+    # ddtree_budget: "auto" (set in __init__); class defaults keep fakes working.
+    adaptive = False
+    budget_policy = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         spec = vllm_config.speculative_config
@@ -239,6 +249,20 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._target_layers_by_group: dict[int, list[str]] = {}
         warm_tree_caches(self.num_draft_depths, vllm_config.model_config.get_vocab_size(),
                          self.budget, self.top_k, device)
+        if ddtree.adaptive:
+            self._init_adaptive(vllm_config, device)
+
+    def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
+        buffers, and the budget policy (times the target's verify attention: syncs)."""
+        from vllm_ddtree.budget_policy import BudgetPolicy
+
+        self.adaptive = True
+        self.batch_scores = torch.zeros(
+            self.max_num_reqs, self.budget, dtype=torch.float32, device=device
+        )
+        self.state.enable_adaptive_(self.max_num_reqs, device)
+        self.budget_policy = BudgetPolicy.from_vllm_config(vllm_config, self.budget, device)
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
@@ -279,8 +303,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Drafter forward + tree build (replaces DFlash's ``sample_draft``, ``:233-265``).
 
         Writes ``draft_tokens[:R]`` int64 ``[R, B]``, ``batch_parents[:R]``,
-        ``batch_depths[:R]`` int64 ``[R, B]`` and ``batch_ancestor_bits[:R]`` int64
-        ``[R, 1+B, W]``. No host sync (graph-capturable once ``build_ddtree``'s cached
+        ``batch_depths[:R]`` int64 ``[R, B]``, ``batch_ancestor_bits[:R]`` int64
+        ``[R, 1+B, W]`` and, when adaptive, ``batch_scores[:R]`` float32 ``[R, B]``.
+        No host sync (graph-capturable once ``build_ddtree``'s cached
         index tables exist, i.e. after one eager run with the same B, top_k).
         """
         hidden = self._run_model(
@@ -298,6 +323,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.batch_parents[:num_reqs] = tree.parents
         self.batch_depths[:num_reqs] = tree.depths
         self.batch_ancestor_bits[:num_reqs] = tree.ancestor_bits()
+        if self.adaptive:
+            self.batch_scores[:num_reqs] = tree.scores
 
     def _compact_target_kv(
         self,
@@ -352,6 +379,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft tokens int64 ``[R, B]`` (a view of ``draft_tokens``)."""
         num_reqs = input_batch.num_reqs
         walk = None if dummy_run else self.state.take_walk(num_reqs)
+        if self.budget_policy is not None:
+            if dummy_run:
+                self.budget_policy.reset_round_clock()
+            else:
+                self.budget_policy.observe_round(time.perf_counter(), verified=walk is not None)
         if walk is not None:
             query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
             # Must precede super().propose: prepare_dflash_inputs rewrites the shared
@@ -388,10 +420,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             is_profile=is_profile,
         )
         if not dummy_run:
+            active = None
+            if self.budget_policy is not None:
+                active = self.budget_policy.choose(
+                    self.batch_scores[:num_reqs], input_batch.seq_lens[:num_reqs]
+                )
             self.state.store_trees_(
                 input_batch.idx_mapping,
                 self.batch_parents[:num_reqs],
                 self.batch_depths[:num_reqs],
                 self.batch_ancestor_bits[:num_reqs],
+                active,
             )
         return draft_tokens

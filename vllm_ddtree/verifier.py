@@ -16,7 +16,9 @@ parent structure instead:
    the row's RoPE position, which is what plain decoding uses for the same token
    ("sample and match": lossless at any temperature);
 3. walk the tree (``vllm_ddtree.tree.follow_tree``, fixed ``max_depth = L``: no host
-   sync);
+   sync); with ``ddtree_budget: "auto"`` the nodes past the request's active budget
+   are masked out first (``budget.mask_inactive_nodes``), so the walk is the walk of
+   the budget-``b`` tree;
 4. return ``SamplerOutput(sampled [R, B+1], num_sampled = a+1, num_rejected =
    num_logits - num_sampled)`` via vLLM's ``get_num_sampled_and_rejected``
    (``input_batch.py:438``) so chunked prefills and truncated drafts count as vLLM
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from vllm_ddtree.budget import mask_inactive_nodes
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
 from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
@@ -291,6 +294,9 @@ class DDTreeVerifier:
             draft_row_tokens, drawn, input_batch.cu_num_logits, self.budget
         )
         idx = input_batch.idx_mapping.to(torch.int64)
+        if self.state.adaptive:
+            assert self.state.active_nodes is not None
+            tokens = mask_inactive_nodes(tokens, self.state.active_nodes[idx])
         parents = self.state.parents[idx]
         tree = DraftTree(
             tokens=tokens,
@@ -352,6 +358,13 @@ class DDTreeVerifier:
         has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
         self.state.accepted_sum += torch.where(has_tree, walk.accepted_depth, 0).sum()
         self.state.num_drafts += has_tree.sum()
+        if self.state.adaptive:
+            assert self.state.active_nodes is not None and self.state.active_nodes_sum is not None
+            num_nodes = cu[1 : num_reqs + 1] - cu[:num_reqs] - 1
+            active = torch.minimum(
+                self.state.active_nodes[input_batch.idx_mapping.to(torch.int64)], num_nodes
+            )
+            self.state.active_nodes_sum += torch.where(has_tree, active, 0).sum()
 
     def _logprobs(self, logits, processed, sampled, num_sampled, walk, input_batch):
         """Logprobs of the committed tokens, laid out as ``RejectionSampler`` lays them

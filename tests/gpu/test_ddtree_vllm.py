@@ -158,6 +158,27 @@ def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     assert sum(f is None for f in firsts) >= len(firsts) - 1
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, tmp_path):
+    """``ddtree_budget: "auto"`` (B = 32 at most): each round verifies only the first
+    b nodes (kernels skip the rest, the verifier ignores them). Tokens still equal AR
+    up to measured ties, and the chosen budgets stay within 1..32."""
+    args = ["--mixed", "--budget", "32", "--auto"] + (["--graphs"] if graphs else [])
+    got = run_script("check_ddtree_vllm.py", args, tmp_path / "auto.json")
+    greedy, sampled = split_by_temperature(got)
+    ref_greedy, ref_sampled = split_by_temperature(ar_mixed)
+    nodes = got["mean_active_nodes"]
+    print(f"auto ({'graphs' if graphs else 'eager'}): greedy first mismatch "
+          f"{first_mismatches(greedy, ref_greedy)}, sampled "
+          f"{first_mismatches(sampled, ref_sampled)}, mean acceptance length "
+          f"{got['ddtree_mean_acceptance_length']:.3f}, mean active nodes {nodes:.2f}")
+    problems = unexplained_mismatches(greedy, ref_greedy)
+    problems += unexplained_sampled_mismatches(sampled, ref_sampled)
+    assert not problems, "\n".join(problems)
+    assert 1.0 <= nodes <= 32.0
+    assert got["ddtree_mean_acceptance_length"] > 1.0
+
+
 @pytest.mark.parametrize("budget", [32])
 def test_ddtree_with_cuda_graphs_equals_ar(ar_mixed, budget, tmp_path):
     """The same mixed batch with CUDA graphs (drafter FULL graph, target verify steps in

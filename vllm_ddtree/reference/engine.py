@@ -8,6 +8,7 @@ from typing import Literal
 
 import torch
 
+from vllm_ddtree.budget import mask_inactive_nodes
 from vllm_ddtree.drafter_config import check_drafter_target_pair
 from vllm_ddtree.reference.sampling import choose_tokens
 from vllm_ddtree.reference.target import TargetRunner
@@ -15,11 +16,14 @@ from vllm_ddtree.tree import DraftTree, WalkResult, build_ddtree, follow_tree
 
 Method = Literal["ar", "dflash", "ddtree"]
 MAX_BUDGET = 512
+# budget_chooser(tree of B nodes [1, B], context length) -> active nodes b in 1..B
+BudgetChooser = Callable[[DraftTree, int], int]
 
 
 @dataclass
 class RoundStats:
-    """One decoding round: ``committed == accepted_depth + 1`` always."""
+    """One decoding round: ``committed == accepted_depth + 1`` always; ``nodes`` are
+    the verified (active) tree nodes."""
 
     committed: int
     accepted_depth: int
@@ -74,6 +78,7 @@ def generate(
     eos_token_id: int | None = None,
     top_k: int | None = None,
     stop: Callable[[list[int]], bool] | None = None,
+    budget_chooser: BudgetChooser | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -88,7 +93,14 @@ def generate(
     when it returns True generation ends there. The tokens up to that point are the
     same for every method, but a round may commit tokens past the stop, so callers cut
     the output at their stop condition themselves.
+
+    ``budget_chooser`` (``"ddtree"`` only; the reference of ``ddtree_budget: "auto"``):
+    each round the tree of ``budget`` nodes is built and verified as usual, then only
+    its first ``b = budget_chooser(tree, context_len)`` nodes count in the walk, as in
+    vLLM (``vllm_ddtree.budget.mask_inactive_nodes``).
     """
+    if budget_chooser is not None and method != "ddtree":
+        raise ValueError(f"budget_chooser needs method 'ddtree', got {method!r}")
     _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed)
     device = next(target.parameters()).device
     aux_ids = drafter.target_layer_ids if method != "ar" else None
@@ -122,6 +134,7 @@ def generate(
                     top_k,
                     temperature,
                     seed,
+                    budget_chooser,
                 )
                 result.stats.append(stats)
             for tok in committed:
@@ -231,13 +244,21 @@ def _speculative_round(
     top_k: int | None,
     temperature: float,
     seed: int | None,
+    budget_chooser: BudgetChooser | None = None,
 ) -> tuple[list[int], RoundStats]:
     verified = draft_and_verify(runner, drafter, context, bonus, position, method, budget, top_k)
     # The token chosen at a row sits at that row's position + 1.
     positions = (position + verified.offsets + 1).cpu()
     target_tokens = choose_tokens(verified.logits, positions, temperature, seed)
-    walk = follow_tree(verified.tree, target_tokens[None])
+    tree = verified.tree
+    nodes = tree.tokens.shape[1]
+    if budget_chooser is not None:
+        nodes = int(budget_chooser(tree, position + 1))
+        if not 1 <= nodes <= tree.budget:
+            raise ValueError(f"budget_chooser returned {nodes}, not in 1..{tree.budget}")
+        tree = DraftTree(mask_inactive_nodes(tree.tokens, torch.tensor(nodes)), tree.parents,
+                         tree.depths, tree.scores)
+    walk = follow_tree(tree, target_tokens[None])
     depth = keep_accepted(runner, context, verified, walk, position)
     committed = walk.committed_tokens[0, : depth + 1].tolist()
-    nodes = verified.tree.tokens.shape[1]
     return committed, RoundStats(committed=depth + 1, accepted_depth=depth, nodes=nodes)

@@ -1,0 +1,408 @@
+"""``ddtree_budget: "auto"``: the start-up cost model and the per-round budget choice.
+
+Shapes never change: the scheduler keeps scheduling ``B = num_speculative_tokens``
+draft tokens and the target verifies ``1 + B`` rows per tree request (one CUDA graph).
+Each round only the first ``b`` nodes of every tree are *active*: the tree-verify
+attention skips the other rows and the verifier ignores them (the first ``b`` nodes
+are the budget-``b`` tree, see ``vllm_ddtree.tree``). One ``b`` per batch:
+
+    tokens(b)  = sum_r E[committed tokens of request r | b]   (drafter's own estimate)
+    seconds(b) = base + num_layers * sum_r attn(ctx_r, 1 + b)
+    b*         = argmax over the candidates of tokens(b) / seconds(b)
+
+* ``attn(ctx, q)``: one request's tree-verify attention in one target layer, measured
+  at start-up with the target's own kernel on dummy tensors over a (context x query
+  length) grid (:func:`measure_attention_table`), interpolated on the device.
+  Summing it over requests overcounts the fixed launch cost of short contexts at
+  larger batches (a batch runs one kernel); that cost does not depend on ``b``.
+* ``base``: everything else in a round (drafter, target GEMMs on all ``1 + B`` rows,
+  sampling, host work). It is not measured per part; :class:`BudgetPolicy` keeps an
+  EMA of ``wall time between consecutive rounds - modeled attention of the round``.
+  The host reads the wall time with ``time.perf_counter`` at each ``propose``: in
+  steady state the host loop runs at the GPU's pace (it waits on each step's sampled
+  tokens), so the interval is one round's time. Intervals after an idle engine or a
+  step without trees are dropped, and one sample may at most double the estimate.
+  Until the first sample, ``base`` is the modeled attention at ``B`` (a neutral start:
+  neither tiny nor huge trees are favoured a priori).
+
+Every per-round operation stays on the device (no ``.item()``, no host sync); only
+the start-up measurement synchronizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from vllm_ddtree.budget import (
+    BudgetCostTable,
+    choose_batch_budget,
+    expected_committed_by_budget,
+)
+
+__all__ = [
+    "BudgetPolicy",
+    "MeasureFn",
+    "candidate_budgets",
+    "cuda_time_fn",
+    "gqa_attention_timer",
+    "measure_attention_table",
+    "measurement_contexts",
+    "mla_attention_timer",
+]
+
+# Under "vllm." so that the start-up table reaches vLLM's log handler (its "vllm"
+# logger does not propagate to the root logger).
+logger = logging.getLogger("vllm.ddtree.budget_policy")
+
+# measure_fn(context tokens, active query rows 1 + b) -> seconds of one request's verify
+# attention (1 + B rows, the first 1 + b active) in one layer.
+MeasureFn = Callable[[int, int], float]
+
+CONTEXT_GRID = (1024, 4096, 16384, 65536, 131072)
+# Wall intervals longer than this are an idle engine, not a round.
+MAX_ROUND_SECONDS = 2.0
+EMA_WEIGHT = 0.1
+# Pinned host slots for the wall time: the host may run a few steps ahead of the GPU,
+# so a slot must not be rewritten before its copy ran.
+_WALL_SLOTS = 8
+
+
+def candidate_budgets(max_budget: int) -> list[int]:
+    """Budgets ``b`` a round may pick: powers of two below ``max_budget``, then
+    ``max_budget`` itself (sorted, unique; ``[1]`` for ``max_budget = 1``)."""
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    out, b = [], 1
+    while b < max_budget:
+        out.append(b)
+        b *= 2
+    return out + [max_budget]
+
+
+def measurement_contexts(max_model_len: int) -> list[int]:
+    """Context lengths to time: :data:`CONTEXT_GRID` capped at ``max_model_len``
+    (which is timed when shorter than the grid's end). Past the last point attention
+    grows linearly with the context, so the table extrapolates its last segment
+    instead of allocating dummy caches of ``max_model_len`` tokens."""
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+    last = min(max_model_len, CONTEXT_GRID[-1])
+    return [c for c in CONTEXT_GRID if c < last] + [last]
+
+
+def measure_attention_table(
+    measure_fn: MeasureFn, contexts: Sequence[int], budgets: Sequence[int],
+    device: torch.device | str = "cpu",
+) -> BudgetCostTable:
+    """Time ``measure_fn(context, 1 + b)`` on the grid ``contexts x budgets``.
+
+    Args:
+        measure_fn: seconds of one request's verify attention in one layer.
+        contexts: increasing context lengths.
+        budgets: increasing candidate budgets.
+        device: where the table lives (the device the choice runs on).
+
+    Returns:
+        A :class:`BudgetCostTable` (``seconds [C, K]`` float32, extrapolating past the
+        last context). Each row is made non-decreasing in ``b`` (a longer query never
+        costs less; timing noise could say otherwise).
+    """
+    seconds = torch.tensor(
+        [[float(measure_fn(int(c), 1 + int(b))) for b in budgets] for c in contexts],
+        dtype=torch.float32,
+    )
+    if not bool(torch.isfinite(seconds).all()) or bool((seconds <= 0).any()):
+        raise ValueError(f"measure_fn returned non-positive or non-finite times: {seconds}")
+    seconds = seconds.cummax(dim=1).values
+    return BudgetCostTable(
+        torch.tensor(list(contexts)), torch.tensor(list(budgets)), seconds, extrapolate=True
+    ).to(device)
+
+
+def format_table(table: BudgetCostTable) -> str:
+    """The table as text, microseconds per request and layer (for the start-up log)."""
+    budgets = table.budgets.tolist()
+    lines = ["context  " + " ".join(f"b={b:>5}" for b in budgets)]
+    for ctx, row in zip(table.contexts.tolist(), table.seconds.tolist(), strict=True):
+        lines.append(f"{int(ctx):>7}  " + " ".join(f"{1e6 * s:7.1f}" for s in row))
+    return "\n".join(lines)
+
+
+class BudgetPolicy:
+    """Per-round choice of the active budget, on the device.
+
+    Args:
+        table: one request's attention seconds per layer (``budgets`` = candidates,
+            the last one = B), e.g. from :func:`measure_attention_table`.
+        num_layers: target attention layers on this GPU.
+        ema_weight: weight of a new base-time sample.
+    """
+
+    def __init__(self, table: BudgetCostTable, num_layers: int,
+                 ema_weight: float = EMA_WEIGHT) -> None:
+        budgets = table.budgets.tolist()
+        if budgets != sorted(set(budgets)) or budgets[0] < 1:
+            raise ValueError(f"candidate budgets must be increasing and >= 1, got {budgets}")
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+        self.table = table
+        self.budgets = table.budgets
+        self.max_budget = budgets[-1]
+        self.num_layers = num_layers
+        self.ema_weight = ema_weight
+        device = table.seconds.device
+        f32 = dict(dtype=torch.float32, device=device)
+        # < 0: no sample yet (the choice then uses the modeled attention at B).
+        self.base_seconds = torch.full((1,), -1.0, **f32)
+        # Modeled attention of the last chosen round (what the next wall sample covers).
+        self.last_attention = torch.zeros(1, **f32)
+        self._wall_device = torch.zeros(1, **f32)
+        self._wall_host = torch.zeros(
+            _WALL_SLOTS, dtype=torch.float32, pin_memory=device.type == "cuda"
+        )
+        self._slot = 0
+        self._last_round_start: float | None = None
+
+    # -- the choice ----------------------------------------------------------------
+
+    def attention_seconds(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """float32 ``[K]``: modeled target attention of a round per candidate,
+        ``num_layers * sum_r attn(ctx_r, 1 + b)`` for int ``context_lens [R]``."""
+        return self.num_layers * self.table.at(context_lens.reshape(-1)).sum(dim=0)
+
+    def round_seconds(self, attention: torch.Tensor) -> torch.Tensor:
+        """float32 ``[K]``: ``base + attention`` (base = ``attention[-1]``, the cost
+        at B, until the first wall sample)."""
+        base = torch.where(self.base_seconds >= 0, self.base_seconds, attention[-1:])
+        return base + attention
+
+    def choose(self, scores: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+        """The batch's active budget.
+
+        Args:
+            scores: float32 ``[R, B]``, the trees' node scores (``DraftTree.scores``).
+            context_lens: int ``[R]``, the requests' context lengths.
+
+        Returns:
+            int64 0-dim tensor ``b`` (one of the candidates). Records the chosen
+            round's modeled attention for the next :meth:`observe_round`. No host sync.
+        """
+        attention = self.attention_seconds(context_lens)
+        expected = expected_committed_by_budget(scores)
+        b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)
+        index = torch.searchsorted(self.budgets, b.reshape(1))
+        self.last_attention.copy_(attention[index])
+        return b
+
+    # -- the base time ---------------------------------------------------------------
+
+    def update_base_(self, wall_seconds: torch.Tensor) -> None:
+        """Fold one round's wall time (float32 ``[1]`` on the device) into the base
+        EMA: sample = ``max(wall - last_attention, 0)``, at most ``2 x base + 0.1 ms``."""
+        sample = (wall_seconds - self.last_attention).clamp_min(0)
+        known = self.base_seconds >= 0
+        sample = torch.where(known, torch.minimum(sample, 2 * self.base_seconds + 1e-4), sample)
+        w = self.ema_weight
+        self.base_seconds.copy_(
+            torch.where(known, (1 - w) * self.base_seconds + w * sample, sample)
+        )
+
+    def observe_round(self, now: float | None = None, verified: bool = True) -> None:
+        """Host hook at the start of every ``propose``: the time since the previous
+        call is one round when ``verified`` (this step verified trees) and the engine
+        was not idle in between. Copies it to the device without a sync."""
+        now = time.perf_counter() if now is None else now
+        last, self._last_round_start = self._last_round_start, now
+        if last is None or not verified or not 0 < now - last <= MAX_ROUND_SECONDS:
+            return
+        slot = self._wall_host[self._slot : self._slot + 1]
+        self._slot = (self._slot + 1) % _WALL_SLOTS
+        slot.fill_(now - last)
+        self._wall_device.copy_(slot, non_blocking=True)
+        self.update_base_(self._wall_device)
+
+    def reset_round_clock(self) -> None:
+        """Forget the previous round's start (after a dummy or profile run)."""
+        self._last_round_start = None
+
+    # -- construction in vLLM ------------------------------------------------------------
+
+    @classmethod
+    def from_vllm_config(cls, vllm_config: Any, max_budget: int,
+                         device: torch.device | str,
+                         measure_fn: MeasureFn | None = None) -> BudgetPolicy:
+        """Measure the target's verify attention (``measure_fn`` default: the MLA or
+        GQA tree kernel with the target's shapes) and build the policy. Syncs."""
+        model_config = vllm_config.model_config
+        parallel = vllm_config.parallel_config
+        budgets = candidate_budgets(max_budget)
+        contexts = measurement_contexts(model_config.max_model_len)
+        device = torch.device(device)
+        start = time.perf_counter()
+        if measure_fn is None and device.type == "cuda":
+            # Launch on the runner's GPU; give the dummy caches back before vLLM
+            # profiles memory.
+            with torch.cuda.device(device):
+                timer = target_attention_timer(vllm_config, 1 + max_budget, device)
+                table = measure_attention_table(timer, contexts, budgets, device)
+                del timer
+                torch.cuda.empty_cache()
+        else:
+            measure_fn = measure_fn or target_attention_timer(vllm_config, 1 + max_budget,
+                                                              device)
+            table = measure_attention_table(measure_fn, contexts, budgets, device)
+        num_layers = model_config.get_num_layers(parallel)
+        logger.info(
+            "DDTree auto budget: candidates %s, %d target layers; verify attention per "
+            "request and layer (us), measured in %.2f s:\n%s",
+            budgets, num_layers, time.perf_counter() - start, format_table(table),
+        )
+        return cls(table, num_layers)
+
+
+# ---------------------------------------------------------------------------------------
+# Timing the target's own kernel (GPU)
+
+
+# time_fn(run) -> seconds of one call of run (CUDA events by default; tests use a clock).
+TimeFn = Callable[[Callable[[], Any]], float]
+
+
+def cuda_time_fn(warmup: int = 2, iters: int = 5) -> TimeFn:
+    """A ``time_fn``: mean seconds per call over ``iters`` back-to-back launches on the
+    current CUDA stream (CUDA events), after ``warmup`` calls."""
+    return lambda run: _time_cuda(run, warmup, iters)
+
+
+def _time_cuda(run: Callable[[], Any], warmup: int, iters: int) -> float:
+    """Mean seconds of ``run`` on the current CUDA stream (CUDA events)."""
+    for _ in range(warmup):
+        run()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1000.0 / iters
+
+
+def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
+    from vllm_ddtree.tree import pack_ancestor_mask
+
+    mask = torch.ones(rows, rows, dtype=torch.bool).tril()
+    return pack_ancestor_mask(mask).to(device)
+
+
+def mla_attention_timer(
+    num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
+    dtype: torch.dtype, device: torch.device, page_size: int = 64,
+    graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
+) -> MeasureFn:
+    """``measure_fn`` timing ``attention_backends.mla_tree.mla_tree_verify`` for one
+    request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
+    of which the first ``query_len`` are active (``active_query_lens``), on a dummy
+    latent cache of ``max_context + max_query_len`` tokens (allocated once).
+    ``graph_max_seq_len``: the split count a CUDA graph freezes (the backend sizes it
+    for ``max_model_len`` when capturing). ``time_fn``: default :func:`cuda_time_fn`."""
+    from attention_backends.mla_tree import mla_tree_verify
+
+    time_fn = time_fn or cuda_time_fn()
+
+    head_dim = kv_lora_rank + rope_dim
+    num_blocks = -(-(max_context + max_query_len) // page_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    kv_cache = torch.randn(num_blocks, page_size, head_dim, generator=gen, device=device,
+                           dtype=torch.float32).to(dtype)
+    q = torch.randn(max_query_len, num_heads, head_dim, generator=gen, device=device,
+                    dtype=torch.float32).to(dtype)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    bits = _chain_bits(max_query_len, device)
+    scale = head_dim ** -0.5
+
+    qsl = torch.tensor([0, max_query_len], dtype=torch.int32, device=device)
+
+    def measure(context: int, query_len: int) -> float:
+        seq_len = context + max_query_len
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        active = torch.tensor([query_len], dtype=torch.int32, device=device)
+        return time_fn(lambda: mla_tree_verify(
+            q, kv_cache, block_table, seq_lens, qsl, bits, scale, kv_lora_rank,
+            max_query_len=max_query_len, max_seq_len=max(seq_len, graph_max_seq_len or 0),
+            validate_values=False, active_query_lens=active,
+        ))
+
+    return measure
+
+
+def gqa_attention_timer(
+    num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, max_context: int,
+    dtype: torch.dtype, device: torch.device, page_size: int = 64,
+    time_fn: TimeFn | None = None,
+) -> MeasureFn:
+    """``measure_fn`` timing ``attention_backends.gqa_tree.gqa_tree_verify`` for one
+    request (full attention; sliding-window layers cost less and are modeled as full),
+    ``query_len`` active rows of ``max_query_len``, as :func:`mla_attention_timer`."""
+    from attention_backends.gqa_tree import gqa_tree_verify
+
+    time_fn = time_fn or cuda_time_fn()
+
+    num_blocks = -(-(max_context + max_query_len) // page_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (num_blocks, page_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    v_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    q = torch.randn(max_query_len, num_q_heads, head_dim, generator=gen, device=device,
+                    dtype=torch.float32).to(dtype)
+    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
+    bits = _chain_bits(max_query_len, device)
+    scale = head_dim ** -0.5
+
+    qsl = torch.tensor([0, max_query_len], dtype=torch.int32, device=device)
+
+    def measure(context: int, query_len: int) -> float:
+        seq_len = context + max_query_len
+        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+        active = torch.tensor([query_len], dtype=torch.int32, device=device)
+        return time_fn(lambda: gqa_tree_verify(
+            q, k_cache, v_cache, block_table, seq_lens, qsl, bits, scale,
+            max_query_len=max_query_len, max_seq_len=seq_len, validate_values=False,
+            active_query_lens=active,
+        ))
+
+    return measure
+
+
+def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
+                           time_fn: TimeFn | None = None) -> MeasureFn:
+    """The timer for the target's tree backend, with its per-GPU shapes from the HF
+    config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
+
+    Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths x 7 launches; about
+    0.1-0.5 s on an H200 for a 64-head MLA target up to 128k with B = 64 (well under
+    3 s), plus the kernel's first Triton compile, which vLLM's warm-up would do anyway.
+    """
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    hf = model_config.hf_text_config
+    dtype = model_config.dtype
+    max_context = measurement_contexts(model_config.max_model_len)[-1]
+    heads = model_config.get_num_attention_heads(parallel)
+    if model_config.use_mla:
+        mode = vllm_config.compilation_config.cudagraph_mode
+        graphs = not model_config.enforce_eager and bool(mode) and mode.has_full_cudagraphs()
+        return mla_attention_timer(
+            heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
+            device, graph_max_seq_len=model_config.max_model_len if graphs else None,
+            time_fn=time_fn,
+        )
+    return gqa_attention_timer(
+        heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
+        max_query_len, max_context, dtype, device, time_fn=time_fn,
+    )
