@@ -185,6 +185,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--budget", type=int, default=32, help="tree nodes B")
     parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor_parallel_size (> 1: workers in their own processes, "
+                             "so DDTree's in-process counters and per-round records are "
+                             "empty; vLLM's metrics still count)")
     parser.add_argument("--auto", action="store_true",
                         help='ddtree_budget "auto": --budget is the maximum B')
     parser.add_argument("--prompts", type=int, default=4)
@@ -265,7 +269,8 @@ def main() -> None:
             register_tree_backend("gqa")
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
-              max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False, **extra)
+              max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
+              tensor_parallel_size=args.tp, **extra)
     applied = apply_all()  # names of the patches active in this process
     temperatures = [args.temperature] * len(prompts)
     if args.mixed:
@@ -298,6 +303,7 @@ def main() -> None:
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:
         json.dump({"mode": args.method, "budget": args.budget, "graphs": args.graphs,
+                   "tp": args.tp,
                    "mixed": args.mixed, "max_num_seqs": max_num_seqs,
                    "extra_tokens": args.extra_tokens, "patches": applied, "outputs": result,
                    "ddtree_mean_acceptance_length": (

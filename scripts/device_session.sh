@@ -10,6 +10,7 @@
 #   ddtree   tests/gpu/test_ddtree_vllm.py on the embedded pair (vs AR and the
 #            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
+#   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
 #   e2e      evals/bench_e2e.py --setup kimi8 (step latency vs context; needs the time)
@@ -57,6 +58,7 @@ for stage in "$@"; do
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
+    tp2) stage_pytest tp2 480 tests/gpu/test_ddtree_tp2.py ;;  # kind nvidia-h200-x2
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     syncs)
       timeout 420 python3 evals/count_host_syncs.py --out "$OUT/host_syncs.md" \
