@@ -34,7 +34,8 @@ import torch
 
 from vllm_ddtree.budget import mask_inactive_nodes
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
-from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
+from vllm_ddtree.tree import DraftTree, WalkResult
+from vllm_ddtree.tree_walk_kernel import follow_tree_fast
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
 
 __all__ = [
@@ -304,7 +305,7 @@ class DDTreeVerifier:
             depths=self.state.depths[idx],
             scores=torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device),
         )
-        return follow_tree(tree, targets, max_depth=self.max_depth)
+        return follow_tree_fast(tree, targets, max_depth=self.max_depth)
 
     def __call__(
         self,

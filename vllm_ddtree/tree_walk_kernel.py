@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The acceptance walk of :func:`vllm_ddtree.tree.follow_tree` as one Triton kernel.
+
+``follow_tree`` is batched PyTorch with a Python loop over the depths: about ten
+small ops per depth, ~150 kernel launches per verify step at ``L = 15``, all of them
+eager on the host path of every decoding round. :func:`follow_tree_triton` does the
+whole walk in one launch that writes every field of the :class:`WalkResult`.
+
+``_follow_tree_kernel``: grid ``(R,)``, one program per request. The program keeps
+its current node (``-1`` = the root) and, for each of the ``max_depth`` steps, loads
+the target's token at the current node, scans the request's ``B`` nodes in blocks
+of ``BLOCK_B`` for ``parent == current and token == target`` and takes the lowest
+matching index (``tl.min``), which is ``follow_tree``'s rule for duplicate child
+tokens. Tokens are compared as int64 exactly as ``follow_tree`` compares them, so
+a node masked to ``-1`` never matches a real (``>= 0``) target token. The path and
+its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
+once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
+the launch can be captured in a CUDA graph.
+
+:func:`follow_tree_fast` picks the kernel for CUDA tensors and ``follow_tree`` for
+CPU tensors (the kernel runs on CPU only in Triton's interpreter, for tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args, follow_tree
+
+__all__ = ["MAX_BLOCK_B", "follow_tree_fast", "follow_tree_triton"]
+
+MAX_BLOCK_B = 512
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit(do_not_specialize=["num_nodes", "max_depth"])
+def _follow_tree_kernel(
+    tokens_ptr,
+    parents_ptr,
+    targets_ptr,
+    accepted_ptr,
+    depth_ptr,
+    committed_ptr,
+    num_committed_ptr,
+    bonus_ptr,
+    src_ptr,
+    num_nodes,
+    max_depth,
+    stride_tok_r,
+    stride_tok_b,
+    stride_par_r,
+    stride_par_b,
+    stride_tgt_r,
+    stride_tgt_b,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    tok_row = tokens_ptr + r * stride_tok_r
+    par_row = parents_ptr + r * stride_par_r
+    tgt_row = targets_ptr + r * stride_tgt_r
+    offs = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_L)
+
+    current = tl.full((), -1, tl.int64)
+    path = tl.full((BLOCK_L,), -1, tl.int64)
+    path_tokens = tl.full((BLOCK_L,), -1, tl.int64)
+    for step in range(max_depth):
+        wanted = tl.load(tgt_row + (current + 1) * stride_tgt_b).to(tl.int64)
+        best = tl.full((), num_nodes, tl.int32)
+        for start in range(0, num_nodes, BLOCK_B):
+            idx = start + offs
+            valid = idx < num_nodes
+            par = tl.load(par_row + idx * stride_par_b, mask=valid, other=0).to(tl.int64)
+            tok = tl.load(tok_row + idx * stride_tok_b, mask=valid, other=0).to(tl.int64)
+            match = valid & (par == current) & (tok == wanted)
+            best = tl.minimum(best, tl.min(tl.where(match, idx, num_nodes), axis=0))
+        # A stopped walk stays stopped: `current` and `wanted` no longer change.
+        alive = best < num_nodes
+        node = best.to(tl.int64)
+        current = tl.where(alive, node, current)
+        here = (cols == step) & alive
+        path = tl.where(here, node, path)
+        path_tokens = tl.where(here, wanted, path_tokens)
+
+    depth = tl.sum((path >= 0).to(tl.int64), axis=0)
+    bonus = tl.load(tgt_row + (current + 1) * stride_tgt_b).to(tl.int64)
+    committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
+    in_path = cols < max_depth
+    tl.store(accepted_ptr + r * max_depth + cols, path, mask=in_path)
+    tl.store(src_ptr + r * max_depth + cols, tl.where(path >= 0, path + 1, -1), mask=in_path)
+    tl.store(committed_ptr + r * (max_depth + 1) + cols, committed, mask=cols <= max_depth)
+    tl.store(depth_ptr + r, depth)
+    tl.store(num_committed_ptr + r, depth + 1)
+    tl.store(bonus_ptr + r, bonus)
+
+
+def _interpreted() -> bool:
+    return type(_follow_tree_kernel).__name__ == "InterpretedFunction"
+
+
+def _as_index(t: torch.Tensor) -> torch.Tensor:
+    # Other integer dtypes cost one conversion (a launch); the verifier passes int64.
+    return t if t.dtype in _INDEX_DTYPES else t.to(torch.int64)
+
+
+def follow_tree_triton(
+    tree: DraftTree,
+    target_tokens: torch.Tensor,
+    max_depth: int,
+    *,
+    block_b: int | None = None,
+) -> WalkResult:
+    """:func:`vllm_ddtree.tree.follow_tree` in one Triton launch (same result, exactly).
+
+    Args:
+        tree: the draft trees, ``[R, B]``; ``tokens`` and ``parents`` int32 or int64
+            (other dtypes are converted to int64 first), any strides. ``depths`` and
+            ``scores`` are not read.
+        target_tokens: int32 or int64 ``[R, 1 + B]``, the target's token at the root
+            (column 0) and at node ``i`` (column ``i + 1``); any strides.
+        max_depth: ``L_max >= 0``, the number of walk steps and the pad width, as in
+            ``follow_tree`` (a deeper tree is cut at ``max_depth`` accepted nodes).
+        block_b: nodes scanned per block (a power of two); default
+            ``min(next_power_of_2(B), MAX_BLOCK_B)``. Tests pass a small value to
+            exercise the multi-block scan.
+
+    Returns:
+        A :class:`WalkResult` of int64 tensors on the trees' device:
+        ``accepted_nodes [R, L_max]``, ``accepted_depth [R]``, ``committed_tokens
+        [R, L_max + 1]``, ``num_committed [R]``, ``bonus_tokens [R]``, ``kv_src_rows
+        [R, L_max]``. They are contiguous views of one buffer, all written by the
+        kernel.
+
+    Raises:
+        ValueError: on a bad shape, ``max_depth``, ``block_b``, mixed devices, or CPU
+            tensors outside Triton's interpreter. Nothing is read from the device.
+    """
+    _check_walk_args(tree, target_tokens)
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    device = tree.tokens.device
+    if tree.parents.device != device or target_tokens.device != device:
+        raise ValueError(
+            f"tree.tokens ({device}), tree.parents ({tree.parents.device}) and "
+            f"target_tokens ({target_tokens.device}) must be on one device"
+        )
+    num_requests, num_nodes = tree.num_requests, tree.budget
+    if block_b is None:
+        block_b = min(triton.next_power_of_2(max(num_nodes, 1)), MAX_BLOCK_B)
+    if block_b < 1 or block_b & (block_b - 1):
+        raise ValueError(f"block_b must be a power of two, got {block_b}")
+    if device.type == "cpu" and not _interpreted():
+        raise ValueError("the Triton walk needs GPU tensors (or TRITON_INTERPRET=1)")
+
+    tokens, parents = _as_index(tree.tokens), _as_index(tree.parents)
+    targets = _as_index(target_tokens)
+    # One allocation for the six outputs (host overhead), each a contiguous chunk.
+    shapes = [(max_depth,), (), (max_depth + 1,), (), (), (max_depth,)]
+    numels = [num_requests * (shape[0] if shape else 1) for shape in shapes]
+    buffer = torch.empty(sum(numels), dtype=torch.int64, device=device)
+    accepted, depth, committed, num_committed, bonus, src = (
+        chunk.view(num_requests, *shape)
+        for chunk, shape in zip(buffer.split(numels), shapes, strict=True)
+    )
+    if num_requests:
+        _follow_tree_kernel[(num_requests,)](
+            tokens,
+            parents,
+            targets,
+            accepted,
+            depth,
+            committed,
+            num_committed,
+            bonus,
+            src,
+            num_nodes,
+            max_depth,
+            tokens.stride(0),
+            tokens.stride(1),
+            parents.stride(0),
+            parents.stride(1),
+            targets.stride(0),
+            targets.stride(1),
+            BLOCK_B=block_b,
+            BLOCK_L=triton.next_power_of_2(max_depth + 1),
+            num_warps=4 if block_b >= 256 else 1,
+        )
+    return WalkResult(
+        accepted_nodes=accepted,
+        accepted_depth=depth,
+        committed_tokens=committed,
+        num_committed=num_committed,
+        bonus_tokens=bonus,
+        kv_src_rows=src,
+    )
+
+
+def follow_tree_fast(
+    tree: DraftTree,
+    target_tokens: torch.Tensor,
+    max_depth: int,
+    *,
+    force_triton: bool = False,
+) -> WalkResult:
+    """The acceptance walk: :func:`follow_tree_triton` (one launch) on CUDA tensors,
+    :func:`vllm_ddtree.tree.follow_tree` (PyTorch) otherwise.
+
+    Same arguments and result as ``follow_tree`` with a fixed ``max_depth``; no host
+    sync either way. ``force_triton`` runs the kernel on CPU tensors too (tests, with
+    ``TRITON_INTERPRET=1``).
+    """
+    if force_triton or tree.tokens.is_cuda:
+        return follow_tree_triton(tree, target_tokens, max_depth)
+    return follow_tree(tree, target_tokens, max_depth=max_depth)
