@@ -64,6 +64,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from vllm_ddtree.kv_compaction_kernel import compact_kv_views_
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -71,7 +72,7 @@ from vllm_ddtree.runtime_state import (
     hidden_row_gather_index,
 )
 from vllm_ddtree.tree import build_ddtree, num_mask_words
-from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
+from vllm_ddtree.verify_batch import compaction_slots
 
 __all__ = [
     "DDTreeSpeculator",
@@ -340,6 +341,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         that group's slots; only layers of one group that alias the same cache
         (KV sharing) are skipped, since a second pass over an overlapping path would
         read already-moved rows.
+
+        On CUDA, each group's views are moved by ``kv_compaction_kernel``: one Triton
+        launch per distinct row layout (all of a group's MLA layers: one launch),
+        instead of ``compact_kv_cache_``'s 12 device ops per view; on CPU by
+        ``compact_kv_cache_``.
         """
         forward_context = self.vllm_config.compilation_config.static_forward_context
         for layer_names in self._target_layers_by_group.values():
@@ -347,13 +353,14 @@ class DDTreeSpeculator(DFlashSpeculator):
                 slot_mappings[layer_names[0]], query_start_loc, kv_src_rows
             )
             seen_in_group: set[int] = set()
+            views: list[torch.Tensor] = []
             for name in layer_names:
                 kv_cache = forward_context[name].kv_cache
                 if kv_cache.data_ptr() in seen_in_group:
                     continue
                 seen_in_group.add(kv_cache.data_ptr())
-                for rows in slot_rows_views(kv_cache):
-                    compact_kv_cache_(rows, src, dst)
+                views.extend(slot_rows_views(kv_cache))
+            compact_kv_views_(views, src, dst, kv_src_rows.shape[1])
 
     @torch.inference_mode()
     def propose(
