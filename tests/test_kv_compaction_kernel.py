@@ -1,0 +1,524 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton KV compaction (``vllm_ddtree.kv_compaction_kernel``) vs its PyTorch reference
+``verify_batch.compact_kv_cache_``, on moves built by the real ``compaction_slots`` /
+``path_compaction_slots`` from random trees and walks, in every cache layout
+``speculator.slot_rows_views`` knows; the path-order property of the moves; and
+``DDTreeSpeculator._compact_target_kv`` on the Triton path.
+
+Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1); ``use_triton`` is forced so CPU tensors take the kernel path.
+"""
+
+import random
+import textwrap
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,  # runs a compile script, returns its JSON line
+    kernels_run_here,
+)
+
+from vllm_ddtree import kv_compaction_kernel as kck  # noqa: E402
+from vllm_ddtree.speculator import (  # noqa: E402
+    DDTreeSpeculator,
+    path_compaction_slots,
+    slot_rows_views,
+)
+from vllm_ddtree.tree import DraftTree, build_ddtree, follow_tree  # noqa: E402
+from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots  # noqa: E402
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.skipif(
+        not kernels_run_here(kck._compact_rows_kernel, kck._compact_rows_table_kernel),
+        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+    ),
+]
+
+VOCAB, BUDGET, DEPTHS = 6, 12, 4
+HEADS, HEAD_DIM = 2, 16
+
+
+# ----------------------------------------------------------------------------------
+# Launch counting, forced Triton path
+# ----------------------------------------------------------------------------------
+
+
+class Counted:
+    """Wraps a ``@triton.jit`` kernel: ``kernel[grid](...)`` still launches it and
+    records the grid."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.grids.append(tuple(grid))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Forces the Triton path and counts launches and reference fallbacks."""
+    single = Counted(kck._compact_rows_kernel)
+    table = Counted(kck._compact_rows_table_kernel)
+    fallbacks = []
+
+    def counted_reference(rows, src, dst):
+        fallbacks.append(tuple(rows.shape))
+        compact_kv_cache_(rows, src, dst)
+
+    monkeypatch.setattr(kck, "use_triton", lambda rows: True)
+    monkeypatch.setattr(kck, "_compact_rows_kernel", single)
+    monkeypatch.setattr(kck, "_compact_rows_table_kernel", table)
+    monkeypatch.setattr(kck, "compact_kv_cache_", counted_reference)
+    monkeypatch.setattr(kck, "_PLANS", {})
+    return NS(single=single.grids, table=table.grids, fallbacks=fallbacks)
+
+
+# ----------------------------------------------------------------------------------
+# Random verify batches: trees, walks of chosen depths, paged slot mappings
+# ----------------------------------------------------------------------------------
+
+
+def ancestors(parents: list[int], node: int) -> list[int]:
+    """Nodes from depth 1 down to ``node``."""
+    path = [node]
+    while parents[path[-1]] >= 0:
+        path.append(parents[path[-1]])
+    return path[::-1]
+
+
+def walk_targets(tree: DraftTree, paths: list[list[int] | None], gen) -> torch.Tensor:
+    """Target tokens ``[R, 1+B]`` whose walk accepts exactly ``paths[r]`` (random
+    elsewhere; the token ``VOCAB`` matches no child, so the walk stops there)."""
+    targets = torch.randint(0, VOCAB, (tree.num_requests, 1 + tree.budget), generator=gen)
+    for r, path in enumerate(paths):
+        row = 0
+        for node in path or []:
+            targets[r, row] = tree.tokens[r, node]
+            row = node + 1
+        targets[r, row] = VOCAB
+    return targets
+
+
+def make_batch(kinds, page_size, seed, *, depths=None):
+    """One verify batch. ``kinds[r]``: "tree" (a random path, depth ``depths[r]`` or
+    random 0..L), "chain" (the path is nodes 0, 1, .., L-1: every row in place),
+    "prefill" (a chunk of rows, no tree) or "decode" (one row, no tree).
+
+    Returns the tree, walk, ``query_start_loc``, slot mapping (blocks of the requests
+    drawn from one shuffled pool), ``num_blocks`` and ``src, dst`` from
+    ``path_compaction_slots``."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(kinds)
+    logits = torch.randn(num_reqs, DEPTHS, VOCAB, generator=gen)
+    for r, kind in enumerate(kinds):
+        if kind == "chain":  # a dominant token per depth: the top-1 chain comes first
+            logits[r, :, rng.randrange(VOCAB)] += 30.0
+    tree = build_ddtree(logits, BUDGET)
+    parents = tree.parents.tolist()
+    tree_depths = tree.depths.tolist()
+
+    paths = []
+    for r, kind in enumerate(kinds):
+        if kind == "tree":
+            want = rng.randint(0, DEPTHS) if depths is None else depths[r]
+            deep = [n for n in range(BUDGET) if tree_depths[r][n] >= want]
+            node = rng.choice(deep) if deep else max(range(BUDGET), key=tree_depths[r].__getitem__)
+            paths.append(ancestors(parents[r], node)[:want])
+        elif kind == "chain":
+            assert parents[r][:DEPTHS] == list(range(-1, DEPTHS - 1)), parents[r]
+            paths.append(list(range(DEPTHS)))
+        else:
+            paths.append(None)
+    walk = follow_tree(tree, walk_targets(tree, paths, gen), max_depth=DEPTHS)
+    kv_src_rows = walk.kv_src_rows.clone()
+    for r, path in enumerate(paths):
+        assert int(walk.accepted_depth[r]) == len(path or [])
+        if path is None:
+            kv_src_rows[r] = -1
+
+    qlens = [1 + BUDGET if k in ("tree", "chain") else rng.randint(2, 9) if k == "prefill"
+             else 1 for k in kinds]
+    contexts = [rng.randint(0, 40) for _ in kinds]
+    pages = [-(-(c + q) // page_size) for c, q in zip(contexts, qlens, strict=True)]
+    num_blocks = sum(pages) + 3
+    pool = torch.randperm(num_blocks, generator=gen).tolist()
+    slots = []
+    for c, q, n in zip(contexts, qlens, pages, strict=True):
+        blocks, pool = pool[:n], pool[n:]
+        slots += [blocks[p // page_size] * page_size + p % page_size for p in range(c, c + q)]
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
+    src, dst = path_compaction_slots(slot_mapping, qsl, kv_src_rows)
+    return NS(tree=tree, walk=walk, kv_src_rows=kv_src_rows, qsl=qsl, slots=slot_mapping,
+              num_blocks=num_blocks, src=src, dst=dst, paths=paths)
+
+
+# ----------------------------------------------------------------------------------
+# Cache layouts: physical tensor -> the backend's logical kv_cache
+# ----------------------------------------------------------------------------------
+
+LAYOUTS = {
+    # MLA [nb, page, 576]
+    "mla": (lambda nb, ps: (nb, ps, 576), lambda phys: phys),
+    # MLA with padded rows: slot stride 640, rows of 576
+    "mla_padded": (lambda nb, ps: (nb, ps, 640), lambda phys: phys[..., :576]),
+    # FlashAttention [2, nb, page, H, D]: K and V views
+    "flash": (lambda nb, ps: (2, nb, ps, HEADS, HEAD_DIM), lambda phys: phys),
+    # vLLM Triton / GQA tree backend: logical [nb, H, page, 2D] over [nb, page, H, 2D]
+    "gqa": (lambda nb, ps: (nb, ps, HEADS, 2 * HEAD_DIM), lambda phys: phys.permute(0, 2, 1, 3)),
+    # ... with padded heads: rows of H chunks of 2D (stride 2D + 8)
+    "gqa_padded": (lambda nb, ps: (nb, ps, HEADS, 2 * HEAD_DIM + 8),
+                   lambda phys: phys[..., : 2 * HEAD_DIM].permute(0, 2, 1, 3)),
+}
+
+
+def random_physical(shape, dtype, gen):
+    values = torch.randn(shape, generator=gen)
+    if dtype == torch.float8_e4m3fn:
+        values = values.clamp(-200, 200)
+    return values.to(dtype).to(DEVICE)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """A bit-exact view for comparisons (any float dtype, NaN-safe)."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()])
+
+
+def reference_views(views):
+    """Views to run ``compact_kv_cache_`` on (fp8 has no CPU index_copy_: bit views)."""
+    return [bits(v) if v.dtype == torch.float8_e4m3fn else v for v in views]
+
+
+def on_device(batch):
+    return batch.src.to(DEVICE), batch.dst.to(DEVICE)
+
+
+# ----------------------------------------------------------------------------------
+# Kernel vs reference
+# ----------------------------------------------------------------------------------
+
+KINDS = ["tree", "prefill", "tree", "chain", "tree", "tree", "decode"]
+
+CASES = [
+    ("mla", torch.bfloat16), ("mla", torch.float32), ("mla", torch.float8_e4m3fn),
+    ("mla_padded", torch.bfloat16), ("flash", torch.bfloat16), ("flash", torch.float32),
+    ("gqa", torch.bfloat16), ("gqa_padded", torch.float32), ("gqa_padded", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("layout,dtype", CASES)
+def test_kernels_match_the_reference(layout, dtype, page_size, launches):
+    batch = make_batch(KINDS, page_size, seed=sum(map(ord, layout)) + page_size,
+                       depths=[DEPTHS, None, 0, None, 1, 2, None])
+    assert (batch.src >= 0).any() and (batch.src < 0).any()
+    shape, logical = LAYOUTS[layout]
+    gen = torch.Generator().manual_seed(1)
+    physical = random_physical(shape(batch.num_blocks, page_size), dtype, gen)
+    src, dst = on_device(batch)
+
+    want = physical.clone()
+    for rows in reference_views(slot_rows_views(logical(want))):
+        compact_kv_cache_(rows, src, dst)
+    assert not torch.equal(bits(want), bits(physical))  # something moved
+
+    views = slot_rows_views(logical(physical))
+    single = physical.clone()
+    for rows in slot_rows_views(logical(single)):
+        kck.compact_kv_rows_(rows, src, dst, DEPTHS)
+    assert torch.equal(bits(single), bits(want))  # padding included
+    assert len(launches.single) == len(views) and not launches.fallbacks
+    assert launches.single[0] == (len(KINDS), 1)  # one program per request
+
+    grouped = physical.clone()
+    kck.compact_kv_views_(slot_rows_views(logical(grouped)), src, dst, DEPTHS)
+    assert torch.equal(bits(grouped), bits(want))
+    if len(views) > 1:  # flash K and V: one launch through the address table
+        assert launches.table == [(len(KINDS), 1, 2)]
+
+
+def test_all_views_of_a_group_in_one_launch_per_row_layout(launches):
+    batch = make_batch(KINDS, 16, seed=3)
+    src, dst = on_device(batch)
+    gen = torch.Generator().manual_seed(2)
+    caches = [LAYOUTS[name][1](random_physical(LAYOUTS[name][0](batch.num_blocks, 16),
+                                               torch.bfloat16, gen))
+              for name in ("mla", "mla", "mla", "flash", "gqa_padded", "mla_padded")]
+    # a row layout the kernel does not take (inner stride != 1): the reference moves it
+    odd = torch.randn(batch.num_blocks * 16, HEAD_DIM, HEADS, generator=gen).to(DEVICE)
+    odd = odd.transpose(1, 2)
+    assert kck.row_layout(odd) is None
+    views = [v for c in caches for v in slot_rows_views(c)] + [odd]
+    want = [v.clone() for v in views]
+    for v in want:
+        compact_kv_cache_(v, src, dst)
+    for _ in range(2):  # the second round reuses the cached address tables
+        kck.compact_kv_views_(views, src, dst, DEPTHS)
+        for i in range(len(views)):
+            compact_kv_cache_(want[i], src, dst)
+    for v, w in zip(views, want, strict=True):
+        assert torch.equal(bits(v), bits(w))
+    # layouts: MLA x3, flash K+V, gqa_padded, mla_padded -> 4 launches a round
+    assert sorted(g[2] for g in launches.table) == [1, 1, 1, 1, 2, 2, 3, 3]
+    assert len(kck._PLANS) == 1
+    assert launches.fallbacks == [tuple(odd.shape)] * 2
+
+
+def test_moves_that_overlap_and_moves_in_place(launches):
+    # accepted nodes 1, 2, 3 of a chain hanging off the root's second child: rows
+    # 2 -> 1, 3 -> 2, 4 -> 3, each destination the previous move's source
+    parents = torch.tensor([[-1, -1, 1, 2, 0], [-1, 0, 1, 2, 3]])
+    depths = torch.tensor([[1, 1, 2, 3, 2], [1, 2, 3, 4, 5]])
+    tokens = torch.tensor([[0, 1, 2, 3, 4], [0, 1, 2, 3, 4]])
+    tree = DraftTree(tokens, parents, depths, torch.zeros(2, 5))
+    targets = torch.tensor([[1, 9, 2, 3, 9, 9], [0, 1, 2, 9, 9, 9]])
+    walk = follow_tree(tree, targets, max_depth=5)
+    assert walk.kv_src_rows.tolist() == [[2, 3, 4, -1, -1], [1, 2, 3, -1, -1]]
+    qsl = torch.tensor([0, 6, 12], dtype=torch.int32)
+    slots = torch.tensor([40, 41, 42, 43, 44, 45, 7, 8, 9, 10, 11, 12])
+    src, dst = compaction_slots(slots, qsl, walk.kv_src_rows)
+    assert src.tolist() == [42, 43, 44, -1, -1] + [-1] * 5  # request 1: all in place
+    assert dst.tolist() == [41, 42, 43, -1, -1] + [-1] * 5
+    cache = torch.arange(64 * 3, dtype=torch.float32).view(64, 3).to(DEVICE)
+    want = cache.clone()
+    want[41:44] = cache[42:45]
+    kck.compact_kv_rows_(cache, src.to(DEVICE), dst.to(DEVICE), 5)
+    assert torch.equal(cache, want)
+
+    # a source that is an earlier move's destination (no path does this): still the
+    # reference's all-reads-first result, whatever the order of the moves
+    for order in ([3, 1, -1], [1, 3, -1]):
+        moves = torch.tensor(order, device=DEVICE), torch.tensor(
+            [{3: 1, 1: 2, -1: -1}[s] for s in order], device=DEVICE)
+        got = torch.arange(10.0, device=DEVICE)[:, None].repeat(1, 4)
+        want = got.clone()
+        compact_kv_cache_(want, *moves)
+        kck.compact_kv_rows_(got, *moves)  # path_len None: one sequence
+        assert torch.equal(got, want) and got[:, 0].tolist() == [0, 3, 1, 3, 4, 5, 6, 7, 8, 9]
+    nothing = torch.arange(10.0, device=DEVICE)[:, None]
+    kck.compact_kv_rows_(nothing, torch.full((4,), -1, device=DEVICE),
+                         torch.full((4,), -1, device=DEVICE), 2)
+    assert nothing[:, 0].tolist() == list(range(10))
+
+
+def test_row_layouts():
+    assert kck.row_layout(torch.zeros(8, 576, dtype=torch.bfloat16))[1] == kck.RowLayout(
+        torch.int64, 144, 1, 144, 144)
+    padded = torch.zeros(8, 2, 40)[..., :32]  # fp32 rows of 2 chunks of 32
+    view, layout = kck.row_layout(padded)
+    assert layout == kck.RowLayout(torch.int64, 40, 2, 20, 16)
+    assert view.data_ptr() == padded.data_ptr()
+    strided = torch.zeros(8, 6, dtype=torch.float16)[:, ::2]  # one strided run
+    assert kck.row_layout(strided)[1] == kck.RowLayout(torch.int16, 6, 3, 2, 1)
+    assert kck.row_layout(torch.zeros(8))[1] == kck.RowLayout(torch.int32, 1, 1, 1, 1)
+    assert kck.row_layout(torch.zeros(8, 1, 3, dtype=torch.bfloat16))[1].dtype == torch.int16
+    assert kck.row_layout(torch.zeros(8, 4, 5).transpose(1, 2)) is None  # inner stride 4
+    assert kck.row_layout(torch.zeros(8, 1).expand(8, 4)) is None  # aliasing elements
+    assert kck.row_layout(torch.zeros(8, 2, 3, 4)[:, :, :2, :3]) is None  # 3 dims
+    chunked = torch.zeros(8, 2, 3, 4)[:, :, :2, :]  # the last two dims merge
+    assert kck.row_layout(chunked)[1] == kck.RowLayout(torch.int64, 12, 2, 6, 4)
+    assert kck.row_layout(torch.zeros(0, 4)) is None
+
+
+def test_fallback_layouts_and_bad_arguments(launches):
+    gen = torch.Generator().manual_seed(4)
+    odd = torch.randn(32, 4, 5, generator=gen).to(DEVICE).transpose(1, 2)
+    want = odd.clone()
+    src, dst = torch.tensor([5, -1, 9], device=DEVICE), torch.tensor([1, -1, 2], device=DEVICE)
+    compact_kv_cache_(want, src, dst)
+    kck.compact_kv_rows_(odd, src, dst, 3)
+    assert torch.equal(odd, want) and launches.fallbacks == [(32, 5, 4)]
+    assert not launches.single
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    kck.compact_kv_rows_(want, empty, empty, DEPTHS)  # no request: nothing runs
+    kck.compact_kv_views_([want, odd], empty, empty, DEPTHS)
+    assert torch.equal(odd, want) and len(launches.fallbacks) == 1
+    with pytest.raises(ValueError, match="whole number"):
+        kck.compact_kv_rows_(want, src, dst, 2)
+    with pytest.raises(ValueError, match="differ"):
+        kck.compact_kv_rows_(want, src, dst[:2], 1)
+    with pytest.raises(ValueError, match="1-D"):
+        kck.compact_kv_rows_(want, src.view(1, 3), dst.view(1, 3), 3)
+    with pytest.raises(ValueError, match="1-D"):
+        kck.compact_kv_rows_(want, src.float(), dst.float(), 3)
+
+
+class NoLaunch:
+    def __getitem__(self, grid):
+        raise AssertionError("launched a kernel for CPU tensors")
+
+
+def test_cpu_path_is_the_reference(monkeypatch):
+    """Without ``use_triton`` (CPU tensors) nothing launches: the reference runs."""
+    monkeypatch.setattr(kck, "_compact_rows_kernel", NoLaunch())
+    monkeypatch.setattr(kck, "_compact_rows_table_kernel", NoLaunch())
+    batch = make_batch(KINDS, 4, seed=5)
+    caches = [torch.randn(batch.num_blocks * 4, 8) for _ in range(3)]
+    want = [c.clone() for c in caches]
+    for w in want:
+        compact_kv_cache_(w, batch.src, batch.dst)
+    kck.compact_kv_views_(caches[:2], batch.src, batch.dst, DEPTHS)
+    kck.compact_kv_rows_(caches[2], batch.src, batch.dst, DEPTHS)
+    assert all(torch.equal(c, w) for c, w in zip(caches, want, strict=True))
+    assert not torch.equal(caches[0], torch.zeros_like(caches[0]))
+
+
+# ----------------------------------------------------------------------------------
+# The path order of the moves (what makes a sequential k = 0, 1, .. kernel safe)
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("seed", range(8))
+def test_a_destination_is_only_an_earlier_moves_source(seed, page_size):
+    rng = random.Random(seed)
+    kinds = [rng.choice(["tree", "tree", "tree", "chain", "prefill", "decode"])
+             for _ in range(rng.randint(1, 7))]
+    batch = make_batch(kinds, page_size, seed=100 + seed)
+    num_reqs = len(kinds)
+    src = batch.src.view(num_reqs, DEPTHS).tolist()
+    dst = batch.dst.view(num_reqs, DEPTHS).tolist()
+    rows = batch.kv_src_rows.tolist()
+    owned = []
+    for r in range(num_reqs):
+        path = [n for n in rows[r] if n >= 0]
+        # node indices increase along the path and node k sits at row >= k + 1
+        assert path == sorted(set(path)) and all(n >= k + 1 for k, n in enumerate(path))
+        if kinds[r] == "chain":
+            assert src[r] == [-1] * DEPTHS  # every row already in place
+        pairs = [(k, s, d) for k, (s, d) in enumerate(zip(src[r], dst[r], strict=True))
+                 if s >= 0]
+        assert all(d >= 0 and s != d for _, s, d in pairs)
+        assert len({d for _, _, d in pairs}) == len(pairs)
+        for k, _, d in pairs:
+            for j, s, _ in pairs:
+                if s == d:
+                    assert j < k, (r, j, k)
+        owned.append({s for _, s, _ in pairs} | {d for _, _, d in pairs})
+        # so moving k = 0, 1, .. one at a time gives the reference's result
+        cache = torch.arange(int(batch.slots.max()) + 1, dtype=torch.float32)[:, None]
+        want = cache.clone()
+        compact_kv_cache_(want, torch.tensor(src[r]), torch.tensor(dst[r]))
+        for _, s, d in pairs:
+            cache[d] = cache[s]
+        assert torch.equal(cache, want)
+    for a in range(num_reqs):  # different requests never share a slot
+        for b in range(a):
+            assert not owned[a] & owned[b]
+
+
+# ----------------------------------------------------------------------------------
+# DDTreeSpeculator._compact_target_kv on the Triton path
+# ----------------------------------------------------------------------------------
+
+
+def test_speculator_compacts_every_group_with_the_kernels(launches, monkeypatch):
+    """Three KV-cache groups: group 0 has MLA layers t.0, t.1 and t.2 (t.2 shares t.0's
+    cache: skipped); group 1 has t.3 (same storage as t.0, the group's own blocks) and
+    a FlashAttention layer t.4; group 2 one padded GQA layer. Same result as the
+    PyTorch path, with one launch per (group, row layout)."""
+    page = 4
+    batch = make_batch(KINDS, page, seed=6)
+    num_groups, num_blocks = 3, 3 * batch.num_blocks
+    gen = torch.Generator().manual_seed(7)
+    slot_mappings = {}
+    pool = torch.randperm(num_blocks, generator=gen)
+    for g in range(num_groups):  # the batch's slots, on each group's own blocks
+        own = pool[g * batch.num_blocks : (g + 1) * batch.num_blocks]
+        slot_mappings[g] = (own[batch.slots // page] * page + batch.slots % page).to(DEVICE)
+
+    def physical_tensors():
+        g = torch.Generator().manual_seed(8)
+        return {
+            "mla0": random_physical((num_blocks, page, 576), torch.bfloat16, g),
+            "mla1": random_physical((num_blocks, page, 576), torch.bfloat16, g),
+            "flash": random_physical(LAYOUTS["flash"][0](num_blocks, page), torch.bfloat16, g),
+            "gqa": random_physical(LAYOUTS["gqa_padded"][0](num_blocks, page), torch.float32,
+                                   g),
+        }
+
+    layers = {"t.0": ("mla0", 0), "t.1": ("mla1", 0), "t.2": ("mla0", 0),
+              "t.3": ("mla0", 1), "t.4": ("flash", 1), "t.5": ("gqa", 2)}
+    logical = {"mla0": lambda p: p, "mla1": lambda p: p, "flash": lambda p: p,
+               "gqa": LAYOUTS["gqa_padded"][1]}
+
+    def run(triton_path: bool):
+        physical = physical_tensors()
+        caches = {name: logical[key](physical[key]) for name, (key, _) in layers.items()}
+        spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+        spec._target_layers_by_group = {
+            g: [name for name, (_, group) in layers.items() if group == g]
+            for g in range(num_groups)}
+        spec.vllm_config = NS(compilation_config=NS(static_forward_context={
+            name: NS(kv_cache=cache) for name, cache in caches.items()}))
+        with monkeypatch.context() as m:
+            if not triton_path:
+                m.setattr(kck, "use_triton", lambda rows: False)
+            spec._compact_target_kv(
+                {name: slot_mappings[g] for name, (_, g) in layers.items()},
+                batch.qsl.to(DEVICE), batch.kv_src_rows.to(DEVICE))
+        return physical
+
+    before, want = physical_tensors(), run(False)
+    assert not launches.single and not launches.table
+    launches.fallbacks.clear()  # the PyTorch path: every view through the reference
+    got = run(True)
+    for key in want:
+        assert not torch.equal(want[key], before[key]), key
+        assert torch.equal(bits(got[key]), bits(want[key])), key
+    # group 0: one launch for t.0 and t.1; group 1: MLA t.3, flash K+V; group 2: one view
+    assert sorted(g[2] for g in launches.table) == [1, 2, 2]
+    assert launches.single == [(len(KINDS), 1)]
+    assert not launches.fallbacks
+
+
+# ----------------------------------------------------------------------------------
+# Compiled for the GPU (no GPU needed): the barrier separates all loads from all stores
+# ----------------------------------------------------------------------------------
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, triton, triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from vllm_ddtree import kv_compaction_kernel as kck
+
+    result = []
+    for fn, extra in ((kck._compact_rows_kernel, {}),
+                      (kck._compact_rows_table_kernel, {"ELEM": tl.int64})):
+        for contiguous in (True, False):
+            consts = dict(BLOCK_L=16, BLOCK_C=256, CONTIGUOUS=contiguous, **extra)
+            sig = {n: "*i64" if n in ("Rows", "Table", "Src", "Dst") else
+                   "constexpr" if n in consts else "i32" for n in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32),
+                               options={"num_warps": kck.NUM_WARPS})
+            lines = k.asm["ptx"].splitlines()
+            where = lambda op: [i for i, line in enumerate(lines) if op in line]
+            result.append(dict(loads=where("ld.global"), stores=where("st.global"),
+                               barriers=where("bar.sync")))
+    print(json.dumps(result))
+    """
+)
+
+
+def test_compiled_for_sm90_loads_then_barrier_then_stores():
+    """Hopper PTX of both kernels: one CTA barrier, every global load before it, every
+    store after it (the all-reads-first guarantee the interpreter cannot show)."""
+    for ptx in compiled_shared_memory(_COMPILE_SCRIPT):
+        (barrier,) = ptx["barriers"]
+        assert ptx["loads"] and ptx["stores"]
+        assert max(ptx["loads"]) < barrier < min(ptx["stores"])

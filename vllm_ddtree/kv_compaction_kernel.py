@@ -1,0 +1,368 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Triton KV compaction of the accepted tree paths (one launch per KV view or per
+group of same-layout views), with the PyTorch ``verify_batch.compact_kv_cache_`` as
+reference and CPU path.
+
+After each verify step every target attention layer moves, per request, the KV rows
+of the accepted path ``src_k -> dst_k`` (``verify_batch.compaction_slots``: flattened
+``[R * L]`` int64 slots, request-major, ``-1`` where nothing moves, including
+``src == dst``). The reference does that with 12 small device kernels per view
+(argmax, any, 4 where, 3 index, ...); here one program per ``(request, column block of
+the row)`` does it in one memory round-trip:
+
+1. load the request's ``L`` source / destination slots (a ``[BLOCK_L]`` vector);
+2. gather the ``[BLOCK_L, BLOCK_C]`` tile ``rows[src_k, cols]`` into registers;
+3. ``tl.debug_barrier()`` (a CTA barrier: every thread's loads are performed before
+   any thread stores);
+4. scatter the tile to ``rows[dst_k, cols]``.
+
+So, as in the reference, all sources are read before any write, and the result does
+not depend on the order of the moves. That matters: a destination can be another
+move's source (``dst_k == src_j`` for some ``j < k``, e.g. accepted nodes 1, 2 at
+depths 1, 2 move rows 2 -> 1 and 3 -> 2). Programs never race with each other:
+different requests own different slots, and different column blocks different
+elements. (The path layout also makes a sequential ``k = 0, 1, ..`` order safe: a
+destination is only ever an *earlier* move's source, never a later one;
+``tests/test_kv_compaction_kernel.py`` checks that property on random walks. The
+kernel does not rely on it.)
+
+Rows are copied bit for bit: the view is reinterpreted as the widest integer dtype
+its strides allow (bf16 ``[S, 576]`` -> int64 ``[S, 144]``), so any dtype (fp8
+included) works and values are never converted. A row may be non-contiguous: after
+dropping size-1 dims and merging adjacent dims, it must be at most ``num_chunks``
+equally spaced contiguous chunks (``[num_chunks, chunk_len]`` with strides
+``[chunk_stride, 1]``), or one strided run (``chunk_len == 1``). Other row layouts
+fall back to ``compact_kv_cache_`` (see :func:`row_layout`). The slot stride is free.
+
+Entry points:
+
+* :func:`compact_kv_rows_`: one ``[num_slots, *row]`` view, one launch.
+* :func:`compact_kv_views_`: many views (e.g. every target layer of one KV-cache
+  group, which shares one ``src, dst``): one launch per distinct row layout, through
+  a cached int64 table of the views' base addresses (cast to pointers in-kernel).
+
+Both run Triton for CUDA tensors and the PyTorch reference on CPU
+(:func:`use_triton`; tests monkeypatch it to run the kernels in Triton's
+interpreter). Launches are host-sync free, with shapes fixed by the tensors' shapes
+(CUDA-graph safe once a view group's address table exists: building it copies to
+the device once, see :func:`compact_kv_views_`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_ddtree.verify_batch import compact_kv_cache_
+
+__all__ = [
+    "RowLayout",
+    "compact_kv_rows_",
+    "compact_kv_views_",
+    "row_layout",
+    "use_triton",
+]
+
+# Elements of one program's [BLOCK_L, BLOCK_C] tile: 4096 x 8 bytes over 4 warps is
+# 64 registers per thread.
+TILE_ELEMS = 4096
+NUM_WARPS = 4
+# Integer dtypes the rows are reinterpreted as, widest first.
+_BIT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8)
+_TL_DTYPES = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int16,
+              torch.int8: tl.int8}
+
+
+@triton.jit
+def _move_tile(
+    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    """Program ``(request, column block)``: all of the request's moves, one tile."""
+    req = tl.program_id(0)
+    offs_l = tl.arange(0, BLOCK_L)
+    in_path = offs_l < path_len
+    first = req.to(tl.int64) * path_len
+    src = tl.load(Src + first + offs_l, mask=in_path, other=-1).to(tl.int64)
+    dst = tl.load(Dst + first + offs_l, mask=in_path, other=-1).to(tl.int64)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    if CONTIGUOUS:
+        elem = offs_c
+    else:
+        elem = (offs_c // chunk_len) * chunk_stride + offs_c % chunk_len
+    mask = (src >= 0)[:, None] & (offs_c < row_elems)[None, :]
+    tile = tl.load(Rows + src[:, None] * slot_stride + elem[None, :], mask=mask)
+    # Every source element is read before any destination is written: a destination
+    # can be another move's source, held by another thread of this program.
+    tl.debug_barrier()
+    tl.store(Rows + dst[:, None] * slot_stride + elem[None, :], tile, mask=mask)
+
+
+@triton.jit
+def _compact_rows_kernel(
+    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, cdiv(row_elems, BLOCK_C))`` over one view ``Rows``."""
+    _move_tile(Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+               BLOCK_L, BLOCK_C, CONTIGUOUS)
+
+
+@triton.jit
+def _compact_rows_table_kernel(
+    Table, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    ELEM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, cdiv(row_elems, BLOCK_C), num_views)``: view ``program_id(2)`` has its
+    base address at ``Table[program_id(2)]`` (int64) and elements of type ``ELEM``."""
+    rows = tl.load(Table + tl.program_id(2)).to(tl.pointer_type(ELEM))
+    _move_tile(rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+               BLOCK_L, BLOCK_C, CONTIGUOUS)
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How one slot's row sits in memory, in elements of ``dtype`` (an integer dtype
+    the view is reinterpreted as): slot ``s``'s element ``c`` (``0 <= c < row_elems``)
+    is at ``s * slot_stride + (c // chunk_len) * chunk_stride + c % chunk_len``."""
+
+    dtype: torch.dtype
+    slot_stride: int
+    num_chunks: int
+    chunk_stride: int
+    chunk_len: int
+
+    @property
+    def row_elems(self) -> int:
+        return self.num_chunks * self.chunk_len
+
+    @property
+    def contiguous(self) -> bool:
+        return self.num_chunks == 1
+
+
+def use_triton(cache_rows: torch.Tensor) -> bool:
+    """Whether ``cache_rows`` is moved by the Triton kernels (CUDA tensors) or by the
+    PyTorch reference (CPU). Tests monkeypatch this to run the kernels on CPU."""
+    return cache_rows.is_cuda
+
+
+def _bit_view(cache_rows: torch.Tensor) -> torch.Tensor | None:
+    """``cache_rows`` reinterpreted as the widest integer dtype that keeps its slot
+    dim (only the last dim may change size), or None (e.g. complex dtypes)."""
+    size = cache_rows.element_size()
+    for dtype in _BIT_DTYPES:
+        itemsize = dtype.itemsize
+        if itemsize < size or (itemsize > size and cache_rows.dim() < 2):
+            continue
+        try:
+            return cache_rows.view(dtype)
+        except RuntimeError:
+            continue
+    return None
+
+
+def _coalesced_row_dims(view: torch.Tensor) -> list[tuple[int, int]]:
+    """``(size, stride)`` of a row's dims without size-1 dims, adjacent dims merged
+    where ``stride[i] == size[i+1] * stride[i+1]``."""
+    dims: list[tuple[int, int]] = []
+    for size, stride in zip(view.shape[1:], view.stride()[1:], strict=True):
+        if size == 1:
+            continue
+        if dims and dims[-1][1] == size * stride:
+            dims[-1] = (dims[-1][0] * size, stride)
+        else:
+            dims.append((size, stride))
+    return dims
+
+
+def row_layout(cache_rows: torch.Tensor) -> tuple[torch.Tensor, RowLayout] | None:
+    """The integer view and :class:`RowLayout` the kernels move ``cache_rows`` with,
+    or None when the row layout is not supported (callers use ``compact_kv_cache_``).
+
+    Supported: rows that coalesce to ``[n]`` (any stride) or ``[num_chunks,
+    chunk_len]`` with strides ``[chunk_stride >= chunk_len, 1]``. This covers every
+    view ``speculator.slot_rows_views`` returns: MLA ``[S, 576]`` and FlashAttention
+    K / V ``[S, H, D]`` (contiguous rows, also with a padded slot stride), and the
+    vLLM Triton / GQA ``[S, H, 2D]`` view made by a transpose (the view only exists
+    when block and page merge into one slot dim; its rows are contiguous over a
+    physical ``[nb, page, H, 2D]`` and ``H`` chunks when the heads are padded). Not
+    supported: empty views, rows of 3+ non-mergeable dims, an inner dim with stride
+    != 1 under a chunk dim, zero strides (expanded, aliasing rows).
+    """
+    if cache_rows.dim() < 1 or cache_rows.numel() == 0:
+        return None
+    view = _bit_view(cache_rows)
+    if view is None:
+        return None
+    dims = _coalesced_row_dims(view)
+    if any(stride <= 0 for _, stride in dims):
+        return None
+    if not dims:
+        num_chunks, chunk_stride, chunk_len = 1, 1, 1
+    elif len(dims) == 1 and dims[0][1] == 1:
+        num_chunks, chunk_stride, chunk_len = 1, dims[0][0], dims[0][0]
+    elif len(dims) == 1:
+        num_chunks, chunk_stride, chunk_len = dims[0][0], dims[0][1], 1
+    elif len(dims) == 2 and dims[1][1] == 1 and dims[0][1] >= dims[1][0]:
+        num_chunks, chunk_stride, chunk_len = dims[0][0], dims[0][1], dims[1][0]
+    else:
+        return None
+    return view, RowLayout(view.dtype, view.stride(0), num_chunks, chunk_stride, chunk_len)
+
+
+def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor,
+                 path_len: int | None) -> int:
+    """Validates the move lists (host-side only); returns the path length L."""
+    for name, t in (("src_slots", src_slots), ("dst_slots", dst_slots)):
+        if t.dim() != 1 or t.dtype not in (torch.int64, torch.int32) or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 1-D int64/int32 tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if src_slots.shape != dst_slots.shape or src_slots.device != dst_slots.device:
+        raise ValueError(f"src_slots {tuple(src_slots.shape)} on {src_slots.device} and "
+                         f"dst_slots {tuple(dst_slots.shape)} on {dst_slots.device} differ")
+    numel = src_slots.shape[0]
+    path_len = numel if path_len is None else path_len
+    if (path_len < 1 and numel > 0) or (path_len > 0 and numel % path_len):
+        raise ValueError(f"{numel} moves are not a whole number of paths of {path_len}")
+    return path_len
+
+
+def _launch_args(layout: RowLayout, num_moves: int, path_len: int):
+    """Grid dims 0-1, the runtime layout args and the constexprs of one launch."""
+    block_l = triton.next_power_of_2(path_len)
+    block_c = min(triton.next_power_of_2(layout.row_elems), max(32, TILE_ELEMS // block_l))
+    grid = (num_moves // path_len, triton.cdiv(layout.row_elems, block_c))
+    args = (path_len, layout.slot_stride, layout.chunk_stride, layout.chunk_len,
+            layout.row_elems)
+    consts = dict(BLOCK_L=block_l, BLOCK_C=block_c, CONTIGUOUS=layout.contiguous)
+    return grid, args, consts
+
+
+def compact_kv_rows_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
+                     dst_slots: torch.Tensor, path_len: int | None = None) -> None:
+    """Move ``cache_rows[src] -> cache_rows[dst]`` for every pair with ``src >= 0``, as
+    ``verify_batch.compact_kv_cache_`` does (all sources read before any write).
+
+    Args:
+        cache_rows: ``[num_slots, *row]`` view of one layer's cache, any dtype (see
+            :func:`row_layout` for the row strides the kernel takes; others fall
+            back to ``compact_kv_cache_``). Modified in place.
+        src_slots, dst_slots: int64 (or int32) ``[R * L]``, request-major as
+            ``verify_batch.compaction_slots`` returns them; ``-1`` where nothing
+            moves. Destinations must be distinct and valid wherever ``src >= 0``,
+            and moves of different requests must touch different slots.
+        path_len: L, moves per request (``kv_src_rows.shape[1]``). One program per
+            request moves its L rows; None treats all moves as one request (correct,
+            less parallel).
+
+    One Triton launch for CUDA tensors; ``compact_kv_cache_`` on CPU. No moves at all
+    (``R * L == 0``): nothing runs.
+    """
+    path_len = _check_slots(src_slots, dst_slots, path_len)
+    if src_slots.shape[0] == 0:
+        return
+    found = row_layout(cache_rows) if use_triton(cache_rows) else None
+    if found is None:
+        compact_kv_cache_(cache_rows, src_slots, dst_slots)
+        return
+    view, layout = found
+    grid, args, consts = _launch_args(layout, src_slots.shape[0], path_len)
+    _compact_rows_kernel[grid](view, src_slots, dst_slots, *args, **consts,
+                               num_warps=NUM_WARPS)
+
+
+@dataclass
+class _Plan:
+    """Launches of one view group: per row layout, the table of base addresses (int64
+    ``[num_views]`` on the views' device) and, for CUDA, its pinned host source;
+    views with unsupported rows are listed in ``fallback``."""
+
+    launches: list[tuple[RowLayout, torch.Tensor, torch.Tensor | None]]
+    fallback: list[int]
+
+
+# Cached plans of view groups (compact_kv_views_), by the views' addresses, shapes,
+# strides, dtypes and device. Bounded: cleared when full.
+_MAX_PLANS = 64
+_PLANS: dict[tuple, _Plan] = {}
+
+
+def _interpreted() -> bool:
+    return type(_compact_rows_table_kernel).__name__ == "InterpretedFunction"
+
+
+def _plan_key(views: list[torch.Tensor]) -> tuple:
+    return tuple((v.data_ptr(), v.shape, v.stride(), v.dtype, v.device) for v in views)
+
+
+def _build_plan(views: list[torch.Tensor]) -> _Plan:
+    by_layout: dict[RowLayout, list[int]] = {}
+    fallback = []
+    for i, v in enumerate(views):
+        found = row_layout(v)
+        if found is None:
+            fallback.append(i)
+        else:
+            by_layout.setdefault(found[1], []).append(found[0].data_ptr())
+    device = views[0].device
+    launches = []
+    for layout, addresses in by_layout.items():
+        host = torch.tensor(addresses, dtype=torch.int64)
+        if device.type == "cuda":
+            # Pinned + non_blocking: no host sync (once per view group); the host
+            # tensor stays referenced by the plan until long after the copy ran.
+            host = host.pin_memory()
+            launches.append((layout, host.to(device, non_blocking=True), host))
+        else:
+            launches.append((layout, host.to(device), None))
+    return _Plan(launches, fallback)
+
+
+def compact_kv_views_(views: list[torch.Tensor], src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor, path_len: int) -> None:
+    """:func:`compact_kv_rows_` on every view of ``views`` (same moves for all: e.g.
+    every target layer of one KV-cache group), one Triton launch per distinct
+    :class:`RowLayout` instead of one per view.
+
+    Args:
+        views: ``[num_slots, *row]`` views of distinct, non-overlapping caches on one
+            device (``speculator.slot_rows_views`` of each deduplicated layer cache).
+        src_slots, dst_slots, path_len: as in :func:`compact_kv_rows_`.
+
+    The launch reads each view's base address from an int64 table (cast to a pointer
+    in-kernel). The table is built once per view group (keyed by the views'
+    addresses, shapes, strides, dtypes, device) with a pinned non-blocking copy, and
+    reused while the caches stay where they are: no host sync, fixed shapes. Views
+    whose rows :func:`row_layout` rejects use ``compact_kv_cache_``. On CPU (or when
+    :func:`use_triton` says no) every view uses ``compact_kv_cache_``.
+    """
+    path_len = _check_slots(src_slots, dst_slots, path_len)
+    if not views or src_slots.shape[0] == 0:
+        return
+    if not use_triton(views[0]):
+        for v in views:
+            compact_kv_cache_(v, src_slots, dst_slots)
+        return
+    if len(views) == 1 or (_interpreted() and views[0].device.type != "cpu"):
+        # A table of device addresses is unreadable to the interpreter.
+        for v in views:
+            compact_kv_rows_(v, src_slots, dst_slots, path_len)
+        return
+    key = _plan_key(views)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _build_plan(views)
+    for i in plan.fallback:
+        compact_kv_cache_(views[i], src_slots, dst_slots)
+    for layout, table, _ in plan.launches:
+        grid, args, consts = _launch_args(layout, src_slots.shape[0], path_len)
+        _compact_rows_table_kernel[(*grid, table.shape[0])](
+            table, src_slots, dst_slots, *args, ELEM=_TL_DTYPES[layout.dtype], **consts,
+            num_warps=NUM_WARPS)
