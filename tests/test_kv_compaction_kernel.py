@@ -15,6 +15,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 triton = pytest.importorskip("triton")
 
@@ -36,7 +37,8 @@ from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots  # noqa
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     pytest.mark.skipif(
-        not kernels_run_here(kck._compact_rows_kernel, kck._compact_rows_table_kernel),
+        not kernels_run_here(kck._compact_rows_kernel, kck._compact_rows_table_kernel,
+                             kck._compact_paths_kernel),
         reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
     ),
 ]
@@ -70,6 +72,7 @@ def launches(monkeypatch):
     """Forces the Triton path and counts launches and reference fallbacks."""
     single = Counted(kck._compact_rows_kernel)
     table = Counted(kck._compact_rows_table_kernel)
+    paths = Counted(kck._compact_paths_kernel)
     fallbacks = []
 
     def counted_reference(rows, src, dst):
@@ -79,9 +82,10 @@ def launches(monkeypatch):
     monkeypatch.setattr(kck, "use_triton", lambda rows: True)
     monkeypatch.setattr(kck, "_compact_rows_kernel", single)
     monkeypatch.setattr(kck, "_compact_rows_table_kernel", table)
+    monkeypatch.setattr(kck, "_compact_paths_kernel", paths)
     monkeypatch.setattr(kck, "compact_kv_cache_", counted_reference)
     monkeypatch.setattr(kck, "_PLANS", {})
-    return NS(single=single.grids, table=table.grids, fallbacks=fallbacks)
+    return NS(single=single.grids, table=table.grids, paths=paths.grids, fallbacks=fallbacks)
 
 
 # ----------------------------------------------------------------------------------
@@ -113,7 +117,8 @@ def walk_targets(tree: DraftTree, paths: list[list[int] | None], gen) -> torch.T
 def make_batch(kinds, page_size, seed, *, depths=None):
     """One verify batch. ``kinds[r]``: "tree" (a random path, depth ``depths[r]`` or
     random 0..L), "chain" (the path is nodes 0, 1, .., L-1: every row in place),
-    "prefill" (a chunk of rows, no tree) or "decode" (one row, no tree).
+    "prefill" (a chunk of rows, no tree) or "decode" (one row, no tree); ``depths[r]``
+    None: random.
 
     Returns the tree, walk, ``query_start_loc``, slot mapping (blocks of the requests
     drawn from one shuffled pool), ``num_blocks`` and ``src, dst`` from
@@ -132,7 +137,7 @@ def make_batch(kinds, page_size, seed, *, depths=None):
     paths = []
     for r, kind in enumerate(kinds):
         if kind == "tree":
-            want = rng.randint(0, DEPTHS) if depths is None else depths[r]
+            want = depths[r] if depths and depths[r] is not None else rng.randint(0, DEPTHS)
             deep = [n for n in range(BUDGET) if tree_depths[r][n] >= want]
             node = rng.choice(deep) if deep else max(range(BUDGET), key=tree_depths[r].__getitem__)
             paths.append(ancestors(parents[r], node)[:want])
@@ -151,18 +156,28 @@ def make_batch(kinds, page_size, seed, *, depths=None):
     qlens = [1 + BUDGET if k in ("tree", "chain") else rng.randint(2, 9) if k == "prefill"
              else 1 for k in kinds]
     contexts = [rng.randint(0, 40) for _ in kinds]
-    pages = [-(-(c + q) // page_size) for c, q in zip(contexts, qlens, strict=True)]
-    num_blocks = sum(pages) + 3
-    pool = torch.randperm(num_blocks, generator=gen).tolist()
-    slots = []
-    for c, q, n in zip(contexts, qlens, pages, strict=True):
-        blocks, pool = pool[:n], pool[n:]
-        slots += [blocks[p // page_size] * page_size + p % page_size for p in range(c, c + q)]
-    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    slot_mapping, num_blocks = paged_slots(contexts, qlens, page_size, gen)
     qsl = torch.tensor([0] + torch.tensor(qlens).cumsum(0).tolist(), dtype=torch.int32)
     src, dst = path_compaction_slots(slot_mapping, qsl, kv_src_rows)
     return NS(tree=tree, walk=walk, kv_src_rows=kv_src_rows, qsl=qsl, slots=slot_mapping,
-              num_blocks=num_blocks, src=src, dst=dst, paths=paths)
+              num_blocks=num_blocks, src=src, dst=dst, paths=paths, contexts=contexts,
+              qlens=qlens)
+
+
+def paged_slots(contexts, qlens, page_size, gen, pool=None):
+    """Slots of the new rows of requests with ``contexts[r]`` cached tokens, each
+    request on its own blocks drawn from ``pool`` (a shuffled list of block ids,
+    consumed; default: a fresh shuffle of just enough blocks + 3). Returns the int64
+    slot mapping and the number of blocks the pool must hold."""
+    pages = [-(-(c + q) // page_size) for c, q in zip(contexts, qlens, strict=True)]
+    if pool is None:
+        pool = torch.randperm(sum(pages) + 3, generator=gen).tolist()
+    num_blocks = max(pool) + 1
+    slots = []
+    for c, q, n in zip(contexts, qlens, pages, strict=True):
+        blocks = [pool.pop(0) for _ in range(n)]
+        slots += [blocks[p // page_size] * page_size + p % page_size for p in range(c, c + q)]
+    return torch.tensor(slots, dtype=torch.int64), num_blocks
 
 
 # ----------------------------------------------------------------------------------
@@ -365,13 +380,15 @@ def test_cpu_path_is_the_reference(monkeypatch):
     """Without ``use_triton`` (CPU tensors) nothing launches: the reference runs."""
     monkeypatch.setattr(kck, "_compact_rows_kernel", NoLaunch())
     monkeypatch.setattr(kck, "_compact_rows_table_kernel", NoLaunch())
+    monkeypatch.setattr(kck, "_compact_paths_kernel", NoLaunch())
     batch = make_batch(KINDS, 4, seed=5)
-    caches = [torch.randn(batch.num_blocks * 4, 8) for _ in range(3)]
+    caches = [torch.randn(batch.num_blocks * 4, 8) for _ in range(4)]
     want = [c.clone() for c in caches]
     for w in want:
         compact_kv_cache_(w, batch.src, batch.dst)
     kck.compact_kv_views_(caches[:2], batch.src, batch.dst, DEPTHS)
     kck.compact_kv_rows_(caches[2], batch.src, batch.dst, DEPTHS)
+    kck.compact_kv_paths_([(batch.slots, caches[3:])], batch.qsl, batch.kv_src_rows)
     assert all(torch.equal(c, w) for c, w in zip(caches, want, strict=True))
     assert not torch.equal(caches[0], torch.zeros_like(caches[0]))
 
@@ -429,7 +446,7 @@ def test_speculator_compacts_every_group_with_the_kernels(launches, monkeypatch)
     """Three KV-cache groups: group 0 has MLA layers t.0, t.1 and t.2 (t.2 shares t.0's
     cache: skipped); group 1 has t.3 (same storage as t.0, the group's own blocks) and
     a FlashAttention layer t.4; group 2 one padded GQA layer. Same result as the
-    PyTorch path, with one launch per (group, row layout)."""
+    PyTorch path, with one launch per row layout for all groups."""
     page = 4
     batch = make_batch(KINDS, page, seed=6)
     num_groups, num_blocks = 3, 3 * batch.num_blocks
@@ -479,10 +496,280 @@ def test_speculator_compacts_every_group_with_the_kernels(launches, monkeypatch)
     for key in want:
         assert not torch.equal(want[key], before[key]), key
         assert torch.equal(bits(got[key]), bits(want[key])), key
-    # group 0: one launch for t.0 and t.1; group 1: MLA t.3, flash K+V; group 2: one view
-    assert sorted(g[2] for g in launches.table) == [1, 2, 2]
-    assert launches.single == [(len(KINDS), 1)]
-    assert not launches.fallbacks
+    # one launch per row layout over the groups: bf16 MLA t.0, t.1, t.3; flash K+V; GQA
+    assert sorted(g[2] for g in launches.paths) == [1, 2, 3]
+    assert not launches.single and not launches.table and not launches.fallbacks
+
+
+# ----------------------------------------------------------------------------------
+# A whole round, every KV-cache group: compact_kv_paths_ (slots computed in-kernel)
+# ----------------------------------------------------------------------------------
+
+PAD_SLOT_ID = -1  # vLLM's slot of padded token rows
+
+
+class OpCounter(TorchDispatchMode):
+    """Records the aten ops dispatched outside kernel launches (``paused``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.paused = [], False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def pause_during_launches(monkeypatch, counter: OpCounter):
+    """Kernel launches (the interpreter runs them with torch ops) do not count."""
+    kernel = kck._compact_paths_kernel  # the `launches` fixture's Counted wrapper
+
+    class Paused:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                counter.paused = True
+                try:
+                    return kernel[grid](*args, **kwargs)
+                finally:
+                    counter.paused = False
+
+            return launch
+
+    monkeypatch.setattr(kck, "_compact_paths_kernel", Paused())
+
+
+# Storages (physical tensors): layout, dtype, page size. Groups of one page size draw
+# disjoint blocks from one pool (vLLM's block pool), so storages shared by groups are
+# safe.
+STORAGES = {
+    "A": ("mla", torch.bfloat16, 16),  # shared by groups 0 and 1
+    "B": ("mla", torch.bfloat16, 16),
+    "C": ("flash", torch.bfloat16, 1),
+    "D": ("gqa_padded", torch.float32, 1),
+    "E": ("mla", torch.float32, 1),
+    "F": ("gqa", torch.bfloat16, 16),
+}
+# Target layers: name -> (storage, group). t.2 aliases t.0's cache (KV sharing inside a
+# group: compacted once); t.3 is t.0's storage in another group (compacted again with
+# its own slots).
+GROUP_LAYERS = {"t.0": ("A", 0), "t.1": ("B", 0), "t.2": ("A", 0), "t.3": ("A", 1),
+                "t.4": ("C", 2), "t.5": ("D", 3), "t.6": ("E", 3), "t.7": ("F", 4)}
+GROUP_PAGES = {0: 16, 1: 16, 2: 1, 3: 1, 4: 16}
+MAX_TOKENS = 8 * (1 + BUDGET)  # the slot-mapping buffer's row length
+
+
+def round_batch(seed: int):
+    """A random verify batch mixing tree / chain / prefill / decode requests, ending
+    with a short request (so reads at ``start + 1 + k`` would pass the batch's end)."""
+    rng = random.Random(seed)
+    kinds = ["tree"] + [rng.choice(["tree", "tree", "chain", "prefill", "decode"])
+                        for _ in range(rng.randint(1, 4))]
+    kinds.append(rng.choice(["prefill", "decode"]))
+    depths = [DEPTHS] + [None] * (len(kinds) - 1)
+    return make_batch(kinds, 1, seed=seed, depths=depths)
+
+
+def write_group_slots(buffer: torch.Tensor, batch, seed: int) -> torch.Tensor:
+    """Each group's slots of ``batch`` (its own blocks and page size) written into the
+    rows of ``buffer`` ``[num_groups, MAX_TOKENS]`` as vLLM's ``BlockTables`` does:
+    ``PAD_SLOT_ID`` after the batch's rows up to a padded length, and stale valid slots
+    further on (a read past the batch would find them). Returns ``buffer[:, :padded]``
+    (row g: group g's slot mapping) and the blocks per page size."""
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens = sum(batch.qlens)
+    padded = num_tokens + random.Random(seed).randint(0, 3)
+    pools, num_blocks = {}, {}
+    for ps in set(GROUP_PAGES.values()):
+        need = sum(-(-(c + q) // ps) for c, q in zip(batch.contexts, batch.qlens, strict=True))
+        num_blocks[ps] = need * len(GROUP_PAGES) + 3
+        pools[ps] = torch.randperm(num_blocks[ps], generator=gen).tolist()
+    buffer.copy_(torch.randint(0, min(num_blocks.values()), buffer.shape, generator=gen))
+    for g, ps in GROUP_PAGES.items():
+        slots, _ = paged_slots(batch.contexts, batch.qlens, ps, gen, pool=pools[ps])
+        buffer[g, :num_tokens] = slots.to(buffer.device)
+        buffer[g, num_tokens:padded] = PAD_SLOT_ID
+    return buffer[:, :padded], num_blocks
+
+
+def group_storages(num_blocks, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {key: random_physical(LAYOUTS[layout][0](num_blocks[ps], ps), dtype, gen)
+            for key, (layout, dtype, ps) in STORAGES.items()}
+
+
+def logical_caches(physical) -> dict[str, torch.Tensor]:
+    return {name: LAYOUTS[STORAGES[key][0]][1](physical[key])
+            for name, (key, _) in GROUP_LAYERS.items()}
+
+
+def per_group_reference_(physical, slot_rows, qsl, kv_src_rows) -> None:
+    """The per-group PyTorch path: ``path_compaction_slots`` of each group's slots,
+    ``compact_kv_cache_`` on each distinct cache of the group."""
+    caches = logical_caches(physical)
+    for g in GROUP_PAGES:
+        src, dst = path_compaction_slots(slot_rows[g], qsl, kv_src_rows)
+        seen = set()
+        for name, (_, group) in GROUP_LAYERS.items():
+            if group == g and caches[name].data_ptr() not in seen:
+                seen.add(caches[name].data_ptr())
+                for rows in reference_views(slot_rows_views(caches[name])):
+                    compact_kv_cache_(rows, src, dst)
+
+
+def speculator_over(physical) -> DDTreeSpeculator:
+    spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    spec._target_layers_by_group = {
+        g: [name for name, (_, group) in GROUP_LAYERS.items() if group == g]
+        for g in GROUP_PAGES}
+    spec.vllm_config = NS(compilation_config=NS(static_forward_context={
+        name: NS(kv_cache=cache) for name, cache in logical_caches(physical).items()}))
+    return spec
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_whole_round_in_one_launch_per_layout_matches_the_per_group_path(seed, launches):
+    """Five KV-cache groups (page sizes 16 and 1, own block tables; storage A shared by
+    groups 0 and 1; t.2 a KV-sharing alias of t.0), MLA / FlashAttention / GQA layouts,
+    two rounds through ``_compact_target_kv``: same caches as the per-group PyTorch
+    path, one launch per row layout, the address table built once."""
+    buffer = torch.zeros(len(GROUP_PAGES), MAX_TOKENS, dtype=torch.int64, device=DEVICE)
+    batches = [round_batch(300 + 2 * seed), round_batch(301 + 2 * seed)]
+    needs = [write_group_slots(buffer.clone(), b, 10 * seed + r)[1]
+             for r, b in enumerate(batches)]
+    num_blocks = {ps: max(n[ps] for n in needs) for ps in needs[0]}
+    physical = group_storages(num_blocks, seed)
+    want = {key: t.clone() for key, t in physical.items()}
+    before = {key: t.clone() for key, t in physical.items()}
+    spec = speculator_over(physical)
+    for r, batch in enumerate(batches):
+        slot_rows, _ = write_group_slots(buffer, batch, 10 * seed + r)
+        for g, ps in GROUP_PAGES.items():
+            assert int(slot_rows[g].max()) < num_blocks[ps] * ps
+        qsl, kv_src_rows = batch.qsl.to(DEVICE), batch.kv_src_rows.to(DEVICE)
+        per_group_reference_(want, slot_rows, qsl, kv_src_rows)
+        launches.paths.clear()
+        spec._compact_target_kv({name: slot_rows[g] for name, (_, g) in GROUP_LAYERS.items()},
+                                qsl, kv_src_rows)
+        for key in physical:
+            assert torch.equal(bits(physical[key]), bits(want[key])), (r, key)
+        # bf16 MLA t.0, t.1, t.3; flash K+V; bf16 GQA; fp32 padded GQA; fp32 MLA
+        assert sorted(g[2] for g in launches.paths) == [1, 1, 1, 2, 3]
+        assert all(g[0] == len(batch.qlens) for g in launches.paths)
+    assert len(kck._PLANS) == 1  # same addresses, other lengths: the table is reused
+    assert not launches.fallbacks and not launches.single and not launches.table
+    for key in physical:
+        assert not torch.equal(bits(physical[key]), bits(before[key])), key
+
+
+@pytest.mark.parametrize("num_groups", [1, 8])
+def test_one_launch_and_no_other_device_op_per_round(num_groups, launches, monkeypatch):
+    """H200 case: every target layer in its own KV-cache group, all in one storage
+    tensor. A round is one launch per row layout (MLA: 1; + FlashAttention: 2),
+    whatever the number of groups, and after the first round no other aten op."""
+    batch = round_batch(7)
+    gen = torch.Generator().manual_seed(9)
+    per_group = batch.num_blocks
+    pool = torch.randperm(num_groups * per_group, generator=gen)
+    buffer = torch.full((num_groups, MAX_TOKENS), PAD_SLOT_ID, dtype=torch.int64)
+    for g in range(num_groups):  # the batch's slots on each group's own blocks
+        own = pool[g * per_group : (g + 1) * per_group]
+        buffer[g, : batch.slots.shape[0]] = own[batch.slots // 16] * 16 + batch.slots % 16
+    buffer = buffer.to(DEVICE)
+    slot_rows = buffer[:, : batch.slots.shape[0]]
+    mla = random_physical((num_groups * per_group, 16, 576), torch.bfloat16, gen)
+    flash = random_physical(LAYOUTS["flash"][0](num_groups * per_group, 16), torch.bfloat16,
+                            gen)
+    qsl, kv_src_rows = batch.qsl.to(DEVICE), batch.kv_src_rows.to(DEVICE)
+    counter = OpCounter()
+    pause_during_launches(monkeypatch, counter)
+
+    for views_of, want_grids in (
+        (lambda: slot_rows_views(mla), [(len(batch.qlens), 1, num_groups)]),
+        (lambda: slot_rows_views(mla) + slot_rows_views(flash),
+         [(len(batch.qlens), 1, num_groups), (len(batch.qlens), 1, 2 * num_groups)]),
+    ):
+        groups = [(slot_rows[g], views_of()) for g in range(num_groups)]
+        want = [v.clone() for v in views_of()]
+        for rnd in range(2):
+            for g in range(num_groups):
+                src, dst = path_compaction_slots(slot_rows[g], qsl, kv_src_rows)
+                for w in want:
+                    compact_kv_cache_(w, src, dst)
+            launches.paths.clear()
+            counter.ops.clear()
+            with counter:
+                kck.compact_kv_paths_(groups, qsl, kv_src_rows)
+            assert launches.paths == want_grids
+            if rnd == 1:  # the cached table: nothing but the launches
+                assert counter.ops == []
+        for v, w in zip(views_of(), want, strict=True):
+            assert torch.equal(bits(v), bits(w))
+    assert not launches.fallbacks and not launches.single and not launches.table
+
+
+def test_walk_entries_outside_a_request_move_nothing(launches):
+    """Masked entries are never read or moved: a walk row past its request's rows
+    (request 0), past the batch's end (the short last request) or past the slot
+    mapping's length (query_start_loc beyond it) moves nothing, although the memory
+    after the slot mapping holds valid-looking slots."""
+    qsl = torch.tensor([0, 3, 6, 7], dtype=torch.int32, device=DEVICE)
+    buffer = torch.arange(32, dtype=torch.int64, device=DEVICE)  # 8.. : stale slots
+    slots = buffer[:7]
+    kv_src_rows = torch.tensor([[2, 5, -1], [1, 2, -1], [1, 2, 3]], device=DEVICE)
+    cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
+    kck.compact_kv_paths_([(slots, [cache])], qsl, kv_src_rows)
+    got = cache[:, 0].tolist()
+    # request 0: row 2 -> 1 (row 5 is request 1's; its dst row 2 is in place anyway);
+    # request 1: rows 1, 2 in place; request 2 (one row): nothing
+    assert got == [0, 2] + list(range(2, 40))
+    assert len(launches.paths) == 1
+
+    # query_start_loc past the slot mapping (6 rows): request 1's rows stop at 6
+    cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
+    kck.compact_kv_paths_([(buffer[:6], [cache])], qsl,
+                          torch.tensor([[-1, -1, -1], [2, -1, -1], [-1, -1, -1]],
+                                       device=DEVICE))
+    assert cache[:, 0].tolist() == [0, 1, 2, 3, 5, 5] + list(range(6, 40))
+    cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
+    kck.compact_kv_paths_([(buffer[:4], [cache])], qsl,
+                          torch.tensor([[-1, -1, -1], [2, -1, -1], [-1, -1, -1]],
+                                       device=DEVICE))
+    assert cache[:, 0].tolist() == list(range(40))
+
+
+def test_paths_fallbacks_and_new_addresses(launches):
+    """Views the kernel does not take (an inner-strided row; a group whose slot
+    mapping is int32) use the reference with their group's slots; a slot mapping at
+    a new address builds a new table."""
+    batch = round_batch(11)
+    gen = torch.Generator().manual_seed(12)
+    n = batch.slots.shape[0]
+    other = (batch.slots + batch.num_blocks).to(DEVICE)  # group 1: the next blocks
+    mla = random_physical((2 * batch.num_blocks, 576), torch.bfloat16, gen)
+    odd = torch.randn(2 * batch.num_blocks, HEAD_DIM, HEADS, generator=gen).to(DEVICE)
+    odd = odd.transpose(1, 2)
+    mla2 = random_physical((2 * batch.num_blocks, 64), torch.float32, gen)
+    qsl, kv_src_rows = batch.qsl.to(DEVICE), batch.kv_src_rows.to(DEVICE)
+    want = [mla.clone(), odd.clone(), mla2.clone()]
+    for slots, views in ((batch.slots.to(DEVICE), want[:2]), (other, want[2:])):
+        src, dst = path_compaction_slots(slots, qsl, kv_src_rows)
+        for v in views:
+            compact_kv_cache_(v, src, dst)
+    groups = [(batch.slots.to(DEVICE), [mla, odd, mla]), (other.to(torch.int32), [mla2])]
+    kck.compact_kv_paths_(groups, qsl, kv_src_rows)  # mla twice in a group: moved once
+    for got, w in zip((mla, odd, mla2), want, strict=True):
+        assert torch.equal(bits(got), bits(w))
+    assert launches.fallbacks == [tuple(odd.shape), tuple(mla2.shape)]
+    assert launches.paths == [(len(batch.qlens), 1, 1)]
+    assert len(kck._PLANS) == 1
+    copy = batch.slots.to(DEVICE).clone()  # new address: a new table
+    kck.compact_kv_paths_([(copy[:n], [mla])], qsl, kv_src_rows)
+    assert len(kck._PLANS) == 2
+    with pytest.raises(ValueError, match="kv_src_rows"):
+        kck.compact_kv_paths_(groups, qsl, kv_src_rows.float())
+    with pytest.raises(ValueError, match="R \\+ 1"):
+        kck.compact_kv_paths_(groups, qsl[:-1], kv_src_rows)
 
 
 # ----------------------------------------------------------------------------------
@@ -497,12 +784,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from vllm_ddtree import kv_compaction_kernel as kck
 
     result = []
+    pointers = {"Rows": "*i64", "Table": "*i64", "Src": "*i64", "Dst": "*i64",
+                "QueryStart": "*i32", "KvSrcRows": "*i64"}
     for fn, extra in ((kck._compact_rows_kernel, {}),
-                      (kck._compact_rows_table_kernel, {"ELEM": tl.int64})):
+                      (kck._compact_rows_table_kernel, {"ELEM": tl.int64}),
+                      (kck._compact_paths_kernel, {"ELEM": tl.int64}),
+                      (kck._compact_paths_kernel, {"ELEM": tl.int16})):
         for contiguous in (True, False):
             consts = dict(BLOCK_L=16, BLOCK_C=256, CONTIGUOUS=contiguous, **extra)
-            sig = {n: "*i64" if n in ("Rows", "Table", "Src", "Dst") else
-                   "constexpr" if n in consts else "i32" for n in fn.arg_names}
+            sig = {n: pointers.get(n, "constexpr" if n in consts else "i32")
+                   for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", 90, 32),
                                options={"num_warps": kck.NUM_WARPS})
@@ -516,9 +807,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_compiled_for_sm90_loads_then_barrier_then_stores():
-    """Hopper PTX of both kernels: one CTA barrier, every global load before it, every
-    store after it (the all-reads-first guarantee the interpreter cannot show)."""
-    for ptx in compiled_shared_memory(_COMPILE_SCRIPT):
+    """Hopper PTX of the kernels: one CTA barrier, every global load before it, every
+    store after it (the all-reads-first guarantee the interpreter cannot show). For
+    the whole-round kernel the loads include the address table, the walk and the
+    slot mappings."""
+    compiled = compiled_shared_memory(_COMPILE_SCRIPT)
+    assert len(compiled) == 8
+    for ptx in compiled:
         (barrier,) = ptx["barriers"]
         assert ptx["loads"] and ptx["stores"]
         assert max(ptx["loads"]) < barrier < min(ptx["stores"])

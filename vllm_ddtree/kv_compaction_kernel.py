@@ -1,16 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton KV compaction of the accepted tree paths (one launch per KV view or per
-group of same-layout views), with the PyTorch ``verify_batch.compact_kv_cache_`` as
-reference and CPU path.
+"""Triton KV compaction of the accepted tree paths (one launch per row layout for a
+whole verify round, over every KV-cache group), with the PyTorch
+``verify_batch.compact_kv_cache_`` as reference and CPU path.
 
 After each verify step every target attention layer moves, per request, the KV rows
 of the accepted path ``src_k -> dst_k`` (``verify_batch.compaction_slots``: flattened
 ``[R * L]`` int64 slots, request-major, ``-1`` where nothing moves, including
-``src == dst``). The reference does that with 12 small device kernels per view
-(argmax, any, 4 where, 3 index, ...); here one program per ``(request, column block of
-the row)`` does it in one memory round-trip:
+``src == dst``). The reference does that with ~18 small device ops per KV-cache group
+to compute the slots and 12 per view to move the rows (argmax, any, 4 where, 3 index,
+...); here one program per ``(request, column block of the row[, view])`` does it in
+one memory round-trip:
 
-1. load the request's ``L`` source / destination slots (a ``[BLOCK_L]`` vector);
+1. get the request's ``L`` source / destination slots (a ``[BLOCK_L]`` vector): loaded
+   from precomputed ``src, dst`` (:func:`compact_kv_rows_`, :func:`compact_kv_views_`)
+   or computed from the walk and the view's group slot mapping
+   (:func:`compact_kv_paths_`: ``slots[start + kv_src_rows[r, k]] ->
+   slots[start + 1 + k]``);
 2. gather the ``[BLOCK_L, BLOCK_C]`` tile ``rows[src_k, cols]`` into registers;
 3. ``tl.debug_barrier()`` (a CTA barrier: every thread's loads are performed before
    any thread stores);
@@ -20,11 +25,12 @@ So, as in the reference, all sources are read before any write, and the result d
 not depend on the order of the moves. That matters: a destination can be another
 move's source (``dst_k == src_j`` for some ``j < k``, e.g. accepted nodes 1, 2 at
 depths 1, 2 move rows 2 -> 1 and 3 -> 2). Programs never race with each other:
-different requests own different slots, and different column blocks different
-elements. (The path layout also makes a sequential ``k = 0, 1, ..`` order safe: a
-destination is only ever an *earlier* move's source, never a later one;
-``tests/test_kv_compaction_kernel.py`` checks that property on random walks. The
-kernel does not rely on it.)
+different requests own different slots, different column blocks different elements,
+and different views of one launch different caches or (KV-cache groups sharing one
+storage tensor) disjoint blocks. (The path layout also makes a sequential
+``k = 0, 1, ..`` order safe: a destination is only ever an *earlier* move's source,
+never a later one; ``tests/test_kv_compaction_kernel.py`` checks that property on
+random walks. The kernel does not rely on it.)
 
 Rows are copied bit for bit: the view is reinterpreted as the widest integer dtype
 its strides allow (bf16 ``[S, 576]`` -> int64 ``[S, 144]``), so any dtype (fp8
@@ -37,15 +43,19 @@ fall back to ``compact_kv_cache_`` (see :func:`row_layout`). The slot stride is 
 Entry points:
 
 * :func:`compact_kv_rows_`: one ``[num_slots, *row]`` view, one launch.
-* :func:`compact_kv_views_`: many views (e.g. every target layer of one KV-cache
-  group, which shares one ``src, dst``): one launch per distinct row layout, through
-  a cached int64 table of the views' base addresses (cast to pointers in-kernel).
+* :func:`compact_kv_views_`: many views sharing one ``src, dst`` (one KV-cache
+  group): one launch per distinct row layout, through a cached int64 table of the
+  views' base addresses (cast to pointers in-kernel).
+* :func:`compact_kv_paths_`: a whole round, every group (``_compact_target_kv``):
+  one launch per distinct row layout over all groups' views, through a cached table
+  of (view address, its group's slot-mapping address); the slots are computed
+  in-kernel from the walk, so no per-group device op runs at all.
 
-Both run Triton for CUDA tensors and the PyTorch reference on CPU
+All run Triton for CUDA tensors and the PyTorch reference on CPU
 (:func:`use_triton`; tests monkeypatch it to run the kernels in Triton's
 interpreter). Launches are host-sync free, with shapes fixed by the tensors' shapes
-(CUDA-graph safe once a view group's address table exists: building it copies to
-the device once, see :func:`compact_kv_views_`).
+(CUDA-graph safe once an address table exists: building it copies to the device
+once, see :func:`compact_kv_views_`).
 """
 
 from __future__ import annotations
@@ -56,10 +66,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.verify_batch import compact_kv_cache_
+from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
 
 __all__ = [
     "RowLayout",
+    "compact_kv_paths_",
     "compact_kv_rows_",
     "compact_kv_views_",
     "row_layout",
@@ -77,17 +88,12 @@ _TL_DTYPES = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int1
 
 
 @triton.jit
-def _move_tile(
-    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
-    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
+def _move_rows(
+    Rows, src, dst, slot_stride, chunk_stride, chunk_len, row_elems,
+    BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
-    """Program ``(request, column block)``: all of the request's moves, one tile."""
-    req = tl.program_id(0)
-    offs_l = tl.arange(0, BLOCK_L)
-    in_path = offs_l < path_len
-    first = req.to(tl.int64) * path_len
-    src = tl.load(Src + first + offs_l, mask=in_path, other=-1).to(tl.int64)
-    dst = tl.load(Dst + first + offs_l, mask=in_path, other=-1).to(tl.int64)
+    """Moves ``Rows[src_k] -> Rows[dst_k]`` (``[BLOCK_L]`` int64 slots, ``-1``: no move)
+    for this program's column block: one tile, all loads before all stores."""
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     if CONTIGUOUS:
         elem = offs_c
@@ -99,6 +105,22 @@ def _move_tile(
     # can be another move's source, held by another thread of this program.
     tl.debug_barrier()
     tl.store(Rows + dst[:, None] * slot_stride + elem[None, :], tile, mask=mask)
+
+
+@triton.jit
+def _move_tile(
+    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    """Program ``(request, column block)``: all of the request's moves, one tile."""
+    req = tl.program_id(0)
+    offs_l = tl.arange(0, BLOCK_L)
+    in_path = offs_l < path_len
+    first = req.to(tl.int64) * path_len
+    src = tl.load(Src + first + offs_l, mask=in_path, other=-1).to(tl.int64)
+    dst = tl.load(Dst + first + offs_l, mask=in_path, other=-1).to(tl.int64)
+    _move_rows(Rows, src, dst, slot_stride, chunk_stride, chunk_len, row_elems,
+               BLOCK_C, CONTIGUOUS)
 
 
 @triton.jit
@@ -122,6 +144,44 @@ def _compact_rows_table_kernel(
     rows = tl.load(Table + tl.program_id(2)).to(tl.pointer_type(ELEM))
     _move_tile(rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
                BLOCK_L, BLOCK_C, CONTIGUOUS)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])  # num_tokens_padded changes every step
+def _compact_paths_kernel(
+    Table, QueryStart, KvSrcRows, kv_stride_r, kv_stride_k, path_len, num_tokens,
+    slot_stride, chunk_stride, chunk_len, row_elems,
+    ELEM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(R, cdiv(row_elems, BLOCK_C), num_views)``: the moves of request
+    ``program_id(0)`` in view ``v = program_id(2)``, computed from the walk.
+
+    ``Table[v, 0]`` is the view's base address (elements of type ``ELEM``),
+    ``Table[v, 1]`` the address of its KV-cache group's int64 slot mapping (stride 1).
+    Request ``r``'s rows are ``QueryStart[r] .. QueryStart[r+1]`` (capped at
+    ``num_tokens``, the slot mappings' length); walk entry ``k`` (``KvSrcRows[r, k]``,
+    request-local row, ``-1``: none) moves slot ``slots[start + row]`` to
+    ``slots[start + 1 + k]``, as ``verify_batch.compaction_slots``. Entries outside the
+    request's rows, with a negative slot or with ``src == dst`` move nothing, and their
+    slots are never read.
+    """
+    req = tl.program_id(0)
+    view = tl.program_id(2).to(tl.int64)
+    rows = tl.load(Table + 2 * view).to(tl.pointer_type(ELEM))
+    slots = tl.load(Table + 2 * view + 1).to(tl.pointer_type(tl.int64))
+    start = tl.load(QueryStart + req).to(tl.int64)
+    end = tl.minimum(tl.load(QueryStart + req + 1).to(tl.int64), num_tokens)
+    offs_l = tl.arange(0, BLOCK_L)
+    node = tl.load(KvSrcRows + req.to(tl.int64) * kv_stride_r + offs_l * kv_stride_k,
+                   mask=offs_l < path_len, other=-1).to(tl.int64)
+    src_row = start + node
+    dst_row = start + 1 + offs_l
+    valid = (node >= 0) & (src_row < end) & (dst_row < end)
+    src = tl.load(slots + src_row, mask=valid, other=-1)
+    dst = tl.load(slots + dst_row, mask=valid, other=-1)
+    moving = valid & (src >= 0) & (dst >= 0) & (src != dst)
+    _move_rows(rows, tl.where(moving, src, -1), tl.where(moving, dst, -1), slot_stride,
+               chunk_stride, chunk_len, row_elems, BLOCK_C, CONTIGUOUS)
 
 
 @dataclass(frozen=True)
@@ -323,6 +383,18 @@ def _build_plan(views: list[torch.Tensor]) -> _Plan:
     return _Plan(launches, fallback)
 
 
+def _cached_plan(key: tuple, build):
+    """The launch plan cached under ``key`` (views' addresses and layouts), built by
+    ``build()`` on a miss; the cache is bounded and holds only small address tables,
+    never a KV cache."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = build()
+    return plan
+
+
 def compact_kv_views_(views: list[torch.Tensor], src_slots: torch.Tensor,
                       dst_slots: torch.Tensor, path_len: int) -> None:
     """:func:`compact_kv_rows_` on every view of ``views`` (same moves for all: e.g.
@@ -353,16 +425,181 @@ def compact_kv_views_(views: list[torch.Tensor], src_slots: torch.Tensor,
         for v in views:
             compact_kv_rows_(v, src_slots, dst_slots, path_len)
         return
-    key = _plan_key(views)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _build_plan(views)
+    plan = _cached_plan(_plan_key(views), lambda: _build_plan(views))
     for i in plan.fallback:
         compact_kv_cache_(views[i], src_slots, dst_slots)
     for layout, table, _ in plan.launches:
         grid, args, consts = _launch_args(layout, src_slots.shape[0], path_len)
         _compact_rows_table_kernel[(*grid, table.shape[0])](
             table, src_slots, dst_slots, *args, ELEM=_TL_DTYPES[layout.dtype], **consts,
+            num_warps=NUM_WARPS)
+
+
+# ----------------------------------------------------------------------------------
+# Whole round: every KV-cache group, slots computed in-kernel from the walk
+# ----------------------------------------------------------------------------------
+
+# Grid dim 2 (views of one launch) is limited to 65535 on CUDA.
+_MAX_VIEWS_PER_LAUNCH = 65535
+
+
+def _device_table(values: list[int], device: torch.device, shape: tuple[int, ...]):
+    """``(device table, pinned host source or None)`` of int64 ``values``: on CUDA a
+    pinned non-blocking copy (no host sync); the plan keeps the host tensor alive."""
+    host = torch.tensor(values, dtype=torch.int64).view(shape)
+    if device.type == "cuda":
+        host = host.pin_memory()
+        return host.to(device, non_blocking=True), host
+    return host.to(device), None
+
+
+def _padded_compaction_slots(slot_mapping: torch.Tensor, query_start_loc: torch.Tensor,
+                             kv_src_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``speculator.path_compaction_slots`` (kept here: speculator imports this module):
+    ``compaction_slots`` on the slot mapping padded by ``L + 1`` entries, so a short last
+    request's masked columns never index past it."""
+    slot_mapping = slot_mapping.to(torch.int64)  # no-op for vLLM's int64 slots
+    pad = slot_mapping.new_full((kv_src_rows.shape[1] + 1,), -1)
+    return compaction_slots(torch.cat([slot_mapping, pad]), query_start_loc, kv_src_rows)
+
+
+def _slots_in_kernel(slot_mapping: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether the kernel can read ``slot_mapping`` through a bare int64 pointer."""
+    return (slot_mapping.dim() == 1 and slot_mapping.dtype == torch.int64
+            and slot_mapping.stride(0) == 1 and slot_mapping.device == view.device)
+
+
+def _unique_views(groups) -> dict[int, list[int]]:
+    """``{group: [view index]}`` without repeats of one (slot mapping, view) pair: the
+    same view twice with the same moves would move already-moved rows (or race)."""
+    seen = set()
+    unique: dict[int, list[int]] = {}
+    for g, (slot_mapping, views) in enumerate(groups):
+        for i, v in enumerate(views):
+            ident = (slot_mapping.data_ptr(), v.data_ptr(), v.shape, v.stride(), v.dtype)
+            if ident not in seen:
+                seen.add(ident)
+                unique.setdefault(g, []).append(i)
+    return unique
+
+
+@dataclass
+class _PathPlan:
+    """Launches of :func:`compact_kv_paths_`: per row layout (and chunk of at most
+    ``_MAX_VIEWS_PER_LAUNCH`` views), an int64 ``[num_views, 2]`` table of (view base
+    address, its group's slot-mapping address) on the views' device and, for CUDA, its
+    pinned host source; ``fallback``: ``{group: [view index]}`` of views the kernel
+    does not take (row layout, or a slot mapping that is not a stride-1 int64 row)."""
+
+    launches: list[tuple[RowLayout, torch.Tensor, torch.Tensor | None]]
+    fallback: dict[int, list[int]]
+
+
+def _path_plan_key(groups) -> tuple:
+    """Slot mappings by address, dtype and stride, not length: vLLM's are rows of one
+    persistent buffer sliced to each step's ``num_tokens_padded``."""
+    return ("paths", tuple(
+        (sm.data_ptr(), sm.dtype, sm.stride(), sm.device, _plan_key(list(views)))
+        for sm, views in groups))
+
+
+def _build_path_plan(groups) -> _PathPlan:
+    by_layout: dict[RowLayout, list[int]] = {}
+    fallback: dict[int, list[int]] = {}
+    device = None
+    for g, indices in _unique_views(groups).items():
+        slot_mapping, views = groups[g]
+        for i in indices:
+            v = views[i]
+            device = v.device
+            found = row_layout(v) if _slots_in_kernel(slot_mapping, v) else None
+            if found is None:
+                fallback.setdefault(g, []).append(i)
+            else:
+                by_layout.setdefault(found[1], []).extend(
+                    (found[0].data_ptr(), slot_mapping.data_ptr()))
+    launches = []
+    for layout, addresses in by_layout.items():
+        step = 2 * _MAX_VIEWS_PER_LAUNCH
+        for first in range(0, len(addresses), step):
+            chunk = addresses[first : first + step]
+            launches.append((layout, *_device_table(chunk, device, (len(chunk) // 2, 2))))
+    return _PathPlan(launches, fallback)
+
+
+def _check_walk(query_start_loc: torch.Tensor, kv_src_rows: torch.Tensor) -> None:
+    """Validates the walk arguments (host-side only)."""
+    if kv_src_rows.dim() != 2 or kv_src_rows.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"kv_src_rows must be a 2-D int64/int32 tensor, got "
+                         f"{kv_src_rows.dtype} {tuple(kv_src_rows.shape)}")
+    if (query_start_loc.dim() != 1 or query_start_loc.dtype not in (torch.int64, torch.int32)
+            or query_start_loc.shape[0] < kv_src_rows.shape[0] + 1
+            or query_start_loc.device != kv_src_rows.device):
+        raise ValueError(f"query_start_loc must be a 1-D int32/int64 tensor of at least "
+                         f"R + 1 = {kv_src_rows.shape[0] + 1} entries on "
+                         f"{kv_src_rows.device}, got {query_start_loc.dtype} "
+                         f"{tuple(query_start_loc.shape)} on {query_start_loc.device}")
+
+
+def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
+                      kv_src_rows: torch.Tensor) -> None:
+    """One verify round's KV compaction in every KV-cache group: for each
+    ``(slot_mapping, views)`` of ``groups``, moves the accepted path of every request
+    in every view, as ``compact_kv_cache_(view, *path_compaction_slots(slot_mapping,
+    query_start_loc, kv_src_rows))`` does, in one Triton launch per distinct
+    :class:`RowLayout` (over all groups).
+
+    Args:
+        groups: ``(slot_mapping, views)`` pairs, one per KV-cache group:
+            ``slot_mapping`` int64 ``[num_tokens]`` (the group's verify-batch slots,
+            ``slot_mappings[layer]`` of ``propose``), ``views`` the ``[num_slots,
+            *row]`` views (``speculator.slot_rows_views``) of the group's distinct
+            caches. Groups may share storage (vLLM gives groups disjoint blocks of
+            one tensor); a (slot mapping, view) pair given twice is moved once.
+        query_start_loc: int32/int64 ``[>= R+1]``, request ``r``'s verify rows are
+            ``query_start_loc[r] .. query_start_loc[r+1]``.
+        kv_src_rows: int64/int32 ``[R, L]``, the walk (``runtime_state.take_walk``):
+            request-local row of accepted node ``k``, ``-1``: none; it moves to local
+            row ``k + 1``.
+
+    Each program ``(request, column block, view)`` reads the request's ``L`` walk
+    entries, its group's source / destination slots (only for valid entries, inside
+    the request's rows) and moves the rows (all loads, barrier, all stores). The table
+    of (view, slot-mapping) addresses is built once per set of addresses (a pinned
+    non-blocking copy; vLLM's slot mappings are persistent buffer rows) and reused:
+    no host sync, no other device op, fixed shapes. Views the kernel does not take
+    (:func:`row_layout`, or a slot mapping that is not a stride-1 int64 row) use
+    ``compact_kv_cache_`` with their group's slots. On CPU (``use_triton`` false)
+    every group uses the PyTorch reference.
+    """
+    _check_walk(query_start_loc, kv_src_rows)
+    groups = [(slot_mapping, list(views)) for slot_mapping, views in groups]
+    num_reqs, path_len = kv_src_rows.shape
+    views = [v for _, vs in groups for v in vs]
+    if num_reqs == 0 or path_len == 0 or not views:
+        return
+    if not use_triton(views[0]) or (_interpreted() and views[0].device.type != "cpu"):
+        # The PyTorch reference (CPU), or per-view launches (an address table of device
+        # memory is unreadable to the interpreter).
+        for g, indices in _unique_views(groups).items():
+            slot_mapping, group_views = groups[g]
+            src, dst = _padded_compaction_slots(slot_mapping, query_start_loc, kv_src_rows)
+            compact_kv_views_([group_views[i] for i in indices], src, dst, path_len)
+        return
+    plan = _cached_plan(_path_plan_key(groups), lambda: _build_path_plan(groups))
+    for g, indices in plan.fallback.items():
+        slot_mapping, group_views = groups[g]
+        src, dst = _padded_compaction_slots(slot_mapping, query_start_loc, kv_src_rows)
+        for i in indices:
+            compact_kv_cache_(group_views[i], src, dst)
+    if not plan.launches:
+        return
+    # vLLM's groups all have the batch's num_tokens_padded rows; the cap only guards
+    # against a query_start_loc past a slot mapping's end.
+    num_tokens = min(sm.shape[0] for sm, _ in groups)
+    for layout, table, _ in plan.launches:
+        grid, args, consts = _launch_args(layout, num_reqs * path_len, path_len)
+        _compact_paths_kernel[(*grid, table.shape[0])](
+            table, query_start_loc, kv_src_rows, kv_src_rows.stride(0), kv_src_rows.stride(1),
+            path_len, num_tokens, *args[1:], ELEM=_TL_DTYPES[layout.dtype], **consts,
             num_warps=NUM_WARPS)

@@ -64,7 +64,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.kv_compaction_kernel import compact_kv_views_
+from vllm_ddtree.kv_compaction_kernel import compact_kv_paths_
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -342,16 +342,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         (KV sharing) are skipped, since a second pass over an overlapping path would
         read already-moved rows.
 
-        On CUDA, each group's views are moved by ``kv_compaction_kernel``: one Triton
-        launch per distinct row layout (all of a group's MLA layers: one launch),
-        instead of ``compact_kv_cache_``'s 12 device ops per view; on CPU by
-        ``compact_kv_cache_``.
+        On CUDA, ``kv_compaction_kernel.compact_kv_paths_`` moves every group's views
+        in one Triton launch per distinct row layout (normally one launch a round,
+        however many groups: the slots are read from each group's slot mapping
+        in-kernel); on CPU each group runs ``path_compaction_slots`` +
+        ``compact_kv_cache_`` per view.
         """
         forward_context = self.vllm_config.compilation_config.static_forward_context
+        groups = []
         for layer_names in self._target_layers_by_group.values():
-            src, dst = path_compaction_slots(
-                slot_mappings[layer_names[0]], query_start_loc, kv_src_rows
-            )
             seen_in_group: set[int] = set()
             views: list[torch.Tensor] = []
             for name in layer_names:
@@ -360,7 +359,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                     continue
                 seen_in_group.add(kv_cache.data_ptr())
                 views.extend(slot_rows_views(kv_cache))
-            compact_kv_views_(views, src, dst, kv_src_rows.shape[1])
+            groups.append((slot_mappings[layer_names[0]], views))
+        compact_kv_paths_(groups, query_start_loc, kv_src_rows)
 
     @torch.inference_mode()
     def propose(
