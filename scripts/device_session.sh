@@ -9,6 +9,9 @@
 #   install  kit + this package (editable, offline)
 #   ddtree   tests/gpu/test_ddtree_vllm.py on the embedded pair (vs AR and the
 #            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
+#   ddtree_triton  the ddtree suite with VLLM_DDTREE_ROUND_KERNELS=triton (Triton walk and
+#            KV compaction; flip the default in round_kernels.py once it passes)
+#   roundk   walk / active-row kernel tests compiled on CUDA
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
@@ -59,6 +62,11 @@ for stage in "$@"; do
       ls -la "$OUT"/compile-cache.part-* ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;
+    ddtree_triton)  # the same suite with the Triton walk + compaction (round_kernels.py)
+      VLLM_DDTREE_ROUND_KERNELS=triton stage_pytest ddtree_triton 420 \
+        tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs and not auto" ;;
+    roundk) stage_pytest roundk 300 tests/test_tree_walk_kernel.py \
+              tests/test_active_query_rows.py ;;  # compiled kernels vs references on CUDA
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
     tp2) stage_pytest tp2 480 tests/gpu/test_ddtree_tp2.py ;;  # kind nvidia-h200-x2
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;

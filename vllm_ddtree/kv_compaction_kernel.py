@@ -51,11 +51,12 @@ Entry points:
   of (view address, its group's slot-mapping address); the slots are computed
   in-kernel from the walk, so no per-group device op runs at all.
 
-All run Triton for CUDA tensors and the PyTorch reference on CPU
-(:func:`use_triton`; tests monkeypatch it to run the kernels in Triton's
-interpreter). Launches are host-sync free, with shapes fixed by the tensors' shapes
-(CUDA-graph safe once an address table exists: building it copies to the device
-once, see :func:`compact_kv_views_`).
+All run Triton for CUDA tensors when ``VLLM_DDTREE_ROUND_KERNELS=triton``
+(``vllm_ddtree.round_kernels``; the default is still the PyTorch reference until the GPU
+tests pass with the kernels) and the PyTorch reference otherwise (:func:`use_triton`;
+tests monkeypatch it to run the kernels in Triton's interpreter). Launches are host-sync
+free, with shapes fixed by the tensors' shapes (CUDA-graph safe once an address table
+exists: building it copies to the device once, see :func:`compact_kv_views_`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
 
 __all__ = [
@@ -206,9 +208,10 @@ class RowLayout:
 
 
 def use_triton(cache_rows: torch.Tensor) -> bool:
-    """Whether ``cache_rows`` is moved by the Triton kernels (CUDA tensors) or by the
-    PyTorch reference (CPU). Tests monkeypatch this to run the kernels on CPU."""
-    return cache_rows.is_cuda
+    """Whether ``cache_rows`` is moved by the Triton kernels (CUDA tensors with
+    ``VLLM_DDTREE_ROUND_KERNELS=triton``, see ``vllm_ddtree.round_kernels``) or by the
+    PyTorch reference. Tests monkeypatch this to run the kernels on CPU."""
+    return use_triton_round_kernels(cache_rows)
 
 
 def _bit_view(cache_rows: torch.Tensor) -> torch.Tensor | None:
@@ -320,7 +323,7 @@ def compact_kv_rows_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
             request moves its L rows; None treats all moves as one request (correct,
             less parallel).
 
-    One Triton launch for CUDA tensors; ``compact_kv_cache_`` on CPU. No moves at all
+    One Triton launch where :func:`use_triton`; ``compact_kv_cache_`` otherwise. No moves at all
     (``R * L == 0``): nothing runs.
     """
     path_len = _check_slots(src_slots, dst_slots, path_len)

@@ -342,10 +342,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         (KV sharing) are skipped, since a second pass over an overlapping path would
         read already-moved rows.
 
-        On CUDA, ``kv_compaction_kernel.compact_kv_paths_`` moves every group's views
+        ``kv_compaction_kernel.compact_kv_paths_``: with
+        ``VLLM_DDTREE_ROUND_KERNELS=triton`` on CUDA it moves every group's views
         in one Triton launch per distinct row layout (normally one launch a round,
         however many groups: the slots are read from each group's slot mapping
-        in-kernel); on CPU each group runs ``path_compaction_slots`` +
+        in-kernel); otherwise each group runs ``path_compaction_slots`` +
         ``compact_kv_cache_`` per view.
         """
         forward_context = self.vllm_config.compilation_config.static_forward_context

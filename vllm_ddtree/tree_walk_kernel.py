@@ -17,8 +17,10 @@ its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
 once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
 the launch can be captured in a CUDA graph.
 
-:func:`follow_tree_fast` picks the kernel for CUDA tensors and ``follow_tree`` for
-CPU tensors (the kernel runs on CPU only in Triton's interpreter, for tests).
+:func:`follow_tree_fast` picks the kernel for CUDA tensors when
+``VLLM_DDTREE_ROUND_KERNELS=triton`` (``vllm_ddtree.round_kernels``; the default is
+still ``follow_tree`` until the GPU tests pass with the kernel) and ``follow_tree``
+otherwise (the kernel runs on CPU only in Triton's interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args, follow_tree
 
 __all__ = ["MAX_BLOCK_B", "follow_tree_fast", "follow_tree_triton"]
@@ -205,13 +208,14 @@ def follow_tree_fast(
     *,
     force_triton: bool = False,
 ) -> WalkResult:
-    """The acceptance walk: :func:`follow_tree_triton` (one launch) on CUDA tensors,
+    """The acceptance walk: :func:`follow_tree_triton` (one launch) on CUDA tensors
+    when ``VLLM_DDTREE_ROUND_KERNELS=triton`` (``vllm_ddtree.round_kernels``),
     :func:`vllm_ddtree.tree.follow_tree` (PyTorch) otherwise.
 
     Same arguments and result as ``follow_tree`` with a fixed ``max_depth``; no host
     sync either way. ``force_triton`` runs the kernel on CPU tensors too (tests, with
     ``TRITON_INTERPRET=1``).
     """
-    if force_triton or tree.tokens.is_cuda:
+    if force_triton or use_triton_round_kernels(tree.tokens):
         return follow_tree_triton(tree, target_tokens, max_depth)
     return follow_tree(tree, target_tokens, max_depth=max_depth)

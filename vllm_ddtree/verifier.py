@@ -15,11 +15,11 @@ parent structure instead:
    (``sample/gumbel.py:215``; argmax for greedy rows), keyed by the request seed and
    the row's RoPE position, which is what plain decoding uses for the same token
    ("sample and match": lossless at any temperature);
-3. walk the tree (``tree_walk_kernel.follow_tree_fast``: one Triton launch on CUDA,
-   ``tree.follow_tree`` on CPU; fixed ``max_depth = L``: no host sync); with
-   ``ddtree_budget: "auto"`` the nodes past the request's active budget are masked
-   out first (``budget.mask_inactive_nodes``), so the walk is the walk of the
-   budget-``b`` tree;
+3. walk the tree (``tree_walk_kernel.follow_tree_fast``: ``tree.follow_tree``, or one
+   Triton launch with ``VLLM_DDTREE_ROUND_KERNELS=triton``; fixed ``max_depth = L``:
+   no host sync); with ``ddtree_budget: "auto"`` the nodes past the request's active
+   budget are masked out first (``budget.mask_inactive_nodes``), so the walk is the
+   walk of the budget-``b`` tree;
 4. return ``SamplerOutput(sampled [R, B+1], num_sampled = a+1, num_rejected =
    num_logits - num_sampled)`` via vLLM's ``get_num_sampled_and_rejected``
    (``input_batch.py:438``) so chunked prefills and truncated drafts count as vLLM

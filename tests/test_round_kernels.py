@@ -1,0 +1,35 @@
+"""The switch between the PyTorch and the Triton per-round kernels (walk, compaction)."""
+
+import pytest
+import torch
+
+from vllm_ddtree import kv_compaction_kernel, round_kernels
+from vllm_ddtree.round_kernels import ROUND_KERNELS_ENV, use_triton_round_kernels
+from vllm_ddtree.tree import build_ddtree, follow_tree
+from vllm_ddtree.tree_walk_kernel import follow_tree_fast
+
+
+def test_default_is_the_gpu_validated_pytorch_path(monkeypatch):
+    monkeypatch.delenv(ROUND_KERNELS_ENV, raising=False)
+    assert round_kernels.round_kernels() == "torch"
+    monkeypatch.setenv(ROUND_KERNELS_ENV, " Triton ")
+    assert round_kernels.round_kernels() == "triton"
+
+
+def test_unknown_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ROUND_KERNELS_ENV, "cuda")
+    with pytest.raises(ValueError, match=ROUND_KERNELS_ENV):
+        round_kernels.round_kernels()
+
+
+def test_cpu_tensors_always_take_the_pytorch_path(monkeypatch):
+    monkeypatch.setenv(ROUND_KERNELS_ENV, "triton")
+    rows = torch.zeros(4, 8)
+    assert not use_triton_round_kernels(rows)
+    assert not kv_compaction_kernel.use_triton(rows)
+    tree = build_ddtree(torch.randn(2, 3, 11, generator=torch.Generator().manual_seed(0)), 5)
+    targets = torch.randint(0, 11, (2, 6), generator=torch.Generator().manual_seed(1))
+    want = follow_tree(tree, targets, max_depth=3)
+    got = follow_tree_fast(tree, targets, max_depth=3)
+    for name in ("accepted_nodes", "committed_tokens", "kv_src_rows"):
+        assert torch.equal(getattr(got, name), getattr(want, name))

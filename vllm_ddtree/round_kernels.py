@@ -1,0 +1,43 @@
+"""Which implementation runs the eager per-round work on the GPU: the tree walk
+(``tree_walk_kernel``) and the KV compaction (``kv_compaction_kernel``).
+
+``VLLM_DDTREE_ROUND_KERNELS``:
+
+* ``torch`` (default): batched PyTorch ops (``tree.follow_tree``,
+  ``verify_batch.compact_kv_cache_``), the path validated end to end on the H200;
+* ``triton``: one Triton launch for the walk and one for the whole round's
+  compaction (about 180 and 19 launches per KV-cache group fewer per round), exact
+  against the PyTorch path in the CPU interpreter tests but not yet run on a GPU.
+
+The default flips to ``triton`` once ``tests/gpu/`` has passed with it. CPU tensors
+always take the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ROUND_KERNELS_ENV = "VLLM_DDTREE_ROUND_KERNELS"
+ROUND_KERNEL_CHOICES = ("torch", "triton")
+DEFAULT_ROUND_KERNELS = "torch"
+
+
+def round_kernels() -> str:
+    """The configured implementation, ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: the variable holds another value (names it and the choices).
+    """
+    value = os.environ.get(ROUND_KERNELS_ENV, DEFAULT_ROUND_KERNELS).strip().lower()
+    if value not in ROUND_KERNEL_CHOICES:
+        raise ValueError(
+            f"{ROUND_KERNELS_ENV}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}"
+        )
+    return value
+
+
+def use_triton_round_kernels(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` (a CUDA tensor of the round) goes to the Triton kernels."""
+    return tensor.is_cuda and round_kernels() == "triton"
