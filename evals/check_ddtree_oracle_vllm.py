@@ -125,7 +125,7 @@ def main() -> None:
                         help="rank of the true token per depth, e.g. 0,0,0,1,2 or 0*15; "
                         "r = noise only")
     parser.add_argument("--max-num-seqs", type=int, default=None,
-                        help="default: the truth run's max_num_seqs (8, or 4 with --mixed)")
+                        help="default: the truth run's max_num_seqs (8)")
     parser.add_argument("--min-depth", type=int, default=3)
     args = parser.parse_args()
 

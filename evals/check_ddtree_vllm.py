@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--method", choices=["ddtree", "ar"], default="ddtree")
     parser.add_argument("--mixed", action="store_true",
                         help="12 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
-                        "8 greedy then 4 seeded-sampled, max_num_seqs 4: requests arrive "
+                        "8 greedy then 4 seeded-sampled, max_num_seqs 8: requests arrive "
                         "while others run")
     parser.add_argument("--pair", choices=["embedded", "qwen3", "deepseek_v3"],
                         default="embedded",
@@ -250,8 +250,6 @@ def main() -> None:
         prompts = random_prompts(lengths)
         max_tokens = list(MIXED_MAX_TOKENS) if args.mixed else [args.max_tokens] * len(prompts)
         extra["skip_tokenizer_init"] = True
-    if args.mixed:
-        max_num_seqs = 4
     max_tokens = [n + args.extra_tokens for n in max_tokens]
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:

@@ -18,7 +18,7 @@ AR_EXTRA_TOKENS = 16
 AR_RUNS = {
     # the 4 code prompts of check_pair_vllm.py, 128 (+16) greedy tokens, 8 running
     "plain": ["--prompts", "4", "--max-tokens", "128"],
-    # 12 prompts of 16..3000 tokens, 4 running (later ones arrive while others
+    # 12 prompts of 16..3000 tokens, 8 running (later ones arrive while others
     # decode), the last 4 seeded-sampled at T=0.8 (check_ddtree_vllm.mixed_prompts)
     "mixed": ["--mixed"],
 }

@@ -43,7 +43,7 @@ MIN_ROUNDS = 20
 def test_oracle_drafts_accept_deep_and_keep_ar_tokens(ar_runs, eval_script, tmp_path, prompts,
                                                       budget, ranks):
     """``prompts``: ``plain`` = the 4 code prompts x 128 tokens (8 running);
-    ``mixed`` = 12 prompts of 16..3000 tokens, 4 running, the last 4 sampled."""
+    ``mixed`` = 12 prompts of 16..3000 tokens, 8 running, the last 4 sampled."""
     truth_path = ar_runs(prompts)
     truth = json.loads(truth_path.read_text())
     assert truth["extra_tokens"] == EXTRA

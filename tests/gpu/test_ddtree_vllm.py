@@ -68,7 +68,7 @@ def split_by_temperature(result: dict) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def ar_mixed(tmp_path_factory):
     """AR on the same V2 runner and attention backend (CUSTOM): 12 requests of 16..3000
-    prompt tokens, 4 running at a time (later ones arrive while others decode),
+    prompt tokens, 8 running at a time (later ones arrive while others decode),
     8 greedy and 4 seeded-sampled."""
     return run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar"],
                       tmp_path_factory.mktemp("ar") / "ar.json")
