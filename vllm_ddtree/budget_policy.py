@@ -300,6 +300,40 @@ def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
     return pack_ancestor_mask(mask).to(device)
 
 
+class _OneRequestBatch:
+    """The dummy verify batch both timers share: one request of ``max_query_len`` rows
+    (chain bits) over a paged cache of ``max_context + max_query_len`` tokens whose
+    pages are mapped in order. ``randn`` draws the dummy tensors (fixed seed)."""
+
+    def __init__(self, max_query_len: int, max_context: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.max_query_len = max_query_len
+        self.num_blocks = -(-(max_context + max_query_len) // page_size)
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
+                                        device=device)[None]
+        self.bits = _chain_bits(max_query_len, device)
+        self.query_start_loc = torch.tensor([0, max_query_len], dtype=torch.int32,
+                                            device=device)
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.device,
+                           dtype=torch.float32).to(self.dtype)
+
+    def measure_fn(self, time_fn: TimeFn, attend: Callable[..., Any]) -> MeasureFn:
+        """``measure(context, query_len)``: ``time_fn`` of ``attend(seq_lens,
+        active_query_lens, seq_len)`` (int32 ``[1]`` tensors and the host seq_len) for a
+        request with ``context`` cached tokens and ``query_len`` active rows."""
+        def measure(context: int, query_len: int) -> float:
+            seq_len = context + self.max_query_len
+            seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
+            active = torch.tensor([query_len], dtype=torch.int32, device=self.device)
+            return time_fn(lambda: attend(seq_lens, active, seq_len))
+
+        return measure
+
+
 def mla_attention_timer(
     num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
@@ -313,32 +347,18 @@ def mla_attention_timer(
     for ``max_model_len`` when capturing). ``time_fn``: default :func:`cuda_time_fn`."""
     from attention_backends.mla_tree import mla_tree_verify
 
-    time_fn = time_fn or cuda_time_fn()
-
+    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
     head_dim = kv_lora_rank + rope_dim
-    num_blocks = -(-(max_context + max_query_len) // page_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    kv_cache = torch.randn(num_blocks, page_size, head_dim, generator=gen, device=device,
-                           dtype=torch.float32).to(dtype)
-    q = torch.randn(max_query_len, num_heads, head_dim, generator=gen, device=device,
-                    dtype=torch.float32).to(dtype)
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
-    bits = _chain_bits(max_query_len, device)
+    kv_cache = batch.randn(batch.num_blocks, page_size, head_dim)
+    q = batch.randn(max_query_len, num_heads, head_dim)
     scale = head_dim ** -0.5
-
-    qsl = torch.tensor([0, max_query_len], dtype=torch.int32, device=device)
-
-    def measure(context: int, query_len: int) -> float:
-        seq_len = context + max_query_len
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        active = torch.tensor([query_len], dtype=torch.int32, device=device)
-        return time_fn(lambda: mla_tree_verify(
-            q, kv_cache, block_table, seq_lens, qsl, bits, scale, kv_lora_rank,
-            max_query_len=max_query_len, max_seq_len=max(seq_len, graph_max_seq_len or 0),
-            validate_values=False, active_query_lens=active,
-        ))
-
-    return measure
+    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
+        mla_tree_verify(
+            q, kv_cache, batch.block_table, seq_lens, batch.query_start_loc, batch.bits,
+            scale, kv_lora_rank, max_query_len=max_query_len,
+            max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
+            active_query_lens=active,
+        )))
 
 
 def gqa_attention_timer(
@@ -351,32 +371,17 @@ def gqa_attention_timer(
     ``query_len`` active rows of ``max_query_len``, as :func:`mla_attention_timer`."""
     from attention_backends.gqa_tree import gqa_tree_verify
 
-    time_fn = time_fn or cuda_time_fn()
-
-    num_blocks = -(-(max_context + max_query_len) // page_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (num_blocks, page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-    v_cache = torch.randn(shape, generator=gen, device=device, dtype=torch.float32).to(dtype)
-    q = torch.randn(max_query_len, num_q_heads, head_dim, generator=gen, device=device,
-                    dtype=torch.float32).to(dtype)
-    block_table = torch.arange(num_blocks, dtype=torch.int32, device=device)[None]
-    bits = _chain_bits(max_query_len, device)
+    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
+    k_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
+    v_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
+    q = batch.randn(max_query_len, num_q_heads, head_dim)
     scale = head_dim ** -0.5
-
-    qsl = torch.tensor([0, max_query_len], dtype=torch.int32, device=device)
-
-    def measure(context: int, query_len: int) -> float:
-        seq_len = context + max_query_len
-        seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
-        active = torch.tensor([query_len], dtype=torch.int32, device=device)
-        return time_fn(lambda: gqa_tree_verify(
-            q, k_cache, v_cache, block_table, seq_lens, qsl, bits, scale,
-            max_query_len=max_query_len, max_seq_len=seq_len, validate_values=False,
-            active_query_lens=active,
-        ))
-
-    return measure
+    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
+        gqa_tree_verify(
+            q, k_cache, v_cache, batch.block_table, seq_lens, batch.query_start_loc,
+            batch.bits, scale, max_query_len=max_query_len, max_seq_len=seq_len,
+            validate_values=False, active_query_lens=active,
+        )))
 
 
 def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
