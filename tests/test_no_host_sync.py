@@ -64,6 +64,7 @@ from vllm_ddtree.verify_batch import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import count_host_syncs  # noqa: E402
+from test_ddtree_integration_units import FakeSampler  # noqa: E402
 
 THIS_FILE = "tests/test_no_host_sync.py"
 
@@ -254,22 +255,14 @@ def _restore_tree_mask_state():
     TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active = saved
 
 
-class SyncFreeSampler:
-    """The parts of vLLM's V2 ``Sampler`` the verifier uses, written with device ops
-    only (the fakes of test_ddtree_integration_units.py read values on the host)."""
+class SyncFreeSampler(FakeSampler):
+    """``FakeSampler`` (test_ddtree_integration_units.py) with the parts that read
+    values on the host rewritten with device ops only, and logprobs configurable."""
 
     def __init__(self, temperature, seeds, prefill_len, num_logprobs):
-        self.compute_nans = False
-        self.logprobs_mode = "raw_logprobs"
-        self.use_fp64_gumbel = False
-        self.temperature = torch.tensor(temperature, dtype=torch.float32)
-        self.seeds = torch.tensor(seeds, dtype=torch.int64)
-        self.req_states = NS(prefill_len=NS(gpu=torch.tensor(prefill_len, dtype=torch.int32)))
+        super().__init__(temperature, seeds, prefill_len)
         self.sampling_states = NS(get_top_k_top_p=lambda *a: (None, None),
                                   max_num_logprobs=lambda idx: num_logprobs)
-        n = len(temperature)
-        self.penalties_state = NS(use_penalty=np.zeros(n, bool))
-        self.bad_words_state = NS(num_bad_words=NS(np=np.zeros(n, np.int32)))
 
     def apply_sampling_params(self, logits, expanded_idx_mapping, idx_mapping_np, pos,
                               input_ids, expanded_local_pos, skip_top_k_top_p=False):
