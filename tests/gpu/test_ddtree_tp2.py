@@ -19,25 +19,12 @@ pytestmark = [
 
 
 def test_tp2_equals_tp1_with_graphs(tmp_path):
-    from test_ddtree_vllm import (
-        first_mismatches,
-        run_script,
-        split_by_temperature,
-        unexplained_mismatches,
-        unexplained_sampled_mismatches,
-    )
+    from test_ddtree_vllm import run_mixed_vs_ar, run_script
 
     common = ["--mixed", "--budget", "32", "--graphs"]
     tp1 = run_script("check_ddtree_vllm.py", [*common, "--tp", "1"], tmp_path / "tp1.json")
-    tp2 = run_script("check_ddtree_vllm.py", [*common, "--tp", "2"], tmp_path / "tp2.json")
+    tp2 = run_mixed_vs_ar(tp1, [*common, "--tp", "2"], tmp_path / "tp2.json", "TP=2 vs TP=1")
     assert tp2["tp"] == 2
-    greedy, sampled = split_by_temperature(tp2)
-    ref_greedy, ref_sampled = split_by_temperature(tp1)
     mal = tp2["vllm_metrics"].get("mean_acceptance_length")
-    print(f"TP=2 vs TP=1: greedy first mismatch {first_mismatches(greedy, ref_greedy)}, "
-          f"sampled {first_mismatches(sampled, ref_sampled)}; vLLM mean acceptance length "
-          f"TP=2 {mal}, TP=1 {tp1['vllm_metrics'].get('mean_acceptance_length')}")
-    problems = unexplained_mismatches(greedy, ref_greedy)
-    problems += unexplained_sampled_mismatches(sampled, ref_sampled)
-    assert not problems, "\n".join(problems)
+    print(f"vLLM mean acceptance length TP=1 {tp1['vllm_metrics'].get('mean_acceptance_length')}")
     assert mal is not None and mal > 1.5
