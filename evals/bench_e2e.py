@@ -597,7 +597,9 @@ def render(data: dict, md_path: Path, png_path: Path | None) -> None:
 
 def gpu_memory_used_mib() -> int | None:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used",
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # other GPUs may run other work
+        select = ["-i", visible] if visible else []
+        out = subprocess.run(["nvidia-smi", *select, "--query-gpu=memory.used",
                               "--format=csv,noheader,nounits"], capture_output=True,
                              text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):

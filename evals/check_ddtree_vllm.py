@@ -266,7 +266,9 @@ def main() -> None:
             os.environ[TREE_BACKEND_ENV] = "gqa"
             register_tree_backend("gqa")
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
-              dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=4096,
+              dtype="bfloat16", max_model_len=4096,
+              # device sessions run suites side by side on one GPU with a smaller share
+              gpu_memory_utilization=float(os.environ.get("VLLM_DDTREE_TEST_GPU_MEM", "0.3")),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
               tensor_parallel_size=args.tp, **extra)
     applied = apply_all()  # names of the patches active in this process

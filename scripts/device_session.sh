@@ -28,12 +28,17 @@
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
+# Side by side on a two-GPU machine (vLLM engines of the suites take 0.25-0.3 of a GPU):
+#   source scripts/device_session.sh install
+#   CUDA_VISIBLE_DEVICES=0 bash scripts/device_session.sh roundk syncs &
+#   CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_TEST_GPU_MEM=0.25 STAGE_LIMIT=450 \
+#     bash scripts/device_session.sh graphs & ...; wait
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/root/.triton-cache
 summary() { echo "$1 rc=$2 $(date +%T)" | tee -a "$OUT/summary.txt"; }
 stage_pytest() {  # name, timeout, pytest args...
-  local name="$1" limit="$2"; shift 2
+  local name="$1" limit="${STAGE_LIMIT:-$2}"; shift 2  # STAGE_LIMIT: stages side by side
   timeout "$limit" python3 -m pytest -q -s -rA "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   summary "$name" "$rc"
@@ -71,7 +76,7 @@ for stage in "$@"; do
     tp2) stage_pytest tp2 480 tests/gpu/test_ddtree_tp2.py ;;  # kind nvidia-h200-x2
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     syncs)
-      timeout 420 python3 evals/count_host_syncs.py --out "$OUT/host_syncs.md" \
+      timeout "${STAGE_LIMIT:-420}" python3 evals/count_host_syncs.py --out "$OUT/host_syncs.md" \
         > "$OUT/syncs.log" 2>&1
       summary syncs $?
       tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
@@ -96,7 +101,7 @@ for stage in "$@"; do
       summary demo $?
       tail -12 "$OUT/demo.log" ;;
     lmeval)
-      timeout 540 python3 evals/validate.py --backend vllm --limit 20 \
+      timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
         --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.3}' \
         --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
         > "$OUT/lmeval.log" 2>&1
