@@ -102,7 +102,7 @@ for stage in "$@"; do
       tail -12 "$OUT/demo.log" ;;
     lmeval)
       timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
-        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.3}' \
+        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.25}' \
         --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
         > "$OUT/lmeval.log" 2>&1
       summary lmeval $?
