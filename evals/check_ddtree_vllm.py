@@ -180,6 +180,18 @@ def install_trace(max_steps: int) -> list:
     return steps
 
 
+def gpu_memory_args() -> dict:
+    """0.3 of the GPU by default. ``VLLM_DDTREE_TEST_KV_GIB`` fixes the KV cache size
+    instead, which skips vLLM's start-up memory profiling: that profiling counts what
+    other engines on the same GPU allocate meanwhile as its own (gpu_worker.py:529),
+    so device sessions that run suites side by side on one GPU set it."""
+    kv_gib = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
+    if kv_gib:
+        return {"kv_cache_memory_bytes": int(float(kv_gib) * 2**30),
+                "gpu_memory_utilization": 0.05}
+    return {"gpu_memory_utilization": 0.3}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -266,9 +278,7 @@ def main() -> None:
             os.environ[TREE_BACKEND_ENV] = "gqa"
             register_tree_backend("gqa")
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
-              dtype="bfloat16", max_model_len=4096,
-              # device sessions run suites side by side on one GPU with a smaller share
-              gpu_memory_utilization=float(os.environ.get("VLLM_DDTREE_TEST_GPU_MEM", "0.3")),
+              dtype="bfloat16", max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
               tensor_parallel_size=args.tp, **extra)
     applied = apply_all()  # names of the patches active in this process

@@ -28,10 +28,11 @@
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
-# Side by side on a two-GPU machine (vLLM engines of the suites take 0.25-0.3 of a GPU):
+# Side by side (VLLM_DDTREE_TEST_KV_GIB: a fixed KV cache, no start-up memory profiling,
+# which other engines on the same GPU would upset; see evals/check_ddtree_vllm.py):
 #   source scripts/device_session.sh install
 #   CUDA_VISIBLE_DEVICES=0 bash scripts/device_session.sh roundk syncs &
-#   CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_TEST_GPU_MEM=0.25 STAGE_LIMIT=450 \
+#   CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_TEST_KV_GIB=4 STAGE_LIMIT=450 \
 #     bash scripts/device_session.sh graphs & ...; wait
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
@@ -114,6 +115,9 @@ for stage in "$@"; do
         > "$OUT/bench.log" 2>&1
       summary bench $?
       cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
+    pack)  # last: $OUT's files in one archive (only a few files come back per call)
+      (cd "$OUT" && tar czf all.tgz --exclude all.tgz --exclude 'compile-cache.part-*' . \
+        && find . -maxdepth 1 -type f ! -name all.tgz ! -name 'compile-cache.part-*' -delete) ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
