@@ -191,6 +191,7 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     in turn; the first is freed before the second starts)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lm_eval.api.registry import get_model
+    from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 
     from patches import apply_all
 
@@ -204,6 +205,11 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     for key, extra, label in (("baseline", {}, "no speculation"),
                               ("speculative", {"speculative_config": spec},
                                f"speculative_config {json.dumps(spec)}")):
+        # vLLM's V1 runner (the baseline) leaves capturing disabled when it is done
+        # (gpu_model_runner.py:6831) and the V2 runner that DDTree uses never enables
+        # it, so a second engine in this process could not capture its CUDA graphs.
+        # (Two `lm_eval` commands, as users run them, are two processes.)
+        set_cudagraph_capturing_enabled(True)
         lm = get_model("vllm").create_from_arg_obj({**model_args, **extra})
         for task in tasks:
             before = vllm_spec_decode_stats(lm) if extra else {}

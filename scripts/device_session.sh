@@ -116,8 +116,9 @@ for stage in "$@"; do
       summary bench $?
       cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
     pack)  # last: $OUT's files in one archive (only a few files come back per call)
-      (cd "$OUT" && tar czf all.tgz --exclude all.tgz --exclude 'compile-cache.part-*' . \
-        && find . -maxdepth 1 -type f ! -name all.tgz ! -name 'compile-cache.part-*' -delete) ;;
+      (cd "$OUT" && tar czf /tmp/all.tgz --exclude 'compile-cache.part-*' . \
+        && find . -maxdepth 1 -type f ! -name 'compile-cache.part-*' -delete \
+        && mv /tmp/all.tgz .) ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -9,11 +9,11 @@ from vllm_ddtree.tree import build_ddtree, follow_tree
 from vllm_ddtree.tree_walk_kernel import follow_tree_fast
 
 
-def test_default_is_the_gpu_validated_pytorch_path(monkeypatch):
+def test_default_is_triton_and_torch_is_selectable(monkeypatch):
     monkeypatch.delenv(ROUND_KERNELS_ENV, raising=False)
-    assert round_kernels.round_kernels() == "torch"
-    monkeypatch.setenv(ROUND_KERNELS_ENV, " Triton ")
     assert round_kernels.round_kernels() == "triton"
+    monkeypatch.setenv(ROUND_KERNELS_ENV, " Torch ")
+    assert round_kernels.round_kernels() == "torch"
 
 
 def test_unknown_value_names_the_variable(monkeypatch):

@@ -51,9 +51,8 @@ Entry points:
   of (view address, its group's slot-mapping address); the slots are computed
   in-kernel from the walk, so no per-group device op runs at all.
 
-All run Triton for CUDA tensors when ``VLLM_DDTREE_ROUND_KERNELS=triton``
-(``vllm_ddtree.round_kernels``; the default is still the PyTorch reference until the GPU
-tests pass with the kernels) and the PyTorch reference otherwise (:func:`use_triton`;
+All run Triton for CUDA tensors unless ``VLLM_DDTREE_ROUND_KERNELS=torch``
+(``vllm_ddtree.round_kernels``) and the PyTorch reference otherwise (:func:`use_triton`;
 tests monkeypatch it to run the kernels in Triton's interpreter). Launches are host-sync
 free, with shapes fixed by the tensors' shapes (CUDA-graph safe once an address table
 exists: building it copies to the device once, see :func:`compact_kv_views_`).

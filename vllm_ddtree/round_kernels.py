@@ -3,14 +3,14 @@
 
 ``VLLM_DDTREE_ROUND_KERNELS``:
 
-* ``torch`` (default): batched PyTorch ops (``tree.follow_tree``,
-  ``verify_batch.compact_kv_cache_``), the path validated end to end on the H200;
-* ``triton``: one Triton launch for the walk and one for the whole round's
-  compaction (about 180 and 19 launches per KV-cache group fewer per round), exact
-  against the PyTorch path in the CPU interpreter tests but not yet run on a GPU.
+* ``triton`` (default): one Triton launch for the walk and one for the whole round's
+  compaction (about 180 and 19 launches per KV-cache group fewer per round); the
+  mixed-batch GPU suite (tests/gpu/test_ddtree_vllm.py) and the compiled kernel tests
+  passed with it on the H200;
+* ``torch``: batched PyTorch ops (``tree.follow_tree``,
+  ``verify_batch.compact_kv_cache_``), the earlier path, kept as a fallback.
 
-The default flips to ``triton`` once ``tests/gpu/`` has passed with it. CPU tensors
-always take the PyTorch path.
+CPU tensors always take the PyTorch path.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 ROUND_KERNELS_ENV = "VLLM_DDTREE_ROUND_KERNELS"
 ROUND_KERNEL_CHOICES = ("torch", "triton")
-DEFAULT_ROUND_KERNELS = "torch"
+DEFAULT_ROUND_KERNELS = "triton"
 
 
 def round_kernels() -> str:

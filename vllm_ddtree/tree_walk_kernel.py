@@ -17,9 +17,8 @@ its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
 once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
 the launch can be captured in a CUDA graph.
 
-:func:`follow_tree_fast` picks the kernel for CUDA tensors when
-``VLLM_DDTREE_ROUND_KERNELS=triton`` (``vllm_ddtree.round_kernels``; the default is
-still ``follow_tree`` until the GPU tests pass with the kernel) and ``follow_tree``
+:func:`follow_tree_fast` picks the kernel for CUDA tensors unless
+``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``) and ``follow_tree``
 otherwise (the kernel runs on CPU only in Triton's interpreter, for tests).
 """
 
