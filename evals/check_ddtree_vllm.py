@@ -140,6 +140,12 @@ def install_trace(max_steps: int) -> list:
         return original_mqa(self, q, kv_cache, attn_metadata, layer)
 
     from vllm_ddtree import speculator as speculator_mod
+    from vllm_ddtree.verify_batch import page_index
+
+    def slot_distance(pages, src, dst) -> float:
+        """Summed |row(src) - row(dst)| over moves, in a [num_blocks, page, *row] view."""
+        return float((pages[page_index(pages, src)].float()
+                      - pages[page_index(pages, dst)].float()).abs().sum())
 
     compactions: list = []
     original_compact = speculator_mod.DDTreeSpeculator._compact_target_kv
@@ -160,16 +166,14 @@ def install_trace(max_steps: int) -> list:
                     slot_mappings[names[0]], query_start_loc, kv_src_rows)
                 cache = self.vllm_config.compilation_config.static_forward_context[
                     names[0]].kv_cache
-                rows = speculator_mod.slot_rows_views(cache)[0]
+                rows = speculator_mod.kv_page_views(cache)[0]
                 ok = src >= 0
                 record.update(src=as_list(src[:8]), dst=as_list(dst[:8]),
                               cache_shape=list(cache.shape), cache_stride=list(cache.stride()))
-                record["src_minus_dst_before"] = float(
-                    (rows[src[ok]].float() - rows[dst[ok]].float()).abs().sum())
+                record["src_minus_dst_before"] = slot_distance(rows, src[ok], dst[ok])
         original_compact(self, slot_mappings, query_start_loc, kv_src_rows)
         if record is not None and "src" in record:
-            record["src_minus_dst_after"] = float(
-                (rows[src[ok]].float() - rows[dst[ok]].float()).abs().sum())
+            record["src_minus_dst_after"] = slot_distance(rows, src[ok], dst[ok])
         if record is not None:
             compactions.append(record)
 

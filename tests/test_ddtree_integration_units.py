@@ -295,7 +295,7 @@ def test_num_sampled_and_rejected_matches_vllm_rule():
 
 
 def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
-    from vllm_ddtree.speculator import path_compaction_slots, slot_rows_views
+    from vllm_ddtree.speculator import kv_page_views, path_compaction_slots
     from vllm_ddtree.verify_batch import compact_kv_cache_
 
     qlens = [1 + BUDGET, 1 + BUDGET, 3]
@@ -312,32 +312,40 @@ def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0))
     slots = torch.cat([perm[t // page] * page + t % page for t in [torch.arange(total)]])
     cache = torch.zeros(num_blocks, page, dim)
-    flat = slot_rows_views(cache)[0]
-    assert flat.data_ptr() == cache.data_ptr()
-    flat[slots] = torch.arange(total, dtype=torch.float32)[:, None].expand(-1, dim)
+    pages = kv_page_views(cache)[0]
+    assert pages.data_ptr() == cache.data_ptr()
+    cache.view(-1, dim)[slots] = torch.arange(total, dtype=torch.float32)[:, None].expand(-1, dim)
     src, dst = path_compaction_slots(slots, qsl, kv_src_rows)  # short last request
-    compact_kv_cache_(flat, src, dst)
+    compact_kv_cache_(pages, src, dst)
     got = cache.view(-1, dim)[slots][:, 0].long().tolist()
     want = list(range(total))
     want[1:4] = [2, 9, 17]
     assert got == want
 
+    # A page padded to the model's largest (vLLM's unify_kv_cache_spec_page_size):
+    # blocks 7 rows apart, each holding 4 slots; the padding is never touched.
+    padded = torch.full((num_blocks, page + 3, dim), -5.0)[:, :page]
+    cache.view(-1, dim)[slots] = torch.arange(total, dtype=torch.float32)[:, None].expand(-1, dim)
+    padded.copy_(cache)
+    compact_kv_cache_(kv_page_views(padded)[0], src, dst)
+    compact_kv_cache_(pages, src, dst)
+    assert torch.equal(padded, cache)
+    assert (padded.as_strided((num_blocks, 3, dim), padded.stride(), page * dim) == -5).all()
+
     fa = torch.zeros(2, num_blocks, page, 2, 5)
-    views = slot_rows_views(fa)
-    assert [v.shape for v in views] == [(num_blocks * page, 2, 5)] * 2
+    views = kv_page_views(fa)
+    assert [v.shape for v in views] == [(num_blocks, page, 2, 5)] * 2
     assert views[1].data_ptr() == fa[1].data_ptr()
     with pytest.raises(NotImplementedError, match="layout"):
-        slot_rows_views(torch.zeros(3, 4, 2, 3, 5))  # 5-D but not [2, ...]
-    with pytest.raises(NotImplementedError, match="view"):  # no slot-major view
-        slot_rows_views(torch.zeros(num_blocks, 2, page, 6).transpose(0, 2))
+        kv_page_views(torch.zeros(3, 4, 2, 3, 5))  # 5-D but not [2, ...]
 
     # vLLM Triton / GQA tree backend: logical [nb, H, page, 2D] over a physical
-    # [nb, page, H, 2D] tensor; one slot-major view moves K and V together.
+    # [nb, page, H, 2D] tensor; one page view moves K and V together.
     physical = torch.arange(num_blocks * page * 2 * 6, dtype=torch.float32).view(
         num_blocks, page, 2, 6)
     triton_cache = physical.permute(0, 2, 1, 3)
-    (rows,) = slot_rows_views(triton_cache)
-    assert rows.shape == (num_blocks * page, 2, 6) and rows.data_ptr() == physical.data_ptr()
+    (rows,) = kv_page_views(triton_cache)
+    assert rows.shape == (num_blocks, page, 2, 6) and rows.data_ptr() == physical.data_ptr()
     want = physical.view(-1, 2, 6)[5].clone()
     compact_kv_cache_(rows, torch.tensor([5]), torch.tensor([1]))
     assert torch.equal(triton_cache[0, :, 1], want)  # block 0, page offset 1, all heads

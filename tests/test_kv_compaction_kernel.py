@@ -2,7 +2,7 @@
 """Triton KV compaction (``vllm_ddtree.kv_compaction_kernel``) vs its PyTorch reference
 ``verify_batch.compact_kv_cache_``, on moves built by the real ``compaction_slots`` /
 ``path_compaction_slots`` from random trees and walks, in every cache layout
-``speculator.slot_rows_views`` knows; the path-order property of the moves; and
+``speculator.kv_page_views`` knows; the path-order property of the moves; and
 ``DDTreeSpeculator._compact_target_kv`` on the Triton path.
 
 Without a GPU the kernels run in Triton's interpreter (tests/conftest.py sets
@@ -29,7 +29,7 @@ from vllm_ddtree import kv_compaction_kernel as kck  # noqa: E402
 from vllm_ddtree.speculator import (  # noqa: E402
     DDTreeSpeculator,
     path_compaction_slots,
-    slot_rows_views,
+    kv_page_views,
 )
 from vllm_ddtree.tree import DraftTree, build_ddtree, follow_tree  # noqa: E402
 from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots  # noqa: E402
@@ -189,6 +189,10 @@ LAYOUTS = {
     "mla": (lambda nb, ps: (nb, ps, 576), lambda phys: phys),
     # MLA with padded rows: slot stride 640, rows of 576
     "mla_padded": (lambda nb, ps: (nb, ps, 640), lambda phys: phys[..., :576]),
+    # MLA with padded pages (vLLM's unify_kv_cache_spec_page_size beside a larger
+    # drafter page): blocks ps * 576 + 96 elements apart, not a whole number of rows
+    "mla_page_padded": (lambda nb, ps: (nb, ps * 576 + 96),
+                        lambda phys: phys[:, :-96].view(phys.shape[0], -1, 576)),
     # FlashAttention [2, nb, page, H, D]: K and V views
     "flash": (lambda nb, ps: (2, nb, ps, HEADS, HEAD_DIM), lambda phys: phys),
     # vLLM Triton / GQA tree backend: logical [nb, H, page, 2D] over [nb, page, H, 2D]
@@ -229,7 +233,8 @@ KINDS = ["tree", "prefill", "tree", "chain", "tree", "tree", "decode"]
 
 CASES = [
     ("mla", torch.bfloat16), ("mla", torch.float32), ("mla", torch.float8_e4m3fn),
-    ("mla_padded", torch.bfloat16), ("flash", torch.bfloat16), ("flash", torch.float32),
+    ("mla_padded", torch.bfloat16), ("mla_page_padded", torch.bfloat16),
+    ("mla_page_padded", torch.float8_e4m3fn), ("flash", torch.bfloat16), ("flash", torch.float32),
     ("gqa", torch.bfloat16), ("gqa_padded", torch.float32), ("gqa_padded", torch.bfloat16),
 ]
 
@@ -246,20 +251,20 @@ def test_kernels_match_the_reference(layout, dtype, page_size, launches):
     src, dst = on_device(batch)
 
     want = physical.clone()
-    for rows in reference_views(slot_rows_views(logical(want))):
+    for rows in reference_views(kv_page_views(logical(want))):
         compact_kv_cache_(rows, src, dst)
     assert not torch.equal(bits(want), bits(physical))  # something moved
 
-    views = slot_rows_views(logical(physical))
+    views = kv_page_views(logical(physical))
     single = physical.clone()
-    for rows in slot_rows_views(logical(single)):
+    for rows in kv_page_views(logical(single)):
         kck.compact_kv_rows_(rows, src, dst, DEPTHS)
     assert torch.equal(bits(single), bits(want))  # padding included
     assert len(launches.single) == len(views) and not launches.fallbacks
     assert launches.single[0] == (len(KINDS), 1)  # one program per request
 
     grouped = physical.clone()
-    kck.compact_kv_views_(slot_rows_views(logical(grouped)), src, dst, DEPTHS)
+    kck.compact_kv_views_(kv_page_views(logical(grouped)), src, dst, DEPTHS)
     assert torch.equal(bits(grouped), bits(want))
     if len(views) > 1:  # flash K and V: one launch through the address table
         assert launches.table == [(len(KINDS), 1, 2)]
@@ -274,9 +279,9 @@ def test_all_views_of_a_group_in_one_launch_per_row_layout(launches):
               for name in ("mla", "mla", "mla", "flash", "gqa_padded", "mla_padded")]
     # a row layout the kernel does not take (inner stride != 1): the reference moves it
     odd = torch.randn(batch.num_blocks * 16, HEAD_DIM, HEADS, generator=gen).to(DEVICE)
-    odd = odd.transpose(1, 2)
+    odd = odd.transpose(1, 2).unsqueeze(1)  # pages of one slot
     assert kck.row_layout(odd) is None
-    views = [v for c in caches for v in slot_rows_views(c)] + [odd]
+    views = [v for c in caches for v in kv_page_views(c)] + [odd]
     want = [v.clone() for v in views]
     for v in want:
         compact_kv_cache_(v, src, dst)
@@ -310,7 +315,7 @@ def test_moves_that_overlap_and_moves_in_place(launches):
     cache = torch.arange(64 * 3, dtype=torch.float32).view(64, 3).to(DEVICE)
     want = cache.clone()
     want[41:44] = cache[42:45]
-    kck.compact_kv_rows_(cache, src.to(DEVICE), dst.to(DEVICE), 5)
+    kck.compact_kv_rows_(cache.unsqueeze(1), src.to(DEVICE), dst.to(DEVICE), 5)
     assert torch.equal(cache, want)
 
     # a source that is an earlier move's destination (no path does this): still the
@@ -320,42 +325,51 @@ def test_moves_that_overlap_and_moves_in_place(launches):
             [{3: 1, 1: 2, -1: -1}[s] for s in order], device=DEVICE)
         got = torch.arange(10.0, device=DEVICE)[:, None].repeat(1, 4)
         want = got.clone()
-        compact_kv_cache_(want, *moves)
-        kck.compact_kv_rows_(got, *moves)  # path_len None: one sequence
+        compact_kv_cache_(want.unsqueeze(1), *moves)
+        kck.compact_kv_rows_(got.unsqueeze(1), *moves)  # path_len None: one sequence
         assert torch.equal(got, want) and got[:, 0].tolist() == [0, 3, 1, 3, 4, 5, 6, 7, 8, 9]
     nothing = torch.arange(10.0, device=DEVICE)[:, None]
-    kck.compact_kv_rows_(nothing, torch.full((4,), -1, device=DEVICE),
+    kck.compact_kv_rows_(nothing.unsqueeze(1), torch.full((4,), -1, device=DEVICE),
                          torch.full((4,), -1, device=DEVICE), 2)
     assert nothing[:, 0].tolist() == list(range(10))
 
 
 def test_row_layouts():
-    assert kck.row_layout(torch.zeros(8, 576, dtype=torch.bfloat16))[1] == kck.RowLayout(
-        torch.int64, 144, 1, 144, 144)
-    padded = torch.zeros(8, 2, 40)[..., :32]  # fp32 rows of 2 chunks of 32
-    view, layout = kck.row_layout(padded)
-    assert layout == kck.RowLayout(torch.int64, 40, 2, 20, 16)
+    def layout(t):
+        return kck.row_layout(t)[1]
+
+    mla = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+    assert layout(mla) == kck.RowLayout(torch.int64, 16, 16 * 144, 144, 1, 144, 144)
+    # a padded page: blocks 16 * 576 + 96 bf16 elements apart
+    paged = torch.zeros(8, 16 * 576 + 96, dtype=torch.bfloat16)[:, :-96].view(8, 16, 576)
+    view, got = kck.row_layout(paged)
+    assert got == kck.RowLayout(torch.int64, 16, (16 * 576 + 96) // 4, 144, 1, 144, 144)
+    assert view.data_ptr() == paged.data_ptr()
+    padded = torch.zeros(8, 1, 2, 40)[..., :32]  # fp32 rows of 2 chunks of 32
+    view, got = kck.row_layout(padded)
+    assert got == kck.RowLayout(torch.int64, 1, 40, 40, 2, 20, 16)
     assert view.data_ptr() == padded.data_ptr()
-    strided = torch.zeros(8, 6, dtype=torch.float16)[:, ::2]  # one strided run
-    assert kck.row_layout(strided)[1] == kck.RowLayout(torch.int16, 6, 3, 2, 1)
-    assert kck.row_layout(torch.zeros(8))[1] == kck.RowLayout(torch.int32, 1, 1, 1, 1)
-    assert kck.row_layout(torch.zeros(8, 1, 3, dtype=torch.bfloat16))[1].dtype == torch.int16
-    assert kck.row_layout(torch.zeros(8, 4, 5).transpose(1, 2)) is None  # inner stride 4
-    assert kck.row_layout(torch.zeros(8, 1).expand(8, 4)) is None  # aliasing elements
-    assert kck.row_layout(torch.zeros(8, 2, 3, 4)[:, :, :2, :3]) is None  # 3 dims
-    chunked = torch.zeros(8, 2, 3, 4)[:, :, :2, :]  # the last two dims merge
-    assert kck.row_layout(chunked)[1] == kck.RowLayout(torch.int64, 12, 2, 6, 4)
-    assert kck.row_layout(torch.zeros(0, 4)) is None
+    strided = torch.zeros(8, 1, 6, dtype=torch.float16)[..., ::2]  # one strided run
+    assert layout(strided) == kck.RowLayout(torch.int16, 1, 6, 6, 3, 2, 1)
+    assert layout(torch.zeros(8, 1)) == kck.RowLayout(torch.int32, 1, 1, 1, 1, 1, 1)
+    assert layout(torch.zeros(8, 1, 1, 3, dtype=torch.bfloat16)).dtype == torch.int16
+    assert kck.row_layout(torch.zeros(8, 1, 4, 5).transpose(2, 3)) is None  # inner stride 4
+    assert kck.row_layout(torch.zeros(8, 1, 1).expand(8, 1, 4)) is None  # aliasing elements
+    assert kck.row_layout(torch.zeros(8, 1, 2, 3, 4)[:, :, :, :2, :3]) is None  # 3 dims
+    chunked = torch.zeros(8, 1, 2, 3, 4)[:, :, :, :2, :]  # the last two dims merge
+    assert layout(chunked) == kck.RowLayout(torch.int64, 1, 12, 12, 2, 6, 4)
+    assert kck.row_layout(torch.zeros(0, 1, 4)) is None
+    assert kck.row_layout(torch.zeros(8)) is None  # no page dim
 
 
 def test_fallback_layouts_and_bad_arguments(launches):
     gen = torch.Generator().manual_seed(4)
-    odd = torch.randn(32, 4, 5, generator=gen).to(DEVICE).transpose(1, 2)
+    odd = torch.randn(32, 4, 5, generator=gen).to(DEVICE).transpose(1, 2).unsqueeze(1)
     want = odd.clone()
     src, dst = torch.tensor([5, -1, 9], device=DEVICE), torch.tensor([1, -1, 2], device=DEVICE)
     compact_kv_cache_(want, src, dst)
     kck.compact_kv_rows_(odd, src, dst, 3)
-    assert torch.equal(odd, want) and launches.fallbacks == [(32, 5, 4)]
+    assert torch.equal(odd, want) and launches.fallbacks == [(32, 1, 5, 4)]
     assert not launches.single
     empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
     kck.compact_kv_rows_(want, empty, empty, DEPTHS)  # no request: nothing runs
@@ -382,7 +396,7 @@ def test_cpu_path_is_the_reference(monkeypatch):
     monkeypatch.setattr(kck, "_compact_rows_table_kernel", NoLaunch())
     monkeypatch.setattr(kck, "_compact_paths_kernel", NoLaunch())
     batch = make_batch(KINDS, 4, seed=5)
-    caches = [torch.randn(batch.num_blocks * 4, 8) for _ in range(4)]
+    caches = [torch.randn(batch.num_blocks, 4, 8) for _ in range(4)]
     want = [c.clone() for c in caches]
     for w in want:
         compact_kv_cache_(w, batch.src, batch.dst)
@@ -428,7 +442,7 @@ def test_a_destination_is_only_an_earlier_moves_source(seed, page_size):
         # so moving k = 0, 1, .. one at a time gives the reference's result
         cache = torch.arange(int(batch.slots.max()) + 1, dtype=torch.float32)[:, None]
         want = cache.clone()
-        compact_kv_cache_(want, torch.tensor(src[r]), torch.tensor(dst[r]))
+        compact_kv_cache_(want.unsqueeze(1), torch.tensor(src[r]), torch.tensor(dst[r]))
         for _, s, d in pairs:
             cache[d] = cache[s]
         assert torch.equal(cache, want)
@@ -549,12 +563,14 @@ STORAGES = {
     "D": ("gqa_padded", torch.float32, 1),
     "E": ("mla", torch.float32, 1),
     "F": ("gqa", torch.bfloat16, 16),
+    "G": ("mla_page_padded", torch.bfloat16, 16),
 }
 # Target layers: name -> (storage, group). t.2 aliases t.0's cache (KV sharing inside a
 # group: compacted once); t.3 is t.0's storage in another group (compacted again with
 # its own slots).
 GROUP_LAYERS = {"t.0": ("A", 0), "t.1": ("B", 0), "t.2": ("A", 0), "t.3": ("A", 1),
-                "t.4": ("C", 2), "t.5": ("D", 3), "t.6": ("E", 3), "t.7": ("F", 4)}
+                "t.4": ("C", 2), "t.5": ("D", 3), "t.6": ("E", 3), "t.7": ("F", 4),
+                "t.8": ("G", 4)}
 GROUP_PAGES = {0: 16, 1: 16, 2: 1, 3: 1, 4: 16}
 MAX_TOKENS = 8 * (1 + BUDGET)  # the slot-mapping buffer's row length
 
@@ -613,7 +629,7 @@ def per_group_reference_(physical, slot_rows, qsl, kv_src_rows) -> None:
         for name, (_, group) in GROUP_LAYERS.items():
             if group == g and caches[name].data_ptr() not in seen:
                 seen.add(caches[name].data_ptr())
-                for rows in reference_views(slot_rows_views(caches[name])):
+                for rows in reference_views(kv_page_views(caches[name])):
                     compact_kv_cache_(rows, src, dst)
 
 
@@ -653,8 +669,9 @@ def test_whole_round_in_one_launch_per_layout_matches_the_per_group_path(seed, l
                                 qsl, kv_src_rows)
         for key in physical:
             assert torch.equal(bits(physical[key]), bits(want[key])), (r, key)
-        # bf16 MLA t.0, t.1, t.3; flash K+V; bf16 GQA; fp32 padded GQA; fp32 MLA
-        assert sorted(g[2] for g in launches.paths) == [1, 1, 1, 2, 3]
+        # bf16 MLA t.0, t.1, t.3; flash K+V; bf16 GQA; fp32 padded GQA; fp32 MLA;
+        # bf16 MLA with padded pages
+        assert sorted(g[2] for g in launches.paths) == [1, 1, 1, 1, 2, 3]
         assert all(g[0] == len(batch.qlens) for g in launches.paths)
     assert len(kck._PLANS) == 1  # same addresses, other lengths: the table is reused
     assert not launches.fallbacks and not launches.single and not launches.table
@@ -685,8 +702,8 @@ def test_one_launch_and_no_other_device_op_per_round(num_groups, launches, monke
     pause_during_launches(monkeypatch, counter)
 
     for views_of, want_grids in (
-        (lambda: slot_rows_views(mla), [(len(batch.qlens), 1, num_groups)]),
-        (lambda: slot_rows_views(mla) + slot_rows_views(flash),
+        (lambda: kv_page_views(mla), [(len(batch.qlens), 1, num_groups)]),
+        (lambda: kv_page_views(mla) + kv_page_views(flash),
          [(len(batch.qlens), 1, num_groups), (len(batch.qlens), 1, 2 * num_groups)]),
     ):
         groups = [(slot_rows[g], views_of()) for g in range(num_groups)]
@@ -718,7 +735,7 @@ def test_walk_entries_outside_a_request_move_nothing(launches):
     slots = buffer[:7]
     kv_src_rows = torch.tensor([[2, 5, -1], [1, 2, -1], [1, 2, 3]], device=DEVICE)
     cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
-    kck.compact_kv_paths_([(slots, [cache])], qsl, kv_src_rows)
+    kck.compact_kv_paths_([(slots, [cache.unsqueeze(1)])], qsl, kv_src_rows)
     got = cache[:, 0].tolist()
     # request 0: row 2 -> 1 (row 5 is request 1's; its dst row 2 is in place anyway);
     # request 1: rows 1, 2 in place; request 2 (one row): nothing
@@ -727,12 +744,12 @@ def test_walk_entries_outside_a_request_move_nothing(launches):
 
     # query_start_loc past the slot mapping (6 rows): request 1's rows stop at 6
     cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
-    kck.compact_kv_paths_([(buffer[:6], [cache])], qsl,
+    kck.compact_kv_paths_([(buffer[:6], [cache.unsqueeze(1)])], qsl,
                           torch.tensor([[-1, -1, -1], [2, -1, -1], [-1, -1, -1]],
                                        device=DEVICE))
     assert cache[:, 0].tolist() == [0, 1, 2, 3, 5, 5] + list(range(6, 40))
     cache = torch.arange(40.0, device=DEVICE)[:, None].repeat(1, 4)
-    kck.compact_kv_paths_([(buffer[:4], [cache])], qsl,
+    kck.compact_kv_paths_([(buffer[:4], [cache.unsqueeze(1)])], qsl,
                           torch.tensor([[-1, -1, -1], [2, -1, -1], [-1, -1, -1]],
                                        device=DEVICE))
     assert cache[:, 0].tolist() == list(range(40))
@@ -746,10 +763,10 @@ def test_paths_fallbacks_and_new_addresses(launches):
     gen = torch.Generator().manual_seed(12)
     n = batch.slots.shape[0]
     other = (batch.slots + batch.num_blocks).to(DEVICE)  # group 1: the next blocks
-    mla = random_physical((2 * batch.num_blocks, 576), torch.bfloat16, gen)
+    mla = random_physical((2 * batch.num_blocks, 1, 576), torch.bfloat16, gen)
     odd = torch.randn(2 * batch.num_blocks, HEAD_DIM, HEADS, generator=gen).to(DEVICE)
-    odd = odd.transpose(1, 2)
-    mla2 = random_physical((2 * batch.num_blocks, 64), torch.float32, gen)
+    odd = odd.transpose(1, 2).unsqueeze(1)
+    mla2 = random_physical((2 * batch.num_blocks, 1, 64), torch.float32, gen)
     qsl, kv_src_rows = batch.qsl.to(DEVICE), batch.kv_src_rows.to(DEVICE)
     want = [mla.clone(), odd.clone(), mla2.clone()]
     for slots, views in ((batch.slots.to(DEVICE), want[:2]), (other, want[2:])):

@@ -114,6 +114,45 @@ def test_mixed_batch_matches_reference(page_size, dtype):
 
 
 @needs_kernels
+def test_padded_pages():
+    """vLLM pads an MLA layer's page to the model's largest page (a GQA drafter beside
+    the target, ``unify_kv_cache_spec_page_size``) when the backend indexes pages by
+    the block stride, as ``TreeMLABackend`` declares: blocks sit further apart than
+    ``page_size * head_dim`` elements, by an amount that is not a whole row."""
+    batch = make_batch(MIXED, page_size=4, seed=11)
+    kv = batch["kv_cache"]
+    num_blocks, page, dim = kv.shape
+    storage = torch.full((num_blocks, page * dim + 40), float("nan"), device=DEVICE)
+    padded = storage[:, : page * dim].view(num_blocks, page, dim)
+    padded.copy_(kv)
+    assert padded.stride(0) == page * dim + 40
+    out, lse = assert_matches_reference({**batch, "kv_cache": padded})
+    want_out, want_lse = mla_tree_verify(**batch)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+def test_backend_lets_vllm_pad_its_pages():
+    """A Kimi-K2-shaped MLA target (576-wide latent rows) beside a Kimi-K2.6-shaped
+    DFlash drafter (8 KV heads x 128): the pages (18 KiB, 64 KiB at block 16) do not
+    divide, so vLLM must pad the target's; before the stride order it refused to
+    start ("page size is not divisible by the maximum page size")."""
+    from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from attention_backends.mla_tree.backend import TreeMLABackend
+
+    assert TreeMLABackend.indexes_kv_by_block_stride()
+    target = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
+                              dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
+    drafter = FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128,
+                                dtype=torch.bfloat16)
+    assert drafter.page_size_bytes % target.page_size_bytes
+    unified = unify_kv_cache_spec_page_size({"target": target, "drafter": drafter})
+    assert unified["target"].page_size_bytes == drafter.page_size_bytes
+    assert unified["target"].block_size == 16  # padded, not a larger block
+
+
+@needs_kernels
 @pytest.mark.parametrize("seed", range(4))
 def test_random_trees(seed):
     rng = random.Random(seed)

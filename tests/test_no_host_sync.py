@@ -516,7 +516,7 @@ def round_components(sc) -> dict:
     """Every device-side function of a round, as zero-argument calls on the state a
     first (undetected) round left behind."""
     b, state, spec, budget = sc.batch, sc.state, sc.spec, sc.budget
-    from vllm_ddtree.speculator import path_compaction_slots, slot_rows_views
+    from vllm_ddtree.speculator import path_compaction_slots, kv_page_views
 
     idx = b.idx_mapping.long()
     drawn, _, _ = sc.verifier.draw_target_tokens(sc.logits, b)
@@ -525,7 +525,7 @@ def round_components(sc) -> dict:
                         sc.top_k)
     src, dst = path_compaction_slots(sc.slot_mappings["t.0"], b.query_start_loc,
                                      walk.kv_src_rows)
-    rows = slot_rows_views(sc.caches["t.0"])[0]
+    rows = kv_page_views(sc.caches["t.0"])[0]
     targets = torch.randint(0, VOCAB, (b.num_reqs, 1 + budget), generator=sc.gen)
     is_tree = torch.tensor([k == "tree" for k in sc.kinds])
     drafter_logits = torch.randn(b.num_reqs, DEPTHS, VOCAB, generator=sc.gen)

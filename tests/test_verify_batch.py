@@ -73,7 +73,7 @@ def test_sampled_rows_and_compaction_follow_the_walk():
     src, dst = compaction_slots(slots, qsl, walk.kv_src_rows)
     cache = torch.randn(4096, 3, generator=GEN)
     before = cache.clone()
-    compact_kv_cache_(cache, src, dst)
+    compact_kv_cache_(cache.view(256, 16, 3), src, dst)  # pages of 16 slots
     for r in range(3):
         a = int(walk.accepted_depth[r])
         for k in range(a):
@@ -87,10 +87,10 @@ def test_sampled_rows_and_compaction_follow_the_walk():
 def test_compaction_reads_sources_before_writing():
     cache = torch.arange(10.0)[:, None]
     # 3 -> 1 and 1 -> 2: slot 1 is both a destination and a source
-    compact_kv_cache_(cache, torch.tensor([3, 1, -1]), torch.tensor([1, 2, -1]))
+    compact_kv_cache_(cache.unsqueeze(1), torch.tensor([3, 1, -1]), torch.tensor([1, 2, -1]))
     assert cache[:, 0].tolist() == [0, 3, 1, 3, 4, 5, 6, 7, 8, 9]
     nothing = torch.arange(10.0)[:, None]
-    compact_kv_cache_(nothing, torch.tensor([-1, -1]), torch.tensor([-1, -1]))
+    compact_kv_cache_(nothing.unsqueeze(1), torch.tensor([-1, -1]), torch.tensor([-1, -1]))
     assert nothing[:, 0].tolist() == list(range(10))
 
 

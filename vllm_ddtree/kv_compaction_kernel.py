@@ -33,16 +33,19 @@ never a later one; ``tests/test_kv_compaction_kernel.py`` checks that property o
 random walks. The kernel does not rely on it.)
 
 Rows are copied bit for bit: the view is reinterpreted as the widest integer dtype
-its strides allow (bf16 ``[S, 576]`` -> int64 ``[S, 144]``), so any dtype (fp8
+its strides allow (bf16 ``[nb, bs, 576]`` -> int64 ``[nb, bs, 144]``), so any dtype (fp8
 included) works and values are never converted. A row may be non-contiguous: after
 dropping size-1 dims and merging adjacent dims, it must be at most ``num_chunks``
 equally spaced contiguous chunks (``[num_chunks, chunk_len]`` with strides
 ``[chunk_stride, 1]``), or one strided run (``chunk_len == 1``). Other row layouts
-fall back to ``compact_kv_cache_`` (see :func:`row_layout`). The slot stride is free.
+fall back to ``compact_kv_cache_`` (see :func:`row_layout`). Views are ``[num_blocks,
+page, *row]``: slot ``s`` is row ``s % page`` of block ``s // page``, and the block and
+page strides are free, so vLLM's padded pages (a layer's page padded to the model's
+largest, e.g. an MLA target beside a GQA drafter) need no flat slot view.
 
 Entry points:
 
-* :func:`compact_kv_rows_`: one ``[num_slots, *row]`` view, one launch.
+* :func:`compact_kv_rows_`: one ``[num_blocks, page, *row]`` view, one launch.
 * :func:`compact_kv_views_`: many views sharing one ``src, dst`` (one KV-cache
   group): one launch per distinct row layout, through a cached int64 table of the
   views' base addresses (cast to pointers in-kernel).
@@ -89,8 +92,16 @@ _TL_DTYPES = {torch.int64: tl.int64, torch.int32: tl.int32, torch.int16: tl.int1
 
 
 @triton.jit
+def _slot_offsets(slot, page, block_stride, slot_stride):
+    """Element offset of slot ``slot`` (int64) in a ``[num_blocks, page, *row]`` view:
+    block ``slot // page`` (a padded page makes ``block_stride > page * slot_stride``),
+    row ``slot % page`` in it."""
+    return (slot // page) * block_stride + (slot % page) * slot_stride
+
+
+@triton.jit
 def _move_rows(
-    Rows, src, dst, slot_stride, chunk_stride, chunk_len, row_elems,
+    Rows, src, dst, page, block_stride, slot_stride, chunk_stride, chunk_len, row_elems,
     BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
     """Moves ``Rows[src_k] -> Rows[dst_k]`` (``[BLOCK_L]`` int64 slots, ``-1``: no move)
@@ -101,16 +112,19 @@ def _move_rows(
     else:
         elem = (offs_c // chunk_len) * chunk_stride + offs_c % chunk_len
     mask = (src >= 0)[:, None] & (offs_c < row_elems)[None, :]
-    tile = tl.load(Rows + src[:, None] * slot_stride + elem[None, :], mask=mask)
+    src_offs = _slot_offsets(tl.maximum(src, 0), page, block_stride, slot_stride)
+    dst_offs = _slot_offsets(tl.maximum(dst, 0), page, block_stride, slot_stride)
+    tile = tl.load(Rows + src_offs[:, None] + elem[None, :], mask=mask)
     # Every source element is read before any destination is written: a destination
     # can be another move's source, held by another thread of this program.
     tl.debug_barrier()
-    tl.store(Rows + dst[:, None] * slot_stride + elem[None, :], tile, mask=mask)
+    tl.store(Rows + dst_offs[:, None] + elem[None, :], tile, mask=mask)
 
 
 @triton.jit
 def _move_tile(
-    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    Rows, Src, Dst, path_len, page, block_stride, slot_stride, chunk_stride, chunk_len,
+    row_elems,
     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
     """Program ``(request, column block)``: all of the request's moves, one tile."""
@@ -120,37 +134,39 @@ def _move_tile(
     first = req.to(tl.int64) * path_len
     src = tl.load(Src + first + offs_l, mask=in_path, other=-1).to(tl.int64)
     dst = tl.load(Dst + first + offs_l, mask=in_path, other=-1).to(tl.int64)
-    _move_rows(Rows, src, dst, slot_stride, chunk_stride, chunk_len, row_elems,
-               BLOCK_C, CONTIGUOUS)
+    _move_rows(Rows, src, dst, page, block_stride, slot_stride, chunk_stride, chunk_len,
+               row_elems, BLOCK_C, CONTIGUOUS)
 
 
 @triton.jit
 def _compact_rows_kernel(
-    Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    Rows, Src, Dst, path_len, page, block_stride, slot_stride, chunk_stride, chunk_len,
+    row_elems,
     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, cdiv(row_elems, BLOCK_C))`` over one view ``Rows``."""
-    _move_tile(Rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
-               BLOCK_L, BLOCK_C, CONTIGUOUS)
+    _move_tile(Rows, Src, Dst, path_len, page, block_stride, slot_stride, chunk_stride,
+               chunk_len, row_elems, BLOCK_L, BLOCK_C, CONTIGUOUS)
 
 
 @triton.jit
 def _compact_rows_table_kernel(
-    Table, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
+    Table, Src, Dst, path_len, page, block_stride, slot_stride, chunk_stride, chunk_len,
+    row_elems,
     ELEM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(R, cdiv(row_elems, BLOCK_C), num_views)``: view ``program_id(2)`` has its
     base address at ``Table[program_id(2)]`` (int64) and elements of type ``ELEM``."""
     rows = tl.load(Table + tl.program_id(2)).to(tl.pointer_type(ELEM))
-    _move_tile(rows, Src, Dst, path_len, slot_stride, chunk_stride, chunk_len, row_elems,
-               BLOCK_L, BLOCK_C, CONTIGUOUS)
+    _move_tile(rows, Src, Dst, path_len, page, block_stride, slot_stride, chunk_stride,
+               chunk_len, row_elems, BLOCK_L, BLOCK_C, CONTIGUOUS)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # num_tokens_padded changes every step
 def _compact_paths_kernel(
     Table, QueryStart, KvSrcRows, kv_stride_r, kv_stride_k, path_len, num_tokens,
-    slot_stride, chunk_stride, chunk_len, row_elems,
+    page, block_stride, slot_stride, chunk_stride, chunk_len, row_elems,
     ELEM: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
 ):  # fmt: skip
@@ -181,17 +197,21 @@ def _compact_paths_kernel(
     src = tl.load(slots + src_row, mask=valid, other=-1)
     dst = tl.load(slots + dst_row, mask=valid, other=-1)
     moving = valid & (src >= 0) & (dst >= 0) & (src != dst)
-    _move_rows(rows, tl.where(moving, src, -1), tl.where(moving, dst, -1), slot_stride,
-               chunk_stride, chunk_len, row_elems, BLOCK_C, CONTIGUOUS)
+    _move_rows(rows, tl.where(moving, src, -1), tl.where(moving, dst, -1), page,
+               block_stride, slot_stride, chunk_stride, chunk_len, row_elems, BLOCK_C,
+               CONTIGUOUS)
 
 
 @dataclass(frozen=True)
 class RowLayout:
     """How one slot's row sits in memory, in elements of ``dtype`` (an integer dtype
     the view is reinterpreted as): slot ``s``'s element ``c`` (``0 <= c < row_elems``)
-    is at ``s * slot_stride + (c // chunk_len) * chunk_stride + c % chunk_len``."""
+    is at ``(s // page) * block_stride + (s % page) * slot_stride
+    + (c // chunk_len) * chunk_stride + c % chunk_len``."""
 
     dtype: torch.dtype
+    page: int
+    block_stride: int
     slot_stride: int
     num_chunks: int
     chunk_stride: int
@@ -213,26 +233,27 @@ def use_triton(cache_rows: torch.Tensor) -> bool:
     return use_triton_round_kernels(cache_rows)
 
 
-def _bit_view(cache_rows: torch.Tensor) -> torch.Tensor | None:
-    """``cache_rows`` reinterpreted as the widest integer dtype that keeps its slot
-    dim (only the last dim may change size), or None (e.g. complex dtypes)."""
-    size = cache_rows.element_size()
+def _bit_view(pages: torch.Tensor) -> torch.Tensor | None:
+    """``pages`` reinterpreted as the widest integer dtype that keeps its block and
+    page dims (only the last row dim may change size), or None (e.g. complex
+    dtypes)."""
+    size = pages.element_size()
     for dtype in _BIT_DTYPES:
         itemsize = dtype.itemsize
-        if itemsize < size or (itemsize > size and cache_rows.dim() < 2):
+        if itemsize < size or (itemsize > size and pages.dim() < 3):
             continue
         try:
-            return cache_rows.view(dtype)
+            return pages.view(dtype)
         except RuntimeError:
             continue
     return None
 
 
 def _coalesced_row_dims(view: torch.Tensor) -> list[tuple[int, int]]:
-    """``(size, stride)`` of a row's dims without size-1 dims, adjacent dims merged
-    where ``stride[i] == size[i+1] * stride[i+1]``."""
+    """``(size, stride)`` of a row's dims (after block and page) without size-1 dims,
+    adjacent dims merged where ``stride[i] == size[i+1] * stride[i+1]``."""
     dims: list[tuple[int, int]] = []
-    for size, stride in zip(view.shape[1:], view.stride()[1:], strict=True):
+    for size, stride in zip(view.shape[2:], view.stride()[2:], strict=True):
         if size == 1:
             continue
         if dims and dims[-1][1] == size * stride:
@@ -242,27 +263,28 @@ def _coalesced_row_dims(view: torch.Tensor) -> list[tuple[int, int]]:
     return dims
 
 
-def row_layout(cache_rows: torch.Tensor) -> tuple[torch.Tensor, RowLayout] | None:
-    """The integer view and :class:`RowLayout` the kernels move ``cache_rows`` with,
-    or None when the row layout is not supported (callers use ``compact_kv_cache_``).
+def row_layout(pages: torch.Tensor) -> tuple[torch.Tensor, RowLayout] | None:
+    """The integer view and :class:`RowLayout` the kernels move ``pages`` (a
+    ``[num_blocks, page, *row]`` view, ``speculator.kv_page_views``) with, or None when
+    the row layout is not supported (callers use ``compact_kv_cache_``).
 
-    Supported: rows that coalesce to ``[n]`` (any stride) or ``[num_chunks,
+    Block and page strides are free (padded pages included: vLLM pads a layer's page
+    to the largest page of the model, e.g. an MLA target beside a GQA drafter).
+    Supported rows: those that coalesce to ``[n]`` (any stride) or ``[num_chunks,
     chunk_len]`` with strides ``[chunk_stride >= chunk_len, 1]``. This covers every
-    view ``speculator.slot_rows_views`` returns: MLA ``[S, 576]`` and FlashAttention
-    K / V ``[S, H, D]`` (contiguous rows, also with a padded slot stride), and the
-    vLLM Triton / GQA ``[S, H, 2D]`` view made by a transpose (the view only exists
-    when block and page merge into one slot dim; its rows are contiguous over a
-    physical ``[nb, page, H, 2D]`` and ``H`` chunks when the heads are padded). Not
-    supported: empty views, rows of 3+ non-mergeable dims, an inner dim with stride
-    != 1 under a chunk dim, zero strides (expanded, aliasing rows).
+    view ``speculator.kv_page_views`` returns: MLA ``[nb, bs, 576]``, FlashAttention K
+    / V ``[nb, bs, H, D]`` and the vLLM Triton / GQA ``[nb, bs, H, 2D]`` view made by
+    a transpose (``H`` chunks when the heads are padded). Not supported: empty views,
+    rows of 3+ non-mergeable dims, an inner dim with stride != 1 under a chunk dim,
+    zero strides (expanded, aliasing rows).
     """
-    if cache_rows.dim() < 1 or cache_rows.numel() == 0:
+    if pages.dim() < 2 or pages.numel() == 0:
         return None
-    view = _bit_view(cache_rows)
+    view = _bit_view(pages)
     if view is None:
         return None
     dims = _coalesced_row_dims(view)
-    if any(stride <= 0 for _, stride in dims):
+    if any(stride <= 0 for _, stride in dims) or min(view.stride()[:2]) <= 0:
         return None
     if not dims:
         num_chunks, chunk_stride, chunk_len = 1, 1, 1
@@ -274,7 +296,8 @@ def row_layout(cache_rows: torch.Tensor) -> tuple[torch.Tensor, RowLayout] | Non
         num_chunks, chunk_stride, chunk_len = dims[0][0], dims[0][1], dims[1][0]
     else:
         return None
-    return view, RowLayout(view.dtype, view.stride(0), num_chunks, chunk_stride, chunk_len)
+    return view, RowLayout(view.dtype, view.shape[1], view.stride(0), view.stride(1),
+                           num_chunks, chunk_stride, chunk_len)
 
 
 def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor,
@@ -299,19 +322,20 @@ def _launch_args(layout: RowLayout, num_moves: int, path_len: int):
     block_l = triton.next_power_of_2(path_len)
     block_c = min(triton.next_power_of_2(layout.row_elems), max(32, TILE_ELEMS // block_l))
     grid = (num_moves // path_len, triton.cdiv(layout.row_elems, block_c))
-    args = (path_len, layout.slot_stride, layout.chunk_stride, layout.chunk_len,
-            layout.row_elems)
+    args = (path_len, layout.page, layout.block_stride, layout.slot_stride,
+            layout.chunk_stride, layout.chunk_len, layout.row_elems)
     consts = dict(BLOCK_L=block_l, BLOCK_C=block_c, CONTIGUOUS=layout.contiguous)
     return grid, args, consts
 
 
 def compact_kv_rows_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
                      dst_slots: torch.Tensor, path_len: int | None = None) -> None:
-    """Move ``cache_rows[src] -> cache_rows[dst]`` for every pair with ``src >= 0``, as
+    """Move slot ``src`` -> slot ``dst`` for every pair with ``src >= 0``, as
     ``verify_batch.compact_kv_cache_`` does (all sources read before any write).
 
     Args:
-        cache_rows: ``[num_slots, *row]`` view of one layer's cache, any dtype (see
+        cache_rows: ``[num_blocks, page, *row]`` view of one layer's cache (slot ``s``
+            is row ``s % page`` of block ``s // page``), any dtype (see
             :func:`row_layout` for the row strides the kernel takes; others fall
             back to ``compact_kv_cache_``). Modified in place.
         src_slots, dst_slots: int64 (or int32) ``[R * L]``, request-major as
@@ -404,8 +428,8 @@ def compact_kv_views_(views: list[torch.Tensor], src_slots: torch.Tensor,
     :class:`RowLayout` instead of one per view.
 
     Args:
-        views: ``[num_slots, *row]`` views of distinct, non-overlapping caches on one
-            device (``speculator.slot_rows_views`` of each deduplicated layer cache).
+        views: ``[num_blocks, page, *row]`` views of distinct, non-overlapping caches on
+            one device (``speculator.kv_page_views`` of each deduplicated layer cache).
         src_slots, dst_slots, path_len: as in :func:`compact_kv_rows_`.
 
     The launch reads each view's base address from an int64 table (cast to a pointer
@@ -554,8 +578,8 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
     Args:
         groups: ``(slot_mapping, views)`` pairs, one per KV-cache group:
             ``slot_mapping`` int64 ``[num_tokens]`` (the group's verify-batch slots,
-            ``slot_mappings[layer]`` of ``propose``), ``views`` the ``[num_slots,
-            *row]`` views (``speculator.slot_rows_views``) of the group's distinct
+            ``slot_mappings[layer]`` of ``propose``), ``views`` the ``[num_blocks,
+            page, *row]`` views (``speculator.kv_page_views``) of the group's distinct
             caches. Groups may share storage (vLLM gives groups disjoint blocks of
             one tensor); a (slot mapping, view) pair given twice is moved once.
         query_start_loc: int32/int64 ``[>= R+1]``, request ``r``'s verify rows are

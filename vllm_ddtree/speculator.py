@@ -77,7 +77,7 @@ from vllm_ddtree.verify_batch import compaction_slots
 __all__ = [
     "DDTreeSpeculator",
     "path_compaction_slots",
-    "slot_rows_views",
+    "kv_page_views",
     "target_layers_by_group",
     "warm_tree_caches",
 ]
@@ -97,33 +97,28 @@ def path_compaction_slots(
     return compaction_slots(torch.cat([slot_mapping, pad]), query_start_loc, kv_src_rows)
 
 
-def slot_rows_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
-    """``[num_slots, ...]`` views of one layer's paged KV cache (no copies).
+def kv_page_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """``[num_blocks, page, *row]`` views of one layer's paged KV cache (no copies):
+    slot ``s`` is row ``s % page`` of block ``s // page``; block strides are kept as
+    they are, so pages that vLLM padded to the model's largest page (an MLA target
+    beside a GQA drafter, ``kv_cache_utils.unify_kv_cache_spec_page_size``) work.
 
     Supported logical layouts (``backend.get_kv_cache_shape``):
 
-    * MLA ``[num_blocks, block_size, head_size]`` -> one view ``[-1, head_size]``;
-    * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V views
-      ``[-1, H, D]``;
+    * MLA ``[num_blocks, block_size, head_size]`` -> itself;
+    * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V
+      ``[num_blocks, block_size, H, D]``;
     * vLLM Triton / DDTree GQA ``[num_blocks, H, block_size, 2 * D]`` (K and V side by
-      side, stride order block, page, head) -> one view ``[-1, H, 2 * D]``.
+      side) -> ``[num_blocks, block_size, H, 2 * D]`` (a transpose).
 
-    Raises ``NotImplementedError`` for other layouts, or when the layout's strides
-    (a non-identity ``get_kv_cache_stride_order``, padded pages) prevent a view: a
-    silent copy would drop the writes.
+    Raises ``NotImplementedError`` for other layouts.
     """
-    try:
-        if kv_cache.dim() == 3:
-            return [kv_cache.view(-1, kv_cache.shape[-1])]
-        if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
-            return [kv_cache[i].view(-1, *kv_cache.shape[-2:]) for i in range(2)]
-        if kv_cache.dim() == 4:  # vLLM Triton / DDTree GQA: logical [nb, H, page, 2*D]
-            return [kv_cache.transpose(1, 2).view(-1, kv_cache.shape[1], kv_cache.shape[3])]
-    except RuntimeError as e:
-        raise NotImplementedError(
-            f"DDTree KV compaction needs a slot-major view of the KV cache; shape "
-            f"{tuple(kv_cache.shape)} with strides {kv_cache.stride()} has none"
-        ) from e
+    if kv_cache.dim() == 3:
+        return [kv_cache]
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return [kv_cache[0], kv_cache[1]]
+    if kv_cache.dim() == 4:  # vLLM Triton / DDTree GQA: logical [nb, H, page, 2*D]
+        return [kv_cache.transpose(1, 2)]
     raise NotImplementedError(
         f"DDTree KV compaction does not know the KV cache layout {tuple(kv_cache.shape)}"
     )
@@ -359,7 +354,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 if kv_cache.data_ptr() in seen_in_group:
                     continue
                 seen_in_group.add(kv_cache.data_ptr())
-                views.extend(slot_rows_views(kv_cache))
+                views.extend(kv_page_views(kv_cache))
             groups.append((slot_mappings[layer_names[0]], views))
         compact_kv_paths_(groups, query_start_loc, kv_src_rows)
 

@@ -120,17 +120,18 @@ def compaction_slots(
     return torch.where(moving, src, -1).flatten(), torch.where(moving, dst, -1).flatten()
 
 
-def compact_kv_cache_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
+def compact_kv_cache_(cache_pages: torch.Tensor, src_slots: torch.Tensor,
                       dst_slots: torch.Tensor) -> None:
-    """Move ``cache_rows[src] -> cache_rows[dst]`` for every pair with ``src >= 0``.
+    """Move slot ``src`` -> slot ``dst`` for every pair with ``src >= 0``.
 
-    ``cache_rows`` is a ``[num_slots, ...]`` view of one layer's cache (MLA:
-    ``kv_cache.view(-1, D)``; FlashAttention layout ``[2, nb, bs, H, D]``: each of
-    ``kv_cache[0]`` / ``[1]`` viewed as ``[-1, H, D]``). All sources are read before
-    any write, since a source may be another pair's destination. Entries with
-    ``src < 0`` repeat the first real move (or copy slot 0 onto itself when nothing
-    moves), so every duplicate destination receives the same value and the shapes
-    stay fixed for CUDA graphs.
+    ``cache_pages`` is a ``[num_blocks, page, *row]`` view of one layer's cache
+    (``speculator.kv_page_views``: MLA ``[nb, bs, D]``; FlashAttention K or V
+    ``[nb, bs, H, D]``); slot ``s`` is row ``s % page`` of block ``s // page``, and the
+    block stride is free (vLLM pads pages to the model's largest). All sources are
+    read before any write, since a source may be another pair's destination. Entries
+    with ``src < 0`` repeat the first real move (or copy slot 0 onto itself when
+    nothing moves), so every duplicate destination receives the same value and the
+    shapes stay fixed for CUDA graphs.
     """
     valid = src_slots >= 0
     # First real move, 0 if none. Kept 1-D: indexing with a 0-dim tensor would read
@@ -141,14 +142,23 @@ def compact_kv_cache_(cache_rows: torch.Tensor, src_slots: torch.Tensor,
     fill_dst = torch.where(any_valid, dst_slots[first], 0)
     src = torch.where(valid, src_slots, fill_src)
     dst = torch.where(valid, dst_slots, fill_dst)
-    rows = cache_rows[src]  # gather first (copies)
-    cache_rows.index_copy_(0, dst, rows)
+    rows = cache_pages[page_index(cache_pages, src)]  # gather first (copies)
+    cache_pages.index_put_(page_index(cache_pages, dst), rows)
+
+
+def page_index(cache_pages: torch.Tensor, slots: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(block, row)`` index tensors of int64 ``slots`` in a ``[num_blocks, page,
+    *row]`` view: ``cache_pages[page_index(cache_pages, slots)]`` is ``[len, *row]``."""
+    page = cache_pages.shape[1]
+    return slots // page, slots % page
 
 
 __all__ = [
     "compact_kv_cache_",
     "compaction_slots",
     "num_mask_words",
+    "page_index",
     "sampled_rows_from_walk",
     "tree_verify_positions_and_bits",
 ]

@@ -192,6 +192,15 @@ class TreeMLABackend(MLACommonBackend):
     def get_supported_head_sizes(cls) -> list[int]:
         return []
 
+    @staticmethod
+    def get_kv_cache_stride_order(include_num_layers_dimension: bool = False) -> tuple[int, ...]:
+        """Blocks outermost, as FLASH_ATTN_MLA / TRITON_MLA: ``indexes_kv_by_block_stride``
+        is then True, so vLLM may pad our pages to a larger drafter page
+        (``kv_cache_utils.unify_kv_cache_spec_page_size``; without it an MLA target
+        beside a GQA DFlash drafter of a non-multiple page size cannot start). The
+        kernel and the KV compaction address blocks by ``kv_cache.stride(0)``."""
+        return (1, 0, 2, 3) if include_num_layers_dimension else (0, 1, 2)
+
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return True
