@@ -28,8 +28,8 @@ from kernel_testing import (  # noqa: E402
 from vllm_ddtree import kv_compaction_kernel as kck  # noqa: E402
 from vllm_ddtree.speculator import (  # noqa: E402
     DDTreeSpeculator,
-    path_compaction_slots,
     kv_page_views,
+    path_compaction_slots,
 )
 from vllm_ddtree.tree import DraftTree, build_ddtree, follow_tree  # noqa: E402
 from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots  # noqa: E402

@@ -516,7 +516,7 @@ def round_components(sc) -> dict:
     """Every device-side function of a round, as zero-argument calls on the state a
     first (undetected) round left behind."""
     b, state, spec, budget = sc.batch, sc.state, sc.spec, sc.budget
-    from vllm_ddtree.speculator import path_compaction_slots, kv_page_views
+    from vllm_ddtree.speculator import kv_page_views, path_compaction_slots
 
     idx = b.idx_mapping.long()
     drawn, _, _ = sc.verifier.draw_target_tokens(sc.logits, b)
