@@ -174,6 +174,19 @@ def test_build_matches_reference_large(kind, shape, budget, top_k):
     check_tree_structure(tree, logits, top_k)
 
 
+@pytest.mark.parametrize("budget_bytes", [1, 3 * 50 * 8 * 4])
+def test_build_ranks_depths_in_batches(monkeypatch, budget_bytes):
+    """Depths ranked in several batches (one depth each, or 4 of 15 per batch: a
+    short last batch) build the same trees as all depths at once."""
+    import vllm_ddtree.tree as tree_mod
+
+    logits = make_logits("randn", (3, 15, 50), seed=9)
+    whole = build_ddtree(logits, 200, top_k=6)
+    monkeypatch.setattr(tree_mod, "_RANK_BATCH_BYTES", budget_bytes)
+    assert_trees_equal(build_ddtree(logits, 200, top_k=6), whole)
+    assert_trees_equal(whole, build_ddtree_reference(logits, 200, top_k=6))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_build_low_precision_inputs(dtype):
     logits = make_logits("randn", (2, 5, 40), seed=3).to(dtype)

@@ -262,10 +262,33 @@ def _sort_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def _ranked_top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best ``k`` tokens of ``logprobs`` fp32 ``[R, V]``, by descending log-prob
-    then ascending token id. Returns (log-probs fp32 ``[R, k]``, ids int64 ``[R, k]``)."""
+    """Best ``k`` tokens of ``logprobs`` fp32 ``[..., V]``, by descending log-prob
+    then ascending token id. Returns (log-probs fp32 ``[..., k]``, ids int64
+    ``[..., k]``)."""
     tokens = torch.topk(_sort_keys(logprobs), k, dim=-1, sorted=True).indices
-    return torch.gather(logprobs, 1, tokens), tokens
+    return torch.gather(logprobs, -1, tokens), tokens
+
+
+# Temporary int64 sort keys of one batched top-k over depths stay under this size;
+# more depths are split into several batches.
+_RANK_BATCH_BYTES = 256 << 20
+
+
+def _ranked_top_k_by_depth(draft_logits: torch.Tensor, k: int
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ranked_top_k` of :func:`_draft_logprobs` for every depth of
+    ``draft_logits`` ``[R, L, V]``: fp32 / int64 ``[R, L, k]``. Depths go through in
+    as few batches as the key budget allows (one launch sequence for all L depths
+    instead of L: the tree build runs inside the drafter's CUDA graph, where each
+    small kernel costs a few microseconds)."""
+    num_requests, num_depths, vocab_size = draft_logits.shape
+    per_depth = max(1, num_requests * vocab_size * 8)
+    step = max(1, min(num_depths, _RANK_BATCH_BYTES // per_depth))
+    parts = [_ranked_top_k(_draft_logprobs(draft_logits[:, d : d + step]), k)
+             for d in range(0, num_depths, step)]
+    if len(parts) == 1:
+        return parts[0]
+    return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))
 
 
 @functools.lru_cache(maxsize=256)
@@ -316,8 +339,9 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, top_k: int | None = No
     beam_tokens: list[torch.Tensor] = []  # int64 [R, W_d]
     beam_parents: list[torch.Tensor] = []  # int64 [R, W_d], position in beam d - 1
     width = 1  # the root
+    ranked_logprobs, ranked_tokens = _ranked_top_k_by_depth(draft_logits, k)
     for d in range(num_depths):
-        top_logprobs, top_tokens = _ranked_top_k(_draft_logprobs(draft_logits[:, d]), k)
+        top_logprobs, top_tokens = ranked_logprobs[:, d], ranked_tokens[:, d]
         if d == 0:
             new_width = min(budget, k)
             scores = top_logprobs[:, :new_width]
