@@ -49,6 +49,9 @@ class TaskRun:
     generations: dict[int, str]
     seconds: float
     acceptance: dict | None = None
+    contexts: dict[int, str] = field(default_factory=dict)
+    # vllm backend: per differing doc, the target's top-2 gap where the texts part
+    divergences: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -104,7 +107,52 @@ def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict 
                if k not in ("alias", "sample_len") and "_stderr" not in k
                and isinstance(v, (int, float))}
     generations = {s["doc_id"]: s["resps"][0][0] for s in out["samples"][task]}
-    return TaskRun(label, metrics, generations, seconds)
+    contexts = {s["doc_id"]: s["arguments"][0][0] for s in out["samples"][task]}
+    return TaskRun(label, metrics, generations, seconds, contexts=contexts)
+
+
+def first_divergence(tokenizer, context: str, ours: str, theirs: str
+                     ) -> tuple[list[int], int, int, int] | None:
+    """Where two generations of one prompt part, in token ids: ``(prompt + common
+    prefix ids, index of the first differing generated token, our token, their
+    token)``, or None when one generation is a prefix of the other (a length
+    difference, e.g. a stop sequence reached at another step)."""
+    prompt = tokenizer.encode(context)
+    a = tokenizer.encode(ours, add_special_tokens=False)
+    b = tokenizer.encode(theirs, add_special_tokens=False)
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return prompt + a[:i], i, x, y
+    return None
+
+
+def probe_divergences(llm, tokenizer, baseline: TaskRun, speculative: TaskRun,
+                      tie_gap: float) -> list[dict]:
+    """For each doc whose generations differ: the target's top-2 log-prob gap at the
+    first differing token (one greedy step of ``llm``, a vLLM ``LLM``, on the prompt +
+    common prefix). A gap within ``tie_gap`` nats is a bf16 tie: either token is the
+    argmax up to rounding, and the two texts legitimately part there."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    probes = []
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)
+    for doc, text in baseline.generations.items():
+        other = speculative.generations.get(doc)
+        if other is None or other == text:
+            continue
+        found = first_divergence(tokenizer, baseline.contexts.get(doc, ""), text, other)
+        if found is None:
+            probes.append({"doc": doc, "position": None, "gap": None, "tie": None})
+            continue
+        prefix, position, base_token, spec_token = found
+        out = llm.generate([TokensPrompt(prompt_token_ids=prefix)], params, use_tqdm=False)
+        top = sorted((lp.logprob for lp in out[0].outputs[0].logprobs[0].values()),
+                     reverse=True)
+        gap = top[0] - top[1] if len(top) > 1 else float("inf")
+        probes.append({"doc": doc, "position": position, "baseline_token": base_token,
+                       "speculative_token": spec_token, "gap": gap, "tie": gap <= tie_gap})
+    return probes
 
 
 def vllm_spec_decode_stats(lm) -> dict:
@@ -216,6 +264,8 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
             run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
             if extra:
                 run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
+                run.divergences = probe_divergences(lm.model, lm.tokenizer,
+                                                    runs["baseline"][task], run, args.tie_gap)
             runs[key][task] = run
         _free(lm)
     return runs, {"model_args": model_args, "speculative_config": spec,
@@ -283,6 +333,19 @@ def report_markdown(report: TaskReport, command: str) -> str:
         lines.append("none recorded")
     differing = [d for d in b.generations if b.generations[d] != s.generations.get(d)]
     lines += ["", f"## Differing generations ({len(differing)})", ""]
+    if s.divergences:
+        ties = sum(bool(p["tie"]) for p in s.divergences)
+        lines += [f"Where they part (the target's top-2 log-prob gap at the first differing "
+                  f"token, one greedy step of the speculative engine on the prompt + common "
+                  f"prefix): {ties} of {len(s.divergences)} within the tie gap "
+                  f"{report.settings.get('tie_gap')} nats.", "",
+                  "| doc | first differing token | baseline / speculative token | top-2 gap "
+                  "| tie |", "|---|---|---|---|---|"]
+        lines += [f"| {p['doc']} | {p['position']} | {p.get('baseline_token')} / "
+                  f"{p.get('speculative_token')} | "
+                  f"{'—' if p['gap'] is None else format(p['gap'], '.4f')} | {p['tie']} |"
+                  for p in s.divergences]
+        lines.append("")
     for d in differing[:5]:
         lines += [f"doc {d}, baseline:", "````", _short(b.generations[d]), "````",
                   "speculative:", "````", _short(s.generations.get(d, "<missing>")), "````"]
@@ -309,6 +372,8 @@ def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
     else:
         raise ValueError(f"backend must be 'ddtree-ref' or 'vllm', got {backend!r}")
     settings.update(limit=args.limit, max_gen_toks=args.max_gen_toks, metadata=metadata)
+    if backend == "vllm":
+        settings["tie_gap"] = args.tie_gap
     reports = []
     for task in tasks:
         report = compare(task, backend, runs["baseline"][task], runs["speculative"][task],
@@ -345,6 +410,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-identical", type=float, default=1.0,
                    help="fraction of identical generations required (1.0 for fp32 ref)")
     p.add_argument("--metric-tolerance", type=float, default=0.0)
+    p.add_argument("--tie-gap", type=float, default=0.1,
+                   help="vllm backend: a differing generation whose first differing token "
+                        "had a target top-2 log-prob gap <= this (nats) is a bf16 tie")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--verbose", action="store_true", help="lm-eval's warnings and info")
     return p.parse_args(argv)

@@ -132,6 +132,54 @@ def test_validate_ref_ar_vs_ddtree_identical(tmp_path):
     assert set(reports[1].baseline.metrics) == {"exact_match", "first_line_match"}
 
 
+class CharTokenizer:
+    """One id per character (prompts get a leading 0 like a BOS)."""
+
+    def encode(self, text, add_special_tokens=True):
+        return ([0] if add_special_tokens else []) + [ord(c) for c in text]
+
+
+class GapLLM:
+    """A vLLM ``LLM`` stand-in: one greedy step whose top-2 log-probs are set per
+    prompt length, recording the prompts it saw."""
+
+    def __init__(self, gaps):
+        self.gaps, self.prompts = gaps, []
+
+    def generate(self, prompts, params, use_tqdm=True):
+        from types import SimpleNamespace as NS
+
+        ids = prompts[0]["prompt_token_ids"]
+        self.prompts.append(ids)
+        assert params.max_tokens == 1 and params.logprobs == 2 and params.temperature == 0
+        gap = self.gaps[len(ids)]
+        logprobs = {1: NS(logprob=-0.5), 2: NS(logprob=-0.5 - gap)}
+        return [NS(outputs=[NS(logprobs=[logprobs])])]
+
+
+def test_divergence_probes_measure_the_gap_where_texts_part():
+    """vllm backend: for each differing generation, the prompt + common prefix goes to
+    the engine and the top-2 gap there decides whether the texts part at a tie."""
+    validate = _validate_module()
+    run = validate.TaskRun
+    base = run("base", {"m": 0.0}, {0: "abcX", 1: "same", 2: "ab", 3: "xyzQ"}, 1.0,
+               contexts={0: "p0", 1: "p1", 2: "p2", 3: "p3"})
+    spec = run("spec", {"m": 0.0}, {0: "abcY", 1: "same", 2: "abc", 3: "xyRR"}, 1.0)
+    llm = GapLLM({1 + 2 + 3: 0.02, 1 + 2 + 2: 0.7})
+    probes = validate.probe_divergences(llm, CharTokenizer(), base, spec, tie_gap=0.1)
+    assert llm.prompts == [[0, ord("p"), ord("0"), *map(ord, "abc")],
+                           [0, ord("p"), ord("3"), *map(ord, "xy")]]
+    assert [(p["doc"], p["position"], p["tie"]) for p in probes] == [
+        (0, 3, True), (2, None, None), (3, 2, False)]
+    assert probes[0]["gap"] == pytest.approx(0.02)
+    assert probes[0]["baseline_token"] == ord("X") and probes[0]["speculative_token"] == ord("Y")
+    spec.divergences = probes
+    report = validate.compare("t", "vllm", base, spec, 1.0, 0.0, {"tie_gap": 0.1})
+    text = validate.report_markdown(report, "cmd")
+    assert "1 of 3 within the tie gap 0.1 nats" in text
+    assert "| 3 | 2 | 122 / 82 | 0.7000 | False |" in text
+
+
 def test_documented_vllm_command_line_parses(monkeypatch):
     """The README's plain ``lm-eval run --model vllm`` command: its JSON model args
     reach lm-eval as a dict with the DDTree speculative config inside."""
