@@ -19,7 +19,8 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   config's B) and ``self.budget`` is B.
 * **``_generate_draft``** (captured in FULL CUDA graphs by
   ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
-  depths 1..L -> ``build_ddtree(logits.view(R, L, V), B, top_k)``; tokens go to
+  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k)`` (the beam
+  selection in one Triton launch, ``tree_build_kernel``); tokens go to
   ``draft_tokens`` (the return value), parents / depths / ancestor bits to
   batch-ordered buffers. Greedy drafting only: no ``draft_logits [reqs, B, V]``.
 * **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the
@@ -71,7 +72,8 @@ from vllm_ddtree.runtime_state import (
     drafter_block_size,
     hidden_row_gather_index,
 )
-from vllm_ddtree.tree import build_ddtree, num_mask_words
+from vllm_ddtree.tree import num_mask_words
+from vllm_ddtree.tree_build_kernel import build_ddtree_fast
 from vllm_ddtree.verify_batch import compaction_slots
 
 __all__ = [
@@ -158,12 +160,12 @@ def target_layers_by_group(kv_cache_config, draft_layer_names) -> dict[int, list
 def warm_tree_caches(num_depths: int, vocab_size: int, budget: int, top_k: int | None,
                      device: torch.device) -> None:
     """Build one tree and its ancestor bits eagerly, so the host-made index tables that
-    ``build_ddtree`` and ``DraftTree.ancestor_bits`` cache per (budget, top_k, width,
-    device) exist before ``_generate_draft`` is captured in a CUDA graph (a host-to-device
-    copy is not allowed while a stream is capturing). The tables do not depend on the
-    number of requests or on the logits."""
+    ``build_ddtree`` / ``tree_build_kernel.beam_plan`` and ``DraftTree.ancestor_bits``
+    cache per (budget, top_k, depths, device) exist before ``_generate_draft`` is
+    captured in a CUDA graph (a host-to-device copy is not allowed while a stream is
+    capturing). The tables do not depend on the number of requests or on the logits."""
     logits = torch.zeros(1, num_depths, vocab_size, dtype=torch.float32, device=device)
-    build_ddtree(logits, budget, top_k).ancestor_bits()
+    build_ddtree_fast(logits, budget, top_k).ancestor_bits()
 
 
 class DDTreeSpeculator(DFlashSpeculator):
@@ -314,7 +316,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         depths = self.num_draft_depths
         num_sample = num_reqs * depths
         logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
-        tree = build_ddtree(logits.view(num_reqs, depths, -1), self.budget, self.top_k)
+        tree = build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k)
         self.draft_tokens[:num_reqs] = tree.tokens
         self.batch_parents[:num_reqs] = tree.parents
         self.batch_depths[:num_reqs] = tree.depths
