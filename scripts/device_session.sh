@@ -16,7 +16,9 @@
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
-#   e2e      evals/bench_e2e.py --setup kimi8 (step latency vs context; needs the time)
+#   e2e_kimi8 / e2e_kimi64 / e2e_trained  evals/bench_e2e.py on one setup (runs, contexts,
+#            batches per setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES override). Give each
+#            a GPU of its own: side by side on one GPU the timings mean nothing.
 #   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
@@ -34,6 +36,8 @@
 #   CUDA_VISIBLE_DEVICES=0 bash scripts/device_session.sh roundk syncs &
 #   CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_TEST_KV_GIB=4 STAGE_LIMIT=450 \
 #     bash scripts/device_session.sh graphs & ...; wait
+# The machine goes back after 30 s idle (and the kit with it): have the next call's
+# command ready before reading the last one's logs.
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/root/.triton-cache
@@ -85,13 +89,24 @@ for stage in "$@"; do
         > "$OUT/syncs.log" 2>&1
       summary syncs $?
       tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
-    e2e)  # kimi8 then kimi64, the fixed budgets and auto, 1k..128k, batch 1
-      timeout 560 python3 evals/bench_e2e.py --setup kimi8 --max-minutes 8 \
-        --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto \
-        --contexts 1k 16k 64k 128k --batches 1 --prompts random \
-        --out-dir "$OUT" > "$OUT/e2e.log" 2>&1
-      summary e2e $?
-      cat "$OUT"/e2e_kimi8.md 2>/dev/null | head -40 ;;
+    e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES
+      # override the defaults; STAGE_LIMIT the time (the bench stops cleanly 40 s before)
+      setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
+      case "$setup" in
+        trained) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
+                 contexts="1k" batches="1 8" prompts="code" ;;
+        kimi8) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
+               contexts="1k 16k 64k 128k" batches="1" prompts="random" ;;
+        kimi64) runs="ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
+                contexts="1k 16k 64k 128k" batches="1" prompts="random" ;;
+      esac
+      timeout "$limit" python3 evals/bench_e2e.py --setup "$setup" \
+        --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
+        --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
+        --batches ${E2E_BATCHES:-$batches} --prompts $prompts \
+        --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
+      summary "$stage" $?
+      grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
