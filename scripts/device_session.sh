@@ -27,6 +27,7 @@
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
+#   treebuild  evals/bench_tree_build.py: per-depth / batched torch / Triton tree build in graphs
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
@@ -128,6 +129,11 @@ for stage in "$@"; do
       summary lmeval $?
       cp evals/results/lm_eval_*.md "$OUT/" 2>/dev/null
       grep -E "PASS|FAIL" "$OUT/lmeval.log" | tail -5 ;;
+    treebuild)  # the tree build variants captured in CUDA graphs (evals/bench_tree_build.py)
+      timeout "${STAGE_LIMIT:-300}" python3 evals/bench_tree_build.py \
+        --out "$OUT/tree_build.md" > "$OUT/treebuild.log" 2>&1
+      summary treebuild $?
+      cat "$OUT/tree_build.md" 2>/dev/null | tail -30 ;;
     bench)
       timeout 400 python3 evals/bench_verify_attention.py --heads 8 64 \
         --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 1 --max-minutes 3 \

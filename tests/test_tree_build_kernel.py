@@ -171,3 +171,20 @@ def test_kernel_compiles_for_sm90_and_sm120_within_shared_memory():
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
     assert len(shared) == 4 and max(shared) <= 99 * 1024, shared
     print(f"shared memory per config: {shared}")
+
+
+def test_tree_build_benchmark_dry_run(tmp_path):
+    """``evals/bench_tree_build.py`` on CPU: every variant builds ``build_ddtree``'s
+    trees (it raises otherwise) and the report is written."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    import bench_tree_build
+
+    out = tmp_path / "tree_build.md"
+    bench_tree_build.main(["--device", DEVICE, "--requests", "2", "--vocab", "24",
+                           "--budgets", "6", "--depths", "3", "--iters", "1",
+                           "--out", str(out)])
+    text = out.read_text()
+    assert "| 2 | 24 | 6 |" in text and out.with_suffix(".png").exists()
