@@ -33,3 +33,16 @@ def test_cpu_tensors_always_take_the_pytorch_path(monkeypatch):
     got = follow_tree_fast(tree, targets, max_depth=3)
     for name in ("accepted_nodes", "committed_tokens", "kv_src_rows"):
         assert torch.equal(getattr(got, name), getattr(want, name))
+
+
+def test_tree_build_switch(monkeypatch):
+    from vllm_ddtree.round_kernels import TREE_BUILD_ENV, use_triton_tree_build
+
+    cuda_like = torch.zeros(1, device="meta")  # not CUDA: always the PyTorch build
+    monkeypatch.delenv(TREE_BUILD_ENV, raising=False)
+    assert not use_triton_tree_build(cuda_like)
+    monkeypatch.setenv(TREE_BUILD_ENV, "triton")
+    assert not use_triton_tree_build(cuda_like)
+    monkeypatch.setenv(TREE_BUILD_ENV, "cuda")
+    with pytest.raises(ValueError, match=TREE_BUILD_ENV):
+        use_triton_tree_build(cuda_like)

@@ -41,3 +41,24 @@ def round_kernels() -> str:
 def use_triton_round_kernels(tensor: torch.Tensor) -> bool:
     """True when ``tensor`` (a CUDA tensor of the round) goes to the Triton kernels."""
     return tensor.is_cuda and round_kernels() == "triton"
+
+
+# The tree build kernel (``tree_build_kernel``) has its own switch until the GPU suite
+# has passed with it: ``VLLM_DDTREE_TREE_BUILD`` = ``torch`` (default, the H200-validated
+# ``build_ddtree``) or ``triton``.
+TREE_BUILD_ENV = "VLLM_DDTREE_TREE_BUILD"
+DEFAULT_TREE_BUILD = "torch"
+
+
+def use_triton_tree_build(tensor: torch.Tensor) -> bool:
+    """True when the drafter logits ``tensor`` (CUDA) go to the Triton tree build.
+
+    Raises:
+        ValueError: ``VLLM_DDTREE_TREE_BUILD`` holds another value than torch / triton.
+    """
+    value = os.environ.get(TREE_BUILD_ENV, DEFAULT_TREE_BUILD).strip().lower()
+    if value not in ROUND_KERNEL_CHOICES:
+        raise ValueError(
+            f"{TREE_BUILD_ENV}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}"
+        )
+    return tensor.is_cuda and value == "triton"
