@@ -2,7 +2,7 @@
 baselines (GPU; torch.profiler trace of a window of decode steps).
 
     python evals/count_host_syncs.py [--methods ddtree dflash ar] [--budget 32]
-        [--top-k K] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
+        [--top-k K] [--auto] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
         [--with-stack/--no-with-stack] [--out evals/results/host_syncs.md]
 
 Each method runs in its own child process (a fresh ``LLM``; vLLM does not free a GPU
@@ -360,7 +360,8 @@ def install_annotations() -> list[str]:
     return installed
 
 
-def speculative_config(method: str, budget: int, top_k: int | None, drafter: str):
+def speculative_config(method: str, budget: int, top_k: int | None, drafter: str,
+                       auto: bool = False):
     if method == "ar":
         return None
     if method == "dflash":
@@ -369,6 +370,8 @@ def speculative_config(method: str, budget: int, top_k: int | None, drafter: str
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
     if top_k is not None:
         spec["ddtree_top_k"] = top_k
+    if auto:
+        spec["ddtree_budget"] = "auto"
     return spec
 
 
@@ -399,7 +402,8 @@ def run_child(args: argparse.Namespace) -> None:
     if backend != "auto":
         extra["attention_backend"] = backend
     llm = LLM(model=str(target),
-              speculative_config=speculative_config(method, args.budget, args.top_k, drafter),
+              speculative_config=speculative_config(method, args.budget, args.top_k, drafter,
+                                                   args.auto),
               enforce_eager=not args.graphs, dtype="bfloat16", gpu_memory_utilization=0.3,
               max_model_len=4096, max_num_seqs=max(8, args.prompts), seed=0, **extra)
     engine = llm.llm_engine
@@ -426,7 +430,8 @@ def run_child(args: argparse.Namespace) -> None:
         result = count_trace(load_trace_events(trace))
     result["method"] = method
     result["label"] = {"ar": "AR", "dflash": "DFlash (vLLM, 15 drafts)"}.get(
-        method, f"DDTree B={args.budget}" + (f" top_k={args.top_k}" if args.top_k else ""))
+        method, (f"DDTree auto (B <= {args.budget})" if args.auto else f"DDTree B={args.budget}")
+        + (f" top_k={args.top_k}" if args.top_k else ""))
     notes = [f"attention backend: {backend}", f"annotations: {len(labels)}"]
     if unfinished < len(prompts):
         notes.append(f"only {unfinished}/{len(prompts)} requests still running at the end "
@@ -443,6 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=32, help="DDTree tree nodes B")
     p.add_argument("--top-k", type=int, default=None, help="DDTree children per node")
+    p.add_argument("--auto", action="store_true",
+                   help='DDTree with ddtree_budget "auto" (--budget is the maximum)')
     p.add_argument("--steps", type=int, default=20, help="profiled engine steps")
     p.add_argument("--warmup-steps", type=int, default=8,
                    help="engine steps before the window (prefill, JIT, first rounds)")
@@ -479,6 +486,8 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
            "--with-stack" if args.with_stack else "--no-with-stack"]
     if args.top_k is not None:
         cmd += ["--top-k", str(args.top_k)]
+    if args.auto:
+        cmd.append("--auto")
     return cmd
 
 

@@ -17,6 +17,7 @@
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
+#            (SYNCS_ARGS="--auto --methods ddtree" profiles ddtree_budget "auto")
 #   e2e_kimi8 / e2e_kimi64 / e2e_trained  evals/bench_e2e.py on one setup (runs, contexts,
 #            batches per setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES override). Give each
 #            a GPU of its own: side by side on one GPU the timings mean nothing.
@@ -91,7 +92,8 @@ for stage in "$@"; do
       VLLM_ALLREDUCE_USE_SYMM_MEM=0 stage_pytest tp2 480 tests/gpu/test_ddtree_tp2.py ;;
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     syncs)
-      timeout "${STAGE_LIMIT:-420}" python3 evals/count_host_syncs.py --out "$OUT/host_syncs.md" \
+      timeout "${STAGE_LIMIT:-420}" python3 evals/count_host_syncs.py ${SYNCS_ARGS:-} \
+        --out "$OUT/host_syncs.md" \
         > "$OUT/syncs.log" 2>&1
       summary syncs $?
       tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
