@@ -166,7 +166,9 @@ def beam_plan(budget: int, top_k: int, num_depths: int, device: torch.device):
     block_n = triton.next_power_of_2(offsets[-1])
     if max(block_c, block_n) > MAX_BLOCK:
         return None
-    block_c = block_n = max(block_c, block_n)  # one size: depth 1's beam uses offs_c
+    # Depth 1's beam is written through the candidate block: W_1 <= C_2 <= BLOCK_C
+    # (the first parent alone has min(k, B) = W_1 candidates).
+    block_c = max(block_c, triton.next_power_of_2(widths[0]))
     cands = torch.full((num_depths, block_c), -1, dtype=torch.int32)
     for d, row in enumerate(rows):
         cands[d, : len(row)] = torch.tensor(row, dtype=torch.int32)
