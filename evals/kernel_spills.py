@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Registers, spills and shared memory of the MLA tree-verify kernel per tile config,
+compiled offline (no GPU): Triton lowers the kernel to PTX for sm_90 / sm_120 and
+Triton's own ``ptxas -v`` reports registers per thread and local-memory spills.
+
+Spills in the KV loop cost memory traffic on every tile; the H200 measurements put
+the kernel at about 0.31 of the MMA floor's rate at 128k (``evals/results/README.md``).
+
+    python evals/kernel_spills.py                     # the default + sweep configs
+    python evals/kernel_spills.py --heads 8 64 --out evals/results/mla_kernel_spills.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real (no GPU needed)
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from attention_backends.mla_tree import MLATileConfig  # noqa: E402
+from attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
+
+POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
+            "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*bf16", "Lse": "*fp32"}
+ARCHES = {90: ("sm_90a", "ptxas"), 120: ("sm_120a", "ptxas-blackwell")}
+
+
+def default_configs() -> list[MLATileConfig]:
+    sys.path.insert(0, str(REPO / "evals"))
+    from bench_verify_attention import sweep_configs
+
+    return sweep_configs() + [MLATileConfig(block_m=32, block_n=32, num_warps=8, num_stages=3)]
+
+
+def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
+    """Registers per thread, spill bytes (stores, loads) and shared bytes of one
+    config for one architecture (bf16, kv_lora_rank 512 + rope 64, page 64)."""
+    fn = mla_kernels._mla_tree_fwd_kernel
+    consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                  PAGE_SIZE=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                  DOT_PRECISION="tf32", DOT_UPCAST=False)
+    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale"
+                                                           else "i32") for n in fn.arg_names}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                            target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": config.num_warps,
+                                     "num_stages": config.num_stages})
+    gpu, exe = ARCHES[arch]
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / exe
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
+        ptx.write(kernel.asm["ptx"])
+        ptx.flush()
+        info = subprocess.run([str(ptxas), "-v", "--gpu-name", gpu, ptx.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+    registers = spill_stores = spill_loads = None
+    for line in info.splitlines():
+        if "Used" in line and "registers" in line:
+            registers = int(line.split("Used")[1].split("registers")[0])
+        if "spill stores" in line:
+            parts = line.replace(",", "").split()
+            spill_stores = int(parts[parts.index("spill") - 2])
+            spill_loads = int(parts[len(parts) - 4])
+    return {"registers": registers, "spill_stores": spill_stores,
+            "spill_loads": spill_loads, "shared": kernel.metadata.shared}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--heads", nargs="+", type=int, default=[8])
+    p.add_argument("--out", default=str(REPO / "evals" / "results" / "mla_kernel_spills.md"))
+    args = p.parse_args(argv)
+    lines = ["# MLA tree-verify kernel: registers and spills per tile config (offline)", "",
+             f"command: `python evals/kernel_spills.py {shlex.join(argv or sys.argv[1:])}`",
+             f"(Triton {triton.__version__}, its ptxas -v; bf16, kv_lora 512 + rope 64, "
+             "page 64)", "",
+             "| heads | arch | block_m | block_n | warps | stages | registers | spill "
+             "stores (B/thread) | spill loads | shared (B) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for heads in args.heads:
+        for config in default_configs():
+            for arch in ARCHES:
+                try:
+                    r = compile_report(config, arch, heads)
+                except Exception as e:  # a config Triton cannot lower for this arch
+                    print(f"{config} sm_{arch}: {str(e).splitlines()[0][:120]}")
+                    continue
+                lines.append(f"| {heads} | sm_{arch} | {config.block_m} | {config.block_n} | "
+                             f"{config.num_warps} | {config.num_stages} | {r['registers']} | "
+                             f"{r['spill_stores']} | {r['spill_loads']} | {r['shared']} |")
+                print(lines[-1])
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
