@@ -269,9 +269,10 @@ def _ranked_top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return torch.gather(logprobs, -1, tokens), tokens
 
 
-# Temporary int64 sort keys of one batched top-k over depths stay under this size;
+# Temporary int64 sort keys of one batched top-k over depths stay under this size (the
+# fp32 log-probs and their temporaries come on top, inside the drafter graph's pool);
 # more depths are split into several batches.
-_RANK_BATCH_BYTES = 256 << 20
+_RANK_BATCH_BYTES = 64 << 20
 
 
 def _ranked_top_k_by_depth(draft_logits: torch.Tensor, k: int
