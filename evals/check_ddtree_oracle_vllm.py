@@ -18,7 +18,7 @@ tensors on the host):
 
 * ``DDTreeSpeculator.propose`` is wrapped to remember the speculator and the batch's
   ``input_batch.req_ids`` (batch order = the rows of ``_generate_draft``).
-* ``vllm_ddtree.speculator.build_ddtree`` (what ``_generate_draft`` calls on the
+* ``vllm_ddtree.speculator.build_ddtree_fast`` (what ``_generate_draft`` calls on the
   drafter logits ``[R, L, V]``) is wrapped to replace the logits first. Row ``r``'s
   depth ``d`` predicts absolute position ``sample_pos[r * L + d - 1]``: DFlash's
   ``_prepare_dflash_inputs_kernel`` (``dflash/speculator.py:512-564``) writes the

@@ -277,7 +277,7 @@ def install_oracle(
 
     * ``DDTreeSpeculator.propose`` remembers the speculator and ``input_batch.req_ids``
       (batch order: the rows of ``_generate_draft``); dummy runs are left alone.
-    * ``vllm_ddtree.speculator.build_ddtree`` (``_generate_draft`` calls it on the
+    * ``vllm_ddtree.speculator.build_ddtree_fast`` (``_generate_draft`` calls it on the
       drafter logits ``[R, L, V]``) gets oracle logits instead. Depth ``d`` of row
       ``r`` predicts absolute position ``sample_pos[r * L + d - 1]``, which DFlash's
       ``_prepare_dflash_inputs_kernel`` (``dflash/speculator.py:534-564``) sets to
@@ -294,7 +294,7 @@ def install_oracle(
     ranks = list(ranks)
 
     original_propose = speculator_mod.DDTreeSpeculator.propose
-    original_build = speculator_mod.build_ddtree
+    original_build = speculator_mod.build_ddtree_fast
     original_call = verifier_mod.DDTreeVerifier.__call__
     signature = inspect.signature(original_propose)
 
@@ -308,7 +308,7 @@ def install_oracle(
         finally:
             ctx["req_ids"] = None
 
-    def build_ddtree(logits, budget, top_k=None):
+    def build_oracle_tree(logits, budget, top_k=None):
         req_ids, spec = ctx["req_ids"], ctx["spec"]
         if req_ids is None:
             return original_build(logits, budget, top_k)
@@ -352,12 +352,12 @@ def install_oracle(
         return out
 
     speculator_mod.DDTreeSpeculator.propose = propose
-    speculator_mod.build_ddtree = build_ddtree
+    speculator_mod.build_ddtree_fast = build_oracle_tree
     verifier_mod.DDTreeVerifier.__call__ = verify
 
     def uninstall() -> None:
         speculator_mod.DDTreeSpeculator.propose = original_propose
-        speculator_mod.build_ddtree = original_build
+        speculator_mod.build_ddtree_fast = original_build
         verifier_mod.DDTreeVerifier.__call__ = original_call
 
     return record, uninstall
