@@ -48,13 +48,13 @@ pytestmark = [
 ]
 
 INTERPRETED = DEVICE == "cpu" and kernels_run_here(
-    mla_kernels._mla_tree_fwd_active_kernel, gqa_kernels._gqa_tree_fwd_active_kernel
+    mla_kernels._mla_tree_fwd_kernel, gqa_kernels._gqa_tree_fwd_kernel
 )
 needs_kernels = pytest.mark.skipif(
     not kernels_run_here(
         triton.language.max,
-        mla_kernels._mla_tree_fwd_active_kernel,
-        gqa_kernels._gqa_tree_fwd_active_kernel,
+        mla_kernels._mla_tree_fwd_kernel,
+        gqa_kernels._gqa_tree_fwd_kernel,
     ),
     reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
 )

@@ -250,12 +250,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     fn = kernels._gqa_tree_fwd_kernel
     ptrs = {n: "*bf16" for n in ("Q", "KCache", "VCache", "Out")}
     ptrs.update({"BlockTable": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
-                 "AncestorBits": "*i64", "Lse": "*fp32"})
+                 "AncestorBits": "*i64", "Lse": "*fp32", "ActiveQueryLens": "*i32"})
     result = []
     for cfg in GQA_TILE_CONFIGS:
         consts = dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_M=cfg.block_m,
                       BLOCK_N=cfg.block_n, HAS_WINDOW=False, DOT_PRECISION="tf32",
-                      DOT_UPCAST=False)
+                      DOT_UPCAST=False, HAS_ACTIVE=False)
         sig = {n: ptrs.get(n, "constexpr" if n in consts else
                            "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -8,12 +8,11 @@ of the group share each K/V tile. Axis 0 varies fastest: the CTAs reading the sa
 (request, KV head, split) run side by side (L2). With more than one split the partial
 results are merged by ``attention_backends.mla_tree.kernels._mla_tree_merge_kernel``.
 
-``_gqa_tree_fwd_active_kernel``: the same with per-request active query rows (adaptive
-tree budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
+``HAS_ACTIVE`` (constexpr) adds per-request active query rows (adaptive tree
+budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
 A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
-inactive rows of a partially active CTA are written the same way. Both entry kernels
-inline :func:`_gqa_tree_fwd` (``HAS_ACTIVE`` is its constexpr switch), so the default
-kernel compiles as it did before active rows existed.
+inactive rows of a partially active CTA are written the same way. Without it
+``ActiveQueryLens`` is never read and the kernel compiles as it did before.
 """
 
 import triton
@@ -68,7 +67,7 @@ def _load_kv(
 
 
 @triton.jit
-def _gqa_tree_fwd(
+def _gqa_tree_fwd_kernel(
     Q,
     KCache,
     VCache,
@@ -107,10 +106,10 @@ def _gqa_tree_fwd(
     HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    ActiveQueryLens,  # int32 [R] or None
+    ActiveQueryLens,  # int32 [R]; read only with HAS_ACTIVE
     HAS_ACTIVE: tl.constexpr,
 ):
-    """One CTA of the forward kernels (see the module docstring)."""
+    """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1) // num_splits
@@ -269,108 +268,3 @@ def _gqa_tree_fwd(
     tl.store(Lse + offs_lse, lse, mask=row_valid)
 
 
-@triton.jit
-def _gqa_tree_fwd_kernel(
-    Q,
-    KCache,
-    VCache,
-    BlockTable,
-    SeqLens,
-    QueryStartLoc,
-    AncestorBits,
-    Out,  # [T, Hq, Dh] (one split) or fp32 [T, Hq, S, Dh] partials
-    Lse,  # fp32 [T, Hq, S] (natural log)
-    qk_scale,  # softmax scale * log2(e)
-    window,  # sliding window (keys), used when HAS_WINDOW
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kp,
-    stride_kh,
-    stride_vb,
-    stride_vp,
-    stride_vh,
-    stride_bt,
-    stride_bits,
-    num_words,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-):
-    _gqa_tree_fwd(
-        Q, KCache, VCache, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse,
-        qk_scale, window, num_splits, stride_qt, stride_qh,
-        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-        stride_bt, stride_bits, num_words, stride_ot, stride_oh, stride_os,
-        stride_lt, stride_lh, stride_ls,
-        GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_WINDOW,
-        DOT_PRECISION, DOT_UPCAST,
-        None, False,
-    )  # fmt: skip
-
-
-@triton.jit
-def _gqa_tree_fwd_active_kernel(
-    Q,
-    KCache,
-    VCache,
-    BlockTable,
-    SeqLens,
-    QueryStartLoc,
-    AncestorBits,
-    Out,  # [T, Hq, Dh] (one split) or fp32 [T, Hq, S, Dh] partials
-    Lse,  # fp32 [T, Hq, S] (natural log)
-    qk_scale,  # softmax scale * log2(e)
-    window,  # sliding window (keys), used when HAS_WINDOW
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_kb,
-    stride_kp,
-    stride_kh,
-    stride_vb,
-    stride_vp,
-    stride_vh,
-    stride_bt,
-    stride_bits,
-    num_words,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    ActiveQueryLens,  # int32 [R]: active (leading) query tokens per request
-):
-    _gqa_tree_fwd(
-        Q, KCache, VCache, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse,
-        qk_scale, window, num_splits, stride_qt, stride_qh,
-        stride_kb, stride_kp, stride_kh, stride_vb, stride_vp, stride_vh,
-        stride_bt, stride_bits, num_words, stride_ot, stride_oh, stride_os,
-        stride_lt, stride_lh, stride_ls,
-        GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_M, BLOCK_N, HAS_WINDOW,
-        DOT_PRECISION, DOT_UPCAST,
-        ActiveQueryLens, True,
-    )  # fmt: skip

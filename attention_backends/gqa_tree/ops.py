@@ -170,11 +170,7 @@ def gqa_tree_verify(
         out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
     grid = (row_blocks, num_kv_heads * num_kv_splits, num_reqs)
     has_active = active_query_lens is not None
-    fwd_kernel, active_arg = kernels._gqa_tree_fwd_kernel, {}
-    if has_active:
-        fwd_kernel = kernels._gqa_tree_fwd_active_kernel
-        active_arg = dict(ActiveQueryLens=active_query_lens)
-    fwd_kernel[grid](
+    kernels._gqa_tree_fwd_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
         scale * kernels.LOG2E,
@@ -196,7 +192,8 @@ def gqa_tree_verify(
         HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
-        **active_arg,
+        ActiveQueryLens=active_query_lens if has_active else seq_lens,
+        HAS_ACTIVE=has_active,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip

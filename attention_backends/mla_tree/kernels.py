@@ -7,12 +7,11 @@ that request's keys, so every query token and head of the request shares each KV
 it loads. Axis 0 varies fastest in launch order: the CTAs that read the same split of
 the same request run side by side and share the tile through L2.
 
-``_mla_tree_fwd_active_kernel``: the same with per-request active query rows (adaptive
-tree budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
+``HAS_ACTIVE`` (constexpr) adds per-request active query rows (adaptive tree
+budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
 A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
-inactive rows of a partially active CTA are written the same way. Both entry kernels
-inline :func:`_mla_tree_fwd` (``HAS_ACTIVE`` is its constexpr switch), so the default
-kernel compiles as it did before active rows existed.
+inactive rows of a partially active CTA are written the same way. Without it
+``ActiveQueryLens`` is never read and the kernel compiles as it did before.
 
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key,
@@ -97,7 +96,7 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _mla_tree_fwd(
+def _mla_tree_fwd_kernel(
     Q,
     KV,
     BlockTable,
@@ -130,10 +129,10 @@ def _mla_tree_fwd(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
-    ActiveQueryLens,  # int32 [R] or None
+    ActiveQueryLens,  # int32 [R]; read only with HAS_ACTIVE
     HAS_ACTIVE: tl.constexpr,
 ):
-    """One CTA of the forward kernels (see the module docstring)."""
+    """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -285,97 +284,6 @@ def _mla_tree_fwd(
         mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
     )
     tl.store(Lse + offs_lse, lse, mask=row_valid)
-
-
-@triton.jit
-def _mla_tree_fwd_kernel(
-    Q,
-    KV,
-    BlockTable,
-    SeqLens,
-    QueryStartLoc,
-    AncestorBits,
-    Out,
-    Lse,
-    qk_scale,  # softmax scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_kvb,
-    stride_kvp,
-    stride_bt,
-    stride_bits,
-    num_words,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    NUM_HEADS: tl.constexpr,
-    KV_LORA: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-):
-    _mla_tree_fwd(
-        Q, KV, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse, qk_scale,
-        stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
-        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
-        NUM_HEADS, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
-        DOT_PRECISION, DOT_UPCAST,
-        None, False,
-    )  # fmt: skip
-
-
-@triton.jit
-def _mla_tree_fwd_active_kernel(
-    Q,
-    KV,
-    BlockTable,
-    SeqLens,
-    QueryStartLoc,
-    AncestorBits,
-    Out,
-    Lse,
-    qk_scale,  # softmax scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_kvb,
-    stride_kvp,
-    stride_bt,
-    stride_bits,
-    num_words,
-    stride_ot,
-    stride_oh,
-    stride_os,
-    stride_lt,
-    stride_lh,
-    stride_ls,
-    NUM_HEADS: tl.constexpr,
-    KV_LORA: tl.constexpr,
-    ROPE: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
-    ActiveQueryLens,  # int32 [R]: active (leading) query tokens per request
-):
-    _mla_tree_fwd(
-        Q, KV, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse, qk_scale,
-        stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
-        stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
-        NUM_HEADS, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
-        DOT_PRECISION, DOT_UPCAST,
-        ActiveQueryLens, True,
-    )  # fmt: skip
 
 
 @triton.jit

@@ -189,11 +189,7 @@ def mla_tree_verify(
 
     grid = (row_blocks, num_kv_splits, num_reqs)
     has_active = active_query_lens is not None
-    fwd_kernel, active_arg = kernels._mla_tree_fwd_kernel, {}
-    if has_active:
-        fwd_kernel = kernels._mla_tree_fwd_active_kernel
-        active_arg = dict(ActiveQueryLens=active_query_lens)
-    fwd_kernel[grid](
+    kernels._mla_tree_fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
         scale * kernels.LOG2E,
@@ -213,7 +209,8 @@ def mla_tree_verify(
         BLOCK_N=config.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
-        **active_arg,
+        ActiveQueryLens=active_query_lens if has_active else seq_lens,
+        HAS_ACTIVE=has_active,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
