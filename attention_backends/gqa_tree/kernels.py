@@ -18,7 +18,7 @@ inactive rows of a partially active CTA are written the same way. Without it
 import triton
 import triton.language as tl
 
-from attention_backends.mla_tree.kernels import LN2, _dot, _page_ids
+from attention_backends.mla_tree.kernels import LN2, _dot, _page_ids, _store_inactive_rows
 
 LOG2E = 1.4426950408889634
 M1 = tl.constexpr(0x5555555555555555)
@@ -135,16 +135,9 @@ def _gqa_tree_fwd_kernel(
         # Rows are token-major, so the CTA's first token is its lowest: if it is
         # inactive, so is every row of the CTA. Write their result, load nothing.
         if (pid_m * BLOCK_M) // GROUP >= num_active:
-            offs_lse = q_row * stride_lt + q_head * stride_lh + pid_s * stride_ls
-            tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-            if num_splits == 1:  # else the merge writes out = 0 (no split has a key)
-                offs_d = tl.arange(0, BLOCK_D)
-                offs_out = q_row[:, None] * stride_ot + q_head[:, None] * stride_oh
-                tl.store(
-                    Out + offs_out + offs_d[None, :],
-                    tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty),
-                    mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM),
-                )
+            _store_inactive_rows(Out, Lse, q_row, q_head, row_valid, pid_s, num_splits,
+                                 stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
+                                 BLOCK_M, BLOCK_D, HEAD_DIM)
             return
         row_active = row_valid & (tok < num_active)
 

@@ -96,6 +96,26 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _store_inactive_rows(
+    Out, Lse, q_row, head, row_valid, pid_s, num_splits,
+    stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DIM: tl.constexpr,
+):  # fmt: skip
+    """The result of a CTA whose rows are all inactive: ``lse = -inf`` for its split
+    and, without splits, ``out = 0`` (with splits the merge writes it)."""
+    offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
+    tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
+    if num_splits == 1:
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(
+            Out + offs_out + offs_d[None, :],
+            tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty),
+            mask=row_valid[:, None] & (offs_d[None, :] < DIM),
+        )
+
+
+@triton.jit
 def _mla_tree_fwd_kernel(
     Q,
     KV,
@@ -159,16 +179,9 @@ def _mla_tree_fwd_kernel(
         # Rows are token-major, so the CTA's first token is its lowest: if it is
         # inactive, so is every row of the CTA. Write their result, load nothing.
         if (pid_m * BLOCK_M) // NUM_HEADS >= num_active:
-            offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
-            tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-            if num_splits == 1:  # else the merge writes out = 0 (no split has a key)
-                offs_l = tl.arange(0, BLOCK_L)
-                offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh
-                tl.store(
-                    Out + offs_out + offs_l[None, :],
-                    tl.zeros([BLOCK_M, BLOCK_L], Out.dtype.element_ty),
-                    mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA),
-                )
+            _store_inactive_rows(Out, Lse, q_row, head, row_valid, pid_s, num_splits,
+                                 stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
+                                 BLOCK_M, BLOCK_L, KV_LORA)
             return
         row_active = row_valid & (tok < num_active)
 
