@@ -24,18 +24,22 @@ ROUND_KERNEL_CHOICES = ("torch", "triton")
 DEFAULT_ROUND_KERNELS = "triton"
 
 
-def round_kernels() -> str:
-    """The configured implementation, ``"torch"`` or ``"triton"``.
+def _choice(env: str, default: str) -> str:
+    """``"torch"`` or ``"triton"`` from the environment variable ``env``.
 
     Raises:
         ValueError: the variable holds another value (names it and the choices).
     """
-    value = os.environ.get(ROUND_KERNELS_ENV, DEFAULT_ROUND_KERNELS).strip().lower()
+    value = os.environ.get(env, default).strip().lower()
     if value not in ROUND_KERNEL_CHOICES:
-        raise ValueError(
-            f"{ROUND_KERNELS_ENV}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}"
-        )
+        raise ValueError(f"{env}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}")
     return value
+
+
+def round_kernels() -> str:
+    """The configured implementation, ``"torch"`` or ``"triton"`` (raises
+    ``ValueError`` naming the variable on any other value)."""
+    return _choice(ROUND_KERNELS_ENV, DEFAULT_ROUND_KERNELS)
 
 
 def use_triton_round_kernels(tensor: torch.Tensor) -> bool:
@@ -56,9 +60,4 @@ def use_triton_tree_build(tensor: torch.Tensor) -> bool:
     Raises:
         ValueError: ``VLLM_DDTREE_TREE_BUILD`` holds another value than torch / triton.
     """
-    value = os.environ.get(TREE_BUILD_ENV, DEFAULT_TREE_BUILD).strip().lower()
-    if value not in ROUND_KERNEL_CHOICES:
-        raise ValueError(
-            f"{TREE_BUILD_ENV}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}"
-        )
-    return tensor.is_cuda and value == "triton"
+    return _choice(TREE_BUILD_ENV, DEFAULT_TREE_BUILD) == "triton" and tensor.is_cuda

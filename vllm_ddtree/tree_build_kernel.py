@@ -175,9 +175,8 @@ def beam_plan(budget: int, top_k: int, num_depths: int, device: torch.device):
     depth_of = torch.zeros(block_n, dtype=torch.int32)
     for d in range(num_depths):
         depth_of[offsets[d] : offsets[d + 1]] = d + 1
-    to_device = functools.partial(torch.Tensor.to, device=device)
-    return (to_device(cands), to_device(torch.tensor(widths, dtype=torch.int32)),
-            to_device(torch.tensor(offsets, dtype=torch.int32)), to_device(depth_of),
+    return (cands.to(device), torch.tensor(widths, dtype=torch.int32).to(device),
+            torch.tensor(offsets, dtype=torch.int32).to(device), depth_of.to(device),
             block_c, block_n)
 
 

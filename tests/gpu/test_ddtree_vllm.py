@@ -37,17 +37,15 @@ def run_script(script: str, args: list[str], out: Path, attempts: int = 3) -> di
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'evals'}:{ROOT}:" +
            os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, str(ROOT / "evals" / script), *args, "--out", str(out)]
-    for attempt in range(attempts):
+    for attempt in range(1, attempts + 1):
         proc = subprocess.run(cmd, timeout=900, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         print(proc.stdout[-20000:])
         if proc.returncode == 0:
             return json.loads(out.read_text())
-        if attempt + 1 < attempts and any(s in proc.stdout for s in SHARED_GPU_RACE):
-            print(f"{script}: GPU shared with another engine at start-up; retrying")
-            continue
-        raise subprocess.CalledProcessError(proc.returncode, cmd)
-    raise AssertionError("unreachable")
+        if attempt == attempts or not any(s in proc.stdout for s in SHARED_GPU_RACE):
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+        print(f"{script}: GPU shared with another engine at start-up; retrying")
 
 
 def unexplained_mismatches(got: dict, ref: dict) -> list[str]:
