@@ -369,6 +369,18 @@ def _decode_specs():
     return [(ctx, random_tree(9, rng), a) for ctx, a in ((3, 2), (50, 9), (17, 1))]
 
 
+def arm_tree_state(tree_state, ancestor_bits, active, adaptive):
+    """A verify step with a tree: its bits, and the active rows of the first requests.
+    Returns the persistent active-rows buffer."""
+    tree_state.ancestor_bits = ancestor_bits.clone()
+    tree_state.active = True
+    tree_state.adaptive = adaptive
+    tree_state.active_query_lens = None
+    buf = tree_state.allocate_active(8, DEVICE)
+    buf[: active.shape[0]] = active
+    return buf
+
+
 @needs_kernels
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_mla_backend_passes_active_lens(adaptive, tree_state):
@@ -376,12 +388,7 @@ def test_mla_backend_passes_active_lens(adaptive, tree_state):
 
     batch, active = mla_batch(_decode_specs(), page_size=16, heads=2)
     qsl = batch["query_start_loc"]
-    tree_state.ancestor_bits = batch["ancestor_bits"].clone()
-    tree_state.active = True
-    tree_state.adaptive = adaptive
-    tree_state.active_query_lens = None
-    buf = tree_state.allocate_active(8, DEVICE)
-    buf[:3] = active
+    buf = arm_tree_state(tree_state, batch["ancestor_bits"], active, adaptive)
     builder = TreeMLAMetadataBuilder.__new__(TreeMLAMetadataBuilder)  # only _build_decode
     builder._causal_bits = torch.zeros(64, 1, dtype=torch.int64, device=DEVICE)
     builder._max_model_len = 4096
@@ -455,12 +462,7 @@ def test_gqa_backend_passes_active_lens(adaptive, tree_state):
     kv_cache = torch.randn(shape, generator=gen).to(DEVICE)
     query = torch.randn(num_tokens, HQ, DIM, generator=gen).to(DEVICE)
 
-    tree_state.ancestor_bits = meta["ancestor_bits"].clone()
-    tree_state.active = True
-    tree_state.adaptive = adaptive
-    tree_state.active_query_lens = None
-    buf = tree_state.allocate_active(8, DEVICE)
-    buf[:3] = active
+    buf = arm_tree_state(tree_state, meta["ancestor_bits"], active, adaptive)
     builder = TreeGQAMetadataBuilder(NS(block_size=PAGE), ["layer.0"], _fake_vllm_config(),
                                      DEVICE)  # fmt: skip
     seq_lens = meta["seq_lens"]
