@@ -337,6 +337,10 @@ def _versions() -> dict:
                 break
             except PackageNotFoundError:
                 continue
+    from vllm_ddtree.round_kernels import round_kernels, tree_build
+
+    out["DDTree round kernels"] = round_kernels()
+    out["DDTree tree build"] = tree_build()
     return out
 
 

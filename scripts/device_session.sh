@@ -128,9 +128,9 @@ for stage in "$@"; do
       timeout 420 python3 -m vllm_ddtree.cli demo --engine vllm > "$OUT/demo.log" 2>&1
       summary demo $?
       tail -12 "$OUT/demo.log" ;;
-    lmeval)
+    lmeval)  # a fixed 2 GiB KV cache: no start-up memory profiling, so it can share a GPU
       timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
-        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.25}' \
+        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648}' \
         --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
         > "$OUT/lmeval.log" 2>&1
       summary lmeval $?

@@ -54,10 +54,12 @@ TREE_BUILD_ENV = "VLLM_DDTREE_TREE_BUILD"
 DEFAULT_TREE_BUILD = "torch"
 
 
-def use_triton_tree_build(tensor: torch.Tensor) -> bool:
-    """True when the drafter logits ``tensor`` (CUDA) go to the Triton tree build.
+def tree_build() -> str:
+    """The configured tree build, ``"torch"`` or ``"triton"`` (raises ``ValueError``
+    naming ``VLLM_DDTREE_TREE_BUILD`` on any other value)."""
+    return _choice(TREE_BUILD_ENV, DEFAULT_TREE_BUILD)
 
-    Raises:
-        ValueError: ``VLLM_DDTREE_TREE_BUILD`` holds another value than torch / triton.
-    """
-    return _choice(TREE_BUILD_ENV, DEFAULT_TREE_BUILD) == "triton" and tensor.is_cuda
+
+def use_triton_tree_build(tensor: torch.Tensor) -> bool:
+    """True when the drafter logits ``tensor`` (CUDA) go to the Triton tree build."""
+    return tree_build() == "triton" and tensor.is_cuda
