@@ -23,7 +23,14 @@ Counted from the Chrome trace, per step:
   and blocking copies show up as a ``cudaMemcpyAsync`` + ``cudaStreamSynchronize``;
 * device-to-host copies: GPU ``Memcpy DtoH`` activities (``Device -> Pageable``
   ones block the host; ``Device -> Pinned`` ones are vLLM's asynchronous output
-  copies).
+  copies);
+* kernel launches: ``cudaLaunchKernel`` / ``cudaLaunchKernelExC`` / ``cuLaunchKernel``
+  / ``cuLaunchKernelEx`` and CUDA-graph replays (``cudaGraphLaunch``,
+  ``cuGraphLaunch``), by API: many individual launches where one graph launch was
+  expected mean a region runs eagerly;
+* GPU time: the summed duration of GPU activities (kernels, memcpys, memsets), each
+  charged to the runtime call that launched it (``args.correlation``; the kernels of
+  a graph replay to its ``cudaGraphLaunch``), and the kernels that take the most.
 
 Each event is attributed to the innermost range of this script's annotations
 (``ddtree::propose``, ``ddtree::verify``, ``ddtree::verify_inputs``, ...,
@@ -69,6 +76,13 @@ BLOCKING_MEMCPY_APIS = frozenset({
 })
 RUNTIME_CATEGORIES = frozenset({"cuda_runtime", "cuda_driver"})
 MEMCPY_CATEGORY = "gpu_memcpy"
+GPU_CATEGORIES = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
+# Kernel launches and graph replays (memcpy / memset calls are not launches).
+LAUNCH_APIS = frozenset({
+    "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+    "cudaGraphLaunch", "cuGraphLaunch",
+})
+TOP_KERNELS = 10
 
 # Functions wrapped in a record_function range: (module, class or None, attribute, label).
 ANNOTATED = [
@@ -144,6 +158,25 @@ def _ends(event: dict) -> float:
     return float(event["ts"]) + float(event.get("dur", 0.0))
 
 
+def is_launch_api(name: str) -> bool:
+    """``LAUNCH_APIS``, also in per-thread-stream (``_ptsz``) or versioned (``_v11060``)
+    spellings."""
+    base = name
+    for suffix in ("_ptsz", "_ptds"):
+        base = base.removesuffix(suffix)
+    head, sep, version = base.rpartition("_v")
+    if sep and version.isdigit():
+        base = head
+    return base in LAUNCH_APIS
+
+
+def _our_region(stack: list[dict]) -> str:
+    """Innermost ``ddtree::`` / ``vllm::`` annotation of a stack, ``-`` without one."""
+    ours = [s["name"] for s in stack if s.get("cat") == "user_annotation"
+            and s["name"].startswith(OUR_PREFIXES)]
+    return ours[-1] if ours else "-"
+
+
 class _ThreadIndex:
     """Nested ranges of one thread (user annotations, Python frames, CPU ops), for
     "which ranges contain time ts" queries. Ranges of one thread nest like a call
@@ -172,7 +205,8 @@ class _ThreadIndex:
 
 
 def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
-    """Host syncs and device-to-host copies per step of a Chrome trace.
+    """Host syncs, device-to-host copies, kernel launches and GPU time per step of a
+    Chrome trace.
 
     Args:
         events: Chrome trace events (dicts with ``ph``, ``cat``, ``name``, ``pid``,
@@ -190,6 +224,18 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         ``vllm`` from the innermost ``ddtree::`` / ``vllm::`` range; ``region``:
         that range; ``op``: innermost CPU op; ``site``: innermost Python frame
         outside torch, ``-`` without a Python stack).
+
+        GPU time and launches inside steps (totals over the steps, not per step):
+        ``launches``: rows ``{region, api, count}`` (``api``: the runtime / driver
+        launch call, see ``LAUNCH_APIS``; ``region`` as for ``sites``, on the
+        calling thread), most frequent first; ``gpu_time``: rows ``{region,
+        kernel_us, kernels}`` (GPU activities of categories ``GPU_CATEGORIES``,
+        i.e. kernels, memcpys and memsets, charged to the region and step of the
+        runtime call with the same ``args.correlation``; ``kernel_us``: summed
+        ``dur`` in microseconds; ``kernels``: number of activities), most time
+        first; ``top_kernels``: the ``TOP_KERNELS`` activity names with the most
+        time, rows ``{name, us, count}`` (``name`` cut to 80 characters);
+        ``step_gpu_us``: float, summed duration of all those activities.
     """
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     ranges: dict[tuple, list[dict]] = {}
@@ -208,6 +254,16 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
     step_starts = [float(e["ts"]) for e in steps]
     threads = {key: _ThreadIndex(r) for key, r in ranges.items()}
 
+    def step_of(ts: float) -> int | None:
+        # Steps run one after another on the engine thread: match by time only, so
+        # that events of other threads (vLLM's output thread) land in their step too.
+        step = bisect.bisect_right(step_starts, ts) - 1
+        return None if step < 0 or ts > _ends(steps[step]) else step
+
+    def stack_of(anchor: dict, ts: float) -> list[dict]:
+        thread = threads.get((anchor.get("pid"), anchor.get("tid")))
+        return thread.enclosing(ts) if thread else []
+
     counted: list[tuple[str, dict, bool]] = []  # (kind, CPU-side anchor, pageable)
     for e in complete:
         cat, name = e.get("cat", ""), e.get("name", "")
@@ -224,19 +280,14 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
     sites: Counter = Counter()
     for kind, anchor, is_pageable in counted:
         ts = float(anchor["ts"])
-        # Steps run one after another on the engine thread: match by time only, so
-        # that syncs of other threads (vLLM's output thread) land in their step too.
-        step = bisect.bisect_right(step_starts, ts) - 1
-        if step < 0 or ts > _ends(steps[step]):
+        step = step_of(ts)
+        if step is None:
             outside[kind] += 1
             continue
         per_step[kind][step] += 1
         pageable += is_pageable
-        thread = threads.get((anchor.get("pid"), anchor.get("tid")))
-        stack = thread.enclosing(ts) if thread else []
-        ours = [s["name"] for s in stack if s.get("cat") == "user_annotation"
-                and s["name"].startswith(OUR_PREFIXES)]
-        region = ours[-1] if ours else "-"
+        stack = stack_of(anchor, ts)
+        region = _our_region(stack)
         owner = "ddtree" if region.startswith("ddtree::") else "vllm"
         ddtree[kind] += owner == "ddtree"
         ops = [s["name"] for s in stack if s.get("cat") == "cpu_op"]
@@ -244,6 +295,33 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
                   and not _is_torch_or_builtin_frame(s["name"])]
         site = short_site(frames[-1]) if frames else "-"
         sites[(kind, owner, region, ops[-1] if ops else anchor.get("name", "-"), site)] += 1
+
+    launches: Counter = Counter()  # (region, api) -> launches
+    region_us: Counter = Counter()
+    region_count: Counter = Counter()
+    kernel_us: Counter = Counter()
+    kernel_count: Counter = Counter()
+    for e in complete:
+        cat, name = e.get("cat", ""), e.get("name", "")
+        if cat in RUNTIME_CATEGORIES and is_launch_api(name):
+            anchor = e
+        elif cat in GPU_CATEGORIES:
+            # GPU timestamps say when the work ran, not which step queued it.
+            anchor = runtime_by_corr.get((e.get("args") or {}).get("correlation"), e)
+        else:
+            continue
+        ts = float(anchor["ts"])
+        if step_of(ts) is None:
+            continue
+        region = _our_region(stack_of(anchor, ts))
+        if cat in RUNTIME_CATEGORIES:
+            launches[(region, name)] += 1
+            continue
+        dur = float(e.get("dur", 0.0))
+        region_us[region] += dur
+        region_count[region] += 1
+        kernel_us[name[:80]] += dur
+        kernel_count[name[:80]] += 1
 
     return {
         "steps": len(steps),
@@ -257,11 +335,42 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         "outside_steps": {"syncs": outside["sync"], "dtoh": outside["dtoh"]},
         "sites": [dict(kind=k, owner=o, region=r, op=op, site=s, count=n)
                   for (k, o, r, op, s), n in sites.most_common()],
+        "launches": [dict(region=r, api=a, count=n) for (r, a), n in
+                     sorted(launches.items(), key=lambda kv: (-kv[1], kv[0]))],
+        "gpu_time": [dict(region=r, kernel_us=round(region_us[r], 3), kernels=region_count[r])
+                     for r in sorted(region_us, key=lambda r: (-region_us[r], r))],
+        "top_kernels": [dict(name=k, us=round(kernel_us[k], 3), count=kernel_count[k])
+                        for k in sorted(kernel_us, key=lambda k: (-kernel_us[k], k))
+                        [:TOP_KERNELS]],
+        "step_gpu_us": round(sum(region_us.values()), 3),
     }
 
 
 def _per_step(total: int, steps: int) -> str:
     return f"{total / steps:.2f}" if steps else "n/a"
+
+
+def _ms_per_step(us: float | None, steps: int) -> str:
+    return f"{us / steps / 1000:.3f}" if steps and us is not None else "n/a"
+
+
+def _compact(x: float) -> str:
+    """``120.0`` -> ``120``, ``0.5`` -> ``0.5``, ``1.3333`` -> ``1.33``."""
+    return f"{x:.2f}".rstrip("0").rstrip(".")
+
+
+def _region_rows(r: dict) -> list[str]:
+    """Markdown rows of the per-region GPU time and launches table of one result."""
+    steps = r["steps"]
+    gpu = {g["region"]: g for g in r.get("gpu_time", [])}
+    apis: dict[str, list[str]] = {}
+    for row in r.get("launches", []):
+        apis.setdefault(row["region"], []).append(
+            f"{row['api']} {_compact(row['count'] / steps)}")
+    regions = list(gpu) + [region for region in apis if region not in gpu]
+    return [f"| {region} | {_ms_per_step(gpu.get(region, {}).get('kernel_us', 0.0), steps)} "
+            f"| {_per_step(gpu.get(region, {}).get('kernels', 0), steps)} "
+            f"| {', '.join(apis.get(region, [])) or '-'} |" for region in regions]
 
 
 def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
@@ -279,8 +388,8 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
         f"Command: `{command}`",
         "",
         "| method | steps | host syncs / step | DtoH copies / step (pageable) "
-        "| DDTree syncs / step | DDTree DtoH / step | top call sites |",
-        "|---|---|---|---|---|---|---|",
+        "| DDTree syncs / step | DDTree DtoH / step | GPU ms / step | top call sites |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         steps = r["steps"]
@@ -291,11 +400,13 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
             f"| {r.get('label', r['method'])} | {steps} | {_per_step(r['syncs'], steps)} "
             f"| {_per_step(r['dtoh'], steps)} ({r['dtoh_pageable']}) "
             f"| {_per_step(r['ddtree_syncs'], steps)} | {_per_step(r['ddtree_dtoh'], steps)} "
-            f"| {top_sites} |")
+            f"| {_ms_per_step(r.get('step_gpu_us'), steps)} | {top_sites} |")
     lines += ["", "Host syncs: `cudaStreamSynchronize` / `cudaDeviceSynchronize` / "
               "`cudaEventSynchronize` (and `cu*` forms, synchronous `cudaMemcpy*`) inside "
               "the profiled steps. DtoH copies: GPU `Memcpy DtoH` activities (pageable "
-              "ones block the host). DDTree columns: events inside a `ddtree::` range.", ""]
+              "ones block the host). DDTree columns: events inside a `ddtree::` range. GPU ms: "
+              "summed duration of the kernels, memcpys and memsets launched inside the "
+              "steps.", ""]
     baseline = next((r for r in results if r["method"] == "dflash" and r["steps"]), None)
     for r in results:
         if r["method"] != "ddtree" or not r["steps"]:
@@ -323,6 +434,17 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
             lines.append(f"| {s['kind']} | {s['owner']} | {s['region']} | `{s['op']}` "
                          f"| `{s['site']}` | {s['count']} | {_per_step(s['count'], r['steps'])} |")
         lines.append("")
+        region_rows = _region_rows(r) if r["steps"] else []
+        if region_rows:
+            lines += ["### GPU time and launches per step by region", "",
+                      "| region | GPU ms / step | kernels / step | launches / step |",
+                      "|---|---|---|---|", *region_rows, ""]
+        if r["steps"] and r.get("top_kernels", []):
+            lines += ["### Top kernels", "", "| name | ms / step | count / step |",
+                      "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {_ms_per_step(k['us'], r['steps'])} "
+                      f"| {_per_step(k['count'], r['steps'])} |" for k in r["top_kernels"]]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -507,7 +629,8 @@ def main(argv: list[str] | None = None) -> None:
                 results.append({"method": method, "label": method, "steps": 0, "syncs": 0,
                                 "dtoh": 0, "dtoh_pageable": 0, "ddtree_syncs": 0,
                                 "ddtree_dtoh": 0, "per_step_syncs": [], "per_step_dtoh": [],
-                                "outside_steps": {}, "sites": [],
+                                "outside_steps": {}, "sites": [], "launches": [],
+                                "gpu_time": [], "top_kernels": [], "step_gpu_us": 0.0,
                                 "note": f"child failed (exit code {proc.returncode})"})
                 continue
             results.append(json.loads(out.read_text()))

@@ -742,6 +742,13 @@ def test_count_trace_counts_and_attributes_per_step():
          "vllm/v1/worker/gpu/async_utils.py:60 get_output"): 1,
         ("sync", "vllm", "-", "cudaStreamSynchronize", "-"): 1,
     }
+    # Only the three copies run on the GPU: no launches, 3 us of memcpys.
+    assert result["launches"] == [] and result["step_gpu_us"] == 3.0
+    assert result["gpu_time"] == [
+        {"region": "ddtree::propose", "kernel_us": 1.0, "kernels": 1},
+        {"region": "ddtree::verify", "kernel_us": 1.0, "kernels": 1},
+        {"region": "vllm::sample_tokens", "kernel_us": 1.0, "kernels": 1},
+    ]
 
 
 def test_count_trace_reads_a_json_trace_and_writes_markdown(tmp_path):
@@ -762,11 +769,114 @@ def test_count_trace_reads_a_json_trace_and_writes_markdown(tmp_path):
     text = count_host_syncs.format_markdown([result, baseline, empty],
                                             "python evals/count_host_syncs.py")
     assert "| DDTree B=32 | 2 | 1.50 | 1.00 (1) | 0.50 | 0.50 |" in text
-    assert "| ar | 0 | n/a | n/a (0) | n/a | n/a | - |" in text
+    assert "| ar | 0 | n/a | n/a (0) | n/a | n/a | n/a | - |" in text
     assert "`vllm_ddtree/verify_batch.py:139 compact_kv_cache_`" in text
     assert "Command: `python evals/count_host_syncs.py`" in text
     assert ("- DDTree B=32: 1 host syncs and 1 DtoH copies inside `ddtree::` ranges over 2 "
             "steps; 1.50 syncs/step in all vs 2.00 for DFlash.") in text
+
+
+GEMM = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_"
+        "tn_align8>(Params)")
+
+
+def synthetic_gpu_trace() -> list[dict]:
+    """Two steps, each with eager launches in ``ddtree::verify`` (step 0: three
+    ``cudaLaunchKernel`` and a ``cudaMemcpyAsync``; step 1: one ``cudaLaunchKernel``,
+    one driver ``cuLaunchKernel``) and one ``cudaGraphLaunch`` in
+    ``vllm::execute_model`` whose two kernels correlate to it; step 1 also launches a
+    kernel outside our ranges. A launch after the steps is not counted. GPU events run
+    later (ts 5000+) on the device's pid / tid."""
+    step = count_host_syncs.STEP_NAME
+
+    def gpu(name, ts, dur, corr, cat="kernel"):
+        return X(cat, name, ts, dur, pid=0, tid=7, correlation=corr)
+
+    return [
+        X("user_annotation", step, 0, 100),
+        X("user_annotation", "ddtree::verify", 10, 30),
+        X("cpu_op", "aten::gather", 11, 3),
+        X("cuda_runtime", "cudaLaunchKernel", 12, 1, correlation=21),
+        X("cuda_runtime", "cudaLaunchKernel", 15, 1, correlation=22),
+        X("cuda_runtime", "cudaLaunchKernel", 18, 1, correlation=23),
+        X("cuda_runtime", "cudaMemcpyAsync", 20, 1, correlation=25),
+        X("user_annotation", "vllm::execute_model", 50, 40),
+        X("cuda_runtime", "cudaGraphLaunch", 60, 5, correlation=24),
+        gpu("tree_walk_kernel", 5000, 30, 21),
+        gpu("gather_kernel", 5030, 20, 22),
+        gpu("tree_walk_kernel", 5050, 30, 23),
+        gpu("Memcpy HtoD (Pinned -> Device)", 5080, 4, 25, cat="gpu_memcpy"),
+        gpu(GEMM, 5100, 400, 24),
+        gpu("flash_fwd_kernel", 5500, 100, 24),
+        X("user_annotation", step, 100, 100),
+        X("user_annotation", "ddtree::verify", 110, 30),
+        X("cuda_runtime", "cudaLaunchKernel", 112, 1, correlation=31),
+        X("cuda_driver", "cuLaunchKernel", 115, 1, correlation=32),
+        X("user_annotation", "vllm::execute_model", 150, 40),
+        X("cuda_runtime", "cudaGraphLaunch", 160, 5, correlation=33),
+        X("cuda_runtime", "cudaLaunchKernel", 195, 1, tid=2, correlation=34),
+        gpu("tree_walk_kernel", 6000, 30, 31),
+        gpu("triton_draw", 6030, 10, 32),
+        gpu(GEMM, 6100, 400, 33),
+        gpu("flash_fwd_kernel", 6500, 100, 33),
+        gpu("elementwise_kernel", 6600, 6, 34),
+        X("cuda_runtime", "cudaLaunchKernel", 300, 1, correlation=40),
+        gpu("warmup_kernel", 7000, 1000, 40),
+    ]
+
+
+def test_count_trace_gpu_time_and_launches_per_region():
+    result = count_host_syncs.count_trace(synthetic_gpu_trace())
+    assert result["steps"] == 2 and result["syncs"] == 0 and result["dtoh"] == 0
+    assert result["launches"] == [
+        {"region": "ddtree::verify", "api": "cudaLaunchKernel", "count": 4},
+        {"region": "vllm::execute_model", "api": "cudaGraphLaunch", "count": 2},
+        {"region": "-", "api": "cudaLaunchKernel", "count": 1},
+        {"region": "ddtree::verify", "api": "cuLaunchKernel", "count": 1},
+    ]
+    assert result["gpu_time"] == [
+        {"region": "vllm::execute_model", "kernel_us": 1000.0, "kernels": 4},
+        {"region": "ddtree::verify", "kernel_us": 124.0, "kernels": 6},
+        {"region": "-", "kernel_us": 6.0, "kernels": 1},
+    ]
+    assert result["top_kernels"] == [
+        {"name": GEMM[:80], "us": 800.0, "count": 2},
+        {"name": "flash_fwd_kernel", "us": 200.0, "count": 2},
+        {"name": "tree_walk_kernel", "us": 90.0, "count": 3},
+        {"name": "gather_kernel", "us": 20.0, "count": 1},
+        {"name": "triton_draw", "us": 10.0, "count": 1},
+        {"name": "elementwise_kernel", "us": 6.0, "count": 1},
+        {"name": "Memcpy HtoD (Pinned -> Device)", "us": 4.0, "count": 1},
+    ]
+    assert len(GEMM) > 80
+    assert result["step_gpu_us"] == 1130.0
+
+    result.update(method="ddtree", label="DDTree B=32")
+    old = {k: v for k, v in result.items()
+           if k not in ("launches", "gpu_time", "top_kernels", "step_gpu_us")}
+    old.update(method="dflash", label="old")
+    text = count_host_syncs.format_markdown([result, old], "cmd")
+    assert "| GPU ms / step | top call sites |" in text
+    assert "| DDTree B=32 | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | 0.565 | - |" in text
+    assert "| old | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | n/a | - |" in text
+    assert text.count("### GPU time and launches per step by region") == 1
+    assert text.count("### Top kernels") == 1
+    assert ("| region | GPU ms / step | kernels / step | launches / step |\n|---|---|---|---|\n"
+            "| vllm::execute_model | 0.500 | 2.00 | cudaGraphLaunch 1 |\n"
+            "| ddtree::verify | 0.062 | 3.00 | cudaLaunchKernel 2, cuLaunchKernel 0.5 |\n"
+            "| - | 0.003 | 0.50 | cudaLaunchKernel 0.5 |\n") in text
+    assert ("| name | ms / step | count / step |\n|---|---|---|\n"
+            f"| `{GEMM[:80]}` | 0.400 | 1.00 |\n"
+            "| `flash_fwd_kernel` | 0.100 | 1.00 |\n"
+            "| `tree_walk_kernel` | 0.045 | 1.50 |\n") in text
+
+
+def test_launch_api_names():
+    assert all(count_host_syncs.is_launch_api(n) for n in (
+        "cudaLaunchKernel", "cudaLaunchKernelExC_v11060", "cuLaunchKernelEx",
+        "cudaGraphLaunch_ptsz", "cuGraphLaunch"))
+    assert not any(count_host_syncs.is_launch_api(n) for n in (
+        "cudaMemcpyAsync", "cudaMemsetAsync", "cudaStreamSynchronize", "cudaLaunchHostFunc"))
 
 
 def test_count_host_syncs_cli_and_child_command():
