@@ -281,6 +281,12 @@ def main() -> None:
 
             os.environ[TREE_BACKEND_ENV] = "gqa"
             register_tree_backend("gqa")
+    if args.tp > 1 and os.environ.get("VLLM_DDTREE_TP_NCCL_ONLY") == "1":
+        # Machines with NVLink multicast off (the device machines, KINDS.md): vLLM's
+        # custom / symmetric-memory all-reduce died there with an illegal memory access
+        # in the TP=2 forward (2026-11-30, twice); plain NCCL is what is seen working.
+        extra["disable_custom_all_reduce"] = True
+        os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,

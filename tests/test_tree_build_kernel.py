@@ -38,11 +38,19 @@ pytestmark = [
 FIELDS = ("tokens", "parents", "depths", "scores")
 
 
-def assert_same_tree(got, want):
+def assert_same_tree(got, want, exact_scores=True):
+    """Same tokens, parents and depths; scores bit for bit (the same fp32 adds, -inf
+    included) or, with ``exact_scores=False``, within 4 fp32 ulps (a reference on
+    another device: CUDA's and the CPU's log-softmax differ in the last bits)."""
     for name in FIELDS:
         a, b = getattr(got, name).cpu(), getattr(want, name).cpu()
         assert a.dtype == b.dtype and a.shape == b.shape, name
-        if name == "scores":  # bit for bit (the same fp32 adds), -inf included
+        if name == "scores" and not exact_scores:
+            assert torch.equal(a.isinf(), b.isinf()), (name, a, b)
+            finite = ~a.isinf()
+            torch.testing.assert_close(a[finite], b[finite], rtol=5e-7, atol=0)
+            continue
+        if name == "scores":
             a, b = a.view(torch.int32), b.view(torch.int32)
         assert torch.equal(a, b), (name, a, b)
 
@@ -74,7 +82,9 @@ def test_kernel_equals_build_ddtree(kind, shape, budget, top_k):
 def test_kernel_equals_the_heapq_reference(kind):
     logits = make_logits(kind, (2, 6, 10), seed=5)
     got = build_ddtree_triton(logits.to(DEVICE), 24)
-    assert_same_tree(got, build_ddtree_reference(logits, 24))
+    # The heapq oracle runs on the CPU: exact scores only when the kernel did too.
+    assert_same_tree(got, build_ddtree_reference(logits, 24),
+                     exact_scores=torch.device(DEVICE).type == "cpu")
 
 
 def test_low_precision_logits_and_no_requests():
@@ -125,7 +135,7 @@ def test_host_side_has_no_sync_once_the_plan_exists(monkeypatch):
     the launch arguments read nothing back once ``beam_plan`` is cached."""
     from vllm_ddtree.testing.sync_guard import HostSyncDetector
 
-    logits = make_logits("randn", (3, 6, 40), seed=8)
+    logits = make_logits("randn", (3, 6, 40), seed=8).to(DEVICE)
     build_ddtree_triton(logits, 24)  # builds and caches the plan (a host-to-device copy)
     launches = []
 
