@@ -112,18 +112,27 @@ def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict 
 
 
 def first_divergence(tokenizer, context: str, ours: str, theirs: str
-                     ) -> tuple[list[int], int, int, int] | None:
+                     ) -> tuple[list[int], int, int | None, int | None] | None:
     """Where two generations of one prompt part, in token ids: ``(prompt + common
     prefix ids, index of the first differing generated token, our token, their
-    token)``, or None when one generation is a prefix of the other (a length
-    difference, e.g. a stop sequence reached at another step)."""
+    token)``. When one generation is a prefix of the other (it stopped there: a stop
+    sequence the other did not produce, whose text lm-eval cut off), the shorter side's
+    token is None. None for equal token sequences."""
     prompt = tokenizer.encode(context)
     a = tokenizer.encode(ours, add_special_tokens=False)
     b = tokenizer.encode(theirs, add_special_tokens=False)
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return prompt + a[:i], i, x, y
-    return None
+    if len(a) == len(b):
+        return None
+    i = min(len(a), len(b))
+    return (prompt + a[:i], i, a[i] if i < len(a) else None,
+            b[i] if i < len(b) else None)
+
+
+def _token(token_id: int | None) -> str:
+    return "stop" if token_id is None else str(token_id)
 
 
 def probe_divergences(llm, tokenizer, baseline: TaskRun, speculative: TaskRun,
@@ -337,12 +346,14 @@ def report_markdown(report: TaskReport, command: str) -> str:
         ties = sum(bool(p["tie"]) for p in s.divergences)
         lines += [f"Where they part (the target's top-2 log-prob gap at the first differing "
                   f"token, one greedy step of the speculative engine on the prompt + common "
-                  f"prefix): {ties} of {len(s.divergences)} within the tie gap "
+                  f"prefix; 'stop': that generation ended there): {ties} of "
+                  f"{len(s.divergences)} within the tie gap "
                   f"{report.settings.get('tie_gap')} nats.", "",
                   "| doc | first differing token | baseline / speculative token | top-2 gap "
                   "| tie |", "|---|---|---|---|---|"]
-        lines += [f"| {p['doc']} | {p['position']} | {p.get('baseline_token')} / "
-                  f"{p.get('speculative_token')} | "
+        # A None token: that generation stopped there (its stop sequence was cut off).
+        lines += [f"| {p['doc']} | {p['position']} | {_token(p.get('baseline_token'))} / "
+                  f"{_token(p.get('speculative_token'))} | "
                   f"{'—' if p['gap'] is None else format(p['gap'], '.4f')} | {p['tie']} |"
                   for p in s.divergences]
         lines.append("")

@@ -167,16 +167,21 @@ def test_divergence_probes_measure_the_gap_where_texts_part():
     spec = run("spec", {"m": 0.0}, {0: "abcY", 1: "same", 2: "abc", 3: "xyRR"}, 1.0)
     llm = GapLLM({1 + 2 + 3: 0.02, 1 + 2 + 2: 0.7})
     probes = validate.probe_divergences(llm, CharTokenizer(), base, spec, tie_gap=0.1)
+    # doc 2: the baseline stopped after "ab" (a stop sequence, cut from the text), the
+    # speculative run went on with "c": probed where the baseline ended.
     assert llm.prompts == [[0, ord("p"), ord("0"), *map(ord, "abc")],
+                           [0, ord("p"), ord("2"), *map(ord, "ab")],
                            [0, ord("p"), ord("3"), *map(ord, "xy")]]
     assert [(p["doc"], p["position"], p["tie"]) for p in probes] == [
-        (0, 3, True), (2, None, None), (3, 2, False)]
+        (0, 3, True), (2, 2, False), (3, 2, False)]
+    assert probes[1]["baseline_token"] is None and probes[1]["speculative_token"] == ord("c")
     assert probes[0]["gap"] == pytest.approx(0.02)
     assert probes[0]["baseline_token"] == ord("X") and probes[0]["speculative_token"] == ord("Y")
     spec.divergences = probes
     report = validate.compare("t", "vllm", base, spec, 1.0, 0.0, {"tie_gap": 0.1})
     text = validate.report_markdown(report, "cmd")
     assert "1 of 3 within the tie gap 0.1 nats" in text
+    assert "| 2 | 2 | stop / 99 | 0.7000 | False |" in text
     assert "| 3 | 2 | 122 / 82 | 0.7000 | False |" in text
 
 

@@ -43,6 +43,13 @@ def test_tree_build_switch(monkeypatch):
     assert not use_triton_tree_build(cuda_like)
     monkeypatch.setenv(TREE_BUILD_ENV, "triton")
     assert not use_triton_tree_build(cuda_like)
+    # The default is the Triton build (CUDA tensors only), "torch" opts out.
+    from vllm_ddtree import round_kernels
+
+    monkeypatch.delenv(TREE_BUILD_ENV, raising=False)
+    assert round_kernels.tree_build() == "triton"
+    monkeypatch.setenv(TREE_BUILD_ENV, "torch")
+    assert round_kernels.tree_build() == "torch"
     monkeypatch.setenv(TREE_BUILD_ENV, "cuda")
     with pytest.raises(ValueError, match=TREE_BUILD_ENV):
         use_triton_tree_build(cuda_like)

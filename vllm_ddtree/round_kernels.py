@@ -47,11 +47,12 @@ def use_triton_round_kernels(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and round_kernels() == "triton"
 
 
-# The tree build kernel (``tree_build_kernel``) has its own switch until the GPU suite
-# has passed with it: ``VLLM_DDTREE_TREE_BUILD`` = ``torch`` (default, the H200-validated
-# ``build_ddtree``) or ``triton``.
+# The tree build (``tree_build_kernel``) has its own switch, ``VLLM_DDTREE_TREE_BUILD``:
+# ``triton`` (default: one launch for the beam selection and the merge; the mixed-batch
+# GPU suite, CUDA graphs included, passed with it on the H200, 2026-11-30) or ``torch``
+# (``build_ddtree``'s batched PyTorch ops, the fallback).
 TREE_BUILD_ENV = "VLLM_DDTREE_TREE_BUILD"
-DEFAULT_TREE_BUILD = "torch"
+DEFAULT_TREE_BUILD = "triton"
 
 
 def tree_build() -> str:

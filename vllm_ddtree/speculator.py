@@ -19,9 +19,9 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   config's B) and ``self.budget`` is B.
 * **``_generate_draft``** (captured in FULL CUDA graphs by
   ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
-  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k)`` (with
-  ``VLLM_DDTREE_TREE_BUILD=triton`` the beam selection is one Triton launch,
-  ``tree_build_kernel``); tokens go to
+  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k)`` (on CUDA
+  the beam selection is one Triton launch, ``tree_build_kernel``;
+  ``VLLM_DDTREE_TREE_BUILD=torch`` for the PyTorch build); tokens go to
   ``draft_tokens`` (the return value), parents / depths / ancestor bits to
   batch-ordered buffers. Greedy drafting only: no ``draft_logits [reqs, B, V]``.
 * **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the

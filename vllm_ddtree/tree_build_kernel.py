@@ -21,13 +21,14 @@ vocabulary ranking (:func:`vllm_ddtree.tree._ranked_top_k_by_depth`):
 3. the merge sorts every beam node by (score, depth-major position) and keeps the
    first ``B``; parents become indices into the chosen nodes through a scratch map.
 
-:func:`build_ddtree_fast` uses it with ``VLLM_DDTREE_TREE_BUILD=triton`` (opt-in
-until the GPU suite passes with it). The result equals ``build_ddtree`` bit for bit
-(same keys, same tie order), which ``tests/test_tree_build_kernel.py`` checks against
-it and against the heapq reference. Shapes depend only on (R, L, V, B, top_k): no
-host sync; the host tables are built on first use (``speculator.warm_tree_caches``
-runs one build before the drafter's graph is captured). Candidate and node counts
-above :data:`MAX_BLOCK` (very large budgets) use ``build_ddtree``.
+:func:`build_ddtree_fast` uses it on CUDA by default (``VLLM_DDTREE_TREE_BUILD=torch``
+goes back to ``build_ddtree``); the mixed-batch GPU suite passed with it on the H200.
+The result equals ``build_ddtree`` bit for bit (same keys, same tie order), which
+``tests/test_tree_build_kernel.py`` checks against it and against the heapq reference.
+Shapes depend only on (R, L, V, B, top_k): no host sync; the host tables are built on
+first use (``speculator.warm_tree_caches`` runs one build before the drafter's graph
+is captured). Candidate and node counts above :data:`MAX_BLOCK` (very large budgets)
+use ``build_ddtree``.
 """
 
 from __future__ import annotations
@@ -222,9 +223,8 @@ def build_ddtree_triton(draft_logits: torch.Tensor, budget: int,
 def build_ddtree_fast(draft_logits: torch.Tensor, budget: int, top_k: int | None = None,
                       *, force_triton: bool = False) -> DraftTree:
     """The tree build of the speculator: :func:`build_ddtree_triton` on CUDA tensors
-    with ``VLLM_DDTREE_TREE_BUILD=triton`` (``vllm_ddtree.round_kernels``; the default
-    stays ``torch`` until the GPU suite has passed with the kernel) and a budget within
-    the kernel's blocks, :func:`vllm_ddtree.tree.build_ddtree` otherwise. Same
+    (unless ``VLLM_DDTREE_TREE_BUILD=torch``, ``vllm_ddtree.round_kernels``) for a
+    budget within the kernel's blocks, :func:`vllm_ddtree.tree.build_ddtree` otherwise. Same
     arguments and result; ``force_triton`` runs the kernel on CPU tensors too (tests,
     with ``TRITON_INTERPRET=1``)."""
     if force_triton or use_triton_tree_build(draft_logits):
