@@ -134,7 +134,8 @@ def _header(data: dict) -> list[str]:
         "compaction), verify = `execute_model` (input preparation + target forward), "
         "other = step - draft - verify (sampling / rejection / tree walk = *sample*, "
         "scheduler and output handling). x AR = tokens/s over the AR reference "
-        "(FA-MLA AR) in the same cell.",
+        "(FA-MLA AR) in the same cell. Active nodes (`ddtree_budget: \"auto\"`): tree "
+        "nodes verified per round, the mean of the chosen budgets.",
         "",
     ]
     return lines
@@ -191,7 +192,7 @@ def _full_table(rows: list[dict]) -> list[str]:
     ref = reference_ar(rows)
     header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
               "median step", "accept len", "depth", "draft ms", "verify ms", "other ms",
-              "(sample ms)", "(compact ms)", "note"]
+              "(sample ms)", "(compact ms)", "active nodes", "note"]
     lines = ["## All cells", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted_rows(rows):
         note = r.get("note") or ""
@@ -207,7 +208,8 @@ def _full_table(rows: list[dict]) -> list[str]:
                  _f(r.get("tokens_per_s"), 0), _f(speedup), _f(r.get("step_ms")),
                  _f(r.get("step_ms_median")), _f(r.get("acceptance_length")),
                  _f(r.get("accepted_depth")), _f(r.get("draft_ms")), _f(r.get("verify_ms")),
-                 _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact), note]
+                 _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact),
+                 _f(r.get("active_nodes_per_round"), 1), note]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -35,7 +35,7 @@ from attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*bf16", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32"}
+            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32"}
 ARCHES = {90: ("sm_90a", "ptxas"), 120: ("sm_120a", "ptxas-blackwell")}
 
 
@@ -52,7 +52,8 @@ def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
     fn = mla_kernels._mla_tree_fwd_kernel
     consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                   PAGE_SIZE=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                  DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False)
+                  DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
+                  MIN_TILES=8, MAX_SPLITS=128)
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale"
                                                            else "i32") for n in fn.arg_names}
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts),

@@ -186,6 +186,56 @@ def test_mla_active_rows_bf16_large_pages_and_merge():
     assert torch.all(out[~rows] == 0) and torch.all(lse[~rows] == float("-inf"))
 
 
+class _RecordedLaunch:
+    """Wraps a jit kernel: ``kernel[grid](*args)`` runs it and keeps the arguments."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(args)
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@needs_kernels
+def test_mla_active_rows_resplit_keys_over_idle_ctas(monkeypatch):
+    """Few active rows take over the CTAs of the inactive ones: their keys are split
+    S_eff = (grid row blocks // active blocks) * S ways (capped at one split per 8 tiles), so
+    a small budget inside a large tree shape is faster at long context, not only less
+    work. Results match the reference and the all-active launch; MergeCount (read back
+    from the merge launch) holds each row's split count, 0 for inactive rows."""
+    rng = random.Random(11)
+    # (context, tree, active). 8 tokens a CTA (2 heads, BLOCK_M 16), S = 2; the grid has
+    # 6 row blocks (the 48-token tree), so a request has 12 CTAs. Splits: 12 // active
+    # blocks, at most one per 8 key tiles of 16, at least S.
+    specs = [(1000, random_tree(24, rng), 3),  # 1 active block: 12, cap 64 // 8 -> 8
+             (650, chain(24), 24),  # 3 active blocks (all): 4 (cap 5)
+             (600, random_tree(24, rng), 1),  # 1 active block: cap 39 // 8 -> 4
+             (1000, random_tree(48, rng), 12)]  # 2 active blocks: 6; block 1 too
+    batch, active = mla_batch(specs, page_size=16, heads=2)
+    config = MLATileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    merge = _RecordedLaunch(mla_kernels._mla_tree_merge_kernel)
+    monkeypatch.setattr(mla_kernels, "_mla_tree_merge_kernel", merge)
+    out, lse = mla_tree_verify(**batch, num_kv_splits=2, config=config,
+                               active_query_lens=active, out=nan_out(batch, 32))
+    ref_out, ref_lse = mla_tree_verify_reference(**batch, active_query_lens=active)
+    full_out, full_lse = mla_tree_verify(**batch, num_kv_splits=2, config=config)
+    rows = active_row_mask(batch["query_start_loc"], active)
+    tol = TOLS[torch.float32]
+    torch.testing.assert_close(out[rows], ref_out[rows], **tol)
+    torch.testing.assert_close(lse[rows], ref_lse[rows], **tol)
+    torch.testing.assert_close(out[rows], full_out[rows], **tol)
+    assert torch.all(out[~rows] == 0) and torch.all(lse[~rows] == float("-inf"))
+
+    merge_count = merge.calls[0][16].cpu()  # the active launch's MergeCount [T, H]
+    want = torch.zeros(120, 2, dtype=torch.int32)
+    want[0:3], want[24:48], want[48:49], want[72:84] = 8, 4, 4, 6
+    assert torch.equal(merge_count, want), merge_count[:, 0].tolist()
+
+
 def _count_calls(monkeypatch, module, name):
     """Count the calls of the jit helper ``module.name`` from interpreted kernels."""
     original = getattr(module, name)

@@ -379,13 +379,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
     fn = kernels._mla_tree_fwd_kernel
     ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32"}
+            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32"}
     aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
     result = []
     for cfg in MLA_TILE_CONFIGS:
         consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                       PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False)
+                      DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
+                      MIN_TILES=8, MAX_SPLITS=128)
         sig = {n: ptrs.get(n, "constexpr" if n in consts else
                            "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

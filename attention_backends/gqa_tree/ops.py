@@ -206,10 +206,13 @@ def gqa_tree_verify(
             lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
             out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1),
+            # GQA keeps the [T, H, S] partials (no re-split of active rows): the merge's
+            # HAS_ACTIVE (compact partials) stays off; inactive rows' splits are -inf.
+            seq_lens, seq_lens, 0, 0,
             KV_LORA=head_dim,
             BLOCK_L=block_d,
             BLOCK_S=triton.next_power_of_2(num_kv_splits),
-            HAS_ACTIVE=has_active,
+            HAS_ACTIVE=False,
             num_warps=4,
         )  # fmt: skip
     return out

@@ -146,6 +146,12 @@ def select_config(
     return fit_config(config, head_dim, kv_lora_rank, dtype, budget=max_shared_memory)
 
 
+# A KV split keeps at least this many tiles; no request is split more ways than
+# MAX_KV_SPLITS (the host's choice and the kernel's re-split of active rows alike).
+MIN_TILES_PER_SPLIT = 8
+MAX_KV_SPLITS = 128
+
+
 def select_num_kv_splits(
     *,
     num_requests: int,
@@ -154,8 +160,8 @@ def select_num_kv_splits(
     block_n: int,
     num_sms: int,
     ctas_per_sm: int = 2,
-    min_tiles_per_split: int = 8,
-    max_splits: int = 128,
+    min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
+    max_splits: int = MAX_KV_SPLITS,
     split_overhead_tiles: int = 2,
 ) -> int:
     """Number of CTAs that share one request's keys (flash-decoding).

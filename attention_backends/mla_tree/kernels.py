@@ -8,15 +8,23 @@ it loads. Axis 0 varies fastest in launch order: the CTAs that read the same spl
 the same request run side by side and share the tile through L2.
 
 ``HAS_ACTIVE`` (constexpr) adds per-request active query rows (adaptive tree
-budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
-A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
-inactive rows of a partially active CTA are written the same way. Without it
-``ActiveQueryLens`` is never read and the kernel compiles as it did before.
+budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real. The
+grid keeps its (CUDA-graph) shape, so a request with ``A`` active row blocks out of
+``M`` launched has ``M * S`` CTAs for ``A`` blocks: they split its keys
+``S_eff = (M // A) * S`` ways instead of ``S`` (at most ``MAX_SPLITS``, at least
+``MIN_TILES`` tiles a split, never below ``S``). CTA ``(m, s)`` takes work item
+``m * S + s = m' * S_eff + s'`` (row block ``m'``, split ``s'``); items past ``A * S_eff``
+return at once. Skipping inactive rows thus shortens the critical path, not only the
+total work: at long context a few active rows finish ``M // A`` times sooner. Partial
+results go to a compact buffer, row ``(r * M * S + item) * BLOCK_M + i``; CTA ``(m, 0)``
+writes for each of its rows where its splits start (``MergeBase``) and how many there
+are (``MergeCount``, 0 for an inactive row). Without ``HAS_ACTIVE`` none of this is
+compiled in and ``ActiveQueryLens``, ``MergeBase`` and ``MergeCount`` are never read.
 
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
-were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key,
-e.g. an inactive row) gets ``out = 0, lse = -inf``; with ``HAS_ACTIVE`` the partials of
-keyless splits (all of an inactive row's) are not loaded.
+were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
+gets ``out = 0, lse = -inf``. With ``HAS_ACTIVE`` it reads a row's ``MergeCount``
+splits from ``MergeBase`` on (an inactive row: none, so ``out = 0, lse = -inf``).
 """
 
 import triton
@@ -150,7 +158,12 @@ def _mla_tree_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     ActiveQueryLens,  # int32 [R]; read only with HAS_ACTIVE
+    MergeBase,  # int32 [T, H]; written only with HAS_ACTIVE
+    MergeCount,  # int32 [T, H]; written only with HAS_ACTIVE
+    stride_mt,
     HAS_ACTIVE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
@@ -162,11 +175,41 @@ def _mla_tree_fwd_kernel(
     q_start = tl.load(QueryStartLoc + pid_r)
     q_len = tl.load(QueryStartLoc + pid_r + 1) - q_start
     num_rows = q_len * NUM_HEADS
-    if pid_m * BLOCK_M >= num_rows:
-        return
+    if not HAS_ACTIVE:
+        if pid_m * BLOCK_M >= num_rows:
+            return
 
     seq_len = tl.load(SeqLens + pid_r)
     ctx_len = seq_len - q_len
+
+    if HAS_ACTIVE:
+        # Every CTA of the request may take a work item, also those past its rows; a
+        # request without active rows (CUDA-graph padding: no query) has none.
+        num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
+        if num_active <= 0:
+            return
+        work_items = tl.num_programs(0) * num_splits  # CTAs of this request
+        active_blocks = tl.maximum(tl.cdiv(num_active * NUM_HEADS, BLOCK_M), 1)
+        eff_splits = (tl.num_programs(0) // active_blocks) * num_splits
+        split_cap = tl.minimum(tl.cdiv(seq_len, BLOCK_N) // MIN_TILES, MAX_SPLITS)
+        eff_splits = tl.minimum(eff_splits, tl.maximum(num_splits, split_cap))
+        if pid_s == 0:
+            # Where the splits of this CTA's rows land (the row -> block map is fixed).
+            offs_own = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            own_tok = offs_own // NUM_HEADS
+            own_idx = (q_start + own_tok).to(tl.int64) * stride_mt + offs_own % NUM_HEADS
+            own_base = (pid_r * work_items + pid_m * eff_splits) * BLOCK_M + tl.arange(0, BLOCK_M)
+            own_valid = offs_own < num_rows
+            tl.store(MergeBase + own_idx, own_base, mask=own_valid)
+            tl.store(MergeCount + own_idx, tl.where(own_tok < num_active, eff_splits, 0),
+                     mask=own_valid)
+        item = pid_m * num_splits + pid_s
+        if item >= active_blocks * eff_splits:
+            return
+        pid_m = item // eff_splits
+        pid_s = item % eff_splits
+        num_splits = eff_splits
+        part_row = (pid_r * work_items + item).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = offs_m < num_rows
@@ -175,15 +218,13 @@ def _mla_tree_fwd_kernel(
     q_row = (q_start + tok).to(tl.int64)
     row_active = row_valid
     if HAS_ACTIVE:
-        num_active = tl.load(ActiveQueryLens + pid_r)
-        # Rows are token-major, so the CTA's first token is its lowest: if it is
-        # inactive, so is every row of the CTA. Write their result, load nothing.
-        if (pid_m * BLOCK_M) // NUM_HEADS >= num_active:
-            _store_inactive_rows(Out, Lse, q_row, head, row_valid, pid_s, num_splits,
-                                 stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
-                                 BLOCK_M, BLOCK_L, KV_LORA)
-            return
         row_active = row_valid & (tok < num_active)
+        # Compact partials: stride_ot is the partial row stride, stride_lt Lse's.
+        offs_lse = part_row * stride_lt
+        offs_out = part_row[:, None] * stride_ot
+    else:
+        offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
+        offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh + pid_s * stride_os
 
     # Even split of the request's keys, in whole tiles.
     keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -195,7 +236,6 @@ def _mla_tree_fwd_kernel(
         last_tok = tl.minimum(last_tok, num_active - 1)
     split_end = tl.minimum(split_end, ctx_len + last_tok + 1)
 
-    offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
     if split_start >= split_end:
         # Nothing to attend in this split; the merge kernel skips it.
         tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
@@ -290,7 +330,6 @@ def _mla_tree_fwd_kernel(
     if HAS_ACTIVE:
         out = tl.where(row_active[:, None], out, 0.0)
         lse = tl.where(row_active, lse, float("-inf"))
-    offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh + pid_s * stride_os
     tl.store(
         Out + offs_out + offs_l[None, :],
         out.to(Out.dtype.element_ty),
@@ -301,11 +340,11 @@ def _mla_tree_fwd_kernel(
 
 @triton.jit
 def _mla_tree_merge_kernel(
-    OutPart,  # fp32 [T, H, S, L]
-    LsePart,  # fp32 [T, H, S]
+    OutPart,  # fp32 [T, H, S, L]; with HAS_ACTIVE compact [P, L]
+    LsePart,  # fp32 [T, H, S]; with HAS_ACTIVE compact [P]
     Out,  # [T, H, L]
     Lse,  # fp32 [T, H]
-    num_splits,
+    num_splits,  # S; with HAS_ACTIVE the most splits a row may have
     stride_pt,
     stride_ph,
     stride_ps,
@@ -316,6 +355,10 @@ def _mla_tree_merge_kernel(
     stride_oh,
     stride_lt,
     stride_lh,
+    MergeBase,  # int32 [T, H]; read only with HAS_ACTIVE
+    MergeCount,  # int32 [T, H]; read only with HAS_ACTIVE
+    stride_mt,
+    split_stride,  # compact partial rows between two splits of a row (BLOCK_M)
     KV_LORA: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -323,28 +366,47 @@ def _mla_tree_merge_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
     offs_l = tl.arange(0, BLOCK_L)
     mask_l = offs_l < KV_LORA
 
-    lse_base = LsePart + t * stride_lpt + h * stride_lph
-    lse_s = tl.load(lse_base + offs_s * stride_lps, mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse_s, 0)
-    base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    denom = tl.sum(tl.exp(lse_s - base), 0)
-
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    part_base = OutPart + t * stride_pt + h * stride_ph
-    for s in range(num_splits):
-        lse_one = tl.load(lse_base + s * stride_lps)
-        if HAS_ACTIVE:
-            # Inactive rows have no key in any split: load no partial of a keyless split.
+    if HAS_ACTIVE:
+        # A row's splits: compact rows base, base + split_stride, ... (none if inactive).
+        count = tl.load(MergeCount + t * stride_mt + h)
+        count = tl.minimum(tl.maximum(count, 0), num_splits)
+        base_row = tl.load(MergeBase + t * stride_mt + h).to(tl.int64)
+        m_run = float("-inf")
+        denom = 0.0
+        acc = tl.zeros([BLOCK_L], tl.float32)
+        for s in range(count):
+            row = base_row + s * split_stride
+            lse_one = tl.load(LsePart + row * stride_lpt)
+            m_new = tl.maximum(m_run, lse_one)
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_base)
+            weight = tl.exp(lse_one - m_base)
+            # Splits without keys left their partial output unwritten: load nothing.
             width = tl.where(lse_one > float("-inf"), KV_LORA, 0)
-            part = tl.load(part_base + s * stride_ps + offs_l, mask=offs_l < width, other=0.0)
-        else:
+            part = tl.load(OutPart + row * stride_pt + offs_l, mask=offs_l < width, other=0.0)
+            acc = acc * alpha + weight * part
+            denom = denom * alpha + weight
+            m_run = m_new
+        base = tl.where(m_run == float("-inf"), 0.0, m_run)
+    else:
+        offs_s = tl.arange(0, BLOCK_S)
+        lse_base = LsePart + t * stride_lpt + h * stride_lph
+        lse_s = tl.load(lse_base + offs_s * stride_lps, mask=offs_s < num_splits,
+                        other=float("-inf"))
+        lse_max = tl.max(lse_s, 0)
+        base = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+        denom = tl.sum(tl.exp(lse_s - base), 0)
+
+        acc = tl.zeros([BLOCK_L], tl.float32)
+        part_base = OutPart + t * stride_pt + h * stride_ph
+        for s in range(num_splits):
+            lse_one = tl.load(lse_base + s * stride_lps)
             part = tl.load(part_base + s * stride_ps + offs_l, mask=mask_l, other=0.0)
-        # Splits without keys left their partial output unwritten: drop it.
-        acc += tl.where(lse_one > float("-inf"), tl.exp(lse_one - base) * part, 0.0)
+            # Splits without keys left their partial output unwritten: drop it.
+            acc += tl.where(lse_one > float("-inf"), tl.exp(lse_one - base) * part, 0.0)
 
     seen = denom > 0.0
     out = acc / tl.where(seen, denom, 1.0)

@@ -10,6 +10,8 @@ import triton
 
 from . import kernels
 from .configs import (
+    MAX_KV_SPLITS,
+    MIN_TILES_PER_SPLIT,
     SM120_SHARED_MEMORY_BYTES,
     MLATileConfig,
     fit_config,
@@ -172,7 +174,20 @@ def mla_tree_verify(
     )
 
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
-    if num_kv_splits == 1:
+    has_active = active_query_lens is not None
+    merge_base = merge_count = seq_lens  # dummies, never read without active rows
+    if has_active:
+        # Active rows re-split their keys over the CTAs of inactive ones (kernels.py):
+        # compact partials, one BLOCK_M-row slab per CTA, and a per-row split index.
+        slabs = num_reqs * row_blocks * num_kv_splits
+        out_buf = torch.empty(slabs * config.block_m, kv_lora_rank, dtype=torch.float32,
+                              device=q.device)
+        lse_buf = torch.empty(slabs * config.block_m, dtype=torch.float32, device=q.device)
+        merge_base = torch.empty(num_tokens, num_heads, dtype=torch.int32, device=q.device)
+        merge_count = torch.zeros(num_tokens, num_heads, dtype=torch.int32, device=q.device)
+        out_strides = (out_buf.stride(0), 0, 0)
+        lse_strides = (lse_buf.stride(0), 0, 0)
+    elif num_kv_splits == 1:
         out_buf, lse_buf = out, lse
         out_strides = (out.stride(0), out.stride(1), 0)
         lse_strides = (lse.stride(0), lse.stride(1), 0)
@@ -188,7 +203,6 @@ def mla_tree_verify(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
 
     grid = (row_blocks, num_kv_splits, num_reqs)
-    has_active = active_query_lens is not None
     kernels._mla_tree_fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
@@ -210,21 +224,29 @@ def mla_tree_verify(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
         ActiveQueryLens=active_query_lens if has_active else seq_lens,
+        MergeBase=merge_base,
+        MergeCount=merge_count,
+        stride_mt=num_heads,
         HAS_ACTIVE=has_active,
+        MIN_TILES=MIN_TILES_PER_SPLIT,
+        MAX_SPLITS=MAX_KV_SPLITS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_kv_splits > 1:
+    if has_active or num_kv_splits > 1:
+        # With active rows a row has up to every CTA of its request as splits.
+        max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
         kernels._mla_tree_merge_kernel[(num_tokens, num_heads)](
             out_buf, lse_buf, out, lse,
-            num_kv_splits,
-            out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
-            lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+            max_splits,
+            out_buf.stride(0), out_strides[1], out_strides[2],
+            lse_buf.stride(0), lse_strides[1], lse_strides[2],
             out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1),
+            merge_base, merge_count, num_heads, config.block_m,
             KV_LORA=kv_lora_rank,
             BLOCK_L=block_l,
-            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
             HAS_ACTIVE=has_active,
             num_warps=4,
         )  # fmt: skip
