@@ -313,6 +313,38 @@ def test_gqa_active_rows_bf16():
     assert torch.all(out[~rows] == 0)
 
 
+@needs_kernels
+@pytest.mark.parametrize("window", [None, 100])
+def test_gqa_active_rows_resplit_keys_over_idle_ctas(monkeypatch, window):
+    """The GQA kernel re-splits like the MLA one, per (request, KV head): 3 query heads
+    a KV head, BLOCK_M 16 (5 1/3 tokens), 9 row blocks (the 48-token tree), S = 2. A
+    sliding window caps the splits by the keys it can see (100 + query length)."""
+    rng = random.Random(12)
+    specs = [(1000, random_tree(24, rng), 3), (650, chain(24), 24),
+             (600, random_tree(24, rng), 1), (1000, random_tree(48, rng), 12)]
+    batch, active = gqa_batch(specs, page_size=16)
+    config = GQATileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_rows=0)
+    merge = _RecordedLaunch(mla_kernels._mla_tree_merge_kernel)
+    monkeypatch.setattr(mla_kernels, "_mla_tree_merge_kernel", merge)
+    kwargs = dict(sliding_window=window, num_kv_splits=2, config=config)
+    out = gqa_tree_verify(**batch, **kwargs, active_query_lens=active,
+                          out=nan_out(batch, batch["q"].shape[2]))  # fmt: skip
+    ref = gqa_tree_verify_reference(**batch, sliding_window=window, active_query_lens=active)
+    full = gqa_tree_verify(**batch, **kwargs)
+    rows = active_row_mask(batch["query_start_loc"], active)
+    torch.testing.assert_close(out, ref, **TOLS[torch.float32])
+    torch.testing.assert_close(out[rows], full[rows], **TOLS[torch.float32])
+    assert torch.all(out[~rows] == 0)
+
+    merge_count = merge.calls[0][16].cpu()  # [T, Hq] of the active launch
+    want = torch.zeros(120, 6, dtype=torch.int32)
+    # splits: 18 // active blocks x ..., capped at key tiles // 8 (at least S = 2)
+    counts = (8, 2, 4, 6) if window is None else (2, 2, 2, 2)
+    for (lo, hi), n in zip([(0, 3), (24, 48), (48, 49), (72, 84)], counts, strict=True):
+        want[lo:hi] = n
+    assert torch.equal(merge_count, want), merge_count[:, 0].tolist()
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="counts K/V tile loads in Triton's interpreter")
 def test_gqa_skipped_tiles_load_no_kv(monkeypatch):
     ctx, qlen = 40, 24

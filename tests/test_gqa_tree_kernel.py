@@ -250,20 +250,26 @@ _COMPILE_SCRIPT = textwrap.dedent(
     fn = kernels._gqa_tree_fwd_kernel
     ptrs = {n: "*bf16" for n in ("Q", "KCache", "VCache", "Out")}
     ptrs.update({"BlockTable": "*i32", "SeqLens": "*i32", "QueryStartLoc": "*i32",
-                 "AncestorBits": "*i64", "Lse": "*fp32", "ActiveQueryLens": "*i32"})
+                 "AncestorBits": "*i64", "Lse": "*fp32", "ActiveQueryLens": "*i32",
+                 "MergeBase": "*i32", "MergeCount": "*i32"})
     result = []
     for cfg in GQA_TILE_CONFIGS:
-        consts = dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_M=cfg.block_m,
-                      BLOCK_N=cfg.block_n, HAS_WINDOW=False, DOT_PRECISION="tf32",
-                      DOT_UPCAST=False, HAS_ACTIVE=False)
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else
-                           "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n in ptrs or n[:8] in ("stride_k", "stride_v") or n == "stride_qt"}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 120, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        result.append(k.metadata.shared)
+        used = 0
+        for has_active in (False, True):  # the active-row variant (re-split) compiles too
+            consts = dict(GROUP=8, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16,
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HAS_WINDOW=False,
+                          DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
+                          MIN_TILES=8, MAX_SPLITS=128)
+            sig = {n: ptrs.get(n, "constexpr" if n in consts else
+                               "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if n in ptrs or n[:8] in ("stride_k", "stride_v") or n == "stride_qt"}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 120, 32),
+                               options={"num_warps": cfg.num_warps,
+                                        "num_stages": cfg.num_stages})
+            used = max(used, k.metadata.shared)
+        result.append(used)
     print(json.dumps(result))
     """
 )

@@ -383,18 +383,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
     aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
     result = []
     for cfg in MLA_TILE_CONFIGS:
-        consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                      PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                      DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
-                      MIN_TILES=8, MAX_SPLITS=128)
-        sig = {n: ptrs.get(n, "constexpr" if n in consts else
-                           "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n in ptrs or n in aligned}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", 120, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        result.append(k.metadata.shared)
+        used = 0
+        for has_active in (False, True):  # the active-row variant (re-split) compiles too
+            consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                          PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
+                          MIN_TILES=8, MAX_SPLITS=128)
+            sig = {n: ptrs.get(n, "constexpr" if n in consts else
+                               "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
+            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                     if n in ptrs or n in aligned}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                               target=GPUTarget("cuda", 120, 32),
+                               options={"num_warps": cfg.num_warps,
+                                        "num_stages": cfg.num_stages})
+            used = max(used, k.metadata.shared)
+        result.append(used)
     print(json.dumps(result))
     """
 )

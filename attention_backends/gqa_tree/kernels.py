@@ -9,16 +9,17 @@ of the group share each K/V tile. Axis 0 varies fastest: the CTAs reading the sa
 results are merged by ``attention_backends.mla_tree.kernels._mla_tree_merge_kernel``.
 
 ``HAS_ACTIVE`` (constexpr) adds per-request active query rows (adaptive tree
-budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real.
-A CTA whose first token is inactive loads nothing and writes ``out = 0, lse = -inf``;
-inactive rows of a partially active CTA are written the same way. Without it
-``ActiveQueryLens`` is never read and the kernel compiles as it did before.
+budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real. As in
+the MLA kernel, the active rows of a (request, KV head) re-split its keys over the CTAs
+of the inactive ones (``_resplit_active_rows``), writing compact partials and a per-row
+split index that the merge reads; inactive rows get ``out = 0``. Without it
+``ActiveQueryLens``, ``MergeBase`` and ``MergeCount`` are never read.
 """
 
 import triton
 import triton.language as tl
 
-from attention_backends.mla_tree.kernels import LN2, _dot, _page_ids, _store_inactive_rows
+from attention_backends.mla_tree.kernels import LN2, _dot, _page_ids, _resplit_active_rows
 
 LOG2E = 1.4426950408889634
 M1 = tl.constexpr(0x5555555555555555)
@@ -107,7 +108,12 @@ def _gqa_tree_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     ActiveQueryLens,  # int32 [R]; read only with HAS_ACTIVE
+    MergeBase,  # int32 [T, Hq]; written only with HAS_ACTIVE
+    MergeCount,  # int32 [T, Hq]; written only with HAS_ACTIVE
+    stride_mt,
     HAS_ACTIVE: tl.constexpr,
+    MIN_TILES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
@@ -119,10 +125,33 @@ def _gqa_tree_fwd_kernel(
     q_start = tl.load(QueryStartLoc + pid_r)
     q_len = tl.load(QueryStartLoc + pid_r + 1) - q_start
     num_rows = q_len * GROUP
-    if pid_m * BLOCK_M >= num_rows:
-        return
+    if not HAS_ACTIVE:
+        if pid_m * BLOCK_M >= num_rows:
+            return
     seq_len = tl.load(SeqLens + pid_r)
     ctx_len = seq_len - q_len
+
+    if HAS_ACTIVE:
+        # Every CTA of the (request, KV head) may take a work item (kernels of mla_tree).
+        num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
+        if num_active <= 0:
+            return
+        num_kv_heads = tl.num_programs(1) // num_splits
+        slab_base = (pid_r * num_kv_heads + kv_head) * tl.num_programs(0) * num_splits * BLOCK_M
+        keys = seq_len
+        if HAS_WINDOW:
+            keys = tl.minimum(seq_len, window + q_len)
+        item, splits, active_blocks = _resplit_active_rows(
+            MergeBase, MergeCount, stride_mt, kv_head * GROUP, slab_base, pid_m, pid_s,
+            num_splits, tl.num_programs(0), q_start, num_rows, num_active,
+            tl.cdiv(keys, BLOCK_N), GROUP, BLOCK_M, MIN_TILES, MAX_SPLITS,
+        )  # fmt: skip
+        if item >= active_blocks * splits:
+            return
+        pid_m = item // splits
+        pid_s = item % splits
+        num_splits = splits
+        part_row = (slab_base + item * BLOCK_M).to(tl.int64) + tl.arange(0, BLOCK_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = offs_m < num_rows
@@ -131,15 +160,13 @@ def _gqa_tree_fwd_kernel(
     q_row = (q_start + tok).to(tl.int64)
     row_active = row_valid
     if HAS_ACTIVE:
-        num_active = tl.load(ActiveQueryLens + pid_r)
-        # Rows are token-major, so the CTA's first token is its lowest: if it is
-        # inactive, so is every row of the CTA. Write their result, load nothing.
-        if (pid_m * BLOCK_M) // GROUP >= num_active:
-            _store_inactive_rows(Out, Lse, q_row, q_head, row_valid, pid_s, num_splits,
-                                 stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
-                                 BLOCK_M, BLOCK_D, HEAD_DIM)
-            return
         row_active = row_valid & (tok < num_active)
+        # Compact partials: stride_ot is the partial row stride, stride_lt Lse's.
+        offs_lse = part_row * stride_lt
+        offs_out = part_row[:, None] * stride_ot
+    else:
+        offs_lse = q_row * stride_lt + q_head * stride_lh + pid_s * stride_ls
+        offs_out = q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + pid_s * stride_os
 
     # Topological order: no row of this CTA sees a new token after its last token.
     last_tok = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // GROUP
@@ -157,7 +184,6 @@ def _gqa_tree_fwd_kernel(
                       // BLOCK_N) * BLOCK_N  # fmt: skip
     split_start = kv_start + pid_s * keys_per_split
     split_end = tl.minimum(split_start + keys_per_split, kv_end)
-    offs_lse = q_row * stride_lt + q_head * stride_lh + pid_s * stride_ls
     if split_start >= split_end:
         tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
         return
@@ -252,7 +278,6 @@ def _gqa_tree_fwd_kernel(
     if HAS_ACTIVE:
         out = tl.where(row_active[:, None], out, 0.0)
         lse = tl.where(row_active, lse, float("-inf"))
-    offs_out = q_row[:, None] * stride_ot + q_head[:, None] * stride_oh + pid_s * stride_os
     tl.store(
         Out + offs_out + offs_d[None, :],
         out.to(Out.dtype.element_ty),

@@ -9,7 +9,11 @@ import torch
 import triton
 
 from attention_backends.mla_tree import kernels as mla_kernels
-from attention_backends.mla_tree.configs import resolve_num_kv_splits
+from attention_backends.mla_tree.configs import (
+    MAX_KV_SPLITS,
+    MIN_TILES_PER_SPLIT,
+    resolve_num_kv_splits,
+)
 from attention_backends.mla_tree.tree_mask import check_tree_batch
 
 from . import kernels
@@ -158,18 +162,30 @@ def gqa_tree_verify(
     )
 
     block_d = block_head_dim(head_dim)
-    lse_buf = torch.empty(
-        num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=q.device
-    )
-    if num_kv_splits == 1:
-        out_buf, out_strides = out, (out.stride(0), out.stride(1), 0)
-    else:
-        out_buf = torch.empty(
-            num_tokens, num_q_heads, num_kv_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
-    grid = (row_blocks, num_kv_heads * num_kv_splits, num_reqs)
     has_active = active_query_lens is not None
+    merge_base = merge_count = seq_lens  # dummies, never read without active rows
+    if has_active:
+        # Active rows re-split their keys over the CTAs of inactive ones (kernels.py):
+        # compact partials, one BLOCK_M-row slab per CTA, and a per-row split index.
+        slab_rows = num_reqs * num_kv_heads * row_blocks * num_kv_splits * config.block_m
+        out_buf = torch.empty(slab_rows, head_dim, dtype=torch.float32, device=q.device)
+        lse_buf = torch.empty(slab_rows, dtype=torch.float32, device=q.device)
+        merge_base = torch.empty(num_tokens, num_q_heads, dtype=torch.int32, device=q.device)
+        merge_count = torch.zeros(num_tokens, num_q_heads, dtype=torch.int32, device=q.device)
+        out_strides = (out_buf.stride(0), 0, 0)
+        lse_strides = (lse_buf.stride(0), 0, 0)
+    else:
+        lse_buf = torch.empty(
+            num_tokens, num_q_heads, num_kv_splits, dtype=torch.float32, device=q.device
+        )
+        lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
+        if num_kv_splits == 1:
+            out_buf, out_strides = out, (out.stride(0), out.stride(1), 0)
+        else:
+            out_buf = torch.empty(num_tokens, num_q_heads, num_kv_splits, head_dim,
+                                  dtype=torch.float32, device=q.device)
+            out_strides = (out_buf.stride(0), out_buf.stride(1), out_buf.stride(2))
+    grid = (row_blocks, num_kv_heads * num_kv_splits, num_reqs)
     kernels._gqa_tree_fwd_kernel[grid](
         q, k_cache, v_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
@@ -182,7 +198,7 @@ def gqa_tree_verify(
         block_table.stride(0),
         ancestor_bits.stride(0), ancestor_bits.shape[1],
         *out_strides,
-        lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+        *lse_strides,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
@@ -193,26 +209,31 @@ def gqa_tree_verify(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
         ActiveQueryLens=active_query_lens if has_active else seq_lens,
+        MergeBase=merge_base,
+        MergeCount=merge_count,
+        stride_mt=num_q_heads,
         HAS_ACTIVE=has_active,
+        MIN_TILES=MIN_TILES_PER_SPLIT,
+        MAX_SPLITS=MAX_KV_SPLITS,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
-    if num_kv_splits > 1:
+    if has_active or num_kv_splits > 1:
+        # With active rows a row has up to every CTA of its (request, KV head) as splits.
+        max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
         mla_kernels._mla_tree_merge_kernel[(num_tokens, num_q_heads)](
             out_buf, lse_buf, out, lse,
-            num_kv_splits,
-            out_buf.stride(0), out_buf.stride(1), out_buf.stride(2),
-            lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2),
+            max_splits,
+            out_buf.stride(0), out_strides[1], out_strides[2],
+            lse_buf.stride(0), lse_strides[1], lse_strides[2],
             out.stride(0), out.stride(1),
             lse.stride(0), lse.stride(1),
-            # GQA keeps the [T, H, S] partials (no re-split of active rows): the merge's
-            # HAS_ACTIVE (compact partials) stays off; inactive rows' splits are -inf.
-            seq_lens, seq_lens, 0, 0,
+            merge_base, merge_count, num_q_heads, config.block_m,
             KV_LORA=head_dim,
             BLOCK_L=block_d,
-            BLOCK_S=triton.next_power_of_2(num_kv_splits),
-            HAS_ACTIVE=False,
+            BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
+            HAS_ACTIVE=has_active,
             num_warps=4,
         )  # fmt: skip
     return out

@@ -104,23 +104,31 @@ def _load_kv_tile(
 
 
 @triton.jit
-def _store_inactive_rows(
-    Out, Lse, q_row, head, row_valid, pid_s, num_splits,
-    stride_ot, stride_oh, stride_lt, stride_lh, stride_ls,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, DIM: tl.constexpr,
+def _resplit_active_rows(
+    MergeBase, MergeCount, stride_mt, head_offset, slab_base,
+    pid_m, pid_s, num_splits, num_row_blocks, q_start, num_rows, num_active, key_tiles,
+    ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, MIN_TILES: tl.constexpr,
+    MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """The result of a CTA whose rows are all inactive: ``lse = -inf`` for its split
-    and, without splits, ``out = 0`` (with splits the merge writes it)."""
-    offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
-    tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
-    if num_splits == 1:
-        offs_d = tl.arange(0, BLOCK_D)
-        offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh
-        tl.store(
-            Out + offs_out + offs_d[None, :],
-            tl.zeros([BLOCK_M, BLOCK_D], Out.dtype.element_ty),
-            mask=row_valid[:, None] & (offs_d[None, :] < DIM),
-        )
+    """Active-row work item of CTA ``(pid_m, pid_s)`` (module docstring): returns
+    ``(item, splits, active_blocks)``, the item runs iff ``item < active_blocks *
+    splits``, as row block ``item // splits`` and split ``item % splits``. CTA
+    ``(m, 0)`` writes MergeBase / MergeCount of its rows: ``row = token *
+    ROWS_PER_TOKEN + i`` is query head ``head_offset + i``; its split ``s`` is compact
+    partial row ``slab_base + (m * splits + s) * BLOCK_M + row % BLOCK_M``."""
+    active_blocks = tl.maximum(tl.cdiv(num_active * ROWS_PER_TOKEN, BLOCK_M), 1)
+    splits = (num_row_blocks // active_blocks) * num_splits
+    splits = tl.minimum(splits, tl.maximum(num_splits, tl.minimum(key_tiles // MIN_TILES,
+                                                                  MAX_SPLITS)))
+    if pid_s == 0:
+        offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = offs // ROWS_PER_TOKEN
+        idx = (q_start + tok).to(tl.int64) * stride_mt + head_offset + offs % ROWS_PER_TOKEN
+        base = slab_base + pid_m * splits * BLOCK_M + tl.arange(0, BLOCK_M)
+        valid = offs < num_rows
+        tl.store(MergeBase + idx, base, mask=valid)
+        tl.store(MergeCount + idx, tl.where(tok < num_active, splits, 0), mask=valid)
+    return pid_m * num_splits + pid_s, splits, active_blocks
 
 
 @triton.jit
@@ -188,28 +196,18 @@ def _mla_tree_fwd_kernel(
         num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
         if num_active <= 0:
             return
-        work_items = tl.num_programs(0) * num_splits  # CTAs of this request
-        active_blocks = tl.maximum(tl.cdiv(num_active * NUM_HEADS, BLOCK_M), 1)
-        eff_splits = (tl.num_programs(0) // active_blocks) * num_splits
-        split_cap = tl.minimum(tl.cdiv(seq_len, BLOCK_N) // MIN_TILES, MAX_SPLITS)
-        eff_splits = tl.minimum(eff_splits, tl.maximum(num_splits, split_cap))
-        if pid_s == 0:
-            # Where the splits of this CTA's rows land (the row -> block map is fixed).
-            offs_own = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            own_tok = offs_own // NUM_HEADS
-            own_idx = (q_start + own_tok).to(tl.int64) * stride_mt + offs_own % NUM_HEADS
-            own_base = (pid_r * work_items + pid_m * eff_splits) * BLOCK_M + tl.arange(0, BLOCK_M)
-            own_valid = offs_own < num_rows
-            tl.store(MergeBase + own_idx, own_base, mask=own_valid)
-            tl.store(MergeCount + own_idx, tl.where(own_tok < num_active, eff_splits, 0),
-                     mask=own_valid)
-        item = pid_m * num_splits + pid_s
-        if item >= active_blocks * eff_splits:
+        slab_base = pid_r * tl.num_programs(0) * num_splits * BLOCK_M
+        item, splits, active_blocks = _resplit_active_rows(
+            MergeBase, MergeCount, stride_mt, 0, slab_base, pid_m, pid_s, num_splits,
+            tl.num_programs(0), q_start, num_rows, num_active, tl.cdiv(seq_len, BLOCK_N),
+            NUM_HEADS, BLOCK_M, MIN_TILES, MAX_SPLITS,
+        )  # fmt: skip
+        if item >= active_blocks * splits:
             return
-        pid_m = item // eff_splits
-        pid_s = item % eff_splits
-        num_splits = eff_splits
-        part_row = (pid_r * work_items + item).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        pid_m = item // splits
+        pid_s = item % splits
+        num_splits = splits
+        part_row = (slab_base + item * BLOCK_M).to(tl.int64) + tl.arange(0, BLOCK_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = offs_m < num_rows
