@@ -31,8 +31,10 @@ import torch
 
 from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import num_mask_words, pack_ancestor_mask
 from vllm_ddtree.verify_batch import tree_verify_positions_and_bits
+from vllm_ddtree.verify_inputs_kernel import verify_inputs_triton
 
 __all__ = [
     "DDTREE_STATE",
@@ -277,6 +279,15 @@ def verify_inputs_(
     """
     assert state.positions is not None and state.depths is not None
     assert state.ancestor_bits is not None and TREE_MASK_STATE.ancestor_bits is not None
+    if use_triton_round_kernels(linear_positions):
+        verify_inputs_triton(
+            linear_positions, query_start_loc, cu_num_logits, idx_mapping, state.depths,
+            state.ancestor_bits, state.positions, TREE_MASK_STATE.ancestor_bits, num_tokens,
+            num_tokens_padded,
+            active_nodes=state.active_nodes if state.adaptive else None,
+            active_lens_out=TREE_MASK_STATE.active_query_lens if state.adaptive else None,
+        )
+        return state.positions[:num_tokens_padded]
     num_reqs = idx_mapping.shape[0]
     is_tree = (cu_num_logits[1 : num_reqs + 1] - cu_num_logits[:num_reqs]) > 1
     idx = idx_mapping.to(torch.int64)

@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The one-launch verify inputs (vllm_ddtree.verify_inputs_kernel) against
+``runtime_state.verify_inputs_``'s PyTorch path, exactly: positions, ancestor bits and
+active rows of mixed batches (full and truncated trees, prefill chunks past 64 tokens,
+plain decode, CUDA-graph padding, garbage in every output buffer beforehand).
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
+
+import textwrap
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+
+from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
+from vllm_ddtree import verify_inputs_kernel  # noqa: E402
+from vllm_ddtree.runtime_state import verify_inputs_  # noqa: E402
+from vllm_ddtree.tree import num_mask_words  # noqa: E402
+from vllm_ddtree.verify_inputs_kernel import verify_inputs_triton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not kernels_run_here(verify_inputs_kernel._verify_inputs_kernel),
+    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+)
+
+BUDGET, MAX_REQS, OUT_WORDS, GARBAGE = 7, 8, 3, -12345
+
+
+def mixed_batch(kinds, seed):
+    """Batch rows of the given kinds (``tree``, ``cut`` = truncated tree, ``prefill``,
+    ``decode``), the slot-indexed trees, and padded token counts (CPU tensors)."""
+    gen = torch.Generator().manual_seed(seed)
+    qlens = {"tree": 1 + BUDGET, "cut": 4, "prefill": 150, "decode": 1}
+    logits = {"tree": 1 + BUDGET, "cut": 4, "prefill": 1, "decode": 1}
+    q = [qlens[k] for k in kinds]
+    qsl = torch.tensor([0, *torch.tensor(q).cumsum(0).tolist()], dtype=torch.int32)
+    cu = torch.tensor([0, *torch.tensor([logits[k] for k in kinds]).cumsum(0).tolist()],
+                      dtype=torch.int32)
+    idx = torch.randperm(MAX_REQS, generator=gen)[: len(kinds)].int()
+    computed = torch.randint(0, 5000, (len(kinds),), generator=gen)
+    linear = torch.cat([c + torch.arange(n) for c, n in zip(computed.tolist(), q, strict=True)])
+    num_tokens = int(qsl[-1])
+    padded = num_tokens + 5
+    linear = torch.cat([linear, torch.arange(padded - num_tokens) + 90000]).long()
+    words = num_mask_words(1 + BUDGET)
+    trees = NS(
+        depths=torch.randint(1, BUDGET + 1, (MAX_REQS, BUDGET), generator=gen),
+        ancestor_bits=torch.randint(-2**62, 2**62, (MAX_REQS, 1 + BUDGET, words),
+                                    generator=gen),
+        active_nodes=torch.randint(1, BUDGET + 1, (MAX_REQS,), generator=gen),
+    )
+    return dict(linear=linear, qsl=qsl, cu=cu, idx=idx, num_tokens=num_tokens,
+                padded=padded), trees
+
+
+def to_device(batch, trees):
+    batch = {k: v.to(DEVICE) if torch.is_tensor(v) else v for k, v in batch.items()}
+    return batch, NS(**{k: v.to(DEVICE) for k, v in vars(trees).items()})
+
+
+def torch_path(batch, trees, adaptive):
+    """``verify_inputs_`` on CPU tensors (its PyTorch ops), outputs pre-filled with
+    garbage."""
+    state = NS(positions=torch.full((batch["padded"] + 3,), GARBAGE, dtype=torch.int64),
+               depths=trees.depths, ancestor_bits=trees.ancestor_bits, adaptive=adaptive,
+               active_nodes=trees.active_nodes)
+    saved = TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active_query_lens
+    try:
+        TREE_MASK_STATE.ancestor_bits = torch.full((batch["num_tokens"] + 3, OUT_WORDS),
+                                                   GARBAGE, dtype=torch.int64)
+        TREE_MASK_STATE.active_query_lens = torch.full((MAX_REQS + 2,), GARBAGE,
+                                                       dtype=torch.int32)
+        positions = verify_inputs_(state, batch["linear"], batch["qsl"], batch["cu"],
+                                   batch["idx"], batch["num_tokens"], batch["padded"])
+        return (positions.clone(), TREE_MASK_STATE.ancestor_bits.clone(),
+                TREE_MASK_STATE.active_query_lens.clone())
+    finally:
+        TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active_query_lens = saved
+
+
+def triton_path(batch, trees, adaptive):
+    batch, trees = to_device(batch, trees)
+    positions = torch.full((batch["padded"] + 3,), GARBAGE, dtype=torch.int64, device=DEVICE)
+    bits = torch.full((batch["num_tokens"] + 3, OUT_WORDS), GARBAGE, dtype=torch.int64,
+                      device=DEVICE)
+    lens = torch.full((MAX_REQS + 2,), GARBAGE, dtype=torch.int32, device=DEVICE)
+    verify_inputs_triton(batch["linear"], batch["qsl"], batch["cu"], batch["idx"],
+                         trees.depths, trees.ancestor_bits, positions, bits,
+                         batch["num_tokens"], batch["padded"],
+                         active_nodes=trees.active_nodes if adaptive else None,
+                         active_lens_out=lens if adaptive else None)
+    return positions[: batch["padded"]].cpu(), bits.cpu(), lens.cpu()
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("kinds", [
+    ("tree", "prefill", "decode", "cut", "tree"),
+    ("decode",),
+    ("prefill", "tree"),
+    ("tree",) * 6,
+])
+def test_kernel_equals_the_pytorch_path(kinds, adaptive):
+    batch, trees = mixed_batch(kinds, seed=len(kinds) + adaptive)
+    want_pos, want_bits, want_lens = torch_path(batch, trees, adaptive)
+    got_pos, got_bits, got_lens = triton_path(batch, trees, adaptive)
+    assert torch.equal(got_pos, want_pos)
+    # Rows past the batch stay untouched on both paths.
+    assert torch.equal(got_bits, want_bits)
+    if adaptive:
+        assert torch.equal(got_lens, want_lens)
+        assert torch.all(got_lens[len(kinds):] == ALL_ROWS_ACTIVE)
+    else:
+        assert torch.all(got_lens == GARBAGE)
+
+
+def test_tree_rows_are_what_the_tree_says():
+    """Independent of the PyTorch path: a tree row's position is its bonus position +
+    depth and its bits are its tree's; a prefill row past 64 has full causal words."""
+    batch, trees = mixed_batch(("prefill", "tree"), seed=3)
+    pos, bits, _ = triton_path(batch, trees, False)
+    slot, start, bonus = int(batch["idx"][1]), 150, int(batch["linear"][150])
+    for i in range(1, 1 + BUDGET):
+        assert int(pos[start + i]) == bonus + int(trees.depths[slot, i - 1])
+        assert int(bits[start + i, 0]) == int(trees.ancestor_bits[slot, i, 0])
+        assert int(bits[start + i, 1]) == 0
+    assert torch.equal(pos[:150], batch["linear"][:150])
+    assert int(bits[100, 0]) == -1 and int(bits[100, 1]) == (1 << 37) - 1
+    assert int(bits[100, 2]) == 0
+    assert torch.equal(pos[batch["num_tokens"]:], batch["linear"][batch["num_tokens"]:])
+
+
+def test_host_side_has_no_sync(monkeypatch):
+    """Everything but the launch under the host-sync detector: the wrapper reads
+    shapes and strides only."""
+    from vllm_ddtree.testing.sync_guard import HostSyncDetector
+
+    batch, trees = to_device(*mixed_batch(("tree", "prefill", "decode"), seed=4))
+    positions = torch.zeros(batch["padded"], dtype=torch.int64, device=DEVICE)
+    bits = torch.zeros(batch["num_tokens"], OUT_WORDS, dtype=torch.int64, device=DEVICE)
+    lens = torch.zeros(MAX_REQS, dtype=torch.int32, device=DEVICE)
+    launches = []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append(grid)
+
+    monkeypatch.setattr(verify_inputs_kernel, "_verify_inputs_kernel", Recorded())
+    with HostSyncDetector() as detector:
+        verify_inputs_triton(batch["linear"], batch["qsl"], batch["cu"], batch["idx"],
+                             trees.depths, trees.ancestor_bits, positions, bits,
+                             batch["num_tokens"], batch["padded"],
+                             active_nodes=trees.active_nodes, active_lens_out=lens)
+    assert launches == [(4,)]
+    assert detector.count() == 0, detector.report()
+
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import json, triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from vllm_ddtree.verify_inputs_kernel import _verify_inputs_kernel as fn
+
+    pointers = {"qsl_ptr": "*i32", "cu_logits_ptr": "*i32", "idx_ptr": "*i32",
+                "active_lens_ptr": "*i32"}
+    result = []
+    for arch in (90, 120):
+        for adaptive in (False, True):
+            consts = dict(NUM_NODES=64, TREE_WORDS=2, NUM_WORDS=3, BLOCK_T=64, BLOCK_W=4,
+                          ADAPTIVE=adaptive, ALL_ACTIVE=2**31 - 1)
+            sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64")
+                   if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+            result.append(k.metadata.shared)
+    print(json.dumps(result))
+    """
+)
+
+
+def test_kernel_compiles_for_sm90_and_sm120():
+    """Compiled (no GPU needed) for Hopper and sm_120, plain and adaptive."""
+    shared = compiled_shared_memory(_COMPILE_SCRIPT)
+    assert len(shared) == 4 and max(shared) <= 99 * 1024, shared
