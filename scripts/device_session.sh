@@ -11,7 +11,7 @@
 #            reference engine, mixed batch, B=32 and 8; 3 engine starts, ~4 min)
 #   ddtree_triton  the ddtree suite with VLLM_DDTREE_ROUND_KERNELS=triton (Triton walk and
 #            KV compaction; flip the default in round_kernels.py once it passes)
-#   roundk   walk / active-row / tree-build kernel tests compiled on CUDA
+#   roundk   walk / active-row / tree-build / verify-inputs kernel tests compiled on CUDA
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
@@ -79,7 +79,8 @@ for stage in "$@"; do
       VLLM_DDTREE_ROUND_KERNELS=triton stage_pytest ddtree_triton 420 \
         tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs and not auto" ;;
     roundk) stage_pytest roundk 300 tests/test_tree_walk_kernel.py \
-              tests/test_active_query_rows.py tests/test_tree_build_kernel.py ;;  # compiled, CUDA
+              tests/test_active_query_rows.py tests/test_tree_build_kernel.py \
+              tests/test_verify_inputs_kernel.py ;;  # compiled, CUDA
     ddtree_treek)  # the ddtree suite and the graphs test with the Triton tree build (flip
       # DEFAULT_TREE_BUILD; passed on the H200 2026-11-30 and is now the default)
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \
