@@ -67,9 +67,12 @@ for stage in "$@"; do
       ls .devkit/compile-cache.part-* >/dev/null 2>&1 && cat .devkit/compile-cache.part-* \
         | tar xzf - -C / && echo "compile cache restored"
       summary install 0 ;;
-    savecache)  # into $OUT in 15 MB parts (files come back only up to 16 MiB each);
-      # copy them to .devkit/ for the next session
-      tar czf - -C / root/.triton-cache root/.cache/vllm 2>/dev/null \
+    savecache)  # into $OUT in 15 MB parts (files come back only up to 16 MiB each, and
+      # only about 8 files per call: the Triton cache alone; with vLLM's torch.compile
+      # cache it was 145 MB on 2026-11-30, 10 parts, 6 of them lost). Copy them to
+      # .devkit/ for the next session.
+      du -sh /root/.triton-cache /root/.cache/vllm 2>/dev/null
+      tar czf - -C / root/.triton-cache 2>/dev/null \
         | split -b 15m -d - "$OUT/compile-cache.part-"
       summary savecache $?
       ls -la "$OUT"/compile-cache.part-* ;;
