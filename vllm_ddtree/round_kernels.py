@@ -1,12 +1,14 @@
-"""Which implementation runs the eager per-round work on the GPU: the tree walk
-(``tree_walk_kernel``) and the KV compaction (``kv_compaction_kernel``).
+"""Which implementation runs the eager per-round work on the GPU: the verify inputs
+(``verify_inputs_kernel``), the tree walk and its inputs (``tree_walk_kernel``) and the
+KV compaction (``kv_compaction_kernel``).
 
 ``VLLM_DDTREE_ROUND_KERNELS``:
 
 * ``triton`` (default): one Triton launch for the walk and one for the whole round's
-  compaction (about 180 and 19 launches per KV-cache group fewer per round); the
-  mixed-batch GPU suite (tests/gpu/test_ddtree_vllm.py) and the compiled kernel tests
-  passed with it on the H200;
+  compaction (about 180 and 19 launches per KV-cache group fewer per round; the
+  mixed-batch GPU suite, tests/gpu/test_ddtree_vllm.py, and the compiled kernel tests
+  passed with them on the H200), one for the verify inputs and one for the walk's
+  inputs (about 50 and 20 fewer; interpreter-tested, not yet GPU-run);
 * ``torch``: batched PyTorch ops (``tree.follow_tree``,
   ``verify_batch.compact_kv_cache_``), the earlier path, kept as a fallback.
 

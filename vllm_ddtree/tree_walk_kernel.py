@@ -31,7 +31,7 @@ import triton.language as tl
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args, follow_tree
 
-__all__ = ["MAX_BLOCK_B", "follow_tree_fast", "follow_tree_triton"]
+__all__ = ["MAX_BLOCK_B", "follow_tree_fast", "follow_tree_triton", "walk_inputs_triton"]
 
 MAX_BLOCK_B = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -198,6 +198,91 @@ def follow_tree_triton(
         bonus_tokens=bonus,
         kv_src_rows=src,
     )
+
+
+@triton.jit
+def _walk_inputs_kernel(
+    input_ids_ptr,  # int [T]
+    logits_indices_ptr,  # int [num_logits]
+    drawn_ptr,  # int [num_logits]
+    cu_ptr,  # int32 [R + 1]
+    idx_ptr,  # int32 [R]
+    state_parents_ptr,  # int64 [max_reqs, B]
+    active_nodes_ptr,  # int64 [max_reqs]; read only with ADAPTIVE
+    tokens_ptr,  # int64 [R, B]
+    targets_ptr,  # int64 [R, 1 + B]
+    parents_ptr,  # int64 [R, B]
+    num_nodes,
+    stride_state_r,
+    ADAPTIVE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    start = tl.load(cu_ptr + r).to(tl.int64)
+    num_drafts = tl.load(cu_ptr + r + 1).to(tl.int64) - start - 1
+    slot = tl.load(idx_ptr + r).to(tl.int64)
+    limit = num_drafts
+    if ADAPTIVE:
+        limit = tl.minimum(limit, tl.load(active_nodes_ptr + slot))
+    for first in range(0, num_nodes + 1, BLOCK):
+        j = first + tl.arange(0, BLOCK)  # logit row j of the request: root, node j - 1
+        has_row = j <= num_drafts
+        target = tl.load(drawn_ptr + start + j, mask=has_row, other=-1).to(tl.int64)
+        tl.store(targets_ptr + r * (num_nodes + 1) + j, target, mask=j <= num_nodes)
+        node = j - 1
+        is_node = (node >= 0) & (node < num_nodes)
+        row_index = tl.load(logits_indices_ptr + start + j, mask=has_row & is_node, other=0)
+        token = tl.load(input_ids_ptr + row_index, mask=has_row & is_node, other=-1)
+        token = tl.where(node < limit, token.to(tl.int64), -1)
+        tl.store(tokens_ptr + r * num_nodes + node, token, mask=is_node)
+        parent = tl.load(state_parents_ptr + slot * stride_state_r + node, mask=is_node)
+        tl.store(parents_ptr + r * num_nodes + node, parent, mask=is_node)
+
+
+def walk_inputs_triton(
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    drawn: torch.Tensor,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    state_parents: torch.Tensor,
+    active_nodes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The walk's per-request inputs from the verify batch's flat logit rows, in one
+    launch (the PyTorch path, ``verifier.tree_inputs_from_rows`` + the slot gathers +
+    ``budget.mask_inactive_nodes``, is about 20 small kernels).
+
+    Args:
+        input_ids: int ``[T]``; logits_indices: int ``[num_logits]`` (the input token of
+            logit row ``i`` is ``input_ids[logits_indices[i]]``: the root, then the
+            verified nodes); drawn: int ``[num_logits]``, the target's token per row.
+        cu_num_logits: int32 ``[R + 1]``; idx_mapping: int32 ``[R]`` (state slots).
+        state_parents: int64 ``[max_reqs, B]``, slot-indexed parents (last stride 1).
+        active_nodes: int64 ``[max_reqs]`` (``ddtree_budget: "auto"``): nodes from
+            ``active_nodes[slot]`` on get token -1 (never match).
+
+    Returns:
+        ``tokens`` int64 ``[R, B]`` (-1 past the request's drafts), ``targets`` int64
+        ``[R, 1 + B]`` (-1 past row ``num_drafts``) and ``parents`` int64 ``[R, B]``,
+        as the PyTorch path computes them. No host sync.
+    """
+    if state_parents.stride(1) != 1:
+        raise ValueError("state_parents must be contiguous in its last dim")
+    num_reqs, num_nodes = idx_mapping.shape[0], state_parents.shape[1]
+    device = drawn.device
+    tokens = torch.empty(num_reqs, num_nodes, dtype=torch.int64, device=device)
+    targets = torch.empty(num_reqs, num_nodes + 1, dtype=torch.int64, device=device)
+    parents = torch.empty(num_reqs, num_nodes, dtype=torch.int64, device=device)
+    if num_reqs:
+        adaptive = active_nodes is not None
+        _walk_inputs_kernel[(num_reqs,)](
+            input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
+            active_nodes if adaptive else state_parents, tokens, targets, parents,
+            num_nodes, state_parents.stride(0),
+            ADAPTIVE=adaptive,
+            BLOCK=min(triton.next_power_of_2(num_nodes + 1), 1024),
+        )  # fmt: skip
+    return tokens, targets, parents
 
 
 def follow_tree_fast(

@@ -15,10 +15,11 @@ parent structure instead:
    (``sample/gumbel.py:215``; argmax for greedy rows), keyed by the request seed and
    the row's RoPE position, which is what plain decoding uses for the same token
    ("sample and match": lossless at any temperature);
-3. walk the tree (``tree_walk_kernel.follow_tree_fast``: ``tree.follow_tree``, or one
-   Triton launch with ``VLLM_DDTREE_ROUND_KERNELS=triton``; fixed ``max_depth = L``:
-   no host sync); with ``ddtree_budget: "auto"`` the nodes past the request's active
-   budget are masked out first (``budget.mask_inactive_nodes``), so the walk is the
+3. walk the tree (on CUDA two Triton launches, ``tree_walk_kernel.walk_inputs_triton``
+   then ``follow_tree_triton``; ``VLLM_DDTREE_ROUND_KERNELS=torch`` or CPU tensors:
+   ``tree.follow_tree``; fixed ``max_depth = L``: no host sync); with
+   ``ddtree_budget: "auto"`` the nodes past the request's active budget are masked out
+   first (``budget.mask_inactive_nodes``), so the walk is the
    walk of the budget-``b`` tree;
 4. return ``SamplerOutput(sampled [R, B+1], num_sampled = a+1, num_rejected =
    num_logits - num_sampled)`` via vLLM's ``get_num_sampled_and_rejected``
@@ -34,9 +35,10 @@ from typing import Any
 import torch
 
 from vllm_ddtree.budget import mask_inactive_nodes
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
-from vllm_ddtree.tree import DraftTree, WalkResult
-from vllm_ddtree.tree_walk_kernel import follow_tree_fast
+from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
+from vllm_ddtree.tree_walk_kernel import follow_tree_triton, walk_inputs_triton
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
 
 __all__ = [
@@ -291,6 +293,15 @@ class DDTreeVerifier:
     def walk(self, drawn: torch.Tensor, input_batch: Any) -> WalkResult:
         """Walk each request's tree with the drawn tokens (no host sync)."""
         assert self.state.parents is not None and self.state.depths is not None
+        if use_triton_round_kernels(drawn):  # two launches: the inputs, the walk
+            tokens, targets, parents = walk_inputs_triton(
+                input_batch.input_ids, input_batch.logits_indices, drawn,
+                input_batch.cu_num_logits, input_batch.idx_mapping, self.state.parents,
+                self.state.active_nodes if self.state.adaptive else None,
+            )
+            # The walk reads tokens and parents only; depths / scores just fill the shape.
+            tree = DraftTree(tokens=tokens, parents=parents, depths=parents, scores=parents)
+            return follow_tree_triton(tree, targets, self.max_depth)
         draft_row_tokens = input_batch.input_ids[input_batch.logits_indices]
         tokens, targets = tree_inputs_from_rows(
             draft_row_tokens, drawn, input_batch.cu_num_logits, self.budget
@@ -306,7 +317,7 @@ class DDTreeVerifier:
             depths=self.state.depths[idx],
             scores=torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device),
         )
-        return follow_tree_fast(tree, targets, max_depth=self.max_depth)
+        return follow_tree(tree, targets, max_depth=self.max_depth)
 
     def __call__(
         self,
