@@ -50,9 +50,11 @@ V_HEAD = 128
 HBM_BYTES_PER_S = 4.8e12
 MMA_FLOPS_PER_S = 790e12
 
-METHODS = ("ours_tree", "ours_chain", "flashmla", "vllm_triton", "prefill")
+METHODS = ("ours_tree", "ours_chain", "ours_active", "flashmla", "vllm_triton", "prefill")
+ACTIVE_ROWS = 5  # `ddtree_budget: "auto"` picking 4 nodes of the tree shape (+ the root)
 METHOD_TITLES = {
     "ours_tree": "ours, tree mask",
+    "ours_active": f"ours, tree shape, first {ACTIVE_ROWS} tokens active (auto)",
     "ours_chain": "ours, chain mask",
     "flashmla": "FlashMLA causal",
     "vllm_triton": "vLLM Triton decode, row per token",
@@ -137,7 +139,7 @@ class Unavailable(Exception):
     """The method cannot run here (reason in the message)."""
 
 
-def ours(inp: Inputs, bits: torch.Tensor, config=None):
+def ours(inp: Inputs, bits: torch.Tensor, config=None, active_rows: int | None = None):
     from attention_backends.mla_tree import mla_tree_verify
 
     kwargs = dict(
@@ -146,6 +148,9 @@ def ours(inp: Inputs, bits: torch.Tensor, config=None):
         max_seq_len=inp.cell.ctx + inp.cell.qlen,
         config=config,
     )
+    if active_rows is not None:  # the launch shape stays the tree's (CUDA graphs)
+        kwargs["active_query_lens"] = torch.full_like(
+            inp.seq_lens, min(active_rows, inp.cell.qlen))
 
     def run():
         return mla_tree_verify(
@@ -481,6 +486,7 @@ def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
     makers = {
         "ours_tree": lambda: ours(inp, inp.bits_tree),
         "ours_chain": lambda: ours(inp, inp.bits_chain),
+        "ours_active": lambda: ours(inp, inp.bits_tree, active_rows=ACTIVE_ROWS),
         "flashmla": lambda: flashmla(inp),
         "vllm_triton": lambda: vllm_triton_decode(inp),
         "prefill": lambda: prefill_path(inp, args.prefill_mem_gb),
