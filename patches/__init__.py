@@ -13,7 +13,9 @@ import os
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
-PATCH_MODULES: list[str] = ["speculative_config", "spec_decode_metrics", "request_validation"]
+PATCH_MODULES: list[str] = [
+    "speculative_config", "spec_decode_metrics", "request_validation", "mla_fp32_prefill",
+]
 
 # The V2-runner integration of DDTree: applied only in processes that run DDTree, so
 # a vLLM process without ``method: ddtree`` keeps vLLM's own runner code untouched.

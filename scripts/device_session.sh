@@ -29,6 +29,7 @@
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
+#   lmeval32 the same in fp32 on our MLA backend (exact equality expected, no bf16 ties)
 #   treebuild  evals/bench_tree_build.py: per-depth / batched torch / Triton tree build in graphs
 #   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
@@ -143,6 +144,15 @@ for stage in "$@"; do
       summary lmeval $?
       cp evals/results/lm_eval_*.md "$OUT/" 2>/dev/null
       grep -E "PASS|FAIL" "$OUT/lmeval.log" | tail -5 ;;
+    lmeval32)  # the same in fp32, both engines on our MLA backend (vLLM's MLA backends
+      # are bf16 / fp16 only; in fp32 every token takes the tree kernel: mla_tree/backend.py,
+      # patches/mla_fp32_prefill.py), eager: exactness without bf16 ties. Not yet run.
+      timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
+        --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "float32", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648, "attention_backend": "CUSTOM", "enforce_eager": true}' \
+        --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
+        --out-dir "$OUT/lm_eval_fp32" > "$OUT/lmeval32.log" 2>&1
+      summary lmeval32 $?
+      grep -E "PASS|FAIL" "$OUT/lmeval32.log" | tail -5 ;;
     treebuild)  # the tree build variants captured in CUDA graphs (evals/bench_tree_build.py)
       timeout "${STAGE_LIMIT:-300}" python3 evals/bench_tree_build.py \
         --out "$OUT/tree_build.md" > "$OUT/treebuild.log" 2>&1

@@ -27,15 +27,18 @@ pytestmark = pytest.mark.skipif(
     reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
 )
 
-BUDGET, MAX_REQS, OUT_WORDS, GARBAGE = 7, 8, 3, -12345
+BUDGET, MAX_REQS, GARBAGE = 7, 8, -12345
+# Mask words of the output: 3 (past a 150-token chunk's) or 11 (more than one block of
+# MAX_BLOCK_W words, a 700-token chunk using them all: fp32 runs size the mask so).
+OUT_WORDS = (3, 11)
 
 
 def mixed_batch(kinds, seed):
     """Batch rows of the given kinds (``tree``, ``cut`` = truncated tree, ``prefill``,
     ``decode``), the slot-indexed trees, and padded token counts (CPU tensors)."""
     gen = torch.Generator().manual_seed(seed)
-    qlens = {"tree": 1 + BUDGET, "cut": 4, "prefill": 150, "decode": 1}
-    logits = {"tree": 1 + BUDGET, "cut": 4, "prefill": 1, "decode": 1}
+    qlens = {"tree": 1 + BUDGET, "cut": 4, "prefill": 150, "long": 700, "decode": 1}
+    logits = {"tree": 1 + BUDGET, "cut": 4, "prefill": 1, "long": 1, "decode": 1}
     q = [qlens[k] for k in kinds]
     qsl = torch.tensor([0, *torch.tensor(q).cumsum(0).tolist()], dtype=torch.int32)
     cu = torch.tensor([0, *torch.tensor([logits[k] for k in kinds]).cumsum(0).tolist()],
@@ -62,7 +65,7 @@ def to_device(batch, trees):
     return batch, NS(**{k: v.to(DEVICE) for k, v in vars(trees).items()})
 
 
-def torch_path(batch, trees, adaptive):
+def torch_path(batch, trees, adaptive, out_words):
     """``verify_inputs_`` on CPU tensors (its PyTorch ops), outputs pre-filled with
     garbage."""
     state = NS(positions=torch.full((batch["padded"] + 3,), GARBAGE, dtype=torch.int64),
@@ -70,7 +73,7 @@ def torch_path(batch, trees, adaptive):
                active_nodes=trees.active_nodes)
     saved = TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active_query_lens
     try:
-        TREE_MASK_STATE.ancestor_bits = torch.full((batch["num_tokens"] + 3, OUT_WORDS),
+        TREE_MASK_STATE.ancestor_bits = torch.full((batch["num_tokens"] + 3, out_words),
                                                    GARBAGE, dtype=torch.int64)
         TREE_MASK_STATE.active_query_lens = torch.full((MAX_REQS + 2,), GARBAGE,
                                                        dtype=torch.int32)
@@ -82,10 +85,10 @@ def torch_path(batch, trees, adaptive):
         TREE_MASK_STATE.ancestor_bits, TREE_MASK_STATE.active_query_lens = saved
 
 
-def triton_path(batch, trees, adaptive):
+def triton_path(batch, trees, adaptive, out_words):
     batch, trees = to_device(batch, trees)
     positions = torch.full((batch["padded"] + 3,), GARBAGE, dtype=torch.int64, device=DEVICE)
-    bits = torch.full((batch["num_tokens"] + 3, OUT_WORDS), GARBAGE, dtype=torch.int64,
+    bits = torch.full((batch["num_tokens"] + 3, out_words), GARBAGE, dtype=torch.int64,
                       device=DEVICE)
     lens = torch.full((MAX_REQS + 2,), GARBAGE, dtype=torch.int32, device=DEVICE)
     verify_inputs_triton(batch["linear"], batch["qsl"], batch["cu"], batch["idx"],
@@ -96,17 +99,18 @@ def triton_path(batch, trees, adaptive):
     return positions[: batch["padded"]].cpu(), bits.cpu(), lens.cpu()
 
 
+@pytest.mark.parametrize("out_words", OUT_WORDS)
 @pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("kinds", [
     ("tree", "prefill", "decode", "cut", "tree"),
     ("decode",),
-    ("prefill", "tree"),
+    ("prefill", "tree", "long"),
     ("tree",) * 6,
 ])
-def test_kernel_equals_the_pytorch_path(kinds, adaptive):
+def test_kernel_equals_the_pytorch_path(kinds, adaptive, out_words):
     batch, trees = mixed_batch(kinds, seed=len(kinds) + adaptive)
-    want_pos, want_bits, want_lens = torch_path(batch, trees, adaptive)
-    got_pos, got_bits, got_lens = triton_path(batch, trees, adaptive)
+    want_pos, want_bits, want_lens = torch_path(batch, trees, adaptive, out_words)
+    got_pos, got_bits, got_lens = triton_path(batch, trees, adaptive, out_words)
     assert torch.equal(got_pos, want_pos)
     # Rows past the batch stay untouched on both paths.
     assert torch.equal(got_bits, want_bits)
@@ -121,7 +125,7 @@ def test_tree_rows_are_what_the_tree_says():
     """Independent of the PyTorch path: a tree row's position is its bonus position +
     depth and its bits are its tree's; a prefill row past 64 has full causal words."""
     batch, trees = mixed_batch(("prefill", "tree"), seed=3)
-    pos, bits, _ = triton_path(batch, trees, False)
+    pos, bits, _ = triton_path(batch, trees, False, 3)
     slot, start, bonus = int(batch["idx"][1]), 150, int(batch["linear"][150])
     for i in range(1, 1 + BUDGET):
         assert int(pos[start + i]) == bonus + int(trees.depths[slot, i - 1])
@@ -140,7 +144,7 @@ def test_host_side_has_no_sync(monkeypatch):
 
     batch, trees = to_device(*mixed_batch(("tree", "prefill", "decode"), seed=4))
     positions = torch.zeros(batch["padded"], dtype=torch.int64, device=DEVICE)
-    bits = torch.zeros(batch["num_tokens"], OUT_WORDS, dtype=torch.int64, device=DEVICE)
+    bits = torch.zeros(batch["num_tokens"], 3, dtype=torch.int64, device=DEVICE)
     lens = torch.zeros(MAX_REQS, dtype=torch.int32, device=DEVICE)
     launches = []
 
@@ -169,9 +173,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
                 "active_lens_ptr": "*i32"}
     result = []
     for arch in (90, 120):
-        for adaptive in (False, True):
-            consts = dict(NUM_NODES=64, TREE_WORDS=2, NUM_WORDS=3, BLOCK_T=64, BLOCK_W=4,
-                          ADAPTIVE=adaptive, ALL_ACTIVE=2**31 - 1)
+        for adaptive, words, block_w in ((False, 3, 4), (True, 3, 4), (True, 256, 8)):
+            consts = dict(NUM_NODES=64, TREE_WORDS=2, NUM_WORDS=words, BLOCK_T=64,
+                          BLOCK_W=block_w, ADAPTIVE=adaptive, ALL_ACTIVE=2**31 - 1)
             sig = {n: "constexpr" if n in consts else pointers.get(n, "*i64")
                    if n.endswith("_ptr") else "i32" for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
@@ -183,6 +187,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_kernel_compiles_for_sm90_and_sm120():
-    """Compiled (no GPU needed) for Hopper and sm_120, plain and adaptive."""
+    """Compiled (no GPU needed) for Hopper and sm_120, plain, adaptive, and with the
+    256 mask words of an fp32 run (16k-token batches)."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 4 and max(shared) <= 99 * 1024, shared
+    assert len(shared) == 6 and max(shared) <= 99 * 1024, shared

@@ -236,13 +236,18 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         # The MLA tree backend treats queries up to its reorder_batch_threshold,
         # 1 + 2B for DFlash (backend.py:651-681), as decodes: size the mask for them.
+        # In fp32 it treats every query as one (mla_tree/backend.py): prefill chunks
+        # up to the batch's token budget need their causal words too.
+        max_decode_query = 1 + 2 * self.budget
+        if vllm_config.model_config.dtype == torch.float32:
+            max_decode_query = max(max_decode_query, self.max_num_tokens)
         self.state = DDTREE_STATE
         self.state.allocate(
             max_num_reqs=self.max_num_reqs,
             max_num_tokens=self.max_num_tokens,
             budget=self.budget,
             max_depth=self.num_draft_depths,
-            max_query_len=1 + 2 * self.budget,
+            max_query_len=max_decode_query,
             device=device,
         )
         self._target_layers_by_group: dict[int, list[str]] = {}

@@ -28,6 +28,7 @@ from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE
 __all__ = ["verify_inputs_triton"]
 
 BLOCK_T = 64
+MAX_BLOCK_W = 8  # mask words per inner block ([BLOCK_T, BLOCK_W] int64 in registers)
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_tokens", "num_tokens_padded",
@@ -78,7 +79,6 @@ def _verify_inputs_kernel(
     # A tree request has draft rows: more than one logit row.
     is_tree = (tl.load(cu_logits_ptr + r + 1) - tl.load(cu_logits_ptr + r)) > 1
     slot = tl.load(idx_ptr + r).to(tl.int64)
-    offs_w = tl.arange(0, BLOCK_W)
     for start in range(q_start, q_end, BLOCK_T):
         t = start + offs_t
         valid = t < q_end
@@ -90,21 +90,25 @@ def _verify_inputs_kernel(
         tl.store(positions_ptr + t, tl.where(tree_row, linear - local + depth, linear),
                  mask=valid)
 
-        # Causal bits: row i sees new tokens 0..i.
-        count = tl.minimum(tl.maximum(local[:, None] + 1 - 64 * offs_w[None, :], 0), 64)
-        full = count == 64
-        one = tl.full([BLOCK_T, BLOCK_W], 1, tl.int64)
-        causal = tl.where(full, -1, (one << tl.where(full, 0, count).to(tl.int64)) - 1)
         in_tree = is_tree & (local < NUM_NODES + 1)
         row = tl.minimum(local, NUM_NODES)
-        tree_bits = tl.load(
-            tree_bits_ptr + slot * stride_tb_r + row[:, None] * stride_tb_n + offs_w[None, :],
-            mask=(valid & in_tree)[:, None] & (offs_w[None, :] < TREE_WORDS),
-            other=0,
-        )
-        bits = tl.where(in_tree[:, None], tree_bits, causal)
-        tl.store(bits_ptr + t[:, None].to(tl.int64) * stride_bits_t + offs_w[None, :], bits,
-                 mask=valid[:, None] & (offs_w[None, :] < NUM_WORDS))
+        # Words in blocks: in fp32 (every query a decode) a row may have hundreds.
+        for first_word in tl.static_range(0, NUM_WORDS, BLOCK_W):
+            offs_w = first_word + tl.arange(0, BLOCK_W)
+            # Causal bits: row i sees new tokens 0..i.
+            count = tl.minimum(tl.maximum(local[:, None] + 1 - 64 * offs_w[None, :], 0), 64)
+            full = count == 64
+            one = tl.full([BLOCK_T, BLOCK_W], 1, tl.int64)
+            causal = tl.where(full, -1, (one << tl.where(full, 0, count).to(tl.int64)) - 1)
+            tree_bits = tl.load(
+                tree_bits_ptr + slot * stride_tb_r + row[:, None] * stride_tb_n
+                + offs_w[None, :],
+                mask=(valid & in_tree)[:, None] & (offs_w[None, :] < TREE_WORDS),
+                other=0,
+            )
+            bits = tl.where(in_tree[:, None], tree_bits, causal)
+            tl.store(bits_ptr + t[:, None].to(tl.int64) * stride_bits_t + offs_w[None, :],
+                     bits, mask=valid[:, None] & (offs_w[None, :] < NUM_WORDS))
 
     if ADAPTIVE:
         q_len = q_end - q_start
@@ -165,7 +169,7 @@ def verify_inputs_triton(
         TREE_WORDS=tree_bits.shape[2],
         NUM_WORDS=num_words,
         BLOCK_T=BLOCK_T,
-        BLOCK_W=triton.next_power_of_2(max(num_words, 1)),
+        BLOCK_W=min(triton.next_power_of_2(max(num_words, 1)), MAX_BLOCK_W),
         ADAPTIVE=adaptive,
         ALL_ACTIVE=ALL_ROWS_ACTIVE,
     )  # fmt: skip

@@ -4,7 +4,8 @@ Registered as ``AttentionBackendEnum.CUSTOM`` by the plugin. Decode and verify
 tokens (requests with up to ``reorder_batch_threshold`` new tokens, any mix of
 lengths) go through ``mla_tree_verify``, which reads each request's latent context
 once for all its query tokens and heads. Prefill chunks keep vLLM's MLA prefill
-path. Without a DDTree tree the mask is causal, so the backend is a plain MLA
+path (in fp32, which vLLM's MLA prefill backends lack, every token takes the tree
+kernel). Without a DDTree tree the mask is causal, so the backend is a plain MLA
 backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
 kernel also gets the speculator's per-request active query rows
 (``attention_backends.tree_mask_state``) and skips the inactive ones.
@@ -48,6 +49,17 @@ class TreeMLAMetadata(MLACommonMetadata[TreeMLADecodeMetadata]):
     pass
 
 
+def decode_query_limit(vllm_config, threshold: int) -> int:
+    """The longest query the tree kernel takes (vLLM's ``reorder_batch_threshold``):
+    ``threshold`` (vLLM's, ``1 + 2B`` with DFlash drafts), or in fp32 the batch's token
+    budget. vLLM's MLA prefill backends are bf16 / fp16 only, so in fp32 (exactness
+    checks) every request is a "decode" and the tree kernel computes prefill chunks
+    too, in the absorbed form (``patches/mla_fp32_prefill.py``)."""
+    if vllm_config.model_config.dtype == torch.float32:
+        return max(threshold, vllm_config.scheduler_config.max_num_batched_tokens)
+    return threshold
+
+
 class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.VARLEN
@@ -56,6 +68,8 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, TreeMLAMetadata)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._max_model_len = vllm_config.model_config.max_model_len
+        self.reorder_batch_threshold = decode_query_limit(vllm_config,
+                                                          self.reorder_batch_threshold)
         # Causal bits live in our own persistent buffer (stable address under
         # FULL CUDA graphs); the DDTree speculator provides the tree's.
         self._causal_bits = torch.zeros(
@@ -173,7 +187,9 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
 
 
 class TreeMLABackend(MLACommonBackend):
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    # fp32: exactness checks only; every token takes the tree kernel (builder above).
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
 
     @staticmethod
