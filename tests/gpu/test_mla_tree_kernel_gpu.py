@@ -152,3 +152,25 @@ def test_cuda_graph_capture():
     ref, _ = mla_tree_verify(**batch, **kwargs)
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("heads,page_size", [(8, 64), (64, 64), (16, 1)])
+def test_active_rows_resplit_at_long_context(heads, page_size):
+    """``ddtree_budget: "auto"`` at long context: a 65-token tree shape with a few active
+    tokens per request re-splits their keys over the CTAs of the inactive rows (up to
+    one split per 8 tiles). Active rows match the reference and the all-active launch,
+    inactive rows are 0 / -inf, with the CUDA-graph style launch (no value checks)."""
+    specs = [(30000, "tree", 65), (12000, "tree", 65), (40000, "decode", 1)]
+    batch = make_batch(specs, heads=heads, page_size=page_size, seed=heads)
+    active = torch.tensor([5, 1, 1], dtype=torch.int32, device="cuda")
+    kwargs = dict(validate_values=False, max_query_len=65, max_seq_len=40001)
+    out, lse = mla_tree_verify(**batch, **kwargs, active_query_lens=active)
+    full_out, full_lse = mla_tree_verify(**batch, **kwargs)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    rows = torch.zeros(131, dtype=torch.bool, device="cuda")
+    rows[0:5], rows[65:66], rows[130:131] = True, True, True
+    torch.testing.assert_close(out[rows].float(), ref_out[rows].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[rows], ref_lse[rows], **LSE_TOL)
+    torch.testing.assert_close(out[rows].float(), full_out[rows].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[rows], full_lse[rows], **LSE_TOL)
+    assert torch.all(out[~rows] == 0) and torch.all(lse[~rows] == float("-inf"))
