@@ -302,13 +302,15 @@ def test_launch_wrapper_has_no_host_sync(monkeypatch):
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkeypatch):
     """DDTreeVerifier.walk and __call__ with the walk forced onto the kernels (the walk
-    inputs, then the walk) give the outputs of the PyTorch walk (the CPU default)."""
+    inputs, the walk, the fused finish) give the outputs of the PyTorch walk (the CPU
+    default): sampled rows, counters, and the KV source rows kept for propose."""
     from test_ddtree_integration_units import BUDGET, DEPTHS, make_scenario
 
     sc = make_scenario(0.0)
     if adaptive:
         sc.state.enable_adaptive_(6, "cpu")
-        sc.state.active_nodes[sc.batch.idx_mapping.long()] = torch.tensor([11, 3, 2, 2])
+        # request 1 has 5 drafts: its budget of 7 counts as 5 verified nodes
+        sc.state.active_nodes[sc.batch.idx_mapping.long()] = torch.tensor([11, 7, 2, 2])
     vf = verifier.DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu",
                                  DEPTHS, state=sc.state, draw_fn=sc.sampler.draw_fn)
     drawn, _, _ = vf.draw_target_tokens(sc.logits.clone(), sc.batch)
@@ -320,7 +322,15 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
         drawn[start + prev + 1] = sc.trees.tokens[0, node]
         prev = node
     want = vf.walk(drawn, sc.batch)
+    counters = ("accepted_sum", "num_drafts") + (("active_nodes_sum",) if adaptive else ())
+    before = {n: getattr(sc.state, n).clone() for n in counters}
     out_want = vf(sc.logits.clone(), sc.batch)
+    state_want = {n: getattr(sc.state, n).clone() for n in counters}
+    rows_want = sc.state.take_walk(sc.batch.num_reqs).clone()
+    assert any(int(state_want[n]) > int(before[n]) for n in counters)
+    for n in counters:  # the forced run must count the same from the same start
+        getattr(sc.state, n).copy_(before[n])
+    sc.state.walk_kv_src_rows.fill_(-7)
 
     calls = []
 
@@ -333,9 +343,12 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
     assert_same_walk(got, want, "verifier.walk")
     assert int(want.accepted_depth[0]) >= (3 if not adaptive else 1)
     out_got = vf(sc.logits.clone(), sc.batch)
-    assert len(calls) == 2
+    assert len(calls) == 3  # walk; __call__: walk, then the fused finish
     for name in ("sampled_token_ids", "num_sampled", "num_rejected"):
         assert torch.equal(getattr(out_got, name), getattr(out_want, name)), name
+    for n in counters:
+        assert torch.equal(getattr(sc.state, n), state_want[n]), n
+    assert torch.equal(sc.state.take_walk(sc.batch.num_reqs), rows_want)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -403,16 +416,27 @@ _COMPILE_SCRIPT = textwrap.dedent(
             k = triton.compile(ASTSource(inputs_fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             result.append(k.metadata.shared)
+    from vllm_ddtree.tree_walk_kernel import _finish_walk_kernel as finish_fn
+
+    ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32"}
+    for arch in (90, 120):
+        for count, adaptive in ((False, False), (True, True)):
+            consts = dict(COUNT=count, ADAPTIVE=adaptive, BLOCK_S=128, BLOCK_W=16)
+            sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64")
+                   if n.endswith("_ptr") else "i32" for n in finish_fn.arg_names}
+            k = triton.compile(ASTSource(finish_fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+            result.append(k.metadata.shared)
     print(json.dumps(result))
     """
 )
 
 
 def test_kernel_compiles_for_sm90_and_sm120():
-    """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk, then
-    its inputs kernel."""
+    """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk, its
+    inputs kernel, and the fused finish."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 12 and max(shared) < 4096
+    assert len(shared) == 16 and max(shared) < 4096
 
 
 def test_walk_inputs_host_side_has_no_sync(monkeypatch):

@@ -213,6 +213,11 @@ class DDTreeRuntimeState:
         num_reqs, width = kv_src_rows.shape
         self.walk_kv_src_rows[:num_reqs, :width] = kv_src_rows
         self.walk_kv_src_rows[:num_reqs, width:] = -1
+        self.mark_walk_(num_reqs)
+
+    def mark_walk_(self, num_reqs: int) -> None:
+        """A walk of ``num_reqs`` requests is in ``walk_kv_src_rows`` (written by
+        ``record_walk_`` or by ``tree_walk_kernel.finish_walk_triton``)."""
         self.walk_num_reqs = num_reqs
         self.walk_valid = True
 

@@ -31,7 +31,8 @@ import triton.language as tl
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args, follow_tree
 
-__all__ = ["MAX_BLOCK_B", "follow_tree_fast", "follow_tree_triton", "walk_inputs_triton"]
+__all__ = ["MAX_BLOCK_B", "finish_walk_triton", "follow_tree_fast", "follow_tree_triton",
+           "walk_inputs_triton"]
 
 MAX_BLOCK_B = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -283,6 +284,106 @@ def walk_inputs_triton(
             BLOCK=min(triton.next_power_of_2(num_nodes + 1), 1024),
         )  # fmt: skip
     return tokens, targets, parents
+
+
+@triton.jit
+def _finish_walk_kernel(
+    committed_ptr,  # int64 [R, L + 1]
+    depth_ptr,  # int64 [R]
+    src_ptr,  # int64 [R, L]
+    cu_ptr,  # int32 [R + 1]
+    idx_ptr,  # int32 [R]
+    active_nodes_ptr,  # int64 [max_reqs]; read only with ADAPTIVE
+    sampled_ptr,  # int64 [R, B + 1]
+    num_sampled_ptr,  # int32 [R]
+    walk_rows_ptr,  # int64 [max_reqs, W >= L]
+    accepted_sum_ptr,  # int64 [1]; with COUNT
+    num_drafts_ptr,  # int64 [1]; with COUNT
+    active_sum_ptr,  # int64 [1]; with COUNT and ADAPTIVE
+    max_depth,
+    budget,
+    walk_width,
+    stride_walk_r,
+    COUNT: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    depth = tl.load(depth_ptr + r)
+    cols = tl.arange(0, BLOCK_S)
+    committed = tl.load(committed_ptr + r * (max_depth + 1) + cols, mask=cols <= max_depth,
+                        other=-1)
+    tl.store(sampled_ptr + r * (budget + 1) + cols, committed, mask=cols <= budget)
+    tl.store(num_sampled_ptr + r, (depth + 1).to(tl.int32))
+    wcols = tl.arange(0, BLOCK_W)
+    src = tl.load(src_ptr + r * max_depth + wcols, mask=wcols < max_depth, other=-1)
+    tl.store(walk_rows_ptr + r * stride_walk_r + wcols, src, mask=wcols < walk_width)
+    if COUNT:
+        num_nodes = (tl.load(cu_ptr + r + 1) - tl.load(cu_ptr + r) - 1).to(tl.int64)
+        is_tree = num_nodes > 0
+        tl.atomic_add(accepted_sum_ptr, tl.where(is_tree, depth, 0))
+        tl.atomic_add(num_drafts_ptr, is_tree.to(tl.int64))
+        if ADAPTIVE:
+            active = tl.load(active_nodes_ptr + tl.load(idx_ptr + r).to(tl.int64))
+            tl.atomic_add(active_sum_ptr, tl.where(is_tree, tl.minimum(active, num_nodes), 0))
+
+
+def finish_walk_triton(
+    walk: WalkResult,
+    cu_num_logits: torch.Tensor,
+    idx_mapping: torch.Tensor,
+    budget: int,
+    walk_rows_out: torch.Tensor,
+    counters: tuple[torch.Tensor, torch.Tensor] | None = None,
+    active_nodes: torch.Tensor | None = None,
+    active_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """After the walk, in one launch: vLLM's sampled rows, the walk's KV source rows for
+    the next ``propose``, and DDTree's acceptance counters (the PyTorch path,
+    ``verify_batch.sampled_rows_from_walk`` + ``DDTreeVerifier._update_stats`` +
+    ``DDTreeRuntimeState.record_walk_``, is about 15 small kernels).
+
+    Args:
+        walk: :func:`follow_tree_triton`'s result (contiguous ``[R, L + 1]`` / ``[R, L]``).
+        cu_num_logits: int32 ``[R + 1]`` (a request with more than one logit row is a
+            tree request); idx_mapping: int32 ``[R]`` (state slots).
+        budget: B.
+        walk_rows_out: int64 ``[>= R, W >= L]``: row ``r`` gets ``kv_src_rows[r]``, -1
+            past ``L``.
+        counters: ``(accepted_sum, num_drafts)`` int64 ``[1]`` to add this batch's
+            accepted nodes and tree count to, or None.
+        active_nodes / active_sum: ``auto`` only: int64 ``[max_reqs]`` per-slot
+            budgets, and the int64 ``[1]`` sum of each tree's verified nodes.
+
+    Returns:
+        ``sampled_token_ids`` int64 ``[R, B + 1]`` (the committed tokens, then -1) and
+        ``num_sampled`` int32 ``[R]`` (accepted depth + 1), as ``sampled_rows_from_walk``.
+        No host sync.
+    """
+    committed, depth, src = walk.committed_tokens, walk.accepted_depth, walk.kv_src_rows
+    num_reqs, max_depth = src.shape
+    if not (committed.is_contiguous() and src.is_contiguous()):
+        raise ValueError("the walk's committed_tokens and kv_src_rows must be contiguous")
+    if walk_rows_out.shape[1] < max_depth or walk_rows_out.stride(1) != 1:
+        raise ValueError(f"walk_rows_out must be [>= R, >= {max_depth}], last dim contiguous")
+    device = depth.device
+    sampled = torch.empty(num_reqs, budget + 1, dtype=torch.int64, device=device)
+    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    if num_reqs:
+        count, adaptive = counters is not None, active_nodes is not None
+        accepted_sum, num_drafts = counters if count else (depth, depth)
+        _finish_walk_kernel[(num_reqs,)](
+            committed, depth, src, cu_num_logits, idx_mapping,
+            active_nodes if adaptive else depth, sampled, num_sampled, walk_rows_out,
+            accepted_sum, num_drafts, active_sum if adaptive else depth,
+            max_depth, budget, walk_rows_out.shape[1], walk_rows_out.stride(0),
+            COUNT=count,
+            ADAPTIVE=count and adaptive,
+            BLOCK_S=triton.next_power_of_2(max(budget, max_depth) + 1),
+            BLOCK_W=triton.next_power_of_2(max(walk_rows_out.shape[1], 1)),
+        )  # fmt: skip
+    return sampled, num_sampled
 
 
 def follow_tree_fast(

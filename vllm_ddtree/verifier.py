@@ -38,7 +38,11 @@ from vllm_ddtree.budget import mask_inactive_nodes
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
 from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
-from vllm_ddtree.tree_walk_kernel import follow_tree_triton, walk_inputs_triton
+from vllm_ddtree.tree_walk_kernel import (
+    finish_walk_triton,
+    follow_tree_triton,
+    walk_inputs_triton,
+)
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
 
 __all__ = [
@@ -342,12 +346,15 @@ class DDTreeVerifier:
 
         drawn, processed, _ = self.draw_target_tokens(logits, input_batch)
         walk = self.walk(drawn, input_batch)
-        sampled, num_sampled, _ = sampled_rows_from_walk(
-            walk.committed_tokens, walk.accepted_depth, self.budget
-        )
+        if use_triton_round_kernels(drawn):
+            sampled, num_sampled = self._finish_walk_fused(walk, input_batch)
+        else:
+            sampled, num_sampled, _ = sampled_rows_from_walk(
+                walk.committed_tokens, walk.accepted_depth, self.budget
+            )
+            self._update_stats(walk, input_batch)
+            self.state.record_walk_(walk.kv_src_rows)
         num_sampled, num_rejected = self._num_sampled_and_rejected(num_sampled, input_batch)
-        self._update_stats(walk, input_batch)
-        self.state.record_walk_(walk.kv_src_rows)
 
         logprobs = self._logprobs(logits, processed, sampled, num_sampled, walk, input_batch)
         return SamplerOutput(
@@ -358,13 +365,33 @@ class DDTreeVerifier:
             num_rejected=num_rejected,
         )
 
-    def _update_stats(self, walk: WalkResult, input_batch: Any) -> None:
+    def _finish_walk_fused(self, walk: WalkResult, input_batch: Any):
+        """``sampled_rows_from_walk`` + ``_update_stats`` + ``record_walk_`` in one
+        Triton launch (``tree_walk_kernel.finish_walk_triton``)."""
+        assert self.state.walk_kv_src_rows is not None
+        counters = active_nodes = None
+        if self._counts(input_batch):
+            counters = (self.state.accepted_sum, self.state.num_drafts)
+            if self.state.adaptive:
+                active_nodes = self.state.active_nodes
+        sampled, num_sampled = finish_walk_triton(
+            walk, input_batch.cu_num_logits, input_batch.idx_mapping, self.budget,
+            self.state.walk_kv_src_rows, counters, active_nodes, self.state.active_nodes_sum,
+        )
+        self.state.mark_walk_(walk.kv_src_rows.shape[0])
+        return sampled, num_sampled
+
+    def _counts(self, input_batch: Any) -> bool:
+        """Whether this batch's walks go into DDTree's acceptance counters."""
         if self.state.accepted_sum is None or self.state.num_drafts is None:
-            return
+            return False
         # V2 warm-up batches hold only warm-up requests (dummy drafts); vLLM's own
         # spec-decode counters skip them too, so both reports count the same rounds.
         req_ids = getattr(input_batch, "req_ids", None)
-        if req_ids and req_ids[0].startswith(_WARMUP_PREFIX):
+        return not (req_ids and req_ids[0].startswith(_WARMUP_PREFIX))
+
+    def _update_stats(self, walk: WalkResult, input_batch: Any) -> None:
+        if not self._counts(input_batch):
             return
         cu = input_batch.cu_num_logits
         num_reqs = walk.accepted_depth.shape[0]
