@@ -1,8 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one-launch verify inputs (vllm_ddtree.verify_inputs_kernel) against
-``runtime_state.verify_inputs_``'s PyTorch path, exactly: positions, ancestor bits and
-active rows of mixed batches (full and truncated trees, prefill chunks past 64 tokens,
-plain decode, CUDA-graph padding, garbage in every output buffer beforehand).
+"""One-launch round inputs against their PyTorch paths, exactly:
+
+* the verify inputs (``vllm_ddtree.verify_inputs_kernel``) against
+  ``runtime_state.verify_inputs_``'s PyTorch ops: positions, ancestor bits and active
+  rows of mixed batches (full and truncated trees, prefill chunks past 64 tokens, plain
+  decode, CUDA-graph padding, garbage in every output buffer beforehand);
+* ``propose``'s hidden-row index (``vllm_ddtree.hidden_rows_kernel``) against
+  ``runtime_state.hidden_row_gather_index``'s.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
 
@@ -181,6 +185,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             result.append(k.metadata.shared)
+    from vllm_ddtree.hidden_rows_kernel import _hidden_row_index_kernel as rows_fn
+
+    for arch in (90, 120):
+        sig = {n: "constexpr" if n == "BLOCK" else {"qsl_ptr": "*i32"}.get(n, "*i64")
+               if n.endswith("_ptr") else "i32" for n in rows_fn.arg_names}
+        k = triton.compile(ASTSource(rows_fn, sig, constexprs=dict(BLOCK=128)),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        result.append(k.metadata.shared)
     print(json.dumps(result))
     """
 )
@@ -190,4 +202,27 @@ def test_kernel_compiles_for_sm90_and_sm120():
     """Compiled (no GPU needed) for Hopper and sm_120, plain, adaptive, and with the
     256 mask words of an fp32 run (16k-token batches)."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 6 and max(shared) <= 99 * 1024, shared
+    assert len(shared) == 8 and max(shared) <= 99 * 1024, shared
+
+
+@pytest.mark.parametrize("num_padding", [0, 7])
+def test_hidden_row_index_kernel_equals_the_pytorch_index(num_padding):
+    """``propose``'s hidden-row index (vllm_ddtree.hidden_rows_kernel) against
+    ``hidden_row_gather_index``'s PyTorch ops: full and truncated accepted paths,
+    requests without drafts, a request longer than a block of rows, graph padding."""
+    from vllm_ddtree.hidden_rows_kernel import hidden_row_gather_index_triton
+    from vllm_ddtree.runtime_state import hidden_row_gather_index
+
+    gen = torch.Generator().manual_seed(num_padding)
+    depth, qlens = 6, [1 + 9, 1, 1 + 9, 300, 1 + 4]
+    accepted = [6, 0, 2, 0, 4]
+    src = torch.full((len(qlens), depth), -1, dtype=torch.int64)
+    for r, a in enumerate(accepted):
+        nodes = torch.randperm(qlens[r] - 1, generator=gen)[:a].sort().values
+        src[r, :a] = nodes + 1
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    num_rows = int(qsl[-1]) + num_padding
+    want = hidden_row_gather_index(qsl, src, num_rows)
+    got = hidden_row_gather_index_triton(qsl.to(DEVICE), src.to(DEVICE), num_rows)
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, torch.arange(num_rows))  # paths did move rows

@@ -1,15 +1,16 @@
 """Which implementation runs the eager per-round work on the GPU: the verify inputs
 (``verify_inputs_kernel``), the tree walk with its inputs and its finish
-(``tree_walk_kernel``) and the KV compaction (``kv_compaction_kernel``).
+(``tree_walk_kernel``), the KV compaction (``kv_compaction_kernel``) and ``propose``'s
+hidden-row index (``hidden_rows_kernel``).
 
 ``VLLM_DDTREE_ROUND_KERNELS``:
 
 * ``triton`` (default): one Triton launch for the walk and one for the whole round's
   compaction (about 180 and 19 launches per KV-cache group fewer per round; the
   mixed-batch GPU suite, tests/gpu/test_ddtree_vllm.py, and the compiled kernel tests
-  passed with them on the H200), one each for the verify inputs, the walk's inputs and
-  what follows the walk (sampled rows, counters, KV source rows; about 50, 20 and 15
-  fewer; interpreter-tested, not yet GPU-run);
+  passed with them on the H200), one each for the verify inputs, the walk's inputs,
+  what follows the walk (sampled rows, counters, KV source rows) and the hidden-row
+  index (about 50, 20, 15 and 10 fewer; interpreter-tested, not yet GPU-run);
 * ``torch``: batched PyTorch ops (``tree.follow_tree``,
   ``verify_batch.compact_kv_cache_``), the earlier path, kept as a fallback.
 

@@ -31,6 +31,7 @@ import torch
 
 from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.config import DDTreeConfig
+from vllm_ddtree.hidden_rows_kernel import hidden_row_gather_index_triton
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import num_mask_words, pack_ancestor_mask
 from vllm_ddtree.verify_batch import tree_verify_positions_and_bits
@@ -381,8 +382,11 @@ def hidden_row_gather_index(
         num_rows: rows of the hidden-state tensor (may include CUDA-graph padding).
 
     Returns:
-        int64 ``[num_rows]``. No host sync.
+        int64 ``[num_rows]``. No host sync. On CUDA one Triton launch
+        (``hidden_rows_kernel``; ``VLLM_DDTREE_ROUND_KERNELS=torch``: the ops below).
     """
+    if use_triton_round_kernels(kv_src_rows):
+        return hidden_row_gather_index_triton(query_start_loc, kv_src_rows, num_rows)
     num_reqs, width = kv_src_rows.shape
     device = kv_src_rows.device
     starts = query_start_loc[:num_reqs].to(torch.int64)[:, None]
