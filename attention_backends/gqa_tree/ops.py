@@ -116,8 +116,9 @@ def gqa_tree_verify(
             (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
             request ``r`` are real; the others (inactive rows) cost no K/V loads and are
             0. The active tokens must not see an inactive one (they form a prefix-closed
-            tree in topological order); their results are the same as without
-            ``active_query_lens``. None: every row is active.
+            tree in topological order); their results are those without
+            ``active_query_lens`` up to rounding (their keys are split over the idle
+            CTAs too, so the splits differ). None: every row is active.
 
     Returns:
         ``[T, Hq, Dh]`` in q's dtype. Rows that see no key, and inactive rows, are 0;

@@ -121,7 +121,8 @@ def mla_tree_verify(
             request ``r`` are real; the others (inactive rows) cost no KV loads and get
             ``out = 0, lse = -inf``. The active tokens must not see an inactive one
             (they form a prefix-closed tree in topological order); their results are
-            the same as without ``active_query_lens``. None: every row is active.
+            those without ``active_query_lens`` up to rounding (their keys are split
+            over the idle CTAs too, so the splits differ). None: every row is active.
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
