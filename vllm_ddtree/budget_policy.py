@@ -43,6 +43,8 @@ from vllm_ddtree.budget import (
     choose_batch_budget,
     expected_committed_by_budget,
 )
+from vllm_ddtree.budget_choice_kernel import choose_budget_triton
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 
 __all__ = [
     "BudgetPolicy",
@@ -191,7 +193,15 @@ class BudgetPolicy:
         Returns:
             int64 0-dim tensor ``b`` (one of the candidates). Records the chosen
             round's modeled attention for the next :meth:`observe_round`. No host sync.
+            On CUDA one Triton launch (``budget_choice_kernel``;
+            ``VLLM_DDTREE_ROUND_KERNELS=torch``: the ops below).
         """
+        if use_triton_round_kernels(scores):
+            table = self.table
+            return choose_budget_triton(
+                scores, context_lens, table.contexts, table.seconds, self.budgets,
+                self.base_seconds, self.last_attention, self.num_layers, table.extrapolate,
+            )
         attention = self.attention_seconds(context_lens)
         expected = expected_committed_by_budget(scores)
         b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)

@@ -1,7 +1,8 @@
 """Which implementation runs the eager per-round work on the GPU: the verify inputs
 (``verify_inputs_kernel``), the tree walk with its inputs and its finish
-(``tree_walk_kernel``), the KV compaction (``kv_compaction_kernel``) and ``propose``'s
-hidden-row index (``hidden_rows_kernel``).
+(``tree_walk_kernel``), the KV compaction (``kv_compaction_kernel``), ``propose``'s
+hidden-row index (``hidden_rows_kernel``) and ``auto``'s budget choice
+(``budget_choice_kernel``).
 
 ``VLLM_DDTREE_ROUND_KERNELS``:
 
@@ -9,8 +10,9 @@ hidden-row index (``hidden_rows_kernel``).
   compaction (about 180 and 19 launches per KV-cache group fewer per round; the
   mixed-batch GPU suite, tests/gpu/test_ddtree_vllm.py, and the compiled kernel tests
   passed with them on the H200), one each for the verify inputs, the walk's inputs,
-  what follows the walk (sampled rows, counters, KV source rows) and the hidden-row
-  index (about 50, 20, 15 and 10 fewer; interpreter-tested, not yet GPU-run);
+  what follows the walk (sampled rows, counters, KV source rows), the hidden-row index
+  and ``auto``'s budget choice (about 50, 20, 15, 10 and 20 fewer; interpreter-tested,
+  not yet GPU-run);
 * ``torch``: batched PyTorch ops (``tree.follow_tree``,
   ``verify_batch.compact_kv_cache_``), the earlier path, kept as a fallback.
 

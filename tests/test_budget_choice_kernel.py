@@ -1,0 +1,111 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ddtree_budget: "auto"``'s choice in one launch (vllm_ddtree.budget_choice_kernel)
+against ``BudgetPolicy.choose``'s PyTorch ops: the same budget and the same modeled
+attention, over batches larger than one block of rows, node counts that are not powers
+of two, one- and many-point cost tables (clamped or extrapolated), with and without a
+base-time sample. Without a GPU the kernel runs in Triton's interpreter."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+
+from vllm_ddtree import budget_choice_kernel  # noqa: E402
+from vllm_ddtree.budget import BudgetCostTable  # noqa: E402
+from vllm_ddtree.budget_choice_kernel import choose_budget_triton  # noqa: E402
+from vllm_ddtree.budget_policy import BudgetPolicy, candidate_budgets  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not kernels_run_here(budget_choice_kernel._choose_budget_kernel),
+    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+)
+
+
+def make_policy(budget, contexts, extrapolate, base, gen):
+    budgets = candidate_budgets(budget)
+    ctx = torch.tensor(contexts)
+    # cost grows with the context and the budget, steeply at long context
+    seconds = (1e-5 + ctx[:, None] * 2e-9 * torch.tensor(budgets)[None, :] ** 0.7
+               * (1 + 0.1 * torch.rand(len(contexts), len(budgets), generator=gen)))
+    seconds = seconds.cummax(dim=1).values.float()
+    policy = BudgetPolicy(BudgetCostTable(ctx, torch.tensor(budgets), seconds, extrapolate),
+                          num_layers=7)
+    policy.base_seconds.fill_(base)
+    return policy
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_kernel_chooses_what_the_pytorch_policy_chooses(case):
+    gen = torch.Generator().manual_seed(case)
+    budget = (48, 64, 32, 100, 16, 64, 128, 7)[case]
+    contexts = [[1024, 4096, 16384, 65536, 131072], [2048], [1024, 8192]][case % 3]
+    policy = make_policy(budget, contexts, extrapolate=case % 2 == 0,
+                         base=(-1.0, 3e-3, 5e-4, 2e-2)[case % 4], gen=gen)
+    num_reqs = (1, 5, 37, 16, 2, 23, 9, 40)[case]
+    # peaked trees (confident drafter) in some rows, flat ones in others
+    scores = torch.randn(num_reqs, budget, generator=gen) * 2 - torch.rand(
+        num_reqs, 1, generator=gen) * 6
+    scores = scores.sort(dim=1, descending=True).values.clamp(max=0).float()
+    context_lens = torch.randint(10, 200_000, (num_reqs,), generator=gen, dtype=torch.int32)
+
+    want = policy.choose(scores, context_lens)  # CPU tensors: the PyTorch ops
+    want_attention = policy.last_attention.clone()
+    policy.last_attention.fill_(-1.0)
+    table = policy.table
+    got = choose_budget_triton(
+        scores.to(DEVICE), context_lens.to(DEVICE), table.contexts.to(DEVICE),
+        table.seconds.to(DEVICE), policy.budgets.to(DEVICE), policy.base_seconds.to(DEVICE),
+        last_attention := policy.last_attention.to(DEVICE), policy.num_layers,
+        table.extrapolate)
+    assert got.dim() == 0 and int(got) == int(want), (int(got), int(want))
+    torch.testing.assert_close(last_attention.cpu(), want_attention, rtol=1e-5, atol=0)
+
+
+def test_choices_span_small_and_large_budgets():
+    """The cases above are not all one answer: a confident drafter at a short context
+    takes the largest tree, a flat one at a long context a small one."""
+    gen = torch.Generator().manual_seed(0)
+    policy = make_policy(64, [1024, 4096, 16384, 65536, 131072], True, 1e-3, gen)
+    table = policy.table
+    args = (table.contexts, table.seconds, policy.budgets, policy.base_seconds,
+            policy.last_attention, policy.num_layers, True)
+    confident = torch.zeros(4, 64)
+    confident[:, 1:] = -0.01 * torch.arange(1, 64)
+    flat = torch.full((4, 64), -12.0)
+    short, long = torch.full((4,), 1024, dtype=torch.int32), torch.full((4,), 131072,
+                                                                       dtype=torch.int32)
+    dev = [t.to(DEVICE) for t in (confident, flat, short, long)]
+    big = choose_budget_triton(dev[0], dev[2], *[a.to(DEVICE) if torch.is_tensor(a) else a
+                                                 for a in args])
+    small = choose_budget_triton(dev[1], dev[3], *[a.to(DEVICE) if torch.is_tensor(a) else a
+                                                   for a in args])
+    assert int(big) == 64 and int(small) == 1
+
+
+_COMPILE_SCRIPT = """
+import json, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_ddtree.budget_choice_kernel import _choose_budget_kernel as fn
+
+ptrs = {"ctx_ptr": "*i32", "budgets_ptr": "*i64", "chosen_ptr": "*i64"}
+result = []
+for arch in (90, 120):
+    for block_r, block_b in ((16, 64), (8, 512)):
+        consts = dict(EXTRAPOLATE=True, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_K=16,
+                      BLOCK_C=8)
+        sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32")
+               if n.endswith("_ptr") else "fp32" if n == "num_layers" else "i32"
+               for n in fn.arg_names}
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        result.append(k.metadata.shared)
+print(json.dumps(result))
+"""
+
+
+def test_kernel_compiles_for_sm90_and_sm120():
+    shared = compiled_shared_memory(_COMPILE_SCRIPT)
+    assert len(shared) == 4 and max(shared) <= 99 * 1024, shared

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``ddtree_budget: "auto"``'s per-round choice in one Triton launch.
+
+:meth:`vllm_ddtree.budget_policy.BudgetPolicy.choose` (the cost table's interpolation
+per request, the trees' expected tokens per candidate budget, the argmax of tokens per
+second) is about 20 small PyTorch kernels, eager, every round. ``_choose_budget_kernel``
+does it in one program: blocks of ``BLOCK_R`` requests at a time, each row's node
+probabilities sorted (``tl.sort``) and summed up to every candidate, the table
+interpolated at each request's context. Same formulas as the PyTorch path; the sums run
+in another order, so a near-tie between two candidates may go either way (any choice
+is lossless: it only sets how many nodes are verified).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["choose_budget_triton"]
+
+BLOCK_R = 16
+
+
+@triton.jit(do_not_specialize=["num_reqs", "num_nodes", "num_budgets", "num_contexts"])
+def _choose_budget_kernel(
+    scores_ptr,  # fp32 [R, B]
+    ctx_ptr,  # int [R]
+    contexts_ptr,  # fp32 [C]
+    seconds_ptr,  # fp32 [C, K]
+    budgets_ptr,  # int64 [K]
+    base_ptr,  # fp32 [1]
+    chosen_ptr,  # int64 [1]
+    last_attention_ptr,  # fp32 [1]
+    num_reqs,
+    num_nodes,
+    num_budgets,
+    num_contexts,
+    stride_scores_r,
+    num_layers,
+    EXTRAPOLATE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_c = tl.arange(0, BLOCK_C)
+    valid_k = offs_k < num_budgets
+    budgets = tl.load(budgets_ptr + offs_k, mask=valid_k, other=0)
+    contexts = tl.load(contexts_ptr + offs_c, mask=offs_c < num_contexts, other=float("inf"))
+    first_ctx = tl.load(contexts_ptr)
+    last_ctx = tl.load(contexts_ptr + num_contexts - 1)
+    tokens = tl.zeros([BLOCK_K], tl.float32)
+    attention = tl.zeros([BLOCK_K], tl.float32)
+    for first in range(0, num_reqs, BLOCK_R):
+        rows = first + tl.arange(0, BLOCK_R)
+        valid_r = rows < num_reqs
+        # Expected committed tokens: 1 + the sum of the b largest node probabilities.
+        scores = tl.load(
+            scores_ptr + rows[:, None].to(tl.int64) * stride_scores_r + offs_b[None, :],
+            mask=valid_r[:, None] & (offs_b[None, :] < num_nodes), other=float("-inf"))
+        probs = tl.sort(tl.exp(scores), dim=1, descending=True)
+        cums = tl.cumsum(probs, axis=1)  # [BLOCK_R, BLOCK_B]
+        for k in range(num_budgets):
+            budget = tl.load(budgets_ptr + k)
+            per_row = tl.sum(tl.where(offs_b[None, :] == budget - 1, cums, 0.0), axis=1)
+            batch = tl.sum(tl.where(valid_r, 1.0 + per_row, 0.0), axis=0)
+            tokens += tl.where(offs_k == k, batch, 0.0)
+
+        # The cost table at each request's context (BudgetCostTable.at).
+        ctx = tl.load(ctx_ptr + rows, mask=valid_r, other=0).to(tl.float32)
+        if num_contexts == 1:
+            row = tl.load(seconds_ptr + offs_k, mask=valid_k, other=0.0)
+            cost = row[None, :] + 0.0 * ctx[:, None]
+        else:
+            ctx = tl.maximum(ctx, first_ctx)
+            if not EXTRAPOLATE:
+                ctx = tl.minimum(ctx, last_ctx)
+            hi = tl.sum((contexts[None, :] < ctx[:, None]).to(tl.int32), axis=1)
+            hi = tl.minimum(tl.maximum(hi, 1), num_contexts - 1)
+            lo = hi - 1
+            ctx_lo = tl.load(contexts_ptr + lo)
+            ctx_hi = tl.load(contexts_ptr + hi)
+            w = tl.maximum((ctx - ctx_lo) / tl.maximum(ctx_hi - ctx_lo, 1e-9), 0.0)
+            if not EXTRAPOLATE:
+                w = tl.minimum(w, 1.0)
+            sec_lo = tl.load(seconds_ptr + lo[:, None] * num_budgets + offs_k[None, :],
+                             mask=valid_r[:, None] & valid_k[None, :], other=0.0)
+            sec_hi = tl.load(seconds_ptr + hi[:, None] * num_budgets + offs_k[None, :],
+                             mask=valid_r[:, None] & valid_k[None, :], other=0.0)
+            cost = tl.maximum(sec_lo * (1 - w[:, None]) + sec_hi * w[:, None], 0.0)
+        attention += tl.sum(tl.where(valid_r[:, None], cost, 0.0), axis=0)
+
+    attention = attention * num_layers
+    base = tl.load(base_ptr)
+    at_max = tl.sum(tl.where(offs_k == num_budgets - 1, attention, 0.0), axis=0)
+    base = tl.where(base >= 0, base, at_max)
+    rate = tl.where(valid_k, tokens / (base + attention), float("-inf"))
+    best_rate = tl.max(rate, axis=0)
+    best = tl.min(tl.where(rate == best_rate, offs_k, BLOCK_K), axis=0)  # first max
+    tl.store(chosen_ptr, tl.sum(tl.where(offs_k == best, budgets, 0), axis=0))
+    tl.store(last_attention_ptr, tl.sum(tl.where(offs_k == best, attention, 0.0), axis=0))
+
+
+def choose_budget_triton(
+    scores: torch.Tensor,
+    context_lens: torch.Tensor,
+    contexts: torch.Tensor,
+    seconds: torch.Tensor,
+    budgets: torch.Tensor,
+    base_seconds: torch.Tensor,
+    last_attention: torch.Tensor,
+    num_layers: int,
+    extrapolate: bool,
+) -> torch.Tensor:
+    """The batch's active budget, as ``BudgetPolicy.choose`` computes it.
+
+    Args:
+        scores: float32 ``[R, B]`` node scores (``DraftTree.scores``), last dim contiguous.
+        context_lens: int ``[R]``.
+        contexts / seconds / budgets: the cost table (``BudgetCostTable``: fp32 ``[C]``,
+            fp32 ``[C, K]`` contiguous, int64 ``[K]``); extrapolate: its flag.
+        base_seconds: fp32 ``[1]`` (< 0: no sample yet, the cost at B stands in).
+        last_attention: fp32 ``[1]``, gets the chosen round's modeled attention.
+        num_layers: target attention layers.
+
+    Returns:
+        int64 0-dim tensor ``b`` (one of ``budgets``). No host sync.
+    """
+    num_reqs, num_nodes = scores.shape
+    if scores.stride(1) != 1 or not seconds.is_contiguous():
+        raise ValueError("scores (last dim) and seconds must be contiguous")
+    chosen = torch.empty(1, dtype=torch.int64, device=scores.device)
+    block_b = triton.next_power_of_2(max(num_nodes, 1))
+    _choose_budget_kernel[(1,)](
+        scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
+        last_attention, num_reqs, num_nodes, budgets.numel(), contexts.numel(),
+        scores.stride(0), float(num_layers),
+        EXTRAPOLATE=extrapolate,
+        BLOCK_R=min(BLOCK_R, max(1, 4096 // block_b)),
+        BLOCK_B=block_b,
+        BLOCK_K=triton.next_power_of_2(budgets.numel()),
+        BLOCK_C=triton.next_power_of_2(contexts.numel()),
+    )  # fmt: skip
+    return chosen[0]
