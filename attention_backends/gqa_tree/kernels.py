@@ -133,25 +133,18 @@ def _gqa_tree_fwd_kernel(
 
     if HAS_ACTIVE:
         # Every CTA of the (request, KV head) may take a work item (kernels of mla_tree).
-        num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
-        if num_active <= 0:
-            return
         num_kv_heads = tl.num_programs(1) // num_splits
         slab_base = (pid_r * num_kv_heads + kv_head) * tl.num_programs(0) * num_splits * BLOCK_M
         keys = seq_len
         if HAS_WINDOW:
             keys = tl.minimum(seq_len, window + q_len)
-        item, splits, active_blocks = _resplit_active_rows(
-            MergeBase, MergeCount, stride_mt, kv_head * GROUP, slab_base, pid_m, pid_s,
-            num_splits, tl.num_programs(0), q_start, num_rows, num_active,
+        run, num_active, pid_m, pid_s, num_splits, part_row = _resplit_active_rows(
+            ActiveQueryLens, MergeBase, MergeCount, stride_mt, kv_head * GROUP, slab_base,
+            pid_r, pid_m, pid_s, num_splits, tl.num_programs(0), q_start, q_len, num_rows,
             tl.cdiv(keys, BLOCK_N), GROUP, BLOCK_M, MIN_TILES, MAX_SPLITS,
         )  # fmt: skip
-        if item >= active_blocks * splits:
+        if not run:
             return
-        pid_m = item // splits
-        pid_s = item % splits
-        num_splits = splits
-        part_row = (slab_base + item * BLOCK_M).to(tl.int64) + tl.arange(0, BLOCK_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = offs_m < num_rows

@@ -105,17 +105,20 @@ def _load_kv_tile(
 
 @triton.jit
 def _resplit_active_rows(
-    MergeBase, MergeCount, stride_mt, head_offset, slab_base,
-    pid_m, pid_s, num_splits, num_row_blocks, q_start, num_rows, num_active, key_tiles,
+    ActiveQueryLens, MergeBase, MergeCount, stride_mt, head_offset, slab_base,
+    pid_r, pid_m, pid_s, num_splits, num_row_blocks, q_start, q_len, num_rows, key_tiles,
     ROWS_PER_TOKEN: tl.constexpr, BLOCK_M: tl.constexpr, MIN_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
 ):  # fmt: skip
-    """Active-row work item of CTA ``(pid_m, pid_s)`` (module docstring): returns
-    ``(item, splits, active_blocks)``, the item runs iff ``item < active_blocks *
-    splits``, as row block ``item // splits`` and split ``item % splits``. CTA
-    ``(m, 0)`` writes MergeBase / MergeCount of its rows: ``row = token *
-    ROWS_PER_TOKEN + i`` is query head ``head_offset + i``; its split ``s`` is compact
-    partial row ``slab_base + (m * splits + s) * BLOCK_M + row % BLOCK_M``."""
+    """Active-row work item of CTA ``(pid_m, pid_s)`` (module docstring). Returns
+    ``(run, num_active, pid_m, pid_s, splits, part_row)``: the CTA works iff ``run``
+    (a request without active rows, e.g. CUDA-graph padding, has no work), as row block
+    ``pid_m`` and split ``pid_s`` of ``splits``, its partials in compact rows
+    ``part_row`` (int64 ``[BLOCK_M]``). CTA ``(m, 0)`` writes MergeBase / MergeCount of
+    its rows: ``row = token * ROWS_PER_TOKEN + i`` is query head ``head_offset + i``;
+    its split ``s`` is compact row ``slab_base + (m * splits + s) * BLOCK_M + row %
+    BLOCK_M``."""
+    num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
     active_blocks = tl.maximum(tl.cdiv(num_active * ROWS_PER_TOKEN, BLOCK_M), 1)
     splits = (num_row_blocks // active_blocks) * num_splits
     splits = tl.minimum(splits, tl.maximum(num_splits, tl.minimum(key_tiles // MIN_TILES,
@@ -128,7 +131,10 @@ def _resplit_active_rows(
         valid = offs < num_rows
         tl.store(MergeBase + idx, base, mask=valid)
         tl.store(MergeCount + idx, tl.where(tok < num_active, splits, 0), mask=valid)
-    return pid_m * num_splits + pid_s, splits, active_blocks
+    item = pid_m * num_splits + pid_s
+    run = (num_active > 0) & (item < active_blocks * splits)
+    part_row = (slab_base + item * BLOCK_M).to(tl.int64) + tl.arange(0, BLOCK_M)
+    return run, num_active, item // splits, item % splits, splits, part_row
 
 
 @triton.jit
@@ -193,21 +199,14 @@ def _mla_tree_fwd_kernel(
     if HAS_ACTIVE:
         # Every CTA of the request may take a work item, also those past its rows; a
         # request without active rows (CUDA-graph padding: no query) has none.
-        num_active = tl.minimum(tl.load(ActiveQueryLens + pid_r), q_len)
-        if num_active <= 0:
-            return
-        slab_base = pid_r * tl.num_programs(0) * num_splits * BLOCK_M
-        item, splits, active_blocks = _resplit_active_rows(
-            MergeBase, MergeCount, stride_mt, 0, slab_base, pid_m, pid_s, num_splits,
-            tl.num_programs(0), q_start, num_rows, num_active, tl.cdiv(seq_len, BLOCK_N),
-            NUM_HEADS, BLOCK_M, MIN_TILES, MAX_SPLITS,
+        run, num_active, pid_m, pid_s, num_splits, part_row = _resplit_active_rows(
+            ActiveQueryLens, MergeBase, MergeCount, stride_mt, 0,
+            pid_r * tl.num_programs(0) * num_splits * BLOCK_M, pid_r, pid_m, pid_s,
+            num_splits, tl.num_programs(0), q_start, q_len, num_rows,
+            tl.cdiv(seq_len, BLOCK_N), NUM_HEADS, BLOCK_M, MIN_TILES, MAX_SPLITS,
         )  # fmt: skip
-        if item >= active_blocks * splits:
+        if not run:
             return
-        pid_m = item // splits
-        pid_s = item % splits
-        num_splits = splits
-        part_row = (slab_base + item * BLOCK_M).to(tl.int64) + tl.arange(0, BLOCK_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_valid = offs_m < num_rows
