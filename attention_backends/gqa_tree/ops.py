@@ -8,12 +8,12 @@ import math
 import torch
 import triton
 
-from attention_backends.mla_tree import kernels as mla_kernels
 from attention_backends.mla_tree.configs import (
     MAX_KV_SPLITS,
     MIN_TILES_PER_SPLIT,
     resolve_num_kv_splits,
 )
+from attention_backends.mla_tree.ops import compact_partials, merge_splits
 from attention_backends.mla_tree.tree_mask import check_tree_batch
 
 from . import kernels
@@ -168,11 +168,9 @@ def gqa_tree_verify(
     if has_active:
         # Active rows re-split their keys over the CTAs of inactive ones (kernels.py):
         # compact partials, one BLOCK_M-row slab per CTA, and a per-row split index.
-        slab_rows = num_reqs * num_kv_heads * row_blocks * num_kv_splits * config.block_m
-        out_buf = torch.empty(slab_rows, head_dim, dtype=torch.float32, device=q.device)
-        lse_buf = torch.empty(slab_rows, dtype=torch.float32, device=q.device)
-        merge_base = torch.empty(num_tokens, num_q_heads, dtype=torch.int32, device=q.device)
-        merge_count = torch.zeros(num_tokens, num_q_heads, dtype=torch.int32, device=q.device)
+        out_buf, lse_buf, merge_base, merge_count = compact_partials(
+            num_reqs * num_kv_heads * row_blocks * num_kv_splits * config.block_m, head_dim,
+            num_tokens, num_q_heads, q.device)
         out_strides = (out_buf.stride(0), 0, 0)
         lse_strides = (lse_buf.stride(0), 0, 0)
     else:
@@ -223,18 +221,6 @@ def gqa_tree_verify(
         # With active rows a row has up to every CTA of its (request, KV head) as splits.
         max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
-        mla_kernels._mla_tree_merge_kernel[(num_tokens, num_q_heads)](
-            out_buf, lse_buf, out, lse,
-            max_splits,
-            out_buf.stride(0), out_strides[1], out_strides[2],
-            lse_buf.stride(0), lse_strides[1], lse_strides[2],
-            out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1),
-            merge_base, merge_count, num_q_heads, config.block_m,
-            KV_LORA=head_dim,
-            BLOCK_L=block_d,
-            BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
-            HAS_ACTIVE=has_active,
-            num_warps=4,
-        )  # fmt: skip
+        merge_splits(out_buf, lse_buf, out, lse, max_splits, merge_base, merge_count,
+                     config.block_m, block_d, has_active)
     return out

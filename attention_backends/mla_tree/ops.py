@@ -71,6 +71,48 @@ def _check_mla_inputs(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
 
 
+def compact_partials(
+    num_rows: int, width: int, num_tokens: int, num_heads: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buffers of an active-row launch (``kernels._resplit_active_rows``): fp32 partial
+    outputs ``[num_rows, width]`` and LSEs ``[num_rows]`` (one ``BLOCK_M``-row slab per
+    CTA), and the per-row split index, int32 ``[T, H]`` base row and count (zeroed:
+    rows no CTA writes, e.g. CUDA-graph padding, merge to ``0 / -inf``)."""
+    f32, i32 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int32, device=device)
+    return (torch.empty(num_rows, width, **f32), torch.empty(num_rows, **f32),
+            torch.empty(num_tokens, num_heads, **i32), torch.zeros(num_tokens, num_heads, **i32))
+
+
+def merge_splits(
+    out_buf: torch.Tensor, lse_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    max_splits: int, merge_base: torch.Tensor, merge_count: torch.Tensor, block_m: int,
+    block_l: int, has_active: bool,
+) -> None:
+    """Launch ``kernels._mla_tree_merge_kernel`` over ``out [T, H, L]`` / ``lse [T, H]``:
+    partials ``[T, H, S, L]`` / ``[T, H, S]`` (``max_splits = S``), or with
+    ``has_active`` the compact ones of :func:`compact_partials` (``max_splits``: the
+    most splits a row may have)."""
+    num_tokens, num_heads, width = out.shape
+    if has_active:
+        out_strides, lse_strides = (out_buf.stride(0), 0, 0), (lse_buf.stride(0), 0, 0)
+    else:
+        out_strides, lse_strides = out_buf.stride()[:3], lse_buf.stride()[:3]
+    kernels._mla_tree_merge_kernel[(num_tokens, num_heads)](
+        out_buf, lse_buf, out, lse,
+        max_splits,
+        *out_strides,
+        *lse_strides,
+        out.stride(0), out.stride(1),
+        lse.stride(0), lse.stride(1),
+        merge_base, merge_count, num_heads, block_m,
+        KV_LORA=width,
+        BLOCK_L=block_l,
+        BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
+        HAS_ACTIVE=has_active,
+        num_warps=4,
+    )  # fmt: skip
+
+
 def mla_tree_verify(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -180,12 +222,9 @@ def mla_tree_verify(
     if has_active:
         # Active rows re-split their keys over the CTAs of inactive ones (kernels.py):
         # compact partials, one BLOCK_M-row slab per CTA, and a per-row split index.
-        slabs = num_reqs * row_blocks * num_kv_splits
-        out_buf = torch.empty(slabs * config.block_m, kv_lora_rank, dtype=torch.float32,
-                              device=q.device)
-        lse_buf = torch.empty(slabs * config.block_m, dtype=torch.float32, device=q.device)
-        merge_base = torch.empty(num_tokens, num_heads, dtype=torch.int32, device=q.device)
-        merge_count = torch.zeros(num_tokens, num_heads, dtype=torch.int32, device=q.device)
+        out_buf, lse_buf, merge_base, merge_count = compact_partials(
+            num_reqs * row_blocks * num_kv_splits * config.block_m, kv_lora_rank,
+            num_tokens, num_heads, q.device)
         out_strides = (out_buf.stride(0), 0, 0)
         lse_strides = (lse_buf.stride(0), 0, 0)
     elif num_kv_splits == 1:
@@ -237,18 +276,6 @@ def mla_tree_verify(
     if has_active or num_kv_splits > 1:
         # With active rows a row has up to every CTA of its request as splits.
         max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
-        kernels._mla_tree_merge_kernel[(num_tokens, num_heads)](
-            out_buf, lse_buf, out, lse,
-            max_splits,
-            out_buf.stride(0), out_strides[1], out_strides[2],
-            lse_buf.stride(0), lse_strides[1], lse_strides[2],
-            out.stride(0), out.stride(1),
-            lse.stride(0), lse.stride(1),
-            merge_base, merge_count, num_heads, config.block_m,
-            KV_LORA=kv_lora_rank,
-            BLOCK_L=block_l,
-            BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
-            HAS_ACTIVE=has_active,
-            num_warps=4,
-        )  # fmt: skip
+        merge_splits(out_buf, lse_buf, out, lse, max_splits, merge_base, merge_count,
+                     config.block_m, block_l, has_active)
     return out, lse
