@@ -144,6 +144,28 @@ def nan_out(batch, width):
                       device=q.device)  # fmt: skip
 
 
+def mla_three_ways(batch, active, **kwargs):
+    """The active-row launch (into a NaN buffer: inactive rows must be written), the fp32
+    reference with the same active rows, the all-active launch, and the active-row mask:
+    ``(out, lse, ref_out, ref_lse, full_out, full_lse, rows)``."""
+    out, lse = mla_tree_verify(**batch, **kwargs, active_query_lens=active,
+                               out=nan_out(batch, batch["kv_lora_rank"]))  # fmt: skip
+    ref_out, ref_lse = mla_tree_verify_reference(**batch, active_query_lens=active)
+    full_out, full_lse = mla_tree_verify(**batch, **kwargs)
+    rows = active_row_mask(batch["query_start_loc"], active)
+    return out, lse, ref_out, ref_lse, full_out, full_lse, rows
+
+
+def gqa_three_ways(batch, active, **kwargs):
+    """As :func:`mla_three_ways` for the GQA kernel: ``(out, ref, full, rows)``."""
+    out = gqa_tree_verify(**batch, **kwargs, active_query_lens=active,
+                          out=nan_out(batch, batch["q"].shape[2]))  # fmt: skip
+    ref = gqa_tree_verify_reference(**batch, sliding_window=kwargs.get("sliding_window"),
+                                    active_query_lens=active)
+    full = gqa_tree_verify(**batch, **kwargs)
+    return out, ref, full, active_row_mask(batch["query_start_loc"], active)
+
+
 # ---------------------------------------------------------------------------------------
 # MLA kernel
 
@@ -153,12 +175,8 @@ def nan_out(batch, width):
 @pytest.mark.parametrize("splits", [1, 3])
 def test_mla_active_rows(page_size, splits):
     batch, active = mla_batch(SPECS, page_size=page_size, seed=page_size + splits)
-    lora = batch["kv_lora_rank"]
-    out, lse = mla_tree_verify(**batch, num_kv_splits=splits, active_query_lens=active,
-                               out=nan_out(batch, lora))  # fmt: skip
-    ref_out, ref_lse = mla_tree_verify_reference(**batch, active_query_lens=active)
-    full_out, full_lse = mla_tree_verify(**batch, num_kv_splits=splits)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, lse, ref_out, ref_lse, full_out, full_lse, rows = mla_three_ways(
+        batch, active, num_kv_splits=splits)
     assert 0 < int(rows.sum()) < rows.numel()
     tol = TOLS[torch.float32]
     torch.testing.assert_close(out[rows], ref_out[rows], **tol)
@@ -177,10 +195,8 @@ def test_mla_active_rows_bf16_large_pages_and_merge():
     rng = random.Random(3)
     specs = [(0, random_tree(20, rng), 7), (130, chain(3), 3), (66, random_tree(20, rng), 18)]
     batch, active = mla_batch(specs, page_size=64, heads=2, dtype=torch.bfloat16)
-    out, lse = mla_tree_verify(**batch, num_kv_splits=2, active_query_lens=active)
-    ref_out, ref_lse = mla_tree_verify_reference(**batch, active_query_lens=active)
-    full_out, full_lse = mla_tree_verify(**batch, num_kv_splits=2)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, lse, ref_out, ref_lse, full_out, full_lse, rows = mla_three_ways(
+        batch, active, num_kv_splits=2)
     tol = TOLS[torch.bfloat16]
     torch.testing.assert_close(out.float(), ref_out.float(), **tol)
     torch.testing.assert_close(lse[rows], ref_lse[rows], **tol)
@@ -222,11 +238,8 @@ def test_mla_active_rows_resplit_keys_over_idle_ctas(monkeypatch):
     config = MLATileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
     merge = _RecordedLaunch(mla_kernels._mla_tree_merge_kernel)
     monkeypatch.setattr(mla_kernels, "_mla_tree_merge_kernel", merge)
-    out, lse = mla_tree_verify(**batch, num_kv_splits=2, config=config,
-                               active_query_lens=active, out=nan_out(batch, 32))
-    ref_out, ref_lse = mla_tree_verify_reference(**batch, active_query_lens=active)
-    full_out, full_lse = mla_tree_verify(**batch, num_kv_splits=2, config=config)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, lse, ref_out, ref_lse, full_out, full_lse, rows = mla_three_ways(
+        batch, active, num_kv_splits=2, config=config)
     tol = TOLS[torch.float32]
     torch.testing.assert_close(out[rows], ref_out[rows], **tol)
     torch.testing.assert_close(lse[rows], ref_lse[rows], **tol)
@@ -292,12 +305,8 @@ def test_mla_skipped_tiles_load_no_kv(monkeypatch):
 )
 def test_gqa_active_rows(page_size, splits, window):
     batch, active = gqa_batch(SPECS, page_size=page_size, seed=page_size + splits)
-    kwargs = dict(sliding_window=window, num_kv_splits=splits)
-    out = gqa_tree_verify(**batch, **kwargs, active_query_lens=active,
-                          out=nan_out(batch, batch["q"].shape[2]))  # fmt: skip
-    ref = gqa_tree_verify_reference(**batch, sliding_window=window, active_query_lens=active)
-    full = gqa_tree_verify(**batch, **kwargs)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, ref, full, rows = gqa_three_ways(batch, active, sliding_window=window,
+                                          num_kv_splits=splits)
     torch.testing.assert_close(out, ref, **TOLS[torch.float32])
     torch.testing.assert_close(out[rows], full[rows], atol=1e-6, rtol=1e-6)
     assert torch.all(out[~rows] == 0)
@@ -308,11 +317,8 @@ def test_gqa_active_rows(page_size, splits, window):
 def test_gqa_active_rows_bf16():
     batch, active = gqa_batch(SPECS, page_size=16, q_heads=8, kv_heads=2,
                               dtype=torch.bfloat16)  # fmt: skip
-    out = gqa_tree_verify(**batch, num_kv_splits=2, active_query_lens=active)
-    ref = gqa_tree_verify_reference(**batch, active_query_lens=active)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, ref, full, rows = gqa_three_ways(batch, active, num_kv_splits=2)
     torch.testing.assert_close(out.float(), ref.float(), **TOLS[torch.bfloat16])
-    full = gqa_tree_verify(**batch, num_kv_splits=2)
     torch.testing.assert_close(out[rows].float(), full[rows].float(), atol=8e-3, rtol=8e-3)
     assert torch.all(out[~rows] == 0)
 
@@ -330,12 +336,8 @@ def test_gqa_active_rows_resplit_keys_over_idle_ctas(monkeypatch, window):
     config = GQATileConfig(block_m=16, block_n=16, num_warps=4, num_stages=2, min_rows=0)
     merge = _RecordedLaunch(mla_kernels._mla_tree_merge_kernel)
     monkeypatch.setattr(mla_kernels, "_mla_tree_merge_kernel", merge)
-    kwargs = dict(sliding_window=window, num_kv_splits=2, config=config)
-    out = gqa_tree_verify(**batch, **kwargs, active_query_lens=active,
-                          out=nan_out(batch, batch["q"].shape[2]))  # fmt: skip
-    ref = gqa_tree_verify_reference(**batch, sliding_window=window, active_query_lens=active)
-    full = gqa_tree_verify(**batch, **kwargs)
-    rows = active_row_mask(batch["query_start_loc"], active)
+    out, ref, full, rows = gqa_three_ways(batch, active, sliding_window=window,
+                                          num_kv_splits=2, config=config)
     torch.testing.assert_close(out, ref, **TOLS[torch.float32])
     torch.testing.assert_close(out[rows], full[rows], **TOLS[torch.float32])
     assert torch.all(out[~rows] == 0)
