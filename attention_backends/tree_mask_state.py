@@ -29,6 +29,18 @@ BITS_PER_WORD = 64
 ALL_ROWS_ACTIVE = torch.iinfo(torch.int32).max
 
 
+def decode_query_limit(vllm_config, threshold: int) -> int:
+    """The longest query the tree kernel takes (vLLM's ``reorder_batch_threshold``):
+    ``threshold`` (vLLM's, ``1 + 2B`` with DFlash drafts), or in fp32 the batch's token
+    budget. vLLM's MLA prefill backends are bf16 / fp16 only, so in fp32 (exactness
+    checks) every request is a "decode" and the tree kernel computes prefill chunks
+    too, in the absorbed form (``patches/mla_fp32_prefill.py``). The speculator sizes
+    the per-token mask words by the same limit."""
+    if vllm_config.model_config.dtype == torch.float32:
+        return max(threshold, vllm_config.scheduler_config.max_num_batched_tokens)
+    return threshold
+
+
 class TreeMaskState:
     """Holder of the batch's tree-verify state, shared by the speculator and backends.
 

@@ -10,8 +10,9 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from attention_backends.mla_tree.backend import TreeMLABackend, decode_query_limit
+from attention_backends.mla_tree.backend import TreeMLABackend
 from attention_backends.registration import TREE_BACKEND_ENV
+from attention_backends.tree_mask_state import decode_query_limit
 from patches import mla_fp32_prefill
 
 

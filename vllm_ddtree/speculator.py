@@ -66,6 +66,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
+from attention_backends.tree_mask_state import decode_query_limit
 from vllm_ddtree.kv_compaction_kernel import compact_kv_paths_
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
@@ -235,12 +236,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
 
         # The MLA tree backend treats queries up to its reorder_batch_threshold,
-        # 1 + 2B for DFlash (backend.py:651-681), as decodes: size the mask for them.
-        # In fp32 it treats every query as one (mla_tree/backend.py): prefill chunks
-        # up to the batch's token budget need their causal words too.
-        max_decode_query = 1 + 2 * self.budget
-        if vllm_config.model_config.dtype == torch.float32:
-            max_decode_query = max(max_decode_query, self.max_num_tokens)
+        # 1 + 2B for DFlash (backend.py:651-681; in fp32 every query), as decodes:
+        # size the mask for them.
+        max_decode_query = decode_query_limit(vllm_config, 1 + 2 * self.budget)
         self.state = DDTREE_STATE
         self.state.allocate(
             max_num_reqs=self.max_num_reqs,

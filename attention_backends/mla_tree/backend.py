@@ -28,7 +28,11 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
 from attention_backends.mla_tree.ops import mla_tree_verify
-from attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
+from attention_backends.tree_mask_state import (
+    TREE_MASK_STATE,
+    causal_bits_,
+    decode_query_limit,
+)
 
 
 @dataclass
@@ -47,17 +51,6 @@ class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
 @dataclass
 class TreeMLAMetadata(MLACommonMetadata[TreeMLADecodeMetadata]):
     pass
-
-
-def decode_query_limit(vllm_config, threshold: int) -> int:
-    """The longest query the tree kernel takes (vLLM's ``reorder_batch_threshold``):
-    ``threshold`` (vLLM's, ``1 + 2B`` with DFlash drafts), or in fp32 the batch's token
-    budget. vLLM's MLA prefill backends are bf16 / fp16 only, so in fp32 (exactness
-    checks) every request is a "decode" and the tree kernel computes prefill chunks
-    too, in the absorbed form (``patches/mla_fp32_prefill.py``)."""
-    if vllm_config.model_config.dtype == torch.float32:
-        return max(threshold, vllm_config.scheduler_config.max_num_batched_tokens)
-    return threshold
 
 
 class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
