@@ -26,7 +26,7 @@ from vllm_ddtree.tree import (  # noqa: E402
     follow_tree,
     follow_tree_reference,
 )
-from vllm_ddtree.tree_walk_kernel import follow_tree_fast, follow_tree_triton  # noqa: E402
+from vllm_ddtree.tree_walk_kernel import follow_tree_triton  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(
     not kernels_run_here(tree_walk_kernel._follow_tree_kernel),
@@ -255,17 +255,9 @@ def test_int32_and_strided_inputs():
     assert_same_walk(kernel_walk(strided, wide, 5, block_b=4), want, "strided")
 
 
-def test_dispatch_and_validation(monkeypatch):
+def test_validation():
     tree = chain_tree([1, 2])
     targets = torch.tensor([[1, 2, 3]])
-    calls = []
-    monkeypatch.setattr(tree_walk_kernel, "follow_tree_triton",
-                        lambda *a, **k: calls.append("triton"))
-    monkeypatch.setattr(tree_walk_kernel, "follow_tree", lambda *a, **k: calls.append("torch"))
-    follow_tree_fast(tree, targets, 2)
-    follow_tree_fast(tree, targets, 2, force_triton=True)
-    assert calls == ["torch", "triton"]
-    monkeypatch.undo()
     with pytest.raises(ValueError, match="target_tokens"):
         follow_tree_triton(tree, targets[:, :2], 2)
     for bad in (-1, 2.0, None, True):
@@ -292,7 +284,7 @@ def test_launch_wrapper_has_no_host_sync(monkeypatch):
     tree = build_ddtree(torch.randn(3, 15, VOCAB), 32)
     targets = torch.randint(0, VOCAB, (3, 33))
     with assert_no_host_sync():
-        walk = follow_tree_fast(tree, targets, 15, force_triton=True)
+        walk = follow_tree_triton(tree, targets, 15)
     assert [(grid, kw["BLOCK_B"], kw["BLOCK_L"]) for grid, kw in launches] == [((3,), 32, 16)]
     assert walk.committed_tokens.shape == (3, 16) and walk.accepted_depth.shape == (3,)
 

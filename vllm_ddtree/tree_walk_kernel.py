@@ -17,9 +17,10 @@ its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
 once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
 the launch can be captured in a CUDA graph.
 
-:func:`follow_tree_fast` picks the kernel for CUDA tensors unless
-``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``) and ``follow_tree``
-otherwise (the kernel runs on CPU only in Triton's interpreter, for tests).
+``DDTreeVerifier.walk`` runs :func:`walk_inputs_triton` and the walk on CUDA tensors
+unless ``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``), and
+``follow_tree`` otherwise (the kernels run on CPU only in Triton's interpreter, for
+tests); :func:`finish_walk_triton` follows the walk.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.round_kernels import use_triton_round_kernels
-from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args, follow_tree
+from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args
 
-__all__ = ["MAX_BLOCK_B", "finish_walk_triton", "follow_tree_fast", "follow_tree_triton",
-           "walk_inputs_triton"]
+__all__ = ["MAX_BLOCK_B", "finish_walk_triton", "follow_tree_triton", "walk_inputs_triton"]
 
 MAX_BLOCK_B = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -384,23 +383,3 @@ def finish_walk_triton(
             BLOCK_W=triton.next_power_of_2(max(walk_rows_out.shape[1], 1)),
         )  # fmt: skip
     return sampled, num_sampled
-
-
-def follow_tree_fast(
-    tree: DraftTree,
-    target_tokens: torch.Tensor,
-    max_depth: int,
-    *,
-    force_triton: bool = False,
-) -> WalkResult:
-    """The acceptance walk: :func:`follow_tree_triton` (one launch) on CUDA tensors
-    when ``VLLM_DDTREE_ROUND_KERNELS=triton`` (``vllm_ddtree.round_kernels``),
-    :func:`vllm_ddtree.tree.follow_tree` (PyTorch) otherwise.
-
-    Same arguments and result as ``follow_tree`` with a fixed ``max_depth``; no host
-    sync either way. ``force_triton`` runs the kernel on CPU tensors too (tests, with
-    ``TRITON_INTERPRET=1``).
-    """
-    if force_triton or use_triton_round_kernels(tree.tokens):
-        return follow_tree_triton(tree, target_tokens, max_depth)
-    return follow_tree(tree, target_tokens, max_depth=max_depth)
