@@ -496,6 +496,9 @@ def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
         if method not in args.methods:
             res.notes[method] = "not selected"
             continue
+        # Flushed before the launch: a fault that poisons the CUDA context (illegal
+        # address) surfaces only at a later call, so the log must name the method.
+        print(f"{cell}: {method}", flush=True)
         try:
             res.times[method] = bench(makers[method]())
         except Unavailable as e:
@@ -504,6 +507,7 @@ def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
             res.notes[method] = "out of memory"
         except Exception as e:  # noqa: BLE001 - keep benchmarking the other methods
             res.notes[method] = f"{type(e).__name__}: {e}"[:200]
+            print(f"{cell}: {method} failed: {res.notes[method]}", flush=True)
         torch.cuda.empty_cache()
     if configs:
         best_time, best_name = math.inf, ""

@@ -165,12 +165,13 @@ def probe_divergences(llm, tokenizer, baseline: TaskRun, speculative: TaskRun,
 
 
 def vllm_spec_decode_stats(lm) -> dict:
-    """HOOK, NOT VALIDATED ON A GPU YET: vLLM's spec-decode counters of lm-eval's
-    ``vllm`` model (``lm.model`` is the ``vllm.LLM``; needs ``disable_log_stats:
-    false``, which ``validate`` sets). Mean acceptance length = 1 + accepted / drafts;
-    ``accepted_per_position[i]`` = drafts whose position ``i`` was accepted. Also
-    DDTree's own counter when the engine runs in this process. Counters are
-    cumulative over the engine's life (``validate`` takes differences per task)."""
+    """vLLM's spec-decode counters of lm-eval's ``vllm`` model (``lm.model`` is the
+    ``vllm.LLM``; needs ``disable_log_stats: false``, which ``validate`` sets). Mean
+    acceptance length = 1 + accepted / drafts; ``accepted_per_position[i]`` = drafts
+    whose position ``i`` was accepted. Also DDTree's own counters (trees verified,
+    accepted nodes) when the engine runs in this process. Counters are cumulative over
+    the engine's life: ``validate`` takes differences per task (:func:`_stats_delta`)
+    and forms the ratios from those."""
     stats: dict = {}
     try:
         for metric in lm.model.get_metrics():
@@ -184,7 +185,8 @@ def vllm_spec_decode_stats(lm) -> dict:
         from vllm_ddtree.runtime_state import DDTREE_STATE
 
         if DDTREE_STATE.enabled:
-            stats["ddtree_mean_acceptance_length"] = DDTREE_STATE.mean_acceptance_length()
+            stats["ddtree_num_drafts"] = int(DDTREE_STATE.num_drafts.item())
+            stats["ddtree_accepted_sum"] = int(DDTREE_STATE.accepted_sum.item())
     except Exception as e:
         stats["ddtree_state_error"] = repr(e)
     return stats
@@ -204,6 +206,9 @@ def _stats_delta(before: dict, after: dict) -> dict:
     accepted = delta.get("vllm:spec_decode_num_accepted_tokens")
     if isinstance(drafts, (int, float)) and drafts and isinstance(accepted, (int, float)):
         delta["mean_acceptance_length"] = 1 + accepted / drafts
+    ddtree_drafts = delta.get("ddtree_num_drafts")
+    if isinstance(ddtree_drafts, int) and ddtree_drafts:
+        delta["ddtree_mean_acceptance_length"] = 1 + delta["ddtree_accepted_sum"] / ddtree_drafts
     if "vllm:spec_decode_num_accepted_tokens_per_pos" in delta:
         delta["accepted_per_position"] = delta.pop("vllm:spec_decode_num_accepted_tokens_per_pos")
     return delta
@@ -335,8 +340,8 @@ def report_markdown(report: TaskReport, command: str) -> str:
             *[f"| {d} | {n} |" for d, n in acc["depth_histogram"].items()],
         ]
     elif acc:
-        lines += ["vLLM spec-decode counters (hook `vllm_spec_decode_stats`, not yet "
-                  "validated on a GPU):", "", "```", json.dumps(acc, indent=1, default=str),
+        lines += ["vLLM's spec-decode counters and DDTree's own (`vllm_spec_decode_stats`), "
+                  "differences over this task:", "", "```", json.dumps(acc, indent=1, default=str),
                   "```"]
     else:
         lines.append("none recorded")

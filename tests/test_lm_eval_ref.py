@@ -204,3 +204,23 @@ def test_documented_vllm_command_line_parses(monkeypatch):
 
     vllm_spec, ddtree = split_ddtree_spec(spec)
     assert vllm_spec["method"] == "dflash" and ddtree.budget == 32
+
+
+def test_acceptance_per_task_is_formed_from_counter_differences():
+    """Counters are cumulative over the engine's life: a task's acceptance lengths come
+    from the differences of the raw counters, not from differences of ratios (which
+    made DDTree's figure negative in the 2026-11-30 GPU reports)."""
+    validate = _validate_module()
+    before = {"vllm:spec_decode_num_drafts": 100, "vllm:spec_decode_num_accepted_tokens": 300,
+              "vllm:spec_decode_num_accepted_tokens_per_pos": [90, 80],
+              "ddtree_num_drafts": 102, "ddtree_accepted_sum": 306}
+    after = {"vllm:spec_decode_num_drafts": 140, "vllm:spec_decode_num_accepted_tokens": 320,
+             "vllm:spec_decode_num_accepted_tokens_per_pos": [110, 85],
+             "ddtree_num_drafts": 142, "ddtree_accepted_sum": 326}
+    delta = validate._stats_delta(before, after)
+    assert delta["mean_acceptance_length"] == pytest.approx(1 + 20 / 40)
+    assert delta["ddtree_mean_acceptance_length"] == pytest.approx(1 + 20 / 40)
+    assert delta["accepted_per_position"] == [20, 5]
+    # The first task of an engine: no earlier counters.
+    first = validate._stats_delta({}, after)
+    assert first["ddtree_mean_acceptance_length"] == pytest.approx(1 + 326 / 142)
