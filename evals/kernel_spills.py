@@ -5,6 +5,9 @@ Triton's own ``ptxas -v`` reports registers per thread and local-memory spills.
 
 Spills in the KV loop cost memory traffic on every tile; the H200 measurements put
 the kernel at about 0.31 of the MMA floor's rate at 128k (``evals/results/README.md``).
+The compile models the JIT's specialization (aligned pointers and strides); without it
+Triton does not pipeline the KV loads and the report is wrong (it was until
+2026-11-30: 2,248 B of spills for the 64-row tile against 344 B as launched).
 
     python evals/kernel_spills.py                     # the default + sweep configs
     python evals/kernel_spills.py --heads 8 64 --out evals/results/mla_kernel_spills.md
@@ -36,6 +39,9 @@ from attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*bf16", "Lse": "*fp32",
             "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32"}
+# Integer arguments that are multiples of 16 at every launch (576-wide latent rows, 512-wide
+# output rows); Triton specializes on that.
+ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
 ARCHES = {90: ("sm_90a", "ptxas"), 120: ("sm_120a", "ptxas-blackwell")}
 
 
@@ -43,7 +49,10 @@ def default_configs() -> list[MLATileConfig]:
     sys.path.insert(0, str(REPO / "evals"))
     from bench_verify_attention import sweep_configs
 
-    return sweep_configs() + [MLATileConfig(block_m=32, block_n=32, num_warps=8, num_stages=3)]
+    extra = [MLATileConfig(block_m=32, block_n=32, num_warps=8, num_stages=3),
+             MLATileConfig(block_m=16, block_n=32, num_warps=4, num_stages=3),
+             MLATileConfig(block_m=32, block_n=64, num_warps=8, num_stages=2)]
+    return sweep_configs() + extra
 
 
 def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
@@ -56,7 +65,13 @@ def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
                   MIN_TILES=8, MAX_SPLITS=128)
     sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale"
                                                            else "i32") for n in fn.arg_names}
-    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts),
+    # What Triton's JIT knows at a real launch: 16-byte aligned pointers and strides that
+    # are multiples of 16. Without it the KV tiles are not software-pipelined (no
+    # cp.async: every tile goes through registers), which inflates the spills and
+    # understates shared memory.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n in POINTERS or n in ALIGNED_INTS}
+    kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": config.num_warps,
                                      "num_stages": config.num_stages})
