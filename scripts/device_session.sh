@@ -31,7 +31,7 @@
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
 #   lmeval32 the same in fp32 on our MLA backend (exact equality expected, no bf16 ties)
 #   treebuild  evals/bench_tree_build.py: per-depth / batched torch / Triton tree build in graphs
-#   bench    evals/bench_verify_attention.py, page 64 and page 1, H 8 / 64, 3 min cap
+#   bench    evals/bench_verify_attention.py, pages 64, 16 and 1, H 8 / 64, 3 min cap
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
 # Side by side (VLLM_DDTREE_TEST_KV_GIB: a fixed KV cache, no start-up memory profiling,
@@ -159,8 +159,10 @@ for stage in "$@"; do
       summary treebuild $?
       cat "$OUT/tree_build.md" 2>/dev/null | tail -30 ;;
     bench)
+      # Page 16 is what vLLM gives our backend by default (CacheConfig.DEFAULT_BLOCK_SIZE),
+      # so the e2e runs verify with it; it takes the per-key page gather (BLOCK_N > 16).
       timeout 400 python3 evals/bench_verify_attention.py --heads 8 64 \
-        --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 1 --max-minutes 3 \
+        --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 16 1 --max-minutes 3 \
         > "$OUT/bench.log" 2>&1
       summary bench $?
       cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
