@@ -384,9 +384,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
     result = []
     for cfg in MLA_TILE_CONFIGS:
         used = 0
-        for has_active in (False, True):  # the active-row variant (re-split) compiles too
+        # the active-row variant (re-split) compiles too; page 16 (vLLM's default block
+        # size) takes the multi-page tile path
+        for has_active, page in ((False, 64), (True, 64), (False, 16)):
             consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                          PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          PAGE_SIZE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
                           MIN_TILES=8, MAX_SPLITS=128)
             sig = {n: ptrs.get(n, "constexpr" if n in consts else
