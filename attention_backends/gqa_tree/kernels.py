@@ -19,7 +19,13 @@ split index that the merge reads; inactive rows get ``out = 0``. Without it
 import triton
 import triton.language as tl
 
-from attention_backends.mla_tree.kernels import LN2, _dot, _page_ids, _resplit_active_rows
+from attention_backends.mla_tree.kernels import (
+    _SPLIT_DEPENDENT,
+    LN2,
+    _dot,
+    _page_ids,
+    _resplit_active_rows,
+)
 
 LOG2E = 1.4426950408889634
 M1 = tl.constexpr(0x5555555555555555)
@@ -67,7 +73,7 @@ def _load_kv(
         return tl.load(ptrs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", *_SPLIT_DEPENDENT))
 def _gqa_tree_fwd_kernel(
     Q,
     KCache,

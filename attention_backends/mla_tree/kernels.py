@@ -149,7 +149,14 @@ def _resplit_active_rows(
     return run, num_active, item // splits, item % splits, splits, part_row
 
 
-@triton.jit
+# Arguments that change with the KV split count (context length, batch) are not
+# specialized (== 1 / multiple of 16), so eager launches do not JIT a new variant when a
+# step's split count crosses a class. Only scalar LSE strides: the 512-wide partial rows
+# keep their (always multiple-of-16) strides specialized for vectorized access.
+_SPLIT_DEPENDENT = ("stride_lt", "stride_lh", "stride_ls")
+
+
+@triton.jit(do_not_specialize=_SPLIT_DEPENDENT)
 def _mla_tree_fwd_kernel(
     Q,
     KV,
@@ -347,7 +354,7 @@ def _mla_tree_fwd_kernel(
     tl.store(Lse + offs_lse, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_splits", "stride_lpt", "stride_lph", "stride_lps"))
 def _mla_tree_merge_kernel(
     OutPart,  # fp32 [T, H, S, L]; with HAS_ACTIVE compact [P, L]
     LsePart,  # fp32 [T, H, S]; with HAS_ACTIVE compact [P]
