@@ -106,7 +106,8 @@ for stage in "$@"; do
       summary syncs $?
       tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
     e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES
-      # override the defaults; STAGE_LIMIT the time (the bench stops cleanly 40 s before)
+      # override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
+      # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before)
       setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
       case "$setup" in
         trained) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
@@ -120,6 +121,7 @@ for stage in "$@"; do
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
         --batches ${E2E_BATCHES:-$batches} --prompts $prompts \
+        --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" \
         --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
       grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;
