@@ -65,7 +65,7 @@ FULL_GRID = dict(
     heads=[8, 16, 64, 128],
     ctx=[1024, 8192, 32768, 131072],
     qlen=[1, 16, 65, 257],
-    page=[1, 64],
+    page=[1, 16, 64],
 )
 QUICK_GRID = dict(heads=[8, 64], ctx=[8192, 32768], qlen=[16, 65], page=[64])
 

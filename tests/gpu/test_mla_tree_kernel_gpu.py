@@ -92,6 +92,9 @@ def check(batch, **kwargs):
         (16, 32768, 16, 1, "chain"),
         (128, 32768, 1, 64, "decode"),
         (64, 32768, 65, 64, "tree"),
+        # vLLM's default 16-token pages under 32/64-key tiles (one page-id lookup per page)
+        (8, 8192, 16, 16, "tree"),
+        (64, 32768, 65, 16, "tree"),
     ],
 )
 def test_realistic_shapes(heads, ctx, qlen, page_size, kind):
@@ -154,7 +157,7 @@ def test_cuda_graph_capture():
     assert not torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("heads,page_size", [(8, 64), (64, 64), (16, 1)])
+@pytest.mark.parametrize("heads,page_size", [(8, 64), (64, 64), (16, 1), (64, 16)])
 def test_active_rows_resplit_at_long_context(heads, page_size):
     """``ddtree_budget: "auto"`` at long context: a 65-token tree shape with a few active
     tokens per request re-splits their keys over the CTAs of the inactive rows (up to
