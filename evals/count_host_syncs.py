@@ -4,6 +4,11 @@ baselines (GPU; torch.profiler trace of a window of decode steps).
     python evals/count_host_syncs.py [--methods ddtree dflash ar] [--budget 32]
         [--top-k K] [--auto] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
         [--with-stack/--no-with-stack] [--out evals/results/host_syncs.md]
+        [--setup trained|kimi8|kimi64 [--context 16384] [--gpu-mem 0.6]]
+
+``--setup kimi8`` / ``kimi64``: the Kimi-K2-shaped target and drafter of
+``evals/bench_e2e.py`` with dummy weights and random prompts of ``--context`` tokens
+(where does a long-context round's time go); default: the embedded trained pair.
 
 Each method runs in its own child process (a fresh ``LLM``; vLLM does not free a GPU
 engine reliably inside one process) with the engine in-process
@@ -483,12 +488,13 @@ def install_annotations() -> list[str]:
 
 
 def speculative_config(method: str, budget: int, top_k: int | None, drafter: str,
-                       auto: bool = False):
+                       auto: bool = False, drafter_block: int = 16):
     if method == "ar":
         return None
     if method == "dflash":
-        # vLLM's chain drafts block_size - 1 tokens (the drafter's block is 16).
-        return {"method": "dflash", "model": drafter, "num_speculative_tokens": 15}
+        # vLLM's chain drafts block_size - 1 tokens.
+        return {"method": "dflash", "model": drafter,
+                "num_speculative_tokens": drafter_block - 1}
     spec = {"method": "ddtree", "model": drafter, "num_speculative_tokens": budget}
     if top_k is not None:
         spec["ddtree_top_k"] = top_k
@@ -514,27 +520,42 @@ def run_child(args: argparse.Namespace) -> None:
 
     labels = install_annotations()
     method = args.child
-    target, drafter = CHECKPOINTS / "target", str(CHECKPOINTS / "drafter")
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    from check_pair_vllm import PROMPTS
+    from e2e_models import SETUPS, prepare_setup, random_prompts
 
-    prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
+    setup = SETUPS[args.setup]
+    tokens_per_step = {"ar": 1, "dflash": setup.block_size}.get(method, args.budget + 1)
     extra = {}
+    if setup.dummy:  # Kimi-shaped pair, dummy weights: random prompts of --context tokens
+        steps_tokens = (args.warmup_steps + args.steps + 4) * tokens_per_step
+        models = prepare_setup(setup, Path(args.model_dir),
+                               min_positions=args.context + steps_tokens + 64)
+        target, drafter = models.target, str(models.drafter)
+        prompts = random_prompts(args.prompts, args.context, setup.random_ids, seed=0)
+        max_model_len = args.context + steps_tokens + 64
+        extra.update(load_format="dummy", skip_tokenizer_init=True)
+    else:
+        target, drafter = CHECKPOINTS / "target", str(CHECKPOINTS / "drafter")
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        from check_pair_vllm import PROMPTS
+
+        prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
+        max_model_len = 4096
     backend = {"ar": args.ar_backend, "dflash": args.dflash_backend}.get(method, "auto")
     if backend != "auto":
         extra["attention_backend"] = backend
     llm = LLM(model=str(target),
               speculative_config=speculative_config(method, args.budget, args.top_k, drafter,
-                                                   args.auto),
-              enforce_eager=not args.graphs, dtype="bfloat16", gpu_memory_utilization=0.3,
-              max_model_len=4096, max_num_seqs=max(8, args.prompts), seed=0, **extra)
+                                                   args.auto, setup.block_size),
+              enforce_eager=not args.graphs, dtype="bfloat16",
+              gpu_memory_utilization=args.gpu_mem, max_model_len=max_model_len,
+              max_num_seqs=max(8, args.prompts), seed=0, **extra)
     engine = llm.llm_engine
-    tokens_per_step = {"ar": 1, "dflash": 16}.get(method, args.budget + 1)
-    max_tokens = min(4096 - max(map(len, prompts)) - 1,
+    max_tokens = min(max_model_len - max(map(len, prompts)) - 1,
                      (args.warmup_steps + args.steps + 4) * tokens_per_step)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                                ignore_eos=True, seed=1000 + i if args.temperature else None)
+                                ignore_eos=True, detokenize=not setup.dummy,
+                                seed=1000 + i if args.temperature else None)
         engine.add_request(f"sync-{i}", TokensPrompt(prompt_token_ids=prompt), params)
     for _ in range(args.warmup_steps):
         engine.step()
@@ -551,10 +572,11 @@ def run_child(args: argparse.Namespace) -> None:
         prof.export_chrome_trace(str(trace))
         result = count_trace(load_trace_events(trace))
     result["method"] = method
-    result["label"] = {"ar": "AR", "dflash": "DFlash (vLLM, 15 drafts)"}.get(
+    result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
         method, (f"DDTree auto (B <= {args.budget})" if args.auto else f"DDTree B={args.budget}")
         + (f" top_k={args.top_k}" if args.top_k else ""))
-    notes = [f"attention backend: {backend}", f"annotations: {len(labels)}"]
+    notes = [f"setup: {setup.name}" + (f", {args.context}-token prompts" if setup.dummy else ""),
+             f"attention backend: {backend}", f"annotations: {len(labels)}"]
     if unfinished < len(prompts):
         notes.append(f"only {unfinished}/{len(prompts)} requests still running at the end "
                      "of the window: later steps had smaller batches")
@@ -590,6 +612,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "tree MLA backend DDTree's target uses)")
     p.add_argument("--dflash-backend", default="auto",
                    help="DFlash attention backend ('auto' = vLLM's choice)")
+    p.add_argument("--setup", choices=["trained", "kimi8", "kimi64"], default="trained",
+                   help="model pair (evals/e2e_models.py): the embedded pair, or a "
+                   "Kimi-K2-shaped target with dummy weights")
+    p.add_argument("--context", type=int, default=1024,
+                   help="prompt tokens of the Kimi-shaped setups (random ids)")
+    p.add_argument("--gpu-mem", type=float, default=0.3, help="gpu_memory_utilization")
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
+                                                       "ddtree_e2e_models"),
+                   help="where the Kimi-shaped config files are written")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=["ddtree", "dflash", "ar"], help=argparse.SUPPRESS)
@@ -603,7 +634,9 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
            "--child-out", str(out), "--budget", str(args.budget), "--steps", str(args.steps),
            "--warmup-steps", str(args.warmup_steps), "--prompts", str(args.prompts),
            "--temperature", str(args.temperature), "--ar-backend", args.ar_backend,
-           "--dflash-backend", args.dflash_backend,
+           "--dflash-backend", args.dflash_backend, "--setup", args.setup,
+           "--context", str(args.context), "--gpu-mem", str(args.gpu_mem),
+           "--model-dir", args.model_dir,
            "--graphs" if args.graphs else "--enforce-eager",
            "--with-stack" if args.with_stack else "--no-with-stack"]
     if args.top_k is not None:

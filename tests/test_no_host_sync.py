@@ -890,6 +890,15 @@ def test_count_host_syncs_cli_and_child_command():
     assert count_host_syncs.speculative_config("ddtree", 16, 4, "d") == {
         "method": "ddtree", "model": "d", "num_speculative_tokens": 16, "ddtree_top_k": 4}
     assert count_host_syncs.speculative_config("ar", 16, None, "d") is None
+    # The Kimi-shaped setup reaches the child, and the chain drafts its block - 1 tokens.
+    kimi = count_host_syncs.parse_args(["--setup", "kimi64", "--context", "16384", "--auto",
+                                        "--gpu-mem", "0.6"])
+    child = count_host_syncs.parse_args(count_host_syncs.child_command(
+        kimi, "ddtree", Path("/tmp/x.json"))[2:])
+    assert (child.setup, child.context, child.gpu_mem, child.auto) == ("kimi64", 16384, 0.6,
+                                                                       True)
+    assert count_host_syncs.speculative_config(
+        "dflash", 16, None, "d", drafter_block=8)["num_speculative_tokens"] == 7
 
 
 def test_install_annotations_wraps_functions_in_named_ranges(monkeypatch, tmp_path):
