@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -91,7 +92,38 @@ def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
             spill_stores = int(parts[parts.index("spill") - 2])
             spill_loads = int(parts[len(parts) - 4])
     return {"registers": registers, "spill_stores": spill_stores,
-            "spill_loads": spill_loads, "shared": kernel.metadata.shared}
+            "spill_loads": spill_loads, "shared": kernel.metadata.shared,
+            "loops": loop_spills(kernel.asm["cubin"])}
+
+
+def loop_spills(cubin: bytes) -> list[tuple[int, int, int]] | None:
+    """``(MMA, STL, LDL)`` instruction counts of each loop of the SASS, in code order
+    (a loop: the instructions from a label to a branch back to it): where the spills
+    sit. For this kernel the first loop is the unmasked context loop (nearly all the
+    time at long context), the second the masked tail / new-token loop. None if
+    ``nvdisasm`` fails."""
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
+    if run.returncode != 0:
+        return None
+    labels, instrs = {}, []
+    for line in run.stdout.splitlines():
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(instrs)
+        elif re.search(r"/\*[0-9a-f]{4,}\*/", line):
+            instrs.append(line)
+    loops = []
+    for end, line in enumerate(instrs):
+        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if target and labels.get(target.group(1), end) < end:
+            body = instrs[labels[target.group(1)]:end + 1]
+            loops.append(tuple(sum(1 for x in body if re.search(pattern, x))
+                               for pattern in (r"HGMMA|HMMA", r"\bSTL\b", r"\bLDL\b")))
+    return loops
 
 
 def main(argv=None) -> int:
@@ -104,9 +136,14 @@ def main(argv=None) -> int:
              f"command: `python evals/kernel_spills.py {shlex.join(argv or sys.argv[1:])}`",
              f"(Triton {triton.__version__}, its ptxas -v; bf16, kv_lora 512 + rope 64, "
              "page 64)", "",
+             "Spill instructions by loop (SASS, `nvdisasm`): *KV loop* is the unmasked "
+             "context loop (nearly all the time at long context), *tail loop* the masked "
+             "one over the last partial tile and the new tokens; `STL / LDL` = spill "
+             "stores / loads in the loop body.", "",
              "| heads | arch | block_m | block_n | warps | stages | registers | spill "
-             "stores (B/thread) | spill loads | shared (B) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "stores (B/thread) | spill loads | shared (B) | KV loop STL / LDL | tail loop "
+             "STL / LDL |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for heads in args.heads:
         for config in default_configs():
             for arch in ARCHES:
@@ -115,9 +152,13 @@ def main(argv=None) -> int:
                 except Exception as e:  # a config Triton cannot lower for this arch
                     print(f"{config} sm_{arch}: {str(e).splitlines()[0][:120]}")
                     continue
+                loops = r["loops"] or []
+                per_loop = [f"{st} / {ld}" for _, st, ld in loops[:2]]
+                per_loop += ["n/a"] * (2 - len(per_loop))
                 lines.append(f"| {heads} | sm_{arch} | {config.block_m} | {config.block_n} | "
                              f"{config.num_warps} | {config.num_stages} | {r['registers']} | "
-                             f"{r['spill_stores']} | {r['spill_loads']} | {r['shared']} |")
+                             f"{r['spill_stores']} | {r['spill_loads']} | {r['shared']} | "
+                             f"{per_loop[0]} | {per_loop[1]} |")
                 print(lines[-1])
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
