@@ -479,6 +479,15 @@ def sweep_configs():
     return out
 
 
+class ContextLost(RuntimeError):
+    """A method left the CUDA context unusable (e.g. an illegal memory access); carries
+    the cell's partial result, with the method named in its notes."""
+
+    def __init__(self, result: Result):
+        super().__init__(f"CUDA context lost in {result.cell}")
+        self.result = result
+
+
 def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
     """Time every selected method (and, with --sweep-configs, every config) on one cell."""
     res = Result(cell)
@@ -508,7 +517,12 @@ def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
         except Exception as e:  # noqa: BLE001 - keep benchmarking the other methods
             res.notes[method] = f"{type(e).__name__}: {e}"[:200]
             print(f"{cell}: {method} failed: {res.notes[method]}", flush=True)
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - a sticky fault (illegal address): stop here
+            res.notes[method] = f"CUDA context lost after this method: {e}"[:200]
+            raise ContextLost(res) from e
     if configs:
         best_time, best_name = math.inf, ""
         for config in configs:
@@ -562,8 +576,16 @@ def main(argv=None) -> int:
         if args.max_minutes and time.time() - start > 60 * args.max_minutes:
             print(f"--max-minutes reached: stopping before {cell}")
             break
-        results.append(run_cell(cell, args, configs, bench, dtype))
-        torch.cuda.empty_cache()
+        try:
+            results.append(run_cell(cell, args, configs, bench, dtype))
+        except ContextLost as lost:
+            # No later cell can run in this process: keep what was measured and the
+            # faulting cell (its notes name the method), then fail.
+            results.append(lost.result)
+            write_markdown(results, args.out_md, command, gpu, bool(configs))
+            write_plot(results, args.out_png)
+            print(f"{lost}; wrote the cells so far to {args.out_md}")
+            return 1
         write_markdown(results, args.out_md, command, gpu, bool(configs))
         write_plot(results, args.out_png)
     print(f"wrote {args.out_md} and {args.out_png}")

@@ -1,0 +1,56 @@
+"""The MLA verify benchmark's handling of a method that faults the CUDA context (CPU:
+the GPU calls are stubbed)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location(
+        "bench_verify_attention", REPO / "evals" / "bench_verify_attention.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_verify_attention"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_context_fault_stops_the_cell_and_names_the_method(monkeypatch):
+    bench_module = _bench_module()
+    from types import SimpleNamespace
+
+    inputs = SimpleNamespace(bits_tree=None, bits_chain=None)
+    monkeypatch.setattr(bench_module, "make_inputs", lambda cell, dtype: inputs)
+    for name in ("ours", "flashmla", "vllm_triton_decode", "prefill_path"):
+        monkeypatch.setattr(bench_module, name, lambda *a, **k: (lambda: None))
+    faulted = {"yes": False}
+
+    def bench(fn):
+        if faulted["yes"]:
+            raise AssertionError("no method may run after the fault")
+        return 1.0
+
+    calls = iter(range(100))
+
+    def synchronize():
+        # The third method (ours_active) leaves the context poisoned.
+        if next(calls) == 2:
+            faulted["yes"] = True
+        if faulted["yes"]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = bench_module.parse_args(["--heads", "64"])
+    cell = bench_module.Cell(64, 131072, 16, 64)
+    with pytest.raises(bench_module.ContextLost) as lost:
+        bench_module.run_cell(cell, args, [], bench, torch.bfloat16)
+    result = lost.value.result
+    assert result.times["ours_tree"] == 1.0 and result.times["ours_chain"] == 1.0
+    assert "illegal memory access" in result.notes["ours_active"]
+    assert "flashmla" not in result.times  # never started
