@@ -9,21 +9,19 @@ import torch
 import triton
 
 from attention_backends.mla_tree.configs import (
-    MAX_KV_SPLITS,
-    MIN_TILES_PER_SPLIT,
     resolve_num_kv_splits,
 )
-from attention_backends.mla_tree.ops import compact_partials, merge_splits
+from attention_backends.mla_tree.ops import (
+    compact_partials,
+    merge_splits,
+    tree_launch_options,
+)
 from attention_backends.mla_tree.tree_mask import check_tree_batch
 
 from . import kernels
 from .configs import GQATileConfig, block_head_dim, select_config
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def _interpreted() -> bool:
-    return type(kernels._gqa_tree_fwd_kernel).__name__ == "InterpretedFunction"
 
 
 def _check_gqa_inputs(q, k_cache, v_cache, scale, sliding_window) -> None:
@@ -205,22 +203,11 @@ def gqa_tree_verify(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
-        ActiveQueryLens=active_query_lens if has_active else seq_lens,
-        MergeBase=merge_base,
-        MergeCount=merge_count,
-        stride_mt=num_q_heads,
-        HAS_ACTIVE=has_active,
-        MIN_TILES=MIN_TILES_PER_SPLIT,
-        MAX_SPLITS=MAX_KV_SPLITS,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **tree_launch_options(q, config, seq_lens, active_query_lens, merge_base,
+                              merge_count, num_q_heads),
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
-        # With active rows a row has up to every CTA of its (request, KV head) as splits.
-        max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
         lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
-        merge_splits(out_buf, lse_buf, out, lse, max_splits, merge_base, merge_count,
-                     config.block_m, block_d, has_active)
+        merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,
+                     merge_count, config.block_m, block_d, has_active)
     return out

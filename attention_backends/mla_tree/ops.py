@@ -85,13 +85,14 @@ def compact_partials(
 
 def merge_splits(
     out_buf: torch.Tensor, lse_buf: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    max_splits: int, merge_base: torch.Tensor, merge_count: torch.Tensor, block_m: int,
-    block_l: int, has_active: bool,
+    num_kv_splits: int, row_blocks: int, merge_base: torch.Tensor, merge_count: torch.Tensor,
+    block_m: int, block_l: int, has_active: bool,
 ) -> None:
     """Launch ``kernels._mla_tree_merge_kernel`` over ``out [T, H, L]`` / ``lse [T, H]``:
-    partials ``[T, H, S, L]`` / ``[T, H, S]`` (``max_splits = S``), or with
-    ``has_active`` the compact ones of :func:`compact_partials` (``max_splits``: the
-    most splits a row may have)."""
+    partials ``[T, H, S, L]`` / ``[T, H, S]`` (``S = num_kv_splits``), or with
+    ``has_active`` the compact ones of :func:`compact_partials`, where a row has up to
+    every CTA of its request (``row_blocks * S``) as splits."""
+    max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
     num_tokens, num_heads, width = out.shape
     if has_active:
         out_strides, lse_strides = (out_buf.stride(0), 0, 0), (lse_buf.stride(0), 0, 0)
@@ -111,6 +112,30 @@ def merge_splits(
         HAS_ACTIVE=has_active,
         num_warps=4,
     )  # fmt: skip
+
+
+def tree_launch_options(
+    q: torch.Tensor, config, seq_lens: torch.Tensor,
+    active_query_lens: torch.Tensor | None, merge_base: torch.Tensor,
+    merge_count: torch.Tensor, num_q_heads: int,
+) -> dict:
+    """Keyword arguments the MLA and GQA tree kernels take alike: the dot precision for
+    q's dtype, the active-row inputs (``seq_lens`` stands in, unread, without
+    ``active_query_lens``), the re-split bounds and ``config``'s warps and stages."""
+    has_active = active_query_lens is not None
+    return dict(
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        ActiveQueryLens=active_query_lens if has_active else seq_lens,
+        MergeBase=merge_base,
+        MergeCount=merge_count,
+        stride_mt=num_q_heads,
+        HAS_ACTIVE=has_active,
+        MIN_TILES=MIN_TILES_PER_SPLIT,
+        MAX_SPLITS=MAX_KV_SPLITS,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
 
 
 def mla_tree_verify(
@@ -261,21 +286,10 @@ def mla_tree_verify(
         PAGE_SIZE=page_size,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
-        ActiveQueryLens=active_query_lens if has_active else seq_lens,
-        MergeBase=merge_base,
-        MergeCount=merge_count,
-        stride_mt=num_heads,
-        HAS_ACTIVE=has_active,
-        MIN_TILES=MIN_TILES_PER_SPLIT,
-        MAX_SPLITS=MAX_KV_SPLITS,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        **tree_launch_options(q, config, seq_lens, active_query_lens, merge_base,
+                              merge_count, num_heads),
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
-        # With active rows a row has up to every CTA of its request as splits.
-        max_splits = row_blocks * num_kv_splits if has_active else num_kv_splits
-        merge_splits(out_buf, lse_buf, out, lse, max_splits, merge_base, merge_count,
-                     config.block_m, block_l, has_active)
+        merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,
+                     merge_count, config.block_m, block_l, has_active)
     return out, lse
