@@ -524,9 +524,9 @@ def run_child(args: argparse.Namespace) -> None:
 
     setup = SETUPS[args.setup]
     tokens_per_step = {"ar": 1, "dflash": setup.block_size}.get(method, args.budget + 1)
+    steps_tokens = (args.warmup_steps + args.steps + 4) * tokens_per_step
     extra = {}
     if setup.dummy:  # Kimi-shaped pair, dummy weights: random prompts of --context tokens
-        steps_tokens = (args.warmup_steps + args.steps + 4) * tokens_per_step
         models = prepare_setup(setup, Path(args.model_dir),
                                min_positions=args.context + steps_tokens + 64)
         target, drafter = models.target, str(models.drafter)
@@ -550,8 +550,7 @@ def run_child(args: argparse.Namespace) -> None:
               gpu_memory_utilization=args.gpu_mem, max_model_len=max_model_len,
               max_num_seqs=max(8, args.prompts), seed=0, **extra)
     engine = llm.llm_engine
-    max_tokens = min(max_model_len - max(map(len, prompts)) - 1,
-                     (args.warmup_steps + args.steps + 4) * tokens_per_step)
+    max_tokens = min(max_model_len - max(map(len, prompts)) - 1, steps_tokens)
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
                                 ignore_eos=True, detokenize=not setup.dummy,
