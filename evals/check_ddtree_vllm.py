@@ -287,6 +287,10 @@ def main() -> None:
         # in the TP=2 forward (2026-11-30, twice); plain NCCL is what is seen working.
         extra["disable_custom_all_reduce"] = True
         os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
+        # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm for TP > 1 on sm_90
+        # (config/vllm.py enable_allreduce_rms_fusion); its IPC all-reduce is what faulted
+        # in the NCCL-only run (the first op of the compiled forward, 2026-11-30).
+        extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
