@@ -249,6 +249,10 @@ def prefill_path(inp: Inputs, mem_limit_gb: float):
     need = seq * cell.heads * (2 * (QK_NOPE + V_HEAD) + QK_NOPE + ROPE) * inp.q.element_size()
     if need > mem_limit_gb * 2**30:
         raise Unavailable(f"needs ~{need / 2**30:.0f} GiB (> --prefill-mem-gb)")
+    if seq * cell.heads * (QK_NOPE + V_HEAD) >= 2**31:
+        # The decompressed K/V [seq, H * 256] past 2**31 elements faulted (illegal address,
+        # H 64 / 128k, 2026-11-30): int32 indexing. vLLM chunks long prefill contexts.
+        raise Unavailable("decompressed K/V past 2**31 elements (unchunked)")
     gen = torch.Generator(device="cuda").manual_seed(1)
     w_kv_b = (
         torch.randn(KV_LORA, cell.heads * (QK_NOPE + V_HEAD), device="cuda", generator=gen) * 0.02
@@ -368,7 +372,7 @@ def write_markdown(
         for m, note in res.notes.items():
             reasons.setdefault(METHOD_TITLES[m], set()).add(note)
     if reasons:
-        lines += ["", "n/a reasons:"]
+        lines += ["", "notes (why a cell is n/a, or timed from the host):"]
         for title, notes in sorted(reasons.items()):
             lines += [f"- {title}: " + "; ".join(sorted(notes))]
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -513,11 +517,16 @@ def graph_time_ms(fn, rep_ms: float) -> float:
         graphs = []
         for with_fn in (True, False):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=stream):
-                for _ in range(calls):
-                    flush.zero_()
-                    if with_fn:
-                        fn()
+            try:
+                with torch.cuda.graph(graph, stream=stream):
+                    for _ in range(calls):
+                        flush.zero_()
+                        if with_fn:
+                            fn()
+            except RuntimeError as e:
+                if "captur" not in str(e):
+                    raise
+                raise NotCapturable(str(e).splitlines()[0][:120]) from e
             graphs.append(graph)
         medians = []
         for graph in graphs:
@@ -533,6 +542,10 @@ def graph_time_ms(fn, rep_ms: float) -> float:
     return max(medians[0] - medians[1], 0.0) / calls
 
 
+class NotCapturable(RuntimeError):
+    """A method that cannot run inside a CUDA graph capture (e.g. a host-to-device copy)."""
+
+
 class ContextLost(RuntimeError):
     """A method left the CUDA context unusable (e.g. an illegal memory access); carries
     the cell's partial result, with the method named in its notes."""
@@ -542,8 +555,12 @@ class ContextLost(RuntimeError):
         self.result = result
 
 
-def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
-    """Time every selected method (and, with --sweep-configs, every config) on one cell."""
+def run_cell(
+    cell: Cell, args, configs, bench, dtype: torch.dtype, fallback_bench=None
+) -> Result:
+    """Time every selected method (and, with --sweep-configs, every config) on one cell.
+    A method ``bench`` cannot capture in a CUDA graph is timed by ``fallback_bench``
+    (host launches) and says so in its notes."""
     res = Result(cell)
     inp = make_inputs(cell, dtype)
     makers = {
@@ -563,7 +580,13 @@ def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype) -> Result:
         # address) surfaces only at a later call, so the log must name the method.
         print(f"{cell}: {method}", flush=True)
         try:
-            res.times[method] = bench(makers[method]())
+            try:
+                res.times[method] = bench(makers[method]())
+            except NotCapturable as e:
+                if fallback_bench is None:
+                    raise
+                res.times[method] = fallback_bench(makers[method]())
+                res.notes[method] = f"host-timed, not capturable in a CUDA graph ({e})"
         except Unavailable as e:
             res.notes[method] = str(e)
         except torch.cuda.OutOfMemoryError:
@@ -621,10 +644,11 @@ def main(argv=None) -> int:
     if not args.skip_check:
         check_correctness(dtype, configs)
 
-    def bench(fn):
-        if args.timer == "graph":
-            return graph_time_ms(fn, args.rep)
+    def host_bench(fn):
         return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
+
+    def bench(fn):
+        return graph_time_ms(fn, args.rep) if args.timer == "graph" else host_bench(fn)
 
     results: list[Result] = []
     start = time.time()
@@ -633,7 +657,7 @@ def main(argv=None) -> int:
             print(f"--max-minutes reached: stopping before {cell}")
             break
         try:
-            results.append(run_cell(cell, args, configs, bench, dtype))
+            results.append(run_cell(cell, args, configs, bench, dtype, host_bench))
         except ContextLost as lost:
             # No later cell can run in this process: keep what was measured and the
             # faulting cell (its notes name the method), then fail.

@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Gluon sm_90 MLA tree-verify kernel (``gluon_kernels.mla_tree_fwd_gluon``) against the
+fp32 reference and the Triton kernel, on a Hopper GPU (bf16, kv_lora 512 + rope 64)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+    pytest.skip("needs a Hopper (sm_90) GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
+
+from test_mla_tree_kernel_gpu import LSE_TOL, OUT_TOL, make_batch  # noqa: E402
+
+from attention_backends.mla_tree import (  # noqa: E402
+    mla_tree_verify,
+    mla_tree_verify_reference,
+)
+from attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
+    gluon_supported,
+    mla_tree_fwd_gluon,
+)
+
+MAX_ABS_ERR = 2e-2
+# Same splits, both fp32 accumulation: only bf16 rounding of P and of the output apart.
+TRITON_TOL = dict(atol=8e-3, rtol=1.6e-2)
+
+
+def check(batch, **kwargs):
+    """Gluon vs the fp32 reference (max abs err and OUT_TOL) and vs Triton."""
+    assert gluon_supported(batch["q"], batch["kv_cache"], batch["kv_lora_rank"])
+    out, lse = mla_tree_fwd_gluon(**batch, **kwargs)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    err = (out.float() - ref_out.float()).abs().max().item()
+    assert err <= MAX_ABS_ERR, err
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+    tri_out, tri_lse = mla_tree_verify(**batch, **kwargs)
+    torch.testing.assert_close(out.float(), tri_out.float(), **TRITON_TOL)
+    torch.testing.assert_close(lse, tri_lse, atol=1e-3, rtol=1e-4)
+    return out, lse
+
+
+@pytest.mark.parametrize("page_size", [64, 16, 1])
+@pytest.mark.parametrize(
+    "heads,ctx,qlen,kind",
+    [
+        (8, 1000, 1, "decode"),
+        (8, 4133, 16, "chain"),
+        (8, 8191, 65, "tree"),
+        (128, 2047, 1, "decode"),
+        (128, 3001, 16, "tree"),
+        (8, 0, 65, "tree"),
+        (128, 0, 9, "chain"),
+    ],
+)
+def test_shapes(page_size, heads, ctx, qlen, kind):
+    specs = [(ctx, kind, qlen), (ctx // 3 + 5, kind, qlen)]
+    check(make_batch(specs, heads=heads, page_size=page_size, seed=ctx + qlen))
+
+
+@pytest.mark.parametrize("page_size", [64, 16, 1])
+@pytest.mark.parametrize("heads", [8, 128])
+def test_mixed_batch(page_size, heads):
+    specs = [
+        (5000, "decode", 1),
+        (0, "chain", 7),
+        (1200, "tree", 65),
+        (31, "tree", 16),
+        (20000, "chain", 16),
+        (3, "decode", 1),
+        (64, "tree", 64),
+    ]
+    check(make_batch(specs, heads=heads, page_size=page_size, seed=page_size + heads))
+
+
+@pytest.mark.parametrize("num_kv_splits", [1, 2, 3, 8, 32])
+def test_forced_splits(num_kv_splits):
+    batch = make_batch([(9000, "tree", 65), (100, "decode", 1), (0, "chain", 3)], heads=8,
+                       page_size=64)
+    check(batch, num_kv_splits=num_kv_splits)
+
+
+def test_long_context():
+    batch = make_batch([(131072 - 65, "tree", 65)], heads=8, page_size=64, seed=7)
+    check(batch)
+
+
+def test_fp16():
+    batch = make_batch([(3000, "tree", 16)], heads=16, page_size=64, dtype=torch.float16)
+    check(batch)
+
+
+def test_cuda_graph_capture():
+    batch = make_batch([(8000, "tree", 16), (100, "chain", 16)], heads=16, page_size=64)
+    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=8016)
+    expected, _ = mla_tree_fwd_gluon(**batch, **kwargs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = mla_tree_fwd_gluon(**batch, **kwargs)
+    batch["q"].mul_(-1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = mla_tree_fwd_gluon(**batch, **kwargs)
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    assert not torch.equal(out, expected)
+
+
+def test_unsupported_launches_fall_back():
+    batch = make_batch([(100, "tree", 8)], heads=8, page_size=64)
+    q, kv = batch["q"], batch["kv_cache"]
+    assert not gluon_supported(q.float(), kv.float(), 512)
+    assert not gluon_supported(q, kv, 448)
+    active = torch.ones(1, dtype=torch.int32, device="cuda")
+    assert not gluon_supported(q, kv, 512, active_query_lens=active)
+    with pytest.raises(ValueError):
+        mla_tree_fwd_gluon(**{**batch, "q": q[..., :512].contiguous(),
+                              "kv_cache": kv[..., :512].contiguous(), "kv_lora_rank": 448})
