@@ -31,3 +31,15 @@ def test_kind_from_env(monkeypatch):
     monkeypatch.setenv(TREE_BACKEND_ENV, "flashinfer")
     with pytest.raises(ValueError, match=TREE_BACKEND_ENV):
         tree_backend_kind_from_env()
+
+
+def test_mla_backend_asks_vllm_for_64_token_pages():
+    """vLLM keeps its default 16-token page for a backend that accepts any size unless the
+    backend names another (``Platform.update_block_size_for_backend``)."""
+    from vllm.config.cache import CacheConfig
+
+    from attention_backends.mla_tree.backend import TreeMLABackend
+
+    assert CacheConfig.DEFAULT_BLOCK_SIZE != 64  # else the override is moot
+    assert TreeMLABackend.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE) == 64
+    assert TreeMLABackend.supports_block_size(16)  # --block-size 16 stays possible

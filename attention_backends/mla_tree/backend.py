@@ -34,6 +34,8 @@ from attention_backends.tree_mask_state import (
     decode_query_limit,
 )
 
+PREFERRED_BLOCK_SIZE = 64
+
 
 @dataclass
 class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
@@ -213,6 +215,16 @@ class TreeMLABackend(MLACommonBackend):
     @classmethod
     def supports_block_size(cls, block_size: int | None) -> bool:
         return True
+
+    @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        """64-token pages unless the user sets ``--block-size`` (vLLM then skips this:
+        ``Platform.update_block_size_for_backend``). vLLM's default is 16, which every
+        backend accepting any size keeps. Measured on the H200 (Kimi-shaped target, 8
+        heads, DDTree B=64, 128k context): 7.47 ms per step with 64-token pages against
+        9.02 ms with 16 (verify 3.59 against 4.83 ms); FlashMLA needs 64, and vLLM's
+        FA-MLA chain verified 2x faster at 128k with 64 than with 16."""
+        return PREFERRED_BLOCK_SIZE
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
