@@ -27,6 +27,7 @@
 #   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
+#   gluon    the Gluon MLA kernel's GPU test and evals/bench_gluon_mla.py
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
 #   lmeval32 the same in fp32 on our MLA backend (exact equality expected, no bf16 ties)
@@ -134,6 +135,13 @@ for stage in "$@"; do
     kernels) stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py \
                tests/gpu/test_gqa_tree_kernel_gpu.py ;;
     serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
+    gluon)  # the Gluon (sm_90) MLA tree kernel: correctness vs the fp32 reference and the
+      # Triton kernel, then its benchmark beside Triton and FlashMLA (CUDA-graph timed)
+      stage_pytest gluon 240 tests/gpu/test_mla_gluon_kernel_gpu.py
+      timeout "${STAGE_LIMIT:-240}" python3 evals/bench_gluon_mla.py --out "$OUT/gluon_mla.md" \
+        > "$OUT/gluon_bench.log" 2>&1
+      summary gluon_bench $?
+      cat "$OUT/gluon_mla.md" 2>/dev/null | tail -16 ;;
     demo)
       timeout 420 python3 -m vllm_ddtree.cli demo --engine vllm > "$OUT/demo.log" 2>&1
       summary demo $?
@@ -163,8 +171,8 @@ for stage in "$@"; do
     bench)
       # Page 16 is what vLLM gives our backend by default (CacheConfig.DEFAULT_BLOCK_SIZE),
       # so the e2e runs verify with it; it takes the per-key page gather (BLOCK_N > 16).
-      timeout 400 python3 evals/bench_verify_attention.py --heads 8 64 \
-        --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 16 1 --max-minutes 3 \
+      timeout "${STAGE_LIMIT:-400}" python3 evals/bench_verify_attention.py ${BENCH_ARGS:---heads 8 64 \
+        --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 16 1 --max-minutes 3} \
         > "$OUT/bench.log" 2>&1
       summary bench $?
       cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
