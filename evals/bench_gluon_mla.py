@@ -66,7 +66,8 @@ def time_cell(cell: Cell, rep: int) -> tuple[dict, dict]:
     """``(times_ms, notes)`` of every method on one cell; a method that cannot run gets
     None and a note. Also checks Gluon against Triton (max abs difference)."""
     inp = make_inputs(cell, torch.bfloat16)
-    makers = {"triton": lambda: ours(inp, inp.bits_tree), "gluon": lambda: gluon(inp),
+    makers = {"triton": lambda: ours(inp, inp.bits_tree, kernel="triton"),
+              "gluon": lambda: gluon(inp),
               "flashmla": lambda: flashmla(inp)}
     times, notes = {}, {}
     for method in METHODS:

@@ -139,7 +139,10 @@ class Unavailable(Exception):
     """The method cannot run here (reason in the message)."""
 
 
-def ours(inp: Inputs, bits: torch.Tensor, config=None, active_rows: int | None = None):
+def ours(inp: Inputs, bits: torch.Tensor, config=None, active_rows: int | None = None,
+         kernel: str = "auto"):
+    """``mla_tree_verify`` as vLLM launches it (``kernel="auto"``: Gluon on sm_90 where
+    it applies, else Triton; ``config`` or active rows force Triton)."""
     from attention_backends.mla_tree import mla_tree_verify
 
     kwargs = dict(
@@ -147,6 +150,7 @@ def ours(inp: Inputs, bits: torch.Tensor, config=None, active_rows: int | None =
         max_query_len=inp.cell.qlen,
         max_seq_len=inp.cell.ctx + inp.cell.qlen,
         config=config,
+        kernel=kernel,
     )
     if active_rows is not None:  # the launch shape stays the tree's (CUDA graphs)
         kwargs["active_query_lens"] = torch.full_like(

@@ -27,7 +27,7 @@
 #   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
-#   gluon    the Gluon MLA kernel's GPU test and evals/bench_gluon_mla.py
+#   gluon    the Gluon MLA kernel's GPU test; gluonbench: evals/bench_gluon_mla.py
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
 #   lmeval   evals/validate.py --backend vllm on the three lm-eval tasks (small limit)
 #   lmeval32 the same in fp32 on our MLA backend (exact equality expected, no bf16 ties)
@@ -137,7 +137,8 @@ for stage in "$@"; do
     serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
     gluon)  # the Gluon (sm_90) MLA tree kernel: correctness vs the fp32 reference and the
       # Triton kernel, then its benchmark beside Triton and FlashMLA (CUDA-graph timed)
-      stage_pytest gluon 240 tests/gpu/test_mla_gluon_kernel_gpu.py
+      stage_pytest gluon 240 tests/gpu/test_mla_gluon_kernel_gpu.py ;;
+    gluonbench)  # alone on its GPU
       timeout "${STAGE_LIMIT:-240}" python3 evals/bench_gluon_mla.py --out "$OUT/gluon_mla.md" \
         > "$OUT/gluon_bench.log" 2>&1
       summary gluon_bench $?

@@ -37,7 +37,7 @@ def check(batch, **kwargs):
     assert err <= MAX_ABS_ERR, err
     torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
     torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
-    tri_out, tri_lse = mla_tree_verify(**batch, **kwargs)
+    tri_out, tri_lse = mla_tree_verify(**batch, **kwargs, kernel="triton")
     torch.testing.assert_close(out.float(), tri_out.float(), **TRITON_TOL)
     torch.testing.assert_close(lse, tri_lse, atol=1e-3, rtol=1e-4)
     return out, lse

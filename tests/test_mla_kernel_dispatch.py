@@ -1,0 +1,69 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which kernel ``mla_tree_verify`` launches: Gluon where ``gluon_supported`` says so
+(sm_90), Triton otherwise or when forced (``config``, active rows, ``kernel="triton"``,
+``VLLM_DDTREE_MLA_KERNEL=triton``). CPU: ``gluon_supported`` is stubbed."""
+
+import pytest
+import torch
+from test_mla_tree_kernel import make_batch
+
+from attention_backends.mla_tree import MLA_TILE_CONFIGS, gluon_kernels, mla_tree_verify
+from attention_backends.mla_tree.ops import KERNEL_ENV
+
+
+@pytest.fixture
+def gluon_calls(monkeypatch):
+    """Pretend every launch is Gluon-eligible; record the launches routed to Gluon."""
+    calls = []
+
+    def fake_gluon(q, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.full(q.shape[:2] + (args[6],), 7.0), torch.zeros(q.shape[:2])
+
+    monkeypatch.setattr(gluon_kernels, "gluon_supported", lambda *a: True)
+    monkeypatch.setattr(gluon_kernels, "mla_tree_fwd_gluon", fake_gluon)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    return calls
+
+
+def _batch():
+    return make_batch([(5, [-1, 0, 0]), (0, [-1])], page_size=4)
+
+
+def test_auto_takes_gluon_with_the_launch_arguments(gluon_calls):
+    out, _ = mla_tree_verify(**_batch(), max_query_len=3, max_seq_len=8,
+                             validate_values=False, num_kv_splits=2)
+    assert len(gluon_calls) == 1 and bool((out == 7.0).all())
+    assert gluon_calls[0]["num_kv_splits"] == 2 and gluon_calls[0]["max_seq_len"] == 8
+    assert gluon_calls[0]["validate_values"] is False
+
+
+@pytest.mark.parametrize("how", ["kernel", "env", "config", "active"])
+def test_forcing_triton(gluon_calls, monkeypatch, how):
+    batch, kwargs = _batch(), {}
+    if how == "kernel":
+        kwargs["kernel"] = "triton"
+    elif how == "env":
+        monkeypatch.setenv(KERNEL_ENV, "Triton")
+    elif how == "config":
+        kwargs["config"] = MLA_TILE_CONFIGS[0]
+    else:
+        kwargs["active_query_lens"] = torch.tensor([3, 1], dtype=torch.int32)
+        monkeypatch.setattr(gluon_kernels, "gluon_supported",
+                            lambda *a: a[3] is None)  # the real rule: no active rows
+    out, _ = mla_tree_verify(**batch, **kwargs)
+    assert gluon_calls == [] and not bool((out == 7.0).all())
+
+
+def test_bad_choices_name_the_field(gluon_calls, monkeypatch):
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        mla_tree_verify(**_batch(), kernel="cuda")
+    monkeypatch.setenv(KERNEL_ENV, "flashmla")
+    with pytest.raises(ValueError, match=KERNEL_ENV):
+        mla_tree_verify(**_batch())
+
+
+def test_gluon_supported_is_false_off_hopper():
+    batch = make_batch([(5, [-1, 0])], kv_lora=512, rope=64, page_size=4,
+                       dtype=torch.bfloat16)
+    assert not gluon_kernels.gluon_supported(batch["q"], batch["kv_cache"], 512)
