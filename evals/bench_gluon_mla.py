@@ -10,6 +10,7 @@ ratios Triton / Gluon and Gluon / FlashMLA.
 
     python evals/bench_gluon_mla.py --out evals/results/gluon_mla.md
     python evals/bench_gluon_mla.py --heads 8 --ctx 131072 --qlen 65 --out /tmp/one.md
+    python evals/bench_gluon_mla.py --replot evals/results/gluon_mla.md   # PNG only (CPU)
 """
 
 from __future__ import annotations
@@ -82,9 +83,52 @@ def time_cell(cell: Cell, rep: int) -> tuple[dict, dict]:
             notes[method] = f"{type(e).__name__}: {e}"[:200]
         torch.cuda.synchronize()
     if times["triton"] is not None and times["gluon"] is not None:
-        diff = (gluon(inp)()[0].float() - ours(inp, inp.bits_tree)()[0].float()).abs().max()
+        triton_out = ours(inp, inp.bits_tree, kernel="triton")()[0]
+        diff = (gluon(inp)()[0].float() - triton_out.float()).abs().max()
         notes["gluon vs triton max abs diff"] = f"{diff.item():.2e}"
     return times, notes
+
+
+def read_table(md_path: str) -> list[dict]:
+    """The rows of a table this script wrote: heads, ctx, qlen and the three times (ms,
+    None where n/a)."""
+    rows = []
+    for line in Path(md_path).read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 6 or not cells[0].isdigit():
+            continue
+        times = [None if c == "n/a" else float(c) for c in cells[3:6]]
+        rows.append(dict(heads=int(cells[0]), ctx=int(cells[1]), qlen=int(cells[2]),
+                         **dict(zip(METHODS, times, strict=True))))
+    return rows
+
+
+def write_plot(rows: list[dict], png_path: str) -> None:
+    """Time vs context (log-log), one panel per (heads, qlen), one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["heads"], r["qlen"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False)
+    for ax, (heads, qlen) in zip(axes[0], panels, strict=True):
+        sel = sorted((r for r in rows if (r["heads"], r["qlen"]) == (heads, qlen)),
+                     key=lambda r: r["ctx"])
+        for method in METHODS:
+            pts = [(r["ctx"], r[method]) for r in sel if r[method] is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"H={heads}, qlen={qlen}")
+        ax.set_xlabel("context tokens")
+        ax.set_ylabel("ms (CUDA graph)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
 
 
 def _ms(t):
@@ -103,8 +147,14 @@ def main(argv=None) -> int:
     p.add_argument("--qlen", nargs="+", type=int, default=[16, 65])
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph rep (ms)")
-    p.add_argument("--out", required=True, help="markdown table path")
+    p.add_argument("--out", help="markdown table path (the PNG beside it)")
+    p.add_argument("--replot", metavar="MD", help="only redraw the PNG of a written table")
     args = p.parse_args(argv)
+    if args.replot:
+        write_plot(read_table(args.replot), str(Path(args.replot).with_suffix(".png")))
+        return 0
+    if not args.out:
+        p.error("--out is required")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
@@ -137,7 +187,8 @@ def main(argv=None) -> int:
                 print(lines[-1], flush=True)
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 Path(args.out).write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_plot(read_table(args.out), str(Path(args.out).with_suffix(".png")))
+    print(f"wrote {args.out} and its PNG")
     return 0
 
 
