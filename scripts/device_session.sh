@@ -95,8 +95,10 @@ for stage in "$@"; do
       # /work/.library/device/KINDS.md) while vLLM's symmetric-memory all-reduce uses
       # multimem ops: the 2026-11-30 run died in the TP=2 profile run with an illegal
       # memory access inside the compiled forward (all-reduce), so it is off here.
-      # It died the same way with the symmetric-memory all-reduce off (2 runs), so now
-      # also without vLLM's custom all-reduce: NCCL only (check_ddtree_vllm.py).
+      # It died the same way with the symmetric-memory all-reduce off (2 runs), and again
+      # without vLLM's custom all-reduce: the fault was FlashInfer's fused all-reduce +
+      # RMSNorm, which vLLM 0.26 turns on for TP > 1 on sm_90. With that fusion off too
+      # (VLLM_DDTREE_TP_NCCL_ONLY in check_ddtree_vllm.py) it passed (2026-11-30, s15).
       VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_DDTREE_TP_NCCL_ONLY=1 stage_pytest tp2 480 \
         tests/gpu/test_ddtree_tp2.py ;;
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
