@@ -241,6 +241,12 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         first; ``top_kernels``: the ``TOP_KERNELS`` activity names with the most
         time, rows ``{name, us, count}`` (``name`` cut to 80 characters);
         ``step_gpu_us``: float, summed duration of all those activities.
+
+        Host time inside steps: ``host_time``: rows ``{region, host_us, ranges}``, the
+        summed wall duration of the ``ddtree::`` / ``vllm::`` ranges themselves
+        (inclusive of ranges nested in them; under the profiler, so inflated alike for
+        every method), most time first; ``step_wall_us``: summed step durations. A
+        region whose host time exceeds its GPU time by much is where the GPU can idle.
     """
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     ranges: dict[tuple, list[dict]] = {}
@@ -328,6 +334,14 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         kernel_us[name[:80]] += dur
         kernel_count[name[:80]] += 1
 
+    host_us: Counter = Counter()
+    host_ranges: Counter = Counter()
+    for e in complete:
+        if (e.get("cat") == "user_annotation" and e.get("name", "").startswith(OUR_PREFIXES)
+                and step_of(float(e["ts"])) is not None):
+            host_us[e["name"]] += float(e.get("dur", 0.0))
+            host_ranges[e["name"]] += 1
+
     return {
         "steps": len(steps),
         "syncs": sum(per_step["sync"]),
@@ -348,6 +362,9 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
                         for k in sorted(kernel_us, key=lambda k: (-kernel_us[k], k))
                         [:TOP_KERNELS]],
         "step_gpu_us": round(sum(region_us.values()), 3),
+        "host_time": [dict(region=r, host_us=round(host_us[r], 3), ranges=host_ranges[r])
+                      for r in sorted(host_us, key=lambda r: (-host_us[r], r))],
+        "step_wall_us": round(sum(float(e.get("dur", 0.0)) for e in steps), 3),
     }
 
 
@@ -365,15 +382,19 @@ def _compact(x: float) -> str:
 
 
 def _region_rows(r: dict) -> list[str]:
-    """Markdown rows of the per-region GPU time and launches table of one result."""
+    """Markdown rows of the per-region GPU time, host time and launches table of one
+    result (host time ``-`` for regions without a range of their own, e.g. ``-``)."""
     steps = r["steps"]
     gpu = {g["region"]: g for g in r.get("gpu_time", [])}
+    host = {h["region"]: h["host_us"] for h in r.get("host_time", [])}
     apis: dict[str, list[str]] = {}
     for row in r.get("launches", []):
         apis.setdefault(row["region"], []).append(
             f"{row['api']} {_compact(row['count'] / steps)}")
     regions = list(gpu) + [region for region in apis if region not in gpu]
+    regions += [region for region in host if region not in regions]
     return [f"| {region} | {_ms_per_step(gpu.get(region, {}).get('kernel_us', 0.0), steps)} "
+            f"| {_ms_per_step(host[region], steps) if region in host else '-'} "
             f"| {_per_step(gpu.get(region, {}).get('kernels', 0), steps)} "
             f"| {', '.join(apis.get(region, [])) or '-'} |" for region in regions]
 
@@ -441,9 +462,15 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
         lines.append("")
         region_rows = _region_rows(r) if r["steps"] else []
         if region_rows:
-            lines += ["### GPU time and launches per step by region", "",
-                      "| region | GPU ms / step | kernels / step | launches / step |",
-                      "|---|---|---|---|", *region_rows, ""]
+            lines += ["### GPU time, host time and launches per step by region", "",
+                      "| region | GPU ms / step | host ms / step | kernels / step "
+                      "| launches / step |",
+                      "|---|---|---|---|---|", *region_rows, ""]
+            if r.get("step_wall_us") is not None:
+                lines += [f"Step wall time (host, under the profiler): "
+                          f"{_ms_per_step(r['step_wall_us'], r['steps'])} ms / step; GPU "
+                          f"activities: {_ms_per_step(r.get('step_gpu_us'), r['steps'])} "
+                          "ms / step.", ""]
         if r["steps"] and r.get("top_kernels", []):
             lines += ["### Top kernels", "", "| name | ms / step | count / step |",
                       "|---|---|---|"]

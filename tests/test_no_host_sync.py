@@ -850,21 +850,30 @@ def test_count_trace_gpu_time_and_launches_per_region():
     ]
     assert len(GEMM) > 80
     assert result["step_gpu_us"] == 1130.0
+    assert result["host_time"] == [
+        {"region": "vllm::execute_model", "host_us": 80.0, "ranges": 2},
+        {"region": "ddtree::verify", "host_us": 60.0, "ranges": 2},
+    ]
+    assert result["step_wall_us"] == 200.0
 
     result.update(method="ddtree", label="DDTree B=32")
     old = {k: v for k, v in result.items()
-           if k not in ("launches", "gpu_time", "top_kernels", "step_gpu_us")}
+           if k not in ("launches", "gpu_time", "top_kernels", "step_gpu_us", "host_time",
+                        "step_wall_us")}
     old.update(method="dflash", label="old")
     text = count_host_syncs.format_markdown([result, old], "cmd")
     assert "| GPU ms / step | top call sites |" in text
     assert "| DDTree B=32 | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | 0.565 | - |" in text
     assert "| old | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | n/a | - |" in text
-    assert text.count("### GPU time and launches per step by region") == 1
+    assert text.count("### GPU time, host time and launches per step by region") == 1
     assert text.count("### Top kernels") == 1
-    assert ("| region | GPU ms / step | kernels / step | launches / step |\n|---|---|---|---|\n"
-            "| vllm::execute_model | 0.500 | 2.00 | cudaGraphLaunch 1 |\n"
-            "| ddtree::verify | 0.062 | 3.00 | cudaLaunchKernel 2, cuLaunchKernel 0.5 |\n"
-            "| - | 0.003 | 0.50 | cudaLaunchKernel 0.5 |\n") in text
+    assert ("| region | GPU ms / step | host ms / step | kernels / step | launches / step |\n"
+            "|---|---|---|---|---|\n"
+            "| vllm::execute_model | 0.500 | 0.040 | 2.00 | cudaGraphLaunch 1 |\n"
+            "| ddtree::verify | 0.062 | 0.030 | 3.00 | cudaLaunchKernel 2, cuLaunchKernel 0.5 |\n"
+            "| - | 0.003 | - | 0.50 | cudaLaunchKernel 0.5 |\n") in text
+    assert "Step wall time (host, under the profiler): 0.100 ms / step; GPU activities: " \
+        "0.565 ms / step." in text
     assert ("| name | ms / step | count / step |\n|---|---|---|\n"
             f"| `{GEMM[:80]}` | 0.400 | 1.00 |\n"
             "| `flash_fwd_kernel` | 0.100 | 1.00 |\n"
