@@ -67,3 +67,18 @@ def test_gluon_supported_is_false_off_hopper():
     batch = make_batch([(5, [-1, 0])], kv_lora=512, rope=64, page_size=4,
                        dtype=torch.bfloat16)
     assert not gluon_kernels.gluon_supported(batch["q"], batch["kv_cache"], 512)
+
+
+def test_debug_log_names_each_distinct_launch_once(caplog):
+    import logging
+
+    from attention_backends.mla_tree import ops
+
+    ops._LOGGED_LAUNCHES.clear()
+    with caplog.at_level(logging.DEBUG, logger=ops.logger.name):
+        for _ in range(2):
+            mla_tree_verify(**_batch(), kernel="triton", num_kv_splits=2)
+    lines = [r.getMessage() for r in caplog.records if "mla_tree launch" in r.getMessage()]
+    assert len(lines) == 1
+    # The resolved split count: 2 asked, 1 launched (8 keys fit one 32-key tile).
+    assert "triton" in lines[0] and "splits=1" in lines[0] and "max_query_len=3" in lines[0]

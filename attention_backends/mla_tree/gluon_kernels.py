@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .configs import resolve_num_kv_splits
-from .ops import _check_mla_inputs, merge_splits
+from .ops import _check_mla_inputs, log_launch_once, merge_splits
 from .tree_mask import check_tree_batch
 
 LOG2E = 1.4426950408889634
@@ -416,6 +416,9 @@ def mla_tree_fwd_gluon(
         out_strides = out_buf.stride()[:3]
         lse_strides = lse_buf.stride()
 
+    log_launch_once("gluon", q, kv_cache, requests=num_reqs, row_blocks=row_blocks,
+                    splits=num_kv_splits, max_query_len=stats.max_query_len,
+                    max_seq_len=stats.max_seq_len)
     _mla_tree_fwd_gluon_kernel[(row_blocks, num_kv_splits, num_reqs)](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, out_buf, lse_buf,
         scale * LOG2E,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -24,6 +25,25 @@ from .tree_mask import check_tree_batch
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_ROPE_DIM = 64
+
+
+logger = logging.getLogger(__name__)
+_LOGGED_LAUNCHES: set[tuple] = set()
+
+
+def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **params) -> None:
+    """Debug log (``VLLM_LOGGING_LEVEL=DEBUG``) of a launch's shapes, strides and chosen
+    splits, once per distinct launch: what vLLM hands the kernel, to replay it in the
+    benchmark. Costs one set lookup when DEBUG is off."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
+    key = (kernel, tuple(q.shape), q.stride(), tuple(kv_cache.shape), kv_cache.stride(),
+           tuple(sorted(params.items())))
+    if key not in _LOGGED_LAUNCHES:
+        _LOGGED_LAUNCHES.add(key)
+        logger.debug("mla_tree launch %s: q %s %s, kv_cache %s %s, %s", kernel,
+                     tuple(q.shape), q.stride(), tuple(kv_cache.shape), kv_cache.stride(),
+                     ", ".join(f"{k}={v}" for k, v in sorted(params.items())))
 
 
 KERNEL_CHOICES = ("auto", "triton")
@@ -296,6 +316,10 @@ def mla_tree_verify(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
 
     grid = (row_blocks, num_kv_splits, num_reqs)
+    log_launch_once("triton", q, kv_cache, requests=num_reqs, row_blocks=row_blocks,
+                    splits=num_kv_splits, max_query_len=stats.max_query_len,
+                    max_seq_len=stats.max_seq_len, active=has_active,
+                    config=(config.block_m, config.block_n, config.num_warps))
     kernels._mla_tree_fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
         out_buf, lse_buf,
