@@ -32,9 +32,16 @@ iteration), so the softmax itself is not overlapped with MMA.
 Keys are gathered row by row through the block table (any page size) with cp.async
 (16-byte vectors) into 128-byte-swizzled NVMMA shared layouts; key indices past the
 split end are clamped to its last key (valid addresses, masked in ``S``).
+
+``VLLM_DDTREE_MLA_GLUON=v2`` (or ``mla_tree_fwd_gluon(..., version="v2")``) launches
+``gluon_kernels_v2`` instead: the FlashMLA-style warp-specialized "seesaw" (each
+warpgroup a full 64 x 64 ``S`` of alternate tiles, softmax of one overlapping the
+other's wgmmas); opt-in until measured on a GPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -60,6 +67,24 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 8
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
+# Kernel version of mla_tree_fwd_gluon: "v1" (this module) or "v2"
+# (gluon_kernels_v2: the warp-specialized seesaw schedule; opt-in until GPU-verified).
+GLUON_VERSION_ENV = "VLLM_DDTREE_MLA_GLUON"
+GLUON_VERSIONS = ("v1", "v2")
+
+
+def gluon_version(version: str | None = None) -> str:
+    """``version`` if given, else ``$VLLM_DDTREE_MLA_GLUON`` (default ``"v1"``).
+
+    Raises:
+        ValueError: not one of :data:`GLUON_VERSIONS`.
+    """
+    if version is None:
+        version = os.environ.get(GLUON_VERSION_ENV, "").strip().lower() or "v1"
+    if version not in GLUON_VERSIONS:
+        raise ValueError(f"{GLUON_VERSION_ENV} / version must be one of {GLUON_VERSIONS}, "
+                         f"got {version!r}")
+    return version
 
 
 @gluon.jit
@@ -95,22 +120,22 @@ def _issue_kv_tile_load(
 
 
 @gluon.jit
-def _online_softmax(
-    s, m_i, l_i, start_n, split_end, ctx_len, q_start, row_tok, AncestorBits, stride_bits,
-    num_words, qk_scale, S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+def _mask_scores(
+    s, start_n, split_end, ctx_len, q_start, row_tok, AncestorBits, stride_bits, num_words,
+    S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
 ):  # fmt: skip
-    """One KV tile of the online softmax on ``s = q.k`` fp32 ``[BLOCK_M, BLOCK_N]``:
-    scales, masks (only a tile that reaches past the context: split end, new tokens'
-    ancestor bits, topological order), returns ``(p, alpha, m_new, l_new)``."""
-    s = s * qk_scale
-    if start_n + BLOCK_N > ctx_len:
+    """``s`` fp32 ``[BLOCK_M, BLOCK_N]`` (keys ``start_n ..``) with the keys a row may not
+    see set to -inf: past ``split_end``, new tokens outside the row's ancestor bits, and
+    new tokens after the row's own (topological order). Only a tile that reaches past
+    the context or the split end is masked."""
+    if start_n + BLOCK_N > gl.minimum(ctx_len, split_end):
         offs_n = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
         bit_idx = gl.maximum(new_idx, 0)
         # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
         word_lo = gl.maximum(start_n - ctx_len, 0) // 64
         bits_row = AncestorBits + (q_start + row_tok).to(gl.int64) * stride_bits
-        lo = gl.load(bits_row + word_lo)
+        lo = gl.load(bits_row + word_lo, mask=(row_tok * 0 + word_lo) < num_words, other=0)
         hi = gl.load(bits_row + word_lo + 1, mask=(row_tok * 0 + word_lo + 1) < num_words,
                      other=0)
         words = gl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
@@ -118,6 +143,18 @@ def _online_softmax(
         visible = (offs_n < split_end)[None, :] & ((new_idx < 0)[None, :] | bit_set)
         visible = visible & (new_idx[None, :] <= row_tok[:, None])
         s = gl.where(visible, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _online_softmax(
+    s, m_i, l_i, start_n, split_end, ctx_len, q_start, row_tok, AncestorBits, stride_bits,
+    num_words, qk_scale, S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """One KV tile of the online softmax on ``s = q.k`` fp32 ``[BLOCK_M, BLOCK_N]``:
+    scales, masks (:func:`_mask_scores`), returns ``(p, alpha, m_new, l_new)``."""
+    s = _mask_scores(s * qk_scale, start_n, split_end, ctx_len, q_start, row_tok,
+                     AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row may have seen nothing yet: keep exp2 arguments finite.
     m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -346,6 +383,7 @@ def mla_tree_fwd_gluon(
     max_seq_len: int | None = None,
     validate_values: bool = True,
     out: torch.Tensor | None = None,
+    version: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA tree-verify attention with the Gluon sm_90 kernel (+ ``ops.merge_splits``).
 
@@ -369,6 +407,8 @@ def mla_tree_fwd_gluon(
             ``validate_values=False`` (CUDA-graph friendly).
         validate_values: check the metadata values on the host (one sync).
         out: optional ``[T, H, 512]`` output buffer in q's dtype.
+        version: ``"v1"`` (this module's kernel) or ``"v2"`` (``gluon_kernels_v2``, the
+            warp-specialized seesaw); None reads ``$VLLM_DDTREE_MLA_GLUON`` (default v1).
 
     Returns:
         ``out [T, H, 512]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of the
@@ -377,6 +417,7 @@ def mla_tree_fwd_gluon(
     Raises:
         ValueError: the launch is invalid or not supported (:func:`gluon_supported`).
     """
+    version = gluon_version(version)
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     if not gluon_supported(q, kv_cache, kv_lora_rank):
         raise ValueError("mla_tree_fwd_gluon: unsupported launch (see gluon_supported)")
@@ -419,14 +460,20 @@ def mla_tree_fwd_gluon(
     log_launch_once("gluon", q, kv_cache, requests=num_reqs, row_blocks=row_blocks,
                     splits=num_kv_splits, max_query_len=stats.max_query_len,
                     max_seq_len=stats.max_seq_len)
-    _mla_tree_fwd_gluon_kernel[(row_blocks, num_kv_splits, num_reqs)](
+    if version == "v2":
+        from .gluon_kernels_v2 import NUM_WARPS as num_warps  # + a 4-warp worker
+        from .gluon_kernels_v2 import _mla_tree_fwd_gluon_v2_kernel as kernel
+
+    else:
+        kernel, num_warps = _mla_tree_fwd_gluon_kernel, NUM_WARPS
+    kernel[(row_blocks, num_kv_splits, num_reqs)](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, out_buf, lse_buf,
         scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), ancestor_bits.stride(0), ancestor_bits.shape[1],
         *out_strides, *lse_strides,
         NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=ROPE_DIM, PAGE_SIZE=page_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=NUM_WARPS,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
     )  # fmt: skip
     if num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, seq_lens,

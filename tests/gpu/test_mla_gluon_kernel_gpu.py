@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon sm_90 MLA tree-verify kernel (``gluon_kernels.mla_tree_fwd_gluon``) against the
-fp32 reference and the Triton kernel, on a Hopper GPU (bf16, kv_lora 512 + rope 64)."""
+"""Gluon sm_90 MLA tree-verify kernels (``gluon_kernels.mla_tree_fwd_gluon``, v1 and the
+warp-specialized v2 of ``gluon_kernels_v2``: every test runs for both, chosen through
+``VLLM_DDTREE_MLA_GLUON``) against the fp32 reference and the Triton kernel, on a Hopper
+GPU (bf16, kv_lora 512 + rope 64)."""
 
 import os
 
@@ -19,6 +21,8 @@ from attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify_reference,
 )
 from attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
+    GLUON_VERSION_ENV,
+    GLUON_VERSIONS,
     gluon_supported,
     mla_tree_fwd_gluon,
 )
@@ -26,6 +30,13 @@ from attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
 MAX_ABS_ERR = 2e-2
 # Same splits, both fp32 accumulation: only bf16 rounding of P and of the output apart.
 TRITON_TOL = dict(atol=8e-3, rtol=1.6e-2)
+
+
+@pytest.fixture(autouse=True, params=GLUON_VERSIONS)
+def gluon_version(request, monkeypatch):
+    """Runs each test with ``mla_tree_fwd_gluon`` on kernel v1, then v2."""
+    monkeypatch.setenv(GLUON_VERSION_ENV, request.param)
+    return request.param
 
 
 def check(batch, **kwargs):
