@@ -122,20 +122,31 @@ def _issue_kv_tile_load(
 @gluon.jit
 def _mask_scores(
     s, start_n, split_end, ctx_len, q_start, row_tok, AncestorBits, stride_bits, num_words,
-    S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+    S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr, CLIP_SPLIT: gl.constexpr,
 ):  # fmt: skip
     """``s`` fp32 ``[BLOCK_M, BLOCK_N]`` (keys ``start_n ..``) with the keys a row may not
     see set to -inf: past ``split_end``, new tokens outside the row's ancestor bits, and
     new tokens after the row's own (topological order). Only a tile that reaches past
-    the context or the split end is masked."""
-    if start_n + BLOCK_N > gl.minimum(ctx_len, split_end):
+    the context is masked, or with ``CLIP_SPLIT`` (v2, whose odd splits run a dummy
+    tile) also one past the split end; v1's tiles never cross a split end inside the
+    context (split ends there are tile-aligned), and v1 keeps the code it was measured
+    and GPU-tested with."""
+    if CLIP_SPLIT:
+        masked_from = gl.minimum(ctx_len, split_end)
+    else:
+        masked_from = ctx_len
+    if start_n + BLOCK_N > masked_from:
         offs_n = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
         new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
         bit_idx = gl.maximum(new_idx, 0)
         # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
         word_lo = gl.maximum(start_n - ctx_len, 0) // 64
         bits_row = AncestorBits + (q_start + row_tok).to(gl.int64) * stride_bits
-        lo = gl.load(bits_row + word_lo, mask=(row_tok * 0 + word_lo) < num_words, other=0)
+        if CLIP_SPLIT:
+            lo = gl.load(bits_row + word_lo, mask=(row_tok * 0 + word_lo) < num_words,
+                         other=0)
+        else:
+            lo = gl.load(bits_row + word_lo)
         hi = gl.load(bits_row + word_lo + 1, mask=(row_tok * 0 + word_lo + 1) < num_words,
                      other=0)
         words = gl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
@@ -154,7 +165,7 @@ def _online_softmax(
     """One KV tile of the online softmax on ``s = q.k`` fp32 ``[BLOCK_M, BLOCK_N]``:
     scales, masks (:func:`_mask_scores`), returns ``(p, alpha, m_new, l_new)``."""
     s = _mask_scores(s * qk_scale, start_n, split_end, ctx_len, q_start, row_tok,
-                     AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N)
+                     AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N, False)
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     # A row may have seen nothing yet: keep exp2 arguments finite.
     m_base = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -47,6 +47,9 @@ size) with cp.async by both warpgroups (each refills what it was the last to rea
 completed on a per-buffer mbarrier with ``cp.async.mbarrier.arrive.noinc`` (256
 arrivals a phase). A split with an odd number of tiles runs one fully masked tile
 (its keys clamped to the split's last key: valid addresses, ``P = 0``).
+``tests/test_gluon_v2_protocol.py`` models this schedule (every interleaving of the two
+warpgroups: no deadlock, phase slip or early buffer refill) and its arithmetic: keep it
+in step with any change here.
 
 The final ``l = l_0 + l_1`` (each warpgroup sums the ``P`` of its own tiles, both kept
 relative to the same running max) is exchanged through shared memory at the end.
@@ -99,7 +102,9 @@ def _load_v2(KV, BlockTable, bt_row, start_n, last_key, dst_v, dst_r, bar, strid
     rope part (``[BLOCK_N, 64]`` into ``dst_r``); cp.async, completion counted on
     ``bar`` by each of the 128 threads (``.noinc``). ``pred`` (scalar bool) instead of a
     branch around the call, where wgmmas are in flight (ptxas retires them at a
-    branch): when False nothing is read (the V half is zero-filled)."""
+    branch): when False nothing is read (the V half is zero-filled); with ``pred`` the
+    caller arrives on ``bar`` itself (``async_copy.mbarrier_arrive``, only when ``pred``:
+    a predicated-off refill must not leave arrivals pending on a barrier at exit)."""
     LD: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     pages = _tile_pages(BlockTable, bt_row, start_n, last_key, PAGE_SIZE, BLOCK_N, LD)
     keys = gl.minimum(start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LD)), last_key)
@@ -115,7 +120,8 @@ def _load_v2(KV, BlockTable, bt_row, start_n, last_key, dst_v, dst_r, bar, strid
     if WITH_ROPE:
         offs_r = KV_LORA + gl.arange(0, ROPE, gl.SliceLayout(0, LD))
         async_copy.async_copy_global_to_shared(dst_r, ptrs + offs_r[None, :])
-    async_copy.mbarrier_arrive(bar, increment_count=False)
+    if pred is None:
+        async_copy.mbarrier_arrive(bar, increment_count=False)
 
 
 @gluon.jit
@@ -203,7 +209,7 @@ def _seesaw_partition(
         fence_async_shared()
         s = _qk(q_lo, q_hi, q_r, own_lo, own_hi, own_r, zero, S_LAYOUT, BLOCK_M, BLOCK_N)
         s = _mask_scores(s * qk_scale, start_own, split_end, ctx_len, q_start, tok_s,
-                         AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N)
+                         AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N, True)
         s_max = gl.max(s, axis=1)
         if WG == 1:
             mbarrier.wait(bars.index(BAR_SC0), phase)
@@ -238,6 +244,9 @@ def _seesaw_partition(
             # O_L += P1 V_L(b), P1 from buffer 1's rope slot; then refill buffer 1's
             # V_L and rope slot (tile b + 2).
             mbarrier.wait(bars.index(BAR_P1), phase)
+            # V_L(b) landed from this warpgroup's own cp.async, seen only through wg1's
+            # KV wait -> P1 arrive: fence here too before the wgmma (async proxy) reads it.
+            fence_async_shared()
             acc = warpgroup_mma(r1.index(zero), v1.index(zero), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             if more:
@@ -259,6 +268,7 @@ def _seesaw_partition(
             acc = warpgroup_mma(gl.convert_layout(p_lo, P_OPERAND), v1.index(zero), acc,
                                 is_async=True)
             mbarrier.wait(bars.index(BAR_P0), phase)
+            fence_async_shared()  # V_R(a): as wg0's V_L(b) above
             acc = warpgroup_mma(r0.index(zero), v0.index(zero), acc, is_async=True)
             # P1 V_R(b) retired (P0 V_R(a) still in flight): refill V_R of buffer 1,
             # predicated (no branch while a wgmma is in flight).
@@ -268,6 +278,9 @@ def _seesaw_partition(
                      stride_kvp, 1, False, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE, pred=more)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             if more:
+                # Buffer 1's V_R refill above completes on its barrier (noinc: tracks
+                # all of this thread's earlier cp.asyncs); none without a next pair.
+                async_copy.mbarrier_arrive(bars.index(BAR_KV0 + 1), increment_count=False)
                 _load_v2(KV, BlockTable, bt_row, start_a + 2 * BLOCK_N, last_key,
                          v0.index(zero), r0.index(zero), bars.index(BAR_KV0), stride_kvb,
                          stride_kvp, 1, True, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE)
