@@ -82,3 +82,16 @@ def test_debug_log_names_each_distinct_launch_once(caplog):
     assert len(lines) == 1
     # The resolved split count: 2 asked, 1 launched (8 keys fit one 32-key tile).
     assert "triton" in lines[0] and "splits=1" in lines[0] and "max_query_len=3" in lines[0]
+
+
+def test_launch_log_env_switch(monkeypatch, capsys):
+    import logging
+
+    from attention_backends.mla_tree import ops
+
+    ops._LOGGED_LAUNCHES.clear()
+    monkeypatch.setattr(ops.logger, "handlers", [])
+    monkeypatch.setattr(ops.logger, "level", logging.NOTSET)
+    monkeypatch.setenv(ops.LOG_LAUNCHES_ENV, "1")
+    mla_tree_verify(**_batch(), kernel="triton")
+    assert "mla_tree launch triton" in capsys.readouterr().err

@@ -31,11 +31,24 @@ logger = logging.getLogger(__name__)
 _LOGGED_LAUNCHES: set[tuple] = set()
 
 
+LOG_LAUNCHES_ENV = "VLLM_DDTREE_LOG_LAUNCHES"
+
+
+def _launch_logging_on() -> bool:
+    """DEBUG enabled on this module's logger, or ``VLLM_DDTREE_LOG_LAUNCHES=1`` (which
+    also gives the logger a stderr handler: vLLM configures only its own loggers)."""
+    if os.environ.get(LOG_LAUNCHES_ENV) == "1" and not logger.isEnabledFor(logging.DEBUG):
+        logger.setLevel(logging.DEBUG)
+        if not logger.handlers:
+            logger.addHandler(logging.StreamHandler())
+    return logger.isEnabledFor(logging.DEBUG)
+
+
 def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **params) -> None:
-    """Debug log (``VLLM_LOGGING_LEVEL=DEBUG``) of a launch's shapes, strides and chosen
+    """Debug log (see :func:`_launch_logging_on`) of a launch's shapes, strides and chosen
     splits, once per distinct launch: what vLLM hands the kernel, to replay it in the
-    benchmark. Costs one set lookup when DEBUG is off."""
-    if not logger.isEnabledFor(logging.DEBUG):
+    benchmark. Costs an environment lookup when off."""
+    if not _launch_logging_on():
         return
     key = (kernel, tuple(q.shape), q.stride(), tuple(kv_cache.shape), kv_cache.stride(),
            tuple(sorted(params.items())))
