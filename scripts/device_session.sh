@@ -16,6 +16,7 @@
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
+#   launches the MLA tree launches of a profiled run, replayed alone (evals/replay_mla_launch.py)
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
 #            (SYNCS_ARGS="--auto --methods ddtree" profiles ddtree_budget "auto")
 #   e2e_kimi8 / e2e_kimi64 / e2e_trained  evals/bench_e2e.py on one setup (runs, contexts,
@@ -108,6 +109,16 @@ for stage in "$@"; do
         > "$OUT/syncs.log" 2>&1
       summary syncs $?
       tail -20 "$OUT/host_syncs.md" 2>/dev/null ;;
+    launches)  # the kernel inside vLLM vs the bench: log every distinct MLA tree launch of
+      # a profiled run (VLLM_DDTREE_LOG_LAUNCHES=1), then replay those launches alone
+      args="${SYNCS_ARGS:---setup kimi64 --context 16384 --budget 16 --methods ddtree --graphs --gpu-mem 0.6}"
+      VLLM_DDTREE_LOG_LAUNCHES=1 timeout "${STAGE_LIMIT:-300}" python3 evals/count_host_syncs.py \
+        $args --out "$OUT/host_syncs_launches.md" > "$OUT/launches.log" 2>&1
+      summary launches $?
+      timeout 180 python3 evals/replay_mla_launch.py "$OUT/launches.log" \
+        --context "${REPLAY_CONTEXT:-16384}" --out "$OUT/replay.md" > "$OUT/replay.log" 2>&1
+      summary replay $?
+      cat "$OUT/replay.md" 2>/dev/null ;;
     e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES
       # override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
       # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before)

@@ -468,8 +468,9 @@ def mla_tree_fwd_gluon(
         out_strides = out_buf.stride()[:3]
         lse_strides = lse_buf.stride()
 
-    log_launch_once("gluon", q, kv_cache, requests=num_reqs, row_blocks=row_blocks,
-                    splits=num_kv_splits, max_query_len=stats.max_query_len,
+    log_launch_once("gluon", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
+                    row_blocks=row_blocks, splits=num_kv_splits,
+                    max_query_len=stats.max_query_len,
                     max_seq_len=stats.max_seq_len)
     if version == "v2":
         from .gluon_kernels_v2 import NUM_WARPS as num_warps  # + a 4-warp worker

@@ -329,8 +329,9 @@ def mla_tree_verify(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
 
     grid = (row_blocks, num_kv_splits, num_reqs)
-    log_launch_once("triton", q, kv_cache, requests=num_reqs, row_blocks=row_blocks,
-                    splits=num_kv_splits, max_query_len=stats.max_query_len,
+    log_launch_once("triton", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
+                    row_blocks=row_blocks, splits=num_kv_splits,
+                    max_query_len=stats.max_query_len,
                     max_seq_len=stats.max_seq_len, active=has_active,
                     config=(config.block_m, config.block_n, config.num_warps))
     kernels._mla_tree_fwd_kernel[grid](
