@@ -44,6 +44,7 @@ POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32"
 # output rows); Triton specializes on that.
 ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
 ARCHES = {90: ("sm_90a", "ptxas"), 120: ("sm_120a", "ptxas-blackwell")}
+TRITON_BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def default_configs() -> list[MLATileConfig]:
@@ -58,59 +59,76 @@ def default_configs() -> list[MLATileConfig]:
 
 def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
     """Registers per thread, spill bytes (stores, loads) and shared bytes of one
-    config for one architecture (bf16, kv_lora_rank 512 + rope 64, page 64)."""
+    config for one architecture (bf16, kv_lora_rank 512 + rope 64, page 64), and
+    ``loops``: ``(MMA, STL, LDL)`` instruction counts of each SASS loop in code order
+    (the first is the unmasked context loop, nearly all the time at long context; the
+    second the masked tail / new-token loop), None if ``nvdisasm`` fails."""
     fn = mla_kernels._mla_tree_fwd_kernel
     consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                   PAGE_SIZE=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
                   MIN_TILES=8, MAX_SPLITS=128)
-    sig = {n: "constexpr" if n in consts else POINTERS.get(n, "fp32" if n == "qk_scale"
-                                                           else "i32") for n in fn.arg_names}
-    # What Triton's JIT knows at a real launch: 16-byte aligned pointers and strides that
-    # are multiples of 16. Without it the KV tiles are not software-pipelined (no
-    # cp.async: every tile goes through registers), which inflates the spills and
-    # understates shared memory.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n in POINTERS or n in ALIGNED_INTS}
+    sig, attrs = launch_signature(fn, consts, POINTERS, ALIGNED_INTS)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),
                             options={"num_warps": config.num_warps,
                                      "num_stages": config.num_stages})
+    sass = sass_of(kernel.asm["cubin"])
+    loops = None if sass is None else [
+        tuple(sum(1 for x in body if re.search(pattern, x))
+              for pattern in (r"HGMMA|HMMA", r"\bSTL\b", r"\bLDL\b"))
+        for body in sass_loops(sass)]
+    return {**ptxas_report(kernel.asm["ptx"], arch), "shared": kernel.metadata.shared,
+            "loops": loops}
+
+
+# -- offline compile helpers (also used by tests/test_mla_gluon_kernel_compile.py) --------
+
+
+def launch_signature(fn, consts: dict, pointers: dict, aligned_ints) -> tuple[dict, dict]:
+    """``(signature, attrs)`` of ``fn`` for ``triton.compile`` as the JIT sees a real
+    launch: ``pointers`` (name -> type) 16-byte aligned, ``aligned_ints`` multiples of
+    16, other ints i32, ``qk_scale`` fp32, ``consts`` constexpr. Without the alignment
+    Triton does not pipeline the KV loads (no cp.async), which inflates spills and
+    understates shared memory."""
+    sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n == "qk_scale"
+                                                           else "i32") for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if n in pointers or n in aligned_ints}
+    return sig, attrs
+
+
+def ptxas_report(ptx: str, arch: int = 90) -> dict:
+    """Triton's own ``ptxas -v`` on ``ptx`` for ``arch`` (90 or 120): ``registers`` per
+    thread and ``spill_stores`` / ``spill_loads`` bytes."""
     gpu, exe = ARCHES[arch]
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / exe
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as ptx:
-        ptx.write(kernel.asm["ptx"])
-        ptx.flush()
-        info = subprocess.run([str(ptxas), "-v", "--gpu-name", gpu, ptx.name, "-o", os.devnull],
-                              capture_output=True, text=True, check=True).stderr
-    registers = spill_stores = spill_loads = None
-    for line in info.splitlines():
-        if "Used" in line and "registers" in line:
-            registers = int(line.split("Used")[1].split("registers")[0])
-        if "spill stores" in line:
-            parts = line.replace(",", "").split()
-            spill_stores = int(parts[parts.index("spill") - 2])
-            spill_loads = int(parts[len(parts) - 4])
-    return {"registers": registers, "spill_stores": spill_stores,
-            "spill_loads": spill_loads, "shared": kernel.metadata.shared,
-            "loops": loop_spills(kernel.asm["cubin"])}
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        info = subprocess.run([str(TRITON_BIN / exe), "-v", "--gpu-name", gpu, f.name,
+                               "-o", os.devnull], capture_output=True, text=True,
+                              check=True).stderr
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_stores": int(spill.group(1)), "spill_loads": int(spill.group(2))}
 
 
-def loop_spills(cubin: bytes) -> list[tuple[int, int, int]] | None:
-    """``(MMA, STL, LDL)`` instruction counts of each loop of the SASS, in code order
-    (a loop: the instructions from a label to a branch back to it): where the spills
-    sit. For this kernel the first loop is the unmasked context loop (nearly all the
-    time at long context), the second the masked tail / new-token loop. None if
-    ``nvdisasm`` fails."""
-    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+def sass_of(cubin: bytes) -> str | None:
+    """SASS text of ``cubin`` (Triton's ``nvdisasm -c``); None if it fails."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        run = subprocess.run([str(nvdisasm), "-c", f.name], capture_output=True, text=True)
-    if run.returncode != 0:
-        return None
+        run = subprocess.run([str(TRITON_BIN / "nvdisasm"), "-c", f.name],
+                             capture_output=True, text=True)
+    return run.stdout if run.returncode == 0 else None
+
+
+def sass_loops(sass: str, branch: str = r"BRA", min_instructions: int = 1) -> list[list[str]]:
+    """Instruction lines of each loop of ``sass``, in code order: from a label to a
+    ``branch`` (regex of the branch instruction, e.g. only predicated ones) back to it,
+    at least ``min_instructions`` long (shorter ones: e.g. mbarrier retry spins)."""
     labels, instrs = {}, []
-    for line in run.stdout.splitlines():
+    for line in sass.splitlines():
         label = re.match(r"^\s*(\.L_x_\d+):", line)
         if label:
             labels[label.group(1)] = len(instrs)
@@ -118,11 +136,9 @@ def loop_spills(cubin: bytes) -> list[tuple[int, int, int]] | None:
             instrs.append(line)
     loops = []
     for end, line in enumerate(instrs):
-        target = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
-        if target and labels.get(target.group(1), end) < end:
-            body = instrs[labels[target.group(1)]:end + 1]
-            loops.append(tuple(sum(1 for x in body if re.search(pattern, x))
-                               for pattern in (r"HGMMA|HMMA", r"\bSTL\b", r"\bLDL\b")))
+        target = re.search(branch + r"\s+`?\(?(\.L_x_\d+)", line)
+        if target and labels.get(target.group(1), end) < end - (min_instructions - 1):
+            loops.append(instrs[labels[target.group(1)]:end + 1])
     return loops
 
 

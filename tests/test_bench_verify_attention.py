@@ -1,27 +1,17 @@
 """The MLA verify benchmark's handling of a method that faults the CUDA context (CPU:
 the GPU calls are stubbed)."""
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "bench_verify_attention", REPO / "evals" / "bench_verify_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_verify_attention"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+import bench_verify_attention as bench_module  # noqa: E402
 
 
 def test_a_context_fault_stops_the_cell_and_names_the_method(monkeypatch):
-    bench_module = _bench_module()
     from types import SimpleNamespace
 
     inputs = SimpleNamespace(bits_tree=None, bits_chain=None)
@@ -57,7 +47,6 @@ def test_a_context_fault_stops_the_cell_and_names_the_method(monkeypatch):
 
 
 def test_a_method_that_cannot_be_captured_is_host_timed_and_says_so(monkeypatch):
-    bench_module = _bench_module()
     from types import SimpleNamespace
 
     monkeypatch.setattr(bench_module, "make_inputs",

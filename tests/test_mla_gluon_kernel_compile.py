@@ -20,84 +20,59 @@ from kernel_testing import compiled_shared_memory  # noqa: E402
 
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 
-_COMPILE_SCRIPT = textwrap.dedent(
+# Both scripts: the Gluon kernels' pointer types and the ints aligned at every launch,
+# for kernel_spills.launch_signature.
+_LAUNCH_TYPES = """
+POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
+            "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32"}
+ALIGNED = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot", "stride_oh",
+           "stride_os")
+"""
+
+_COMPILE_SCRIPT = _LAUNCH_TYPES + textwrap.dedent(
     """
-    import json, os, re, subprocess, tempfile
-    from pathlib import Path
+    import json, re, sys
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    sys.path.insert(0, "evals")
+    from kernel_spills import launch_signature, ptxas_report, sass_loops, sass_of
+
     from attention_backends.mla_tree import gluon_kernels as gk
 
-    BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     fn = gk._mla_tree_fwd_gluon_kernel
-    aligned = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot",
-               "stride_oh", "stride_os")
 
 
-    def sass_loops(sass):
-        # (label, body lines) of each loop: a label to a later branch back to it.
-        labels, instrs = {}, []
-        for line in sass.splitlines():
-            m = re.match(r"^\\s*(\\.L_x_\\d+):", line)
-            if m:
-                labels[m.group(1)] = len(instrs)
-            elif re.search(r"/\\*[0-9a-f]{4,}\\*/", line):
-                instrs.append(line)
-        loops = []
-        for end, line in enumerate(instrs):
-            t = re.search(r"BRA\\s+`?\\(?(\\.L_x_\\d+)", line)
-            if t and labels.get(t.group(1), end) < end:
-                loops.append(instrs[labels[t.group(1)]:end + 1])
-        return loops
+    def classify(line):
+        if "HGMMA.64x256" in line:
+            return "pv"
+        if "HGMMA.64x32" in line:
+            return "s"
+        if "WARPGROUP.DEPBAR" in line:
+            return "wait" + re.search(r"0x([0-9a-f]+)", line).group(1)
+        if re.search(r"\\b(STL|LDL)\\b", line):
+            return "spill"
+        return None
 
 
     result = []
     for page, heads, dt in ((64, 8, "bf16"), (64, 128, "bf16"), (16, 8, "bf16"),
                             (1, 16, "fp16")):
-        ptrs = {"Q": "*" + dt, "KV": "*" + dt, "BlockTable": "*i32", "SeqLens": "*i32",
-                "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32",
-                "Lse": "*fp32"}
         consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, PAGE_SIZE=page,
                       BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
-        sig = {n: "constexpr" if n in consts else
-               ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n in ptrs or n in aligned}
+        sig, attrs = launch_signature(fn, consts, POINTERS | {"Q": "*" + dt, "KV": "*" + dt},
+                                      ALIGNED)
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": gk.NUM_WARPS})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
-            f.flush()
-            info = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", f.name,
-                                   "-o", os.devnull], capture_output=True, text=True,
-                                  check=True).stderr
-        regs = int(re.search(r"Used (\\d+) registers", info).group(1))
-        spill = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", info)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f.name], capture_output=True,
-                                  text=True, check=True).stdout
         loops = []
-        for body in sass_loops(sass):
-            ops = []
-            for line in body:
-                if "HGMMA.64x256" in line:
-                    ops.append("pv")
-                elif "HGMMA.64x32" in line:
-                    ops.append("s")
-                elif "WARPGROUP.DEPBAR" in line:
-                    ops.append("wait" + re.search(r"0x([0-9a-f]+)", line).group(1))
-                elif re.search(r"\\b(STL|LDL)\\b", line):
-                    ops.append("spill")
+        for body in sass_loops(sass_of(k.asm["cubin"])):
+            ops = [op for op in map(classify, body) if op]
             loops.append([op for i, op in enumerate(ops) if i == 0 or op != ops[i - 1]])
         result.append(dict(page=page, heads=heads, dtype=dt, shared=k.metadata.shared,
-                           registers=regs, spill_stores=int(spill.group(1)),
-                           spill_loads=int(spill.group(2)), loops=loops,
+                           **ptxas_report(k.asm["ptx"]), loops=loops,
                            ttgir_async=k.asm["ttgir"].count("isAsync = true")))
     print(json.dumps(result))
     """
@@ -140,22 +115,21 @@ def test_kv_loop_keeps_wgmma_in_flight(reports):
 # v2 (gluon_kernels_v2): warp-specialized seesaw. Its SASS also holds mbarrier try-wait
 # retry loops (a backward branch from a stub at the end of the function), so only
 # predicated backward branches count as loops here.
-_COMPILE_SCRIPT_V2 = textwrap.dedent(
+_COMPILE_SCRIPT_V2 = _LAUNCH_TYPES + textwrap.dedent(
     """
-    import json, os, re, subprocess, tempfile
-    from pathlib import Path
+    import json, re, sys
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    sys.path.insert(0, "evals")
+    from kernel_spills import launch_signature, ptxas_report, sass_loops, sass_of
+
     from attention_backends.mla_tree import gluon_kernels as gk
     from attention_backends.mla_tree import gluon_kernels_v2 as gk2
 
-    BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     fn = gk2._mla_tree_fwd_gluon_v2_kernel
-    aligned = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot",
-               "stride_oh", "stride_os")
 
 
     def classify(line):
@@ -181,54 +155,24 @@ _COMPILE_SCRIPT_V2 = textwrap.dedent(
 
 
     def main_loops(sass):
-        labels, instrs = {}, []
-        for line in sass.splitlines():
-            m = re.match(r"^\\s*(\\.L_x_\\d+):", line)
-            if m:
-                labels[m.group(1)] = len(instrs)
-            elif re.search(r"/\\*[0-9a-f]{4,}\\*/", line):
-                instrs.append(line)
         loops = []
-        for end, line in enumerate(instrs):
-            t = re.search(r"@!?U?P\\d\\s+BRA\\s+`?\\(?(\\.L_x_\\d+)", line)
-            if t and labels.get(t.group(1), end) < end - 8:
-                ops = [classify(x) for x in instrs[labels[t.group(1)]:end + 1]]
-                ops = [op for op in ops if op]
-                loops.append([op for i, op in enumerate(ops) if i == 0 or op != ops[i - 1]])
+        for body in sass_loops(sass, branch=r"@!?U?P\\d\\s+BRA", min_instructions=9):
+            ops = [op for op in map(classify, body) if op]
+            loops.append([op for i, op in enumerate(ops) if i == 0 or op != ops[i - 1]])
         return loops
 
 
     result = []
     for page, heads in ((64, 8), (64, 128), (16, 8), (16, 128), (1, 8), (1, 128)):
-        ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
-                "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32",
-                "Lse": "*fp32"}
         consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, PAGE_SIZE=page,
                       BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
-        sig = {n: "constexpr" if n in consts else
-               ptrs.get(n, "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n in ptrs or n in aligned}
+        sig, attrs = launch_signature(fn, consts, POINTERS, ALIGNED)
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": gk2.NUM_WARPS})
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-            f.write(k.asm["ptx"])
-            f.flush()
-            info = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", f.name,
-                                   "-o", os.devnull], capture_output=True, text=True,
-                                  check=True).stderr
-        regs = int(re.search(r"Used (\\d+) registers", info).group(1))
-        spill = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", info)
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(k.asm["cubin"])
-            f.flush()
-            sass = subprocess.run([str(BIN / "nvdisasm"), "-c", f.name], capture_output=True,
-                                  text=True, check=True).stdout
         result.append(dict(page=page, heads=heads, shared=k.metadata.shared,
-                           num_warps=k.metadata.num_warps, registers=regs,
-                           spill_stores=int(spill.group(1)), spill_loads=int(spill.group(2)),
-                           loops=main_loops(sass),
+                           num_warps=k.metadata.num_warps, **ptxas_report(k.asm["ptx"]),
+                           loops=main_loops(sass_of(k.asm["cubin"])),
                            warp_specialize=k.asm["ttgir"].count("ttg.warp_specialize(")))
     print(json.dumps(result))
     """

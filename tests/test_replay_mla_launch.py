@@ -3,7 +3,6 @@
 parse back, and the replayed inputs (logged q strides, padded page stride) are a valid
 launch that the kernel computes as the fp32 reference does (CPU: Triton interpreter)."""
 
-import importlib.util
 import logging
 import sys
 from pathlib import Path
@@ -13,16 +12,8 @@ from test_mla_tree_kernel import make_batch
 
 from attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference, ops
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _replay_module():
-    spec = importlib.util.spec_from_file_location(
-        "replay_mla_launch", REPO / "evals" / "replay_mla_launch.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["replay_mla_launch"] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+import replay_mla_launch as replay  # noqa: E402
 
 
 def _logged_lines(caplog, batch, **kwargs) -> str:
@@ -33,7 +24,6 @@ def _logged_lines(caplog, batch, **kwargs) -> str:
 
 
 def test_logged_launches_parse_back(caplog):
-    replay = _replay_module()
     batch = make_batch([(5, [-1, 0, 0]), (9, [-1, 0])], page_size=4)
     text = _logged_lines(caplog, batch, kernel="triton", num_kv_splits=1)
     launches = replay.parse_launches(text + "\n" + text)  # duplicates collapse
@@ -49,7 +39,6 @@ def test_logged_launches_parse_back(caplog):
 
 
 def test_replayed_inputs_with_a_padded_page_stride_match_the_reference():
-    replay = _replay_module()
     head_dim, page = 80, 4
     line = (f"mla_tree launch triton: q (8, 2, {head_dim}) ({2 * head_dim}, {head_dim}, 1), "
             f"kv_cache (50, {page}, {head_dim}) ({3 * page * head_dim}, {head_dim}, 1), "

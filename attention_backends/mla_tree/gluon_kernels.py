@@ -88,6 +88,19 @@ def gluon_version(version: str | None = None) -> str:
 
 
 @gluon.jit
+def _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s, num_splits,
+                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """``(split_start, split_end)``: the keys of split ``pid_s`` (an even split of the
+    request's keys in whole tiles, as the Triton kernel), cut after the last new token
+    row block ``pid_m`` may see (topological order: its last token sees no later one)."""
+    keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = pid_s * keys_per_split
+    split_end = gl.minimum(split_start + keys_per_split, seq_len)
+    last_tok = gl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
+    return split_start, gl.minimum(split_end, ctx_len + last_tok + 1)
+
+
+@gluon.jit
 def _tile_pages(BlockTable, bt_row, start_n, last_key, PAGE_SIZE: gl.constexpr,
                 BLOCK_N: gl.constexpr, LD: gl.constexpr):
     """Page ids of the keys ``start_n .. start_n + BLOCK_N`` (clamped to ``last_key``):
@@ -216,13 +229,8 @@ def _mla_tree_fwd_gluon_kernel(
     seq_len = gl.load(SeqLens + pid_r)
     ctx_len = seq_len - q_len
 
-    # Even split of the request's keys, in whole tiles (as the Triton kernel).
-    keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_start = pid_s * keys_per_split
-    split_end = gl.minimum(split_start + keys_per_split, seq_len)
-    # Topological order: the last token of this CTA sees no new token after itself.
-    last_tok = gl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
-    split_end = gl.minimum(split_end, ctx_len + last_tok + 1)
+    split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
+                                           num_splits, NUM_HEADS, BLOCK_M, BLOCK_N)
 
     rows_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW_S)
     tok_s = gl.minimum(rows_s, num_rows - 1) // NUM_HEADS

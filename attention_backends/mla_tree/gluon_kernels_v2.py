@@ -67,7 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_kernels import _mask_scores, _tile_pages
+from .gluon_kernels import _mask_scores, _split_bounds, _tile_pages
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -347,11 +347,8 @@ def _mla_tree_fwd_gluon_v2_kernel(
         return
     seq_len = gl.load(SeqLens + pid_r)
     ctx_len = seq_len - q_len
-    keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    split_start = pid_s * keys_per_split
-    split_end = gl.minimum(split_start + keys_per_split, seq_len)
-    last_tok = gl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
-    split_end = gl.minimum(split_end, ctx_len + last_tok + 1)
+    split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
+                                           num_splits, NUM_HEADS, BLOCK_M, BLOCK_N)
     if split_start >= split_end:
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW)
         lse_ptrs = (Lse + (q_start + rows // NUM_HEADS).to(gl.int64) * stride_lt
