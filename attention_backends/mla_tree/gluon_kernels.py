@@ -55,8 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .configs import resolve_num_kv_splits
-from .ops import _check_mla_inputs, log_launch_once, merge_splits
-from .tree_mask import check_tree_batch
+from .ops import _check_mla_inputs, log_launch_once, merge_splits, prepare_outputs
 
 LOG2E = 1.4426950408889634
 LN2 = gl.constexpr(0.6931471805599453)
@@ -441,20 +440,10 @@ def mla_tree_fwd_gluon(
     if not gluon_supported(q, kv_cache, kv_lora_rank):
         raise ValueError("mla_tree_fwd_gluon: unsupported launch (see gluon_supported)")
     num_tokens, num_heads, _ = q.shape
-    num_blocks, page_size, _ = kv_cache.shape
-    stats = check_tree_batch(
-        num_tokens=num_tokens, device=q.device, block_table=block_table, seq_lens=seq_lens,
-        query_start_loc=query_start_loc, ancestor_bits=ancestor_bits, page_size=page_size,
-        num_blocks=num_blocks, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        validate_values=validate_values,
-    )
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    elif (out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype
-          or out.stride(2) != 1):
-        raise ValueError(f"out must be a [{num_tokens}, {num_heads}, {kv_lora_rank}] "
-                         f"{q.dtype} tensor contiguous along its last dim")
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    page_size = kv_cache.shape[1]
+    stats, out, lse = prepare_outputs(
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, kv_lora_rank,
+        max_query_len, max_seq_len, validate_values, out)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
         return out, lse

@@ -117,6 +117,46 @@ def _check_mla_inputs(
         raise ValueError(f"scale must be a finite float, got {scale!r}")
 
 
+def prepare_outputs(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
+    kv_lora_rank: int, max_query_len: int | None, max_seq_len: int | None,
+    validate_values: bool, out: torch.Tensor | None,
+    active_query_lens: torch.Tensor | None = None,
+):
+    """The tree-batch checks of a launch (``check_tree_batch``: its stats, with the
+    maxima) and its results' buffers: ``out [T, H, kv_lora_rank]`` in q's dtype (the
+    caller's, checked, or new) and ``lse [T, H]`` fp32. Shared by the Triton and Gluon
+    launchers (``mla_tree_verify``, ``gluon_kernels.mla_tree_fwd_gluon``)."""
+    num_tokens, num_heads, _ = q.shape
+    num_blocks, page_size, _ = kv_cache.shape
+    stats = check_tree_batch(
+        num_tokens=num_tokens,
+        device=q.device,
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        ancestor_bits=ancestor_bits,
+        page_size=page_size,
+        num_blocks=num_blocks,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        validate_values=validate_values,
+        active_query_lens=active_query_lens,
+    )
+    if out is None:
+        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
+    elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype:
+        raise ValueError(
+            f"out must be [{num_tokens}, {num_heads}, {kv_lora_rank}] {q.dtype}, "
+            f"got {tuple(out.shape)} {out.dtype}"
+        )
+    elif out.stride(2) != 1:
+        raise ValueError("out must be contiguous along its last dimension")
+    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    return stats, out, lse
+
+
 def compact_partials(
     num_rows: int, width: int, num_tokens: int, num_heads: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -260,31 +300,10 @@ def mla_tree_verify(
                 kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
                 max_seq_len=max_seq_len, validate_values=validate_values, out=out)
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, page_size, _ = kv_cache.shape
-    stats = check_tree_batch(
-        num_tokens=num_tokens,
-        device=q.device,
-        block_table=block_table,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        ancestor_bits=ancestor_bits,
-        page_size=page_size,
-        num_blocks=num_blocks,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        validate_values=validate_values,
-        active_query_lens=active_query_lens,
-    )
-    if out is None:
-        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype:
-        raise ValueError(
-            f"out must be [{num_tokens}, {num_heads}, {kv_lora_rank}] {q.dtype}, "
-            f"got {tuple(out.shape)} {out.dtype}"
-        )
-    elif out.stride(2) != 1:
-        raise ValueError("out must be contiguous along its last dimension")
-    lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    page_size = kv_cache.shape[1]
+    stats, out, lse = prepare_outputs(
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, kv_lora_rank,
+        max_query_len, max_seq_len, validate_values, out, active_query_lens)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
         return out, lse
