@@ -14,7 +14,12 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
-from test_mla_tree_kernel_gpu import LSE_TOL, OUT_TOL, make_batch  # noqa: E402
+from test_mla_tree_kernel_gpu import (  # noqa: E402
+    LSE_TOL,
+    OUT_TOL,
+    check_graph_replay,
+    make_batch,
+)
 
 from attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify,
@@ -105,18 +110,7 @@ def test_fp16():
 
 
 def test_cuda_graph_capture():
-    batch = make_batch([(8000, "tree", 16), (100, "chain", 16)], heads=16, page_size=64)
-    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=8016)
-    expected, _ = mla_tree_fwd_gluon(**batch, **kwargs)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, _ = mla_tree_fwd_gluon(**batch, **kwargs)
-    batch["q"].mul_(-1.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    ref, _ = mla_tree_fwd_gluon(**batch, **kwargs)
-    torch.testing.assert_close(out, ref, atol=0, rtol=0)
-    assert not torch.equal(out, expected)
+    check_graph_replay(mla_tree_fwd_gluon)
 
 
 def test_unsupported_launches_fall_back():
