@@ -13,8 +13,10 @@ launch; under CUDA graphs they are the capture-time launches, whose ``max_seq_le
     python evals/replay_mla_launch.py launches.log --context 16384 --out replay.md
 
 Columns (ms, GPU time in a CUDA graph, ``bench_verify_attention.graph_time_ms``):
-vLLM's layout and split count; vLLM's layout with the split count chosen for
-``--context``; a compact cache with vLLM's split count; compact and chosen (the bench).
+vLLM's layout and split count; the same with the split count chosen per request at
+run time (``runtime_kv_splits``, what the backend captures since 2026-11-30 s16); vLLM's
+layout with the split count chosen for ``--context``; a compact cache with vLLM's split
+count; compact and chosen (the bench).
 """
 
 from __future__ import annotations
@@ -137,17 +139,20 @@ def main(argv=None) -> int:
     lines = [f"# MLA tree launches from `{args.log}`, replayed at {args.context} context",
              "", f"({torch.cuda.get_device_name()}; GPU ms per call in a CUDA graph)", "",
              "| kernel | q | kv page stride | requests | splits logged | vLLM layout, logged "
-             "splits | vLLM layout, chosen splits | compact, logged splits | compact, "
-             "chosen (bench) |", "|---|---|---|---|---|---|---|---|---|"]
+             "splits | same, run-time split choice | vLLM layout, chosen splits | compact, "
+             "logged splits | compact, chosen (bench) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    variants = [(False, True, False), (False, True, True), (False, False, False),
+                (True, True, False), (True, False, False)]  # compact, logged, run-time
     for launch in launches:
         splits = int(launch.param("splits"))
         times = []
-        for compact in (False, True):
-            for forced in (splits, None):
-                kwargs = build_inputs(launch, args.context, "cuda", torch.bfloat16, compact)
-                times.append(graph_time_ms(
-                    lambda kw=kwargs, s=forced: mla_tree_verify(**kw, num_kv_splits=s),
-                    args.rep))
+        for compact, logged, runtime in variants:
+            kwargs = build_inputs(launch, args.context, "cuda", torch.bfloat16, compact)
+            times.append(graph_time_ms(
+                lambda kw=kwargs, s=splits if logged else None, rt=runtime: mla_tree_verify(
+                    **kw, num_kv_splits=s, runtime_kv_splits=rt),
+                args.rep))
         lines.append(f"| {launch.kernel} | {list(launch.q_shape)} | {launch.kv_stride[0]} | "
                      f"{launch.param('requests')} | {splits} | "
                      + " | ".join(f"{t:.3f}" for t in times) + " |")

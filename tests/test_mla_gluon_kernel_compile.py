@@ -58,10 +58,12 @@ _COMPILE_SCRIPT = _LAUNCH_TYPES + textwrap.dedent(
 
 
     result = []
-    for page, heads, dt in ((64, 8, "bf16"), (64, 128, "bf16"), (16, 8, "bf16"),
-                            (1, 16, "fp16")):
+    # RUNTIME_SPLITS: the variant CUDA graphs capture (split count chosen per request)
+    for page, heads, dt, runtime in ((64, 8, "bf16", False), (64, 128, "bf16", False),
+                                     (16, 8, "bf16", False), (1, 16, "fp16", False),
+                                     (64, 8, "bf16", True)):
         consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, PAGE_SIZE=page,
-                      BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
+                      BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N, RUNTIME_SPLITS=runtime)
         sig, attrs = launch_signature(fn, consts, POINTERS | {"Q": "*" + dt, "KV": "*" + dt},
                                       ALIGNED)
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
@@ -71,7 +73,8 @@ _COMPILE_SCRIPT = _LAUNCH_TYPES + textwrap.dedent(
         for body in sass_loops(sass_of(k.asm["cubin"])):
             ops = [op for op in map(classify, body) if op]
             loops.append([op for i, op in enumerate(ops) if i == 0 or op != ops[i - 1]])
-        result.append(dict(page=page, heads=heads, dtype=dt, shared=k.metadata.shared,
+        result.append(dict(page=page, heads=heads, dtype=dt, runtime=runtime,
+                           shared=k.metadata.shared,
                            **ptxas_report(k.asm["ptx"]), loops=loops,
                            ttgir_async=k.asm["ttgir"].count("isAsync = true")))
     print(json.dumps(result))
@@ -163,14 +166,16 @@ _COMPILE_SCRIPT_V2 = _LAUNCH_TYPES + textwrap.dedent(
 
 
     result = []
-    for page, heads in ((64, 8), (64, 128), (16, 8), (16, 128), (1, 8), (1, 128)):
+    for page, heads, runtime in ((64, 8, False), (64, 128, False), (16, 8, False),
+                                 (16, 128, False), (1, 8, False), (1, 128, False),
+                                 (64, 8, True)):
         consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, PAGE_SIZE=page,
-                      BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N)
+                      BLOCK_M=gk.BLOCK_M, BLOCK_N=gk.BLOCK_N, RUNTIME_SPLITS=runtime)
         sig, attrs = launch_signature(fn, consts, POINTERS, ALIGNED)
         k = triton.compile(GluonASTSource(fn, sig, constexprs=consts, attrs=attrs),
                            target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": gk2.NUM_WARPS})
-        result.append(dict(page=page, heads=heads, shared=k.metadata.shared,
+        result.append(dict(page=page, heads=heads, runtime=runtime, shared=k.metadata.shared,
                            num_warps=k.metadata.num_warps, **ptxas_report(k.asm["ptx"]),
                            loops=main_loops(sass_of(k.asm["cubin"])),
                            warp_specialize=k.asm["ttgir"].count("ttg.warp_specialize(")))
@@ -200,7 +205,12 @@ def test_v2_fits_hopper_shared_memory_and_is_warp_specialized(reports_v2):
 def test_v2_no_register_spills_in_the_kv_loops(reports_v2):
     for r in reports_v2:
         assert r["registers"] <= 255, r
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
+        if r["runtime"]:
+            # The run-time split choice costs v2 (whose registers are all in use) a few
+            # spilled bytes before its loops, never inside them.
+            assert r["spill_stores"] <= 16 and r["spill_loads"] <= 16, r
+        else:
+            assert r["spill_stores"] == 0 and r["spill_loads"] == 0, r
         assert all("spill" not in loop for loop in _v2_kv_loops(r)), r
 
 

@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 import torch
 
 triton = pytest.importorskip("triton")
+tl = triton.language
 
 from kernel_testing import (  # noqa: E402
     DEVICE,
@@ -241,6 +242,65 @@ def test_graph_sized_launch_matches():
     torch.testing.assert_close(lse, ref_lse, atol=2e-5, rtol=2e-5)
 
 
+@triton.jit
+def _runtime_splits_probe(KeyTiles, BaseCtas, Slots, GridSplits, Out,
+                          MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    i = tl.program_id(0)
+    choice = kernels._runtime_num_splits(
+        tl.load(KeyTiles + i), tl.load(BaseCtas + i), tl.load(Slots + i),
+        tl.load(GridSplits + i), MIN_TILES, MAX_SPLITS)
+    tl.store(Out + i, choice)
+
+
+@needs_kernels
+def test_runtime_split_choice_is_the_host_choice():
+    """The device's split choice (CUDA graphs) equals ``select_num_kv_splits`` for the
+    request's own length, capped by the grid's splits, ties to the fewest splits."""
+    from attention_backends.mla_tree.configs import (
+        MAX_KV_SPLITS,
+        MIN_TILES_PER_SPLIT,
+        select_num_kv_splits,
+    )
+
+    rng = random.Random(0)
+    cases = [(0, 1, 132, 31), (1, 17, 132, 31), (256, 17, 132, 31), (2048, 17, 132, 31),
+             (256, 9, 264, 29), (2560, 3, 264, 128), (4096, 600, 132, 128)]
+    cases += [(rng.randrange(0, 5000), rng.randrange(1, 700), rng.choice([16, 132, 264, 188]),
+               rng.randrange(1, 129)) for _ in range(200)]
+    cols = [torch.tensor(c, dtype=torch.int32, device=DEVICE) for c in zip(*cases, strict=True)]
+    out = torch.empty(len(cases), dtype=torch.int32, device=DEVICE)
+    _runtime_splits_probe[(len(cases),)](*cols, out, MIN_TILES=MIN_TILES_PER_SPLIT,
+                                         MAX_SPLITS=MAX_KV_SPLITS)
+    expected = [
+        select_num_kv_splits(num_requests=1, row_blocks=base, max_seq_len=max(tiles, 1) * 64,
+                             block_n=64, num_sms=slots, ctas_per_sm=1,
+                             max_splits=min(grid, MAX_KV_SPLITS))
+        for tiles, base, slots, grid in cases
+    ]
+    assert out.tolist() == expected
+    assert len(set(expected)) > 10  # the cases span many choices, not 1 everywhere
+
+
+@needs_kernels
+def test_runtime_splits_launch_matches():
+    """A graph-sized grid (16 splits for 8k keys) with run-time split counts: the long
+    request takes fewer splits than the grid, the short one one; same result."""
+    from attention_backends.mla_tree.configs import select_num_kv_splits
+
+    specs = [(2000, chain(3)), (300, [-1, 0, 0])]
+    batch = make_batch(specs, page_size=16, seed=3)
+    config = select_config(3 * 2, 80, 64, torch.float32)
+    own = [select_num_kv_splits(num_requests=2, row_blocks=1, max_seq_len=c + 3,
+                                block_n=config.block_n, num_sms=8,
+                                ctas_per_sm=config.ctas_per_sm) for c, _ in specs]
+    assert 1 < own[0] < 16 and own[1] == 1  # the premise: run-time counts differ from 16
+    out, lse = mla_tree_verify(**batch, validate_values=False, max_query_len=3,
+                               max_seq_len=8192, num_kv_splits=16, runtime_kv_splits=True)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLS[torch.float32])
+    torch.testing.assert_close(lse, ref_lse, **TOLS[torch.float32])
+
+
 # ---------------------------------------------------------------------------------------
 # The reference itself, against a brute-force dense computation.
 
@@ -385,12 +445,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for cfg in MLA_TILE_CONFIGS:
         used = 0
         # the active-row variant (re-split) compiles too; page 16 (vLLM's default block
-        # size) takes the multi-page tile path
-        for has_active, page in ((False, 64), (True, 64), (False, 16)):
+        # size) takes the multi-page tile path; CUDA graphs capture the run-time splits
+        for has_active, page, runtime in ((False, 64, False), (True, 64, False),
+                                          (False, 16, False), (False, 64, True)):
             consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                           PAGE_SIZE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
-                          MIN_TILES=8, MAX_SPLITS=128)
+                          MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=runtime)
             sig = {n: ptrs.get(n, "constexpr" if n in consts else
                                "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
-from attention_backends.mla_tree.ops import mla_tree_verify
+from attention_backends.mla_tree.ops import mla_tree_verify, runtime_splits_enabled
 from attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
     causal_bits_,
@@ -160,10 +160,12 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
         max_seq_len = decode.max_seq_len
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            # The number of KV splits is frozen into the graph and replayed for any
-            # context up to max_model_len: size it for the longest (the kernel reads
-            # each request's length at run time and skips splits past its keys).
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            # The grid is frozen into the graph and replayed for any context up to
+            # max_model_len: size it for the longest, and let each request pick its own
+            # split count at run time (a 16k context in a grid sized for 160k would
+            # otherwise run in 4x the waves of 4x shorter splits).
             max_seq_len = max(max_seq_len, decode.max_model_len)
         return mla_tree_verify(
             q,
@@ -178,6 +180,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             max_seq_len=max_seq_len,
             validate_values=False,
             active_query_lens=decode.active_query_lens,
+            runtime_kv_splits=capturing and runtime_splits_enabled(),
         )
 
 

@@ -150,6 +150,8 @@ def select_config(
 # MAX_KV_SPLITS (the host's choice and the kernel's re-split of active rows alike).
 MIN_TILES_PER_SPLIT = 8
 MAX_KV_SPLITS = 128
+# KV tiles' worth of per-split cost (query load, partial write, merge).
+SPLIT_OVERHEAD_TILES = 2
 
 
 def select_num_kv_splits(
@@ -162,7 +164,7 @@ def select_num_kv_splits(
     ctas_per_sm: int = 2,
     min_tiles_per_split: int = MIN_TILES_PER_SPLIT,
     max_splits: int = MAX_KV_SPLITS,
-    split_overhead_tiles: int = 2,
+    split_overhead_tiles: int = SPLIT_OVERHEAD_TILES,
 ) -> int:
     """Number of CTAs that share one request's keys (flash-decoding).
 
@@ -182,6 +184,13 @@ def select_num_kv_splits(
         if best_cost is None or cost < best_cost:
             best, best_cost = splits, cost
     return best
+
+
+def split_slots(device: torch.device, ctas_per_sm: int) -> int:
+    """Resident CTA slots of the device: SMs (8 off CUDA) times ``ctas_per_sm``."""
+    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 8)
+    return num_sms * ctas_per_sm
 
 
 def resolve_num_kv_splits(
@@ -206,12 +215,8 @@ def resolve_num_kv_splits(
     ):
         raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
     if num_kv_splits is None:
-        num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda" else 8
-        )
         num_kv_splits = select_num_kv_splits(
             num_requests=num_requests, row_blocks=row_blocks, max_seq_len=max_keys,
-            block_n=block_n, num_sms=num_sms, ctas_per_sm=ctas_per_sm,
+            block_n=block_n, num_sms=split_slots(device, 1), ctas_per_sm=ctas_per_sm,
         )
     return min(num_kv_splits, max(1, -(-max_keys // block_n)))

@@ -54,7 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .configs import resolve_num_kv_splits
+from . import configs
+from .configs import resolve_num_kv_splits, split_slots
 from .ops import _check_mla_inputs, log_launch_once, merge_splits, prepare_outputs
 
 LOG2E = 1.4426950408889634
@@ -66,6 +67,10 @@ BLOCK_M = 64
 BLOCK_N = 64
 NUM_WARPS = 8
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
+# The split-count cost model of configs.select_num_kv_splits, for _runtime_num_splits.
+MIN_TILES_PER_SPLIT = gl.constexpr(configs.MIN_TILES_PER_SPLIT)
+MAX_KV_SPLITS = gl.constexpr(configs.MAX_KV_SPLITS)
+SPLIT_OVERHEAD_TILES = gl.constexpr(configs.SPLIT_OVERHEAD_TILES)
 # Kernel version of mla_tree_fwd_gluon: "v1" (this module) or "v2"
 # (gluon_kernels_v2: the warp-specialized seesaw schedule; opt-in until GPU-verified).
 GLUON_VERSION_ENV = "VLLM_DDTREE_MLA_GLUON"
@@ -87,11 +92,36 @@ def gluon_version(version: str | None = None) -> str:
 
 
 @gluon.jit
-def _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s, num_splits,
-                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+def _runtime_num_splits(key_tiles, base_ctas, split_slots, grid_splits,
+                        MIN_TILES: gl.constexpr, MAX_SPLITS: gl.constexpr,
+                        LAYOUT: gl.constexpr):
+    """``kernels._runtime_num_splits`` in Gluon (``LAYOUT``: any 1-D layout): the split
+    count the host would choose for ``key_tiles`` tiles, at most ``grid_splits``."""
+    tiles = gl.maximum(key_tiles, 1)
+    limit = gl.maximum(gl.minimum(gl.minimum(grid_splits, MAX_SPLITS), tiles // MIN_TILES), 1)
+    splits = gl.arange(0, MAX_SPLITS, LAYOUT) + 1
+    waves = gl.cdiv(base_ctas * splits, split_slots)
+    cost = gl.where(splits <= limit, waves * (gl.cdiv(tiles, splits) + SPLIT_OVERHEAD_TILES),
+                    2**30)
+    best_cost = gl.min(cost, axis=0)
+    return gl.min(gl.where(cost == best_cost, splits, MAX_SPLITS), axis=0)
+
+
+@gluon.jit
+def _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s, split_slots,
+                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  RUNTIME_SPLITS: gl.constexpr, LAYOUT: gl.constexpr):
     """``(split_start, split_end)``: the keys of split ``pid_s`` (an even split of the
     request's keys in whole tiles, as the Triton kernel), cut after the last new token
-    row block ``pid_m`` may see (topological order: its last token sees no later one)."""
+    row block ``pid_m`` may see (topological order: its last token sees no later one).
+    The request is split ``num_programs(1)`` ways, or with ``RUNTIME_SPLITS`` as
+    :func:`_runtime_num_splits` picks for its length (CUDA graphs; ``LAYOUT`` is a 1-D
+    layout for its candidate vector)."""
+    num_splits = gl.num_programs(1)
+    if RUNTIME_SPLITS:
+        num_splits = _runtime_num_splits(
+            gl.cdiv(seq_len, BLOCK_N), gl.num_programs(0) * gl.num_programs(2), split_slots,
+            num_splits, MIN_TILES_PER_SPLIT, MAX_KV_SPLITS, LAYOUT)
     keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     split_start = pid_s * keys_per_split
     split_end = gl.minimum(split_start + keys_per_split, seq_len)
@@ -193,8 +223,10 @@ def _mla_tree_fwd_gluon_kernel(
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+    split_slots,  # resident CTA slots; read only with RUNTIME_SPLITS
     NUM_HEADS: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    RUNTIME_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One CTA: ``BLOCK_M`` rows of request ``program_id(2)`` against split
     ``program_id(1)`` of its keys (module docstring)."""
@@ -215,10 +247,11 @@ def _mla_tree_fwd_gluon_kernel(
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
+    # The run-time split choice's candidates, one per thread.
+    SPLITS_LAYOUT: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
     pid_m = gl.program_id(0)
     pid_s = gl.program_id(1)
     pid_r = gl.program_id(2)
-    num_splits = gl.num_programs(1)
 
     q_start = gl.load(QueryStartLoc + pid_r)
     q_len = gl.load(QueryStartLoc + pid_r + 1) - q_start
@@ -229,7 +262,8 @@ def _mla_tree_fwd_gluon_kernel(
     ctx_len = seq_len - q_len
 
     split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
-                                           num_splits, NUM_HEADS, BLOCK_M, BLOCK_N)
+                                           split_slots, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                           RUNTIME_SPLITS, SPLITS_LAYOUT)
 
     rows_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW_S)
     tok_s = gl.minimum(rows_s, num_rows - 1) // NUM_HEADS
@@ -402,6 +436,7 @@ def mla_tree_fwd_gluon(
     validate_values: bool = True,
     out: torch.Tensor | None = None,
     version: str | None = None,
+    runtime_kv_splits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA tree-verify attention with the Gluon sm_90 kernel (+ ``ops.merge_splits``).
 
@@ -427,6 +462,9 @@ def mla_tree_fwd_gluon(
         out: optional ``[T, H, 512]`` output buffer in q's dtype.
         version: ``"v1"`` (this module's kernel) or ``"v2"`` (``gluon_kernels_v2``, the
             warp-specialized seesaw); None reads ``$VLLM_DDTREE_MLA_GLUON`` (default v1).
+        runtime_kv_splits: ``num_kv_splits`` (or ``max_seq_len``'s choice) is only the
+            grid's split count; each request takes the count chosen for its own length
+            (``ops.mla_tree_verify``).
 
     Returns:
         ``out [T, H, 512]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of the
@@ -468,7 +506,7 @@ def mla_tree_fwd_gluon(
     log_launch_once("gluon", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
                     row_blocks=row_blocks, splits=num_kv_splits,
                     max_query_len=stats.max_query_len,
-                    max_seq_len=stats.max_seq_len)
+                    max_seq_len=stats.max_seq_len, runtime_splits=runtime_kv_splits)
     if version == "v2":
         from .gluon_kernels_v2 import NUM_WARPS as num_warps  # + a 4-warp worker
         from .gluon_kernels_v2 import _mla_tree_fwd_gluon_v2_kernel as kernel
@@ -480,9 +518,10 @@ def mla_tree_fwd_gluon(
         scale * LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0), ancestor_bits.stride(0), ancestor_bits.shape[1],
-        *out_strides, *lse_strides,
+        *out_strides, *lse_strides, split_slots(q.device, ctas_per_sm=1),
         NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=ROPE_DIM, PAGE_SIZE=page_size,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, num_warps=num_warps,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, RUNTIME_SPLITS=runtime_kv_splits and num_kv_splits > 1,
+        num_warps=num_warps,
     )  # fmt: skip
     if num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, seq_lens,

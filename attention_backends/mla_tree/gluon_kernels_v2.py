@@ -316,8 +316,10 @@ def _mla_tree_fwd_gluon_v2_kernel(
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh, stride_ls,
+    split_slots,  # resident CTA slots; read only with RUNTIME_SPLITS
     NUM_HEADS: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
     PAGE_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    RUNTIME_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One CTA (launched with ``num_warps=4`` + a 4-warp worker): ``BLOCK_M`` rows of
     request ``program_id(2)`` against split ``program_id(1)`` of its keys; same
@@ -335,10 +337,11 @@ def _mla_tree_fwd_gluon_v2_kernel(
                                               rank=2)
     STAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
+    # The run-time split choice's candidates, one per thread.
+    SPLITS_LAYOUT: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     pid_m = gl.program_id(0)
     pid_s = gl.program_id(1)
     pid_r = gl.program_id(2)
-    num_splits = gl.num_programs(1)
 
     q_start = gl.load(QueryStartLoc + pid_r)
     q_len = gl.load(QueryStartLoc + pid_r + 1) - q_start
@@ -348,7 +351,8 @@ def _mla_tree_fwd_gluon_v2_kernel(
     seq_len = gl.load(SeqLens + pid_r)
     ctx_len = seq_len - q_len
     split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
-                                           num_splits, NUM_HEADS, BLOCK_M, BLOCK_N)
+                                           split_slots, NUM_HEADS, BLOCK_M, BLOCK_N,
+                                           RUNTIME_SPLITS, SPLITS_LAYOUT)
     if split_start >= split_end:
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW)
         lse_ptrs = (Lse + (q_start + rows // NUM_HEADS).to(gl.int64) * stride_lt

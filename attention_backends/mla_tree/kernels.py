@@ -21,6 +21,13 @@ writes for each of its rows where its splits start (``MergeBase``) and how many 
 are (``MergeCount``, 0 for an inactive row). Without ``HAS_ACTIVE`` none of this is
 compiled in and ``ActiveQueryLens``, ``MergeBase`` and ``MergeCount`` are never read.
 
+``RUNTIME_SPLITS`` (constexpr): the grid's ``S`` is an upper bound (a CUDA graph freezes
+it at capture, sized for the longest context) and each request takes
+``_runtime_num_splits`` of its own ``seq_len``: the split count the host would pick for
+that length (``configs.select_num_kv_splits``), capped by ``S``. Splits past it have no
+keys. Without it a 16k-token request replayed in a graph captured for 160k ran in 4x
+the waves of 4x shorter splits the host would give it.
+
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
 gets ``out = 0, lse = -inf``. With ``HAS_ACTIVE`` it reads a row's ``MergeCount``
@@ -30,8 +37,11 @@ splits from ``MergeBase`` on (an inactive row: none, so ``out = 0, lse = -inf``)
 import triton
 import triton.language as tl
 
+from . import configs
+
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
+SPLIT_OVERHEAD_TILES = tl.constexpr(configs.SPLIT_OVERHEAD_TILES)
 
 
 @triton.jit
@@ -116,6 +126,24 @@ def _load_kv_tile(
 
 
 @triton.jit
+def _runtime_num_splits(key_tiles, base_ctas, split_slots, grid_splits,
+                        MIN_TILES: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """``configs.select_num_kv_splits`` on the device: the split count of a request of
+    ``key_tiles`` KV tiles when ``base_ctas`` CTAs (requests x row blocks) share
+    ``split_slots`` resident CTA slots, at most ``grid_splits``. Every candidate is
+    costed in one vector (``waves * (tiles per split + overhead)``); ties go to the
+    fewest splits, as on the host."""
+    tiles = tl.maximum(key_tiles, 1)
+    limit = tl.maximum(tl.minimum(tl.minimum(grid_splits, MAX_SPLITS), tiles // MIN_TILES), 1)
+    splits = tl.arange(0, MAX_SPLITS) + 1
+    waves = tl.cdiv(base_ctas * splits, split_slots)
+    cost = tl.where(splits <= limit,
+                    waves * (tl.cdiv(tiles, splits) + SPLIT_OVERHEAD_TILES), 2**30)
+    best_cost = tl.min(cost, 0)
+    return tl.min(tl.where(cost == best_cost, splits, MAX_SPLITS), 0)
+
+
+@triton.jit
 def _resplit_active_rows(
     ActiveQueryLens, MergeBase, MergeCount, stride_mt, head_offset, slab_base,
     pid_r, pid_m, pid_s, num_splits, num_row_blocks, q_start, q_len, num_rows, key_tiles,
@@ -197,9 +225,12 @@ def _mla_tree_fwd_kernel(
     HAS_ACTIVE: tl.constexpr,
     MIN_TILES: tl.constexpr,
     MAX_SPLITS: tl.constexpr,
+    split_slots=0,  # resident CTA slots; read only with RUNTIME_SPLITS
+    RUNTIME_SPLITS: tl.constexpr = False,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
+    tl.static_assert(not (RUNTIME_SPLITS and HAS_ACTIVE))
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)
@@ -242,6 +273,10 @@ def _mla_tree_fwd_kernel(
         offs_lse = q_row * stride_lt + head * stride_lh + pid_s * stride_ls
         offs_out = q_row[:, None] * stride_ot + head[:, None] * stride_oh + pid_s * stride_os
 
+    if RUNTIME_SPLITS:
+        num_splits = _runtime_num_splits(
+            tl.cdiv(seq_len, BLOCK_N), tl.num_programs(0) * tl.num_programs(2), split_slots,
+            num_splits, MIN_TILES, MAX_SPLITS)
     # Even split of the request's keys, in whole tiles.
     keys_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     split_start = pid_s * keys_per_split
@@ -420,8 +455,10 @@ def _mla_tree_merge_kernel(
         part_base = OutPart + t * stride_pt + h * stride_ph
         for s in range(num_splits):
             lse_one = tl.load(lse_base + s * stride_lps)
-            part = tl.load(part_base + s * stride_ps + offs_l, mask=mask_l, other=0.0)
-            # Splits without keys left their partial output unwritten: drop it.
+            # Splits without keys left their partial output unwritten: skip the read
+            # (with run-time split counts most of a graph's splits are empty) and drop it.
+            width = tl.where(lse_one > float("-inf"), KV_LORA, 0)
+            part = tl.load(part_base + s * stride_ps + offs_l, mask=offs_l < width, other=0.0)
             acc += tl.where(lse_one > float("-inf"), tl.exp(lse_one - base) * part, 0.0)
 
     seen = denom > 0.0

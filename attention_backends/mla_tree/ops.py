@@ -20,6 +20,7 @@ from .configs import (
     padded_dims,
     resolve_num_kv_splits,
     select_config,
+    split_slots,
 )
 from .tree_mask import check_tree_batch
 
@@ -61,6 +62,23 @@ def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **para
 
 KERNEL_CHOICES = ("auto", "triton")
 KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"
+
+
+RUNTIME_SPLITS_ENV = "VLLM_DDTREE_RUNTIME_SPLITS"
+
+
+def runtime_splits_enabled() -> bool:
+    """Whether CUDA-graph captures choose KV split counts per request at run time
+    (``runtime_kv_splits``); ``VLLM_DDTREE_RUNTIME_SPLITS=0`` freezes the capture-time
+    count instead (the behaviour before 2026-11-30, for side-by-side timing).
+
+    Raises:
+        ValueError: the variable is set to something other than 0 / 1.
+    """
+    value = os.environ.get(RUNTIME_SPLITS_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{RUNTIME_SPLITS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _gluon_allowed() -> bool:
@@ -242,6 +260,7 @@ def mla_tree_verify(
     out: torch.Tensor | None = None,
     active_query_lens: torch.Tensor | None = None,
     kernel: str = "auto",
+    runtime_kv_splits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of tree-verify query tokens against a latent paged cache.
 
@@ -281,6 +300,11 @@ def mla_tree_verify(
             kernel's speed on the H200) where it applies (sm_90, 16-bit, 512 + 64 dims,
             no ``config`` or ``active_query_lens``), else the Triton one; ``"triton"``
             forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton`` does the same globally.
+        runtime_kv_splits: the split count resolved from ``num_kv_splits`` /
+            ``max_seq_len`` only sizes the grid; each request splits its keys as the
+            host would choose for its own ``seq_len`` (at most that many ways; the other
+            CTAs exit at once). For CUDA graphs, whose grid is frozen at capture for the
+            longest context. Ignored with ``active_query_lens`` (its re-split is its own).
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
@@ -298,7 +322,8 @@ def mla_tree_verify(
             return mla_tree_fwd_gluon(
                 q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
                 kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, validate_values=validate_values, out=out)
+                max_seq_len=max_seq_len, validate_values=validate_values, out=out,
+                runtime_kv_splits=runtime_kv_splits)
     num_tokens, num_heads, head_dim = q.shape
     page_size = kv_cache.shape[1]
     stats, out, lse = prepare_outputs(
@@ -352,6 +377,7 @@ def mla_tree_verify(
                     row_blocks=row_blocks, splits=num_kv_splits,
                     max_query_len=stats.max_query_len,
                     max_seq_len=stats.max_seq_len, active=has_active,
+                    runtime_splits=runtime_kv_splits,
                     config=(config.block_m, config.block_n, config.num_warps))
     kernels._mla_tree_fwd_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
@@ -373,6 +399,8 @@ def mla_tree_verify(
         BLOCK_N=config.block_n,
         **tree_launch_options(q, config, seq_lens, active_query_lens, merge_base,
                               merge_count, num_heads),
+        split_slots=split_slots(q.device, config.ctas_per_sm),
+        RUNTIME_SPLITS=runtime_kv_splits and not has_active and num_kv_splits > 1,
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,
