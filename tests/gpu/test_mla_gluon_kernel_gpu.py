@@ -18,6 +18,7 @@ from test_mla_tree_kernel_gpu import (  # noqa: E402
     LSE_TOL,
     OUT_TOL,
     check_graph_replay,
+    check_runtime_splits_graph,
     make_batch,
 )
 
@@ -111,6 +112,10 @@ def test_fp16():
 
 def test_cuda_graph_capture():
     check_graph_replay(mla_tree_fwd_gluon)
+
+
+def test_cuda_graph_runtime_splits():
+    check_runtime_splits_graph(mla_tree_fwd_gluon)
 
 
 def test_unsupported_launches_fall_back():

@@ -159,8 +159,33 @@ def check_graph_replay(launch) -> None:
     assert not torch.equal(out, expected)
 
 
+def check_runtime_splits_graph(launch) -> None:
+    """The backend's CUDA-graph launch: a grid sized for 128k keys with the split count
+    chosen per request at run time. Replays at the captured contexts and, after
+    shortening one request in place, at another context match the fp32 reference."""
+    batch = make_batch([(30000, "tree", 16), (100, "chain", 16)], heads=16, page_size=64)
+    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=131072,
+                  runtime_kv_splits=True)
+    launch(**batch, **kwargs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = launch(**batch, **kwargs)
+    for seq_len in (None, 5016):
+        if seq_len is not None:
+            batch["seq_lens"][0] = seq_len  # the first 5000 keys stay its context
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = mla_tree_verify_reference(**batch)
+        torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+        torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
 def test_cuda_graph_capture():
     check_graph_replay(mla_tree_verify)
+
+
+def test_cuda_graph_runtime_splits():
+    check_runtime_splits_graph(mla_tree_verify)
 
 
 @pytest.mark.parametrize("heads,page_size", [(8, 64), (64, 64), (16, 1), (64, 16)])
