@@ -151,7 +151,7 @@ for stage in "$@"; do
     gluon)  # the Gluon (sm_90) MLA tree kernel: correctness vs the fp32 reference and the
       # Triton kernel, then its benchmark beside Triton and FlashMLA (CUDA-graph timed)
       stage_pytest gluon 240 tests/gpu/test_mla_gluon_kernel_gpu.py -k v1
-      # v2 (warp-specialized, never run before 2026-11-30 s15): a wrong mbarrier phase
+      # v2 (warp-specialized, the default since 2026-11-30 s16): a wrong mbarrier phase
       # hangs rather than fails, hence its own short limit and -x
       STAGE_LIMIT="${GLUON_V2_LIMIT:-150}" stage_pytest gluon_v2 150 -x \
         tests/gpu/test_mla_gluon_kernel_gpu.py -k v2 ;;

@@ -95,3 +95,31 @@ def test_launch_log_env_switch(monkeypatch, capsys):
     monkeypatch.setenv(ops.LOG_LAUNCHES_ENV, "1")
     mla_tree_verify(**_batch(), kernel="triton")
     assert "mla_tree launch triton" in capsys.readouterr().err
+
+
+def test_gluon_version_defaults_to_v2(monkeypatch):
+    monkeypatch.delenv(gluon_kernels.GLUON_VERSION_ENV, raising=False)
+    assert gluon_kernels.gluon_version() == "v2"
+    monkeypatch.setenv(gluon_kernels.GLUON_VERSION_ENV, "V1")
+    assert gluon_kernels.gluon_version() == "v1"
+    monkeypatch.setenv(gluon_kernels.GLUON_VERSION_ENV, "v3")
+    with pytest.raises(ValueError, match=gluon_kernels.GLUON_VERSION_ENV):
+        gluon_kernels.gluon_version()
+
+
+def test_runtime_splits_switch(monkeypatch):
+    from attention_backends.mla_tree.ops import RUNTIME_SPLITS_ENV, runtime_splits_enabled
+
+    monkeypatch.delenv(RUNTIME_SPLITS_ENV, raising=False)
+    assert runtime_splits_enabled()
+    monkeypatch.setenv(RUNTIME_SPLITS_ENV, "0")
+    assert not runtime_splits_enabled()
+    monkeypatch.setenv(RUNTIME_SPLITS_ENV, "yes")
+    with pytest.raises(ValueError, match=RUNTIME_SPLITS_ENV):
+        runtime_splits_enabled()
+
+
+def test_runtime_splits_reach_the_gluon_launch(gluon_calls):
+    mla_tree_verify(**_batch(), max_query_len=3, max_seq_len=8, validate_values=False,
+                    runtime_kv_splits=True)
+    assert gluon_calls[0]["runtime_kv_splits"] is True

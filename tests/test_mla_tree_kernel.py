@@ -281,6 +281,25 @@ def test_runtime_split_choice_is_the_host_choice():
     assert len(set(expected)) > 10  # the cases span many choices, not 1 everywhere
 
 
+@pytest.mark.parametrize("num_requests,row_blocks,slots", [(1, 17, 132), (8, 18, 132),
+                                                             (1, 9, 132), (3, 1, 16)])
+def test_runtime_grid_fits_every_length(num_requests, row_blocks, slots):
+    """The grid of a run-time-split launch is the most splits any length up to
+    ``max_seq_len`` would take (brute force over every length), not the choice at
+    ``max_seq_len``: 1 request x 9 row blocks takes 44 splits at 85k but 29 at 160k."""
+    from attention_backends.mla_tree.configs import max_num_kv_splits, select_num_kv_splits
+
+    kw = dict(num_requests=num_requests, row_blocks=row_blocks, block_n=64, num_sms=slots,
+              ctas_per_sm=1)
+    for max_seq_len in (1, 700, 20000, 163840):
+        brute = max(select_num_kv_splits(max_seq_len=tiles * 64, **kw)
+                    for tiles in range(1, -(-max_seq_len // 64) + 1))
+        assert max_num_kv_splits(max_seq_len=max_seq_len, **kw) == brute
+    if (num_requests, row_blocks, slots) == (1, 9, 132):  # the example above
+        assert max_num_kv_splits(max_seq_len=163840, **kw) == 44
+        assert select_num_kv_splits(max_seq_len=163840, **kw) == 29
+
+
 @needs_kernels
 def test_runtime_splits_launch_matches():
     """A graph-sized grid (16 splits for 8k keys) with run-time split counts: the long

@@ -11,6 +11,7 @@ the KV tile until it fits.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -186,6 +187,34 @@ def select_num_kv_splits(
     return best
 
 
+@functools.lru_cache(maxsize=512)
+def max_num_kv_splits(
+    *,
+    num_requests: int,
+    row_blocks: int,
+    max_seq_len: int,
+    block_n: int,
+    num_sms: int,
+    ctas_per_sm: int,
+) -> int:
+    """The most splits :func:`select_num_kv_splits` picks for any request length up to
+    ``max_seq_len``: the grid of a launch whose requests choose their own split count
+    at run time (CUDA graphs). Not the choice at ``max_seq_len`` itself, which is not
+    monotone in the length: 8 heads x 65 tokens (9 row blocks, 132 SMs) take 44 splits
+    at 85k keys but 29 at 160k. Vectorized over every tile count (cached: once per
+    captured shape)."""
+    base_ctas = max(1, num_requests * row_blocks)
+    slots = max(1, num_sms * ctas_per_sm)
+    max_tiles = max(1, -(-max_seq_len // block_n))
+    tiles = torch.arange(1, max_tiles + 1, dtype=torch.int64)[:, None]
+    splits = torch.arange(1, MAX_KV_SPLITS + 1, dtype=torch.int64)[None, :]
+    limit = (tiles // MIN_TILES_PER_SPLIT).clamp(1, MAX_KV_SPLITS)
+    waves = -(-base_ctas * splits // slots)
+    cost = waves * (-(-tiles // splits) + SPLIT_OVERHEAD_TILES)
+    cost = torch.where(splits <= limit, cost, torch.iinfo(torch.int64).max)
+    return int(cost.argmin(dim=1).max()) + 1  # argmin: the first minimum, as the host
+
+
 def split_slots(device: torch.device, ctas_per_sm: int) -> int:
     """Resident CTA slots of the device: SMs (8 off CUDA) times ``ctas_per_sm``."""
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -202,10 +231,12 @@ def resolve_num_kv_splits(
     block_n: int,
     device: torch.device,
     ctas_per_sm: int,
+    runtime: bool = False,
 ) -> int:
     """The KV split count of a launch: ``num_kv_splits`` when given (validated), else
-    :func:`select_num_kv_splits` for the device's SM count; never more splits than
-    ``block_n``-key tiles in ``max_keys``.
+    :func:`select_num_kv_splits` for the device's SM count (with ``runtime``, requests
+    choosing their own count: :func:`max_num_kv_splits`, the grid every length fits);
+    never more splits than ``block_n``-key tiles in ``max_keys``.
 
     Raises:
         ValueError: ``num_kv_splits`` is not a positive int or None.
@@ -215,7 +246,8 @@ def resolve_num_kv_splits(
     ):
         raise ValueError(f"num_kv_splits must be a positive int or None, got {num_kv_splits!r}")
     if num_kv_splits is None:
-        num_kv_splits = select_num_kv_splits(
+        choose = max_num_kv_splits if runtime else select_num_kv_splits
+        num_kv_splits = choose(
             num_requests=num_requests, row_blocks=row_blocks, max_seq_len=max_keys,
             block_n=block_n, num_sms=split_slots(device, 1), ctas_per_sm=ctas_per_sm,
         )

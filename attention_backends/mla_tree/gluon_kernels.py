@@ -71,20 +71,21 @@ HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 MIN_TILES_PER_SPLIT = gl.constexpr(configs.MIN_TILES_PER_SPLIT)
 MAX_KV_SPLITS = gl.constexpr(configs.MAX_KV_SPLITS)
 SPLIT_OVERHEAD_TILES = gl.constexpr(configs.SPLIT_OVERHEAD_TILES)
-# Kernel version of mla_tree_fwd_gluon: "v1" (this module) or "v2"
-# (gluon_kernels_v2: the warp-specialized seesaw schedule; opt-in until GPU-verified).
+# Kernel version of mla_tree_fwd_gluon: "v2" (gluon_kernels_v2: the warp-specialized
+# seesaw schedule; the default since its H200 run, 2026-11-30 s16: 1.15-1.29x v1's
+# speed, 0.79-1.15x FlashMLA's time) or "v1" (this module).
 GLUON_VERSION_ENV = "VLLM_DDTREE_MLA_GLUON"
 GLUON_VERSIONS = ("v1", "v2")
 
 
 def gluon_version(version: str | None = None) -> str:
-    """``version`` if given, else ``$VLLM_DDTREE_MLA_GLUON`` (default ``"v1"``).
+    """``version`` if given, else ``$VLLM_DDTREE_MLA_GLUON`` (default ``"v2"``).
 
     Raises:
         ValueError: not one of :data:`GLUON_VERSIONS`.
     """
     if version is None:
-        version = os.environ.get(GLUON_VERSION_ENV, "").strip().lower() or "v1"
+        version = os.environ.get(GLUON_VERSION_ENV, "").strip().lower() or "v2"
     if version not in GLUON_VERSIONS:
         raise ValueError(f"{GLUON_VERSION_ENV} / version must be one of {GLUON_VERSIONS}, "
                          f"got {version!r}")
@@ -461,7 +462,7 @@ def mla_tree_fwd_gluon(
         validate_values: check the metadata values on the host (one sync).
         out: optional ``[T, H, 512]`` output buffer in q's dtype.
         version: ``"v1"`` (this module's kernel) or ``"v2"`` (``gluon_kernels_v2``, the
-            warp-specialized seesaw); None reads ``$VLLM_DDTREE_MLA_GLUON`` (default v1).
+            warp-specialized seesaw); None reads ``$VLLM_DDTREE_MLA_GLUON`` (default v2).
         runtime_kv_splits: ``num_kv_splits`` (or ``max_seq_len``'s choice) is only the
             grid's split count; each request takes the count chosen for its own length
             (``ops.mla_tree_verify``).
@@ -490,6 +491,7 @@ def mla_tree_fwd_gluon(
     num_kv_splits = resolve_num_kv_splits(
         num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
         max_keys=stats.max_seq_len, block_n=BLOCK_N, device=q.device, ctas_per_sm=1,
+        runtime=runtime_kv_splits,
     )
     if num_kv_splits == 1:
         out_buf, lse_buf = out, lse

@@ -3,8 +3,10 @@
 
 Same contract, grid ``(row_blocks, num_kv_splits, num_reqs)``, tree mask and per-split
 ``out``/``lse`` partials as ``gluon_kernels._mla_tree_fwd_gluon_kernel`` (v1); chosen by
-``gluon_kernels.mla_tree_fwd_gluon`` when ``VLLM_DDTREE_MLA_GLUON=v2`` (opt-in until
-measured on a GPU).
+``gluon_kernels.mla_tree_fwd_gluon`` by default (``VLLM_DDTREE_MLA_GLUON=v1`` takes v1).
+H200, 2026-11-30 s16: the GPU tests pass (vs the fp32 reference and Triton, CUDA graphs,
+run-time split counts) and it runs at 0.79-1.15x FlashMLA's time where v1 ran at
+0.84-1.40x (``evals/results/gluon_mla.md``).
 
 Why: v1 splits ``S = Q K^T`` of every tile by key columns over its two warpgroups (n=32
 wgmmas, each reading all of Q), so the row max needs CTA-wide barriers and both

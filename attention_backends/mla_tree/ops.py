@@ -344,6 +344,7 @@ def mla_tree_verify(
         num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
         max_keys=stats.max_seq_len, block_n=config.block_n, device=q.device,
         ctas_per_sm=config.ctas_per_sm,
+        runtime=runtime_kv_splits and active_query_lens is None,
     )
 
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
