@@ -72,7 +72,7 @@ MIN_TILES_PER_SPLIT = gl.constexpr(configs.MIN_TILES_PER_SPLIT)
 MAX_KV_SPLITS = gl.constexpr(configs.MAX_KV_SPLITS)
 SPLIT_OVERHEAD_TILES = gl.constexpr(configs.SPLIT_OVERHEAD_TILES)
 # Kernel version of mla_tree_fwd_gluon: "v2" (gluon_kernels_v2: the warp-specialized
-# seesaw schedule; the default since its H200 run, 2026-11-30 s16: 1.15-1.29x v1's
+# seesaw schedule; the default since its H200 run, 2026-11-30 s16: 1.02-1.30x v1's
 # speed, 0.79-1.15x FlashMLA's time) or "v1" (this module).
 GLUON_VERSION_ENV = "VLLM_DDTREE_MLA_GLUON"
 GLUON_VERSIONS = ("v1", "v2")
