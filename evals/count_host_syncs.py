@@ -88,6 +88,7 @@ LAUNCH_APIS = frozenset({
     "cudaGraphLaunch", "cuGraphLaunch",
 })
 TOP_KERNELS = 10
+TOP_REGION_KERNELS = 6  # per region: what a region's GPU time is made of
 
 # Functions wrapped in a record_function range: (module, class or None, attribute, label).
 ANNOTATED = [
@@ -240,6 +241,9 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         ``dur`` in microseconds; ``kernels``: number of activities), most time
         first; ``top_kernels``: the ``TOP_KERNELS`` activity names with the most
         time, rows ``{name, us, count}`` (``name`` cut to 80 characters);
+        ``region_top_kernels``: per region (regions by GPU time), its
+        ``TOP_REGION_KERNELS`` costliest activity names, rows ``{region, name, us,
+        count}``: e.g. what one method's draft runs that another's does not;
         ``step_gpu_us``: float, summed duration of all those activities.
 
         Host time inside steps: ``host_time``: rows ``{region, host_us, ranges}``, the
@@ -312,6 +316,8 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
     region_count: Counter = Counter()
     kernel_us: Counter = Counter()
     kernel_count: Counter = Counter()
+    region_kernel_us: Counter = Counter()
+    region_kernel_count: Counter = Counter()
     for e in complete:
         cat, name = e.get("cat", ""), e.get("name", "")
         if cat in RUNTIME_CATEGORIES and is_launch_api(name):
@@ -333,6 +339,8 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         region_count[region] += 1
         kernel_us[name[:80]] += dur
         kernel_count[name[:80]] += 1
+        region_kernel_us[(region, name[:80])] += dur
+        region_kernel_count[(region, name[:80])] += 1
 
     host_us: Counter = Counter()
     host_ranges: Counter = Counter()
@@ -361,6 +369,13 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         "top_kernels": [dict(name=k, us=round(kernel_us[k], 3), count=kernel_count[k])
                         for k in sorted(kernel_us, key=lambda k: (-kernel_us[k], k))
                         [:TOP_KERNELS]],
+        "region_top_kernels": [
+            dict(region=r, name=k, us=round(region_kernel_us[(r, k)], 3),
+                 count=region_kernel_count[(r, k)])
+            for r in sorted(region_us, key=lambda r: (-region_us[r], r))
+            for k in sorted((k for rr, k in region_kernel_us if rr == r),
+                            key=lambda k, r=r: (-region_kernel_us[(r, k)], k))
+            [:TOP_REGION_KERNELS]],
         "step_gpu_us": round(sum(region_us.values()), 3),
         "host_time": [dict(region=r, host_us=round(host_us[r], 3), ranges=host_ranges[r])
                       for r in sorted(host_us, key=lambda r: (-host_us[r], r))],
@@ -476,6 +491,13 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
                       "|---|---|---|"]
             lines += [f"| `{k['name']}` | {_ms_per_step(k['us'], r['steps'])} "
                       f"| {_per_step(k['count'], r['steps'])} |" for k in r["top_kernels"]]
+            lines.append("")
+        if r["steps"] and r.get("region_top_kernels", []):
+            lines += ["### Top kernels per region", "",
+                      "| region | name | ms / step | count / step |", "|---|---|---|---|"]
+            lines += [f"| {k['region']} | `{k['name']}` | {_ms_per_step(k['us'], r['steps'])} "
+                      f"| {_per_step(k['count'], r['steps'])} |"
+                      for k in r["region_top_kernels"]]
             lines.append("")
     return "\n".join(lines)
 
@@ -689,7 +711,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "dtoh": 0, "dtoh_pageable": 0, "ddtree_syncs": 0,
                                 "ddtree_dtoh": 0, "per_step_syncs": [], "per_step_dtoh": [],
                                 "outside_steps": {}, "sites": [], "launches": [],
-                                "gpu_time": [], "top_kernels": [], "step_gpu_us": 0.0,
+                                "gpu_time": [], "top_kernels": [], "region_top_kernels": [],
+                                "step_gpu_us": 0.0,
                                 "note": f"child failed (exit code {proc.returncode})"})
                 continue
             results.append(json.loads(out.read_text()))

@@ -849,6 +849,17 @@ def test_count_trace_gpu_time_and_launches_per_region():
         {"name": "Memcpy HtoD (Pinned -> Device)", "us": 4.0, "count": 1},
     ]
     assert len(GEMM) > 80
+    assert result["region_top_kernels"] == [
+        {"region": "vllm::execute_model", "name": GEMM[:80], "us": 800.0, "count": 2},
+        {"region": "vllm::execute_model", "name": "flash_fwd_kernel", "us": 200.0,
+         "count": 2},
+        {"region": "ddtree::verify", "name": "tree_walk_kernel", "us": 90.0, "count": 3},
+        {"region": "ddtree::verify", "name": "gather_kernel", "us": 20.0, "count": 1},
+        {"region": "ddtree::verify", "name": "triton_draw", "us": 10.0, "count": 1},
+        {"region": "ddtree::verify", "name": "Memcpy HtoD (Pinned -> Device)", "us": 4.0,
+         "count": 1},
+        {"region": "-", "name": "elementwise_kernel", "us": 6.0, "count": 1},
+    ]
     assert result["step_gpu_us"] == 1130.0
     assert result["host_time"] == [
         {"region": "vllm::execute_model", "host_us": 80.0, "ranges": 2},
@@ -858,7 +869,8 @@ def test_count_trace_gpu_time_and_launches_per_region():
 
     result.update(method="ddtree", label="DDTree B=32")
     old = {k: v for k, v in result.items()
-           if k not in ("launches", "gpu_time", "top_kernels", "step_gpu_us", "host_time",
+           if k not in ("launches", "gpu_time", "top_kernels", "region_top_kernels",
+                        "step_gpu_us", "host_time",
                         "step_wall_us")}
     old.update(method="dflash", label="old")
     text = count_host_syncs.format_markdown([result, old], "cmd")
@@ -866,7 +878,9 @@ def test_count_trace_gpu_time_and_launches_per_region():
     assert "| DDTree B=32 | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | 0.565 | - |" in text
     assert "| old | 2 | 0.00 | 0.00 (0) | 0.00 | 0.00 | n/a | - |" in text
     assert text.count("### GPU time, host time and launches per step by region") == 1
-    assert text.count("### Top kernels") == 1
+    assert text.count("### Top kernels\n") == 1
+    assert text.count("### Top kernels per region") == 1
+    assert "| ddtree::verify | `triton_draw` | 0.005 | 0.50 |" in text
     assert ("| region | GPU ms / step | host ms / step | kernels / step | launches / step |\n"
             "|---|---|---|---|---|\n"
             "| vllm::execute_model | 0.500 | 0.040 | 2.00 | cudaGraphLaunch 1 |\n"
