@@ -215,8 +215,10 @@ def max_num_kv_splits(
     return int(cost.argmin(dim=1).max()) + 1  # argmin: the first minimum, as the host
 
 
+@functools.lru_cache(maxsize=64)
 def split_slots(device: torch.device, ctas_per_sm: int) -> int:
-    """Resident CTA slots of the device: SMs (8 off CUDA) times ``ctas_per_sm``."""
+    """Resident CTA slots of the device: SMs (8 off CUDA) times ``ctas_per_sm``
+    (cached: asked once per launch)."""
     num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                if device.type == "cuda" else 8)
     return num_sms * ctas_per_sm
