@@ -299,7 +299,8 @@ def mla_tree_verify(
         kernel: ``"auto"`` takes the Gluon kernel (``gluon_kernels``: v2 by default,
             1.3-2.0x the Triton kernel's speed on the H200) where it applies (sm_90,
             16-bit, 512 + 64 dims, no ``config`` or ``active_query_lens``), else the
-            Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton`` does the same globally.
+            Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
+            does the same globally.
         runtime_kv_splits: the split count resolved from ``num_kv_splits`` /
             ``max_seq_len`` only sizes the grid; each request splits its keys as the
             host would choose for its own ``seq_len`` (at most that many ways; the other
