@@ -34,6 +34,7 @@
 #   lmeval32 the same in fp32 on our MLA backend (exact equality expected, no bf16 ties)
 #   treebuild  evals/bench_tree_build.py: per-depth / batched torch / Triton tree build in graphs
 #   bench    evals/bench_verify_attention.py, pages 64, 16 and 1, H 8 / 64, 3 min cap
+#   bench_rest  the issue-3 cells not yet timed on Gluon v2 (257 tokens at H 8 / 64, pages)
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
 # Side by side (VLLM_DDTREE_TEST_KV_GIB: a fixed KV cache, no start-up memory profiling,
@@ -194,6 +195,17 @@ for stage in "$@"; do
         > "$OUT/bench.log" 2>&1
       summary bench $?
       cp evals/results/verify_attention.* "$OUT/" 2>/dev/null ;;
+    bench_rest)  # the issue-3 cells not yet timed on Gluon v2 (2026-11-30 s16): H 8 / 64
+      # with 257 tokens at page 64, then pages 1 / 16 / 64 side by side at 16 / 65 tokens
+      timeout "${STAGE_LIMIT:-300}" sh -c "python3 evals/bench_verify_attention.py \
+        --heads 8 64 --ctx 8192 32768 131072 --qlen 257 --page 64 \
+        --methods ours_tree flashmla --skip-check \
+        --out-md $OUT/va_v2_257.md --out-png $OUT/va_v2_257.png; \
+        python3 evals/bench_verify_attention.py --heads 8 64 --ctx 8192 32768 131072 \
+        --qlen 16 65 --page 64 16 1 --methods ours_tree --skip-check \
+        --out-md $OUT/va_v2_pages.md --out-png $OUT/va_v2_pages.png" > "$OUT/bench_rest.log" 2>&1
+      summary bench_rest $?
+      tail -8 "$OUT/va_v2_257.md" "$OUT/va_v2_pages.md" 2>/dev/null ;;
     pack)  # last: $OUT's files in one archive (only a few files come back per call)
       (cd "$OUT" && tar czf /tmp/all.tgz --exclude 'compile-cache.part-*' . \
         && find . -maxdepth 1 -type f ! -name 'compile-cache.part-*' -delete \
