@@ -215,13 +215,17 @@ def max_num_kv_splits(
     return int(cost.argmin(dim=1).max()) + 1  # argmin: the first minimum, as the host
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
+def device_num_sms(device: torch.device) -> int:
+    """SMs of ``device`` (8 off CUDA); cached: asked at every launch."""
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def split_slots(device: torch.device, ctas_per_sm: int) -> int:
-    """Resident CTA slots of the device: SMs (8 off CUDA) times ``ctas_per_sm``
-    (cached: asked once per launch)."""
-    num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-               if device.type == "cuda" else 8)
-    return num_sms * ctas_per_sm
+    """Resident CTA slots of the device: its SMs times ``ctas_per_sm``."""
+    return device_num_sms(device) * ctas_per_sm
 
 
 def resolve_num_kv_splits(
@@ -251,6 +255,6 @@ def resolve_num_kv_splits(
         choose = max_num_kv_splits if runtime else select_num_kv_splits
         num_kv_splits = choose(
             num_requests=num_requests, row_blocks=row_blocks, max_seq_len=max_keys,
-            block_n=block_n, num_sms=split_slots(device, 1), ctas_per_sm=ctas_per_sm,
+            block_n=block_n, num_sms=device_num_sms(device), ctas_per_sm=ctas_per_sm,
         )
     return min(num_kv_splits, max(1, -(-max_keys // block_n)))

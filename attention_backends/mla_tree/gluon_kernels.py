@@ -111,18 +111,19 @@ def _runtime_num_splits(key_tiles, base_ctas, split_slots, grid_splits,
 @gluon.jit
 def _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s, split_slots,
                   NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  RUNTIME_SPLITS: gl.constexpr, LAYOUT: gl.constexpr):
+                  RUNTIME_SPLITS: gl.constexpr):
     """``(split_start, split_end)``: the keys of split ``pid_s`` (an even split of the
     request's keys in whole tiles, as the Triton kernel), cut after the last new token
     row block ``pid_m`` may see (topological order: its last token sees no later one).
     The request is split ``num_programs(1)`` ways, or with ``RUNTIME_SPLITS`` as
-    :func:`_runtime_num_splits` picks for its length (CUDA graphs; ``LAYOUT`` is a 1-D
-    layout for its candidate vector)."""
+    :func:`_runtime_num_splits` picks for its length (CUDA graphs)."""
     num_splits = gl.num_programs(1)
     if RUNTIME_SPLITS:
+        # The candidates, one per thread.
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
         num_splits = _runtime_num_splits(
             gl.cdiv(seq_len, BLOCK_N), gl.num_programs(0) * gl.num_programs(2), split_slots,
-            num_splits, MIN_TILES_PER_SPLIT, MAX_KV_SPLITS, LAYOUT)
+            num_splits, MIN_TILES_PER_SPLIT, MAX_KV_SPLITS, layout)
     keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     split_start = pid_s * keys_per_split
     split_end = gl.minimum(split_start + keys_per_split, seq_len)
@@ -248,8 +249,6 @@ def _mla_tree_fwd_gluon_kernel(
     ROW_S: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     ROW_O: gl.constexpr = gl.SliceLayout(1, O_LAYOUT)
 
-    # The run-time split choice's candidates, one per thread.
-    SPLITS_LAYOUT: gl.constexpr = gl.BlockedLayout([1], [32], [8], [0])
     pid_m = gl.program_id(0)
     pid_s = gl.program_id(1)
     pid_r = gl.program_id(2)
@@ -264,7 +263,7 @@ def _mla_tree_fwd_gluon_kernel(
 
     split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
                                            split_slots, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                           RUNTIME_SPLITS, SPLITS_LAYOUT)
+                                           RUNTIME_SPLITS)
 
     rows_s = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW_S)
     tok_s = gl.minimum(rows_s, num_rows - 1) // NUM_HEADS

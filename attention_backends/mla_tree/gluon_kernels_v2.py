@@ -339,8 +339,6 @@ def _mla_tree_fwd_gluon_v2_kernel(
                                               rank=2)
     STAT: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
-    # The run-time split choice's candidates, one per thread.
-    SPLITS_LAYOUT: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     pid_m = gl.program_id(0)
     pid_s = gl.program_id(1)
     pid_r = gl.program_id(2)
@@ -354,7 +352,7 @@ def _mla_tree_fwd_gluon_v2_kernel(
     ctx_len = seq_len - q_len
     split_start, split_end = _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s,
                                            split_slots, NUM_HEADS, BLOCK_M, BLOCK_N,
-                                           RUNTIME_SPLITS, SPLITS_LAYOUT)
+                                           RUNTIME_SPLITS)
     if split_start >= split_end:
         rows = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, ROW)
         lse_ptrs = (Lse + (q_start + rows // NUM_HEADS).to(gl.int64) * stride_lt
