@@ -9,10 +9,12 @@ graph and replayed (as ``_generate_draft`` runs), on the same logits:
 - ``per-depth torch``: ``build_ddtree`` with the vocabulary ranked depth by depth (the
   code of that run);
 - ``batched torch``: ``build_ddtree`` as it is now (one ranking for every depth);
-- ``triton``: ``tree_build_kernel.build_ddtree_triton`` (batched ranking + one launch
-  for the beams and the merge);
-- ``+ ancestor bits``: the same with ``DraftTree.ancestor_bits`` (what the speculator
-  also runs in the graph);
+- ``triton, torch ranking + bits``: the build kernel after the PyTorch ranking (int64
+  keys + ``topk``), then ``DraftTree.ancestor_bits``' ~30 small kernels (what the
+  speculator ran in its graph until the eighth session);
+- ``triton``: ``tree_build_kernel.build_ddtree_triton`` as the speculator runs it now:
+  log-softmax, the two ranking launches of ``vocab_top_k_kernel``, one launch for the
+  beams, the merge and the ancestor bits;
 - ``chain argmax``: what DFlash's ``sample_draft`` does instead (greedy argmax of the
   ``[R, L, V]`` logits), the floor the tree build is compared with.
 
@@ -42,6 +44,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from vllm_ddtree import tree as tree_mod  # noqa: E402
+from vllm_ddtree import tree_build_kernel  # noqa: E402
 from vllm_ddtree.tree import DraftTree, build_ddtree  # noqa: E402
 from vllm_ddtree.tree_build_kernel import build_ddtree_triton  # noqa: E402
 
@@ -58,6 +61,18 @@ def build_per_depth(logits: torch.Tensor, budget: int) -> DraftTree:
         tree_mod._RANK_BATCH_BYTES = saved
 
 
+def build_triton_torch_ranking(logits: torch.Tensor, budget: int) -> torch.Tensor:
+    """The build kernel after the PyTorch ranking, ancestor bits by PyTorch (the
+    pre-``vocab_top_k_kernel`` path); returns the bits (the tree is checked in ``run``)."""
+    saved = tree_build_kernel.ranked_top_k_triton
+    tree_build_kernel.ranked_top_k_triton = lambda *args: None  # -> PyTorch ranking
+    try:
+        tree = build_ddtree_triton(logits, budget)
+    finally:
+        tree_build_kernel.ranked_top_k_triton = saved
+    return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores).ancestor_bits()
+
+
 def chain_argmax(logits: torch.Tensor, budget: int) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
@@ -65,8 +80,8 @@ def chain_argmax(logits: torch.Tensor, budget: int) -> torch.Tensor:
 VARIANTS = {
     "per-depth torch": build_per_depth,
     "batched torch": build_ddtree,
+    "triton, torch ranking + bits": build_triton_torch_ranking,
     "triton": build_ddtree_triton,
-    "triton + ancestor bits": lambda x, b: build_ddtree_triton(x, b).ancestor_bits(),
     "chain argmax": chain_argmax,
 }
 
@@ -119,6 +134,10 @@ def run(args) -> list[dict]:
             if got is None or not same_tree(got, want):
                 raise AssertionError(f"{name} built other trees (R={requests}, V={vocab}, "
                                      f"B={budget})")
+        if not torch.equal(VARIANTS["triton"](logits, budget).packed_bits,
+                           want.ancestor_bits()) or not torch.equal(
+                build_triton_torch_ranking(logits, budget), want.ancestor_bits()):
+            raise AssertionError(f"other ancestor bits (R={requests}, V={vocab}, B={budget})")
         row = {"requests": requests, "vocab": vocab, "budget": budget}
         for name, fn in VARIANTS.items():
             row[name] = time_variant(fn, logits, budget, args.iters)
@@ -134,12 +153,14 @@ def write(rows: list[dict], args, command: str) -> None:
              f"L = {args.depths} depths, bf16 logits; ms per graph replay "
              f"(mean of {args.iters}); ratios against `per-depth torch` (the code of the "
              "2026-11-30 end-to-end run).", "",
-             "| R | V | B | " + " | ".join(names) + " | triton speed-up |",
-             "|---|---|---|" + "---|" * (len(names) + 1)]
+             "| R | V | B | " + " | ".join(names)
+             + " | triton speed-up | triton vs torch ranking + bits |",
+             "|---|---|---|" + "---|" * (len(names) + 2)]
     for row in rows:
         cells = " | ".join(f"{row[n]:.3f}" for n in names)
         lines.append(f"| {row['requests']} | {row['vocab']} | {row['budget']} | {cells} | "
-                     f"{row['per-depth torch'] / row['triton']:.1f}x |")
+                     f"{row['per-depth torch'] / row['triton']:.1f}x | "
+                     f"{row['triton, torch ranking + bits'] / row['triton']:.2f}x |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -87,7 +87,8 @@ for stage in "$@"; do
         tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs and not auto" ;;
     roundk) stage_pytest roundk 300 tests/test_tree_walk_kernel.py \
               tests/test_active_query_rows.py tests/test_tree_build_kernel.py \
-              tests/test_verify_inputs_kernel.py tests/test_budget_choice_kernel.py ;;
+              tests/test_vocab_top_k_kernel.py tests/test_verify_inputs_kernel.py \
+              tests/test_budget_choice_kernel.py ;;
     ddtree_treek)  # the ddtree suite and the graphs test with the Triton tree build (flip
       # DEFAULT_TREE_BUILD; passed on the H200 2026-11-30 and is now the default)
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \
@@ -183,7 +184,7 @@ for stage in "$@"; do
       summary lmeval32 $?
       grep -E "PASS|FAIL" "$OUT/lmeval32.log" | tail -5 ;;
     treebuild)  # the tree build variants captured in CUDA graphs (evals/bench_tree_build.py)
-      timeout "${STAGE_LIMIT:-300}" python3 evals/bench_tree_build.py \
+      timeout "${STAGE_LIMIT:-300}" python3 evals/bench_tree_build.py ${TREEBUILD_ARGS:-} \
         --out "$OUT/tree_build.md" > "$OUT/treebuild.log" 2>&1
       summary treebuild $?
       cat "$OUT/tree_build.md" 2>/dev/null | tail -30 ;;

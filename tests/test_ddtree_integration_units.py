@@ -362,6 +362,7 @@ def fake_speculator(state):
     spec.batch_parents = torch.zeros(MAX_REQS, BUDGET, dtype=torch.int64)
     spec.batch_depths = torch.ones(MAX_REQS, BUDGET, dtype=torch.int64)
     spec.batch_ancestor_bits = torch.zeros(MAX_REQS, 1 + BUDGET, 1, dtype=torch.int64)
+    spec.batch_scores = torch.zeros(MAX_REQS, BUDGET)
     spec.sample_indices = torch.zeros(MAX_REQS * DEPTHS, dtype=torch.int64)
     return spec
 
@@ -382,6 +383,7 @@ def test_generate_draft_builds_trees_from_drafter_logits():
     assert torch.equal(spec.batch_parents[:num_reqs], want.parents)
     assert torch.equal(spec.batch_depths[:num_reqs], want.depths)
     assert torch.equal(spec.batch_ancestor_bits[:num_reqs], want.ancestor_bits())
+    assert torch.equal(spec.batch_scores[:num_reqs], want.scores)
 
 
 def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):

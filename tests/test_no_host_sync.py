@@ -370,6 +370,7 @@ def make_scenario(budget: int, top_k: int | None, num_logprobs: int, monkeypatch
     spec.batch_depths = torch.ones(MAX_REQS, budget, dtype=torch.int64)
     spec.batch_ancestor_bits = torch.zeros(MAX_REQS, 1 + budget, num_mask_words(1 + budget),
                                            dtype=torch.int64)
+    spec.batch_scores = torch.zeros(MAX_REQS, budget)
     spec.sample_indices = torch.tensor(
         [r * BLOCK + k for r in range(MAX_REQS) for k in range(1, BLOCK)])
     spec.model = NS(compute_logits=lambda h: h * 3)

@@ -240,7 +240,8 @@ def test_build_on_cuda_matches_cpu():
     logits = make_logits("quantized", (3, 15, 300), seed=1)
     cpu = build_ddtree(logits, 256)
     gpu = build_ddtree(logits.cuda(), 256)
-    assert_trees_equal(cpu, DraftTree(*(t.cpu() for t in vars(gpu).values())))
+    assert_trees_equal(cpu, DraftTree(*(getattr(gpu, n).cpu()
+                                        for n in ("tokens", "parents", "depths", "scores"))))
 
 
 def test_build_errors():

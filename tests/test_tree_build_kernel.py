@@ -18,6 +18,7 @@ triton = pytest.importorskip("triton")
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 from test_tree import make_logits  # noqa: E402
 
+from vllm_ddtree import tree as tree_mod  # noqa: E402
 from vllm_ddtree import tree_build_kernel  # noqa: E402
 from vllm_ddtree.tree import build_ddtree, build_ddtree_reference  # noqa: E402
 from vllm_ddtree.tree_build_kernel import (  # noqa: E402
@@ -78,6 +79,40 @@ def test_kernel_equals_build_ddtree(kind, shape, budget, top_k):
     assert_same_tree(got, build_ddtree(logits, budget, top_k))
 
 
+@pytest.mark.parametrize("budget,top_k", [(16, None), (63, 4), (64, 4), (100, 3),
+                                          (130, 2)])
+def test_kernel_ancestor_bits_equal_the_pytorch_ones(budget, top_k):
+    """``packed_bits`` (1, 2 and 3 mask words) against ``DraftTree.ancestor_bits``'
+    pointer doubling on the same parents."""
+    logits = make_logits("randn", (2, 8, 30), seed=budget).to(DEVICE)
+    got = build_ddtree_triton(logits, budget, top_k)
+    want = build_ddtree(logits, budget, top_k)
+    assert_same_tree(got, want)
+    want.packed_bits = None
+    assert torch.equal(got.packed_bits.cpu(), want.ancestor_bits().cpu())
+
+
+@pytest.mark.parametrize("force_triton", [True, False])
+def test_out_buffers_are_written_in_place(force_triton):
+    """``out``: row slices of larger persistent buffers (the speculator's), written by
+    the launch (or copied from the PyTorch build); rows past the batch untouched."""
+    logits = make_logits("quantized", (2, 6, 20), seed=7).to(DEVICE)
+    tokens = torch.full((5, 24), -7, dtype=torch.int64, device=DEVICE)
+    bits = torch.full((5, 25, 1), -7, dtype=torch.int64, device=DEVICE)
+    out = tree_mod.DraftTree(tokens=tokens[:2], parents=tokens.clone()[:2],
+                             depths=tokens.clone()[:2],
+                             scores=torch.zeros(5, 24, device=DEVICE)[:2], packed_bits=bits[:2])
+    got = build_ddtree_fast(logits, 24, out=out, force_triton=force_triton)
+    assert got is out
+    want = build_ddtree(logits, 24)
+    assert_same_tree(out, want)
+    assert torch.equal(bits[:2].cpu(), want.ancestor_bits().cpu())
+    assert (tokens[2:] == -7).all() and (bits[2:] == -7).all()
+    with pytest.raises(ValueError, match="out.packed_bits"):
+        build_ddtree_triton(logits, 24, out=tree_mod.DraftTree(
+            out.tokens, out.parents, out.depths, out.scores))
+
+
 @pytest.mark.parametrize("kind", ["randn", "quantized", "peaked"])
 def test_kernel_equals_the_heapq_reference(kind):
     logits = make_logits(kind, (2, 6, 10), seed=5)
@@ -108,7 +143,7 @@ def test_dispatch_and_fallback(monkeypatch):
     calls = []
     original = tree_build_kernel.build_ddtree_triton
     monkeypatch.setattr(tree_build_kernel, "build_ddtree_triton",
-                        lambda *a: calls.append(a) or original(*a))
+                        lambda *a, **kw: calls.append(a) or original(*a, **kw))
     assert_same_tree(build_ddtree_fast(logits, 20), build_ddtree(logits, 20))
     assert not calls  # CPU tensors: the PyTorch build
     assert_same_tree(build_ddtree_fast(logits.to(DEVICE), 20, force_triton=True),
@@ -157,16 +192,25 @@ _COMPILE_SCRIPT = textwrap.dedent(
     from triton.compiler import ASTSource
     from vllm_ddtree.tree_build_kernel import _build_tree_kernel as fn
 
+    from vllm_ddtree.vocab_top_k_kernel import (
+        MAX_MERGE_BLOCK, _CHUNK, _chunk_top_k_kernel, _merge_top_k_kernel)
+
     pointers = {"LogProbs": "*fp32", "BeamScores": "*fp32", "OutScores": "*fp32",
                 "Tokens": "*i64", "BeamTokens": "*i64", "OutTokens": "*i64",
-                "OutParents": "*i64", "OutDepths": "*i64"}
+                "OutParents": "*i64", "OutDepths": "*i64", "OutBits": "*i64",
+                "Keys": "*i64", "OutLogProbs": "*fp32"}
+    # (kernel, its constexprs, num_warps): the build at its smallest and largest block,
+    # the two ranking passes at the largest blocks the launcher picks.
+    configs = [(fn, dict(BLOCK_C=256, BLOCK_N=256), 4),
+               (fn, dict(BLOCK_C=4096, BLOCK_N=4096), 8),
+               (_chunk_top_k_kernel, dict(CHUNK=_CHUNK, K=128), 8),
+               (_merge_top_k_kernel, dict(BLOCK=MAX_MERGE_BLOCK, K=128), 8)]
     result = []
     for arch in (90, 120):
-        for block, num_warps in ((256, 4), (4096, 8)):
-            consts = dict(BLOCK_C=block, BLOCK_N=block)
+        for kernel, consts, num_warps in configs:
             sig = {n: "constexpr" if n in consts else pointers.get(n, "*i32")
-                   if n[0].isupper() else "i32" for n in fn.arg_names}
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts),
+                   if n[0].isupper() else "i32" for n in kernel.arg_names}
+            k = triton.compile(ASTSource(kernel, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32),
                                options={"num_warps": num_warps})
             result.append(k.metadata.shared)
@@ -176,10 +220,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_kernel_compiles_for_sm90_and_sm120_within_shared_memory():
-    """Compile (no GPU needed) at the smallest and the largest block for Hopper and
-    for sm_120 (about 99 KB of shared memory per block there)."""
+    """Compile (no GPU needed) the build kernel at its smallest and largest block and
+    the vocabulary ranking at its largest, for Hopper and for sm_120 (about 99 KB of
+    shared memory per block there)."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 4 and max(shared) <= 99 * 1024, shared
+    assert len(shared) == 8 and max(shared) <= 99 * 1024, shared
     print(f"shared memory per config: {shared}")
 
 

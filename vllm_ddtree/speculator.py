@@ -19,11 +19,12 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   config's B) and ``self.budget`` is B.
 * **``_generate_draft``** (captured in FULL CUDA graphs by
   ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
-  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k)`` (on CUDA
-  the beam selection is one Triton launch, ``tree_build_kernel``;
-  ``VLLM_DDTREE_TREE_BUILD=torch`` for the PyTorch build); tokens go to
-  ``draft_tokens`` (the return value), parents / depths / ancestor bits to
-  batch-ordered buffers. Greedy drafting only: no ``draft_logits [reqs, B, V]``.
+  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k, out=...)`` (on
+  CUDA log-softmax + two ranking launches + one launch for the beams, merge and
+  ancestor bits, ``tree_build_kernel``; ``VLLM_DDTREE_TREE_BUILD=torch`` for the
+  PyTorch build), written straight into ``draft_tokens`` (the return value) and the
+  batch-ordered parents / depths / ancestor bits / scores buffers. Greedy drafting
+  only: no ``draft_logits [reqs, B, V]``.
 * **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the
   shared ``block_tables.slot_mappings`` (``:366-389``), move the KV of each request's
   accepted path into the slots of positions ``seq+1..seq+a`` in every target layer,
@@ -74,7 +75,7 @@ from vllm_ddtree.runtime_state import (
     drafter_block_size,
     hidden_row_gather_index,
 )
-from vllm_ddtree.tree import num_mask_words
+from vllm_ddtree.tree import DraftTree, num_mask_words
 from vllm_ddtree.tree_build_kernel import build_ddtree_fast
 from vllm_ddtree.verify_batch import compaction_slots
 
@@ -234,6 +235,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.batch_ancestor_bits = torch.zeros(
             self.max_num_reqs, 1 + self.budget, words, dtype=torch.int64, device=device
         )
+        # Node scores: the tree build writes them; only ``auto`` reads them.
+        self.batch_scores = torch.zeros(
+            self.max_num_reqs, self.budget, dtype=torch.float32, device=device
+        )
 
         # The MLA tree backend treats queries up to its reorder_batch_threshold,
         # 1 + 2B for DFlash (backend.py:651-681; in fp32 every query), as decodes:
@@ -260,9 +265,6 @@ class DDTreeSpeculator(DFlashSpeculator):
         from vllm_ddtree.budget_policy import BudgetPolicy
 
         self.adaptive = True
-        self.batch_scores = torch.zeros(
-            self.max_num_reqs, self.budget, dtype=torch.float32, device=device
-        )
         self.state.enable_adaptive_(self.max_num_reqs, device)
         self.budget_policy = BudgetPolicy.from_vllm_config(vllm_config, self.budget, device)
 
@@ -306,7 +308,8 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         Writes ``draft_tokens[:R]`` int64 ``[R, B]``, ``batch_parents[:R]``,
         ``batch_depths[:R]`` int64 ``[R, B]``, ``batch_ancestor_bits[:R]`` int64
-        ``[R, 1+B, W]`` and, when adaptive, ``batch_scores[:R]`` float32 ``[R, B]``.
+        ``[R, 1+B, W]`` and ``batch_scores[:R]`` float32 ``[R, B]`` (in place: the Triton
+        build writes them in its launch, the PyTorch one is copied).
         No host sync (graph-capturable once ``build_ddtree``'s cached
         index tables exist, i.e. after one eager run with the same B, top_k).
         """
@@ -320,13 +323,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         depths = self.num_draft_depths
         num_sample = num_reqs * depths
         logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
-        tree = build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k)
-        self.draft_tokens[:num_reqs] = tree.tokens
-        self.batch_parents[:num_reqs] = tree.parents
-        self.batch_depths[:num_reqs] = tree.depths
-        self.batch_ancestor_bits[:num_reqs] = tree.ancestor_bits()
-        if self.adaptive:
-            self.batch_scores[:num_reqs] = tree.scores
+        out = DraftTree(tokens=self.draft_tokens[:num_reqs],
+                        parents=self.batch_parents[:num_reqs],
+                        depths=self.batch_depths[:num_reqs],
+                        scores=self.batch_scores[:num_reqs],
+                        packed_bits=self.batch_ancestor_bits[:num_reqs])
+        build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
 
     def _compact_target_kv(
         self,

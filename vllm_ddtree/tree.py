@@ -123,12 +123,15 @@ class DraftTree:
         parents: int64 ``[R, B]``, parent node index, ``-1`` for the root.
         depths: int64 ``[R, B]``, 1-based depth (children of the root have depth 1).
         scores: float32 ``[R, B]``, cumulative draft log-prob of the node's prefix.
+        packed_bits: int64 ``[R, 1 + B, W]`` or None: :meth:`ancestor_bits` when the
+            builder already made them (the Triton build writes them in its launch).
     """
 
     tokens: torch.Tensor
     parents: torch.Tensor
     depths: torch.Tensor
     scores: torch.Tensor
+    packed_bits: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         shape = self.tokens.shape
@@ -164,6 +167,8 @@ class DraftTree:
             ``p + 1`` for every ancestor node ``p`` and bit ``i + 1`` (itself).
             Bits are little-endian as in :func:`pack_ancestor_mask`.
         """
+        if self.packed_bits is not None:
+            return self.packed_bits
         num_rows = 1 + self.budget
         num_words = num_mask_words(num_rows)
         device = self.device

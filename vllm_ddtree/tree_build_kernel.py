@@ -9,7 +9,9 @@ on the H200 the draft step of DDTree took 3.1 ms against 0.9 ms for vLLM's DFlas
 chain with the same drafter (``evals/results/e2e_trained.md``).
 
 ``_build_tree_kernel``: grid ``(R,)``, one program per request, after the same
-vocabulary ranking (:func:`vllm_ddtree.tree._ranked_top_k_by_depth`):
+vocabulary ranking (``tree._ranked_top_k_by_depth``'s result, ranked by
+``vocab_top_k_kernel.ranked_top_k_triton`` in two launches after PyTorch's
+log-softmax):
 
 1. depth 1's beam is its first ``W_1 = min(B, k)`` ranked tokens;
 2. for each next depth, the candidates ``(parent position p, rank j)`` that can reach
@@ -19,7 +21,9 @@ vocabulary ranking (:func:`vllm_ddtree.tree._ranked_top_k_by_depth`):
    them and the first ``W_d`` form the depth's beam, written to a per-request scratch
    row in depth-major order (a barrier before the next depth reads it);
 3. the merge sorts every beam node by (score, depth-major position) and keeps the
-   first ``B``; parents become indices into the chosen nodes through a scratch map.
+   first ``B``; parents become indices into the chosen nodes through a scratch map;
+4. each kept node follows its parents (at most L steps) to set its row of the packed
+   ancestor bits (``DraftTree.ancestor_bits``, ~30 small kernels in PyTorch).
 
 :func:`build_ddtree_fast` uses it on CUDA by default (``VLLM_DDTREE_TREE_BUILD=torch``
 goes back to ``build_ddtree``); the mixed-batch GPU suite passed with it on the H200.
@@ -41,12 +45,15 @@ import triton.language as tl
 
 from vllm_ddtree.round_kernels import use_triton_tree_build
 from vllm_ddtree.tree import (
+    _RANK_BATCH_BYTES,
     DraftTree,
     _beam_candidates,
     _ranked_top_k_by_depth,
     _validate_build_args,
     build_ddtree,
+    num_mask_words,
 )
+from vllm_ddtree.vocab_top_k_kernel import ranked_top_k_triton
 
 __all__ = ["MAX_BLOCK", "build_ddtree_fast", "build_ddtree_triton", "beam_plan"]
 
@@ -72,10 +79,12 @@ def _key_index(key):
 @triton.jit(do_not_specialize=["num_depths", "budget", "top_k"])
 def _build_tree_kernel(
     LogProbs, Tokens, Cands, Widths, Offsets, DepthOf,
-    BeamScores, BeamTokens, BeamParents, NodeIndex,
-    OutTokens, OutParents, OutDepths, OutScores,
-    num_depths, budget, top_k,
-    stride_lp_r, stride_lp_d, stride_tok_r, stride_tok_d, stride_out_r,
+    BeamScores, BeamTokens, BeamParents, NodeIndex, NodeParents,
+    OutTokens, OutParents, OutDepths, OutScores, OutBits,
+    num_depths, budget, top_k, num_words,
+    stride_lp_r, stride_lp_d, stride_tok_r, stride_tok_d,
+    stride_tokens_r, stride_parents_r, stride_depths_r, stride_scores_r,
+    stride_bits_r, stride_bits_q,
     BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
@@ -132,11 +141,32 @@ def _build_tree_kernel(
     parent = tl.load(beam_parents + node, mask=keep, other=-1)
     parent_node = tl.load(node_index + tl.maximum(parent, 0), mask=keep & (parent >= 0),
                           other=-1)
-    out = r * stride_out_r + offs_n
-    tl.store(OutTokens + out, tl.load(beam_tokens + node, mask=keep), mask=keep)
-    tl.store(OutParents + out, parent_node.to(tl.int64), mask=keep)
-    tl.store(OutDepths + out, tl.load(DepthOf + node, mask=keep).to(tl.int64), mask=keep)
-    tl.store(OutScores + out, tl.load(beam_scores + node, mask=keep), mask=keep)
+    tl.store(OutTokens + r * stride_tokens_r + offs_n, tl.load(beam_tokens + node, mask=keep),
+             mask=keep)
+    tl.store(OutParents + r * stride_parents_r + offs_n, parent_node.to(tl.int64), mask=keep)
+    tl.store(OutDepths + r * stride_depths_r + offs_n,
+             tl.load(DepthOf + node, mask=keep).to(tl.int64), mask=keep)
+    tl.store(OutScores + r * stride_scores_r + offs_n, tl.load(beam_scores + node, mask=keep),
+             mask=keep)
+
+    # Ancestor bits (DraftTree.ancestor_bits): verify row i + 1 holds the bits of node
+    # i and of every node above it, found by following the parents (a node at depth d
+    # has d of them, itself included), and bit 0, the root.
+    node_parents = NodeParents + r * BLOCK_N
+    tl.store(node_parents + offs_n, parent_node, mask=keep)
+    tl.debug_barrier()
+    bits_row = OutBits + r * stride_bits_r
+    for w in range(num_words):
+        root_bit = tl.where(offs_n * 0 + w == 0, 1, 0).to(tl.int64)  # bit 0 of word 0
+        word = root_bit
+        cur = tl.where(keep, offs_n, -1)
+        for _ in range(num_depths):
+            verify_row = cur + 1
+            bit = tl.full((BLOCK_N,), 1, tl.int64) << (verify_row % 64).to(tl.int64)
+            word = word | tl.where((cur >= 0) & (verify_row // 64 == w), bit, 0)
+            cur = tl.load(node_parents + tl.maximum(cur, 0), mask=cur >= 0, other=-1)
+        tl.store(bits_row + w + offs_n * 0, root_bit, mask=offs_n == 0)  # the root's row
+        tl.store(bits_row + (1 + offs_n) * stride_bits_q + w, word, mask=keep)
 
 
 def _beam_widths(budget: int, top_k: int, num_depths: int) -> list[int]:
@@ -181,13 +211,60 @@ def beam_plan(budget: int, top_k: int, num_depths: int, device: torch.device):
             block_c, block_n)
 
 
+def _ranked_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``tree._ranked_top_k_by_depth(draft_logits, k)`` (fp32 / int64 ``[R, L, k]``, bit
+    for bit) with the ranking in :func:`ranked_top_k_triton`'s two launches; depths go
+    through in batches whose fp32 log-probs stay under ``tree._RANK_BATCH_BYTES``."""
+    num_requests, num_depths, vocab_size = draft_logits.shape
+    step = max(1, min(num_depths, _RANK_BATCH_BYTES // max(1, num_requests * vocab_size * 4)))
+    parts = []
+    for d in range(0, num_depths, step):
+        ranked = ranked_top_k_triton(torch.log_softmax(draft_logits[:, d : d + step].float(),
+                                                       dim=-1), k)
+        if ranked is None:  # top-k past the merge block
+            return _ranked_top_k_by_depth(draft_logits, k)
+        parts.append(ranked)
+    if len(parts) == 1:
+        return parts[0]
+    return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))
+
+
+def _empty_tree(num_requests: int, budget: int, device: torch.device) -> DraftTree:
+    tokens = torch.empty(num_requests, budget, dtype=torch.int64, device=device)
+    bits = torch.empty(num_requests, 1 + budget, num_mask_words(1 + budget),
+                       dtype=torch.int64, device=device)
+    return DraftTree(tokens=tokens, parents=torch.empty_like(tokens),
+                     depths=torch.empty_like(tokens),
+                     scores=torch.empty(num_requests, budget, dtype=torch.float32,
+                                        device=device), packed_bits=bits)
+
+
+def _check_out(out: DraftTree, num_requests: int, budget: int) -> None:
+    words = num_mask_words(1 + budget)
+    for name, dtype, shape in (("tokens", torch.int64, (num_requests, budget)),
+                               ("parents", torch.int64, (num_requests, budget)),
+                               ("depths", torch.int64, (num_requests, budget)),
+                               ("scores", torch.float32, (num_requests, budget)),
+                               ("packed_bits", torch.int64, (num_requests, 1 + budget, words))):
+        t = getattr(out, name)
+        if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.stride(-1) != 1:
+            got = None if t is None else (t.dtype, tuple(t.shape), t.stride())
+            raise ValueError(f"out.{name} must be {dtype} {shape} with unit last stride, "
+                             f"got {got}")
+
+
 def build_ddtree_triton(draft_logits: torch.Tensor, budget: int,
-                        top_k: int | None = None) -> DraftTree | None:
-    """``build_ddtree(draft_logits, budget, top_k)`` with the beam selection and merge
-    in one Triton launch; None when the blocks would exceed :data:`MAX_BLOCK`.
+                        top_k: int | None = None, *, out: DraftTree | None = None
+                        ) -> DraftTree | None:
+    """``build_ddtree(draft_logits, budget, top_k)`` with the vocabulary ranking in two
+    Triton launches (``vocab_top_k_kernel``) and the beam selection, merge and ancestor
+    bits in one; None when the blocks would exceed :data:`MAX_BLOCK`.
 
     Args and result as :func:`vllm_ddtree.tree.build_ddtree` (``[R, L, V]`` logits;
-    int64 / fp32 ``[R, B]`` tree). Raises its ``ValueError`` on bad arguments.
+    int64 / fp32 ``[R, B]`` tree), plus ``packed_bits`` (``DraftTree.ancestor_bits``,
+    int64 ``[R, 1 + B, W]``). ``out``: a tree of those shapes and dtypes (rows may be
+    strided) the launch writes into instead of new tensors (the speculator's
+    persistent buffers). Raises ``build_ddtree``'s ``ValueError`` on bad arguments.
     """
     k = _validate_build_args(draft_logits, budget, top_k)
     num_requests, num_depths, _ = draft_logits.shape
@@ -195,40 +272,51 @@ def build_ddtree_triton(draft_logits: torch.Tensor, budget: int,
     plan = beam_plan(budget, k, num_depths, device)
     if plan is None:
         return None
+    if out is None:
+        out = _empty_tree(num_requests, budget, device)
+    else:
+        _check_out(out, num_requests, budget)
+    if not num_requests:
+        return out
     cands, widths, offsets, depth_of, block_c, block_n = plan
-    logprobs, tokens = _ranked_top_k_by_depth(draft_logits, k)  # [R, L, k]
-    beam_scores = torch.empty(num_requests, block_n, dtype=torch.float32, device=device)
+    logprobs, tokens = _ranked_top_k(draft_logits, k)  # [R, L, k]
+    scratch_f32 = torch.empty(num_requests, block_n, dtype=torch.float32, device=device)
     beam_tokens = torch.empty(num_requests, block_n, dtype=torch.int64, device=device)
-    beam_parents = torch.empty(num_requests, block_n, dtype=torch.int32, device=device)
-    node_index = torch.empty(num_requests, block_n, dtype=torch.int32, device=device)
-    out_tokens = torch.empty(num_requests, budget, dtype=torch.int64, device=device)
-    out_parents = torch.empty_like(out_tokens)
-    out_depths = torch.empty_like(out_tokens)
-    out_scores = torch.empty(num_requests, budget, dtype=torch.float32, device=device)
-    if num_requests:
-        _build_tree_kernel[(num_requests,)](
-            logprobs, tokens, cands, widths, offsets, depth_of,
-            beam_scores, beam_tokens, beam_parents, node_index,
-            out_tokens, out_parents, out_depths, out_scores,
-            num_depths, budget, k,
-            logprobs.stride(0), logprobs.stride(1), tokens.stride(0), tokens.stride(1),
-            out_tokens.stride(0),
-            BLOCK_C=block_c, BLOCK_N=block_n,
-            num_warps=8 if block_n >= 1024 else 4,
-        )  # fmt: skip
-    return DraftTree(tokens=out_tokens, parents=out_parents, depths=out_depths,
-                     scores=out_scores)
+    scratch_i32 = torch.empty(3, num_requests, block_n, dtype=torch.int32, device=device)
+    beam_parents, node_index, node_parents = scratch_i32.unbind(0)
+    bits = out.packed_bits
+    _build_tree_kernel[(num_requests,)](
+        logprobs, tokens, cands, widths, offsets, depth_of,
+        scratch_f32, beam_tokens, beam_parents, node_index, node_parents,
+        out.tokens, out.parents, out.depths, out.scores, bits,
+        num_depths, budget, k, bits.shape[-1],
+        logprobs.stride(0), logprobs.stride(1), tokens.stride(0), tokens.stride(1),
+        out.tokens.stride(0), out.parents.stride(0), out.depths.stride(0),
+        out.scores.stride(0), bits.stride(0), bits.stride(1),
+        BLOCK_C=block_c, BLOCK_N=block_n,
+        num_warps=8 if block_n >= 1024 else 4,
+    )  # fmt: skip
+    return out
 
 
 def build_ddtree_fast(draft_logits: torch.Tensor, budget: int, top_k: int | None = None,
-                      *, force_triton: bool = False) -> DraftTree:
+                      *, out: DraftTree | None = None, force_triton: bool = False
+                      ) -> DraftTree:
     """The tree build of the speculator: :func:`build_ddtree_triton` on CUDA tensors
     (unless ``VLLM_DDTREE_TREE_BUILD=torch``, ``vllm_ddtree.round_kernels``) for a
     budget within the kernel's blocks, :func:`vllm_ddtree.tree.build_ddtree` otherwise. Same
-    arguments and result; ``force_triton`` runs the kernel on CPU tensors too (tests,
-    with ``TRITON_INTERPRET=1``)."""
+    arguments and result; with ``out`` (as :func:`build_ddtree_triton`'s) the tree and
+    its ``packed_bits`` are written there and ``out`` is returned. ``force_triton`` runs
+    the kernel on CPU tensors too (tests, with ``TRITON_INTERPRET=1``)."""
     if force_triton or use_triton_tree_build(draft_logits):
-        tree = build_ddtree_triton(draft_logits, budget, top_k)
+        tree = build_ddtree_triton(draft_logits, budget, top_k, out=out)
         if tree is not None:
             return tree
-    return build_ddtree(draft_logits, budget, top_k)
+    tree = build_ddtree(draft_logits, budget, top_k)
+    if out is None:
+        return tree
+    _check_out(out, *tree.tokens.shape)
+    for name in ("tokens", "parents", "depths", "scores"):
+        getattr(out, name).copy_(getattr(tree, name))
+    out.packed_bits.copy_(tree.ancestor_bits())
+    return out
