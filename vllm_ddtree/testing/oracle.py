@@ -308,14 +308,14 @@ def install_oracle(
         finally:
             ctx["req_ids"] = None
 
-    def build_oracle_tree(logits, budget, top_k=None):
+    def build_oracle_tree(logits, budget, top_k=None, *, out=None):
         req_ids, spec = ctx["req_ids"], ctx["spec"]
         if req_ids is None:
-            return original_build(logits, budget, top_k)
+            return original_build(logits, budget, top_k, out=out)
         num_reqs, num_depths, _ = logits.shape
         if num_reqs != len(req_ids) or num_depths != spec.num_draft_depths:
             record.shape_mismatches += 1
-            return original_build(logits, budget, top_k)
+            return original_build(logits, budget, top_k, out=out)
         positions = spec.sample_pos[: num_reqs * num_depths].view(num_reqs, num_depths)
         positions = positions.tolist()
         rows: list = []
@@ -333,7 +333,7 @@ def install_oracle(
             record.drafts.append([q, bonus_pos])
             record.oracle_rows += 1
         return original_build(oracle_logits(logits, rows, ranks, seeds, **logit_kwargs),
-                              budget, top_k)
+                              budget, top_k, out=out)
 
     def verify(self, logits, input_batch, draft_logits=None):
         out = original_call(self, logits, input_batch, draft_logits)
