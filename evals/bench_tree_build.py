@@ -66,12 +66,12 @@ def build_per_depth(logits: torch.Tensor, budget: int) -> DraftTree:
 def build_triton_torch_ranking(logits: torch.Tensor, budget: int) -> torch.Tensor:
     """The build kernel after the PyTorch ranking, ancestor bits by PyTorch (the
     pre-``vocab_top_k_kernel`` path); returns the bits (the tree is checked in ``run``)."""
-    saved = tree_build_kernel.ranked_top_k_triton
-    tree_build_kernel.ranked_top_k_triton = lambda *args: None  # -> PyTorch ranking
+    saved = tree_build_kernel._ranked_top_k
+    tree_build_kernel._ranked_top_k = tree_mod._ranked_top_k_by_depth
     try:
         tree = build_ddtree_triton(logits, budget)
     finally:
-        tree_build_kernel.ranked_top_k_triton = saved
+        tree_build_kernel._ranked_top_k = saved
     return DraftTree(tree.tokens, tree.parents, tree.depths, tree.scores).ancestor_bits()
 
 

@@ -280,18 +280,24 @@ def _ranked_top_k(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 _RANK_BATCH_BYTES = 64 << 20
 
 
-def _ranked_top_k_by_depth(draft_logits: torch.Tensor, k: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def _ranked_top_k_by_depth(draft_logits: torch.Tensor, k: int, rank_batch=None,
+                           bytes_per_entry: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_ranked_top_k` of :func:`_draft_logprobs` for every depth of
     ``draft_logits`` ``[R, L, V]``: fp32 / int64 ``[R, L, k]``. Depths go through in
-    as few batches as the key budget allows (one launch sequence for all L depths
-    instead of L: the tree build runs inside the drafter's CUDA graph, where each
-    small kernel costs a few microseconds)."""
+    as few batches as the temporary budget allows (one launch sequence for all L
+    depths instead of L: the tree build runs inside the drafter's CUDA graph, where
+    each small kernel costs a few microseconds).
+
+    ``rank_batch``: ranks one ``[R, l, V]`` batch of depths the same way (default the
+    PyTorch ops above); ``bytes_per_entry``: its temporary bytes per logit (8: the int64
+    sort keys)."""
+    if rank_batch is None:
+        def rank_batch(logits):
+            return _ranked_top_k(_draft_logprobs(logits), k)
     num_requests, num_depths, vocab_size = draft_logits.shape
-    per_depth = max(1, num_requests * vocab_size * 8)
+    per_depth = max(1, num_requests * vocab_size * bytes_per_entry)
     step = max(1, min(num_depths, _RANK_BATCH_BYTES // per_depth))
-    parts = [_ranked_top_k(_draft_logprobs(draft_logits[:, d : d + step]), k)
-             for d in range(0, num_depths, step)]
+    parts = [rank_batch(draft_logits[:, d : d + step]) for d in range(0, num_depths, step)]
     if len(parts) == 1:
         return parts[0]
     return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))

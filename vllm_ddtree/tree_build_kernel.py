@@ -45,7 +45,6 @@ import triton.language as tl
 
 from vllm_ddtree.round_kernels import use_triton_tree_build
 from vllm_ddtree.tree import (
-    _RANK_BATCH_BYTES,
     DraftTree,
     _beam_candidates,
     _ranked_top_k_by_depth,
@@ -53,27 +52,17 @@ from vllm_ddtree.tree import (
     build_ddtree,
     num_mask_words,
 )
-from vllm_ddtree.vocab_top_k_kernel import ranked_top_k_triton
+from vllm_ddtree.vocab_top_k_kernel import (
+    _key_index,
+    _sort_key,
+    ranked_top_k_fits,
+    ranked_top_k_triton,
+)
 
 __all__ = ["MAX_BLOCK", "build_ddtree_fast", "build_ddtree_triton", "beam_plan"]
 
 # Largest candidate / node block one program sorts in registers (int64 keys).
 MAX_BLOCK = 4096
-
-
-@triton.jit
-def _sort_key(score, index):
-    """Unique int64 key: larger for a larger fp32 ``score``, or an equal score at a
-    smaller ``index`` (as ``tree._sort_keys``; -0.0 counts as +0.0)."""
-    bits = (score + 0.0).to(tl.int32, bitcast=True)
-    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return ordered.to(tl.int64) * 4294967296 + (4294967295 - index.to(tl.int64))
-
-
-@triton.jit
-def _key_index(key):
-    """The ``index`` a :func:`_sort_key` key was made with."""
-    return 4294967295 - (key & 4294967295)
 
 
 @triton.jit(do_not_specialize=["num_depths", "budget", "top_k"])
@@ -213,39 +202,36 @@ def beam_plan(budget: int, top_k: int, num_depths: int, device: torch.device):
 
 def _ranked_top_k(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``tree._ranked_top_k_by_depth(draft_logits, k)`` (fp32 / int64 ``[R, L, k]``, bit
-    for bit) with the ranking in :func:`ranked_top_k_triton`'s two launches; depths go
-    through in batches whose fp32 log-probs stay under ``tree._RANK_BATCH_BYTES``."""
-    num_requests, num_depths, vocab_size = draft_logits.shape
-    step = max(1, min(num_depths, _RANK_BATCH_BYTES // max(1, num_requests * vocab_size * 4)))
-    parts = []
-    for d in range(0, num_depths, step):
-        ranked = ranked_top_k_triton(torch.log_softmax(draft_logits[:, d : d + step].float(),
-                                                       dim=-1), k)
-        if ranked is None:  # top-k past the merge block
-            return _ranked_top_k_by_depth(draft_logits, k)
-        parts.append(ranked)
-    if len(parts) == 1:
-        return parts[0]
-    return (torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1))
+    for bit) with each depth batch ranked by :func:`ranked_top_k_triton`'s two launches
+    after PyTorch's log-softmax (its fp32 log-probs are what the batches are sized by);
+    the PyTorch ranking when ``k`` is past the merge block."""
+    if not ranked_top_k_fits(draft_logits.shape[-1], k):
+        return _ranked_top_k_by_depth(draft_logits, k)
+    return _ranked_top_k_by_depth(
+        draft_logits, k,
+        rank_batch=lambda logits: ranked_top_k_triton(
+            torch.log_softmax(logits.float(), dim=-1), k),
+        bytes_per_entry=4,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _tree_layout(num_requests: int, budget: int) -> tuple:
+    """``(field, dtype, shape)`` of every tensor of a built tree (packed bits included)."""
+    nodes = (num_requests, budget)
+    return (("tokens", torch.int64, nodes), ("parents", torch.int64, nodes),
+            ("depths", torch.int64, nodes), ("scores", torch.float32, nodes),
+            ("packed_bits", torch.int64,
+             (num_requests, 1 + budget, num_mask_words(1 + budget))))
 
 
 def _empty_tree(num_requests: int, budget: int, device: torch.device) -> DraftTree:
-    tokens = torch.empty(num_requests, budget, dtype=torch.int64, device=device)
-    bits = torch.empty(num_requests, 1 + budget, num_mask_words(1 + budget),
-                       dtype=torch.int64, device=device)
-    return DraftTree(tokens=tokens, parents=torch.empty_like(tokens),
-                     depths=torch.empty_like(tokens),
-                     scores=torch.empty(num_requests, budget, dtype=torch.float32,
-                                        device=device), packed_bits=bits)
+    return DraftTree(**{name: torch.empty(shape, dtype=dtype, device=device)
+                        for name, dtype, shape in _tree_layout(num_requests, budget)})
 
 
 def _check_out(out: DraftTree, num_requests: int, budget: int) -> None:
-    words = num_mask_words(1 + budget)
-    for name, dtype, shape in (("tokens", torch.int64, (num_requests, budget)),
-                               ("parents", torch.int64, (num_requests, budget)),
-                               ("depths", torch.int64, (num_requests, budget)),
-                               ("scores", torch.float32, (num_requests, budget)),
-                               ("packed_bits", torch.int64, (num_requests, 1 + budget, words))):
+    for name, dtype, shape in _tree_layout(num_requests, budget):
         t = getattr(out, name)
         if t is None or t.dtype != dtype or tuple(t.shape) != shape or t.stride(-1) != 1:
             got = None if t is None else (t.dtype, tuple(t.shape), t.stride())

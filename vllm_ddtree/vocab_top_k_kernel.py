@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["MAX_MERGE_BLOCK", "ranked_top_k_triton"]
+__all__ = ["MAX_MERGE_BLOCK", "ranked_top_k_fits", "ranked_top_k_triton"]
 
 # Vocabulary entries one program of the first pass ranks.
 _CHUNK = 4096
@@ -36,14 +36,33 @@ MAX_MERGE_BLOCK = 8192
 
 
 @triton.jit
-def _logprob_sort_key(logprob, index):
-    """``tree._sort_keys`` of ``tree._draft_logprobs``' clean-up of ``logprob``: unique
-    int64, larger for a larger score or an equal score at a smaller ``index``."""
-    score = tl.where(logprob != logprob, float("-inf"), logprob)
-    score = tl.minimum(score, 0.0) + 0.0
-    bits = score.to(tl.int32, bitcast=True)
+def _sort_key(score, index):
+    """Unique int64 key: larger for a larger fp32 ``score``, or an equal score at a
+    smaller ``index`` (as ``tree._sort_keys``; -0.0 counts as +0.0)."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     return ordered.to(tl.int64) * 4294967296 + (4294967295 - index.to(tl.int64))
+
+
+@triton.jit
+def _key_index(key):
+    """The ``index`` a :func:`_sort_key` key was made with."""
+    return 4294967295 - (key & 4294967295)
+
+
+@triton.jit
+def _key_score(key):
+    """The (+0.0-normalised) fp32 ``score`` a :func:`_sort_key` key was made with."""
+    ordered = (key >> 32).to(tl.int32)
+    return tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _logprob_sort_key(logprob, index):
+    """:func:`_sort_key` of ``tree._draft_logprobs``' clean-up of ``logprob`` (NaN ->
+    -inf, clamped to <= 0)."""
+    score = tl.where(logprob != logprob, float("-inf"), logprob)
+    return _sort_key(tl.minimum(score, 0.0), index)
 
 
 @triton.jit
@@ -70,14 +89,10 @@ def _merge_top_k_kernel(
     offs = tl.arange(0, BLOCK)
     key = tl.load(Keys + row * num_cands + offs, mask=offs < num_cands, other=-9223372036854775807)
     best = tl.topk(key, K)
-    token = 4294967295 - (best & 4294967295)
-    # The score's bits from the key's high word (the inverse of the key's bit flip).
-    ordered = (best >> 32).to(tl.int32)
-    score = tl.where(ordered < 0, ordered ^ 0x7FFFFFFF, ordered).to(tl.float32, bitcast=True)
     offs_k = tl.arange(0, K)
     out = row * stride_out_row + offs_k
-    tl.store(OutLogProbs + out, score, mask=offs_k < k)
-    tl.store(OutTokens + out, token, mask=offs_k < k)
+    tl.store(OutLogProbs + out, _key_score(best), mask=offs_k < k)
+    tl.store(OutTokens + out, _key_index(best), mask=offs_k < k)
 
 
 def _plan(vocab_size: int, k: int) -> tuple[int, int, int, int] | None:
@@ -89,6 +104,12 @@ def _plan(vocab_size: int, k: int) -> tuple[int, int, int, int] | None:
     if block > MAX_MERGE_BLOCK:
         return None
     return chunk, num_chunks, k_block, block
+
+
+def ranked_top_k_fits(vocab_size: int, k: int) -> bool:
+    """Whether :func:`ranked_top_k_triton` ranks a ``V``-token vocabulary for ``k``
+    (its merge block holds the chunks' candidates)."""
+    return _plan(vocab_size, k) is not None
 
 
 def ranked_top_k_triton(logprobs: torch.Tensor, k: int
