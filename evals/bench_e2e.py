@@ -13,6 +13,10 @@ Methods ("runs"), each in its own child process with a fresh ``LLM``:
 - ``ddtree-auto[-<M>]``: ``ddtree_budget: "auto"`` with ``num_speculative_tokens = M``
   as the maximum (default ``--auto-max``, else the largest B of the run's grid); rows
   add ``active_nodes_per_round`` (vLLM's draft-token counter still counts M per round).
+  The target verifies ``1 + s`` rows, ``s`` rounded up from a recent round's budget
+  (adaptive verify shapes, the default at TP = 1); ``ddtree-autofixed[-<M>]`` keeps
+  ``1 + M`` rows (``ddtree_verify_shape: "fixed"``: inactive rows are skipped in
+  attention only).
 
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
@@ -87,18 +91,21 @@ STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "fai
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or ``ddtree-auto[-M]``
-    (``auto_max`` = M, the maximum B of the adaptive budget)."""
+    """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
+    ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
+    ``fixed_shape``: verify ``1 + M`` rows every round)."""
 
     method: str
     backend: str
     budget: int | str | None = None
     auto_max: int | None = None
+    fixed_shape: bool = False
 
     @property
     def name(self) -> str:
         if self.budget == "auto" and self.auto_max is not None:
-            return f"ddtree-auto-{self.auto_max}"
+            kind = "autofixed" if self.fixed_shape else "auto"
+            return f"ddtree-{kind}-{self.auto_max}"
         if self.method == "ddtree":
             return f"ddtree-{self.budget}"
         return f"{self.method}@{self.backend}"
@@ -106,7 +113,8 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
-        m = re.fullmatch(r"ddtree-(\d+|auto(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?", text)
+        m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
+                         text)
         if m:
             backend = (m.group(3) or TREE_BACKEND).upper()
             if backend != TREE_BACKEND:
@@ -117,14 +125,15 @@ class RunSpec:
                 if auto_max is not None and not 1 <= auto_max <= MAX_BUDGET:
                     raise ValueError(f"{text!r}: the maximum budget must be in "
                                      f"1..{MAX_BUDGET}")
-                return cls("ddtree", TREE_BACKEND, "auto", auto_max)
+                return cls("ddtree", TREE_BACKEND, "auto", auto_max,
+                           fixed_shape=m.group(1).startswith("autofixed"))
             return cls("ddtree", TREE_BACKEND, int(m.group(1)))
         m = re.fullmatch(r"(ar|dflash)@([A-Za-z0-9_]+)", text)
         if m:
             return cls(m.group(1), m.group(2).upper())
         raise ValueError(f"run {text!r}: use ar@BACKEND, dflash@BACKEND, ddtree-B or "
-                         "ddtree-auto[-M] (e.g. ar@FLASH_ATTN_MLA, dflash@TRITON_MLA, "
-                         "ddtree-64, ddtree-auto-128)")
+                         "ddtree-auto[fixed][-M] (e.g. ar@FLASH_ATTN_MLA, dflash@TRITON_MLA, "
+                         "ddtree-64, ddtree-auto-128, ddtree-autofixed-64)")
 
     def num_spec_tokens(self, setup: Setup) -> int:
         """vLLM's ``num_speculative_tokens``: 0 (AR), block_size - 1 (chain), B (tree;
@@ -147,6 +156,8 @@ class RunSpec:
                   "num_speculative_tokens": self.num_spec_tokens(setup)}
         if self.budget == "auto":
             config["ddtree_budget"] = "auto"
+            if self.fixed_shape:
+                config["ddtree_verify_shape"] = "fixed"
         return config
 
 
@@ -158,7 +169,7 @@ def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],
     numeric = [r.budget for r in runs if isinstance(r.budget, int)]
     numeric += [int(b) for b in budgets if str(b).isdigit()]
     default = auto_max or max(numeric, default=DEFAULT_AUTO_MAX)
-    return [RunSpec(r.method, r.backend, "auto", default)
+    return [RunSpec(r.method, r.backend, "auto", default, r.fixed_shape)
             if r.budget == "auto" and r.auto_max is None else r for r in runs]
 
 

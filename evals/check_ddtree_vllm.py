@@ -207,6 +207,9 @@ def main() -> None:
                              "empty; vLLM's metrics still count)")
     parser.add_argument("--auto", action="store_true",
                         help='ddtree_budget "auto": --budget is the maximum B')
+    parser.add_argument("--verify-shape", choices=["adaptive", "fixed"], default=None,
+                        help="with --auto: ddtree_verify_shape (default: vLLM-ddtree's, "
+                        "adaptive at TP = 1)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--extra-tokens", type=int, default=0,
@@ -272,6 +275,8 @@ def main() -> None:
         spec["ddtree_top_k"] = args.top_k
     if args.auto:
         spec["ddtree_budget"] = "auto"
+        if args.verify_shape is not None:
+            spec["ddtree_verify_shape"] = args.verify_shape
     if args.method == "ar":
         spec = None
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"

@@ -29,6 +29,7 @@ RUNNER_PATCHES: list[str] = [
     "init_speculator",  # model_runner.init_speculator -> DDTreeSpeculator
     "custom_sampler",  # DefaultModelState.custom_sampler -> DDTreeVerifier
     "tree_positions",  # DefaultModelState.prepare_inputs / prepare_dummy_inputs
+    "verify_shapes",  # GPUModelRunner.execute_model, CudaGraphManager._init_candidates
 ]
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"

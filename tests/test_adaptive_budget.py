@@ -60,7 +60,7 @@ def test_config_accepts_auto_and_carries_it_to_the_engine():
     assert "ddtree_budget" not in spec and spec["num_speculative_tokens"] == 64
     assert split_ddtree_spec(BASE_SPEC)[1].adaptive is False
     raw = cfg.to_dict()
-    assert raw == {"budget": 64, "top_k": 4, "adaptive": True}
+    assert raw == {"budget": 64, "top_k": 4, "adaptive": True, "verify_shape": None}
     assert ddtree_config_of(NS(ddtree=raw)) == cfg
     # dicts written before the key existed still read as a fixed budget
     assert ddtree_config_of(NS(ddtree={"budget": 8, "top_k": None})).adaptive is False
@@ -520,10 +520,14 @@ def test_target_timers_run_the_tree_kernels_with_active_rows(use_mla):
     assert out[3:].eq(0).all() and not out[:3].eq(0).all()  # rows past 1 + b skipped
 
 
-def test_policy_from_vllm_config_logs_the_measured_table():
+def test_policy_from_vllm_config_logs_the_measured_table(monkeypatch):
     import logging
 
+    import vllm.distributed.parallel_state as parallel_state
+
     from vllm_ddtree import budget_policy
+
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: NS(ranks=[0, 1]))
 
     calls, records = [], []
 
@@ -548,3 +552,26 @@ def test_policy_from_vllm_config_logs_the_measured_table():
     text = "\n".join(r.getMessage() for r in records)
     assert "auto budget" in text and "b=   16" in text and "20000" in text
     assert log.name.startswith("vllm.")  # reaches vLLM's handler
+
+
+def test_policy_at_tp2_takes_the_first_ranks_budget(monkeypatch):
+    """Each rank times its own table and wall clock; the ranks' walks must agree, so
+    every rank takes the budget of the group's first rank (an NCCL broadcast)."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    group = NS(ranks=[4, 5], device_group="tp-group")
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    sent = []
+
+    def broadcast(tensor, src, group):
+        sent.append((src, group))
+        tensor.fill_(2)  # what rank 4 chose
+
+    monkeypatch.setattr(torch.distributed, "broadcast", broadcast)
+    policy = BudgetPolicy.from_vllm_config(fake_vllm_config(True, 20000), 16, "cpu",
+                                           measure_fn=lambda ctx, q: 1e-9 * q * ctx)
+    assert policy.tp_group is group
+    scores = torch.full((1, 16), -0.01)  # a confident drafter: alone it picks b = 16
+    assert int(BudgetPolicy(policy.table, 3).choose(scores, torch.tensor([1000]))) == 16
+    assert int(policy.choose(scores, torch.tensor([1000]))) == 2
+    assert sent == [(4, "tp-group")]

@@ -86,6 +86,13 @@ def test_run_specs_parse_and_speculative_configs():
     auto = RunSpec.parse("ddtree-auto-128")
     assert auto == RunSpec("ddtree", "CUSTOM", "auto", 128) and auto.name == "ddtree-auto-128"
     assert RunSpec.parse(auto.name) == auto  # the child re-parses the name
+    fixed = RunSpec.parse("ddtree-autofixed-64")
+    assert fixed.fixed_shape and fixed.name == "ddtree-autofixed-64"
+    assert RunSpec.parse(fixed.name) == fixed
+    assert fixed.speculative_config(kimi, "/d")["ddtree_verify_shape"] == "fixed"
+    assert "ddtree_verify_shape" not in auto.speculative_config(kimi, "/d")
+    runs = parse_args(["--runs", "ddtree-autofixed", "--auto-max", "32"]).run_specs
+    assert runs[0].name == "ddtree-autofixed-32"
     assert auto.speculative_config(trained, "/d")["num_speculative_tokens"] == 128
     with pytest.raises(ValueError, match="1..512"):
         RunSpec.parse("ddtree-auto-1000")

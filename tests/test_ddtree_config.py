@@ -116,7 +116,7 @@ def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backen
         args, original, vllm_spec, DDTreeConfig(budget=32, top_k=4),
         SimpleNamespace(use_mla=True), None)
     assert config.method == "dflash" and seen["spec"] is vllm_spec
-    assert config.ddtree == {"budget": 32, "top_k": 4, "adaptive": False}
+    assert config.ddtree == {"budget": 32, "top_k": 4, "adaptive": False, "verify_shape": None}
     assert args.attention_backend == "CUSTOM"
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert runner_patches == [1]

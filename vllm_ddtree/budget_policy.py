@@ -1,10 +1,12 @@
 """``ddtree_budget: "auto"``: the start-up cost model and the per-round budget choice.
 
-Shapes never change: the scheduler keeps scheduling ``B = num_speculative_tokens``
-draft tokens and the target verifies ``1 + B`` rows per tree request (one CUDA graph).
-Each round only the first ``b`` nodes of every tree are *active*: the tree-verify
-attention skips the other rows and the verifier ignores them (the first ``b`` nodes
-are the budget-``b`` tree, see ``vllm_ddtree.tree``). One ``b`` per batch:
+The scheduler keeps scheduling ``B = num_speculative_tokens`` draft tokens. Each
+round only the first ``b`` nodes of every tree are *active*: the tree-verify attention
+skips the other rows and the verifier ignores them (the first ``b`` nodes are the
+budget-``b`` tree, see ``vllm_ddtree.tree``). With adaptive verify shapes
+(``vllm_ddtree.verify_shape``) the runner also verifies only ``1 + s`` rows, ``s`` the
+candidate >= a recent round's ``b``; with fixed ones it verifies ``1 + B``. One ``b``
+per batch:
 
     tokens(b)  = sum_r E[committed tokens of request r | b]   (drafter's own estimate)
     seconds(b) = base + num_layers * sum_r attn(ctx_r, 1 + b)
@@ -15,8 +17,11 @@ are the budget-``b`` tree, see ``vllm_ddtree.tree``). One ``b`` per batch:
   length) grid (:func:`measure_attention_table`), interpolated on the device.
   Summing it over requests overcounts the fixed launch cost of short contexts at
   larger batches (a batch runs one kernel); that cost does not depend on ``b``.
-* ``base``: everything else in a round (drafter, target GEMMs on all ``1 + B`` rows,
-  sampling, host work). It is not measured per part; :class:`BudgetPolicy` keeps an
+* ``base``: everything else in a round (drafter, target GEMMs on the verified rows,
+  sampling, host work). With adaptive shapes the GEMMs' share depends on the shape
+  the round ran; the model does not split it out (one EMA over all shapes), so at
+  short contexts, where attention barely grows with ``b``, the choice leans on the
+  drafter's expected acceptance. It is not measured per part; :class:`BudgetPolicy` keeps an
   EMA of ``wall time between consecutive rounds - modeled attention of the round``.
   The host reads the wall time with ``time.perf_counter`` at each ``propose``: in
   steady state the host loop runs at the GPU's pace (it waits on each step's sampled
@@ -143,10 +148,13 @@ class BudgetPolicy:
             the last one = B), e.g. from :func:`measure_attention_table`.
         num_layers: target attention layers on this GPU.
         ema_weight: weight of a new base-time sample.
+        tp_group: vLLM's tensor-parallel ``GroupCoordinator`` when it has more than one
+            rank: every rank then takes the first rank's choice (each rank times its
+            own table and wall clock, and the ranks' walks must agree).
     """
 
     def __init__(self, table: BudgetCostTable, num_layers: int,
-                 ema_weight: float = EMA_WEIGHT) -> None:
+                 ema_weight: float = EMA_WEIGHT, tp_group: Any = None) -> None:
         budgets = table.budgets.tolist()
         if budgets != sorted(set(budgets)) or budgets[0] < 1:
             raise ValueError(f"candidate budgets must be increasing and >= 1, got {budgets}")
@@ -157,6 +165,7 @@ class BudgetPolicy:
         self.max_budget = budgets[-1]
         self.num_layers = num_layers
         self.ema_weight = ema_weight
+        self.tp_group = tp_group
         device = table.seconds.device
         f32 = dict(dtype=torch.float32, device=device)
         # < 0: no sample yet (the choice then uses the modeled attention at B).
@@ -198,15 +207,20 @@ class BudgetPolicy:
         """
         if use_triton_round_kernels(scores):
             table = self.table
-            return choose_budget_triton(
+            b = choose_budget_triton(
                 scores, context_lens, table.contexts, table.seconds, self.budgets,
                 self.base_seconds, self.last_attention, self.num_layers, table.extrapolate,
             )
-        attention = self.attention_seconds(context_lens)
-        expected = expected_committed_by_budget(scores)
-        b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)
-        index = torch.searchsorted(self.budgets, b.reshape(1))
-        self.last_attention.copy_(attention[index])
+        else:
+            attention = self.attention_seconds(context_lens)
+            expected = expected_committed_by_budget(scores)
+            b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)
+            index = torch.searchsorted(self.budgets, b.reshape(1))
+            self.last_attention.copy_(attention[index])
+        if self.tp_group is not None:
+            # An NCCL broadcast on the stream: no host sync.
+            torch.distributed.broadcast(b, src=self.tp_group.ranks[0],
+                                        group=self.tp_group.device_group)
         return b
 
     # -- the base time ---------------------------------------------------------------
@@ -267,12 +281,17 @@ class BudgetPolicy:
                                                               device)
             table = measure_attention_table(measure_fn, contexts, budgets, device)
         num_layers = model_config.get_num_layers(parallel)
+        tp_group = None
+        if parallel.tensor_parallel_size > 1:
+            from vllm.distributed.parallel_state import get_tp_group
+
+            tp_group = get_tp_group()
         logger.info(
             "DDTree auto budget: candidates %s, %d target layers; verify attention per "
             "request and layer (us), measured in %.2f s:\n%s",
             budgets, num_layers, time.perf_counter() - start, format_table(table),
         )
-        return cls(table, num_layers)
+        return cls(table, num_layers, tp_group=tp_group)
 
 
 # ---------------------------------------------------------------------------------------

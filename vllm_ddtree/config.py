@@ -18,8 +18,12 @@ DDTREE_KEYS = {
     "ddtree_top_k": "children kept per node: the top-k tokens of each depth (default: B)",
     "ddtree_budget": '"auto": verify 1..B nodes per round, picked to maximise expected '
     "tokens per second (default: always B)",
+    "ddtree_verify_shape": 'with ddtree_budget "auto": "adaptive" verifies 1 + b rows per '
+    'request (b rounded up to a power of two; default at tensor-parallel size 1), "fixed" '
+    "verifies 1 + B and skips the inactive rows in attention only (default otherwise)",
 }
 AUTO_BUDGET = "auto"
+VERIFY_SHAPES = ("adaptive", "fixed")
 # vLLM speculative-config keys that assume a chain or another drafter kind.
 UNSUPPORTED_KEYS = {
     "num_speculative_tokens_per_batch_size": "dynamic speculative decoding assumes a chain",
@@ -40,12 +44,31 @@ class DDTreeConfig:
     ``top_k`` caps the children per node (None = no cap beyond the budget).
     ``adaptive`` (``ddtree_budget: "auto"``): ``budget`` is the maximum B; each round
     verifies only the first ``b <= B`` nodes, ``b`` chosen by
-    ``vllm_ddtree.budget_policy``.
+    ``vllm_ddtree.budget_policy``. ``verify_shape`` (``"adaptive"`` / ``"fixed"``,
+    None = the default for the parallel setup, :meth:`resolved_verify_shape`): whether
+    the target verifies ``1 + b`` or ``1 + B`` rows (``vllm_ddtree.verify_shape``).
     """
 
     budget: int
     top_k: int | None = None
     adaptive: bool = False
+    verify_shape: str | None = None
+
+    def resolved_verify_shape(self, tensor_parallel_size: int) -> str | None:
+        """``"adaptive"`` / ``"fixed"`` for ``auto`` (None without it). Adaptive shapes
+        need TP = 1: each rank reads the device's budget choices on its own, and ranks
+        must agree on the shape. Raises ``DDTreeConfigError`` for an explicit
+        ``"adaptive"`` at TP > 1."""
+        if not self.adaptive:
+            return None
+        if self.verify_shape is None:
+            return "adaptive" if tensor_parallel_size == 1 else "fixed"
+        if self.verify_shape == "adaptive" and tensor_parallel_size > 1:
+            raise DDTreeConfigError(
+                '`ddtree_verify_shape: "adaptive"` needs tensor_parallel_size 1 (ranks must '
+                'agree on each step\'s shape); use "fixed" or leave the key out'
+            )
+        return self.verify_shape
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -96,9 +119,29 @@ def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfi
     if top_k is not None:
         top_k = _positive_int(top_k, "ddtree_top_k")
     adaptive = _adaptive_budget(spec.get("ddtree_budget"))
+    verify_shape = _verify_shape(spec.get("ddtree_verify_shape"), adaptive)
     vllm_spec = {k: v for k, v in spec.items() if not k.startswith("ddtree_")}
     vllm_spec["method"] = "dflash"
-    return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k, adaptive=adaptive)
+    return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k, adaptive=adaptive,
+                                   verify_shape=verify_shape)
+
+
+def _verify_shape(value: Any, adaptive: bool) -> str | None:
+    """``ddtree_verify_shape``: None (the default) or one of ``VERIFY_SHAPES``; only
+    meaningful with ``ddtree_budget: "auto"``."""
+    if value is None:
+        return None
+    if value not in VERIFY_SHAPES:
+        raise DDTreeConfigError(
+            f"`ddtree_verify_shape` must be one of {list(VERIFY_SHAPES)} (or left out), "
+            f"got {value!r}"
+        )
+    if not adaptive:
+        raise DDTreeConfigError(
+            '`ddtree_verify_shape` needs `"ddtree_budget": "auto"`: a fixed budget always '
+            "verifies 1 + num_speculative_tokens rows"
+        )
+    return value
 
 
 def _adaptive_budget(value: Any) -> bool:

@@ -40,9 +40,11 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
 * **``ddtree_budget: "auto"``** (``vllm_ddtree.budget_policy``): ``_generate_draft``
   also keeps the node scores (``batch_scores``); ``propose`` then picks the batch's
   active budget ``b`` eagerly (outside the drafter's graph, no host sync) and
-  stores it with the trees (``DDTREE_STATE.active_nodes``). Shapes do not change:
-  the runner still verifies ``1 + B`` rows per tree; the backends skip the inactive
-  ones and the verifier ignores them. Without the key none of this runs.
+  stores it with the trees (``DDTREE_STATE.active_nodes``); the backends skip the
+  inactive rows and the verifier ignores them. With adaptive verify shapes
+  (``vllm_ddtree.verify_shape``, the default at TP = 1) ``b`` also goes to the host
+  without a sync, and later steps verify ``1 + s`` rows (``s >= b`` of a recent
+  round) instead of ``1 + B``. Without the key none of this runs.
 
 Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
@@ -182,6 +184,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     # ddtree_budget: "auto" (set in __init__); class defaults keep fakes working.
     adaptive = False
     budget_policy = None
+    verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         spec = vllm_config.speculative_config
@@ -267,6 +270,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.adaptive = True
         self.state.enable_adaptive_(self.max_num_reqs, device)
         self.budget_policy = BudgetPolicy.from_vllm_config(vllm_config, self.budget, device)
+        ddtree = ddtree_config_of(vllm_config.speculative_config)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if ddtree is not None and ddtree.resolved_verify_shape(tp) == "adaptive":
+            from vllm_ddtree.verify_shape import VerifyShapeChooser
+
+            # Read by patches.verify_shapes (the runner's execute_model).
+            self.verify_shape = VerifyShapeChooser(self.budget, device)
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
@@ -436,6 +446,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                 active = self.budget_policy.choose(
                     self.batch_scores[:num_reqs], input_batch.seq_lens[:num_reqs]
                 )
+                if self.verify_shape is not None:
+                    self.verify_shape.record_(active)
             self.state.store_trees_(
                 input_batch.idx_mapping,
                 self.batch_parents[:num_reqs],

@@ -28,3 +28,19 @@ def test_tp2_equals_tp1_with_graphs(tmp_path):
     mal = tp2["vllm_metrics"].get("mean_acceptance_length")
     print(f"vLLM mean acceptance length TP=1 {tp1['vllm_metrics'].get('mean_acceptance_length')}")
     assert mal is not None and mal > 1.5
+
+
+def test_tp2_auto_budget_equals_tp1(tmp_path):
+    """``ddtree_budget: "auto"`` at TP=2 (fixed verify shape, the TP > 1 default): each
+    rank times its own cost table, so the ranks must take the first rank's budget
+    (an NCCL broadcast per round) or their walks would diverge. Tokens equal the TP=1
+    fixed-budget run up to ties (both are lossless)."""
+    from test_ddtree_vllm import run_mixed_vs_ar, run_script
+
+    common = ["--mixed", "--budget", "32", "--graphs"]
+    tp1 = run_script("check_ddtree_vllm.py", [*common, "--tp", "1"], tmp_path / "tp1.json")
+    tp2 = run_mixed_vs_ar(tp1, [*common, "--auto", "--tp", "2"], tmp_path / "tp2.json",
+                          "TP=2 auto vs TP=1")
+    assert tp2["tp"] == 2
+    mal = tp2["vllm_metrics"].get("mean_acceptance_length")
+    assert mal is not None and mal > 1.2

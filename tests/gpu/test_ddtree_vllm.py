@@ -188,14 +188,19 @@ def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str) -> dict:
     return got
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, tmp_path):
+@pytest.mark.parametrize(("graphs", "shape"), [(False, "adaptive"), (True, "adaptive"),
+                                               (True, "fixed")],
+                         ids=["eager", "graphs", "graphs-fixed-shape"])
+def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, shape, tmp_path):
     """``ddtree_budget: "auto"`` (B = 32 at most): each round verifies only the first
-    b nodes (kernels skip the rest, the verifier ignores them). Tokens still equal AR
-    up to measured ties, and the chosen budgets stay within 1..32."""
-    args = ["--mixed", "--budget", "32", "--auto"] + (["--graphs"] if graphs else [])
+    b nodes (kernels skip the rest, the verifier ignores them); with adaptive verify
+    shapes the runner also verifies only ``1 + s`` rows (drafts cut to a prefix, FULL
+    graphs per shape). Tokens still equal AR up to measured ties, and the chosen
+    budgets stay within 1..32."""
+    args = ["--mixed", "--budget", "32", "--auto", "--verify-shape", shape]
+    args += ["--graphs"] if graphs else []
     got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "auto.json",
-                          f"auto ({'graphs' if graphs else 'eager'})")
+                          f"auto ({'graphs' if graphs else 'eager'}, {shape} shape)")
     nodes = got["mean_active_nodes"]
     print(f"mean active nodes {nodes:.2f}")
     assert 1.0 <= nodes <= 32.0

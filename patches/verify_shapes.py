@@ -1,0 +1,87 @@
+"""Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` and
+``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates`` (vLLM 0.26.0):
+DDTree's adaptive verify shapes (``vllm_ddtree.verify_shape``).
+
+* ``execute_model``: before the runner builds the batch, cut each request's
+  scheduled drafts to the shape the speculator's ``VerifyShapeChooser`` gives
+  (``truncate_drafts`` copies the ``SchedulerOutput``; the scheduler's own object is
+  untouched). Everything the runner derives from the batch (``num_tokens``, the
+  uniform query length its graph dispatch keys on, ``cu_num_logits``) follows.
+* ``_init_candidates`` of the target's ``ModelCudaGraphManager``: capture FULL decode
+  graphs for every uniform query length ``1 + s``. vLLM captures one length per
+  entry of ``num_speculative_tokens_per_batch_size`` (dynamic speculative decoding,
+  ``cudagraph_utils.py:196-220``); the patch sets that list to the shapes for the
+  duration of the call only, so the scheduler (which reads it to change the number
+  of drafts it schedules, ``scheduler.py:243-248``) never sees it. The drafter's graph
+  managers are other classes and keep their one shape.
+
+Both are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` and an
+adaptive verify shape.
+"""
+
+from __future__ import annotations
+
+from patches._guard import require_vllm_version
+
+PATCHED_FUNCTION = (
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / "
+    "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates"
+)
+
+
+def adaptive_verify_shapes(vllm_config) -> list[int] | None:
+    """The candidate verify shapes (drafts per request) when ``vllm_config`` runs
+    DDTree with adaptive verify shapes, else None."""
+    from vllm_ddtree.budget_policy import candidate_budgets
+    from vllm_ddtree.runtime_state import ddtree_config_of
+
+    spec = vllm_config.speculative_config
+    ddtree = ddtree_config_of(spec)
+    if ddtree is None:
+        return None
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    if ddtree.resolved_verify_shape(tp) != "adaptive":
+        return None
+    return candidate_budgets(ddtree.budget)
+
+
+def apply() -> None:
+    require_vllm_version(PATCHED_FUNCTION)
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager, ModelCudaGraphManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    original_execute = GPUModelRunner.execute_model
+    original_candidates = CudaGraphManager._init_candidates
+    if getattr(original_execute, "_ddtree_patched", False):
+        return
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        chooser = getattr(getattr(self, "speculator", None), "verify_shape", None)
+        if chooser is not None:
+            from vllm_ddtree.verify_shape import truncate_drafts
+
+            scheduler_output = truncate_drafts(scheduler_output, chooser.next_shape())
+        return original_execute(self, scheduler_output, *args, **kwargs)
+
+    def _init_candidates(self):
+        shapes = None
+        if isinstance(self, ModelCudaGraphManager):
+            shapes = adaptive_verify_shapes(self.vllm_config)
+        if shapes is None:
+            return original_candidates(self)
+        spec = self.vllm_config.speculative_config
+        saved = spec.num_speculative_tokens_per_batch_size
+        spec.num_speculative_tokens_per_batch_size = [
+            (1, self.max_num_reqs, s) for s in shapes
+        ]
+        try:
+            return original_candidates(self)
+        finally:
+            spec.num_speculative_tokens_per_batch_size = saved
+
+    execute_model._ddtree_patched = True
+    execute_model._ddtree_original = original_execute
+    _init_candidates._ddtree_patched = True
+    _init_candidates._ddtree_original = original_candidates
+    GPUModelRunner.execute_model = execute_model
+    CudaGraphManager._init_candidates = _init_candidates

@@ -1,0 +1,195 @@
+"""Adaptive verify shapes on CPU: the draft cut of a ``SchedulerOutput``, the host-side
+shape choice, the config key, and the two patch points (``execute_model`` cuts the
+drafts; the target's graph manager plans FULL graphs for every ``1 + s`` through
+vLLM's own ``_init_candidates``)."""
+
+from types import SimpleNamespace as NS
+
+import pytest
+import torch
+
+from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, split_ddtree_spec
+from vllm_ddtree.verify_shape import VerifyShapeChooser, truncate_drafts
+
+SPEC = {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 64}
+
+
+def scheduler_output():
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    out = SchedulerOutput.make_empty()
+    out.num_scheduled_tokens = {"tree": 9, "short": 4, "prefill": 100}
+    out.total_num_scheduled_tokens = 113
+    out.scheduled_spec_decode_tokens = {"tree": [-1] * 8, "short": [-1] * 3}
+    return out
+
+
+def test_truncate_drafts_cuts_each_request_and_leaves_the_original():
+    original = scheduler_output()
+    cut = truncate_drafts(original, 4)
+    assert cut is not original
+    assert cut.scheduled_spec_decode_tokens == {"tree": [-1] * 4, "short": [-1] * 3}
+    assert cut.num_scheduled_tokens == {"tree": 5, "short": 4, "prefill": 100}
+    assert cut.total_num_scheduled_tokens == sum(cut.num_scheduled_tokens.values()) == 109
+    # The scheduler reads its own object after the step: it must be untouched.
+    assert original.num_scheduled_tokens == {"tree": 9, "short": 4, "prefill": 100}
+    assert original.total_num_scheduled_tokens == 113
+    assert len(original.scheduled_spec_decode_tokens["tree"]) == 8
+
+
+def test_truncate_drafts_without_excess_is_the_same_object():
+    original = scheduler_output()
+    assert truncate_drafts(original, 8) is original
+    with pytest.raises(ValueError, match="num_drafts"):
+        truncate_drafts(original, 0)
+
+
+def test_chooser_follows_the_newest_choice_rounded_up_to_a_shape():
+    chooser = VerifyShapeChooser(64, "cpu")
+    assert chooser.shapes == [1, 2, 4, 8, 16, 32, 64]
+    assert chooser.next_shape() == 64  # nothing chosen yet: the full tree
+    chooser.record_(torch.tensor(4))
+    assert chooser.next_shape() == 4
+    chooser.record_(torch.tensor([3]))
+    assert chooser.next_shape() == 4
+    chooser.record_(torch.tensor(1))
+    chooser.record_(torch.tensor(16))
+    assert chooser.next_shape() == 16
+    for b in [2, 8, 1, 32, 2, 4, 8, 1, 2, 64, 8]:  # more rounds than slots
+        chooser.record_(torch.tensor(b))
+    assert chooser.next_shape() == 8
+
+
+def test_chooser_with_a_budget_that_is_not_a_power_of_two():
+    chooser = VerifyShapeChooser(24, "cpu")
+    assert chooser.shapes == [1, 2, 4, 8, 16, 24]
+    chooser.record_(torch.tensor(17))
+    assert chooser.next_shape() == 24
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned slots, events)")
+def test_chooser_on_cuda_never_waits_and_catches_up():
+    chooser = VerifyShapeChooser(64, "cuda")
+    for b in [4, 8, 2]:
+        chooser.record_(torch.tensor(b, device="cuda"))
+    torch.cuda.synchronize()
+    assert chooser.next_shape() == 2
+
+
+def test_config_key_values_and_defaults():
+    _, auto = split_ddtree_spec({**SPEC, "ddtree_budget": "auto"})
+    assert auto.verify_shape is None
+    assert auto.resolved_verify_shape(1) == "adaptive"
+    assert auto.resolved_verify_shape(2) == "fixed"
+    _, fixed = split_ddtree_spec({**SPEC, "ddtree_budget": "auto",
+                                  "ddtree_verify_shape": "fixed"})
+    assert fixed.resolved_verify_shape(1) == "fixed"
+    _, plain = split_ddtree_spec(SPEC)
+    assert plain.resolved_verify_shape(1) is None
+
+
+def test_config_key_errors_name_the_field_and_the_fix():
+    with pytest.raises(DDTreeConfigError, match="ddtree_verify_shape.*adaptive.*fixed"):
+        split_ddtree_spec({**SPEC, "ddtree_budget": "auto", "ddtree_verify_shape": "small"})
+    with pytest.raises(DDTreeConfigError, match='ddtree_budget": "auto"'):
+        split_ddtree_spec({**SPEC, "ddtree_verify_shape": "adaptive"})
+    _, cfg = split_ddtree_spec({**SPEC, "ddtree_budget": "auto",
+                                "ddtree_verify_shape": "adaptive"})
+    with pytest.raises(DDTreeConfigError, match="tensor_parallel_size 1"):
+        cfg.resolved_verify_shape(2)
+
+
+class FakeSpecConfig:
+    """The parts of ``SpeculativeConfig`` vLLM's ``_init_candidates`` reads."""
+
+    def __init__(self, ddtree: DDTreeConfig | None):
+        self.ddtree = None if ddtree is None else ddtree.to_dict()
+        self.num_speculative_tokens = 8
+        self.num_speculative_tokens_per_batch_size = None
+
+    def uses_dynamic_speculative_decoding(self) -> bool:
+        return self.num_speculative_tokens_per_batch_size is not None
+
+
+def graph_manager(ddtree: DDTreeConfig | None):
+    """A target ``ModelCudaGraphManager`` with only the attributes ``_init_candidates``
+    uses (its ``__init__`` needs a distributed setup), B = 8, FULL decode graphs."""
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    spec = FakeSpecConfig(ddtree)
+    manager = object.__new__(ModelCudaGraphManager)
+    manager.vllm_config = NS(speculative_config=spec, num_speculative_tokens=8,
+                             parallel_config=NS(tensor_parallel_size=1))
+    manager.compilation_config = NS(cudagraph_capture_sizes=[1, 2, 4, 8, 16, 32],
+                                    max_cudagraph_capture_size=32)
+    manager.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    manager.max_num_reqs = 4
+    manager.decode_query_len = 9
+    manager.lora_capture_cases = [0]
+    manager.use_breakable_cg = False
+    manager._candidates, manager._capture_descs = {}, {}
+    return manager, spec
+
+
+def full_decode_lengths(manager) -> set[int]:
+    from vllm.config.compilation import CUDAGraphMode
+
+    return {d.uniform_token_count for d in manager._capture_descs[CUDAGraphMode.FULL]}
+
+
+@pytest.fixture
+def shape_patch(monkeypatch):
+    """``patches.verify_shapes`` applied over this test's own copies of the two vLLM
+    functions (monkeypatch restores vLLM's afterwards)."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    import patches.verify_shapes as verify_shapes
+
+    calls = []
+    original_candidates = getattr(CudaGraphManager._init_candidates, "_ddtree_original",
+                                  CudaGraphManager._init_candidates)
+    monkeypatch.setattr(GPUModelRunner, "execute_model",
+                        lambda self, so, *a, **k: calls.append(so) or "ran")
+    monkeypatch.setattr(CudaGraphManager, "_init_candidates", original_candidates)
+    verify_shapes.apply()
+    return GPUModelRunner, calls
+
+
+def test_graph_manager_plans_every_verify_shape(shape_patch):
+    auto = DDTreeConfig(budget=8, adaptive=True)
+    manager, spec = graph_manager(auto)
+    manager._init_candidates()
+    assert full_decode_lengths(manager) == {2, 3, 5, 9}
+    # The scheduler must never see vLLM's dynamic-SD list.
+    assert spec.num_speculative_tokens_per_batch_size is None
+    # Every 1 + s shape at R = 1 dispatches to its own FULL graph.
+    manager._graphs_captured = True
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    for rows in (2, 3, 5, 9):
+        desc = manager.dispatch(1, rows, rows, 0)
+        assert (desc.cg_mode.name, desc.uniform_token_count) == ("FULL", rows)
+
+
+@pytest.mark.parametrize("ddtree", [None, DDTreeConfig(budget=8),
+                                    DDTreeConfig(budget=8, adaptive=True, verify_shape="fixed")],
+                         ids=["no-ddtree", "fixed-budget", "fixed-shape"])
+def test_graph_manager_keeps_one_shape_otherwise(shape_patch, ddtree):
+    manager, _ = graph_manager(ddtree)
+    manager._init_candidates()
+    assert full_decode_lengths(manager) == {9}
+
+
+def test_execute_model_cuts_drafts_to_the_chosen_shape(shape_patch):
+    runner_cls, calls = shape_patch
+    chooser = VerifyShapeChooser(8, "cpu")
+    chooser.record_(torch.tensor(2))
+    runner = NS(speculator=NS(verify_shape=chooser))
+    original = scheduler_output()
+    assert runner_cls.execute_model(runner, original) == "ran"
+    assert calls[-1].num_scheduled_tokens == {"tree": 3, "short": 3, "prefill": 100}
+    assert calls[-1].total_num_scheduled_tokens == 106
+    # Without a chooser (fixed shapes, other methods) the runner gets the object as is.
+    runner_cls.execute_model(NS(speculator=NS()), original)
+    assert calls[-1] is original
