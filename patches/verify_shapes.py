@@ -1,6 +1,6 @@
 """Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` and
-``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates`` (vLLM 0.26.0):
-DDTree's adaptive verify shapes (``vllm_ddtree.verify_shape``).
+``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates`` / ``.dispatch``
+(vLLM 0.26.0): DDTree's adaptive verify shapes (``vllm_ddtree.verify_shape``).
 
 * ``execute_model``: before the runner builds the batch, cut each request's
   scheduled drafts to the shape the speculator's ``VerifyShapeChooser`` gives
@@ -14,6 +14,13 @@ DDTree's adaptive verify shapes (``vllm_ddtree.verify_shape``).
   duration of the call only, so the scheduler (which reads it to change the number
   of drafts it schedules, ``scheduler.py:243-248``) never sees it. The drafter's graph
   managers are other classes and keep their one shape.
+* ``dispatch`` of that manager: vLLM looks for a graph only among the descriptors of
+  the smallest captured token count >= the batch's (``cudagraph_utils.py:270-280``).
+  With several query lengths that size often belongs to another length (3 requests
+  of 5 rows = 15 tokens; 16 was captured for 2-row queries), and the step would run
+  piecewise. When that happens the patch takes the smallest FULL graph of the same
+  query length that holds the batch (the runner pads requests and tokens, as for
+  any FULL graph).
 
 Both are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` and an
 adaptive verify shape.
@@ -25,7 +32,7 @@ from patches._guard import require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / "
-    "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates"
+    "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates / .dispatch"
 )
 
 
@@ -47,11 +54,17 @@ def adaptive_verify_shapes(vllm_config) -> list[int] | None:
 
 def apply() -> None:
     require_vllm_version(PATCHED_FUNCTION)
-    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager, ModelCudaGraphManager
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.v1.worker.gpu.cudagraph_utils import (
+        CudaGraphManager,
+        ModelCudaGraphManager,
+        _is_compatible,
+    )
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     original_execute = GPUModelRunner.execute_model
     original_candidates = CudaGraphManager._init_candidates
+    original_dispatch = CudaGraphManager.dispatch
     if getattr(original_execute, "_ddtree_patched", False):
         return
 
@@ -67,6 +80,7 @@ def apply() -> None:
         shapes = None
         if isinstance(self, ModelCudaGraphManager):
             shapes = adaptive_verify_shapes(self.vllm_config)
+        self._ddtree_shapes = shapes
         if shapes is None:
             return original_candidates(self)
         spec = self.vllm_config.speculative_config
@@ -79,9 +93,24 @@ def apply() -> None:
         finally:
             spec.num_speculative_tokens_per_batch_size = saved
 
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
+        desc = original_dispatch(self, num_reqs, num_tokens, uniform_token_count,
+                                 num_active_loras)
+        if (desc.cg_mode == CUDAGraphMode.FULL or uniform_token_count is None
+                or not getattr(self, "_ddtree_shapes", None) or not self._graphs_captured):
+            return desc
+        loras = self._resolve_effective_loras(num_active_loras)
+        fits = [d for d in self._capture_descs.get(CUDAGraphMode.FULL, [])
+                if d in self.graphs and d.uniform_token_count == uniform_token_count
+                and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
+        return min(fits, key=lambda d: d.num_tokens) if fits else desc
+
     execute_model._ddtree_patched = True
     execute_model._ddtree_original = original_execute
     _init_candidates._ddtree_patched = True
     _init_candidates._ddtree_original = original_candidates
+    dispatch._ddtree_patched = True
+    dispatch._ddtree_original = original_dispatch
     GPUModelRunner.execute_model = execute_model
     CudaGraphManager._init_candidates = _init_candidates
+    CudaGraphManager.dispatch = dispatch

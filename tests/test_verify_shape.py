@@ -148,11 +148,14 @@ def shape_patch(monkeypatch):
     import patches.verify_shapes as verify_shapes
 
     calls = []
-    original_candidates = getattr(CudaGraphManager._init_candidates, "_ddtree_original",
-                                  CudaGraphManager._init_candidates)
+    def vllms(fn):
+        return getattr(fn, "_ddtree_original", fn)
+
     monkeypatch.setattr(GPUModelRunner, "execute_model",
                         lambda self, so, *a, **k: calls.append(so) or "ran")
-    monkeypatch.setattr(CudaGraphManager, "_init_candidates", original_candidates)
+    monkeypatch.setattr(CudaGraphManager, "_init_candidates",
+                        vllms(CudaGraphManager._init_candidates))
+    monkeypatch.setattr(CudaGraphManager, "dispatch", vllms(CudaGraphManager.dispatch))
     verify_shapes.apply()
     return GPUModelRunner, calls
 
@@ -164,12 +167,24 @@ def test_graph_manager_plans_every_verify_shape(shape_patch):
     assert full_decode_lengths(manager) == {2, 3, 5, 9}
     # The scheduler must never see vLLM's dynamic-SD list.
     assert spec.num_speculative_tokens_per_batch_size is None
-    # Every 1 + s shape at R = 1 dispatches to its own FULL graph.
+    # Every 1 + s shape dispatches to a FULL graph of its own query length, also where
+    # vLLM's lookup lands on a token count captured for another length (3 x 5 = 15
+    # tokens -> vLLM's candidates at 16 are 2-row graphs; 2 x 3 = 6 -> 8).
+    from vllm.config.compilation import CUDAGraphMode
+
+    manager.graphs = dict.fromkeys(manager._capture_descs[CUDAGraphMode.FULL], "graph")
     manager._graphs_captured = True
     manager._lora_dispatch_map, manager._max_lora_case = {}, 0
-    for rows in (2, 3, 5, 9):
-        desc = manager.dispatch(1, rows, rows, 0)
-        assert (desc.cg_mode.name, desc.uniform_token_count) == ("FULL", rows)
+    for reqs in (1, 2, 3, 4):
+        for rows in (2, 3, 5, 9):
+            desc = manager.dispatch(reqs, reqs * rows, rows, 0)
+            if reqs * rows > 32:  # past max_cudagraph_capture_size: no graph holds it
+                assert desc.cg_mode.name != "FULL"
+                continue
+            assert (desc.cg_mode.name, desc.uniform_token_count) == ("FULL", rows)
+            assert desc.num_reqs >= reqs and desc.num_tokens >= reqs * rows
+    # A mixed batch (no uniform length) keeps vLLM's choice.
+    assert manager.dispatch(2, 10, None, 0).cg_mode.name != "FULL"
 
 
 @pytest.mark.parametrize("ddtree", [None, DDTreeConfig(budget=8),
