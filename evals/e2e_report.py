@@ -43,6 +43,8 @@ def run_sort_key(row: dict) -> tuple:
 def run_label(row: dict) -> str:
     method, backend = row.get("method"), row.get("backend")
     if method == "ddtree":
+        if str(row.get("run", "")).startswith("ddtree-autofixed"):
+            return "DDTree B=auto, fixed shape"
         return f"DDTree B={row.get('budget')}"
     name = {"ar": "AR", "dflash": "DFlash chain"}.get(method, str(method))
     return f"{name}, {BACKEND_SHORT.get(backend, backend)}"
