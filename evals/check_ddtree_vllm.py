@@ -196,6 +196,25 @@ def gpu_memory_args() -> dict:
     return {"gpu_memory_utilization": 0.3}
 
 
+def cycle_budget_choices(budgets: list[int]) -> None:
+    """Replace ``BudgetPolicy.choose``'s result by ``budgets`` in turn (it still runs,
+    so its side effects stay). The engine runs in this process, so the patch reaches
+    the speculator."""
+    import torch
+
+    from vllm_ddtree.budget_policy import BudgetPolicy
+
+    original = BudgetPolicy.choose
+    turn = iter(range(10**9))
+
+    def choose(self, scores, context_lens):
+        original(self, scores, context_lens)
+        b = min(budgets[next(turn) % len(budgets)], self.max_budget)
+        return torch.tensor(b, dtype=torch.int64, device=scores.device)
+
+    BudgetPolicy.choose = choose
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -207,6 +226,11 @@ def main() -> None:
                              "empty; vLLM's metrics still count)")
     parser.add_argument("--auto", action="store_true",
                         help='ddtree_budget "auto": --budget is the maximum B')
+    parser.add_argument("--cycle-budgets", default=None,
+                        help="with --auto, a test of the adaptive machinery: the device "
+                        "choice is replaced by these budgets in turn (comma-separated, "
+                        "e.g. 1,4,3,16), so verify shapes below B, shape changes and "
+                        "choices that differ from the lagged shape all occur")
     parser.add_argument("--verify-shape", choices=["adaptive", "fixed"], default=None,
                         help="with --auto: ddtree_verify_shape (default: vLLM-ddtree's, "
                         "adaptive at TP = 1)")
@@ -248,6 +272,8 @@ def main() -> None:
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
+    if args.cycle_budgets:
+        cycle_budget_choices([int(b) for b in args.cycle_budgets.split(",")])
 
     extra = {}
     max_num_seqs = 8

@@ -207,6 +207,22 @@ def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, shape, tmp_path):
     assert got["ddtree_mean_acceptance_length"] > 1.0
 
 
+def test_ddtree_auto_cycled_verify_shapes_equal_ar(ar_mixed, tmp_path):
+    """Adaptive verify shapes below B: the budget choice is forced through 1, 4, 3, 16,
+    2, 32, 8 in turn (``--cycle-budgets``), so steps verify 2 .. 33 rows per request in
+    FULL graphs of each shape, trees are cut to the (lagged) shape, and the active
+    budget differs from the shape (3 in a 4-node shape; 32 in a smaller one). Tokens
+    must still equal AR up to measured ties. (On this pair the policy itself picks
+    b = 32 every round, which never cuts a tree.)"""
+    args = ["--mixed", "--budget", "32", "--auto", "--verify-shape", "adaptive",
+            "--graphs", "--cycle-budgets", "1,4,3,16,2,32,8"]
+    got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "cycled.json", "auto, cycled shapes")
+    nodes = got["mean_active_nodes"]
+    print(f"mean active nodes {nodes:.2f}")
+    assert nodes < 16  # the cycle's mean is 9.4 (the last round of a request may cut it)
+    assert got["ddtree_mean_acceptance_length"] > 1.0
+
+
 @pytest.mark.parametrize("budget", [32])
 def test_ddtree_with_cuda_graphs_equals_ar(ar_mixed, budget, tmp_path):
     """The same mixed batch with CUDA graphs (drafter FULL graph, target verify steps in
