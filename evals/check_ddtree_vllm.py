@@ -353,7 +353,8 @@ def main() -> None:
                        "committed_per_round": committed,
                        "temperature": params[len(result)].temperature,
                        "seed": params[len(result)].seed,
-                       "text": completion.text, "top2_gap": gaps,
+                       "text": completion.text, "stop_reason": completion.stop_reason,
+                       "top2_gap": gaps,
                        "top_logprobs": vllm_top_logprobs(completion.logprobs),
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:

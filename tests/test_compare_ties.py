@@ -75,3 +75,24 @@ def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
     assert calls[1][2:4] == (-0.1, -2.0)
     short = [out([1, 2], ref[0]["top_logprobs"][:2])] + ref[1:]
     assert "lengths differ" in sampled_ties.sampled_mismatch_problems(short, ref, 0.07)[0]
+
+
+def test_tokens_past_a_stop_string_are_not_a_mismatch():
+    """vLLM keeps a multi-token step's tokens after a stop string in ``token_ids`` (it
+    cuts only the text); plain decoding stops at it. Seen on the H200 (2026-11-30):
+    DDTree committed "\\n" and one more token in the step that completed "\\n\\n"."""
+    from vllm_ddtree.testing.compare import mismatch_problems, past_stop_string
+
+    ref = {"tokens": [5, 200, 200], "text": "ab", "stop_reason": "\n\n",
+           "top2_gap": [1.0, 1.0, 1.0]}
+    longer = {"tokens": [5, 200, 200, 4], "text": "ab", "stop_reason": "\n\n",
+              "top2_gap": [1.0, 1.0, 1.0, 0.4]}
+    assert past_stop_string(longer, ref) and past_stop_string(ref, longer)
+    assert mismatch_problems([longer], [ref], tie_gap=0.07) == []
+    # Not explained: another text, no stop string, or tokens that differ before the end.
+    for bad in ({**longer, "text": "abc"}, {**longer, "stop_reason": None},
+                {**longer, "tokens": [5, 201, 200, 4]}):
+        assert not past_stop_string(bad, {**ref, "stop_reason": bad["stop_reason"]})
+    assert mismatch_problems([{**longer, "text": "abc"}], [ref], tie_gap=0.07)
+    no_stop = [{**longer, "stop_reason": None}], [{**ref, "stop_reason": None}]
+    assert "lengths differ" in mismatch_problems(*no_stop, tie_gap=0.07)[0]

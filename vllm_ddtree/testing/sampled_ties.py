@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_ddtree.testing.compare import first_mismatch
+from vllm_ddtree.testing.compare import first_mismatch, past_stop_string
 
 __all__ = ["gumbel_flip_margin", "sampled_mismatch_problems"]
 
@@ -65,7 +65,7 @@ def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
     problems = []
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         pos = first_mismatch(a["tokens"], b["tokens"])
-        if pos is None:
+        if pos is None or past_stop_string(a, b):
             continue
         if pos >= min(len(a["tokens"]), len(b["tokens"])):
             problems.append(f"prompt {n}: lengths differ: {len(a['tokens'])} vs "
