@@ -222,11 +222,14 @@ def plan_cells(setup: Setup, contexts: list[int], batches: list[int], kinds: lis
     return runnable, skipped
 
 
-def base_row(setup: str, run: RunSpec, cell: tuple[int, int, str], max_tokens: int) -> dict:
+def base_row(setup: str, run: RunSpec, cell: tuple[int, int, str], max_tokens: int,
+             repeat: int = 0) -> dict:
+    """The identifying fields of one cell's row (``repeat``: which pass of
+    ``--repeats``)."""
     context, batch, kind = cell
     return {"setup": setup, "run": run.name, "method": run.method, "backend": run.backend,
             "budget": run.budget, "context": context, "batch": batch, "kind": kind,
-            "max_tokens": max_tokens}
+            "max_tokens": max_tokens, "repeat": repeat}
 
 
 # ---------------------------------------------------------------------------------------
@@ -495,7 +498,7 @@ def child_main(spec_path: str) -> None:
     result: dict = {"meta": {"run": run.name, "started": time.time()}, "rows": []}
 
     def base(cell):
-        return base_row(spec["setup"], run, cell, spec["max_tokens"])
+        return base_row(spec["setup"], run, cell, spec["max_tokens"], spec.get("repeat", 0))
 
     def finish(code: int) -> None:
         _write_json_atomic(out, result)
@@ -572,7 +575,7 @@ def results_paths(out_dir: Path, setup: str) -> dict[str, Path]:
 
 
 def row_key(row: dict) -> tuple:
-    return (row["run"], row["context"], row["batch"], row["kind"])
+    return (row["run"], row["context"], row["batch"], row["kind"], row.get("repeat", 0))
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -715,6 +718,16 @@ def _log_tail(path: Path, lines: int = 400) -> str:
     return ""
 
 
+def interleaved(runs: list[RunSpec], repeats: int) -> list[tuple[int, RunSpec]]:
+    """``(repeat, run)`` in the order the children start: every run once per pass,
+    alternate passes reversed (A B C C B A A B C ...), so a drift of the machine over
+    the invocation (clocks, a neighbour's load) falls on every run alike."""
+    order = []
+    for repeat in range(repeats):
+        order += [(repeat, run) for run in (runs if repeat % 2 == 0 else runs[::-1])]
+    return order
+
+
 def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progress,
               deadline: float | None, invocation: dict) -> None:
     paths = results_paths(Path(args.out_dir), setup.name)
@@ -755,12 +768,12 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         return
     max_model_len = min(models.max_positions,
                         max(c[0] for c in cells) + args.max_tokens + margin)
-    for run in runs:
+    for repeat, run in interleaved(runs, args.repeats):
         now = time.time()
         if deadline and now > deadline - 60 * args.min_child_minutes:
             data["rows"] = merge_rows(data["rows"], [
-                dict(base_row(setup.name, run, c, args.max_tokens), status=STATUS_NOT_RUN,
-                     note="--max-minutes reached") for c in cells])
+                dict(base_row(setup.name, run, c, args.max_tokens, repeat),
+                     status=STATUS_NOT_RUN, note="--max-minutes reached") for c in cells])
             if progress is not None:
                 progress.update(len(cells))
             continue
@@ -774,6 +787,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
             "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
             "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
             "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
+            "repeat": repeat,
         }
         hard = now + 60 * args.child_timeout_min
         if deadline:
@@ -797,9 +811,9 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         got = {row_key(r) for r in result.get("rows", [])}
         why = ("child killed at the time limit" if result.get("killed") else
                f"child exited {result.get('returncode')}: {_log_tail(paths['log'])}")
-        missing = [dict(base_row(setup.name, run, c, args.max_tokens), status=STATUS_FAILED,
-                        note=why) for c in cells
-                   if row_key(base_row(setup.name, run, c, args.max_tokens)) not in got]
+        missing = [dict(base_row(setup.name, run, c, args.max_tokens, repeat),
+                        status=STATUS_FAILED, note=why) for c in cells
+                   if row_key(base_row(setup.name, run, c, args.max_tokens, repeat)) not in got]
         if progress is not None:
             progress.update(max(0, len(cells) - done[0]))
         data["rows"] = merge_rows(data["rows"], result.get("rows", []) + missing)
@@ -829,6 +843,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", nargs="+", choices=PROMPT_KINDS,
                    help="prompt kinds (default per setup: trained code+random, kimi random)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="start every run this many times, interleaved (A B C C B A ...); "
+                   "the tables show each cell's median-step repeat and the spread")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
@@ -886,6 +903,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--max-tokens must be >= 2 (the first token comes with the prefill)")
     if min(args.batches) < 1:
         p.error("--batches must be >= 1")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     args.run_specs = list(dict.fromkeys(runs))
     return args
 
@@ -920,7 +939,7 @@ def main(argv=None) -> int:
         kinds = args.prompts or list(setup.default_kinds)
         cells, _ = plan_cells(setup, args.contexts, args.batches, kinds, args.max_tokens,
                               margin)
-        total += len(cells) * len(args.run_specs)
+        total += len(cells) * len(args.run_specs) * args.repeats
     with tqdm(total=total, desc="cells", unit="cell") as progress:
         for name in args.setups:
             invocation = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"),

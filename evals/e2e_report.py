@@ -57,6 +57,8 @@ def ctx_label(n: int) -> str:
 def _f(value, digits: int = 2) -> str:
     if value is None:
         return "—"
+    if isinstance(value, str):  # already formatted
+        return value
     if isinstance(value, float) and value != value:  # NaN
         return "—"
     if abs(value) >= 1000:
@@ -68,6 +70,44 @@ def _f(value, digits: int = 2) -> str:
 
 def ok_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("status") == "ok"]
+
+
+def collapse_repeats(rows: list[dict]) -> list[dict]:
+    """One row per (run, context, batch, kind): with several measured repeats
+    (``bench_e2e.py --repeats``) the repeat of median step time (the lower median), with
+    ``repeats`` (n), ``step_ms_min`` and ``step_ms_max`` added; its own split and
+    counters stay, so every column comes from one measurement. Cells without a
+    measured repeat keep their first row."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r.get("run"), r.get("context"), r.get("batch"), r.get("kind"))].append(r)
+    out = []
+    for group in groups.values():
+        measured = sorted(ok_rows(group), key=lambda r: r.get("step_ms") or float("inf"))
+        if len(measured) < 2:
+            out.append(measured[0] if measured else group[0])
+            continue
+        steps = [r["step_ms"] for r in measured if r.get("step_ms") is not None]
+        median = dict(measured[(len(measured) - 1) // 2], repeats=len(measured))
+        if steps:
+            median.update(step_ms_min=min(steps), step_ms_max=max(steps))
+        out.append(median)
+    return out
+
+
+def _spread_table(rows: list[dict]) -> list[str]:
+    """Step ms over repeats, ``median (min-max, n)``, per (batch, kind); empty without
+    repeated cells."""
+    repeated = [r for r in ok_rows(rows) if r.get("repeats", 1) > 1]
+    if not repeated:
+        return []
+    for r in repeated:
+        r["step_spread"] = (f"{_f(r['step_ms'])} ({_f(r.get('step_ms_min'))}-"
+                            f"{_f(r.get('step_ms_max'))}, n={r['repeats']})")
+    lines = ["## Step ms over repeats (median, min-max, n)", "",
+             "Runs were started interleaved (A B C C B A ...); the tables above show each "
+             "cell's median repeat.", ""]
+    return lines + _pivot(repeated, "step_spread", "Step ms spread")
 
 
 def reference_ar(rows: list[dict]) -> dict[tuple, float]:
@@ -256,17 +296,18 @@ def _answers(data: dict) -> list[str]:
 
 
 def write_markdown(data: dict, path: str) -> None:
-    rows = data.get("rows") or []
+    rows = collapse_repeats(data.get("rows") or [])
     lines = _header(data)
-    lines += _anchor_table(data)
+    lines += _anchor_table(dict(data, rows=rows))
     lines += ["## Step latency (ms per decoding step)", ""] + _pivot(rows, "step_ms", "Step ms")
     lines += ["## Throughput (tokens/s)", ""] + _pivot(rows, "tokens_per_s", "tok/s", 0)
     if any(r.get("method") != "ar" for r in ok_rows(rows)):
         lines += ["## Mean acceptance length (tokens per round)", ""]
         lines += _pivot([r for r in rows if r.get("method") != "ar"], "acceptance_length",
                         "Accept len")
+    lines += _spread_table(rows)
     lines += _full_table(rows)
-    lines += _answers(data)
+    lines += _answers(dict(data, rows=rows))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write("\n".join(lines).rstrip() + "\n")
@@ -309,7 +350,7 @@ def write_plot(data: dict, path: str) -> bool:
     except ImportError:
         print("matplotlib missing: no plot")
         return False
-    rows = ok_rows(data.get("rows") or [])
+    rows = ok_rows(collapse_repeats(data.get("rows") or []))
     if not rows:
         return False
     batch = min(r["batch"] for r in rows)

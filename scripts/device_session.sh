@@ -15,7 +15,8 @@
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
-#   auto     ddtree_budget "auto" (B <= 32) vs AR, eager and CUDA graphs
+#   auto     ddtree_budget "auto" (B <= 32) vs AR: eager, CUDA graphs, fixed shape, and
+#            adaptive shapes forced below B (--cycle-budgets)
 #   launches the MLA tree launches of a profiled run, replayed alone (evals/replay_mla_launch.py)
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
 #            (SYNCS_ARGS="--auto --methods ddtree" profiles ddtree_budget "auto")
@@ -121,8 +122,8 @@ for stage in "$@"; do
         --context "${REPLAY_CONTEXT:-16384}" --out "$OUT/replay.md" > "$OUT/replay.log" 2>&1
       summary replay $?
       cat "$OUT/replay.md" 2>/dev/null ;;
-    e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES
-      # override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
+    e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
+      # E2E_REPEATS (runs started interleaved, median shown) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
       # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before)
       setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
       case "$setup" in
@@ -136,13 +137,13 @@ for stage in "$@"; do
       timeout "$limit" python3 evals/bench_e2e.py --setup "$setup" \
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
-        --batches ${E2E_BATCHES:-$batches} --prompts $prompts \
+        --batches ${E2E_BATCHES:-$batches} --prompts $prompts --repeats ${E2E_REPEATS:-1} \
         --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" \
         --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
       grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
-    oracle) stage_pytest oracle 300 tests/gpu/test_ddtree_oracle_vllm.py ;;
+    oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;  # 300 s cut it (s18)
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
     backend)  # 4 engines each (~40 s apiece once the Triton cache is warm)
       stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py

@@ -467,3 +467,30 @@ def test_vllm_internals_the_timer_relies_on():
         "model_executor.sample_tokens(")
     output = (root / "v1/core/sched/output.py").read_text()
     assert "num_computed_tokens: list[int]" in output  # CachedRequestData, is_decode_step
+
+
+def test_repeats_run_interleaved_and_report_the_median(tmp_path):
+    """``--repeats 3``: children start A B B A A B; every cell keeps one row per repeat;
+    the tables show the median repeat's figures and a min-max spread table."""
+    from e2e_report import collapse_repeats
+
+    runs = [RunSpec.parse("ddtree-32"), RunSpec.parse("ar@CUSTOM")]
+    order = [(r, run.name) for r, run in bench_e2e.interleaved(runs, 3)]
+    assert order == [(0, "ddtree-32"), (0, "ar@CUSTOM"), (1, "ar@CUSTOM"),
+                     (1, "ddtree-32"), (2, "ddtree-32"), (2, "ar@CUSTOM")]
+    common = ["--fake", "--batches", "1", "--out-dir", str(tmp_path), "--model-dir",
+              str(tmp_path / "models"), "--setup", "kimi8", "--contexts", "1k"]
+    assert bench_e2e.main(common + ["--runs", "ddtree-32", "--repeats", "3"]) == 0
+    data = json.loads((tmp_path / "e2e_kimi8.json").read_text())
+    assert sorted(r["repeat"] for r in data["rows"]) == [0, 1, 2]
+    # Three repeats with different step times: the median one is shown.
+    for r, step in zip(data["rows"], [5.0, 9.0, 6.0], strict=True):
+        r["step_ms"] = step
+    (row,) = collapse_repeats(data["rows"])
+    assert (row["step_ms"], row["repeats"], row["step_ms_min"], row["step_ms_max"]) == (
+        6.0, 3, 5.0, 9.0)
+    bench_e2e.render(data, tmp_path / "r.md", tmp_path / "r.png")
+    md = (tmp_path / "r.md").read_text()
+    assert "6.00 (5.00-9.00, n=3)" in md and (tmp_path / "r.png").exists()
+    with pytest.raises(SystemExit):
+        parse_args(["--repeats", "0"])
