@@ -177,7 +177,9 @@ def _header(data: dict) -> list[str]:
         "other = step - draft - verify (sampling / rejection / tree walk = *sample*, "
         "scheduler and output handling). x AR = tokens/s over the AR reference "
         "(FA-MLA AR) in the same cell. Active nodes (`ddtree_budget: \"auto\"`): tree "
-        "nodes verified per round, the mean of the chosen budgets.",
+        "nodes verified per round, the mean of the chosen budgets. Host draft / verify: "
+        "host time inside propose / execute_model; a GPU span close to its host time "
+        "means the GPU waited for the host's launches.",
         "",
     ]
     return lines
@@ -230,11 +232,19 @@ def _anchor_table(data: dict) -> list[str]:
     return lines
 
 
+def _host_split(row: dict) -> str:
+    """``host draft / host verify`` ms (rows measured before the timer kept host time
+    have neither)."""
+    if row.get("host_draft_ms") is None and row.get("host_verify_ms") is None:
+        return "—"
+    return f"{_f(row.get('host_draft_ms'))} / {_f(row.get('host_verify_ms'))}"
+
+
 def _full_table(rows: list[dict]) -> list[str]:
     ref = reference_ar(rows)
     header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
               "median step", "accept len", "depth", "draft ms", "verify ms", "other ms",
-              "(sample ms)", "(compact ms)", "active nodes", "note"]
+              "(sample ms)", "(compact ms)", "host draft / verify ms", "active nodes", "note"]
     lines = ["## All cells", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted_rows(rows):
         note = r.get("note") or ""
@@ -251,7 +261,7 @@ def _full_table(rows: list[dict]) -> list[str]:
                  _f(r.get("step_ms_median")), _f(r.get("acceptance_length")),
                  _f(r.get("accepted_depth")), _f(r.get("draft_ms")), _f(r.get("verify_ms")),
                  _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact),
-                 _f(r.get("active_nodes_per_round"), 1), note]
+                 _host_split(r), _f(r.get("active_nodes_per_round"), 1), note]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -19,6 +19,11 @@ engine core calls them in that order for every step (``v1/engine/core.py``
   ``super()``, so a depth counter keeps the time from being counted twice)
 - ``DDTreeSpeculator._compact_target_kv``          -> ``compact`` (part of draft)
 
+Beside each GPU span the timer keeps the host time spent inside the same call
+(``time.perf_counter``): ``host_draft`` / ``host_verify`` in ms. A GPU span close to
+its host time means the GPU waited for the host's launches (a host-bound stage);
+one well above it means GPU work (the host ran ahead).
+
 Events are only recorded while ``StepTimer.active`` is set, never in dummy runs or
 during CUDA-graph capture, and never synchronized inside a step: ``StepTimer.end``
 synchronizes once after ``generate`` and converts the events to milliseconds. A span
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -98,8 +104,10 @@ class StepTimer:
 
     def __init__(self, event_factory: Callable[[], Any] = _cuda_event,
                  capturing: Callable[[], bool] = _cuda_capturing,
-                 synchronize: Callable[[], None] = _cuda_sync):
+                 synchronize: Callable[[], None] = _cuda_sync,
+                 clock: Callable[[], float] = time.perf_counter):
         self.event_factory = event_factory
+        self.clock = clock
         self.capturing = capturing
         self.synchronize = synchronize
         self.active = False
@@ -138,6 +146,7 @@ class StepTimer:
                     "end": ref.elapsed_time(last[-1][1])}
             for label in SPAN_LABELS:
                 step[label] = sum(e0.elapsed_time(e1) for e0, e1 in spans.get(label, ()))
+                step[f"host_{label}"] = 1000 * raw.get("host", {}).get(label, 0.0)
             steps.append(step)
         return steps
 
@@ -163,13 +172,14 @@ class StepTimer:
                 return original(runner, *args, **kwargs)
             step = {"decode": is_decode_step(scheduler_output, timer.prompt_len),
                     "tokens": int(scheduler_output.total_num_scheduled_tokens),
-                    "spans": {}}
+                    "spans": {}, "host": {}}
             timer._current = None
-            start = timer.event_factory()
+            start, host_start = timer.event_factory(), timer.clock()
             try:
                 return original(runner, *args, **kwargs)
             finally:
                 step["spans"][VERIFY] = [(start, timer.event_factory())]
+                step["host"][VERIFY] = timer.clock() - host_start
                 timer.raw_steps.append(step)
                 timer._current = step
 
@@ -198,11 +208,13 @@ class StepTimer:
                     timer._depth[label] = depth
                     timer._suppressed -= dummy
             timer._depth[label] = 1
-            start = timer.event_factory()
+            start, host_start = timer.event_factory(), timer.clock()
             try:
                 return original(obj, *args, **kwargs)
             finally:
                 step["spans"].setdefault(label, []).append((start, timer.event_factory()))
+                host = step.setdefault("host", {})
+                host[label] = host.get(label, 0.0) + timer.clock() - host_start
                 timer._depth[label] = 0
 
         self._install(cls, name, original, wrapper)
@@ -248,7 +260,8 @@ def summarize_steps(steps: list[dict]) -> dict | None:
     forward), ``sample`` (sample_tokens minus draft: sampler / rejection / tree walk and
     bookkeeping), ``compact`` (DDTree's KV compaction, inside draft) and
     ``other = step - draft - verify`` (sample + host gaps), so
-    ``draft + verify + other == step`` exactly.
+    ``draft + verify + other == step`` exactly. ``host_draft_ms`` / ``host_verify_ms``:
+    host time inside propose / execute_model (means; 0 where not recorded).
     """
     decode = [s for s in steps if s["decode"]]
     if not decode:
@@ -264,6 +277,8 @@ def summarize_steps(steps: list[dict]) -> dict | None:
     return split_step(decode_ms, n, draft, verify) | {
         "sample_ms": sample,
         "compact_ms": compact,
+        "host_draft_ms": sum(s.get(f"host_{DRAFT}", 0.0) for s in decode) / n,
+        "host_verify_ms": sum(s.get(f"host_{VERIFY}", 0.0) for s in decode) / n,
         "step_ms_median": statistics.median(durations),
         "step_ms_max": max(durations),
         "prefill_steps": len(steps) - n,

@@ -308,8 +308,9 @@ class FakeTree(FakeChain):
 
 
 def test_step_timer_hooks_count_nested_propose_once():
+    ticks = iter(range(10**6))  # host clock: one second per call
     timer = e2e_timing.StepTimer(event_factory=FakeEvent, capturing=lambda: False,
-                                 synchronize=lambda: None)
+                                 synchronize=lambda: None, clock=lambda: float(next(ticks)))
     timer.wrap_step(FakeRunner, "execute_model")
     timer.wrap_span(FakeRunner, "sample_tokens", e2e_timing.SAMPLE_TOKENS)
     timer.wrap_span(FakeChain, "propose", e2e_timing.DRAFT)
@@ -338,6 +339,12 @@ def test_step_timer_hooks_count_nested_propose_once():
         assert s["sample_tokens"] == 5.0 and s["end"] - s["start"] == 7.0
     summary = e2e_timing.summarize_steps(steps)
     assert summary["steps"] == 3 and summary["sample_ms"] == pytest.approx(2.0)
+    # Host clock reads per step: execute_model 2 (1 s apart), sample_tokens 2 around
+    # propose 2 around compact 2 (the nested propose / compact read their own): propose
+    # spans 3 ticks (start, compact's 2, end), execute_model 1 tick.
+    for s in steps:
+        assert s["host_verify"] == 1000.0 and s["host_draft"] == 3000.0
+    assert summary["host_draft_ms"] == 3000.0 and summary["host_verify_ms"] == 1000.0
     assert FakeTree.propose.__wrapped__ is not None
 
 
