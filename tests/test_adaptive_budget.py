@@ -245,6 +245,8 @@ def test_measured_table_shape_interpolation_and_monotonicity():
 
 
 def test_base_time_ema_from_wall_times():
+    """observe_round records the round's wall time; the next choose folds it into the
+    base EMA (one launch with the choice on CUDA) before it chooses."""
     table = measure_attention_table(lambda c, q: 1e-5 * q, [1024, 4096], [1, 2, 4])
     policy = BudgetPolicy(table, num_layers=10, ema_weight=0.5)
     scores = torch.zeros(1, 4)  # certain drafts: every budget commits b + 1
@@ -255,25 +257,33 @@ def test_base_time_ema_from_wall_times():
     b = int(policy.choose(scores, ctx))
     attn = float(policy.last_attention)
     assert attn == pytest.approx(10 * 1e-5 * (1 + b))
-    policy.observe_round(100.0)  # first call: nothing to measure yet
-    assert float(policy.base_seconds) == -1.0
+
+    def round_ends(t, verified=True):
+        policy.observe_round(t, verified=verified)
+        assert int(policy.choose(scores, ctx)) == b  # certain drafts: always the largest
+        return float(policy.base_seconds)
+
+    assert round_ends(100.0) == -1.0  # first call: nothing to measure yet
     policy.observe_round(100.0 + attn + 0.004)
+    assert float(policy.base_seconds) == -1.0  # recorded, not folded before the choice
+    assert int(policy.choose(scores, ctx)) == b
     assert float(policy.base_seconds) == pytest.approx(0.004, rel=1e-4)
-    policy.observe_round(100.0 + attn + 0.004 + attn + 0.006)
-    assert float(policy.base_seconds) == pytest.approx(0.005, rel=1e-4)  # EMA, weight 0.5
+    assert round_ends(100.0 + attn + 0.004 + attn + 0.006) == pytest.approx(0.005, rel=1e-4)
     t = 200.0
-    policy.observe_round(t)  # idle engine (gap > MAX_ROUND_SECONDS): dropped
-    assert float(policy.base_seconds) == pytest.approx(0.005, rel=1e-4)
-    policy.observe_round(t + 0.5, verified=False)  # a step without trees: dropped
-    assert float(policy.base_seconds) == pytest.approx(0.005, rel=1e-4)
-    policy.observe_round(t + 0.5 + MAX_ROUND_SECONDS / 2)  # an outlier: at most 2x base
-    assert float(policy.base_seconds) == pytest.approx(0.5 * 0.005 + 0.5 * 0.0101, rel=1e-4)
+    # idle engine (gap > MAX_ROUND_SECONDS), then a step without trees: both dropped
+    assert round_ends(t) == pytest.approx(0.005, rel=1e-4)
+    assert round_ends(t + 0.5, verified=False) == pytest.approx(0.005, rel=1e-4)
+    # an outlier: at most 2x base + 0.1 ms
+    assert round_ends(t + 0.5 + MAX_ROUND_SECONDS / 2) == pytest.approx(
+        0.5 * 0.005 + 0.5 * 0.0101, rel=1e-4)
     policy.base_seconds.fill_(0.001)
     policy.last_attention.fill_(0.01)
     policy.update_base_(torch.tensor([0.002]))  # wall below the modeled attention: 0
     assert float(policy.base_seconds) == pytest.approx(0.0005)
-    policy.reset_round_clock()
     policy.observe_round(300.0)
+    policy.observe_round(300.01)
+    policy.reset_round_clock()  # a dummy run: the recorded sample is dropped too
+    policy.choose(scores, ctx)
     assert float(policy.base_seconds) == pytest.approx(0.0005)
 
 

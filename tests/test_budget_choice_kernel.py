@@ -84,6 +84,41 @@ def test_choices_span_small_and_large_budgets():
     assert int(big) == 64 and int(small) == 1
 
 
+@pytest.mark.parametrize(("base", "wall", "last"), [
+    (-1.0, 4e-3, 5e-4),  # first sample: base = wall - last attention
+    (3e-3, 5e-3, 1e-3),  # EMA
+    (1e-3, 9e-3, 1e-3),  # an outlier, capped at 2 x base + 0.1 ms
+    (2e-3, 1e-4, 1e-3),  # wall below the modeled attention: a zero sample
+])
+def test_kernel_folds_the_wall_sample_as_update_base_(base, wall, last):
+    """``choose`` with a recorded wall sample: the launch first folds it into the base
+    EMA exactly as ``update_base_`` does, then chooses with the new base."""
+    gen = torch.Generator().manual_seed(3)
+    policy = make_policy(64, [1024, 16384, 131072], True, base, gen)
+    policy.ema_weight = 0.3
+    policy.last_attention.fill_(last)
+    scores = (torch.randn(6, 64, generator=gen) - 3).sort(dim=1, descending=True).values
+    scores = scores.clamp(max=0).float()
+    ctx = torch.randint(1000, 150_000, (6,), generator=gen, dtype=torch.int32)
+    wall = torch.tensor([wall])
+
+    policy.update_base_(wall)  # the PyTorch reference
+    want_base = policy.base_seconds.clone()
+    want = policy.choose(scores, ctx)
+    want_attention = policy.last_attention.clone()
+
+    table = policy.table
+    base_dev = torch.tensor([base], device=DEVICE)
+    last_dev = torch.tensor([last], device=DEVICE)
+    got = choose_budget_triton(
+        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
+        table.seconds.to(DEVICE), policy.budgets.to(DEVICE), base_dev, last_dev,
+        policy.num_layers, table.extrapolate, wall_seconds=wall.to(DEVICE), ema_weight=0.3)
+    torch.testing.assert_close(base_dev.cpu(), want_base, rtol=1e-6, atol=0)
+    assert int(got) == int(want)
+    torch.testing.assert_close(last_dev.cpu(), want_attention, rtol=1e-5, atol=0)
+
+
 _COMPILE_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
@@ -97,7 +132,8 @@ for arch in (90, 120):
         consts = dict(EXTRAPOLATE=True, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_K=16,
                       BLOCK_C=8)
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32")
-               if n.endswith("_ptr") else "fp32" if n == "num_layers" else "i32"
+               if n.endswith("_ptr") else "fp32" if n in ("num_layers", "ema_weight")
+               else "i32"
                for n in fn.arg_names}
         k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})

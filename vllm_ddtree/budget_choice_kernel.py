@@ -9,6 +9,11 @@ probabilities sorted (``tl.sort``) and summed up to every candidate, the table
 interpolated at each request's context. Same formulas as the PyTorch path; the sums run
 in another order, so a near-tie between two candidates may go either way (any choice
 is lossless: it only sets how many nodes are verified).
+
+The same launch first folds the round's wall-time sample into the base-time EMA
+(``BudgetPolicy.update_base_``'s formula, about ten eager kernels on the PyTorch path)
+when the host recorded one: a round of ``auto`` then costs the host one launch and
+one host-to-device copy.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ __all__ = ["choose_budget_triton"]
 BLOCK_R = 16
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_nodes", "num_budgets", "num_contexts"])
+@triton.jit(do_not_specialize=["num_reqs", "num_nodes", "num_budgets", "num_contexts",
+                               "has_sample"])
 def _choose_budget_kernel(
     scores_ptr,  # fp32 [R, B]
     ctx_ptr,  # int [R]
@@ -32,6 +38,9 @@ def _choose_budget_kernel(
     base_ptr,  # fp32 [1]
     chosen_ptr,  # int64 [1]
     last_attention_ptr,  # fp32 [1]
+    wall_ptr,  # fp32 [1]: the round's wall seconds (read when has_sample)
+    has_sample,  # int: 1 = fold wall_ptr into the base EMA first
+    ema_weight,  # fp32
     num_reqs,
     num_nodes,
     num_budgets,
@@ -95,6 +104,13 @@ def _choose_budget_kernel(
 
     attention = attention * num_layers
     base = tl.load(base_ptr)
+    if has_sample != 0:
+        # update_base_: sample = max(wall - last_attention, 0), at most 2 x base + 0.1 ms.
+        sample = tl.maximum(tl.load(wall_ptr) - tl.load(last_attention_ptr), 0.0)
+        known = base >= 0
+        sample = tl.where(known, tl.minimum(sample, 2 * base + 1e-4), sample)
+        base = tl.where(known, (1 - ema_weight) * base + ema_weight * sample, sample)
+        tl.store(base_ptr, base)
     at_max = tl.sum(tl.where(offs_k == num_budgets - 1, attention, 0.0), axis=0)
     base = tl.where(base >= 0, base, at_max)
     rate = tl.where(valid_k, tokens / (base + attention), float("-inf"))
@@ -114,6 +130,8 @@ def choose_budget_triton(
     last_attention: torch.Tensor,
     num_layers: int,
     extrapolate: bool,
+    wall_seconds: torch.Tensor | None = None,
+    ema_weight: float = 0.0,
 ) -> torch.Tensor:
     """The batch's active budget, as ``BudgetPolicy.choose`` computes it.
 
@@ -122,9 +140,13 @@ def choose_budget_triton(
         context_lens: int ``[R]``.
         contexts / seconds / budgets: the cost table (``BudgetCostTable``: fp32 ``[C]``,
             fp32 ``[C, K]`` contiguous, int64 ``[K]``); extrapolate: its flag.
-        base_seconds: fp32 ``[1]`` (< 0: no sample yet, the cost at B stands in).
-        last_attention: fp32 ``[1]``, gets the chosen round's modeled attention.
+        base_seconds: fp32 ``[1]`` (< 0: no sample yet, the cost at B stands in);
+            updated in place when ``wall_seconds`` is given.
+        last_attention: fp32 ``[1]``: the previous round's modeled attention (read by
+            the EMA), then gets the chosen round's.
         num_layers: target attention layers.
+        wall_seconds: fp32 ``[1]``, a wall-time sample to fold into ``base_seconds``
+            first with ``ema_weight`` (``BudgetPolicy.update_base_``), or None.
 
     Returns:
         int64 0-dim tensor ``b`` (one of ``budgets``). No host sync.
@@ -136,7 +158,9 @@ def choose_budget_triton(
     block_b = triton.next_power_of_2(max(num_nodes, 1))
     _choose_budget_kernel[(1,)](
         scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
-        last_attention, num_reqs, num_nodes, budgets.numel(), contexts.numel(),
+        last_attention, base_seconds if wall_seconds is None else wall_seconds,
+        int(wall_seconds is not None), float(ema_weight),
+        num_reqs, num_nodes, budgets.numel(), contexts.numel(),
         scores.stride(0), float(num_layers),
         EXTRAPOLATE=extrapolate,
         BLOCK_R=min(BLOCK_R, max(1, 4096 // block_b)),

@@ -178,6 +178,8 @@ class BudgetPolicy:
         )
         self._slot = 0
         self._last_round_start: float | None = None
+        # A wall sample copied to _wall_device that the next choose folds into base.
+        self._sample_pending = False
 
     # -- the choice ----------------------------------------------------------------
 
@@ -200,18 +202,24 @@ class BudgetPolicy:
             context_lens: int ``[R]``, the requests' context lengths.
 
         Returns:
-            int64 0-dim tensor ``b`` (one of the candidates). Records the chosen
-            round's modeled attention for the next :meth:`observe_round`. No host sync.
-            On CUDA one Triton launch (``budget_choice_kernel``;
+            int64 0-dim tensor ``b`` (one of the candidates). First folds the wall
+            sample :meth:`observe_round` recorded, if any, into the base time; records
+            the chosen round's modeled attention for the next sample. No host sync.
+            On CUDA one Triton launch for both (``budget_choice_kernel``;
             ``VLLM_DDTREE_ROUND_KERNELS=torch``: the ops below).
         """
+        pending, self._sample_pending = self._sample_pending, False
         if use_triton_round_kernels(scores):
             table = self.table
             b = choose_budget_triton(
                 scores, context_lens, table.contexts, table.seconds, self.budgets,
                 self.base_seconds, self.last_attention, self.num_layers, table.extrapolate,
+                wall_seconds=self._wall_device if pending else None,
+                ema_weight=self.ema_weight,
             )
         else:
+            if pending:
+                self.update_base_(self._wall_device)
             attention = self.attention_seconds(context_lens)
             expected = expected_committed_by_budget(scores)
             b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)
@@ -239,7 +247,8 @@ class BudgetPolicy:
     def observe_round(self, now: float | None = None, verified: bool = True) -> None:
         """Host hook at the start of every ``propose``: the time since the previous
         call is one round when ``verified`` (this step verified trees) and the engine
-        was not idle in between. Copies it to the device without a sync."""
+        was not idle in between. Copies it to the device without a sync; the next
+        :meth:`choose` folds it into the base time (:meth:`update_base_`)."""
         now = time.perf_counter() if now is None else now
         last, self._last_round_start = self._last_round_start, now
         if last is None or not verified or not 0 < now - last <= MAX_ROUND_SECONDS:
@@ -248,11 +257,13 @@ class BudgetPolicy:
         self._slot = (self._slot + 1) % _WALL_SLOTS
         slot.fill_(now - last)
         self._wall_device.copy_(slot, non_blocking=True)
-        self.update_base_(self._wall_device)
+        self._sample_pending = True
 
     def reset_round_clock(self) -> None:
-        """Forget the previous round's start (after a dummy or profile run)."""
+        """Forget the previous round's start and any sample not yet folded (after a
+        dummy or profile run)."""
         self._last_round_start = None
+        self._sample_pending = False
 
     # -- construction in vLLM ------------------------------------------------------------
 
