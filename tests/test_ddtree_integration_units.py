@@ -237,6 +237,17 @@ def test_verify_inputs_follow_request_state_trees():
     pos = verify_inputs_(sc.state, linear, b.query_start_loc, b.cu_num_logits, b.idx_mapping,
                          b.num_tokens, padded)
     assert pos.shape == (padded,) and pos.data_ptr() == sc.state.positions.data_ptr()
+    # The logit rows' Gumbel keys are their tokens' RoPE positions (full and truncated
+    # trees, prefill chunks), so the verifier may gather them from this buffer.
+    assert sc.state.positions_num_tokens == b.num_tokens
+    want = logit_row_positions(b.positions[b.logits_indices], b.expanded_local_pos,
+                               b.expanded_idx_mapping, sc.state.depths)
+    assert torch.equal(pos[b.logits_indices], want)
+    verifier = DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu", DEPTHS,
+                              state=sc.state, draw_fn=sc.sampler.draw_fn)
+    sc.state.positions[padded:].fill_(-7)  # a gather outside the batch would show
+    _, _, row_positions = verifier.draw_target_tokens(sc.logits.clone(), b)
+    assert torch.equal(row_positions, want) and torch.equal(sc.sampler.seen_positions, want)
     bits = unpack_ancestor_bits(TREE_MASK_STATE.ancestor_bits[: b.num_tokens], 1 + 2 * BUDGET)
     masks = sc.trees.ancestor_mask()
     qsl = b.query_start_loc.tolist()

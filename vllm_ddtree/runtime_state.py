@@ -104,6 +104,9 @@ class DDTreeRuntimeState:
         self.depths: torch.Tensor | None = None
         self.ancestor_bits: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
+        # Real tokens of the batch whose RoPE positions verify_inputs_ last wrote to
+        # ``positions`` (-1: none); the verifier then gathers its logit rows' positions.
+        self.positions_num_tokens = -1
         self.walk_kv_src_rows: torch.Tensor | None = None
         self.walk_num_reqs = 0
         self.walk_valid = False
@@ -281,7 +284,8 @@ def verify_inputs_(
     Returns:
         ``state.positions[:num_tokens_padded]`` (int64); ``TREE_MASK_STATE.ancestor_bits
         [:num_tokens]`` (and, when ``state.adaptive``, ``active_query_lens``) are
-        written as side effects. No host sync.
+        written as side effects, and ``state.positions_num_tokens = num_tokens``. No
+        host sync.
     """
     assert state.positions is not None and state.depths is not None
     assert state.ancestor_bits is not None and TREE_MASK_STATE.ancestor_bits is not None
@@ -293,6 +297,7 @@ def verify_inputs_(
             active_nodes=state.active_nodes if state.adaptive else None,
             active_lens_out=TREE_MASK_STATE.active_query_lens if state.adaptive else None,
         )
+        state.positions_num_tokens = num_tokens
         return state.positions[:num_tokens_padded]
     num_reqs = idx_mapping.shape[0]
     is_tree = (cu_num_logits[1 : num_reqs + 1] - cu_num_logits[:num_reqs]) > 1
@@ -314,6 +319,7 @@ def verify_inputs_(
     out_bits[:num_tokens].copy_(bits)
     if state.adaptive:
         _active_query_lens_(state, query_start_loc, is_tree, idx)
+    state.positions_num_tokens = num_tokens
     return state.positions[:num_tokens_padded]
 
 
@@ -346,7 +352,9 @@ def logit_row_positions(
     ``p`` (``sampler.py:79,249-257``); chain spec decoding does the same per row
     (``rejection_sampler.py:114``). A tree row's input token sits at ``root + depth``,
     so that is its key: the verifier then draws, at the node that ends an accepted
-    path, exactly what plain decoding draws after that path.
+    path, exactly what plain decoding draws after that path. These are the RoPE
+    positions ``verify_inputs_`` gives the rows' tokens, so when it wrote them for this
+    batch the verifier gathers them instead (one kernel instead of about ten).
 
     Args:
         linear_positions: int64 ``[num_logits]``, ``positions[logits_indices]``.

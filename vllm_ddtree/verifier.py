@@ -267,13 +267,18 @@ class DDTreeVerifier:
         row_positions int64 [num_logits])``.
         """
         assert self.state.depths is not None
-        linear = input_batch.positions[input_batch.logits_indices]
-        row_positions = logit_row_positions(
-            linear,
-            input_batch.expanded_local_pos,
-            input_batch.expanded_idx_mapping,
-            self.state.depths,
-        )
+        if (self.state.positions is not None
+                and self.state.positions_num_tokens == input_batch.num_tokens):
+            # verify_inputs_ (prepare_inputs) wrote this batch's RoPE positions: a logit
+            # row's key is its token's position (logit_row_positions' formula).
+            row_positions = self.state.positions[input_batch.logits_indices]
+        else:
+            row_positions = logit_row_positions(
+                input_batch.positions[input_batch.logits_indices],
+                input_batch.expanded_local_pos,
+                input_batch.expanded_idx_mapping,
+                self.state.depths,
+            )
         draft_row_tokens = input_batch.input_ids[input_batch.logits_indices]
         processed = self.sampler.apply_sampling_params(
             logits,
