@@ -131,9 +131,9 @@ for arch in (90, 120):
     for block_r, block_b in ((16, 64), (8, 512)):
         consts = dict(EXTRAPOLATE=True, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_K=16,
                       BLOCK_C=8)
+        floats = ("num_layers", "ema_weight", "rate_tolerance")
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32")
-               if n.endswith("_ptr") else "fp32" if n in ("num_layers", "ema_weight")
-               else "i32"
+               if n.endswith("_ptr") else "fp32" if n in floats else "i32"
                for n in fn.arg_names}
         k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})

@@ -127,9 +127,18 @@ class BudgetCostTable:
         return out[0] if context_len.dim() == 0 else out
 
 
+# Candidates within this fraction of the best modeled rate count as equal, and the
+# smallest of them wins: rows cost the target's GEMMs, lm_head and sampling time that the
+# model (attention + one base time) does not see, so where it cannot tell two budgets
+# apart (flat verify attention at short context, a drafter whose extra nodes add almost
+# nothing) fewer rows is the better bet.
+RATE_TOLERANCE = 0.01
+
+
 def choose_batch_budget(expected: torch.Tensor, round_seconds: torch.Tensor,
                         budgets: torch.Tensor) -> torch.Tensor:
-    """The candidate budget that maximises the batch's expected tokens per second.
+    """The smallest candidate budget whose expected tokens per second are within
+    :data:`RATE_TOLERANCE` of the best.
 
     One budget per batch: verify steps keep a uniform ``1 + b`` query length so
     they replay one captured graph.
@@ -146,6 +155,8 @@ def choose_batch_budget(expected: torch.Tensor, round_seconds: torch.Tensor,
     if budgets.numel() != round_seconds.numel():
         raise ValueError("budgets and round_seconds must have the same length")
     tokens = expected[:, budgets - 1].sum(dim=0)  # [K]
-    best = torch.argmax(tokens / round_seconds).reshape(1)
+    rates = tokens / round_seconds
+    near_best = rates >= (1 - RATE_TOLERANCE) * rates.max()
+    best = torch.argmax(near_best.to(torch.int8)).reshape(1)  # the first: smallest b
     # index_select, not budgets[best]: a 0-dim tensor index may be read on the host.
     return budgets.index_select(0, best)[0]

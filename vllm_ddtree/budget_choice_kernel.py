@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.budget import RATE_TOLERANCE
+
 __all__ = ["choose_budget_triton"]
 
 BLOCK_R = 16
@@ -41,6 +43,7 @@ def _choose_budget_kernel(
     wall_ptr,  # fp32 [1]: the round's wall seconds (read when has_sample)
     has_sample,  # int: 1 = fold wall_ptr into the base EMA first
     ema_weight,  # fp32
+    rate_tolerance,  # fp32
     num_reqs,
     num_nodes,
     num_budgets,
@@ -115,7 +118,9 @@ def _choose_budget_kernel(
     base = tl.where(base >= 0, base, at_max)
     rate = tl.where(valid_k, tokens / (base + attention), float("-inf"))
     best_rate = tl.max(rate, axis=0)
-    best = tl.min(tl.where(rate == best_rate, offs_k, BLOCK_K), axis=0)  # first max
+    # budget.choose_batch_budget: the smallest candidate within rate_tolerance of the best
+    near_best = rate >= (1 - rate_tolerance) * best_rate
+    best = tl.min(tl.where(near_best, offs_k, BLOCK_K), axis=0)
     tl.store(chosen_ptr, tl.sum(tl.where(offs_k == best, budgets, 0), axis=0))
     tl.store(last_attention_ptr, tl.sum(tl.where(offs_k == best, attention, 0.0), axis=0))
 
@@ -159,7 +164,7 @@ def choose_budget_triton(
     _choose_budget_kernel[(1,)](
         scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
         last_attention, base_seconds if wall_seconds is None else wall_seconds,
-        int(wall_seconds is not None), float(ema_weight),
+        int(wall_seconds is not None), float(ema_weight), RATE_TOLERANCE,
         num_reqs, num_nodes, budgets.numel(), contexts.numel(),
         scores.stride(0), float(num_layers),
         EXTRAPOLATE=extrapolate,
