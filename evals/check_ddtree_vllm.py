@@ -196,25 +196,6 @@ def gpu_memory_args() -> dict:
     return {"gpu_memory_utilization": 0.3}
 
 
-def cycle_budget_choices(budgets: list[int]) -> None:
-    """Replace ``BudgetPolicy.choose``'s result by ``budgets`` in turn (it still runs,
-    so its side effects stay). The engine runs in this process, so the patch reaches
-    the speculator."""
-    import torch
-
-    from vllm_ddtree.budget_policy import BudgetPolicy
-
-    original = BudgetPolicy.choose
-    turn = iter(range(10**9))
-
-    def choose(self, scores, context_lens):
-        original(self, scores, context_lens)
-        b = min(budgets[next(turn) % len(budgets)], self.max_budget)
-        return torch.tensor(b, dtype=torch.int64, device=scores.device)
-
-    BudgetPolicy.choose = choose
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -272,8 +253,11 @@ def main() -> None:
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
-    if args.cycle_budgets:
-        cycle_budget_choices([int(b) for b in args.cycle_budgets.split(",")])
+    if args.cycle_budgets:  # every process (TP workers too) through the plugin
+        from vllm_ddtree.testing.forced_budgets import ENV, force_budget_choices, parse_budgets
+
+        os.environ[ENV] = args.cycle_budgets
+        force_budget_choices(parse_budgets(args.cycle_budgets))
 
     extra = {}
     max_num_seqs = 8

@@ -111,8 +111,6 @@ def create_ddtree_speculative_config(
             "VLLM_USE_V2_MODEL_RUNNER=0"
         )
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    # Refuse an adaptive verify shape at TP > 1 before any process starts.
-    ddtree.resolved_verify_shape(getattr(target_parallel_config, "tensor_parallel_size", 1))
     from patches import apply_runner_patches
 
     apply_runner_patches()

@@ -60,6 +60,23 @@ def test_chooser_follows_the_newest_choice_rounded_up_to_a_shape():
     assert chooser.next_shape() == 8
 
 
+def test_lagged_chooser_reads_the_same_round_on_every_rank():
+    """TP > 1: the shape comes from the choice of exactly ``lag`` rounds before, not
+    from whichever copy completed, so ranks that record the same (broadcast) choices
+    cut the same drafts."""
+    ranks = [VerifyShapeChooser(64, "cpu", lag=2) for _ in range(2)]
+    seen = []
+    for b in [4, 8, 16, 1, 2, 32, 64, 8, 4, 2, 1, 16]:  # more rounds than slots
+        shapes = [rank.next_shape() for rank in ranks]
+        assert shapes[0] == shapes[1]
+        seen.append(shapes[0])
+        for rank in ranks:
+            rank.record_(torch.tensor(b))
+    assert seen == [64, 64, 4, 8, 16, 1, 2, 32, 64, 8, 4, 2]
+    with pytest.raises(ValueError, match="lag"):
+        VerifyShapeChooser(64, "cpu", lag=0)
+
+
 def test_chooser_with_a_budget_that_is_not_a_power_of_two():
     chooser = VerifyShapeChooser(24, "cpu")
     assert chooser.shapes == [1, 2, 4, 8, 16, 24]
@@ -95,8 +112,7 @@ def test_config_key_errors_name_the_field_and_the_fix():
         split_ddtree_spec({**SPEC, "ddtree_verify_shape": "adaptive"})
     _, cfg = split_ddtree_spec({**SPEC, "ddtree_budget": "auto",
                                 "ddtree_verify_shape": "adaptive"})
-    with pytest.raises(DDTreeConfigError, match="tensor_parallel_size 1"):
-        cfg.resolved_verify_shape(2)
+    assert cfg.resolved_verify_shape(2) == "adaptive"  # explicit: honoured at TP > 1
 
 
 class FakeSpecConfig:
@@ -214,3 +230,38 @@ def test_execute_model_cuts_drafts_to_the_chosen_shape(shape_patch):
     # Without a chooser (fixed shapes, other methods) the runner gets the object as is.
     runner_cls.execute_model(NS(speculator=NS()), original)
     assert calls[-1] is original
+
+
+def test_shape_choice_has_no_host_sync():
+    """record_ (the copy of the chosen budget to pinned host memory) and next_shape
+    (reading it back once its event completed) do not make the host wait: the read is
+    of host memory, not of the device tensor (the detector treats CPU tensors as
+    device tensors, except the chooser's host slots)."""
+    from vllm_ddtree.testing.sync_guard import assert_no_host_sync
+
+    chooser = VerifyShapeChooser(64, "cpu")
+    chosen = torch.tensor(8)  # a device tensor on a GPU run
+    with assert_no_host_sync(host_tensors=[chooser._host]):
+        chooser.record_(chosen)
+        shape = chooser.next_shape()
+        truncate_drafts(scheduler_output(), shape)
+    assert shape == 8
+
+
+def test_forced_budget_hook(monkeypatch):
+    """The GPU tests' hook (``VLLM_DDTREE_TEST_FORCED_BUDGETS``): choose returns the
+    listed budgets in turn, capped at B; bad values name the variable."""
+    from vllm_ddtree.budget_policy import BudgetPolicy, measure_attention_table
+    from vllm_ddtree.testing import forced_budgets
+
+    monkeypatch.setattr(BudgetPolicy, "choose", BudgetPolicy.choose)  # restored after
+    assert not forced_budgets.apply_from_env()  # unset: nothing happens
+    monkeypatch.setenv(forced_budgets.ENV, "1,4,99")
+    assert forced_budgets.apply_from_env()
+    table = measure_attention_table(lambda c, q: 1e-6 * q, [1024], [1, 2, 4, 8])
+    policy = BudgetPolicy(table, num_layers=2)
+    scores, ctx = torch.zeros(2, 8), torch.tensor([100, 200])
+    assert [int(policy.choose(scores, ctx)) for _ in range(4)] == [1, 4, 8, 1]
+    for bad in ("", "0,2", "a"):
+        with pytest.raises(ValueError, match=forced_budgets.ENV):
+            forced_budgets.parse_budgets(bad)

@@ -25,6 +25,10 @@ def register() -> None:
     require_vllm_version("vllm_ddtree.register")
     applied = apply_all()
     _register_attention_backends()
+    from vllm_ddtree.testing.forced_budgets import apply_from_env
+
+    if apply_from_env():  # a GPU-test hook; see its module
+        logger.warning("vllm-ddtree: auto budget choices forced by a test hook")
     _registered = True
     logger.debug("vllm-ddtree registered; patches applied: %s", applied)
 

@@ -20,7 +20,8 @@ DDTREE_KEYS = {
     "tokens per second (default: always B)",
     "ddtree_verify_shape": 'with ddtree_budget "auto": "adaptive" verifies 1 + b rows per '
     'request (b rounded up to a power of two; default at tensor-parallel size 1), "fixed" '
-    "verifies 1 + B and skips the inactive rows in attention only (default otherwise)",
+    "verifies 1 + B and skips the inactive rows in attention only (default at tensor-"
+    "parallel size > 1, where adaptive is not GPU-tested yet)",
 }
 AUTO_BUDGET = "auto"
 VERIFY_SHAPES = ("adaptive", "fixed")
@@ -55,19 +56,14 @@ class DDTreeConfig:
     verify_shape: str | None = None
 
     def resolved_verify_shape(self, tensor_parallel_size: int) -> str | None:
-        """``"adaptive"`` / ``"fixed"`` for ``auto`` (None without it). Adaptive shapes
-        need TP = 1: each rank reads the device's budget choices on its own, and ranks
-        must agree on the shape. Raises ``DDTreeConfigError`` for an explicit
-        ``"adaptive"`` at TP > 1."""
+        """``"adaptive"`` / ``"fixed"`` for ``auto`` (None without it). The default is
+        adaptive at TP = 1 and fixed at TP > 1, where adaptive shapes (each rank reads
+        the choice of two rounds before, ``vllm_ddtree.verify_shape``) have not run on
+        a GPU yet; an explicit ``"adaptive"`` is honoured at any TP."""
         if not self.adaptive:
             return None
         if self.verify_shape is None:
             return "adaptive" if tensor_parallel_size == 1 else "fixed"
-        if self.verify_shape == "adaptive" and tensor_parallel_size > 1:
-            raise DDTreeConfigError(
-                '`ddtree_verify_shape: "adaptive"` needs tensor_parallel_size 1 (ranks must '
-                'agree on each step\'s shape); use "fixed" or leave the key out'
-            )
         return self.verify_shape
 
     def to_dict(self) -> dict[str, Any]:

@@ -275,8 +275,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         if ddtree is not None and ddtree.resolved_verify_shape(tp) == "adaptive":
             from vllm_ddtree.verify_shape import VerifyShapeChooser
 
-            # Read by patches.verify_shapes (the runner's execute_model).
-            self.verify_shape = VerifyShapeChooser(self.budget, device)
+            # Read by patches.verify_shapes (the runner's execute_model). TP ranks
+            # must cut alike: each reads the (broadcast) choice of two rounds before.
+            self.verify_shape = VerifyShapeChooser(self.budget, device,
+                                                   lag=2 if tp > 1 else None)
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:

@@ -21,12 +21,18 @@ device chose in the newest round whose choice has reached the host:
   does for its dynamic speculative decoding (``cudagraph_utils.py:196-220``).
 
 The choice reaches the host without a sync: each ``propose`` copies ``b`` into a
-pinned slot (non-blocking) and records an event; the host takes the newest slot
-whose event has completed (``Event.query``, never a wait): usually the round before
-the last one, since the host runs about one step ahead of the GPU. The device still
-picks ``b`` every round and masks the rows past it, so a lagging shape costs rows,
-never correctness. Ranks of a tensor-parallel group could see different slots
-complete, hence TP = 1 only.
+pinned slot (non-blocking) and records an event; at TP = 1 the host takes the newest
+slot whose event has completed (``Event.query``, never a wait): usually the round
+before the last one, since the host runs about one step ahead of the GPU. The device
+still picks ``b`` every round and masks the rows past it, so a lagging shape costs
+rows, never correctness.
+
+Ranks of a tensor-parallel group must cut the same drafts (their collectives need
+equal shapes), but could see different slots complete. With ``lag`` set (TP > 1)
+every rank reads the choice of exactly ``lag`` rounds before (the ranks' choices are
+equal: ``BudgetPolicy`` broadcasts the first rank's), waiting on that round's event if
+it has not completed; with ``lag = 2`` it has, unless the host ran two rounds ahead of
+the GPU.
 """
 
 from __future__ import annotations
@@ -92,9 +98,17 @@ class VerifyShapeChooser:
             reached the host.
         device: where the choices live (CUDA: pinned slots and events; CPU: the
             copy is synchronous and a choice is visible at once).
+        lag: None: the newest completed choice (TP = 1); an int in
+            ``1.._SLOTS - 1``: the choice of exactly that many rounds before, the same
+            on every rank (TP > 1).
     """
 
-    def __init__(self, max_budget: int, device: torch.device | str) -> None:
+    def __init__(self, max_budget: int, device: torch.device | str,
+                 lag: int | None = None) -> None:
+        if lag is not None and not 1 <= lag < _SLOTS:
+            raise ValueError(f"lag must be in 1..{_SLOTS - 1} or None, got {lag}")
+        self.lag = lag
+        self._num_recorded = 0
         self.shapes = candidate_budgets(max_budget)
         self.max_budget = max_budget
         self.device = torch.device(device)
@@ -119,11 +133,15 @@ class VerifyShapeChooser:
             event.record()
         self._events[slot] = event
         self._pending.append(slot)
+        self._num_recorded += 1
 
     def latest_budget(self) -> int:
         """The newest chosen budget whose copy has completed (B before the first).
         Never waits: events complete in stream order, so this stops at the first
-        pending one."""
+        pending one. With ``lag``: the choice of ``lag`` rounds before (B before it
+        exists), waiting for its copy if it has not completed."""
+        if self.lag is not None:
+            return self._lagged_budget()
         while self._pending:
             slot = self._pending[0]
             event = self._events[slot]
@@ -132,6 +150,16 @@ class VerifyShapeChooser:
             self._pending.popleft()
             self._latest = int(self._host[slot])
         return self._latest
+
+    def _lagged_budget(self) -> int:
+        record = self._num_recorded - self.lag  # 0-based index of the round to read
+        if record < 0:
+            return self.max_budget
+        slot = record % _SLOTS
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # recorded `lag` rounds ago: normally long complete
+        return int(self._host[slot])
 
     def next_shape(self) -> int:
         """Drafts to verify per request next step: the smallest candidate budget

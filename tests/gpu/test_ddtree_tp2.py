@@ -44,3 +44,20 @@ def test_tp2_auto_budget_equals_tp1(tmp_path):
     assert tp2["tp"] == 2
     mal = tp2["vllm_metrics"].get("mean_acceptance_length")
     assert mal is not None and mal > 1.2
+
+
+def test_tp2_adaptive_verify_shapes_equal_tp1(tmp_path):
+    """Adaptive verify shapes at TP=2 (explicit; the TP > 1 default is fixed): both
+    ranks cut the drafts to the (broadcast) choice of two rounds before. The choice is
+    forced through 1, 4, 3, 16, 2, 32, 8 in every worker (the plugin's test hook), so
+    shapes below B occur; tokens equal the TP=1 fixed-budget run up to ties."""
+    from test_ddtree_vllm import run_mixed_vs_ar, run_script
+
+    common = ["--mixed", "--budget", "32", "--graphs"]
+    tp1 = run_script("check_ddtree_vllm.py", [*common, "--tp", "1"], tmp_path / "tp1.json")
+    tp2 = run_mixed_vs_ar(tp1, [*common, "--auto", "--verify-shape", "adaptive",
+                                "--cycle-budgets", "1,4,3,16,2,32,8", "--tp", "2"],
+                          tmp_path / "tp2.json", "TP=2 adaptive shapes vs TP=1")
+    assert tp2["tp"] == 2
+    mal = tp2["vllm_metrics"].get("mean_acceptance_length")
+    assert mal is not None and mal > 1.1
