@@ -1,6 +1,7 @@
-"""Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` and
-``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates`` / ``.dispatch``
-(vLLM 0.26.0): DDTree's adaptive verify shapes (``vllm_ddtree.verify_shape``).
+"""Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` /
+``.capture_model`` and ``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.
+_init_candidates`` / ``.dispatch`` / ``.capture`` (vLLM 0.26.0): DDTree's adaptive verify
+shapes (``vllm_ddtree.verify_shape``).
 
 * ``execute_model``: before the runner builds the batch, cut each request's
   scheduled drafts to the shape the speculator's ``VerifyShapeChooser`` gives
@@ -21,6 +22,10 @@
   piecewise. When that happens the patch takes the smallest FULL graph of the same
   query length that holds the batch (the runner pads requests and tokens, as for
   any FULL graph).
+* ``capture`` of that manager: each one-request verify graph is replayed right after
+  its capture (``vllm_ddtree.verify_shape_costs``), and ``capture_model`` hands the
+  times to ``ddtree_budget: "auto"``'s policy (``BudgetPolicy.set_row_costs``): what a
+  verified row costs beside attention.
 
 Both are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` and an
 adaptive verify shape.
@@ -31,8 +36,9 @@ from __future__ import annotations
 from patches._guard import require_vllm_version
 
 PATCHED_FUNCTION = (
-    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / "
-    "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates / .dispatch"
+    "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / .capture_model, "
+    "vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager._init_candidates / .dispatch / "
+    ".capture"
 )
 
 
@@ -63,8 +69,10 @@ def apply() -> None:
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
     original_execute = GPUModelRunner.execute_model
+    original_capture_model = GPUModelRunner.capture_model
     original_candidates = CudaGraphManager._init_candidates
     original_dispatch = CudaGraphManager.dispatch
+    original_capture = CudaGraphManager.capture
     if getattr(original_execute, "_ddtree_patched", False):
         return
 
@@ -105,12 +113,50 @@ def apply() -> None:
                 and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
         return min(fits, key=lambda d: d.num_tokens) if fits else desc
 
+    def capture(self, create_forward_fn, *args, **kwargs):
+        shapes = getattr(self, "_ddtree_shapes", None)
+        if not shapes:
+            return original_capture(self, create_forward_fn, *args, **kwargs)
+        from vllm_ddtree.verify_shape_costs import ShapeGraphTimer
+
+        timer = ShapeGraphTimer(self.graphs, shapes)
+
+        def timed_create_forward_fn(desc, warmup):
+            # The graph captured last still has its dummy inputs in the buffers.
+            timer.time_new_graphs()
+            return create_forward_fn(desc, warmup)
+
+        result = original_capture(self, timed_create_forward_fn, *args, **kwargs)
+        timer.time_new_graphs()
+        self._ddtree_shape_seconds = None if timer.failed else timer.seconds
+        return result
+
+    def capture_model(self):
+        result = original_capture_model(self)
+        seconds = getattr(self.cudagraph_manager, "_ddtree_shape_seconds", None)
+        policy = getattr(self.speculator, "budget_policy", None)
+        if seconds and policy is not None:
+            try:
+                policy.set_row_costs(seconds)
+            except ValueError as e:  # e.g. B beyond the largest captured size
+                import logging
+
+                logging.getLogger("vllm.ddtree.verify_shapes").warning(
+                    "DDTree auto budget runs without row costs: %s", e)
+        return result
+
     execute_model._ddtree_patched = True
     execute_model._ddtree_original = original_execute
     _init_candidates._ddtree_patched = True
     _init_candidates._ddtree_original = original_candidates
     dispatch._ddtree_patched = True
     dispatch._ddtree_original = original_dispatch
+    capture._ddtree_patched = True
+    capture._ddtree_original = original_capture
+    capture_model._ddtree_patched = True
+    capture_model._ddtree_original = original_capture_model
     GPUModelRunner.execute_model = execute_model
     CudaGraphManager._init_candidates = _init_candidates
     CudaGraphManager.dispatch = dispatch
+    CudaGraphManager.capture = capture
+    GPUModelRunner.capture_model = capture_model

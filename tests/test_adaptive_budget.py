@@ -225,6 +225,39 @@ def test_near_ties_take_the_fewest_rows():
     assert int(policy.choose(confident, torch.tensor([1024]))) == 64
 
 
+def test_row_costs_shift_the_choice_to_fewer_rows():
+    """Measured verify time per shape (adaptive shapes): when extra rows cost more than
+    the tokens they are expected to add, the choice shrinks; the cost is that of the
+    batch's total rows, so more requests shrink it further; the wall sample then
+    covers attention + rows."""
+    from vllm_ddtree.budget import rows_seconds_for_batch
+
+    table = measure_attention_table(lambda c, q: 1e-6, [1024, 4096], candidate_budgets(64))
+    policy = BudgetPolicy(table, num_layers=4)
+    policy.base_seconds.fill_(2e-3)
+    scores = torch.log(0.9 * 0.9 ** torch.arange(64.0))[None]  # confident, fading
+    ctx = torch.tensor([1024])
+    free_rows = int(policy.choose(scores, ctx))
+    # an MoE-like target: every extra row reads more expert weights (25 us / row)
+    policy.set_row_costs({b: 1e-3 + 25e-6 * b for b in candidate_budgets(64)})
+    assert policy.row_seconds.tolist()[:3] == pytest.approx([0.0, 25e-6, 75e-6], abs=1e-9)
+    costly_rows = int(policy.choose(scores, ctx))
+    assert costly_rows < free_rows
+    batch = int(policy.choose(scores.repeat(8, 1), ctx.repeat(8)))
+    assert batch <= costly_rows
+    # the row cost at R requests is read at R * (1 + b) rows, extended past 1 + B
+    rows = rows_seconds_for_batch(policy.row_seconds, policy.budgets, 2)
+    assert rows.tolist() == pytest.approx([25e-6 * (2 * (1 + b) - 2)
+                                           for b in candidate_budgets(64)], rel=1e-4)
+    # the next wall sample subtracts the chosen round's attention and rows
+    k = candidate_budgets(64).index(batch)
+    attention = float(policy.attention_seconds(ctx.repeat(8))[k])
+    assert float(policy.last_attention) == pytest.approx(attention + float(
+        rows_seconds_for_batch(policy.row_seconds, policy.budgets, 8)[k]), rel=1e-5)
+    with pytest.raises(ValueError, match="missing"):
+        policy.set_row_costs({1: 1e-3})
+
+
 # -- the start-up table and the base time ------------------------------------------------------
 
 

@@ -119,6 +119,31 @@ def test_kernel_folds_the_wall_sample_as_update_base_(base, wall, last):
     torch.testing.assert_close(last_dev.cpu(), want_attention, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("num_reqs", [1, 3, 40])
+def test_kernel_adds_the_row_cost_as_the_pytorch_policy_does(num_reqs):
+    """With measured row costs (adaptive verify shapes) the modeled round time adds
+    the cost of ``R * (1 + b)`` verified rows (interpolated, extended past the largest
+    one-request shape): same choice and same recorded modeled time as PyTorch."""
+    gen = torch.Generator().manual_seed(num_reqs)
+    policy = make_policy(64, [1024, 16384, 131072], True, 2e-3, gen)
+    times = {b: 1e-3 + 4e-6 * b + 1e-7 * b * b for b in candidate_budgets(64)}
+    policy.set_row_costs(times)
+    scores = (torch.randn(num_reqs, 64, generator=gen) - 1).sort(dim=1, descending=True)
+    scores = scores.values.clamp(max=0).float()
+    ctx = torch.randint(1000, 150_000, (num_reqs,), generator=gen, dtype=torch.int32)
+    want = policy.choose(scores, ctx)
+    want_modeled = policy.last_attention.clone()
+    table = policy.table
+    last = torch.zeros(1, device=DEVICE)
+    got = choose_budget_triton(
+        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
+        table.seconds.to(DEVICE), policy.budgets.to(DEVICE),
+        policy.base_seconds.to(DEVICE), last, policy.num_layers, table.extrapolate,
+        row_seconds=policy.row_seconds.to(DEVICE))
+    assert int(got) == int(want)
+    torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
+
+
 _COMPILE_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget

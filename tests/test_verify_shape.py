@@ -265,3 +265,92 @@ def test_forced_budget_hook(monkeypatch):
     for bad in ("", "0,2", "a"):
         with pytest.raises(ValueError, match=forced_budgets.ENV):
             forced_budgets.parse_budgets(bad)
+
+
+class FakeGraph:
+    """A captured graph whose replay notes which shape's inputs were in the buffers."""
+
+    def __init__(self, desc, buffers):
+        self.desc, self.buffers, self.replays = desc, buffers, []
+
+    def replay(self):
+        self.replays.append(self.buffers["inputs_of"])
+
+
+def fake_vllm_capture(self, create_forward_fn, progress_bar_desc="x"):
+    """vLLM 0.26's capture loop order (cudagraph_utils.py:320-357) for FULL descs:
+    prepare (warm-up), run, prepare again, capture, store the graph."""
+    for desc in self._capture_descs_for_test:
+        create_forward_fn(desc, warmup=True)()
+        create_forward_fn(desc, warmup=False)
+        self.graphs[desc] = FakeGraph(desc, self.buffers)
+
+
+def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
+    """The capture patch replays every one-request verify graph right after its capture,
+    before the next shape's inputs are prepared, and capture_model hands the times to
+    the auto policy as row costs; other graphs (more requests) are not timed."""
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    import patches.verify_shapes as verify_shapes
+    from vllm_ddtree import verify_shape_costs
+    from vllm_ddtree.budget_policy import BudgetPolicy, measure_attention_table
+
+    for cls, name in ((CudaGraphManager, "capture"), (GPUModelRunner, "capture_model"),
+                      (GPUModelRunner, "execute_model")):
+        fn = getattr(cls, name)
+        monkeypatch.setattr(cls, name, getattr(fn, "_ddtree_original", fn))
+    monkeypatch.setattr(CudaGraphManager, "capture", fake_vllm_capture)
+    monkeypatch.setattr(GPUModelRunner, "capture_model",
+                        lambda self: self.cudagraph_manager.capture(lambda d, w: None) or 7)
+    verify_shapes.apply()
+
+    timed = []
+
+    def time_fn(run):
+        run()
+        timed.append(run.__self__.desc)
+        return 1e-3 + 1e-5 * (run.__self__.desc.uniform_token_count - 1)
+
+    real_timer = verify_shape_costs.ShapeGraphTimer
+    monkeypatch.setattr(verify_shape_costs, "ShapeGraphTimer",
+                        lambda graphs, shapes: real_timer(graphs, shapes, time_fn))
+
+    manager = object.__new__(CudaGraphManager)
+    manager.graphs, manager.buffers = {}, {"inputs_of": None}
+    manager._ddtree_shapes = [1, 2, 4, 8]
+    descs = [Desc("FULL", 9 * r, r, 9) for r in (2, 1)] + [
+        Desc("FULL", 1 + s, 1, 1 + s) for s in (4, 2, 1)]
+    manager._capture_descs_for_test = descs
+
+    def create(desc, warmup):
+        manager.buffers["inputs_of"] = desc
+        return lambda: None
+
+    table = measure_attention_table(lambda c, q: 1e-6, [1024], [1, 2, 4, 8])
+    runner = NS(cudagraph_manager=manager, speculator=NS(budget_policy=BudgetPolicy(table, 2)))
+    manager.capture = lambda fn: CudaGraphManager.capture(manager, create)
+    assert GPUModelRunner.capture_model(runner) == 7
+    assert [d.uniform_token_count for d in timed] == [9, 5, 3, 2]  # 2-request graph: not
+    for desc in descs:  # each replay saw the inputs its graph was captured with
+        assert set(manager.graphs[desc].replays) <= {desc}
+    assert manager._ddtree_shape_seconds == pytest.approx(
+        {8: 1.08e-3, 4: 1.04e-3, 2: 1.02e-3, 1: 1.01e-3})
+    rows = runner.speculator.budget_policy.row_seconds.tolist()
+    assert rows == pytest.approx([0.0, 1e-5, 3e-5, 7e-5], abs=1e-9)
+
+
+def test_shape_timer_failure_leaves_auto_without_row_costs():
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
+
+    from vllm_ddtree.verify_shape_costs import ShapeGraphTimer
+
+    def broken(run):
+        raise RuntimeError("replay failed")
+
+    graphs = {Desc("FULL", 2, 1, 2): NS(replay=lambda: None)}
+    timer = ShapeGraphTimer(graphs, [1], broken)
+    timer.time_new_graphs()
+    assert timer.failed and "replay failed" in timer.failed and timer.seconds == {}

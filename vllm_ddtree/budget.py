@@ -127,6 +127,32 @@ class BudgetCostTable:
         return out[0] if context_len.dim() == 0 else out
 
 
+def rows_seconds_for_batch(row_seconds: torch.Tensor, budgets: torch.Tensor,
+                           num_reqs: int) -> torch.Tensor:
+    """A batch's modeled verify time beside attention, per candidate budget.
+
+    Args:
+        row_seconds: float32 ``[K]``: one request's whole verify forward at ``1 + b_k``
+            rows minus that at the smallest candidate (>= 0, non-decreasing; measured at
+            start-up, ``BudgetPolicy.set_row_costs``).
+        budgets: int64 ``[K]`` candidate budgets (increasing).
+        num_reqs: requests in the batch (a host int).
+
+    Returns:
+        float32 ``[K]``: the cost at ``num_reqs * (1 + b_k)`` rows, piecewise linear in
+        the row count over the one-request points ``1 + b_k`` (the GEMMs, MoE experts,
+        lm_head and sampling see total rows), the last segment extended. No host sync.
+    """
+    xs = (1 + budgets).float()
+    if xs.numel() == 1:
+        return torch.zeros_like(row_seconds)
+    x = num_reqs * xs
+    hi = torch.searchsorted(xs, x).clamp(1, xs.numel() - 1)
+    lo = hi - 1
+    w = (x - xs[lo]) / (xs[hi] - xs[lo])
+    return (row_seconds[lo] + w * (row_seconds[hi] - row_seconds[lo])).clamp_min(0)
+
+
 # Candidates within this fraction of the best modeled rate count as equal, and the
 # smallest of them wins: rows cost the target's GEMMs, lm_head and sampling time that the
 # model (attention + one base time) does not see, so where it cannot tell two budgets

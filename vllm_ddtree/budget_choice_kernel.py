@@ -30,7 +30,7 @@ BLOCK_R = 16
 
 
 @triton.jit(do_not_specialize=["num_reqs", "num_nodes", "num_budgets", "num_contexts",
-                               "has_sample"])
+                               "has_sample", "has_rows"])
 def _choose_budget_kernel(
     scores_ptr,  # fp32 [R, B]
     ctx_ptr,  # int [R]
@@ -43,6 +43,8 @@ def _choose_budget_kernel(
     wall_ptr,  # fp32 [1]: the round's wall seconds (read when has_sample)
     has_sample,  # int: 1 = fold wall_ptr into the base EMA first
     ema_weight,  # fp32
+    rows_ptr,  # fp32 [K]: one request's row cost at 1 + b_k rows (read when has_rows)
+    has_rows,  # int
     rate_tolerance,  # fp32
     num_reqs,
     num_nodes,
@@ -106,6 +108,21 @@ def _choose_budget_kernel(
         attention += tl.sum(tl.where(valid_r[:, None], cost, 0.0), axis=0)
 
     attention = attention * num_layers
+    if has_rows != 0:
+        if num_budgets > 1:
+            # budget.rows_seconds_for_batch: the cost at num_reqs * (1 + b_k) rows,
+            # piecewise linear over the one-request points 1 + b_j, last segment extended.
+            xs = tl.where(valid_k, 1.0 + budgets.to(tl.float32), float("inf"))
+            x = num_reqs * (1.0 + budgets.to(tl.float32))
+            hi = tl.sum((xs[None, :] < x[:, None]).to(tl.int32), axis=1)
+            hi = tl.minimum(tl.maximum(hi, 1), num_budgets - 1)
+            lo = hi - 1
+            x_lo = 1.0 + tl.load(budgets_ptr + lo, mask=valid_k, other=0).to(tl.float32)
+            x_hi = 1.0 + tl.load(budgets_ptr + hi, mask=valid_k, other=1).to(tl.float32)
+            y_lo = tl.load(rows_ptr + lo, mask=valid_k, other=0.0)
+            y_hi = tl.load(rows_ptr + hi, mask=valid_k, other=0.0)
+            w = (x - x_lo) / (x_hi - x_lo)
+            attention += tl.where(valid_k, tl.maximum(y_lo + w * (y_hi - y_lo), 0.0), 0.0)
     base = tl.load(base_ptr)
     if has_sample != 0:
         # update_base_: sample = max(wall - last_attention, 0), at most 2 x base + 0.1 ms.
@@ -137,6 +154,7 @@ def choose_budget_triton(
     extrapolate: bool,
     wall_seconds: torch.Tensor | None = None,
     ema_weight: float = 0.0,
+    row_seconds: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch's active budget, as ``BudgetPolicy.choose`` computes it.
 
@@ -152,6 +170,9 @@ def choose_budget_triton(
         num_layers: target attention layers.
         wall_seconds: fp32 ``[1]``, a wall-time sample to fold into ``base_seconds``
             first with ``ema_weight`` (``BudgetPolicy.update_base_``), or None.
+        row_seconds: fp32 ``[K]``, one request's row cost per candidate
+            (``BudgetPolicy.row_seconds``), added to the modeled attention as
+            ``budget.rows_seconds_for_batch`` does; None: no row cost.
 
     Returns:
         int64 0-dim tensor ``b`` (one of ``budgets``). No host sync.
@@ -164,7 +185,9 @@ def choose_budget_triton(
     _choose_budget_kernel[(1,)](
         scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
         last_attention, base_seconds if wall_seconds is None else wall_seconds,
-        int(wall_seconds is not None), float(ema_weight), RATE_TOLERANCE,
+        int(wall_seconds is not None), float(ema_weight),
+        base_seconds if row_seconds is None else row_seconds, int(row_seconds is not None),
+        RATE_TOLERANCE,
         num_reqs, num_nodes, budgets.numel(), contexts.numel(),
         scores.stride(0), float(num_layers),
         EXTRAPOLATE=extrapolate,

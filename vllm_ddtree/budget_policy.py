@@ -9,20 +9,23 @@ candidate >= a recent round's ``b``; with fixed ones it verifies ``1 + B``. One 
 per batch:
 
     tokens(b)  = sum_r E[committed tokens of request r | b]   (drafter's own estimate)
-    seconds(b) = base + num_layers * sum_r attn(ctx_r, 1 + b)
-    b*         = argmax over the candidates of tokens(b) / seconds(b)
+    seconds(b) = base + num_layers * sum_r attn(ctx_r, 1 + b) + rows(R * (1 + b))
+    b*         = the smallest candidate within 1 % of the best tokens(b) / seconds(b)
 
 * ``attn(ctx, q)``: one request's tree-verify attention in one target layer, measured
   at start-up with the target's own kernel on dummy tensors over a (context x query
   length) grid (:func:`measure_attention_table`), interpolated on the device.
   Summing it over requests overcounts the fixed launch cost of short contexts at
   larger batches (a batch runs one kernel); that cost does not depend on ``b``.
-* ``base``: everything else in a round (drafter, target GEMMs on the verified rows,
-  sampling, host work). With adaptive shapes the GEMMs' share depends on the shape
-  the round ran; the model does not split it out (one EMA over all shapes), so at
-  short contexts, where attention barely grows with ``b``, the choice leans on the
-  drafter's expected acceptance. It is not measured per part; :class:`BudgetPolicy` keeps an
-  EMA of ``wall time between consecutive rounds - modeled attention of the round``.
+* ``rows(n)``: with adaptive verify shapes, what verifying ``n`` rows costs beside
+  attention (the target's GEMMs or MoE experts, lm_head, sampling): one request's
+  captured verify graph of each shape ``1 + s`` is replayed at start-up
+  (``patches.verify_shapes``; :meth:`BudgetPolicy.set_row_costs`), minus the smallest
+  shape's time, interpolated in the total row count (``budget.rows_seconds_for_batch``).
+  Zero with fixed shapes (every round runs ``1 + B`` rows) or before the measurement.
+* ``base``: everything else in a round (drafter, the smallest shape's forward,
+  sampling, host work). It is not measured per part; :class:`BudgetPolicy` keeps an EMA
+  of ``wall time between consecutive rounds - modeled attention and rows of the round``.
   The host reads the wall time with ``time.perf_counter`` at each ``propose``: in
   steady state the host loop runs at the GPU's pace (it waits on each step's sampled
   tokens), so the interval is one round's time. Intervals after an idle engine or a
@@ -47,6 +50,7 @@ from vllm_ddtree.budget import (
     BudgetCostTable,
     choose_batch_budget,
     expected_committed_by_budget,
+    rows_seconds_for_batch,
 )
 from vllm_ddtree.budget_choice_kernel import choose_budget_triton
 from vllm_ddtree.round_kernels import use_triton_round_kernels
@@ -170,8 +174,11 @@ class BudgetPolicy:
         f32 = dict(dtype=torch.float32, device=device)
         # < 0: no sample yet (the choice then uses the modeled attention at B).
         self.base_seconds = torch.full((1,), -1.0, **f32)
-        # Modeled attention of the last chosen round (what the next wall sample covers).
+        # Modeled attention (+ rows) of the last chosen round: what the next wall
+        # sample covers besides the base time.
         self.last_attention = torch.zeros(1, **f32)
+        # rows(1 + b_k) of one request, float32 [K] (set_row_costs); None: not measured.
+        self.row_seconds: torch.Tensor | None = None
         self._wall_device = torch.zeros(1, **f32)
         self._wall_host = torch.zeros(
             _WALL_SLOTS, dtype=torch.float32, pin_memory=device.type == "cuda"
@@ -187,6 +194,36 @@ class BudgetPolicy:
         """float32 ``[K]``: modeled target attention of a round per candidate,
         ``num_layers * sum_r attn(ctx_r, 1 + b)`` for int ``context_lens [R]``."""
         return self.num_layers * self.table.at(context_lens.reshape(-1)).sum(dim=0)
+
+    def set_row_costs(self, seconds_by_shape: dict[int, float]) -> None:
+        """Take one request's measured verify forward time per shape (``{s: seconds}``
+        for every candidate ``s``, 1 + s rows): the row cost is each minus the smallest
+        shape's, made non-decreasing. Raises ``ValueError`` when a candidate is missing
+        or a time is not positive."""
+        budgets = self.budgets.tolist()
+        missing = [b for b in budgets if b not in seconds_by_shape]
+        if missing:
+            raise ValueError(f"verify times missing for budgets {missing}")
+        times = torch.tensor([float(seconds_by_shape[b]) for b in budgets])
+        if not bool((times > 0).all()):
+            raise ValueError(f"verify times must be positive, got {times.tolist()}")
+        rows = (times - times[0]).clamp_min(0).cummax(dim=0).values
+        self.row_seconds = rows.to(device=self.base_seconds.device, dtype=torch.float32)
+        logger.info(
+            "DDTree auto budget: one request's verify forward per shape (us): %s; row "
+            "cost over the smallest shape (us): %s",
+            {b: round(1e6 * t, 1) for b, t in zip(budgets, times.tolist(), strict=True)},
+            [round(1e6 * r, 1) for r in rows.tolist()],
+        )
+
+    def modeled_seconds(self, context_lens: torch.Tensor) -> torch.Tensor:
+        """float32 ``[K]``: the round's modeled attention plus, once measured, the row
+        cost of ``R * (1 + b)`` verified rows (``R = context_lens.numel()``)."""
+        modeled = self.attention_seconds(context_lens)
+        if self.row_seconds is not None:
+            modeled = modeled + rows_seconds_for_batch(self.row_seconds, self.budgets,
+                                                       context_lens.numel())
+        return modeled
 
     def round_seconds(self, attention: torch.Tensor) -> torch.Tensor:
         """float32 ``[K]``: ``base + attention`` (base = ``attention[-1]``, the cost
@@ -215,16 +252,16 @@ class BudgetPolicy:
                 scores, context_lens, table.contexts, table.seconds, self.budgets,
                 self.base_seconds, self.last_attention, self.num_layers, table.extrapolate,
                 wall_seconds=self._wall_device if pending else None,
-                ema_weight=self.ema_weight,
+                ema_weight=self.ema_weight, row_seconds=self.row_seconds,
             )
         else:
             if pending:
                 self.update_base_(self._wall_device)
-            attention = self.attention_seconds(context_lens)
+            modeled = self.modeled_seconds(context_lens)
             expected = expected_committed_by_budget(scores)
-            b = choose_batch_budget(expected, self.round_seconds(attention), self.budgets)
+            b = choose_batch_budget(expected, self.round_seconds(modeled), self.budgets)
             index = torch.searchsorted(self.budgets, b.reshape(1))
-            self.last_attention.copy_(attention[index])
+            self.last_attention.copy_(modeled[index])
         if self.tp_group is not None:
             # An NCCL broadcast on the stream: no host sync.
             torch.distributed.broadcast(b, src=self.tp_group.ranks[0],
