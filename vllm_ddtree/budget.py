@@ -154,10 +154,10 @@ def rows_seconds_for_batch(row_seconds: torch.Tensor, budgets: torch.Tensor,
 
 
 # Candidates within this fraction of the best modeled rate count as equal, and the
-# smallest of them wins: rows cost the target's GEMMs, lm_head and sampling time that the
-# model (attention + one base time) does not see, so where it cannot tell two budgets
-# apart (flat verify attention at short context, a drafter whose extra nodes add almost
-# nothing) fewer rows is the better bet.
+# smallest of them wins: where the model cannot tell two budgets apart (flat verify
+# attention at short context, a drafter whose extra nodes add almost nothing, row costs
+# not measured: fixed shapes or no graphs) fewer rows and a smaller tree are the safer
+# bet, and timing noise in the start-up tables does not pick the largest of equals.
 RATE_TOLERANCE = 0.01
 
 
