@@ -25,7 +25,8 @@ shapes (``vllm_ddtree.verify_shape``).
 * ``capture`` of that manager: each one-request verify graph is replayed right after
   its capture (``vllm_ddtree.verify_shape_costs``), and ``capture_model`` hands the
   times to ``ddtree_budget: "auto"``'s policy (``BudgetPolicy.set_row_costs``): what a
-  verified row costs beside attention.
+  verified row costs beside attention. Not at TP > 1: vLLM's custom all-reduce
+  registers the graphs' buffers only when the capture context exits.
 
 Both are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` and an
 adaptive verify shape.
@@ -115,7 +116,9 @@ def apply() -> None:
 
     def capture(self, create_forward_fn, *args, **kwargs):
         shapes = getattr(self, "_ddtree_shapes", None)
-        if not shapes:
+        # At TP > 1 the graphs hold vLLM's custom all-reduce, whose buffers are only
+        # registered when the capture context exits: no replay inside it.
+        if not shapes or self.vllm_config.parallel_config.tensor_parallel_size > 1:
             return original_capture(self, create_forward_fn, *args, **kwargs)
         from vllm_ddtree.verify_shape_costs import ShapeGraphTimer
 

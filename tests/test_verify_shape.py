@@ -319,6 +319,7 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
                         lambda graphs, shapes: real_timer(graphs, shapes, time_fn))
 
     manager = object.__new__(CudaGraphManager)
+    manager.vllm_config = NS(parallel_config=NS(tensor_parallel_size=1))
     manager.graphs, manager.buffers = {}, {"inputs_of": None}
     manager._ddtree_shapes = [1, 2, 4, 8]
     descs = [Desc("FULL", 9 * r, r, 9) for r in (2, 1)] + [
@@ -340,6 +341,12 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
         {8: 1.08e-3, 4: 1.04e-3, 2: 1.02e-3, 1: 1.01e-3})
     rows = runner.speculator.budget_policy.row_seconds.tolist()
     assert rows == pytest.approx([0.0, 1e-5, 3e-5, 7e-5], abs=1e-9)
+    # TP > 1: no replays inside vLLM's capture context (custom all-reduce buffers)
+    timed.clear()
+    manager.graphs, manager._ddtree_shape_seconds = {}, None
+    manager.vllm_config = NS(parallel_config=NS(tensor_parallel_size=2))
+    CudaGraphManager.capture(manager, create)
+    assert timed == [] and manager._ddtree_shape_seconds is None
 
 
 def test_shape_timer_failure_leaves_auto_without_row_costs():
