@@ -528,6 +528,7 @@ def child_main(spec_path: str) -> None:
 
         timer = StepTimer()
         result["meta"]["hooks"] = timer.install_vllm()
+        timer.install_graph_modes()
         result["meta"].update(gpu=torch.cuda.get_device_name(0), versions=_versions())
         kwargs = llm_kwargs(spec)
         result["meta"]["llm_kwargs"] = {k: v for k, v in kwargs.items()}

@@ -179,7 +179,9 @@ def _header(data: dict) -> list[str]:
         "(FA-MLA AR) in the same cell. Active nodes (`ddtree_budget: \"auto\"`): tree "
         "nodes verified per round, the mean of the chosen budgets. Host draft / verify: "
         "host time inside propose / execute_model; a GPU span close to its host time "
-        "means the GPU waited for the host's launches.",
+        "means the GPU waited for the host's launches. FULL graph steps: decode steps "
+        "whose target (verify) / drafter (draft) forward replayed a FULL CUDA graph, out "
+        "of those that dispatched one; fewer means piecewise or eager forwards.",
         "",
     ]
     return lines
@@ -240,11 +242,21 @@ def _host_split(row: dict) -> str:
     return f"{_f(row.get('host_draft_ms'))} / {_f(row.get('host_verify_ms'))}"
 
 
+def _graph_steps(row: dict) -> str:
+    """``verify / draft``: decode steps that replayed a FULL CUDA graph, of those
+    dispatched (rows measured before the timer noted graph modes have neither)."""
+    full = row.get("full_graph_steps") or {}
+    if not full:
+        return "—"
+    return f"{full.get('verify', '—')} / {full.get('draft', '—')}"
+
+
 def _full_table(rows: list[dict]) -> list[str]:
     ref = reference_ar(rows)
     header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
               "median step", "accept len", "depth", "draft ms", "verify ms", "other ms",
-              "(sample ms)", "(compact ms)", "host draft / verify ms", "active nodes", "note"]
+              "(sample ms)", "(compact ms)", "host draft / verify ms",
+              "FULL graph steps verify / draft", "active nodes", "note"]
     lines = ["## All cells", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in sorted_rows(rows):
         note = r.get("note") or ""
@@ -261,7 +273,8 @@ def _full_table(rows: list[dict]) -> list[str]:
                  _f(r.get("step_ms_median")), _f(r.get("acceptance_length")),
                  _f(r.get("accepted_depth")), _f(r.get("draft_ms")), _f(r.get("verify_ms")),
                  _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact),
-                 _host_split(r), _f(r.get("active_nodes_per_round"), 1), note]
+                 _host_split(r), _graph_steps(r), _f(r.get("active_nodes_per_round"), 1),
+                 note]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

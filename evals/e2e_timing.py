@@ -19,6 +19,12 @@ engine core calls them in that order for every step (``v1/engine/core.py``
   ``super()``, so a depth counter keeps the time from being counted twice)
 - ``DDTreeSpeculator._compact_target_kv``          -> ``compact`` (part of draft)
 
+and we note the CUDA-graph mode of each dispatch (``CudaGraphManager.dispatch``): the
+target's (``ModelCudaGraphManager``, the verify forward) and the drafter's
+(``DFlashCudaGraphManager``). A decode step whose verify did not replay a FULL graph
+(e.g. an adaptive verify shape with no captured graph) runs piecewise or eager, with
+far more host work; ``summarize_steps`` counts those steps.
+
 Beside each GPU span the timer keeps the host time spent inside the same call
 (``time.perf_counter``): ``host_draft`` / ``host_verify`` in ms. A GPU span close to
 its host time means the GPU waited for the host's launches (a host-bound stage);
@@ -116,6 +122,7 @@ class StepTimer:
         self._current: dict | None = None
         self._depth: dict[str, int] = {}
         self._suppressed = 0
+        self._open: dict | None = None  # the step whose execute_model is running
         self.installed: list[str] = []
 
     # -- measurement window -------------------------------------------------------------
@@ -143,7 +150,7 @@ class StepTimer:
             start = ref.elapsed_time(spans[VERIFY][0][0])
             last = spans.get(SAMPLE_TOKENS) or spans[VERIFY]
             step = {"decode": raw["decode"], "tokens": raw["tokens"], "start": start,
-                    "end": ref.elapsed_time(last[-1][1])}
+                    "end": ref.elapsed_time(last[-1][1]), "graphs": raw.get("graphs", {})}
             for label in SPAN_LABELS:
                 step[label] = sum(e0.elapsed_time(e1) for e0, e1 in spans.get(label, ()))
                 step[f"host_{label}"] = 1000 * raw.get("host", {}).get(label, 0.0)
@@ -174,6 +181,7 @@ class StepTimer:
                     "tokens": int(scheduler_output.total_num_scheduled_tokens),
                     "spans": {}, "host": {}}
             timer._current = None
+            timer._open = step
             start, host_start = timer.event_factory(), timer.clock()
             try:
                 return original(runner, *args, **kwargs)
@@ -181,6 +189,7 @@ class StepTimer:
                 step["spans"][VERIFY] = [(start, timer.event_factory())]
                 step["host"][VERIFY] = timer.clock() - host_start
                 timer.raw_steps.append(step)
+                timer._open = None
                 timer._current = step
 
         self._install(cls, name, original, wrapper)
@@ -219,6 +228,28 @@ class StepTimer:
 
         self._install(cls, name, original, wrapper)
 
+    def wrap_dispatch(self, cls: type, label: str) -> None:
+        """Note the ``cg_mode`` name of every ``cls.dispatch`` result inside a recorded
+        step, under ``step["graphs"][label]``. ``cls`` inherits ``dispatch``; the
+        wrapper looks the inherited one up at call time, so a patch of the base class
+        applied later (``patches/verify_shapes.py``) stays in effect."""
+        if "dispatch" in cls.__dict__:
+            if getattr(cls.__dict__["dispatch"], "_e2e_timer", None) is self:
+                return
+            raise TypeError(f"{cls.__qualname__} defines dispatch itself; wrap its base")
+        parent = cls.__mro__[1]
+        timer = self
+
+        def wrapper(manager, *args, **kwargs):
+            desc = parent.dispatch(manager, *args, **kwargs)
+            step = timer._open or timer._current
+            if step is not None and timer._recording():
+                mode = getattr(desc.cg_mode, "name", str(desc.cg_mode))
+                step.setdefault("graphs", {}).setdefault(label, []).append(mode)
+            return desc
+
+        self._install(cls, "dispatch", parent.dispatch, wrapper)
+
     def _install(self, cls: type, name: str, original, wrapper) -> None:
         wrapper.__name__ = getattr(original, "__name__", name)
         wrapper.__qualname__ = getattr(original, "__qualname__", name)
@@ -245,6 +276,15 @@ class StepTimer:
         if "_compact_target_kv" in DDTreeSpeculator.__dict__:
             self.wrap_span(DDTreeSpeculator, "_compact_target_kv", COMPACT)
         return self.installed
+
+    def install_graph_modes(self) -> None:
+        """Note the CUDA-graph mode of the target's (``verify``) and the DFlash
+        drafter's (``draft``) dispatches (vLLM 0.26 V2 runner)."""
+        from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+        from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+        self.wrap_dispatch(ModelCudaGraphManager, VERIFY)
+        self.wrap_dispatch(DFlashCudaGraphManager, DRAFT)
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,11 +319,25 @@ def summarize_steps(steps: list[dict]) -> dict | None:
         "compact_ms": compact,
         "host_draft_ms": sum(s.get(f"host_{DRAFT}", 0.0) for s in decode) / n,
         "host_verify_ms": sum(s.get(f"host_{VERIFY}", 0.0) for s in decode) / n,
+        "full_graph_steps": full_graph_steps(decode),
         "step_ms_median": statistics.median(durations),
         "step_ms_max": max(durations),
         "prefill_steps": len(steps) - n,
         "prefill_tokens": sum(s["tokens"] for s in steps if not s["decode"]),
     }
+
+
+def full_graph_steps(decode_steps: list[dict]) -> dict[str, str]:
+    """Per dispatch label (``verify`` / ``draft``): ``"f/n"``, the decode steps whose
+    dispatches all chose a FULL graph out of those that dispatched at all (labels never
+    seen are left out)."""
+    out = {}
+    for label in (VERIFY, DRAFT):
+        modes = [s["graphs"][label] for s in decode_steps if s.get("graphs", {}).get(label)]
+        if modes:
+            full = sum(all(m == "FULL" for m in step) for step in modes)
+            out[label] = f"{full}/{len(modes)}"
+    return out
 
 
 def split_step(decode_ms: float, steps: int, draft_ms: float, verify_ms: float) -> dict:

@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import bench_e2e  # noqa: E402
 import e2e_models  # noqa: E402
+import e2e_report  # noqa: E402
 import e2e_timing  # noqa: E402
 from bench_e2e import RunSpec, parse_args  # noqa: E402
 
@@ -441,6 +442,94 @@ def test_fake_children_end_to_end(tmp_path, monkeypatch):
         assert (tmp_path / name).exists()
 
 
+class FakeMode:
+    def __init__(self, name):
+        self.name = name
+
+
+class FakeDesc:
+    def __init__(self, mode):
+        self.cg_mode = FakeMode(mode)
+
+
+class FakeManagerBase:
+    modes = iter(())
+
+    def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
+        return FakeDesc(next(FakeManagerBase.modes))
+
+
+class FakeTargetManager(FakeManagerBase):
+    pass
+
+
+class FakeDrafterManager(FakeManagerBase):
+    pass
+
+
+class GraphRunner(FakeRunner):
+    def __init__(self, speculator):
+        super().__init__(speculator)
+        self.cudagraph_manager = FakeTargetManager()
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        self.cudagraph_manager.dispatch(1, 9, 9)
+
+    def sample_tokens(self, grammar_output):
+        self.speculator.propose(None, dummy_run=False)
+
+
+class GraphChain(FakeChain):
+    manager = FakeDrafterManager()
+
+    def propose(self, input_batch, dummy_run=False):
+        self.manager.dispatch(1, 16, 16)
+        return "chain"
+
+
+def test_step_timer_counts_full_graph_steps_and_keeps_later_base_patches():
+    timer = e2e_timing.StepTimer(event_factory=FakeEvent, capturing=lambda: False,
+                                 synchronize=lambda: None)
+    timer.wrap_step(GraphRunner, "execute_model")
+    timer.wrap_span(GraphRunner, "sample_tokens", e2e_timing.SAMPLE_TOKENS)
+    timer.wrap_span(GraphChain, "propose", e2e_timing.DRAFT)
+    timer.wrap_dispatch(FakeTargetManager, e2e_timing.VERIFY)
+    timer.wrap_dispatch(FakeDrafterManager, e2e_timing.DRAFT)
+    timer.wrap_dispatch(FakeDrafterManager, e2e_timing.DRAFT)  # idempotent
+    with pytest.raises(TypeError, match="defines dispatch itself"):
+        timer.wrap_dispatch(FakeManagerBase, e2e_timing.VERIFY)
+    # A patch of the base class after the timer was installed (as the plugin's
+    # verify_shapes patch is) must still decide the mode: FULL for every 9-row verify.
+    original = FakeManagerBase.dispatch
+
+    def patched(self, num_reqs, num_tokens, uniform_token_count, num_active_loras=0):
+        desc = original(self, num_reqs, num_tokens, uniform_token_count, num_active_loras)
+        return FakeDesc("FULL") if num_tokens == 9 else desc
+
+    FakeManagerBase.dispatch = patched
+    try:
+        # per step: verify dispatch (overridden to FULL by the patch), draft dispatch
+        FakeManagerBase.modes = iter(["PIECEWISE", "FULL", "NONE", "FULL", "NONE", "NONE"])
+        runner = GraphRunner(GraphChain())
+        timer.begin(prompt_len=100)
+        for _ in range(3):
+            runner.execute_model(FakeSchedulerOutput(False, [100]))
+            runner.sample_tokens(None)
+        steps = timer.end()
+    finally:
+        FakeManagerBase.dispatch = original
+    assert [s["graphs"] for s in steps] == [
+        {"verify": ["FULL"], "draft": ["FULL"]},
+        {"verify": ["FULL"], "draft": ["FULL"]},
+        {"verify": ["FULL"], "draft": ["NONE"]},
+    ]
+    summary = e2e_timing.summarize_steps(steps)
+    assert summary["full_graph_steps"] == {"verify": "3/3", "draft": "2/3"}
+    row = {"full_graph_steps": summary["full_graph_steps"]}
+    assert e2e_report._graph_steps(row) == "3/3 / 2/3"
+    assert e2e_report._graph_steps({}) == "—"
+
+
 def test_vllm_internals_the_timer_relies_on():
     """Read (without importing vLLM) the 0.26 sources whose call order the step split
     assumes: execute_model(scheduler_output, ..., dummy_run) runs the target forward;
@@ -474,6 +563,12 @@ def test_vllm_internals_the_timer_relies_on():
         "model_executor.sample_tokens(")
     output = (root / "v1/core/sched/output.py").read_text()
     assert "num_computed_tokens: list[int]" in output  # CachedRequestData, is_decode_step
+    # StepTimer.wrap_dispatch wraps the graph managers' inherited dispatch
+    graphs = root / "v1/worker/gpu/cudagraph_utils.py"
+    assert "dispatch" in functions(graphs, "CudaGraphManager")
+    assert "dispatch" not in functions(graphs, "ModelCudaGraphManager")
+    assert "dispatch" not in functions(root / "v1/worker/gpu/spec_decode/dflash/cudagraph.py",
+                                       "DFlashCudaGraphManager")
 
 
 def test_repeats_run_interleaved_and_report_the_median(tmp_path):
