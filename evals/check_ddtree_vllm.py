@@ -196,6 +196,24 @@ def gpu_memory_args() -> dict:
     return {"gpu_memory_utilization": 0.3}
 
 
+def record_verify_dispatches() -> list[dict]:
+    """From now on, append ``{num_reqs, num_tokens, uniform_token_count, mode}`` for
+    every dispatch of the target's ``ModelCudaGraphManager`` (the verify forward's CUDA
+    graph: FULL, PIECEWISE or NONE) to the returned list."""
+    from e2e_timing import mode_name, wrap_inherited_dispatch
+    from vllm.v1.worker.gpu.cudagraph_utils import ModelCudaGraphManager
+
+    seen: list[dict] = []
+
+    def note(desc, args, kwargs) -> None:
+        num_reqs, num_tokens, uniform = args[:3]
+        seen.append({"num_reqs": num_reqs, "num_tokens": num_tokens,
+                     "uniform_token_count": uniform, "mode": mode_name(desc)})
+
+    wrap_inherited_dispatch(ModelCudaGraphManager, note, owner=seen)
+    return seen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -311,6 +329,8 @@ def main() -> None:
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
               tensor_parallel_size=args.tp, **extra)
     applied = apply_all()  # names of the patches active in this process
+    # The target's graph dispatch of every step (engine in this process at TP = 1).
+    verify_dispatches = record_verify_dispatches() if args.graphs and args.tp == 1 else None
     temperatures = [args.temperature] * len(prompts)
     if args.mixed:
         temperatures = [0.0 if i < MIXED_SAMPLED_FROM else MIXED_TEMPERATURE
@@ -352,6 +372,7 @@ def main() -> None:
                    "mean_active_nodes": (
                        DDTREE_STATE.mean_active_nodes() if args.auto and DDTREE_STATE.enabled
                        else None),
+                   "verify_dispatches": verify_dispatches,
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
     from check_mla_backend import exit_now
 

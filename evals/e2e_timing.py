@@ -230,25 +230,16 @@ class StepTimer:
 
     def wrap_dispatch(self, cls: type, label: str) -> None:
         """Note the ``cg_mode`` name of every ``cls.dispatch`` result inside a recorded
-        step, under ``step["graphs"][label]``. ``cls`` inherits ``dispatch``; the
-        wrapper looks the inherited one up at call time, so a patch of the base class
-        applied later (``patches/verify_shapes.py``) stays in effect."""
-        if "dispatch" in cls.__dict__:
-            if getattr(cls.__dict__["dispatch"], "_e2e_timer", None) is self:
-                return
-            raise TypeError(f"{cls.__qualname__} defines dispatch itself; wrap its base")
-        parent = cls.__mro__[1]
+        step, under ``step["graphs"][label]`` (``wrap_inherited_dispatch``)."""
         timer = self
 
-        def wrapper(manager, *args, **kwargs):
-            desc = parent.dispatch(manager, *args, **kwargs)
+        def note(desc, args, kwargs) -> None:
             step = timer._open or timer._current
             if step is not None and timer._recording():
-                mode = getattr(desc.cg_mode, "name", str(desc.cg_mode))
-                step.setdefault("graphs", {}).setdefault(label, []).append(mode)
-            return desc
+                step.setdefault("graphs", {}).setdefault(label, []).append(mode_name(desc))
 
-        self._install(cls, "dispatch", parent.dispatch, wrapper)
+        if wrap_inherited_dispatch(cls, note, owner=self):
+            self.installed.append(f"{cls.__module__}.{cls.__qualname__}.dispatch")
 
     def _install(self, cls: type, name: str, original, wrapper) -> None:
         wrapper.__name__ = getattr(original, "__name__", name)
@@ -285,6 +276,35 @@ class StepTimer:
 
         self.wrap_dispatch(ModelCudaGraphManager, VERIFY)
         self.wrap_dispatch(DFlashCudaGraphManager, DRAFT)
+
+
+def mode_name(desc: Any) -> str:
+    """``"FULL"`` / ``"PIECEWISE"`` / ``"NONE"`` of a ``BatchExecutionDescriptor``."""
+    return getattr(desc.cg_mode, "name", str(desc.cg_mode))
+
+
+def wrap_inherited_dispatch(cls: type, note: Callable[[Any, tuple, dict], None],
+                            owner: Any) -> bool:
+    """Give ``cls`` (a vLLM ``CudaGraphManager`` subclass that inherits ``dispatch``)
+    a ``dispatch`` that calls the inherited one, looked up at call time so that a patch
+    of the base class applied later (``patches/verify_shapes.py``) stays in effect, and
+    passes the descriptor and the call's arguments to ``note``. False when ``owner``
+    already wrapped it; TypeError when ``cls`` defines ``dispatch`` itself."""
+    if "dispatch" in cls.__dict__:
+        if getattr(cls.__dict__["dispatch"], "_e2e_timer", None) is owner:
+            return False
+        raise TypeError(f"{cls.__qualname__} defines dispatch itself; wrap its base")
+    parent = cls.__mro__[1]
+
+    def dispatch(manager, *args, **kwargs):
+        desc = parent.dispatch(manager, *args, **kwargs)
+        note(desc, args, kwargs)
+        return desc
+
+    dispatch.__qualname__ = f"{cls.__qualname__}.dispatch"
+    dispatch._e2e_timer = owner
+    cls.dispatch = dispatch
+    return True
 
 
 # ---------------------------------------------------------------------------------------

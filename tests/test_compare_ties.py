@@ -8,6 +8,7 @@ from vllm_ddtree.testing.compare import (
     TIE_GAP,
     gap_noise,
     mismatch_problems,
+    non_full_verify_steps,
     tie_gap_for,
 )
 
@@ -96,3 +97,18 @@ def test_tokens_past_a_stop_string_are_not_a_mismatch():
     assert mismatch_problems([{**longer, "text": "abc"}], [ref], tie_gap=0.07)
     no_stop = [{**longer, "stop_reason": None}], [{**ref, "stop_reason": None}]
     assert "lengths differ" in mismatch_problems(*no_stop, tie_gap=0.07)[0]
+
+
+def test_non_full_verify_steps_flags_uniform_steps_without_a_full_graph():
+    full9 = {"num_reqs": 1, "num_tokens": 9, "uniform_token_count": 9, "mode": "FULL"}
+    piecewise5 = {"num_reqs": 2, "num_tokens": 10, "uniform_token_count": 5,
+                  "mode": "PIECEWISE"}
+    prefill = {"num_reqs": 3, "num_tokens": 70, "uniform_token_count": None,
+               "mode": "PIECEWISE"}
+    single = {"num_reqs": 4, "num_tokens": 4, "uniform_token_count": 1, "mode": "NONE"}
+    lone_prefill = {"num_reqs": 1, "num_tokens": 24, "uniform_token_count": 24,
+                    "mode": "PIECEWISE"}
+    shapes = [2, 3, 5, 9, 17, 33]
+    assert non_full_verify_steps([full9, prefill, single, lone_prefill], shapes) == []
+    assert non_full_verify_steps([full9, piecewise5, prefill], shapes) == [piecewise5]
+    assert non_full_verify_steps([full9, piecewise5], [33]) == []

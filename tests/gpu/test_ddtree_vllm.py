@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
-from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems, tie_gap_for
+from vllm_ddtree.testing.compare import (
+    first_mismatch,
+    mismatch_problems,
+    non_full_verify_steps,
+    tie_gap_for,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -171,9 +176,16 @@ def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     assert sum(f is None for f in firsts) >= len(firsts) - 1
 
 
-def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str) -> dict:
+# 1 + s rows per request for the verify shapes of B = 32 (candidate_budgets(32))
+ADAPTIVE_QUERY_LENS = (2, 3, 5, 9, 17, 33)
+
+
+def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str,
+                    verify_query_lens: tuple[int, ...] = (33,)) -> dict:
     """Run ``check_ddtree_vllm.py args`` and assert its greedy and seeded sampled
-    tokens equal ``ar_mixed`` up to measured ties; returns the run's JSON."""
+    tokens equal ``ar_mixed`` up to measured ties, and (with ``--graphs``) that every
+    uniform verify step of ``verify_query_lens`` rows per request replayed a FULL
+    graph; returns the run's JSON."""
     got = run_script("check_ddtree_vllm.py", args, out)
     greedy, sampled = split_by_temperature(got)
     ref_greedy, ref_sampled = split_by_temperature(ar_mixed)
@@ -185,6 +197,11 @@ def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str) -> dict:
     problems = unexplained_mismatches(greedy, ref_greedy)
     problems += unexplained_sampled_mismatches(sampled, ref_sampled)
     assert not problems, "\n".join(problems)
+    if got.get("verify_dispatches") is not None:  # --graphs at TP = 1
+        missed = non_full_verify_steps(got["verify_dispatches"], verify_query_lens)
+        print(f"{label}: {len(got['verify_dispatches'])} target dispatches, "
+              f"{len(missed)} uniform verify steps without a FULL graph")
+        assert not missed, f"verify steps that missed their FULL graph: {missed[:5]}"
     return got
 
 
@@ -199,8 +216,9 @@ def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, shape, tmp_path):
     budgets stay within 1..32."""
     args = ["--mixed", "--budget", "32", "--auto", "--verify-shape", shape]
     args += ["--graphs"] if graphs else []
+    lens = ADAPTIVE_QUERY_LENS if shape == "adaptive" else (33,)
     got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "auto.json",
-                          f"auto ({'graphs' if graphs else 'eager'}, {shape} shape)")
+                          f"auto ({'graphs' if graphs else 'eager'}, {shape} shape)", lens)
     nodes = got["mean_active_nodes"]
     print(f"mean active nodes {nodes:.2f}")
     assert 1.0 <= nodes <= 32.0
@@ -216,10 +234,15 @@ def test_ddtree_auto_cycled_verify_shapes_equal_ar(ar_mixed, tmp_path):
     b = 32 every round, which never cuts a tree.)"""
     args = ["--mixed", "--budget", "32", "--auto", "--verify-shape", "adaptive",
             "--graphs", "--cycle-budgets", "1,4,3,16,2,32,8"]
-    got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "cycled.json", "auto, cycled shapes")
+    got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "cycled.json", "auto, cycled shapes",
+                          ADAPTIVE_QUERY_LENS)
     nodes = got["mean_active_nodes"]
     print(f"mean active nodes {nodes:.2f}")
     assert nodes < 16  # the cycle's mean is 9.4 (the last round of a request may cut it)
+    # Several verify shapes ran, each in its own FULL graph (run_mixed_vs_ar checks FULL).
+    shapes = {d["uniform_token_count"] for d in got["verify_dispatches"]
+              if d["mode"] == "FULL"}
+    assert len(shapes) >= 3, f"verify shapes seen: {sorted(shapes)}"
     assert got["ddtree_mean_acceptance_length"] > 1.0
 
 

@@ -20,7 +20,7 @@ logit magnitude 4-8), which a fixed 0.07 called bugs.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "MAX_GAP_NOISE",
@@ -150,3 +150,16 @@ def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
         if problem is not None:
             problems.append(f"prompt {i}: {problem} (tie gap {tie_gap:.3f})")
     return problems
+
+
+def non_full_verify_steps(dispatches: Sequence[dict], query_lens: Iterable[int]) -> list[dict]:
+    """The target graph dispatches (``check_ddtree_vllm.record_verify_dispatches``:
+    ``num_reqs``, ``num_tokens``, ``uniform_token_count``, ``mode``) of uniform
+    verify batches, ``uniform_token_count`` in ``query_lens`` (``1 + s`` for each verify
+    shape s), that did not replay a FULL CUDA graph. With CUDA graphs every such step
+    must (adaptive verify shapes capture one graph per shape): a miss runs the target
+    piecewise or eagerly, tokens unchanged but the step far slower, so only this check
+    sees it. (A lone prefill is "uniform" too; its length is rarely a verify shape.)"""
+    lens = set(query_lens)
+    return [d for d in dispatches
+            if d.get("uniform_token_count") in lens and d.get("mode") != "FULL"]
