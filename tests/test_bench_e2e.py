@@ -528,6 +528,10 @@ def test_step_timer_counts_full_graph_steps_and_keeps_later_base_patches():
     row = {"full_graph_steps": summary["full_graph_steps"]}
     assert e2e_report._graph_steps(row) == "3/3 / 2/3"
     assert e2e_report._graph_steps({}) == "—"
+    base = {"method": "ddtree", "batch": 1, "max_tokens": 4, "context": 1024}
+    note = bench_e2e.cell_row(base, summary, {}, wall_s=0.01)["note"]
+    assert "1 of 3 decode steps ran the draft forward outside a FULL CUDA graph" in note
+    assert "verify forward" not in note
 
 
 def test_vllm_internals_the_timer_relies_on():
