@@ -277,8 +277,7 @@ def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
         if expect_cached and summary.get("prefill_tokens", 0) > 0.5 * batch * context:
             notes.append("prefix cache missed: the measured generate prefilled "
                          f"{summary['prefill_tokens']} tokens")
-        for label, counts in (summary.get("full_graph_steps") or {}).items():
-            full, dispatched = (int(n) for n in counts.split("/"))
+        for label, (full, dispatched) in (summary.get("full_graph_steps") or {}).items():
             if full < dispatched:
                 notes.append(f"{dispatched - full} of {dispatched} decode steps ran the "
                              f"{label} forward outside a FULL CUDA graph")

@@ -245,10 +245,12 @@ def _host_split(row: dict) -> str:
 def _graph_steps(row: dict) -> str:
     """``verify / draft``: decode steps that replayed a FULL CUDA graph, of those
     dispatched (rows measured before the timer noted graph modes have neither)."""
-    full = row.get("full_graph_steps") or {}
-    if not full:
+    counts = row.get("full_graph_steps") or {}
+    if not counts:
         return "—"
-    return f"{full.get('verify', '—')} / {full.get('draft', '—')}"
+    cells = [f"{counts[k][0]}/{counts[k][1]}" if k in counts else "—"
+             for k in ("verify", "draft")]
+    return " / ".join(cells)
 
 
 def _full_table(rows: list[dict]) -> list[str]:

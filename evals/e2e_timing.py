@@ -347,16 +347,16 @@ def summarize_steps(steps: list[dict]) -> dict | None:
     }
 
 
-def full_graph_steps(decode_steps: list[dict]) -> dict[str, str]:
-    """Per dispatch label (``verify`` / ``draft``): ``"f/n"``, the decode steps whose
-    dispatches all chose a FULL graph out of those that dispatched at all (labels never
-    seen are left out)."""
+def full_graph_steps(decode_steps: list[dict]) -> dict[str, list[int]]:
+    """Per dispatch label (``verify`` / ``draft``): ``[full, dispatched]``, the decode
+    steps whose dispatches all chose a FULL graph and those that dispatched at all
+    (labels never seen are left out)."""
     out = {}
     for label in (VERIFY, DRAFT):
         modes = [s["graphs"][label] for s in decode_steps if s.get("graphs", {}).get(label)]
         if modes:
             full = sum(all(m == "FULL" for m in step) for step in modes)
-            out[label] = f"{full}/{len(modes)}"
+            out[label] = [full, len(modes)]
     return out
 
 

@@ -524,7 +524,7 @@ def test_step_timer_counts_full_graph_steps_and_keeps_later_base_patches():
         {"verify": ["FULL"], "draft": ["NONE"]},
     ]
     summary = e2e_timing.summarize_steps(steps)
-    assert summary["full_graph_steps"] == {"verify": "3/3", "draft": "2/3"}
+    assert summary["full_graph_steps"] == {"verify": [3, 3], "draft": [2, 3]}
     row = {"full_graph_steps": summary["full_graph_steps"]}
     assert e2e_report._graph_steps(row) == "3/3 / 2/3"
     assert e2e_report._graph_steps({}) == "—"

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_ddtree.budget_policy import candidate_budgets
 from vllm_ddtree.demo import CHECKPOINTS
 from vllm_ddtree.testing.compare import (
     first_mismatch,
@@ -176,8 +177,8 @@ def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     assert sum(f is None for f in firsts) >= len(firsts) - 1
 
 
-# 1 + s rows per request for the verify shapes of B = 32 (candidate_budgets(32))
-ADAPTIVE_QUERY_LENS = (2, 3, 5, 9, 17, 33)
+# 1 + s rows per request for the verify shapes of B = 32
+ADAPTIVE_QUERY_LENS = tuple(1 + s for s in candidate_budgets(32))
 
 
 def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str,
