@@ -232,6 +232,13 @@ def base_row(setup: str, run: RunSpec, cell: tuple[int, int, str], max_tokens: i
             "max_tokens": max_tokens, "repeat": repeat}
 
 
+def spec_base_row(spec: dict, cell: tuple[int, int, str]) -> dict:
+    """``base_row`` of a child's cell, from the child's spec (its setup, run, max_tokens
+    and repeat): measured, skipped and failed rows of a child all start from it."""
+    return base_row(spec["setup"], RunSpec.parse(spec["run"]), cell, spec["max_tokens"],
+                    spec.get("repeat", 0))
+
+
 # ---------------------------------------------------------------------------------------
 # Arithmetic of one cell (pure; tested on CPU)
 
@@ -470,9 +477,9 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
     lasts = [o.metrics.last_token_ts for o in outputs
              if getattr(o, "metrics", None) is not None and o.metrics.last_token_ts]
     decode_s_stats = max(lasts) - min(firsts) if firsts and lasts else None
-    base = base_row(spec["setup"], run, cell, max_tokens)
-    return cell_row(base, summarize_steps(steps), counters, wall_s=wall, prefill_s=prefill_s,
-                    decode_s_stats=decode_s_stats, produced=produced, cached_tokens=cached,
+    return cell_row(spec_base_row(spec, cell), summarize_steps(steps), counters, wall_s=wall,
+                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
+                    cached_tokens=cached,
                     expect_cached=spec["prime"] == "cache", active_nodes=active_nodes)
 
 
@@ -502,7 +509,7 @@ def child_main(spec_path: str) -> None:
     result: dict = {"meta": {"run": run.name, "started": time.time()}, "rows": []}
 
     def base(cell):
-        return base_row(spec["setup"], run, cell, spec["max_tokens"], spec.get("repeat", 0))
+        return spec_base_row(spec, cell)
 
     def finish(code: int) -> None:
         _write_json_atomic(out, result)

@@ -2,6 +2,7 @@
 configs, argument parsing, prompts, the step-split arithmetic, the runner hooks (on fake
 runner classes), the markdown/PNG writer and the parent/child plumbing (``--fake``)."""
 
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -600,3 +601,17 @@ def test_repeats_run_interleaved_and_report_the_median(tmp_path):
     assert "6.00 (5.00-9.00, n=3)" in md and (tmp_path / "r.png").exists()
     with pytest.raises(SystemExit):
         parse_args(["--repeats", "0"])
+
+
+def test_every_child_row_keeps_its_repeat():
+    """Measured, skipped and failed rows of a child all start from ``spec_base_row``, so
+    the parent finds repeat N's rows under repeat N (the measured path once dropped the
+    repeat and every repeat after the first read as a failed child)."""
+    spec = {"setup": "kimi8", "run": "ddtree-64", "max_tokens": 128, "repeat": 2}
+    cell = (1024, 1, "random")
+    row = bench_e2e.spec_base_row(spec, cell)
+    assert row["repeat"] == 2
+    assert bench_e2e.row_key(row) == bench_e2e.row_key(
+        bench_e2e.base_row("kimi8", RunSpec.parse("ddtree-64"), cell, 128, 2))
+    src = inspect.getsource(bench_e2e.measure_cell)
+    assert "spec_base_row(spec, cell)" in src and "base_row(spec[" not in src

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from vllm_ddtree.demo import CHECKPOINTS
-from vllm_ddtree.testing.compare import mismatch_problem
+from vllm_ddtree.testing.compare import MAX_GAP_NOISE, mismatch_problem, tie_gap_for
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -67,7 +67,15 @@ def test_oracle_drafts_accept_deep_and_keep_ar_tokens(ar_runs, eval_script, tmp_
     # flip wherever bf16 differences move a Gumbel argmax)
     early = [i for i, o in enumerate(got["outputs"]) if o["truth_ended_early"]]
     assert len(early) <= (len(got["outputs"]) // 3 if prompts == "mixed" else 0), early
-    problems = []
+    # A flip counts as a bf16 tie up to the measured noise of this pair of runs (the
+    # rule of test_ddtree_vllm.py): 0.07 alone called a 0.125 gap at logit magnitude
+    # 16-32 (one bf16 step there) a bug. Greedy outputs only: sampled ones diverge.
+    greedy = [(out, ref) for out, ref in zip(got["outputs"], truth["outputs"], strict=True)
+              if ref.get("temperature", 0.0) == 0.0]
+    tie_gap, noise = tie_gap_for([o for o, _ in greedy], [r for _, r in greedy])
+    print(f"greedy: measured top-2 gap noise {noise:.3f}, tie gap {tie_gap:.3f}")
+    problems = [] if noise <= MAX_GAP_NOISE else [
+        f"top-2 gaps at matched positions differ by up to {noise:.3f} (> {MAX_GAP_NOISE})"]
     for i, (out, ref) in enumerate(zip(got["outputs"], truth["outputs"], strict=True)):
         assert out["prompt"] == ref["prompt"]
         n = len(ref["tokens"]) - (0 if out["truth_ended_early"] else EXTRA)
@@ -75,7 +83,7 @@ def test_oracle_drafts_accept_deep_and_keep_ar_tokens(ar_runs, eval_script, tmp_
         want = ref["tokens"][:n]
         assert len(out["tokens"]) == len(want)
         if ref.get("temperature", 0.0) == 0.0:
-            problem = mismatch_problem(out["tokens"], want, ref["top2_gap"])
+            problem = mismatch_problem(out["tokens"], want, ref["top2_gap"], tie_gap)
             if problem:
                 problems.append(f"prompt {i}: {problem}")
     assert not problems, "\n".join(problems)
