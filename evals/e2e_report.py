@@ -253,6 +253,39 @@ def _graph_steps(row: dict) -> str:
     return " / ".join(cells)
 
 
+# (column, host region of e2e_timing.HOST_REGIONS) of the host-time table
+_HOST_COLUMNS = (("execute_model", "verify"), ("sample_tokens", "sample_tokens"),
+                 ("propose", "draft"), ("vLLM DFlash propose", "dflash_propose"),
+                 ("KV compaction", "compact"), ("tree scatter", "store_trees"),
+                 ("budget choice", "budget"), ("verifier", "verifier"))
+
+
+def _host_table(rows: list[dict]) -> list[str]:
+    """Host ms per decode step by region (``host_regions_ms``): ``execute_model`` +
+    ``sample_tokens`` is the runner's host time per step (``propose`` runs inside
+    ``sample_tokens``; vLLM's DFlash ``propose`` inside DDTree's). Empty when no row
+    has the regions (rows measured before the timer kept them)."""
+    measured = [r for r in sorted_rows(ok_rows(rows)) if r.get("host_regions_ms")]
+    if not measured:
+        return []
+    header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
+    header += [name for name, _ in _HOST_COLUMNS]
+    lines = ["## Host time per decode step by region (ms)", "",
+             "Host (CPU) time inside each call, means over the decode steps. A runner "
+             "host time near the step time means the step is host-bound (the GPU waits "
+             "for launches); the rest of a step's host time is vLLM's scheduler and "
+             "output handling.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in measured:
+        regions = r["host_regions_ms"]
+        runner = regions.get("verify", 0.0) + regions.get("sample_tokens", 0.0)
+        cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
+                 _f(r.get("step_ms")), _f(runner)]
+        cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def _full_table(rows: list[dict]) -> list[str]:
     ref = reference_ar(rows)
     header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
@@ -332,6 +365,7 @@ def write_markdown(data: dict, path: str) -> None:
                         "Accept len")
     lines += _spread_table(rows)
     lines += _full_table(rows)
+    lines += _host_table(rows)
     lines += _answers(dict(data, rows=rows))
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:

@@ -28,7 +28,11 @@ far more host work; ``summarize_steps`` counts those steps.
 Beside each GPU span the timer keeps the host time spent inside the same call
 (``time.perf_counter``): ``host_draft`` / ``host_verify`` in ms. A GPU span close to
 its host time means the GPU waited for the host's launches (a host-bound stage);
-one well above it means GPU work (the host ran ahead).
+one well above it means GPU work (the host ran ahead). Host time alone (no events) is
+also kept for the pieces a step's host time is made of (``HOST_REGIONS``): vLLM's
+DFlash ``propose`` (inside DDTree's), DDTree's KV compaction, tree scatter, budget
+choice and verifier, and the whole ``sample_tokens``; ``summarize_steps`` reports
+their means as ``host_regions_ms``.
 
 Events are only recorded while ``StepTimer.active`` is set, never in dummy runs or
 during CUDA-graph capture, and never synchronized inside a step: ``StepTimer.end``
@@ -50,6 +54,11 @@ from typing import Any
 # Raw span labels recorded per step.
 VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT = "verify", "sample_tokens", "draft", "compact"
 SPAN_LABELS = (VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT)
+# Host-only labels (StepTimer.wrap_host): where a step's host time goes.
+HOST_DFLASH, HOST_STORE, HOST_BUDGET, HOST_VERIFIER = (
+    "dflash_propose", "store_trees", "budget", "verifier")
+HOST_REGIONS = (VERIFY, SAMPLE_TOKENS, DRAFT, HOST_DFLASH, COMPACT, HOST_STORE,
+                HOST_BUDGET, HOST_VERIFIER)
 
 
 def _cuda_event():
@@ -153,6 +162,7 @@ class StepTimer:
                     "end": ref.elapsed_time(last[-1][1]), "graphs": raw.get("graphs", {})}
             for label in SPAN_LABELS:
                 step[label] = sum(e0.elapsed_time(e1) for e0, e1 in spans.get(label, ()))
+            for label in HOST_REGIONS:
                 step[f"host_{label}"] = 1000 * raw.get("host", {}).get(label, 0.0)
             steps.append(step)
         return steps
@@ -228,6 +238,34 @@ class StepTimer:
 
         self._install(cls, name, original, wrapper)
 
+    def wrap_host(self, cls: type, name: str, label: str) -> None:
+        """Add the host time of ``cls.name`` (outermost call per label, no CUDA events,
+        dummy runs skipped) to host region ``label`` of the current step."""
+        original = cls.__dict__[name]
+        if getattr(original, "_e2e_host", None) == (id(self), label):
+            return
+        names = list(inspect.signature(original).parameters)[1:]
+        timer = self
+        key = f"host:{label}"
+
+        def wrapper(obj, *args, **kwargs):
+            step = timer._open or timer._current
+            depth = timer._depth.get(key, 0)
+            if (step is None or depth or timer._suppressed or not timer._recording()
+                    or _arg(args, kwargs, names, "dummy_run", False)):
+                return original(obj, *args, **kwargs)
+            timer._depth[key] = 1
+            host_start = timer.clock()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                host = step.setdefault("host", {})
+                host[label] = host.get(label, 0.0) + timer.clock() - host_start
+                timer._depth[key] = 0
+
+        self._install(cls, name, original, wrapper)
+        wrapper._e2e_host = (id(self), label)
+
     def wrap_dispatch(self, cls: type, label: str) -> None:
         """Note the ``cg_mode`` name of every ``cls.dispatch`` result inside a recorded
         step, under ``step["graphs"][label]`` (``wrap_inherited_dispatch``)."""
@@ -266,7 +304,25 @@ class StepTimer:
             self.wrap_span(DDTreeSpeculator, "propose", DRAFT)
         if "_compact_target_kv" in DDTreeSpeculator.__dict__:
             self.wrap_span(DDTreeSpeculator, "_compact_target_kv", COMPACT)
+        self.install_host_regions()
         return self.installed
+
+    def install_host_regions(self) -> None:
+        """Host-only regions (``HOST_REGIONS``) of vLLM's DFlash propose and of DDTree's
+        per-round host work (vLLM 0.26 V2 runner; DDTree's only when importable)."""
+        from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+        self.wrap_host(DFlashSpeculator, "propose", HOST_DFLASH)
+        try:
+            from vllm_ddtree.budget_policy import BudgetPolicy
+            from vllm_ddtree.runtime_state import DDTreeRuntimeState
+            from vllm_ddtree.verifier import DDTreeVerifier
+        except ImportError:
+            return
+        self.wrap_host(DDTreeRuntimeState, "store_trees_", HOST_STORE)
+        self.wrap_host(BudgetPolicy, "choose", HOST_BUDGET)
+        self.wrap_host(BudgetPolicy, "observe_round", HOST_BUDGET)
+        self.wrap_host(DDTreeVerifier, "__call__", HOST_VERIFIER)
 
     def install_graph_modes(self) -> None:
         """Note the CUDA-graph mode of the target's (``verify``) and the DFlash
@@ -339,6 +395,8 @@ def summarize_steps(steps: list[dict]) -> dict | None:
         "compact_ms": compact,
         "host_draft_ms": sum(s.get(f"host_{DRAFT}", 0.0) for s in decode) / n,
         "host_verify_ms": sum(s.get(f"host_{VERIFY}", 0.0) for s in decode) / n,
+        "host_regions_ms": {label: sum(s.get(f"host_{label}", 0.0) for s in decode) / n
+                            for label in HOST_REGIONS},
         "full_graph_steps": full_graph_steps(decode),
         "step_ms_median": statistics.median(durations),
         "step_ms_max": max(durations),

@@ -615,3 +615,76 @@ def test_every_child_row_keeps_its_repeat():
         bench_e2e.base_row("kimi8", RunSpec.parse("ddtree-64"), cell, 128, 2))
     src = inspect.getsource(bench_e2e.measure_cell)
     assert "spec_base_row(spec, cell)" in src and "base_row(spec[" not in src
+
+
+class FakeState:
+    def store_trees_(self):
+        HostClock.now += 0.5
+
+
+class HostClock:
+    now = 0.0
+
+
+class FakeHostChain:
+    def propose(self, input_batch, dummy_run=False):
+        HostClock.now += 2.0
+        return "chain"
+
+
+class FakeHostTree(FakeHostChain):
+    state = FakeState()
+
+    def propose(self, input_batch, dummy_run=False):
+        out = super().propose(input_batch, dummy_run=dummy_run)
+        self.state.store_trees_()
+        return out
+
+
+class FakeHostRunner(FakeRunner):
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        HostClock.now += 1.0
+
+    def sample_tokens(self, grammar_output):
+        HostClock.now += 0.25
+        self.speculator.propose(None, dummy_run=False)
+
+
+def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
+    """``wrap_host``: host time of nested calls (vLLM's DFlash propose inside DDTree's,
+    the tree scatter) per step, outermost call per label, no events; summarized as
+    ``host_regions_ms`` and rendered as the host table."""
+    timer = e2e_timing.StepTimer(event_factory=FakeEvent, capturing=lambda: False,
+                                 synchronize=lambda: None, clock=lambda: HostClock.now)
+    timer.wrap_step(FakeHostRunner, "execute_model")
+    timer.wrap_span(FakeHostRunner, "sample_tokens", e2e_timing.SAMPLE_TOKENS)
+    timer.wrap_span(FakeHostChain, "propose", e2e_timing.DRAFT)
+    timer.wrap_span(FakeHostTree, "propose", e2e_timing.DRAFT)
+    timer.wrap_host(FakeHostChain, "propose", e2e_timing.HOST_DFLASH)
+    timer.wrap_host(FakeState, "store_trees_", e2e_timing.HOST_STORE)
+    timer.wrap_host(FakeState, "store_trees_", e2e_timing.HOST_STORE)  # idempotent
+    assert len(timer.installed) == 6
+
+    runner = FakeHostRunner(FakeHostTree())
+    timer.begin(prompt_len=100)
+    for _ in range(2):
+        runner.execute_model(FakeSchedulerOutput(False, [100]))
+        runner.sample_tokens(None)
+    assert runner.speculator.propose(None, dummy_run=True) == "chain"  # outside a step
+    steps = timer.end()
+    assert len(steps) == 2
+    for s in steps:
+        assert s["host_verify"] == 1000.0 and s["host_sample_tokens"] == 2750.0
+        assert s["host_draft"] == 2500.0 and s["host_dflash_propose"] == 2000.0
+        assert s["host_store_trees"] == 500.0 and s["host_budget"] == 0.0
+    regions = e2e_timing.summarize_steps(steps)["host_regions_ms"]
+    assert regions["dflash_propose"] == 2000.0 and regions["store_trees"] == 500.0
+
+    row = {"run": "ddtree-64", "method": "ddtree", "budget": 64, "context": 1024,
+           "batch": 1, "kind": "random", "status": "ok", "step_ms": 5.0,
+           "host_regions_ms": regions}
+    lines = e2e_report._host_table([row])
+    assert "runner host / step" in lines[4]
+    # runner host = execute_model + sample_tokens; empty regions read "—"
+    assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — |" in lines[6]
+    assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
