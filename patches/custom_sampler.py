@@ -10,7 +10,7 @@ With DDTree active in this process (the ``DDTreeSpeculator`` was built first, in
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_states.default.DefaultModelState.custom_sampler"
@@ -47,6 +47,5 @@ def apply() -> None:
         )
         return sampler, verifier
 
-    custom_sampler._ddtree_patched = True
-    custom_sampler._ddtree_original = original
+    mark_patched(custom_sampler, original)
     DefaultModelState.custom_sampler = custom_sampler

@@ -13,7 +13,7 @@ that block size: ``block_size - 2`` (= L - 1 mask slots).
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting"
 
@@ -38,8 +38,7 @@ def apply() -> None:
             return original.fget(self)
         return ddtree_new_slots_for_drafting(drafter_block_size(self))
 
-    max_num_new_slots_for_drafting._ddtree_patched = True
-    max_num_new_slots_for_drafting._ddtree_original = original
+    mark_patched(max_num_new_slots_for_drafting, original)
     SpeculativeConfig.max_num_new_slots_for_drafting = property(
         max_num_new_slots_for_drafting, doc=original.__doc__
     )

@@ -10,7 +10,7 @@ carrying a ``ddtree`` dict (method ``dflash`` for vLLM) gets
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.worker.gpu.model_runner.init_speculator"
 
@@ -32,6 +32,5 @@ def apply() -> None:
 
         return DDTreeSpeculator(vllm_config, device)
 
-    init_speculator._ddtree_patched = True
-    init_speculator._ddtree_original = original
+    mark_patched(init_speculator, original)
     model_runner.init_speculator = init_speculator

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.model_executor.layers.attention.mla_attention.get_mla_prefill_backend"
 
@@ -90,6 +90,5 @@ def apply() -> None:
                 raise
             return NoMLAPrefillBackend
 
-    get_mla_prefill_backend._ddtree_patched = True
-    get_mla_prefill_backend._ddtree_original = original
+    mark_patched(get_mla_prefill_backend, original)
     mla_attention.get_mla_prefill_backend = get_mla_prefill_backend

@@ -12,7 +12,7 @@ that names the field and the fix.
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.engine.input_processor.InputProcessor._validate_params"
 
@@ -63,6 +63,5 @@ def apply() -> None:
         if isinstance(params, SamplingParams):
             check_request_for_ddtree(self.vllm_config, params)
 
-    _validate_params._ddtree_patched = True
-    _validate_params._ddtree_original = original
+    mark_patched(_validate_params, original)
     InputProcessor._validate_params = _validate_params

@@ -12,7 +12,7 @@ B < block_size - 1 and wastes KV for large B. ``AsyncScheduler`` inherits
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.core.sched.scheduler.Scheduler.__init__ (num_lookahead_tokens)"
 
@@ -37,6 +37,5 @@ def apply() -> None:
         if ddtree_config_of(spec) is not None:
             self.num_lookahead_tokens = ddtree_lookahead_tokens(drafter_block_size(spec))
 
-    __init__._ddtree_patched = True
-    __init__._ddtree_original = original
+    mark_patched(__init__, original)
     Scheduler.__init__ = __init__

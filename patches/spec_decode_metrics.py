@@ -11,7 +11,7 @@ Both are derived from the same ``SpecDecodingStats`` as vLLM's own figures
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.metrics.loggers.LoggingStatLogger.__init__ / "
@@ -118,8 +118,7 @@ def apply() -> None:
                 is_diffusion=self.spec_decoding_logging.is_diffusion
             )
 
-    __init__._ddtree_patched = True
-    __init__._ddtree_original = original_init
+    mark_patched(__init__, original_init)
     loggers.LoggingStatLogger.__init__ = __init__
     prom_base = loggers.PrometheusStatLogger._spec_decoding_cls
     loggers.PrometheusStatLogger._spec_decoding_cls = _ddtree_prom_cls(prom_base)

@@ -8,7 +8,7 @@ before any GPU work, with errors that name the field and the fix.
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.engine.arg_utils.EngineArgs.create_speculative_config"
 
@@ -40,8 +40,7 @@ def apply() -> None:
             self.speculative_config = vllm_spec
         return original(self, target_model_config, target_parallel_config)
 
-    create_speculative_config._ddtree_patched = True
-    create_speculative_config._ddtree_original = original
+    mark_patched(create_speculative_config, original)
     EngineArgs.create_speculative_config = create_speculative_config
 
 

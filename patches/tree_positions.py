@@ -16,7 +16,7 @@ and replays whatever address it bound.
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_states.default.DefaultModelState.prepare_inputs / "
@@ -66,9 +66,7 @@ def apply() -> None:
             model_inputs["positions"] = DDTREE_STATE.positions[:num_tokens]
         return model_inputs
 
-    prepare_inputs._ddtree_patched = True
-    prepare_inputs._ddtree_original = original_inputs
-    prepare_dummy_inputs._ddtree_patched = True
-    prepare_dummy_inputs._ddtree_original = original_dummy
+    mark_patched(prepare_inputs, original_inputs)
+    mark_patched(prepare_dummy_inputs, original_dummy)
     DefaultModelState.prepare_inputs = prepare_inputs
     DefaultModelState.prepare_dummy_inputs = prepare_dummy_inputs

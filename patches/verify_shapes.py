@@ -34,7 +34,7 @@ adaptive verify shape.
 
 from __future__ import annotations
 
-from patches._guard import require_vllm_version
+from patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / .capture_model, "
@@ -148,16 +148,11 @@ def apply() -> None:
                     "DDTree auto budget runs without row costs: %s", e)
         return result
 
-    execute_model._ddtree_patched = True
-    execute_model._ddtree_original = original_execute
-    _init_candidates._ddtree_patched = True
-    _init_candidates._ddtree_original = original_candidates
-    dispatch._ddtree_patched = True
-    dispatch._ddtree_original = original_dispatch
-    capture._ddtree_patched = True
-    capture._ddtree_original = original_capture
-    capture_model._ddtree_patched = True
-    capture_model._ddtree_original = original_capture_model
+    mark_patched(execute_model, original_execute)
+    mark_patched(_init_candidates, original_candidates)
+    mark_patched(dispatch, original_dispatch)
+    mark_patched(capture, original_capture)
+    mark_patched(capture_model, original_capture_model)
     GPUModelRunner.execute_model = execute_model
     CudaGraphManager._init_candidates = _init_candidates
     CudaGraphManager.dispatch = dispatch
