@@ -257,7 +257,8 @@ def _graph_steps(row: dict) -> str:
 _HOST_COLUMNS = (("execute_model", "verify"), ("sample_tokens", "sample_tokens"),
                  ("propose", "draft"), ("vLLM DFlash propose", "dflash_propose"),
                  ("KV compaction", "compact"), ("tree scatter", "store_trees"),
-                 ("budget choice", "budget"), ("verifier", "verifier"))
+                 ("budget choice", "budget"), ("verifier", "verifier"),
+                 ("GC pauses", "gc"))
 
 
 def _host_table(rows: list[dict]) -> list[str]:
@@ -274,7 +275,8 @@ def _host_table(rows: list[dict]) -> list[str]:
              "Host (CPU) time inside each call, means over the decode steps. A runner "
              "host time near the step time means the step is host-bound (the GPU waits "
              "for launches); the rest of a step's host time is vLLM's scheduler and "
-             "output handling.", "",
+             "output handling. GC pauses: Python garbage collections that ran inside a "
+             "step (in any region).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in measured:
         regions = r["host_regions_ms"]

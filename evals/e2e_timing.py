@@ -31,8 +31,9 @@ its host time means the GPU waited for the host's launches (a host-bound stage);
 one well above it means GPU work (the host ran ahead). Host time alone (no events) is
 also kept for the pieces a step's host time is made of (``HOST_REGIONS``): vLLM's
 DFlash ``propose`` (inside DDTree's), DDTree's KV compaction, tree scatter, budget
-choice and verifier, and the whole ``sample_tokens``; ``summarize_steps`` reports
-their means as ``host_regions_ms``.
+choice and verifier, and the whole ``sample_tokens``, plus the Python garbage
+collector's pauses inside a step (``gc.callbacks``: a collection may land in any region);
+``summarize_steps`` reports their means as ``host_regions_ms``.
 
 Events are only recorded while ``StepTimer.active`` is set, never in dummy runs or
 during CUDA-graph capture, and never synchronized inside a step: ``StepTimer.end``
@@ -45,6 +46,7 @@ handling) end up in *other*.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import statistics
 import time
@@ -55,10 +57,10 @@ from typing import Any
 VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT = "verify", "sample_tokens", "draft", "compact"
 SPAN_LABELS = (VERIFY, SAMPLE_TOKENS, DRAFT, COMPACT)
 # Host-only labels (StepTimer.wrap_host): where a step's host time goes.
-HOST_DFLASH, HOST_STORE, HOST_BUDGET, HOST_VERIFIER = (
-    "dflash_propose", "store_trees", "budget", "verifier")
+HOST_DFLASH, HOST_STORE, HOST_BUDGET, HOST_VERIFIER, HOST_GC = (
+    "dflash_propose", "store_trees", "budget", "verifier", "gc")
 HOST_REGIONS = (VERIFY, SAMPLE_TOKENS, DRAFT, HOST_DFLASH, COMPACT, HOST_STORE,
-                HOST_BUDGET, HOST_VERIFIER)
+                HOST_BUDGET, HOST_VERIFIER, HOST_GC)
 
 
 def _cuda_event():
@@ -132,6 +134,7 @@ class StepTimer:
         self._depth: dict[str, int] = {}
         self._suppressed = 0
         self._open: dict | None = None  # the step whose execute_model is running
+        self._gc_start: float | None = None
         self.installed: list[str] = []
 
     # -- measurement window -------------------------------------------------------------
@@ -141,14 +144,33 @@ class StepTimer:
         self._current = None
         self._depth = {}
         self._suppressed = 0
+        self._gc_start = None
         self.prompt_len = prompt_len
         self.active = True
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """``gc.callbacks`` hook: a collection's pause goes to host region ``gc`` of the
+        step it interrupted, or of the last recorded step when it ran after it (vLLM's
+        output handling and scheduling between steps)."""
+        if phase == "start":
+            self._gc_start = self.clock()
+            return
+        step = self._open or self._current
+        if self._gc_start is None or step is None or not self.active:
+            return
+        host = step.setdefault("host", {})
+        host[HOST_GC] = host.get(HOST_GC, 0.0) + self.clock() - self._gc_start
+        self._gc_start = None
 
     def end(self) -> list[dict]:
         """Stop recording; synchronize once; per step: ``decode``, ``tokens``,
         ``start`` / ``end`` (ms from the first step's start) and ms per span label."""
         self.active = False
         self._current = None
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
         if not self.raw_steps:
             return []
         self.synchronize()

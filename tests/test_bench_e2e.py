@@ -2,6 +2,7 @@
 configs, argument parsing, prompts, the step-split arithmetic, the runner hooks (on fake
 runner classes), the markdown/PNG writer and the parent/child plumbing (``--fake``)."""
 
+import gc
 import inspect
 import json
 import sys
@@ -686,5 +687,28 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     lines = e2e_report._host_table([row])
     assert "runner host / step" in lines[4]
     # runner host = execute_model + sample_tokens; empty regions read "—"
-    assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — |" in lines[6]
+    assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — |" in lines[6]
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
+
+
+class GcRunner(FakeRunner):
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        gc.collect()
+
+
+def test_step_timer_counts_gc_pauses_inside_steps_only():
+    timer = e2e_timing.StepTimer(event_factory=FakeEvent, capturing=lambda: False,
+                                 synchronize=lambda: None)
+    timer.wrap_step(GcRunner, "execute_model")
+    runner = GcRunner(None)
+    timer.begin(prompt_len=100)
+    assert timer._on_gc in gc.callbacks
+    runner.execute_model(FakeSchedulerOutput(False, [100]))
+    gc.collect()  # after the step (output handling): still the last step's
+    timer._current = None
+    gc.collect()  # outside any step: not counted
+    steps = timer.end()
+    assert timer._on_gc not in gc.callbacks
+    assert steps[0]["host_gc"] > 0.0
+    summary = e2e_timing.summarize_steps(steps)
+    assert summary["host_regions_ms"]["gc"] == steps[0]["host_gc"]
