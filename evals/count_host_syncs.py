@@ -24,7 +24,8 @@ Counted from the Chrome trace, per step:
 
 * host syncs: CUDA runtime / driver calls that block the host on the device
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``,
-  their ``cu*`` driver forms, and the synchronous ``cudaMemcpy*`` calls). ``.item()``
+  their ``cu*`` driver forms, the synchronous ``cudaMemcpy*`` calls, and the implicitly
+  synchronizing ``cudaFree`` / pinned-host allocations). ``.item()``
   and blocking copies show up as a ``cudaMemcpyAsync`` + ``cudaStreamSynchronize``;
 * device-to-host copies: GPU ``Memcpy DtoH`` activities (``Device -> Pageable``
   ones block the host; ``Device -> Pinned`` ones are vLLM's asynchronous output
@@ -72,6 +73,11 @@ OUR_PREFIXES = ("ddtree::", "vllm::")
 SYNC_APIS = frozenset({
     "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
     "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize",
+    # Implicitly synchronizing (CUDA runtime API docs): freeing device memory (the
+    # caching allocator releasing blocks) and page-locked host allocations
+    # (``Tensor.pin_memory()``, ``torch.empty(pin_memory=True)``).
+    "cudaFree", "cudaFreeHost", "cudaHostAlloc", "cudaMallocHost",
+    "cuMemFree_v2", "cuMemFreeHost", "cuMemHostAlloc", "cuMemAllocHost_v2",
 })
 # Synchronous copy APIs (the `Async` forms are not host syncs by themselves).
 BLOCKING_MEMCPY_APIS = frozenset({
@@ -443,7 +449,8 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
             f"| {_per_step(r['ddtree_syncs'], steps)} | {_per_step(r['ddtree_dtoh'], steps)} "
             f"| {_ms_per_step(r.get('step_gpu_us'), steps)} | {top_sites} |")
     lines += ["", "Host syncs: `cudaStreamSynchronize` / `cudaDeviceSynchronize` / "
-              "`cudaEventSynchronize` (and `cu*` forms, synchronous `cudaMemcpy*`) inside "
+              "`cudaEventSynchronize` (and `cu*` forms, synchronous `cudaMemcpy*`, the "
+              "implicitly synchronizing `cudaFree` and pinned-host allocations) inside "
               "the profiled steps. DtoH copies: GPU `Memcpy DtoH` activities (pageable "
               "ones block the host). DDTree columns: events inside a `ddtree::` range. GPU ms: "
               "summed duration of the kernels, memcpys and memsets launched inside the "

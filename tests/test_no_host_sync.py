@@ -952,3 +952,21 @@ def test_install_annotations_wraps_functions_in_named_ranges(monkeypatch, tmp_pa
     names = {e["name"] for e in events if e.get("cat") == "user_annotation"}
     assert {"ddtree::verify", "ddtree::verify_inputs", count_host_syncs.STEP_NAME} <= names
     assert count_host_syncs.count_trace(events)["steps"] == 1
+
+
+def test_count_trace_counts_implicit_syncs_of_frees_and_pinned_allocations():
+    """``cudaFree`` (the caching allocator releasing memory) and pinned host allocations
+    (``pin_memory()``) block the host on the device without a ``*Synchronize`` call."""
+    step = count_host_syncs.STEP_NAME
+    trace = [
+        X("user_annotation", step, 0, 100),
+        X("user_annotation", "ddtree::propose", 5, 60),
+        X("cpu_op", "aten::_pin_memory", 10, 20),
+        X("cuda_runtime", "cudaHostAlloc", 12, 5, correlation=1),
+        X("cuda_runtime", "cudaFree", 40, 5, correlation=2),
+        X("cuda_runtime", "cudaMalloc", 50, 5, correlation=3),  # not a sync by itself
+    ]
+    result = count_host_syncs.count_trace(trace)
+    assert result["per_step_syncs"] == [2] and result["ddtree_syncs"] == 2
+    ops = sorted(s["op"] for s in result["sites"] if s["kind"] == "sync")
+    assert ops == ["aten::_pin_memory", "cudaFree"]
