@@ -250,11 +250,14 @@ def counter_delta(before: dict, after: dict) -> dict:
 def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
              prefill_s: float | None = None, decode_s_stats: float | None = None,
              produced: list[int] | None = None, cached_tokens: int | None = None,
-             expect_cached: bool = True, active_nodes: float | None = None) -> dict:
+             expect_cached: bool = True, active_nodes: float | None = None,
+             allocator: dict | None = None) -> dict:
     """A result row from the step summary (``e2e_timing.summarize_steps``) and the
     spec-decode counter deltas of the measured generate. ``active_nodes``: verified
     tree nodes per round of a ``ddtree-auto`` run (vLLM's ``draft_tokens`` counts the
-    maximum B every round)."""
+    maximum B every round). ``allocator``: ``e2e_timing.allocator_delta`` over the
+    measured generate (device mallocs / frees / retries of PyTorch's caching
+    allocator; a free synchronizes the device)."""
     batch, max_tokens, context = base["batch"], base["max_tokens"], base["context"]
     tokens = batch * (max_tokens - 1)
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
@@ -267,6 +270,14 @@ def cell_row(base: dict, summary: dict | None, counters: dict, *, wall_s: float,
                drafts=drafts, accepted=accepted, draft_tokens=draft_tokens)
     if active_nodes is not None:
         row["active_nodes_per_round"] = active_nodes
+    if allocator is not None:
+        row["allocator_calls"] = allocator
+        frees, retries = allocator.get("num_device_free", 0), allocator.get(
+            "num_alloc_retries", 0)
+        if frees or retries:
+            notes.append(f"caching allocator freed device memory {frees} times and retried "
+                         f"{retries} allocations during the measured generate (a free "
+                         "synchronizes the device)")
     if spec:
         row["acceptance_length"] = 1 + accepted / drafts if drafts else None
         row["accepted_depth"] = accepted / drafts if drafts else None
@@ -440,7 +451,7 @@ def _sampling_params(spec: dict, max_tokens: int, batch: int):
 
 def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
     from e2e_models import make_prompts
-    from e2e_timing import summarize_steps
+    from e2e_timing import allocator_counts, allocator_delta, summarize_steps
     from vllm.inputs import TokensPrompt
 
     context, batch, kind = cell
@@ -457,6 +468,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         prefill_s = time.perf_counter() - t0
     before = spec_counters(llm)
     active_before = ddtree_active_counters() if run.budget == "auto" else None
+    allocator_before = allocator_counts()
     timer.begin(prompt_len=context)
     t0 = time.perf_counter()
     try:
@@ -464,6 +476,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
     finally:
         wall = time.perf_counter() - t0
         steps = timer.end()
+    allocator = allocator_delta(allocator_before, allocator_counts())
     counters = counter_delta(before, spec_counters(llm))
     active_nodes = None
     active_after = ddtree_active_counters() if active_before is not None else None
@@ -479,8 +492,8 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
     decode_s_stats = max(lasts) - min(firsts) if firsts and lasts else None
     return cell_row(spec_base_row(spec, cell), summarize_steps(steps), counters, wall_s=wall,
                     prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
-                    cached_tokens=cached,
-                    expect_cached=spec["prime"] == "cache", active_nodes=active_nodes)
+                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
+                    active_nodes=active_nodes, allocator=allocator)
 
 
 def warm_up(llm, spec: dict) -> None:

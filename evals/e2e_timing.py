@@ -389,6 +389,28 @@ def wrap_inherited_dispatch(cls: type, note: Callable[[Any, tuple, dict], None],
 # Arithmetic (pure Python; tested on CPU)
 
 
+# torch.cuda.memory_stats() counters of the caching allocator's calls into CUDA
+ALLOCATOR_COUNTERS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_counts() -> dict[str, int]:
+    """The caching allocator's cumulative device mallocs / frees / retries on the
+    current CUDA device (``torch.cuda.memory_stats``); empty without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_COUNTERS}
+
+
+def allocator_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int] | None:
+    """``after - before`` per counter; None when either is empty (no CUDA)."""
+    if not before or not after:
+        return None
+    return {k: after[k] - before.get(k, 0) for k in after}
+
+
 def summarize_steps(steps: list[dict]) -> dict | None:
     """Decode-step figures from ``StepTimer.end`` output, in ms.
 

@@ -712,3 +712,24 @@ def test_step_timer_counts_gc_pauses_inside_steps_only():
     assert steps[0]["host_gc"] > 0.0
     summary = e2e_timing.summarize_steps(steps)
     assert summary["host_regions_ms"]["gc"] == steps[0]["host_gc"]
+
+
+def test_allocator_calls_during_a_cell_are_reported():
+    """Device frees of the caching allocator inside the measured generate synchronize the
+    device: the row keeps the counts and notes them."""
+    assert e2e_timing.allocator_delta({}, {"num_device_free": 1}) is None
+    delta = e2e_timing.allocator_delta(
+        {"num_device_alloc": 5, "num_device_free": 1, "num_alloc_retries": 0},
+        {"num_device_alloc": 7, "num_device_free": 3, "num_alloc_retries": 1})
+    assert delta == {"num_device_alloc": 2, "num_device_free": 2, "num_alloc_retries": 1}
+    base = {"setup": "kimi8", "run": "ddtree-64", "method": "ddtree", "backend": "CUSTOM",
+            "budget": 64, "context": 1024, "batch": 1, "kind": "random", "max_tokens": 65}
+    summary = e2e_timing.split_step(40.0, 20, 0.5, 1.0) | {
+        "sample_ms": 0.2, "compact_ms": 0.1, "step_ms_median": 2.0, "step_ms_max": 2.5,
+        "prefill_steps": 1, "prefill_tokens": 0}
+    row = bench_e2e.cell_row(base, summary, {}, wall_s=0.05, allocator=delta)
+    assert row["allocator_calls"] == delta
+    assert "freed device memory 2 times and retried 1" in row["note"]
+    quiet = dict(delta, num_device_free=0, num_alloc_retries=0)
+    assert "allocator" not in bench_e2e.cell_row(base, summary, {}, wall_s=0.05,
+                                                 allocator=quiet)["note"]
