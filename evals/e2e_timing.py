@@ -63,6 +63,12 @@ HOST_REGIONS = (VERIFY, SAMPLE_TOKENS, DRAFT, HOST_DFLASH, COMPACT, HOST_STORE,
                 HOST_BUDGET, HOST_VERIFIER, HOST_GC)
 
 
+def _add_host(step: dict, label: str, seconds: float) -> None:
+    """Add ``seconds`` of host time to region ``label`` of a raw step."""
+    host = step.setdefault("host", {})
+    host[label] = host.get(label, 0.0) + seconds
+
+
 def _cuda_event():
     import torch
 
@@ -160,8 +166,7 @@ class StepTimer:
         step = self._open or self._current
         if self._gc_start is None or step is None or not self.active:
             return
-        host = step.setdefault("host", {})
-        host[HOST_GC] = host.get(HOST_GC, 0.0) + self.clock() - self._gc_start
+        _add_host(step, HOST_GC, self.clock() - self._gc_start)
         self._gc_start = None
 
     def end(self) -> list[dict]:
@@ -254,8 +259,7 @@ class StepTimer:
                 return original(obj, *args, **kwargs)
             finally:
                 step["spans"].setdefault(label, []).append((start, timer.event_factory()))
-                host = step.setdefault("host", {})
-                host[label] = host.get(label, 0.0) + timer.clock() - host_start
+                _add_host(step, label, timer.clock() - host_start)
                 timer._depth[label] = 0
 
         self._install(cls, name, original, wrapper)
@@ -281,8 +285,7 @@ class StepTimer:
             try:
                 return original(obj, *args, **kwargs)
             finally:
-                host = step.setdefault("host", {})
-                host[label] = host.get(label, 0.0) + timer.clock() - host_start
+                _add_host(step, label, timer.clock() - host_start)
                 timer._depth[key] = 0
 
         self._install(cls, name, original, wrapper)
@@ -434,13 +437,14 @@ def summarize_steps(steps: list[dict]) -> dict | None:
     verify = sum(s[VERIFY] for s in decode) / n
     sample = sum(s[SAMPLE_TOKENS] - s[DRAFT] for s in decode) / n
     compact = sum(s[COMPACT] for s in decode) / n
+    host = {label: sum(s.get(f"host_{label}", 0.0) for s in decode) / n
+            for label in HOST_REGIONS}
     return split_step(decode_ms, n, draft, verify) | {
         "sample_ms": sample,
         "compact_ms": compact,
-        "host_draft_ms": sum(s.get(f"host_{DRAFT}", 0.0) for s in decode) / n,
-        "host_verify_ms": sum(s.get(f"host_{VERIFY}", 0.0) for s in decode) / n,
-        "host_regions_ms": {label: sum(s.get(f"host_{label}", 0.0) for s in decode) / n
-                            for label in HOST_REGIONS},
+        "host_draft_ms": host[DRAFT],
+        "host_verify_ms": host[VERIFY],
+        "host_regions_ms": host,
         "full_graph_steps": full_graph_steps(decode),
         "step_ms_median": statistics.median(durations),
         "step_ms_max": max(durations),
