@@ -175,8 +175,9 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
                                batch_size=max(1, 32768 // args.target_seq_len))
         # Corpus prefixes up to DRAFTER_PREFIX_MAX, then the target's own greedy
         # continuation: the drafter sees long real-code contexts, as at decode time.
+        # Batches of 256: four times the prefix lengths of 1024 in the same minutes.
         dc = DrafterTrainConfig(seed=seed, seq_len=args.drafter_seq_len,
-                                prefix_max=args.drafter_prefix_max)
+                                prefix_max=args.drafter_prefix_max, gen_batch=256)
     tc.minutes, dc.minutes = args.target_minutes, args.drafter_minutes
     for cfg, prefix in ((tc, "target"), (dc, "drafter")):
         for field, arg in (

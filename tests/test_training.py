@@ -324,3 +324,17 @@ def test_train_pair_tiny_end_to_end(tmp_path):
         assert summary["acceptance"][key]["tokens_equal_ar"]
     assert (out / "results" / "train_target_loss.png").stat().st_size > 0
     assert (out / "results" / "train_drafter_loss.png").stat().st_size > 0
+
+
+def test_stratified_prefix_lengths_cover_the_range():
+    """A pool of few generation batches still spans short and long contexts: one draw
+    per stratum, in range, in a seeded random order."""
+    from vllm_ddtree.training.train_drafter import stratified_prefix_lengths
+
+    lengths = stratified_prefix_lengths(32, 1280, 3, torch.Generator().manual_seed(0))
+    strata = sorted((p - 32) * 3 // (1280 - 32 + 1) for p in lengths)
+    assert strata == [0, 1, 2] and all(32 <= p <= 1280 for p in lengths)
+    again = stratified_prefix_lengths(32, 1280, 3, torch.Generator().manual_seed(0))
+    assert again == lengths
+    many = stratified_prefix_lengths(8, 16, 40, torch.Generator().manual_seed(1))
+    assert min(many) == 8 and max(many) == 16

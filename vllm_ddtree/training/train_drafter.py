@@ -84,6 +84,23 @@ def greedy_continue(target, prefix: torch.Tensor, num_new: int) -> torch.Tensor:
     return torch.cat([prefix, torch.stack(new, dim=1)], dim=1)
 
 
+def stratified_prefix_lengths(prefix_min: int, prefix_max: int, num_batches: int,
+                              gen: torch.Generator) -> list[int]:
+    """One corpus-prefix length per generation batch: one uniform draw from each of
+    ``num_batches`` equal strata of ``[prefix_min, prefix_max]``, in a random order.
+
+    Anchors are drawn at or after a sequence's prefix, so the shortest prefix of the
+    pool is the shortest context the drafter trains on. With long sequences a timed
+    pool holds only a few batches (3 in the first 1536-token run), and independent
+    draws left short contexts out; strata cover the range, and the random order keeps
+    a pool cut by the clock spread over it."""
+    edges = torch.linspace(prefix_min, prefix_max + 1, num_batches + 1, dtype=torch.float64)
+    draws = edges[:-1] + torch.rand(num_batches, generator=gen, dtype=torch.float64) * (
+        edges[1:] - edges[:-1])
+    lengths = draws.floor().long().clamp(prefix_min, prefix_max)
+    return lengths[torch.randperm(num_batches, generator=gen)].tolist()
+
+
 @dataclass
 class GreedyPool:
     """Training sequences: ``tokens [N, S]`` int64 (corpus prefix + target greedy
@@ -112,22 +129,23 @@ def build_pool(
     max_seconds: float | None = None,
 ) -> GreedyPool:
     """Generate ``num_seqs`` sequences of ``cfg.seq_len`` tokens from random prefixes of
-    the flat ``corpus`` (one prefix length per generation batch of ``cfg.gen_batch``)
-    and their aux hidden states. Seeded by ``seed``. With ``max_seconds`` no new
-    batch starts after that long (the pool is then smaller; its size is the
-    sequence count to pass back for an exact rerun)."""
+    the flat ``corpus`` (one prefix length per generation batch of ``cfg.gen_batch``,
+    see :func:`stratified_prefix_lengths`) and their aux hidden states. Seeded by
+    ``seed``. With ``max_seconds`` no new batch starts after that long (the pool is
+    then smaller; its size is the sequence count to pass back for an exact rerun)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
+    num_batches = -(-num_seqs // cfg.gen_batch)
+    prefix_lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, num_batches, gen)
     chunks_t, chunks_p, chunks_a = [], [], []
     bar = progress_bar(num_seqs, desc, progress)
     done = 0
     t0 = time.perf_counter()
-    while done < num_seqs:
+    for p in prefix_lengths:
         if done and max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             break
         b = min(cfg.gen_batch, num_seqs - done)
-        p = int(torch.randint(cfg.prefix_min, cfg.prefix_max + 1, (1,), generator=gen))
         starts = torch.randint(0, toks.shape[0] - p + 1, (b,), generator=gen)
         prefix = toks[starts[:, None] + torch.arange(p)].to(device)
         seq = greedy_continue(target, prefix, cfg.seq_len - p)
