@@ -116,6 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="drafter training sequence: corpus prefix + greedy continuation")
     p.add_argument("--drafter-prefix-max", type=int, default=1280,
                    help="longest corpus prefix of a drafter training sequence")
+    p.add_argument("--drafter-continuation", type=int, default=384,
+                   help="greedy tokens after each corpus prefix (0: up to the sequence end)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
     p.add_argument("--accept-prompts", type=int, default=None)
     p.add_argument("--accept-new-tokens", type=int, default=None)
@@ -175,9 +177,11 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
                                batch_size=max(1, 32768 // args.target_seq_len))
         # Corpus prefixes up to DRAFTER_PREFIX_MAX, then the target's own greedy
         # continuation: the drafter sees long real-code contexts, as at decode time.
-        # Batches of 256: four times the prefix lengths of 1024 in the same minutes.
+        # Batches of 256: four times the prefix lengths of 1024 in the same minutes; at
+        # most --drafter-continuation greedy tokens each (decoding steps are the cost).
         dc = DrafterTrainConfig(seed=seed, seq_len=args.drafter_seq_len,
-                                prefix_max=args.drafter_prefix_max, gen_batch=256)
+                                prefix_max=args.drafter_prefix_max, gen_batch=256,
+                                continuation_max=args.drafter_continuation or None)
     tc.minutes, dc.minutes = args.target_minutes, args.drafter_minutes
     for cfg, prefix in ((tc, "target"), (dc, "drafter")):
         for field, arg in (

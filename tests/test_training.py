@@ -338,3 +338,33 @@ def test_stratified_prefix_lengths_cover_the_range():
     assert again == lengths
     many = stratified_prefix_lengths(8, 16, 40, torch.Generator().manual_seed(1))
     assert min(many) == 8 and max(many) == 16
+
+
+def test_pool_with_capped_continuation_pads_and_keeps_anchors_inside():
+    """``continuation_max``: each sequence is its prefix plus at most that many greedy
+    tokens, EOS-padded to ``seq_len``; anchors never reach the padding (as context or
+    label), and the greedy part is still the target's own argmax text."""
+    from vllm_ddtree.training.train_drafter import sample_anchors
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
+    cfg = DrafterTrainConfig(seq_len=64, prefix_min=8, prefix_max=24, gen_batch=4,
+                             continuation_max=20, seed=0)
+    pool = build_pool(target, corpus_tokens.numpy(), 12, drafter.target_layer_ids, cfg,
+                      seed=1, device="cpu", progress=False)
+    ends = pool.ends()
+    assert torch.equal(ends, pool.prefix_len + 20)
+    eos = target.config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    for row, p, end in zip(pool.tokens, pool.prefix_len.tolist(), ends.tolist(), strict=True):
+        assert bool((row[end:] == eos).all())
+        logits = target(input_ids=row[None, :end]).logits[0]
+        assert torch.equal(logits[p - 1 : -1].argmax(-1), row[p:end])
+    anchors = sample_anchors(pool.prefix_len, cfg.seq_len, drafter.block_size, 3,
+                             torch.Generator().manual_seed(0), end=ends)
+    assert bool((anchors >= pool.prefix_len[:, None]).all())
+    assert bool((anchors + drafter.block_size <= ends[:, None]).all())
+    with pytest.raises(ValueError, match="anchor positions"):
+        sample_anchors(pool.prefix_len, cfg.seq_len, drafter.block_size, 20,
+                       torch.Generator().manual_seed(0), end=ends)

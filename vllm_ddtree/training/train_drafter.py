@@ -13,8 +13,14 @@ single continuation wherever the target disagrees with the text. Continuations
 match the decoding distribution exactly (context included); the cost is one
 batched generation pass before training.
 
+With ``continuation_max`` a sequence holds at most that many greedy tokens after its
+prefix and is padded to ``seq_len`` (EOS); the padding is never a context position
+or a label (anchors end ``block_size`` before the continuation does). Long corpus
+contexts then cost only the continuation's decoding steps.
+
 Training. Per sequence, ``anchors_per_seq`` distinct anchors ``a`` are drawn in
-the continuation region (``prefix_len <= a <= seq_len - block_size``); block
+the continuation region (``prefix_len <= a <= end - block_size``, ``end`` =
+prefix + continuation); block
 ``[token[a], MASK x (block_size-1)]`` at positions ``a..`` sees the context
 positions ``< a`` (``drafter_forward``). Loss: cross-entropy of depth ``j``
 against ``token[a+j]`` weighted by ``exp(-(j-1)/gamma)``. Embeddings and LM head
@@ -59,6 +65,7 @@ class DrafterTrainConfig(StepLoopConfig):
     gen_sequences: int = 12288
     gen_batch: int = 1024
     gen_minutes: float | None = 1.5  # stop generating new batches after this long
+    continuation_max: int | None = None  # greedy tokens per sequence (None: to seq_len)
     eval_sequences: int = 128
     batch_size: int = 32  # sequences per step
     anchors_per_seq: int = 32
@@ -104,12 +111,22 @@ def stratified_prefix_lengths(prefix_min: int, prefix_max: int, num_batches: int
 @dataclass
 class GreedyPool:
     """Training sequences: ``tokens [N, S]`` int64 (corpus prefix + target greedy
-    continuation), ``prefix_len [N]`` int64 (on the CPU: anchors are drawn there),
-    ``aux [N, S, A]`` (target dtype); ``tokens`` and ``aux`` on the device."""
+    continuation + EOS padding), ``prefix_len [N]`` and ``end [N]`` int64 (on the CPU:
+    anchors are drawn there; ``end`` = prefix + continuation, ``S`` without
+    ``continuation_max``), ``aux [N, S, A]`` (target dtype); ``tokens`` and ``aux`` on
+    the device."""
 
     tokens: torch.Tensor
     prefix_len: torch.Tensor
     aux: torch.Tensor
+    end: torch.Tensor | None = None
+
+    def ends(self, idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``end`` of the rows ``idx`` (all rows when None), int64 on the CPU."""
+        end = self.end
+        if end is None:
+            end = torch.full((len(self),), self.tokens.shape[1], dtype=torch.long)
+        return end if idx is None else end[idx.cpu()]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -137,8 +154,10 @@ def build_pool(
     gen = torch.Generator().manual_seed(seed)
     toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
     num_batches = -(-num_seqs // cfg.gen_batch)
+    eos_id = target.config.eos_token_id
+    eos_id = int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
     prefix_lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, num_batches, gen)
-    chunks_t, chunks_p, chunks_a = [], [], []
+    chunks_t, chunks_p, chunks_e, chunks_a = [], [], [], []
     bar = progress_bar(num_seqs, desc, progress)
     done = 0
     t0 = time.perf_counter()
@@ -148,25 +167,35 @@ def build_pool(
         b = min(cfg.gen_batch, num_seqs - done)
         starts = torch.randint(0, toks.shape[0] - p + 1, (b,), generator=gen)
         prefix = toks[starts[:, None] + torch.arange(p)].to(device)
-        seq = greedy_continue(target, prefix, cfg.seq_len - p)
+        num_new = cfg.seq_len - p
+        if cfg.continuation_max is not None:
+            num_new = min(num_new, cfg.continuation_max)
+        seq = greedy_continue(target, prefix, num_new)
+        # EOS padding to seq_len: the causal aux rows before it are unchanged.
+        seq = torch.nn.functional.pad(seq, (0, cfg.seq_len - p - num_new), value=eos_id)
         chunks_t.append(seq)
         chunks_p.append(torch.full((b,), p, dtype=torch.long))
+        chunks_e.append(torch.full((b,), p + num_new, dtype=torch.long))
         chunks_a.append(target_aux_hidden(target, seq, layer_ids))
         done += b
         bar.update(b)
     bar.close()
-    return GreedyPool(torch.cat(chunks_t), torch.cat(chunks_p), torch.cat(chunks_a))
+    return GreedyPool(torch.cat(chunks_t), torch.cat(chunks_p), torch.cat(chunks_a),
+                      torch.cat(chunks_e))
 
 
 def sample_anchors(
-    prefix_len: torch.Tensor, seq_len: int, block_size: int, n: int, gen: torch.Generator
+    prefix_len: torch.Tensor, seq_len: int, block_size: int, n: int, gen: torch.Generator,
+    end: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, n]`` distinct sorted anchors per row (CPU int64), uniform in
-    ``prefix_len[b] .. seq_len - block_size`` (drawn from the CPU generator ``gen``)."""
+    ``prefix_len[b] .. end[b] - block_size`` (``end`` int64 ``[B]``, default
+    ``seq_len``; drawn from the CPU generator ``gen``)."""
     bsz = prefix_len.shape[0]
     lo = prefix_len.cpu()[:, None]
+    hi = (torch.full((bsz,), seq_len) if end is None else end.cpu())[:, None] - block_size
     pos = torch.arange(seq_len)[None, :]
-    valid = (pos >= lo) & (pos <= seq_len - block_size)
+    valid = (pos >= lo) & (pos <= hi)
     if int(valid.sum(1).min()) < n:
         raise ValueError(f"fewer than {n} anchor positions in a row; shorten the prefix")
     scores = torch.rand(bsz, seq_len, generator=gen).masked_fill(~valid, -1.0)
@@ -228,7 +257,8 @@ def evaluate_drafter(
     for start in range(0, len(pool), cfg.batch_size):
         idx = torch.arange(start, min(len(pool), start + cfg.batch_size))
         anchors = sample_anchors(
-            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.eval_anchors_per_seq, gen
+            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.eval_anchors_per_seq, gen,
+            end=pool.ends(idx),
         )
         idx, anchors = idx.to(device), anchors.to(device)
         with autocast_for(device):
@@ -309,7 +339,8 @@ def train_drafter(
     def compute_loss() -> torch.Tensor:
         idx = torch.randint(0, len(pool), (cfg.batch_size,), generator=gen)
         anchors = sample_anchors(
-            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.anchors_per_seq, gen
+            pool.prefix_len[idx], cfg.seq_len, drafter.block_size, cfg.anchors_per_seq, gen,
+            end=pool.ends(idx),
         )
         idx, anchors = host_to_device(idx, device), host_to_device(anchors, device)
         with autocast_for(device):
