@@ -39,6 +39,8 @@
 #   treebuild  evals/bench_tree_build.py: per-depth / batched torch / Triton tree build in graphs
 #   bench    evals/bench_verify_attention.py, pages 64, 16 and 1, H 8 / 64, 3 min cap
 #   bench_rest  the issue-3 cells not yet timed on Gluon v2 (257 tokens at H 8 / 64, pages)
+#   trainpair  evals/train_pair.py into /tmp/ckpt (TRAIN_ARGS), checkpoints back as
+#            ckpt.tar.part-* (scripts/unpack_pair.sh); carry data/ or let it build the corpus
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
 # Side by side (VLLM_DDTREE_TEST_KV_GIB: a fixed KV cache, no start-up memory profiling,
@@ -211,6 +213,22 @@ for stage in "$@"; do
         --out-md $OUT/va_v2_pages.md --out-png $OUT/va_v2_pages.png" > "$OUT/bench_rest.log" 2>&1
       summary bench_rest $?
       tail -8 "$OUT/va_v2_257.md" "$OUT/va_v2_pages.md" 2>/dev/null ;;
+    trainpair)  # evals/train_pair.py (defaults: long-context pair) into /tmp/ckpt, which a
+      # warm machine keeps between calls; TRAIN_ARGS picks the stage and minutes (one call
+      # holds about --stage all --target-minutes 1.5 --gen-minutes 2 --drafter-minutes 2.5).
+      # The checkpoints come back as ckpt.tar.part-* (a file returns only under 16 MiB):
+      # `scripts/unpack_pair.sh <files_at>` puts them into vllm_ddtree/checkpoints.
+      [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
+        > "$OUT/corpus.log" 2>&1
+      timeout "${STAGE_LIMIT:-560}" python3 evals/train_pair.py --data data --out /tmp/ckpt \
+        --results /tmp/results --no-progress ${TRAIN_ARGS:---stage all --target-minutes 1.5 \
+        --gen-minutes 2 --drafter-minutes 2.5} > "$OUT/trainpair.log" 2>&1
+      summary trainpair $?
+      grep "^\[" "$OUT/trainpair.log" | grep -v "greedy completion" | tail -16
+      if [ -d /tmp/ckpt/target ] && [ -d /tmp/ckpt/drafter ]; then
+        (cd /tmp/ckpt && tar cf - target drafter | split -b 12M - "$OUT/ckpt.tar.part-")
+        mkdir -p "$OUT/results" && cp /tmp/results/* "$OUT/results/" 2>/dev/null
+      fi ;;
     pack)  # last: $OUT's files in one archive (only a few files come back per call)
       (cd "$OUT" && tar czf /tmp/all.tgz --exclude 'compile-cache.part-*' . \
         && find . -maxdepth 1 -type f ! -name 'compile-cache.part-*' -delete \
