@@ -368,3 +368,30 @@ def test_pool_with_capped_continuation_pads_and_keeps_anchors_inside():
     with pytest.raises(ValueError, match="anchor positions"):
         sample_anchors(pool.prefix_len, cfg.seq_len, drafter.block_size, 20,
                        torch.Generator().manual_seed(0), end=ends)
+
+
+def test_corpus_extra_packages_go_to_train_only(tmp_path, monkeypatch):
+    """``extra_packages`` adds an installed package's sources (its tests skipped) to the
+    train split; the tokenizer and the valid / held-out splits are those of the
+    standard library alone."""
+    pkg = tmp_path / "site" / "ddtree_fakepkg"
+    (pkg / "tests").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("def double(x):\n    return 2 * x\n" * 20)
+    (pkg / "util.py").write_text("import os\n\nPATH = os.getcwd()\n" * 20)
+    (pkg / "tests" / "test_util.py").write_text("def test_it():\n    assert True\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    kwargs = dict(vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30, valid_fraction=0.3)
+    plain = corpus.build_corpus(tmp_path / "plain", **kwargs)
+    extra = corpus.build_corpus(tmp_path / "extra", extra_packages=["ddtree_fakepkg"], **kwargs)
+    assert extra["extra_packages"]["ddtree_fakepkg"]["files"] == 2
+    train_paths = {f["path"] for f in extra["train_files"]}
+    assert {"site-packages/ddtree_fakepkg/__init__.py",
+            "site-packages/ddtree_fakepkg/util.py"} <= train_paths
+    assert not any("tests/" in p for p in train_paths if p.startswith("site-packages/"))
+    sha = "tokenizer_json_sha256"
+    assert extra["tokenizer"][sha] == plain["tokenizer"][sha]
+    for name in ("valid", "heldout"):
+        assert extra["splits"][name]["npy_sha256"] == plain["splits"][name]["npy_sha256"]
+    assert extra["splits"]["train"]["tokens"] > plain["splits"]["train"]["tokens"]
+    with pytest.raises(ValueError, match="no installed package"):
+        corpus.build_corpus(tmp_path / "bad", extra_packages=["no_such_pkg_ddtree"], **kwargs)

