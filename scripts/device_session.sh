@@ -216,7 +216,7 @@ for stage in "$@"; do
       tail -8 "$OUT/va_v2_257.md" "$OUT/va_v2_pages.md" 2>/dev/null ;;
     trainpair)  # evals/train_pair.py (defaults: long-context pair) into /tmp/ckpt, which a
       # warm machine keeps between calls; TRAIN_ARGS picks the stage and minutes (one call
-      # holds about --stage all --target-minutes 1.5 --gen-minutes 2 --drafter-minutes 2.5).
+      # holds about --stage all --target-minutes 1.5 --gen-minutes 1.5 --drafter-minutes 2).
       # The checkpoints come back as ckpt.tar.part-* (a file returns only under 16 MiB):
       # `scripts/unpack_pair.sh <files_at>` puts them into vllm_ddtree/checkpoints.
       # Without a carried data/ the corpus is built here, by default with torch /
@@ -225,9 +225,9 @@ for stage in "$@"; do
       [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
         ${CORPUS_ARGS:---extra-package torch --extra-package transformers \
         --extra-package vllm --extra-package numpy} > "$OUT/corpus.log" 2>&1
-      timeout "${STAGE_LIMIT:-560}" python3 evals/train_pair.py --data data --out /tmp/ckpt \
+      timeout "${STAGE_LIMIT:-480}" python3 evals/train_pair.py --data data --out /tmp/ckpt \
         --results /tmp/results --no-progress ${TRAIN_ARGS:---stage all --target-minutes 1.5 \
-        --gen-minutes 2 --drafter-minutes 2.5} > "$OUT/trainpair.log" 2>&1
+        --gen-minutes 1.5 --drafter-minutes 2} > "$OUT/trainpair.log" 2>&1
       summary trainpair $?
       grep "^\[" "$OUT/trainpair.log" | grep -v "greedy completion" | tail -16
       if [ -d /tmp/ckpt/target ] && [ -d /tmp/ckpt/drafter ]; then
