@@ -1,0 +1,185 @@
+"""Acceptance of the DFlash chain and DDTree against prompt length, reference engine.
+
+    python evals/acceptance_by_context.py                      # the embedded pair
+    python evals/acceptance_by_context.py --checkpoints /tmp/ckpt --out-dir /tmp/acc
+
+A pair is only worth shipping when it accepts at the contexts it is measured at: the
+512-window pair of 2026-11 accepted 2.9 tokens per round at 384-token prompts and
+1.3 at 1024 (its target fell apart past ~600 tokens of relative distance). For each
+prompt length, ``--prompts`` disjoint slices of standard-library source
+(``e2e_models.code_prompts``, what ``bench_e2e``'s code prompts are) are decoded
+greedily (fp32) with the chain and DDTree at each budget; every method must produce
+the chain's tokens. Also the target's own loss by position on the longest prompts
+(where a target trained on short windows breaks). Writes
+``acceptance_by_context.{md,png,json}`` into ``--out-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+BUCKET = 128  # positions per bucket of the target-loss table
+
+
+def measure(pair, lengths: list[int], num_prompts: int, new_tokens: int,
+            budgets: list[int], progress: bool = True) -> dict:
+    """Per (length, method): committed tokens of every round and whether the tokens
+    equal the chain's; the target's mean loss per ``BUCKET`` positions on the longest
+    prompts. A JSON-able dict."""
+    import torch
+    from e2e_models import code_prompts
+    from tqdm import tqdm
+
+    from vllm_ddtree.reference import generate
+
+    methods = [("dflash", 0)] + [("ddtree", b) for b in budgets]
+    eos = pair.tokenizer.eos_token_id
+    rows = []
+    bar = tqdm(total=len(lengths) * num_prompts * len(methods), desc="decode",
+               disable=not progress)
+    for length in lengths:
+        for i, prompt in enumerate(code_prompts(pair.tokenizer, num_prompts, length)):
+            chain_tokens = None
+            for method, budget in methods:
+                out = generate(pair.target, pair.drafter, prompt, new_tokens, method,
+                               budget=max(budget, 1), eos_token_id=eos)
+                chain_tokens = out.tokens if chain_tokens is None else chain_tokens
+                rows.append({"length": length, "prompt": i, "method": method,
+                             "budget": budget, "committed": [s.committed for s in out.stats],
+                             "same_as_chain": out.tokens == chain_tokens})
+                bar.update(1)
+    bar.close()
+    longest = max(lengths)
+    sums: dict[int, list[float]] = {}
+    for prompt in code_prompts(pair.tokenizer, num_prompts, longest):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            logits = pair.target(input_ids=ids).logits[0].float()
+        nll = torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="none")
+        for lo in range(0, longest - 1, BUCKET):
+            sums.setdefault(lo, []).append(float(nll[lo:lo + BUCKET].mean()))
+    loss = {f"{lo}-{lo + BUCKET - 1}": sum(v) / len(v) for lo, v in sums.items()}
+    return {"rows": rows, "target_loss_by_position": loss, "lengths": lengths,
+            "prompts": num_prompts, "new_tokens": new_tokens, "budgets": budgets}
+
+
+def summarize(result: dict) -> list[dict]:
+    """One entry per (length, method): mean committed tokens per round, rounds, and
+    whether every prompt's tokens equal the chain's."""
+    out = []
+    keys = sorted({(r["length"], r["method"], r["budget"]) for r in result["rows"]},
+                  key=lambda k: (k[0], k[1] != "dflash", k[2]))
+    for length, method, budget in keys:
+        rows = [r for r in result["rows"]
+                if (r["length"], r["method"], r["budget"]) == (length, method, budget)]
+        committed = [c for r in rows for c in r["committed"]]
+        out.append({"length": length, "method": method, "budget": budget,
+                    "mean_committed": sum(committed) / max(1, len(committed)),
+                    "rounds": len(committed),
+                    "identical": all(r["same_as_chain"] for r in rows)})
+    return out
+
+
+def method_name(method: str, budget: int) -> str:
+    return "DFlash chain" if method == "dflash" else f"DDTree B={budget}"
+
+
+def write_report(result: dict, out_dir: Path, command: str) -> None:
+    """``acceptance_by_context.md`` (tables) and ``.png`` (acceptance against length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = summarize(result)
+    lengths = result["lengths"]
+    names = list(dict.fromkeys(method_name(s["method"], s["budget"]) for s in summary))
+    cell = {(method_name(s["method"], s["budget"]), s["length"]): s for s in summary}
+    lines = [
+        f"# Acceptance against prompt length: {result.get('pair', 'pair')}, reference engine",
+        "",
+        f"Mean committed tokens per round (accepted depth + 1, prefill excluded); "
+        f"{result['prompts']} prompts of standard-library source per length "
+        f"(`e2e_models.code_prompts`), {result['new_tokens']} new tokens, greedy, fp32. "
+        "`identical`: every method produced the chain's tokens.",
+        "",
+        f"command: `{command}`",
+        "",
+        "| method | " + " | ".join(str(n) for n in lengths) + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(
+            f"{cell[name, n]['mean_committed']:.2f}" for n in lengths) + " |")
+    identical = all(s["identical"] for s in summary)
+    lines += ["", f"identical tokens in every cell: {identical}", "",
+              "Target loss (nats per token) by position on the longest prompts:", "",
+              "| positions | " + " | ".join(result["target_loss_by_position"]) + " |",
+              "|---|" + "---|" * len(result["target_loss_by_position"]),
+              "| loss | " + " | ".join(f"{v:.2f}" for v in
+                                       result["target_loss_by_position"].values()) + " |", ""]
+    (out_dir / "acceptance_by_context.md").write_text("\n".join(lines))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in names:
+        ax.plot(lengths, [cell[name, n]["mean_committed"] for n in lengths], marker="o",
+                label=name)
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("tokens per round")
+    ax.set_title("Acceptance against context, reference engine")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "acceptance_by_context.png", dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoints", default=str(REPO / "vllm_ddtree" / "checkpoints"),
+                   help="folder with target/ and drafter/ (default: the embedded pair)")
+    p.add_argument("--lengths", type=int, nargs="+", default=[128, 256, 384, 512, 768, 1024])
+    p.add_argument("--prompts", type=int, default=4, help="prompts per length")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--budgets", type=int, nargs="+", default=[32, 64])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--out-dir", default=str(REPO / "evals" / "results"))
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    from vllm_ddtree.demo import load_embedded_pair
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    checkpoints = Path(args.checkpoints)
+    if not (checkpoints / "target" / "config.json").exists():
+        sys.exit(f"--checkpoints {checkpoints}: no target/config.json there")
+    pair = load_embedded_pair(checkpoints)
+    start = time.time()
+    result = measure(pair, sorted(args.lengths), args.prompts, args.new_tokens, args.budgets,
+                     progress=not args.no_progress)
+    result["pair"] = str(checkpoints)
+    result["seconds"] = round(time.time() - start, 1)
+    command = "python evals/acceptance_by_context.py " + " ".join(argv or sys.argv[1:])
+    result["command"] = command.strip()
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "acceptance_by_context.json").write_text(json.dumps(result, indent=1))
+    write_report(result, out_dir, result["command"])
+    print((out_dir / "acceptance_by_context.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
