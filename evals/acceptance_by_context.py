@@ -169,7 +169,10 @@ def main(argv=None) -> int:
     start = time.time()
     result = measure(pair, sorted(args.lengths), args.prompts, args.new_tokens, args.budgets,
                      progress=not args.no_progress)
-    result["pair"] = str(checkpoints)
+    try:
+        result["pair"] = str(checkpoints.resolve().relative_to(REPO))
+    except ValueError:
+        result["pair"] = str(checkpoints)
     result["seconds"] = round(time.time() - start, 1)
     command = "python evals/acceptance_by_context.py " + " ".join(argv or sys.argv[1:])
     result["command"] = command.strip()
