@@ -197,7 +197,8 @@ def sample_anchors(
     pos = torch.arange(seq_len)[None, :]
     valid = (pos >= lo) & (pos <= hi)
     if int(valid.sum(1).min()) < n:
-        raise ValueError(f"fewer than {n} anchor positions in a row; shorten the prefix")
+        raise ValueError(f"fewer than {n} anchor positions in a row (from its prefix to "
+                         "its end - block_size): shorten prefix_max or raise continuation_max")
     scores = torch.rand(bsz, seq_len, generator=gen).masked_fill(~valid, -1.0)
     return scores.topk(n, dim=1).indices.sort(dim=1).values
 
