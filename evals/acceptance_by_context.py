@@ -42,10 +42,11 @@ def measure(pair, lengths: list[int], num_prompts: int, new_tokens: int,
     methods = [("dflash", 0)] + [("ddtree", b) for b in budgets]
     eos = pair.tokenizer.eos_token_id
     rows = []
+    prompts = {n: code_prompts(pair.tokenizer, num_prompts, n) for n in lengths}
     bar = tqdm(total=len(lengths) * num_prompts * len(methods), desc="decode",
                disable=not progress)
     for length in lengths:
-        for i, prompt in enumerate(code_prompts(pair.tokenizer, num_prompts, length)):
+        for i, prompt in enumerate(prompts[length]):
             chain_tokens = None
             for method, budget in methods:
                 out = generate(pair.target, pair.drafter, prompt, new_tokens, method,
@@ -58,7 +59,7 @@ def measure(pair, lengths: list[int], num_prompts: int, new_tokens: int,
     bar.close()
     longest = max(lengths)
     sums: dict[int, list[float]] = {}
-    for prompt in code_prompts(pair.tokenizer, num_prompts, longest):
+    for prompt in prompts[longest]:
         ids = torch.tensor([prompt])
         with torch.no_grad():
             logits = pair.target(input_ids=ids).logits[0].float()

@@ -169,13 +169,13 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
             seed=seed,
         )
     else:
-        # Windows of TARGET_SEQ_LEN: a target trained on 512-token windows falls apart
+        # --target-seq-len windows: a target trained on 512-token windows falls apart
         # past ~600 tokens of relative distance (loss 2.1 -> 5.1 nats at 512 -> 1024),
         # and the drafter with it; the 1k-context benchmarks need both to hold there.
         # Same tokens per step as 64 x 512.
         tc = TargetTrainConfig(seed=seed, seq_len=args.target_seq_len,
                                batch_size=max(1, 32768 // args.target_seq_len))
-        # Corpus prefixes up to DRAFTER_PREFIX_MAX, then the target's own greedy
+        # Corpus prefixes up to --drafter-prefix-max, then the target's own greedy
         # continuation: the drafter sees long real-code contexts, as at decode time.
         # Batches of 256: four times the prefix lengths of 1024 in the same minutes; at
         # most --drafter-continuation greedy tokens each (decoding steps are the cost).

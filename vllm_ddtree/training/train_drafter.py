@@ -119,14 +119,11 @@ class GreedyPool:
     tokens: torch.Tensor
     prefix_len: torch.Tensor
     aux: torch.Tensor
-    end: torch.Tensor | None = None
+    end: torch.Tensor
 
     def ends(self, idx: torch.Tensor | None = None) -> torch.Tensor:
         """``end`` of the rows ``idx`` (all rows when None), int64 on the CPU."""
-        end = self.end
-        if end is None:
-            end = torch.full((len(self),), self.tokens.shape[1], dtype=torch.long)
-        return end if idx is None else end[idx.cpu()]
+        return self.end if idx is None else self.end[idx.cpu()]
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
