@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from patches.hf_mla_expand_kv import incremental_expand_kv
 from vllm_ddtree.reference.drafter import DFlashDraftModel
 from vllm_ddtree.training.common import (
     BestKeeper,
@@ -77,17 +78,20 @@ class DrafterTrainConfig(StepLoopConfig):
 @torch.no_grad()
 def greedy_continue(target, prefix: torch.Tensor, num_new: int) -> torch.Tensor:
     """``[B, P + num_new]``: ``prefix [B, P]`` (int64) followed by the target's
-    greedy (argmax) continuation, computed with a KV cache."""
+    greedy (argmax) continuation, computed with a KV cache (MLA keys/values expanded
+    once per position: ``patches.hf_mla_expand_kv``)."""
     if num_new <= 0:
         return prefix
     cache = DynamicCache(config=target.config)
-    out = target(input_ids=prefix, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    nxt = out.logits[:, -1].argmax(-1)
-    new = [nxt]
-    for _ in range(num_new - 1):
-        out = target(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+    with incremental_expand_kv(target):
+        out = target(input_ids=prefix, past_key_values=cache, use_cache=True,
+                     logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1)
-        new.append(nxt)
+        new = [nxt]
+        for _ in range(num_new - 1):
+            out = target(input_ids=nxt[:, None], past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            new.append(nxt)
     return torch.cat([prefix, torch.stack(new, dim=1)], dim=1)
 
 
