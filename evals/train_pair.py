@@ -71,6 +71,7 @@ from vllm_ddtree.training.train_target import (  # noqa: E402
     perplexity,
     train_target,
 )
+from vllm_ddtree.training.vllm_pool import build_pool_vllm  # noqa: E402
 
 SIZE_LIMIT_BYTES = 24_000_000
 SANITY_PROMPTS = [
@@ -109,6 +110,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=None,
         help="no new generation batch after this long (default 1.5; 0 = no limit)",
+    )
+    p.add_argument(
+        "--pool-engine",
+        choices=["auto", "vllm", "hf"],
+        default="auto",
+        help="who decodes the drafter's greedy pool: vLLM in a child process (every "
+        "sequence its own prefix length; --gen-minutes does not apply) or transformers "
+        "(one prefix length per batch); auto = vllm on CUDA, hf elsewhere",
     )
     p.add_argument("--target-seq-len", type=int, default=2048,
                    help="target training window (full size)")
@@ -280,6 +289,13 @@ def load_frozen_target(out: Path, device: torch.device):
     return target.to(device).eval()
 
 
+def pool_engine(choice: str, device: torch.device) -> str:
+    """``vllm`` or ``hf``: who decodes the greedy pool (``auto``: vLLM on CUDA)."""
+    if choice == "auto":
+        return "vllm" if device.type == "cuda" else "hf"
+    return choice
+
+
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     _, dc = train_configs(args)
     target = load_frozen_target(out, device)
@@ -290,34 +306,44 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         target.config, tok.mask_token_id, tiny=args.tiny, target_layer_ids=ids
     )
     layer_ids = dcfg.dflash_config["target_layer_ids"]
+    engine = pool_engine(args.pool_engine, device)
     t0 = time.perf_counter()
-    pool = build_pool(
-        target,
-        splits["train"],
-        dc.gen_sequences,
-        layer_ids,
-        dc,
-        seed=args.seed + 1,
-        device=device,
-        progress=not args.no_progress,
-        desc="greedy pool (train)",
-        max_seconds=None if dc.gen_minutes is None else 60 * dc.gen_minutes,
-    )
-    eval_pool = build_pool(
-        target,
-        splits["valid"],
-        dc.eval_sequences,
-        layer_ids,
-        dc,
-        seed=args.seed + 2,
-        device=device,
-        progress=not args.no_progress,
-        desc="greedy pool (valid)",
-    )
+    if engine == "vllm":
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # vLLM's child asks for a share of the free memory
+        pool = build_pool_vllm(target, out / "target", splits["train"], dc.gen_sequences,
+                               layer_ids, dc, seed=args.seed + 1, device=device)
+        eval_pool = build_pool_vllm(target, out / "target", splits["valid"],
+                                    dc.eval_sequences, layer_ids, dc, seed=args.seed + 2,
+                                    device=device)
+    else:
+        pool = build_pool(
+            target,
+            splits["train"],
+            dc.gen_sequences,
+            layer_ids,
+            dc,
+            seed=args.seed + 1,
+            device=device,
+            progress=not args.no_progress,
+            desc="greedy pool (train)",
+            max_seconds=None if dc.gen_minutes is None else 60 * dc.gen_minutes,
+        )
+        eval_pool = build_pool(
+            target,
+            splits["valid"],
+            dc.eval_sequences,
+            layer_ids,
+            dc,
+            seed=args.seed + 2,
+            device=device,
+            progress=not args.no_progress,
+            desc="greedy pool (valid)",
+        )
     gen_s = time.perf_counter() - t0
     print(
-        f"[drafter] greedy pools: {len(pool)} train + {len(eval_pool)} valid sequences "
-        f"of {dc.seq_len} tokens in {gen_s:.1f} s"
+        f"[drafter] greedy pools ({engine}): {len(pool)} train + {len(eval_pool)} valid "
+        f"sequences of {dc.seq_len} tokens in {gen_s:.1f} s"
     )
     seed_everything(args.seed)
     drafter = DFlashDraftModel(dcfg)
@@ -358,6 +384,7 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         },
         "train_config": {k: v for k, v in vars(dc).items()},
         "greedy_pool_seconds": round(gen_s, 2),
+        "greedy_pool_engine": engine,
         "init_eval": init,
         "log": log.to_dict(),
         "reproduce_with": (
