@@ -71,7 +71,7 @@ from vllm_ddtree.training.train_target import (  # noqa: E402
     perplexity,
     train_target,
 )
-from vllm_ddtree.training.vllm_pool import build_pool_vllm  # noqa: E402
+from vllm_ddtree.training.vllm_pool import PoolRequest, build_pools_vllm  # noqa: E402
 
 SIZE_LIMIT_BYTES = 24_000_000
 SANITY_PROMPTS = [
@@ -311,11 +311,13 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     if engine == "vllm":
         if device.type == "cuda":
             torch.cuda.empty_cache()  # vLLM's child asks for a share of the free memory
-        pool = build_pool_vllm(target, out / "target", splits["train"], dc.gen_sequences,
-                               layer_ids, dc, seed=args.seed + 1, device=device)
-        eval_pool = build_pool_vllm(target, out / "target", splits["valid"],
-                                    dc.eval_sequences, layer_ids, dc, seed=args.seed + 2,
-                                    device=device)
+        # FA-MLA: the backend the end-to-end runs serve this target with.
+        backend = "FLASH_ATTN_MLA" if device.type == "cuda" else None
+        pool, eval_pool = build_pools_vllm(
+            target, out / "target",
+            [PoolRequest(splits["train"], dc.gen_sequences, args.seed + 1),
+             PoolRequest(splits["valid"], dc.eval_sequences, args.seed + 2)],
+            layer_ids, dc, device, attention_backend=backend)
     else:
         pool = build_pool(
             target,

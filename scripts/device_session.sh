@@ -216,7 +216,11 @@ for stage in "$@"; do
       tail -8 "$OUT/va_v2_257.md" "$OUT/va_v2_pages.md" 2>/dev/null ;;
     trainpair)  # evals/train_pair.py (defaults: long-context pair) into /tmp/ckpt, which a
       # warm machine keeps between calls; TRAIN_ARGS picks the stage and minutes (one call
-      # holds about --stage all --target-minutes 1.5 --gen-minutes 1.5 --drafter-minutes 2).
+      # holds about --stage all --target-minutes 1.5 --drafter-minutes 2; better two calls,
+      # --stage target then --stage drafter). The greedy pool is decoded by vLLM in a child
+      # process (--pool-engine auto; transformers managed 1.3-1.8k sequences in 1.5 min on
+      # 2026-12-01, --gen-minutes applies to it only). A target trained earlier: copy it to
+      # /tmp/ckpt/target first; its tokenizer must equal data/tokenizer/tokenizer.json.
       # The checkpoints come back as ckpt.tar.part-* (a file returns only under 16 MiB):
       # `scripts/unpack_pair.sh <files_at>` puts them into vllm_ddtree/checkpoints.
       # Without a carried data/ the corpus is built here, by default with torch /

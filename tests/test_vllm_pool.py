@@ -11,9 +11,10 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from vllm_ddtree.training.drafter_forward import target_aux_hidden
 from vllm_ddtree.training.train_drafter import DrafterTrainConfig, greedy_continue
 from vllm_ddtree.training.vllm_pool import (
+    PoolRequest,
     _pack,
     _unpack,
-    build_pool_vllm,
+    build_pools_vllm,
     vllm_greedy_continuations,
 )
 
@@ -49,16 +50,25 @@ def test_vllm_pool_equals_transformers_greedy(qwen3_dir):
     corpus = np.random.default_rng(0).integers(2, VOCAB, 4000)
     cfg = DrafterTrainConfig(seq_len=64, prefix_min=4, prefix_max=40, gen_batch=4,
                              continuation_max=20)
-    pool = build_pool_vllm(model, path, corpus, 7, (0, 1), cfg, seed=3, device="cpu",
-                           dtype="float32")
+    reversed_corpus = corpus[::-1].copy()
+    pool, other = build_pools_vllm(
+        model, path, [PoolRequest(corpus, 7, 3), PoolRequest(reversed_corpus, 2, 4)],
+        (0, 1), cfg, "cpu", dtype="float32")
     assert pool.tokens.shape == (7, 64) and len(set(pool.prefix_len.tolist())) == 7
+    assert other.tokens.shape == (2, 64)
     assert pool.prefix_len.min() >= 4 and pool.prefix_len.max() <= 40
+    check_pool(model, pool, corpus)
+    check_pool(model, other, reversed_corpus)
+
+
+@torch.no_grad()
+def check_pool(model, pool, corpus):
+    """Rows = corpus slice + transformers' greedy continuation + EOS; aux recomputed."""
     for row, p, end in zip(pool.tokens, pool.prefix_len.tolist(), pool.end.tolist(),
                            strict=True):
         assert end == p + min(64 - p, 20)
-        starts = np.flatnonzero(np.lib.stride_tricks.sliding_window_view(corpus, p)
-                                .__eq__(row[:p].numpy()).all(1))
-        assert starts.size, "the prefix is a corpus slice"
+        windows = np.lib.stride_tricks.sliding_window_view(corpus, p)
+        assert (windows == row[:p].numpy()).all(1).any(), "the prefix is a corpus slice"
         want = greedy_continue(model, row[None, :p], end - p)[0]
         assert torch.equal(row[:end], want)
         assert (row[end:] == EOS).all()

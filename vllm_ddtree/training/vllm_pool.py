@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -55,13 +56,15 @@ def vllm_greedy_continuations(
     gpu_memory_utilization: float = 0.3,
     enforce_eager: bool = True,
     max_num_seqs: int = 1024,
+    attention_backend: str | None = None,
     timeout_s: float | None = None,
 ) -> list[np.ndarray]:
     """The target's greedy continuation of each prompt, from vLLM in a child process.
 
     ``prefixes``: token-id rows (any lengths); ``num_new[i]`` tokens are generated after
     row ``i`` (EOS ignored). Returns int64 arrays of exactly ``num_new[i]`` tokens, in
-    order. ``max_model_len`` must cover the longest prefix + continuation. Raises
+    order. ``max_model_len`` must cover the longest prefix + continuation;
+    ``attention_backend`` is vLLM's ``LLM(attention_backend=...)`` (None: vLLM's choice). Raises
     ``RuntimeError`` with the child's output tail when vLLM fails."""
     if len(prefixes) != len(num_new):
         raise ValueError(f"{len(prefixes)} prefixes but {len(num_new)} num_new entries")
@@ -79,6 +82,8 @@ def vllm_greedy_continuations(
                str(gpu_memory_utilization), "--max-num-seqs", str(max_num_seqs)]
         if enforce_eager:
             cmd.append("--enforce-eager")
+        if attention_backend:
+            cmd += ["--attention-backend", attention_backend]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0 or not dst.exists():
             tail = (proc.stdout + proc.stderr)[-4000:]
@@ -88,50 +93,80 @@ def vllm_greedy_continuations(
             return _unpack(out["flat"], out["offsets"])
 
 
-def build_pool_vllm(
+@dataclass
+class PoolRequest:
+    """One pool to build: ``num_seqs`` sequences from ``corpus`` (flat int token ids),
+    prefixes drawn with ``seed``."""
+
+    corpus: np.ndarray
+    num_seqs: int
+    seed: int
+
+
+def _sample_prefixes(request: PoolRequest, cfg: DrafterTrainConfig) -> list[np.ndarray]:
+    """Corpus slices whose lengths are one uniform draw from each of ``num_seqs`` strata
+    of ``cfg.prefix_min .. cfg.prefix_max`` (random order), seeded by the request."""
+    gen = torch.Generator().manual_seed(request.seed)
+    toks = np.asarray(request.corpus, dtype=np.int64)
+    lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, request.num_seqs, gen)
+    starts = [int(torch.randint(0, len(toks) - p + 1, (1,), generator=gen)) for p in lengths]
+    return [toks[s:s + p] for s, p in zip(starts, lengths, strict=True)]
+
+
+@torch.no_grad()
+def _assemble_pool(target, prefixes: list[np.ndarray], conts: list[np.ndarray], layer_ids,
+                   cfg: DrafterTrainConfig, device: torch.device) -> GreedyPool:
+    """Prefix + continuation + EOS padding to ``cfg.seq_len``, and the aux hidden states
+    of those rows (``target``, batches of ``cfg.gen_batch``)."""
+    eos_id = target.config.eos_token_id
+    eos_id = int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
+    tokens = torch.full((len(prefixes), cfg.seq_len), eos_id, dtype=torch.long)
+    for i, (prefix, cont) in enumerate(zip(prefixes, conts, strict=True)):
+        tokens[i, :len(prefix) + len(cont)] = torch.from_numpy(np.concatenate([prefix, cont]))
+    tokens = tokens.to(device)
+    aux = torch.cat([target_aux_hidden(target, tokens[i:i + cfg.gen_batch], layer_ids)
+                     for i in range(0, len(prefixes), cfg.gen_batch)])
+    prefix_len = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
+    end = prefix_len + torch.tensor([len(c) for c in conts], dtype=torch.long)
+    return GreedyPool(tokens, prefix_len, aux, end)
+
+
+def build_pools_vllm(
     target,
     model_dir: str | Path,
-    corpus: np.ndarray,
-    num_seqs: int,
+    requests: list[PoolRequest],
     layer_ids,
     cfg: DrafterTrainConfig,
-    seed: int,
     device: torch.device | str,
     *,
     dtype: str = "bfloat16",
     gpu_memory_utilization: float = 0.3,
     enforce_eager: bool = True,
-) -> GreedyPool:
-    """``num_seqs`` sequences of ``cfg.seq_len`` tokens: a random corpus prefix (its
-    length one uniform draw from each of ``num_seqs`` strata of ``cfg.prefix_min ..
-    cfg.prefix_max``), the greedy continuation of ``target`` (saved in ``model_dir``)
-    by vLLM, at most ``cfg.continuation_max`` tokens, then EOS padding; aux hidden
-    states from ``target`` (transformers, batches of ``cfg.gen_batch``). Seeded by
-    ``seed``; the same pool layout as ``train_drafter.build_pool``."""
+    attention_backend: str | None = None,
+) -> list[GreedyPool]:
+    """One pool per request (one vLLM process for all): ``num_seqs`` sequences of
+    ``cfg.seq_len`` tokens, each a random corpus prefix (one length stratum per
+    sequence, see :func:`_sample_prefixes`), the greedy continuation of ``target``
+    (saved in ``model_dir``) by vLLM, at most ``cfg.continuation_max`` tokens, then EOS
+    padding; aux hidden states from ``target``. The same pool layout as
+    ``train_drafter.build_pool``; the vLLM arguments go to
+    :func:`vllm_greedy_continuations`."""
     device = torch.device(device)
-    gen = torch.Generator().manual_seed(seed)
-    toks = np.asarray(corpus, dtype=np.int64)
-    lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, num_seqs, gen)
-    starts = [int(torch.randint(0, len(toks) - p + 1, (1,), generator=gen)) for p in lengths]
-    prefixes = [toks[s:s + p] for s, p in zip(starts, lengths, strict=True)]
+    prefixes = [_sample_prefixes(r, cfg) for r in requests]
+    flat = [p for group in prefixes for p in group]
     cap = cfg.continuation_max
-    num_new = [cfg.seq_len - p if cap is None else min(cfg.seq_len - p, cap) for p in lengths]
+    num_new = [cfg.seq_len - len(p) if cap is None else min(cfg.seq_len - len(p), cap)
+               for p in flat]
     conts = vllm_greedy_continuations(
-        model_dir, prefixes, num_new, dtype=dtype, max_model_len=cfg.seq_len,
+        model_dir, flat, num_new, dtype=dtype, max_model_len=cfg.seq_len,
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
-        max_num_seqs=min(1024, max(num_seqs, 1)))
-    eos_id = target.config.eos_token_id
-    eos_id = int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
-    tokens = torch.full((num_seqs, cfg.seq_len), eos_id, dtype=torch.long)
-    for i, (prefix, cont) in enumerate(zip(prefixes, conts, strict=True)):
-        row = np.concatenate([prefix, cont])
-        tokens[i, :len(row)] = torch.from_numpy(row)
-    tokens = tokens.to(device)
-    with torch.no_grad():
-        aux = torch.cat([target_aux_hidden(target, tokens[i:i + cfg.gen_batch], layer_ids)
-                         for i in range(0, num_seqs, cfg.gen_batch)])
-    prefix_len = torch.tensor(lengths, dtype=torch.long)
-    return GreedyPool(tokens, prefix_len, aux, prefix_len + torch.tensor(num_new))
+        max_num_seqs=min(1024, max(len(flat), 1)), attention_backend=attention_backend)
+    pools, done = [], 0
+    for group in prefixes:
+        pools.append(_assemble_pool(target, group, conts[done:done + len(group)], layer_ids,
+                                    cfg, device))
+        done += len(group)
+    return pools
 
 
 def _child_main(argv=None) -> int:
@@ -144,6 +179,7 @@ def _child_main(argv=None) -> int:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default=None)
     args = p.parse_args(argv)
     # One process: the engine core inside it, so nothing outlives this child.
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -156,7 +192,9 @@ def _child_main(argv=None) -> int:
     llm = LLM(model=args.model, skip_tokenizer_init=True, dtype=args.dtype,
               max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
               gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=0)
+              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False, seed=0,
+              **({"attention_backend": args.attention_backend}
+                 if args.attention_backend else {}))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
               for n in num_new]
     outs = llm.generate([TokensPrompt(prompt_token_ids=p.tolist()) for p in prompts], params)
