@@ -225,13 +225,23 @@ for stage in "$@"; do
       # `scripts/unpack_pair.sh <files_at>` puts them into vllm_ddtree/checkpoints.
       # Without a carried data/ the corpus is built here, by default with torch /
       # transformers / vllm / numpy sources added to the train split (44.5 M tokens against
-      # the standard library's 2.6 M; same tokenizer and eval splits; about a minute).
+      # the standard library's 2.6 M; about a minute). The tokenizer and the eval splits
+      # come from the standard library of the Python that builds the corpus: the device's
+      # 3.12 gives another tokenizer than the shipped pair's (3.11).
       [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
         ${CORPUS_ARGS:---extra-package torch --extra-package transformers \
         --extra-package vllm --extra-package numpy} > "$OUT/corpus.log" 2>&1
+      # A target trained in an earlier session, carried as .devkit/pending_target (with
+      # its tokenizer): `TRAIN_ARGS="--stage drafter ..."` then trains only the drafter.
+      if [ -f .devkit/pending_target/model.safetensors ] && [ ! -d /tmp/ckpt/target ]; then
+        cmp -s data/tokenizer/tokenizer.json .devkit/pending_target/tokenizer.json || {
+          echo "pending_target's tokenizer differs from data/tokenizer: rebuild the corpus" \
+            "with the Python the target was trained on"; summary trainpair 3; continue; }
+        mkdir -p /tmp/ckpt && cp -r .devkit/pending_target /tmp/ckpt/target
+      fi
       timeout "${STAGE_LIMIT:-480}" python3 evals/train_pair.py --data data --out /tmp/ckpt \
         --results /tmp/results --no-progress ${TRAIN_ARGS:---stage all --target-minutes 1.5 \
-        --gen-minutes 1.5 --drafter-minutes 2} > "$OUT/trainpair.log" 2>&1
+        --drafter-minutes 2} > "$OUT/trainpair.log" 2>&1
       summary trainpair $?
       grep "^\[" "$OUT/trainpair.log" | grep -v "greedy completion" | tail -16
       if [ -d /tmp/ckpt/target ] && [ -d /tmp/ckpt/drafter ]; then
