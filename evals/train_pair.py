@@ -296,6 +296,39 @@ def pool_engine(choice: str, device: torch.device) -> str:
     return choice
 
 
+def greedy_pools(args, target, out, splits, layer_ids, dc, device):
+    """(train pool, valid pool, engine name). ``--pool-engine auto`` tries vLLM on CUDA
+    and falls back to transformers, loudly, when vLLM fails; ``vllm`` raises."""
+    engine = pool_engine(args.pool_engine, device)
+    if engine == "vllm":
+        torch.cuda.empty_cache()  # vLLM's child asks for a share of the free memory
+        # FA-MLA: the backend the end-to-end runs serve this target with.
+        backend = "FLASH_ATTN_MLA" if device.type == "cuda" else None
+        try:
+            pool, eval_pool = build_pools_vllm(
+                target, out / "target",
+                [PoolRequest(splits["train"], dc.gen_sequences, args.seed + 1),
+                 PoolRequest(splits["valid"], dc.eval_sequences, args.seed + 2)],
+                layer_ids, dc, device, attention_backend=backend)
+            return pool, eval_pool, engine
+        except RuntimeError as err:
+            if args.pool_engine != "auto":
+                raise
+            print(f"[drafter] WARNING: the vLLM greedy pool failed, decoding with "
+                  f"transformers instead (slow; --gen-minutes applies):\n{err}")
+            engine = "hf"
+    pools = [
+        build_pool(target, splits[split], num, layer_ids, dc, seed=args.seed + offset,
+                   device=device, progress=not args.no_progress,
+                   desc=f"greedy pool ({split})", max_seconds=max_seconds)
+        for split, num, offset, max_seconds in (
+            ("train", dc.gen_sequences, 1,
+             None if dc.gen_minutes is None else 60 * dc.gen_minutes),
+            ("valid", dc.eval_sequences, 2, None))
+    ]
+    return pools[0], pools[1], engine
+
+
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     _, dc = train_configs(args)
     target = load_frozen_target(out, device)
@@ -306,42 +339,8 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         target.config, tok.mask_token_id, tiny=args.tiny, target_layer_ids=ids
     )
     layer_ids = dcfg.dflash_config["target_layer_ids"]
-    engine = pool_engine(args.pool_engine, device)
     t0 = time.perf_counter()
-    if engine == "vllm":
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # vLLM's child asks for a share of the free memory
-        # FA-MLA: the backend the end-to-end runs serve this target with.
-        backend = "FLASH_ATTN_MLA" if device.type == "cuda" else None
-        pool, eval_pool = build_pools_vllm(
-            target, out / "target",
-            [PoolRequest(splits["train"], dc.gen_sequences, args.seed + 1),
-             PoolRequest(splits["valid"], dc.eval_sequences, args.seed + 2)],
-            layer_ids, dc, device, attention_backend=backend)
-    else:
-        pool = build_pool(
-            target,
-            splits["train"],
-            dc.gen_sequences,
-            layer_ids,
-            dc,
-            seed=args.seed + 1,
-            device=device,
-            progress=not args.no_progress,
-            desc="greedy pool (train)",
-            max_seconds=None if dc.gen_minutes is None else 60 * dc.gen_minutes,
-        )
-        eval_pool = build_pool(
-            target,
-            splits["valid"],
-            dc.eval_sequences,
-            layer_ids,
-            dc,
-            seed=args.seed + 2,
-            device=device,
-            progress=not args.no_progress,
-            desc="greedy pool (valid)",
-        )
+    pool, eval_pool, engine = greedy_pools(args, target, out, splits, layer_ids, dc, device)
     gen_s = time.perf_counter() - t0
     print(
         f"[drafter] greedy pools ({engine}): {len(pool)} train + {len(eval_pool)} valid "

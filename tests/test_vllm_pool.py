@@ -79,3 +79,50 @@ def test_vllm_failure_names_the_fallback(tmp_path):
     with pytest.raises(RuntimeError, match="--pool-engine hf"):
         vllm_greedy_continuations(tmp_path / "missing", [np.arange(2, 6)], [3],
                                   max_model_len=16, dtype="float32")
+
+
+def _train_pair_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "evals" / "train_pair.py"
+    spec = importlib.util.spec_from_file_location("train_pair_for_pool_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("choice", ["auto", "vllm"])
+def test_train_pair_pool_engine_fallback(monkeypatch, capsys, tmp_path, choice):
+    """``auto`` falls back to transformers when the vLLM child fails and says so;
+    an explicit ``vllm`` raises."""
+    import argparse
+
+    mod = _train_pair_module()
+    calls = []
+
+    def failing_vllm(*args, **kwargs):
+        raise RuntimeError("vLLM greedy pool failed (exit 1)")
+
+    def fake_hf(target, corpus, num, layer_ids, cfg, **kwargs):
+        calls.append((num, kwargs["max_seconds"]))
+        return f"pool{num}"
+
+    monkeypatch.setattr(mod, "pool_engine", lambda choice, device: "vllm")
+    monkeypatch.setattr(mod, "build_pools_vllm", failing_vllm)
+    monkeypatch.setattr(mod, "build_pool", fake_hf)
+    args = argparse.Namespace(pool_engine=choice, seed=0, no_progress=True)
+    cfg = DrafterTrainConfig(gen_sequences=5, eval_sequences=2, gen_minutes=0.5)
+    splits = {"train": np.zeros(8), "valid": np.zeros(8)}
+
+    def run():
+        return mod.greedy_pools(args, None, tmp_path, splits, (0,), cfg, torch.device("cpu"))
+
+    if choice == "vllm":
+        with pytest.raises(RuntimeError, match="exit 1"):
+            run()
+        assert calls == []
+        return
+    assert run() == ("pool5", "pool2", "hf")
+    assert calls == [(5, 30.0), (2, None)]
+    assert "WARNING: the vLLM greedy pool failed" in capsys.readouterr().out
