@@ -1,7 +1,8 @@
 """Acceptance of the DFlash chain and DDTree against prompt length, reference engine.
 
     python evals/acceptance_by_context.py                      # the embedded pair
-    python evals/acceptance_by_context.py --checkpoints /tmp/ckpt --out-dir /tmp/acc
+    python evals/acceptance_by_context.py --checkpoints /tmp/ckpt --out-dir /tmp/acc \
+        --compare-to evals/results/acceptance_by_context.json   # + the shipping gate
 
 A pair is only worth shipping when it accepts at the contexts it is measured at: the
 512-window pair of 2026-11 accepted 2.9 tokens per round at 384-token prompts and
@@ -88,6 +89,47 @@ def summarize(result: dict) -> list[dict]:
     return out
 
 
+def compare_to_reference(candidate: dict, reference: dict, short_max: int = 512,
+                         short_floor: float = 0.95, long_gain: float = 1.2) -> dict:
+    """The shipping gate of a new pair against the shipped one (two ``measure`` results).
+
+    For every (length, method) cell both measured: ``ratio`` = candidate / reference mean
+    committed tokens per round. Passes when every cell up to ``short_max`` tokens keeps
+    ``ratio >= short_floor`` (the short prompts the shipped pair is good at; a small
+    sample, hence the tolerance) and every longer cell has ``ratio >= long_gain``.
+    Returns ``{"cells": [...], "passed": bool}``; each cell holds length, method name,
+    both means, the ratio, the bound it must meet and ``ok``."""
+    ref = {(s["length"], method_name(s["method"], s["budget"])): s["mean_committed"]
+           for s in summarize(reference)}
+    cells = []
+    for s in summarize(candidate):
+        key = (s["length"], method_name(s["method"], s["budget"]))
+        if key not in ref:
+            continue
+        ratio = s["mean_committed"] / ref[key]
+        bound = short_floor if s["length"] <= short_max else long_gain
+        cells.append({"length": key[0], "method": key[1], "candidate": s["mean_committed"],
+                      "reference": ref[key], "ratio": ratio, "bound": bound,
+                      "ok": ratio >= bound})
+    if not cells:
+        raise ValueError("no (length, method) cell measured in both results: use the "
+                         "same --lengths and --budgets as the reference")
+    return {"cells": cells, "passed": all(c["ok"] for c in cells)}
+
+
+def gate_markdown(gate: dict, reference_name: str) -> str:
+    """The gate as a markdown table with its verdict."""
+    lines = [f"## Against {reference_name}", "",
+             "| length | method | this pair | reference | ratio | needs | ok |",
+             "|---|---|---|---|---|---|---|"]
+    for c in gate["cells"]:
+        lines.append(f"| {c['length']} | {c['method']} | {c['candidate']:.2f} | "
+                     f"{c['reference']:.2f} | {c['ratio']:.2f} | >= {c['bound']:.2f} | "
+                     f"{'yes' if c['ok'] else '**no**'} |")
+    lines += ["", f"gate: {'PASSED' if gate['passed'] else 'FAILED'}", ""]
+    return "\n".join(lines)
+
+
 def method_name(method: str, budget: int) -> str:
     return "DFlash chain" if method == "dflash" else f"DDTree B={budget}"
 
@@ -152,6 +194,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     p.add_argument("--out-dir", default=str(REPO / "evals" / "results"))
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compare-to", default=None,
+                   help="acceptance_by_context.json of the shipped pair: append the "
+                   "shipping gate (compare_to_reference) and exit 1 when it fails")
     return p.parse_args(argv)
 
 
@@ -181,8 +226,14 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "acceptance_by_context.json").write_text(json.dumps(result, indent=1))
     write_report(result, out_dir, result["command"])
-    print((out_dir / "acceptance_by_context.md").read_text())
-    return 0
+    report = out_dir / "acceptance_by_context.md"
+    passed = True
+    if args.compare_to:
+        gate = compare_to_reference(result, json.loads(Path(args.compare_to).read_text()))
+        report.write_text(report.read_text() + "\n" + gate_markdown(gate, args.compare_to))
+        passed = gate["passed"]
+    print(report.read_text())
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":
