@@ -112,6 +112,13 @@ def stratified_prefix_lengths(prefix_min: int, prefix_max: int, num_batches: int
     return lengths[torch.randperm(num_batches, generator=gen)].tolist()
 
 
+def padding_token_id(target) -> int:
+    """The token that pads pool sequences past their continuation: the target's EOS
+    (the first one when it has several; 0 when it has none)."""
+    eos_id = target.config.eos_token_id
+    return int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
+
+
 @dataclass
 class GreedyPool:
     """Training sequences: ``tokens [N, S]`` int64 (corpus prefix + target greedy
@@ -155,8 +162,7 @@ def build_pool(
     gen = torch.Generator().manual_seed(seed)
     toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
     num_batches = -(-num_seqs // cfg.gen_batch)
-    eos_id = target.config.eos_token_id
-    eos_id = int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
+    eos_id = padding_token_id(target)
     prefix_lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, num_batches, gen)
     chunks_t, chunks_p, chunks_e, chunks_a = [], [], [], []
     bar = progress_bar(num_seqs, desc, progress)

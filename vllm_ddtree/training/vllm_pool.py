@@ -30,6 +30,7 @@ from vllm_ddtree.training.drafter_forward import target_aux_hidden
 from vllm_ddtree.training.train_drafter import (
     DrafterTrainConfig,
     GreedyPool,
+    padding_token_id,
     stratified_prefix_lengths,
 )
 
@@ -118,9 +119,8 @@ def _assemble_pool(target, prefixes: list[np.ndarray], conts: list[np.ndarray], 
                    cfg: DrafterTrainConfig, device: torch.device) -> GreedyPool:
     """Prefix + continuation + EOS padding to ``cfg.seq_len``, and the aux hidden states
     of those rows (``target``, batches of ``cfg.gen_batch``)."""
-    eos_id = target.config.eos_token_id
-    eos_id = int(eos_id[0] if isinstance(eos_id, (list, tuple)) else eos_id or 0)
-    tokens = torch.full((len(prefixes), cfg.seq_len), eos_id, dtype=torch.long)
+    tokens = torch.full((len(prefixes), cfg.seq_len), padding_token_id(target),
+                        dtype=torch.long)
     for i, (prefix, cont) in enumerate(zip(prefixes, conts, strict=True)):
         tokens[i, :len(prefix) + len(cont)] = torch.from_numpy(np.concatenate([prefix, cont]))
     tokens = tokens.to(device)
