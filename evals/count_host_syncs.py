@@ -115,7 +115,17 @@ ANNOTATED = [
     ("vllm_ddtree.verifier", "DDTreeVerifier", "draw_target_tokens", "ddtree::draw"),
     ("vllm_ddtree.verifier", "DDTreeVerifier", "walk", "ddtree::walk"),
     ("vllm_ddtree.runtime_state", None, "verify_inputs_", "ddtree::verify_inputs"),
+    ("vllm_ddtree.runtime_state", "DDTreeRuntimeState", "store_trees_",
+     "ddtree::store_trees"),
+    # ddtree_budget: "auto" only: what it adds to a round on the host.
+    ("vllm_ddtree.budget_policy", "BudgetPolicy", "observe_round", "ddtree::observe_round"),
+    ("vllm_ddtree.budget_policy", "BudgetPolicy", "choose", "ddtree::budget_choice"),
+    ("vllm_ddtree.verify_shape", "VerifyShapeChooser", "record_", "ddtree::shape_record"),
+    ("vllm_ddtree.verify_shape", "VerifyShapeChooser", "next_shape", "ddtree::next_shape"),
 ]
+# --methods: "ddtree-auto" is DDTree with ddtree_budget "auto" (--budget the maximum),
+# beside fixed-budget "ddtree" in one run; --auto turns every "ddtree" into it.
+METHODS = ("ddtree", "ddtree-auto", "dflash", "ar")
 
 _PROJECT_MARKERS = ("vllm_ddtree/", "attention_backends/", "patches/")
 
@@ -168,6 +178,14 @@ def _is_torch_or_builtin_frame(name: str) -> bool:
 
 def _ends(event: dict) -> float:
     return float(event["ts"]) + float(event.get("dur", 0.0))
+
+
+def _contains(outer: dict, inner: dict) -> bool:
+    """Whether ``outer``'s time range holds ``inner``'s (a strictly larger one when they
+    start together: of two ops of equal start and end neither counts as the parent)."""
+    start_o, start_i = float(outer["ts"]), float(inner["ts"])
+    end_o, end_i = _ends(outer), _ends(inner)
+    return start_o <= start_i and end_i <= end_o and (start_o, end_o) != (start_i, end_i)
 
 
 def is_launch_api(name: str) -> bool:
@@ -257,6 +275,9 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         (inclusive of ranges nested in them; under the profiler, so inflated alike for
         every method), most time first; ``step_wall_us``: summed step durations. A
         region whose host time exceeds its GPU time by much is where the GPU can idle.
+        ``host_ops``: rows ``{region, ops}``, the CPU ops (``cpu_op`` events: eager
+        torch dispatches) not nested in another CPU op, by innermost region, most
+        first: each costs host time whether or not it launches a kernel.
     """
     complete = [e for e in events if e.get("ph") == "X" and "ts" in e]
     ranges: dict[tuple, list[dict]] = {}
@@ -350,11 +371,19 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
 
     host_us: Counter = Counter()
     host_ranges: Counter = Counter()
+    host_ops: Counter = Counter()  # region -> top-level CPU ops (eager dispatches)
     for e in complete:
-        if (e.get("cat") == "user_annotation" and e.get("name", "").startswith(OUR_PREFIXES)
-                and step_of(float(e["ts"])) is not None):
+        cat = e.get("cat")
+        if step_of(float(e["ts"])) is None:
+            continue
+        if cat == "user_annotation" and e.get("name", "").startswith(OUR_PREFIXES):
             host_us[e["name"]] += float(e.get("dur", 0.0))
             host_ranges[e["name"]] += 1
+        elif cat == "cpu_op":
+            stack = stack_of(e, float(e["ts"]))
+            if not any(s is not e and s.get("cat") == "cpu_op" and _contains(s, e)
+                       for s in stack):
+                host_ops[_our_region(stack)] += 1
 
     return {
         "steps": len(steps),
@@ -385,6 +414,8 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         "step_gpu_us": round(sum(region_us.values()), 3),
         "host_time": [dict(region=r, host_us=round(host_us[r], 3), ranges=host_ranges[r])
                       for r in sorted(host_us, key=lambda r: (-host_us[r], r))],
+        "host_ops": [dict(region=r, ops=host_ops[r])
+                     for r in sorted(host_ops, key=lambda r: (-host_ops[r], r))],
         "step_wall_us": round(sum(float(e.get("dur", 0.0)) for e in steps), 3),
     }
 
@@ -408,14 +439,17 @@ def _region_rows(r: dict) -> list[str]:
     steps = r["steps"]
     gpu = {g["region"]: g for g in r.get("gpu_time", [])}
     host = {h["region"]: h["host_us"] for h in r.get("host_time", [])}
+    ops = {h["region"]: h["ops"] for h in r.get("host_ops", [])}
     apis: dict[str, list[str]] = {}
     for row in r.get("launches", []):
         apis.setdefault(row["region"], []).append(
             f"{row['api']} {_compact(row['count'] / steps)}")
     regions = list(gpu) + [region for region in apis if region not in gpu]
     regions += [region for region in host if region not in regions]
+    regions += [region for region in ops if region not in regions]
     return [f"| {region} | {_ms_per_step(gpu.get(region, {}).get('kernel_us', 0.0), steps)} "
             f"| {_ms_per_step(host[region], steps) if region in host else '-'} "
+            f"| {_per_step(ops[region], steps) if region in ops else '-'} "
             f"| {_per_step(gpu.get(region, {}).get('kernels', 0), steps)} "
             f"| {', '.join(apis.get(region, [])) or '-'} |" for region in regions]
 
@@ -457,7 +491,7 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
               "steps.", ""]
     baseline = next((r for r in results if r["method"] == "dflash" and r["steps"]), None)
     for r in results:
-        if r["method"] != "ddtree" or not r["steps"]:
+        if not r["method"].startswith("ddtree") or not r["steps"]:
             continue
         text = (f"- {r.get('label', r['method'])}: {r['ddtree_syncs']} host syncs and "
                 f"{r['ddtree_dtoh']} DtoH copies inside `ddtree::` ranges over "
@@ -485,9 +519,11 @@ def format_markdown(results: list[dict], command: str, top: int = 3) -> str:
         region_rows = _region_rows(r) if r["steps"] else []
         if region_rows:
             lines += ["### GPU time, host time and launches per step by region", "",
-                      "| region | GPU ms / step | host ms / step | kernels / step "
-                      "| launches / step |",
-                      "|---|---|---|---|---|", *region_rows, ""]
+                      "| region | GPU ms / step | host ms / step | host ops / step "
+                      "| kernels / step | launches / step |",
+                      "|---|---|---|---|---|---|", *region_rows, "",
+                      "Host ops: eager torch dispatches (top-level `cpu_op` events) whose "
+                      "innermost annotated range is the region.", ""]
             if r.get("step_wall_us") is not None:
                 lines += [f"Step wall time (host, under the profiler): "
                           f"{_ms_per_step(r['step_wall_us'], r['steps'])} ms / step; GPU "
@@ -545,6 +581,9 @@ def install_annotations() -> list[str]:
 
 def speculative_config(method: str, budget: int, top_k: int | None, drafter: str,
                        auto: bool = False, drafter_block: int = 16):
+    """vLLM's ``speculative_config`` for ``method`` (``METHODS``; None for AR)."""
+    if method == "ddtree-auto":
+        method, auto = "ddtree", True
     if method == "ar":
         return None
     if method == "dflash":
@@ -627,8 +666,9 @@ def run_child(args: argparse.Namespace) -> None:
         prof.export_chrome_trace(str(trace))
         result = count_trace(load_trace_events(trace))
     result["method"] = method
+    auto = args.auto or method == "ddtree-auto"
     result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
-        method, (f"DDTree auto (B <= {args.budget})" if args.auto else f"DDTree B={args.budget}")
+        method, (f"DDTree auto (B <= {args.budget})" if auto else f"DDTree B={args.budget}")
         + (f" top_k={args.top_k}" if args.top_k else ""))
     notes = [f"setup: {setup.name}" + (f", {args.context}-token prompts" if setup.dummy else ""),
              f"attention backend: {backend}", f"annotations: {len(labels)}"]
@@ -643,7 +683,7 @@ def run_child(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", choices=["ddtree", "dflash", "ar"],
+    p.add_argument("--methods", nargs="+", choices=METHODS,
                    default=["ddtree", "dflash", "ar"])
     p.add_argument("--budget", type=int, default=32, help="DDTree tree nodes B")
     p.add_argument("--top-k", type=int, default=None, help="DDTree children per node")
@@ -678,7 +718,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the Kimi-shaped config files are written")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=["ddtree", "dflash", "ar"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

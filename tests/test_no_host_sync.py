@@ -784,7 +784,8 @@ GEMM = ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x
 def synthetic_gpu_trace() -> list[dict]:
     """Two steps, each with eager launches in ``ddtree::verify`` (step 0: three
     ``cudaLaunchKernel`` and a ``cudaMemcpyAsync``; step 1: one ``cudaLaunchKernel``,
-    one driver ``cuLaunchKernel``) and one ``cudaGraphLaunch`` in
+    one driver ``cuLaunchKernel``; one top-level CPU op there in each step, with a
+    nested one in step 1, and one CPU op outside our ranges) and one ``cudaGraphLaunch`` in
     ``vllm::execute_model`` whose two kernels correlate to it; step 1 also launches a
     kernel outside our ranges. A launch after the steps is not counted. GPU events run
     later (ts 5000+) on the device's pid / tid."""
@@ -813,7 +814,10 @@ def synthetic_gpu_trace() -> list[dict]:
         X("user_annotation", "ddtree::verify", 110, 30),
         X("cuda_runtime", "cudaLaunchKernel", 112, 1, correlation=31),
         X("cuda_driver", "cuLaunchKernel", 115, 1, correlation=32),
+        X("cpu_op", "aten::index", 120, 5),
+        X("cpu_op", "aten::empty", 121, 1),  # inside aten::index: not a dispatch of its own
         X("user_annotation", "vllm::execute_model", 150, 40),
+        X("cpu_op", "aten::add", 192, 1),
         X("cuda_runtime", "cudaGraphLaunch", 160, 5, correlation=33),
         X("cuda_runtime", "cudaLaunchKernel", 195, 1, tid=2, correlation=34),
         gpu("tree_walk_kernel", 6000, 30, 31),
@@ -867,11 +871,13 @@ def test_count_trace_gpu_time_and_launches_per_region():
         {"region": "ddtree::verify", "host_us": 60.0, "ranges": 2},
     ]
     assert result["step_wall_us"] == 200.0
+    assert result["host_ops"] == [{"region": "ddtree::verify", "ops": 2},
+                                  {"region": "-", "ops": 1}]
 
     result.update(method="ddtree", label="DDTree B=32")
     old = {k: v for k, v in result.items()
            if k not in ("launches", "gpu_time", "top_kernels", "region_top_kernels",
-                        "step_gpu_us", "host_time",
+                        "step_gpu_us", "host_time", "host_ops",
                         "step_wall_us")}
     old.update(method="dflash", label="old")
     text = count_host_syncs.format_markdown([result, old], "cmd")
@@ -882,11 +888,13 @@ def test_count_trace_gpu_time_and_launches_per_region():
     assert text.count("### Top kernels\n") == 1
     assert text.count("### Top kernels per region") == 1
     assert "| ddtree::verify | `triton_draw` | 0.005 | 0.50 |" in text
-    assert ("| region | GPU ms / step | host ms / step | kernels / step | launches / step |\n"
-            "|---|---|---|---|---|\n"
-            "| vllm::execute_model | 0.500 | 0.040 | 2.00 | cudaGraphLaunch 1 |\n"
-            "| ddtree::verify | 0.062 | 0.030 | 3.00 | cudaLaunchKernel 2, cuLaunchKernel 0.5 |\n"
-            "| - | 0.003 | - | 0.50 | cudaLaunchKernel 0.5 |\n") in text
+    assert ("| region | GPU ms / step | host ms / step | host ops / step | kernels / step "
+            "| launches / step |\n"
+            "|---|---|---|---|---|---|\n"
+            "| vllm::execute_model | 0.500 | 0.040 | - | 2.00 | cudaGraphLaunch 1 |\n"
+            "| ddtree::verify | 0.062 | 0.030 | 1.00 | 3.00 "
+            "| cudaLaunchKernel 2, cuLaunchKernel 0.5 |\n"
+            "| - | 0.003 | - | 0.50 | 0.50 | cudaLaunchKernel 0.5 |\n") in text
     assert "Step wall time (host, under the profiler): 0.100 ms / step; GPU activities: " \
         "0.565 ms / step." in text
     assert ("| name | ms / step | count / step |\n|---|---|---|\n"
@@ -923,6 +931,15 @@ def test_count_host_syncs_cli_and_child_command():
                                                                        True)
     assert count_host_syncs.speculative_config(
         "dflash", 16, None, "d", drafter_block=8)["num_speculative_tokens"] == 7
+    # Fixed and adaptive budgets side by side in one run.
+    both = count_host_syncs.parse_args(["--methods", "ddtree", "ddtree-auto", "--budget", "64"])
+    child = count_host_syncs.parse_args(count_host_syncs.child_command(
+        both, "ddtree-auto", Path("/tmp/x.json"))[2:])
+    assert child.child == "ddtree-auto" and not child.auto
+    assert count_host_syncs.speculative_config("ddtree-auto", 64, None, "d") == {
+        "method": "ddtree", "model": "d", "num_speculative_tokens": 64,
+        "ddtree_budget": "auto"}
+    assert "ddtree_budget" not in count_host_syncs.speculative_config("ddtree", 64, None, "d")
 
 
 def test_install_annotations_wraps_functions_in_named_ranges(monkeypatch, tmp_path):
@@ -970,3 +987,16 @@ def test_count_trace_counts_implicit_syncs_of_frees_and_pinned_allocations():
     assert result["per_step_syncs"] == [2] and result["ddtree_syncs"] == 2
     ops = sorted(s["op"] for s in result["sites"] if s["kind"] == "sync")
     assert ops == ["aten::_pin_memory", "cudaFree"]
+
+
+def test_annotated_ddtree_functions_exist():
+    """``install_annotations`` skips a missing target silently (vLLM's may move between
+    versions); ours must all resolve, or a profile would lose a region without notice."""
+    import importlib
+
+    for module, owner, attr, label in count_host_syncs.ANNOTATED:
+        if not module.startswith("vllm_ddtree"):
+            continue
+        obj = importlib.import_module(module)
+        obj = getattr(obj, owner) if owner else obj
+        assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
