@@ -6,7 +6,9 @@
         --target-minutes 3 --drafter-minutes 3                 # CUDA
 
 Stages (``--stage``): ``target`` trains and saves ``<out>/target``; ``drafter``
-loads it, generates the greedy pools, trains and saves ``<out>/drafter``;
+loads it, generates the greedy pools, trains and saves ``<out>/drafter``; ``pool``
+only generates the pools and saves them to ``--pool-cache`` (a later ``drafter``
+stage with the same ``--pool-cache`` loads them: decoding and training in two calls);
 ``report`` (also run after the others) prints the held-out perplexity, greedy
 completions and the reference engine's acceptance (DFlash chain and DDTree B=32)
 on held-out prompts. ``all`` = the three. Loss plots and ``train_pair.json`` go to
@@ -58,6 +60,11 @@ from vllm_ddtree.training.corpus import (  # noqa: E402
     load_split,
     load_tokenizer,
 )
+from vllm_ddtree.training.pool_cache import (  # noqa: E402
+    load_pools,
+    pool_description,
+    save_pools,
+)
 from vllm_ddtree.training.train_drafter import (  # noqa: E402
     DrafterTrainConfig,
     build_pool,
@@ -89,7 +96,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="plots + JSON (default evals/results; <out>/results with --tiny)",
     )
-    p.add_argument("--stage", choices=["all", "target", "drafter", "report"], default="all")
+    p.add_argument("--stage", choices=["all", "target", "pool", "drafter", "report"],
+                   default="all")
+    p.add_argument(
+        "--pool-cache",
+        default=None,
+        help="directory for the drafter's greedy pools (pools.npz): a later run with the "
+        "same target, corpus and pool settings loads them instead of decoding again "
+        "(--stage pool decodes and saves them only)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny models, few steps (CPU smoke)")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--seed", type=int, default=0)
@@ -329,7 +344,27 @@ def greedy_pools(args, target, out, splits, layer_ids, dc, device):
     return pools[0], pools[1], engine
 
 
-def run_drafter(args, out, results, device, tok, splits, summary) -> None:
+def cached_greedy_pools(args, target, out, splits, layer_ids, dc, device, corpus_sha):
+    """:func:`greedy_pools`, through ``--pool-cache`` when given: pools saved by an
+    earlier run for the same target, corpus and pool settings are loaded (engine
+    ``cache (<engine>)``), others are decoded and saved there."""
+    if not args.pool_cache:
+        return greedy_pools(args, target, out, splits, layer_ids, dc, device)
+    description = pool_description(out / "target", corpus_sha, dc, args.seed)
+    loaded = load_pools(args.pool_cache, description, target, layer_ids, dc, device)
+    if loaded is not None:
+        pools, engine = loaded
+        return pools["train"], pools["valid"], f"cache ({engine})"
+    pool, eval_pool, engine = greedy_pools(args, target, out, splits, layer_ids, dc, device)
+    path = save_pools(args.pool_cache, {"train": pool, "valid": eval_pool}, description,
+                      engine)
+    print(f"[drafter] saved the greedy pools to {path}")
+    return pool, eval_pool, engine
+
+
+def drafter_pools(args, out, device, tok, splits, summary):
+    """The frozen target, the drafter config, its target layer ids, the train and valid
+    pools (see :func:`cached_greedy_pools`), the engine name and the pools' seconds."""
     _, dc = train_configs(args)
     target = load_frozen_target(out, device)
     ids = None
@@ -339,13 +374,21 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         target.config, tok.mask_token_id, tiny=args.tiny, target_layer_ids=ids
     )
     layer_ids = dcfg.dflash_config["target_layer_ids"]
+    corpus_sha = {k: v["npy_sha256"] for k, v in summary["corpus"]["splits"].items()}
     t0 = time.perf_counter()
-    pool, eval_pool, engine = greedy_pools(args, target, out, splits, layer_ids, dc, device)
+    pool, eval_pool, engine = cached_greedy_pools(args, target, out, splits, layer_ids, dc,
+                                                  device, corpus_sha)
     gen_s = time.perf_counter() - t0
     print(
         f"[drafter] greedy pools ({engine}): {len(pool)} train + {len(eval_pool)} valid "
         f"sequences of {dc.seq_len} tokens in {gen_s:.1f} s"
     )
+    return target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s
+
+
+def run_drafter(args, out, results, device, tok, splits, summary) -> None:
+    target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s = drafter_pools(
+        args, out, device, tok, splits, summary)
     seed_everything(args.seed)
     drafter = DFlashDraftModel(dcfg)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -524,6 +567,11 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     if args.stage in ("all", "target"):
         run_target(args, out, results, device, tok, splits, summary)
+    if args.stage == "pool":
+        if not args.pool_cache:
+            sys.exit("--stage pool saves the greedy pools: pass --pool-cache <dir>")
+        drafter_pools(args, out, device, tok, splits, summary)
+        return
     if args.stage in ("all", "drafter"):
         run_drafter(args, out, results, device, tok, splits, summary)
     # After `--stage target` a drafter in <out> belongs to an older target: no acceptance.

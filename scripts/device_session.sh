@@ -254,8 +254,15 @@ for stage in "$@"; do
             "with the Python the target was trained on"; summary trainpair 3; continue; }
         mkdir -p /tmp/ckpt && cp -r .devkit/pending_target /tmp/ckpt/target
       fi
+      # POOL_CACHE=/tmp/pool: the greedy pools are saved there and reused by a later call
+      # with the same target, corpus and pool settings (a warm machine keeps /tmp), so a
+      # large pool and the training can take one call each:
+      #   POOL_CACHE=/tmp/pool TRAIN_ARGS="--stage pool --gen-sequences 16384" trainpair
+      #   POOL_CACHE=/tmp/pool TRAIN_ARGS="--stage drafter --gen-sequences 16384
+      #     --drafter-minutes 6" trainpair
       timeout "${STAGE_LIMIT:-480}" python3 evals/train_pair.py --data data --out /tmp/ckpt \
-        --results /tmp/results --no-progress ${TRAIN_ARGS:---stage all --target-minutes 1.75 \
+        --results /tmp/results --no-progress ${POOL_CACHE:+--pool-cache "$POOL_CACHE"} \
+        ${TRAIN_ARGS:---stage all --target-minutes 1.75 \
         --drafter-minutes 2 --gen-sequences 6144} > "$OUT/trainpair.log" 2>&1
       summary trainpair $?
       grep "^\[" "$OUT/trainpair.log" | grep -v "greedy completion" | tail -16

@@ -395,3 +395,63 @@ def test_corpus_extra_packages_go_to_train_only(tmp_path, monkeypatch):
     assert extra["splits"]["train"]["tokens"] > plain["splits"]["train"]["tokens"]
     with pytest.raises(ValueError, match="no installed package"):
         corpus.build_corpus(tmp_path / "bad", extra_packages=["no_such_pkg_ddtree"], **kwargs)
+
+
+def test_pool_cache_round_trip_and_refuses_another_run(tmp_path):
+    """Saved pools come back with the same tokens, prefix lengths and ends, and aux
+    hidden states recomputed by the target equal the original ones; a description that
+    differs (another target, corpus or pool setting) is refused, naming the fields."""
+    from vllm_ddtree.training.pool_cache import load_pools, save_pools
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
+    cfg = DrafterTrainConfig(seq_len=48, prefix_min=8, prefix_max=24, gen_batch=4,
+                             continuation_max=12, seed=0)
+    pool = build_pool(target, corpus_tokens.numpy(), 6, drafter.target_layer_ids, cfg,
+                      seed=1, device="cpu", progress=False)
+    description = {"target_sha256": "a", "corpus_sha256": {"train": "b"}, "seq_len": 48}
+    assert load_pools(tmp_path, description, target, drafter.target_layer_ids, cfg,
+                      "cpu") is None
+    save_pools(tmp_path, {"train": pool}, description, engine="hf")
+    pools, engine = load_pools(tmp_path, description, target, drafter.target_layer_ids,
+                               cfg, "cpu")
+    assert engine == "hf" and list(pools) == ["train"]
+    again = pools["train"]
+    assert torch.equal(again.tokens, pool.tokens)
+    assert torch.equal(again.prefix_len, pool.prefix_len) and torch.equal(again.end, pool.end)
+    torch.testing.assert_close(again.aux, pool.aux)
+    other = {**description, "target_sha256": "c", "seq_len": 64}
+    with pytest.raises(ValueError, match="seq_len, target_sha256"):
+        load_pools(tmp_path, other, target, drafter.target_layer_ids, cfg, "cpu")
+
+
+def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
+    """``--stage pool`` decodes and saves the pools only; ``--stage drafter`` with the
+    same ``--pool-cache`` trains on them without decoding again (two device calls)."""
+    data = tmp_path / "data"
+    corpus.build_corpus(data, vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30,
+                        valid_fraction=0.3)
+    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out, cache = tmp_path / "ckpt", tmp_path / "pool"
+    flags = ["--tiny", "--no-progress", "--target-steps", "4", "--drafter-steps", "4",
+             "--accept-new-tokens", "8", "--data", str(data), "--out", str(out)]
+    with pytest.raises(SystemExit, match="--pool-cache"):
+        mod.main([*flags, "--stage", "pool"])
+    mod.main([*flags, "--stage", "target"])
+    capsys.readouterr()
+    mod.main([*flags, "--stage", "pool", "--pool-cache", str(cache)])
+    assert "saved the greedy pools" in capsys.readouterr().out
+    assert (cache / "pools.npz").exists() and not (out / "drafter").exists()
+    mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache)])
+    printed = capsys.readouterr().out
+    assert "greedy pools (cache (hf))" in printed and "saved the greedy pools" not in printed
+    summary = json.loads((out / "results" / "train_pair.json").read_text())
+    assert summary["drafter"]["greedy_pool_engine"] == "cache (hf)"
+    assert summary["drafter"]["log"]["total_steps"] == 4
+    # A pool setting that differs is refused, not silently reused.
+    with pytest.raises(ValueError, match="gen_sequences"):
+        mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
+                  "--gen-sequences", "5"])

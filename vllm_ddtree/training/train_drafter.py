@@ -141,6 +141,19 @@ class GreedyPool:
 
 
 @torch.no_grad()
+def pool_from_tokens(target, tokens: torch.Tensor, prefix_len: torch.Tensor,
+                     end: torch.Tensor, layer_ids, cfg: DrafterTrainConfig,
+                     device: torch.device | str) -> GreedyPool:
+    """A :class:`GreedyPool` of ready sequences: ``tokens [N, S]`` int64 moved to
+    ``device``, ``prefix_len`` / ``end`` int64 ``[N]`` kept on the CPU, and the aux
+    hidden states of ``target`` over the rows (batches of ``cfg.gen_batch``)."""
+    tokens = tokens.to(device)
+    aux = torch.cat([target_aux_hidden(target, tokens[i:i + cfg.gen_batch], layer_ids)
+                     for i in range(0, tokens.shape[0], cfg.gen_batch)])
+    return GreedyPool(tokens, prefix_len.cpu().long(), aux, end.cpu().long())
+
+
+@torch.no_grad()
 def build_pool(
     target,
     corpus: np.ndarray,

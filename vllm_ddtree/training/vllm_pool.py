@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_ddtree.training.drafter_forward import target_aux_hidden
 from vllm_ddtree.training.train_drafter import (
     DrafterTrainConfig,
     GreedyPool,
     padding_token_id,
+    pool_from_tokens,
     stratified_prefix_lengths,
 )
 
@@ -123,12 +123,9 @@ def _assemble_pool(target, prefixes: list[np.ndarray], conts: list[np.ndarray], 
                         dtype=torch.long)
     for i, (prefix, cont) in enumerate(zip(prefixes, conts, strict=True)):
         tokens[i, :len(prefix) + len(cont)] = torch.from_numpy(np.concatenate([prefix, cont]))
-    tokens = tokens.to(device)
-    aux = torch.cat([target_aux_hidden(target, tokens[i:i + cfg.gen_batch], layer_ids)
-                     for i in range(0, len(prefixes), cfg.gen_batch)])
     prefix_len = torch.tensor([len(p) for p in prefixes], dtype=torch.long)
     end = prefix_len + torch.tensor([len(c) for c in conts], dtype=torch.long)
-    return GreedyPool(tokens, prefix_len, aux, end)
+    return pool_from_tokens(target, tokens, prefix_len, end, layer_ids, cfg, device)
 
 
 def build_pools_vllm(
