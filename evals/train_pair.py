@@ -68,8 +68,10 @@ from vllm_ddtree.training.pool_cache import (  # noqa: E402
 from vllm_ddtree.training.train_drafter import (  # noqa: E402
     DrafterTrainConfig,
     build_pool,
+    concat_pools,
     evaluate_drafter,
     greedy_continue,
+    text_pool,
     train_drafter,
 )
 from vllm_ddtree.training.train_target import (  # noqa: E402
@@ -120,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-lr", type=float, default=None)
     p.add_argument("--drafter-lr", type=float, default=None)
     p.add_argument("--gen-sequences", type=int, default=None, help="greedy pool size")
+    p.add_argument("--text-sequences", type=int, default=None,
+                   help="corpus-text rows added to the drafter's train pool (no decoding; "
+                   "labels are the text: see train_drafter.text_pool); default 0")
     p.add_argument(
         "--gen-minutes",
         type=float,
@@ -221,6 +226,8 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
         tc.max_epochs = args.target_max_epochs
     if args.gen_sequences is not None:
         dc.gen_sequences = args.gen_sequences
+    if args.text_sequences is not None:
+        dc.text_sequences = args.text_sequences
     if args.gen_minutes is not None:
         dc.gen_minutes = args.gen_minutes or None
     return tc, dc
@@ -389,6 +396,11 @@ def drafter_pools(args, out, device, tok, splits, summary):
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s = drafter_pools(
         args, out, device, tok, splits, summary)
+    num_greedy = len(pool)
+    if dc.text_sequences:
+        pool = concat_pools(pool, text_pool(target, splits["train"], dc.text_sequences,
+                                            layer_ids, dc, args.seed + 3, device))
+        print(f"[drafter] + {dc.text_sequences} corpus-text rows: train pool {len(pool)}")
     seed_everything(args.seed)
     drafter = DFlashDraftModel(dcfg)
     n_params = sum(p.numel() for p in drafter.parameters())
@@ -432,7 +444,8 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         "init_eval": init,
         "log": log.to_dict(),
         "reproduce_with": (
-            f"--drafter-steps {log.total_steps} --gen-sequences {len(pool)} --gen-minutes 0"
+            f"--drafter-steps {log.total_steps} --gen-sequences {num_greedy} --gen-minutes 0"
+            + (f" --text-sequences {dc.text_sequences}" if dc.text_sequences else "")
         ),
     }
 

@@ -445,13 +445,50 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
     mod.main([*flags, "--stage", "pool", "--pool-cache", str(cache)])
     assert "saved the greedy pools" in capsys.readouterr().out
     assert (cache / "pools.npz").exists() and not (out / "drafter").exists()
-    mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache)])
+    mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
+              "--text-sequences", "3"])
     printed = capsys.readouterr().out
     assert "greedy pools (cache (hf))" in printed and "saved the greedy pools" not in printed
+    assert "+ 3 corpus-text rows" in printed
     summary = json.loads((out / "results" / "train_pair.json").read_text())
     assert summary["drafter"]["greedy_pool_engine"] == "cache (hf)"
     assert summary["drafter"]["log"]["total_steps"] == 4
+    gen = summary["drafter"]["train_config"]["gen_sequences"]
+    assert summary["drafter"]["reproduce_with"].endswith(
+        f"--gen-sequences {gen} --gen-minutes 0 --text-sequences 3")
     # A pool setting that differs is refused, not silently reused.
     with pytest.raises(ValueError, match="gen_sequences"):
         mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
                   "--gen-sequences", "5"])
+
+
+def test_text_pool_rows_are_corpus_text_and_join_the_greedy_pool():
+    """``text_pool``: each row is a contiguous corpus slice (prefix + the next tokens up to
+    ``continuation_max``), EOS-padded, with the target's aux hidden states; anchors stay
+    inside the text; ``concat_pools`` stacks it under a greedy pool."""
+    from vllm_ddtree.training.drafter_forward import target_aux_hidden
+    from vllm_ddtree.training.train_drafter import concat_pools, sample_anchors, text_pool
+
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    corpus_tokens = torch.arange(5000) % (VOCAB - 2) + 2  # every slice is recognisable
+    cfg = DrafterTrainConfig(seq_len=48, prefix_min=8, prefix_max=24, gen_batch=4,
+                             continuation_max=12, seed=0)
+    text = text_pool(target, corpus_tokens.numpy(), 5, drafter.target_layer_ids, cfg,
+                     seed=3, device="cpu")
+    assert torch.equal(text.end, text.prefix_len + 12)
+    eos = target.config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    for row, end in zip(text.tokens, text.end.tolist(), strict=True):
+        step = (row[1:end] - row[:end - 1]) % (VOCAB - 2)
+        assert bool((step == 1).all()) and bool((row[end:] == eos).all())
+    torch.testing.assert_close(text.aux, target_aux_hidden(target, text.tokens,
+                                                          drafter.target_layer_ids))
+    greedy = build_pool(target, corpus_tokens.numpy(), 3, drafter.target_layer_ids, cfg,
+                        seed=1, device="cpu", progress=False)
+    both = concat_pools(greedy, text)
+    assert len(both) == 8 and torch.equal(both.tokens[3:], text.tokens)
+    assert torch.equal(both.ends()[:3], greedy.ends())
+    anchors = sample_anchors(both.prefix_len, cfg.seq_len, drafter.block_size, 2,
+                             torch.Generator().manual_seed(0), end=both.ends())
+    assert bool((anchors + drafter.block_size <= both.ends()[:, None]).all())

@@ -68,6 +68,7 @@ class DrafterTrainConfig(StepLoopConfig):
     gen_minutes: float | None = 1.5  # stop generating new batches after this long
     continuation_max: int | None = None  # greedy tokens per sequence (None: to seq_len)
     eval_sequences: int = 128
+    text_sequences: int = 0  # corpus-text rows added to the train pool (text_pool)
     batch_size: int = 32  # sequences per step
     anchors_per_seq: int = 32
     eval_anchors_per_seq: int = 16
@@ -151,6 +152,41 @@ def pool_from_tokens(target, tokens: torch.Tensor, prefix_len: torch.Tensor,
     aux = torch.cat([target_aux_hidden(target, tokens[i:i + cfg.gen_batch], layer_ids)
                      for i in range(0, tokens.shape[0], cfg.gen_batch)])
     return GreedyPool(tokens, prefix_len.cpu().long(), aux, end.cpu().long())
+
+
+def text_pool(target, corpus: np.ndarray, num_seqs: int, layer_ids, cfg: DrafterTrainConfig,
+              seed: int, device: torch.device | str) -> GreedyPool:
+    """``num_seqs`` rows of corpus text in the pool layout: a prefix of stratified length
+    (``cfg.prefix_min .. cfg.prefix_max``), then the next ``min(seq_len - p,
+    continuation_max)`` corpus tokens in place of a greedy continuation, EOS padding.
+
+    Extra training data that costs one target forward and no decoding, for when the
+    greedy pool is small enough to be memorised. Its labels are the text, not the
+    target's greedy tokens (see the module docstring): a target that has learnt the
+    corpus mostly reproduces it greedily, and the validation pool stays greedy, so the
+    kept checkpoint is still the one that predicts the target best."""
+    gen = torch.Generator().manual_seed(seed)
+    toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
+    lengths = stratified_prefix_lengths(cfg.prefix_min, cfg.prefix_max, num_seqs, gen)
+    tokens = torch.full((num_seqs, cfg.seq_len), padding_token_id(target), dtype=torch.long)
+    prefix_len = torch.tensor(lengths, dtype=torch.long)
+    end = torch.empty(num_seqs, dtype=torch.long)
+    for i, p in enumerate(lengths):
+        span = cfg.seq_len - p
+        if cfg.continuation_max is not None:
+            span = min(span, cfg.continuation_max)
+        start = int(torch.randint(0, toks.shape[0] - p - span + 1, (1,), generator=gen))
+        tokens[i, :p + span] = toks[start:start + p + span]
+        end[i] = p + span
+    return pool_from_tokens(target, tokens, prefix_len, end, layer_ids, cfg, device)
+
+
+def concat_pools(first: GreedyPool, second: GreedyPool) -> GreedyPool:
+    """The rows of ``first`` then ``second`` (same sequence length and aux width)."""
+    return GreedyPool(torch.cat([first.tokens, second.tokens]),
+                      torch.cat([first.prefix_len, second.prefix_len]),
+                      torch.cat([first.aux, second.aux]),
+                      torch.cat([first.end, second.end]))
 
 
 @torch.no_grad()
