@@ -65,6 +65,7 @@ from vllm_ddtree.training.pool_cache import (  # noqa: E402
     pool_description,
     save_pools,
 )
+from vllm_ddtree.training.static_decode import StaticGreedyDecoder  # noqa: E402
 from vllm_ddtree.training.train_drafter import (  # noqa: E402
     DrafterTrainConfig,
     build_pool,
@@ -133,11 +134,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pool-engine",
-        choices=["auto", "vllm", "hf"],
+        choices=["auto", "vllm", "static", "hf"],
         default="auto",
         help="who decodes the drafter's greedy pool: vLLM in a child process (every "
-        "sequence its own prefix length; --gen-minutes does not apply) or transformers "
-        "(one prefix length per batch); auto = vllm on CUDA, hf elsewhere",
+        "sequence its own prefix length; --gen-minutes does not apply), the target on "
+        "a static KV cache with the decoding step in a CUDA graph (training."
+        "static_decode; one prefix length per batch) or transformers (one prefix "
+        "length per batch); auto = vllm on CUDA, hf elsewhere",
     )
     p.add_argument("--target-seq-len", type=int, default=2048,
                    help="target training window (full size)")
@@ -339,10 +342,13 @@ def greedy_pools(args, target, out, splits, layer_ids, dc, device):
             print(f"[drafter] WARNING: the vLLM greedy pool failed, decoding with "
                   f"transformers instead (slow; --gen-minutes applies):\n{err}")
             engine = "hf"
+    decode = None
+    if engine == "static":
+        decode = StaticGreedyDecoder(target, dc.gen_batch, dc.seq_len)
     pools = [
         build_pool(target, splits[split], num, layer_ids, dc, seed=args.seed + offset,
                    device=device, progress=not args.no_progress,
-                   desc=f"greedy pool ({split})", max_seconds=max_seconds)
+                   desc=f"greedy pool ({split})", max_seconds=max_seconds, decode=decode)
         for split, num, offset, max_seconds in (
             ("train", dc.gen_sequences, 1,
              None if dc.gen_minutes is None else 60 * dc.gen_minutes),

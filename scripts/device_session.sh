@@ -232,7 +232,8 @@ for stage in "$@"; do
       # greedy pool is decoded by vLLM in a child process (--pool-engine auto: 6,144
       # sequences of <= 384 tokens in 120-200 s; 12,288 took 337 s, too long for one call
       # with training; transformers managed 1.3-1.8k sequences in 1.5 min, --gen-minutes
-      # applies to it only). A target trained earlier: copy it to
+      # applies to it only; --pool-engine static, the target on a static KV cache in a
+      # CUDA graph, has not run on a GPU yet). A target trained earlier: copy it to
       # /tmp/ckpt/target first; its tokenizer must equal data/tokenizer/tokenizer.json.
       # The checkpoints come back as ckpt.tar.part-* (a file returns only under 16 MiB):
       # `scripts/unpack_pair.sh <files_at>` puts them into vllm_ddtree/checkpoints.

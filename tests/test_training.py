@@ -442,16 +442,18 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
         mod.main([*flags, "--stage", "pool"])
     mod.main([*flags, "--stage", "target"])
     capsys.readouterr()
-    mod.main([*flags, "--stage", "pool", "--pool-cache", str(cache)])
-    assert "saved the greedy pools" in capsys.readouterr().out
+    mod.main([*flags, "--stage", "pool", "--pool-cache", str(cache), "--pool-engine",
+              "static"])
+    printed = capsys.readouterr().out
+    assert "saved the greedy pools" in printed and "greedy pools (static)" in printed
     assert (cache / "pools.npz").exists() and not (out / "drafter").exists()
     mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
               "--text-sequences", "3"])
     printed = capsys.readouterr().out
-    assert "greedy pools (cache (hf))" in printed and "saved the greedy pools" not in printed
+    assert "greedy pools (cache (static))" in printed and "saved the greedy pools" not in printed
     assert "+ 3 corpus-text rows" in printed
     summary = json.loads((out / "results" / "train_pair.json").read_text())
-    assert summary["drafter"]["greedy_pool_engine"] == "cache (hf)"
+    assert summary["drafter"]["greedy_pool_engine"] == "cache (static)"
     assert summary["drafter"]["log"]["total_steps"] == 4
     gen = summary["drafter"]["train_config"]["gen_sequences"]
     assert summary["drafter"]["reproduce_with"].endswith(

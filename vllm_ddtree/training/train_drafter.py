@@ -31,6 +31,7 @@ per DFlash round at that anchor.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -201,12 +202,15 @@ def build_pool(
     progress: bool = True,
     desc: str = "greedy pool",
     max_seconds: float | None = None,
+    decode=None,
 ) -> GreedyPool:
     """Generate ``num_seqs`` sequences of ``cfg.seq_len`` tokens from random prefixes of
     the flat ``corpus`` (one prefix length per generation batch of ``cfg.gen_batch``,
     see :func:`stratified_prefix_lengths`) and their aux hidden states. Seeded by
     ``seed``. With ``max_seconds`` no new batch starts after that long (the pool is
-    then smaller; its size is the sequence count to pass back for an exact rerun)."""
+    then smaller; its size is the sequence count to pass back for an exact rerun).
+    ``decode(prefix [b, p], num_new) -> [b, p + num_new]`` decodes a batch (default
+    :func:`greedy_continue`; e.g. a ``static_decode.StaticGreedyDecoder``)."""
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     toks = torch.as_tensor(np.asarray(corpus, dtype=np.int64))
@@ -226,7 +230,7 @@ def build_pool(
         num_new = cfg.seq_len - p
         if cfg.continuation_max is not None:
             num_new = min(num_new, cfg.continuation_max)
-        seq = greedy_continue(target, prefix, num_new)
+        seq = (decode or functools.partial(greedy_continue, target))(prefix, num_new)
         # EOS padding to seq_len: the causal aux rows before it are unchanged.
         seq = torch.nn.functional.pad(seq, (0, cfg.seq_len - p - num_new), value=eos_id)
         chunks_t.append(seq)
