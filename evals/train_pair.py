@@ -345,6 +345,18 @@ def greedy_pools(args, target, out, splits, layer_ids, dc, device):
     decode = None
     if engine == "static":
         decode = StaticGreedyDecoder(target, dc.gen_batch, dc.seq_len)
+        # A wrong step would fill the pool with text the target never writes: compare
+        # a few rows with transformers' decoding first.
+        plen = min(64, dc.seq_len // 2)
+        new = min(32, dc.seq_len - plen)
+        sample = torch.as_tensor(np.asarray(splits["train"][:4 * plen], dtype=np.int64))
+        agree = decode.agreement(sample.view(4, plen).to(device), new)
+        print(f"[drafter] static decoder agrees with transformers' greedy on "
+              f"{100 * agree:.0f} % of {new} tokens (4 rows)")
+        if agree < 0.5:
+            raise RuntimeError(f"the static decoder parts from transformers' greedy "
+                               f"decoding after {100 * agree:.0f} % of the tokens: use "
+                               "--pool-engine vllm or hf")
     pools = [
         build_pool(target, splits[split], num, layer_ids, dc, seed=args.seed + offset,
                    device=device, progress=not args.no_progress,

@@ -50,3 +50,15 @@ def test_static_decoder_refuses_what_it_cannot_hold():
     moe.first_k_dense_replace = 1
     with pytest.raises(NotImplementedError, match="dense"):
         StaticGreedyDecoder(DeepseekV3ForCausalLM(moe), batch=2, max_len=16)
+
+
+def test_agreement_is_one_for_an_exact_decoder_and_low_for_a_broken_one(monkeypatch):
+    target = tiny_target()
+    decoder = StaticGreedyDecoder(target, batch=4, max_len=48)
+    prefix = torch.randint(2, VOCAB, (4, 16), generator=torch.Generator().manual_seed(2))
+    assert decoder.agreement(prefix, 24) == 1.0
+    # A step that attends to nothing past the prefix (a stale mask) parts at once.
+    forward = decoder._forward
+    monkeypatch.setattr(decoder, "_forward", lambda ids, rows, positions, num_keys:
+                        forward(ids, rows, positions, min(num_keys, 16)))
+    assert decoder.agreement(prefix, 24) < 0.5

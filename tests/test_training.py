@@ -446,6 +446,7 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
               "static"])
     printed = capsys.readouterr().out
     assert "saved the greedy pools" in printed and "greedy pools (static)" in printed
+    assert "static decoder agrees with transformers' greedy on 100 %" in printed
     assert (cache / "pools.npz").exists() and not (out / "drafter").exists()
     mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
               "--text-sequences", "3"])

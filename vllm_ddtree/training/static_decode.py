@@ -174,3 +174,20 @@ class StaticGreedyDecoder:
             else:
                 self._step()
         return torch.cat([prefix, self.out[:, :num_new]], dim=1)[:rows_in]
+
+    @torch.no_grad()
+    def agreement(self, prefix: torch.Tensor, num_new: int = 32) -> float:
+        """Mean fraction of ``num_new`` greedy tokens on which this decoder and
+        transformers' KV-cached decoding (``train_drafter.greedy_continue``) agree
+        before they first differ, over the rows of ``prefix [B, P]``. 1.0 in fp32; in
+        bf16 a near-tie may part them late; a broken step (a stale graph, a wrong
+        mask) parts them at once."""
+        from vllm_ddtree.training.train_drafter import greedy_continue
+
+        plen = prefix.shape[1]
+        ours = self(prefix, num_new)[:, plen:]
+        ref = greedy_continue(self.target, prefix.to(self.device), num_new)[:, plen:]
+        differ = ours != ref
+        first = torch.where(differ.any(1), differ.float().argmax(1), num_new)
+        return float(first.float().mean()) / num_new
+
