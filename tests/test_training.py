@@ -63,6 +63,21 @@ def tiny_drafter(target, seed=0, std=0.2, **overrides):
 # ---------------------------------------------------------------- corpus / tokenizer
 
 
+def tiny_greedy_pool(num_seqs, seq_len, continuation_max, corpus_tokens=None):
+    """(target, drafter, cfg, pool): a tiny target's greedy pool of ``num_seqs`` rows
+    (prefixes of 8..24 corpus tokens, at most ``continuation_max`` greedy tokens)."""
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    if corpus_tokens is None:
+        corpus_tokens = torch.randint(2, VOCAB, (4000,),
+                                      generator=torch.Generator().manual_seed(0))
+    cfg = DrafterTrainConfig(seq_len=seq_len, prefix_min=8, prefix_max=24, gen_batch=4,
+                             continuation_max=continuation_max, seed=0)
+    pool = build_pool(target, corpus_tokens.numpy(), num_seqs, drafter.target_layer_ids, cfg,
+                      seed=1, device="cpu", progress=False)
+    return target, drafter, cfg, pool
+
+
 def test_split_is_deterministic_and_disjoint(stdlib_files):
     kept, skipped = stdlib_files
     paths = list(kept)
@@ -344,19 +359,12 @@ def test_pool_with_capped_continuation_pads_and_keeps_anchors_inside():
     """``continuation_max``: each sequence is its prefix plus at most that many greedy
     tokens, EOS-padded to ``seq_len``; anchors never reach the padding (as context or
     label), and the greedy part is still the target's own argmax text."""
-    from vllm_ddtree.training.train_drafter import sample_anchors
+    from vllm_ddtree.training.train_drafter import padding_token_id, sample_anchors
 
-    target = tiny_target()
-    drafter = tiny_drafter(target)
-    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
-    cfg = DrafterTrainConfig(seq_len=64, prefix_min=8, prefix_max=24, gen_batch=4,
-                             continuation_max=20, seed=0)
-    pool = build_pool(target, corpus_tokens.numpy(), 12, drafter.target_layer_ids, cfg,
-                      seed=1, device="cpu", progress=False)
+    target, drafter, cfg, pool = tiny_greedy_pool(12, seq_len=64, continuation_max=20)
     ends = pool.ends()
     assert torch.equal(ends, pool.prefix_len + 20)
-    eos = target.config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    eos = padding_token_id(target)
     for row, p, end in zip(pool.tokens, pool.prefix_len.tolist(), ends.tolist(), strict=True):
         assert bool((row[end:] == eos).all())
         logits = target(input_ids=row[None, :end]).logits[0]
@@ -403,13 +411,7 @@ def test_pool_cache_round_trip_and_refuses_another_run(tmp_path):
     differs (another target, corpus or pool setting) is refused, naming the fields."""
     from vllm_ddtree.training.pool_cache import load_pools, save_pools
 
-    target = tiny_target()
-    drafter = tiny_drafter(target)
-    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
-    cfg = DrafterTrainConfig(seq_len=48, prefix_min=8, prefix_max=24, gen_batch=4,
-                             continuation_max=12, seed=0)
-    pool = build_pool(target, corpus_tokens.numpy(), 6, drafter.target_layer_ids, cfg,
-                      seed=1, device="cpu", progress=False)
+    target, drafter, cfg, pool = tiny_greedy_pool(6, seq_len=48, continuation_max=12)
     description = {"target_sha256": "a", "corpus_sha256": {"train": "b"}, "seq_len": 48}
     assert load_pools(tmp_path, description, target, drafter.target_layer_ids, cfg,
                       "cpu") is None
@@ -470,25 +472,25 @@ def test_text_pool_rows_are_corpus_text_and_join_the_greedy_pool():
     ``continuation_max``), EOS-padded, with the target's aux hidden states; anchors stay
     inside the text; ``concat_pools`` stacks it under a greedy pool."""
     from vllm_ddtree.training.drafter_forward import target_aux_hidden
-    from vllm_ddtree.training.train_drafter import concat_pools, sample_anchors, text_pool
+    from vllm_ddtree.training.train_drafter import (
+        concat_pools,
+        padding_token_id,
+        sample_anchors,
+        text_pool,
+    )
 
-    target = tiny_target()
-    drafter = tiny_drafter(target)
     corpus_tokens = torch.arange(5000) % (VOCAB - 2) + 2  # every slice is recognisable
-    cfg = DrafterTrainConfig(seq_len=48, prefix_min=8, prefix_max=24, gen_batch=4,
-                             continuation_max=12, seed=0)
+    target, drafter, cfg, greedy = tiny_greedy_pool(3, seq_len=48, continuation_max=12,
+                                                    corpus_tokens=corpus_tokens)
     text = text_pool(target, corpus_tokens.numpy(), 5, drafter.target_layer_ids, cfg,
                      seed=3, device="cpu")
     assert torch.equal(text.end, text.prefix_len + 12)
-    eos = target.config.eos_token_id
-    eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+    eos = padding_token_id(target)
     for row, end in zip(text.tokens, text.end.tolist(), strict=True):
         step = (row[1:end] - row[:end - 1]) % (VOCAB - 2)
         assert bool((step == 1).all()) and bool((row[end:] == eos).all())
     torch.testing.assert_close(text.aux, target_aux_hidden(target, text.tokens,
                                                           drafter.target_layer_ids))
-    greedy = build_pool(target, corpus_tokens.numpy(), 3, drafter.target_layer_ids, cfg,
-                        seed=1, device="cpu", progress=False)
     both = concat_pools(greedy, text)
     assert len(both) == 8 and torch.equal(both.tokens[3:], text.tokens)
     assert torch.equal(both.ends()[:3], greedy.ends())

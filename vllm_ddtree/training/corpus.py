@@ -224,7 +224,7 @@ def tokenize_texts(tok, texts: Iterable[str], eos_id: int) -> np.ndarray:
     return np.asarray(out, dtype=np.uint16)
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -296,7 +296,7 @@ def build_corpus(
             "mask_token": MASK_TOKEN,
             "mask_token_id": mask_id,
             "dir": TOKENIZER_SUBDIR,
-            "tokenizer_json_sha256": _sha256_file(tok_dir / "tokenizer.json"),
+            "tokenizer_json_sha256": sha256_file(tok_dir / "tokenizer.json"),
         },
         "splits": {
             name: {
@@ -304,7 +304,7 @@ def build_corpus(
                 "bytes": sum(len(kept[p].encode("utf-8")) for p in files[name]),
                 "tokens": int(arrays[name].shape[0]),
                 "npy": f"{name}.npy",
-                "npy_sha256": _sha256_file(out_dir / f"{name}.npy"),
+                "npy_sha256": sha256_file(out_dir / f"{name}.npy"),
             }
             for name in SPLITS
         },

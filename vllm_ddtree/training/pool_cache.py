@@ -12,13 +12,13 @@ its target (one forward per batch, seconds on a GPU).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_ddtree.training.corpus import sha256_file
 from vllm_ddtree.training.train_drafter import DrafterTrainConfig, GreedyPool, pool_from_tokens
 
 __all__ = ["pool_description", "save_pools", "load_pools", "POOL_FILE"]
@@ -29,21 +29,13 @@ _POOL_FIELDS = ("seq_len", "prefix_min", "prefix_max", "continuation_max",
                 "gen_sequences", "eval_sequences")
 
 
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def pool_description(target_dir: str | Path, corpus_sha: dict[str, str],
                      cfg: DrafterTrainConfig, seed: int) -> dict:
     """What a pool depends on: the target's weights (``model.safetensors`` digest), the
     corpus splits' digests (``manifest.json``'s ``npy_sha256``), the pool settings of
     ``cfg`` and the seed."""
     return {
-        "target_sha256": file_sha256(Path(target_dir) / "model.safetensors"),
+        "target_sha256": sha256_file(Path(target_dir) / "model.safetensors"),
         "corpus_sha256": dict(sorted(corpus_sha.items())),
         **{name: getattr(cfg, name) for name in _POOL_FIELDS},
         "seed": seed,

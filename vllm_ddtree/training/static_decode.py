@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from vllm_ddtree.training.train_drafter import greedy_continue
+
 __all__ = ["StaticGreedyDecoder"]
 
 
@@ -182,8 +184,6 @@ class StaticGreedyDecoder:
         before they first differ, over the rows of ``prefix [B, P]``. 1.0 in fp32; in
         bf16 a near-tie may part them late; a broken step (a stale graph, a wrong
         mask) parts them at once."""
-        from vllm_ddtree.training.train_drafter import greedy_continue
-
         plen = prefix.shape[1]
         ours = self(prefix, num_new)[:, plen:]
         ref = greedy_continue(self.target, prefix.to(self.device), num_new)[:, plen:]

@@ -114,6 +114,13 @@ def stratified_prefix_lengths(prefix_min: int, prefix_max: int, num_batches: int
     return lengths[torch.randperm(num_batches, generator=gen)].tolist()
 
 
+def continuation_length(cfg: DrafterTrainConfig, prefix_len: int) -> int:
+    """Tokens after a ``prefix_len``-token prefix in a pool row: up to ``cfg.seq_len``,
+    at most ``cfg.continuation_max``."""
+    span = cfg.seq_len - prefix_len
+    return span if cfg.continuation_max is None else min(span, cfg.continuation_max)
+
+
 def padding_token_id(target) -> int:
     """The token that pads pool sequences past their continuation: the target's EOS
     (the first one when it has several; 0 when it has none)."""
@@ -173,9 +180,7 @@ def text_pool(target, corpus: np.ndarray, num_seqs: int, layer_ids, cfg: Drafter
     prefix_len = torch.tensor(lengths, dtype=torch.long)
     end = torch.empty(num_seqs, dtype=torch.long)
     for i, p in enumerate(lengths):
-        span = cfg.seq_len - p
-        if cfg.continuation_max is not None:
-            span = min(span, cfg.continuation_max)
+        span = continuation_length(cfg, p)
         start = int(torch.randint(0, toks.shape[0] - p - span + 1, (1,), generator=gen))
         tokens[i, :p + span] = toks[start:start + p + span]
         end[i] = p + span
@@ -227,9 +232,7 @@ def build_pool(
         b = min(cfg.gen_batch, num_seqs - done)
         starts = torch.randint(0, toks.shape[0] - p + 1, (b,), generator=gen)
         prefix = toks[starts[:, None] + torch.arange(p)].to(device)
-        num_new = cfg.seq_len - p
-        if cfg.continuation_max is not None:
-            num_new = min(num_new, cfg.continuation_max)
+        num_new = continuation_length(cfg, p)
         seq = (decode or functools.partial(greedy_continue, target))(prefix, num_new)
         # EOS padding to seq_len: the causal aux rows before it are unchanged.
         seq = torch.nn.functional.pad(seq, (0, cfg.seq_len - p - num_new), value=eos_id)

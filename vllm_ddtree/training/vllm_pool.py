@@ -29,6 +29,7 @@ import torch
 from vllm_ddtree.training.train_drafter import (
     DrafterTrainConfig,
     GreedyPool,
+    continuation_length,
     padding_token_id,
     pool_from_tokens,
     stratified_prefix_lengths,
@@ -151,9 +152,7 @@ def build_pools_vllm(
     device = torch.device(device)
     prefixes = [_sample_prefixes(r, cfg) for r in requests]
     flat = [p for group in prefixes for p in group]
-    cap = cfg.continuation_max
-    num_new = [cfg.seq_len - len(p) if cap is None else min(cfg.seq_len - len(p), cap)
-               for p in flat]
+    num_new = [continuation_length(cfg, len(p)) for p in flat]
     conts = vllm_greedy_continuations(
         model_dir, flat, num_new, dtype=dtype, max_model_len=cfg.seq_len,
         gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
