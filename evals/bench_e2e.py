@@ -478,6 +478,14 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         steps = timer.end()
     allocator = allocator_delta(allocator_before, allocator_counts())
     counters = counter_delta(before, spec_counters(llm))
+    profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
+    if profile_dir:  # after the measured generate and its counters: they stay unprofiled
+        from host_profile import profile_generate
+
+        name = f"{run.name}_{context}x{batch}_{kind}".replace("@", "_").replace("=", "")
+        profile_generate(llm, inputs, _sampling_params(spec, max_tokens, batch),
+                         Path(profile_dir) / f"host_profile_{name}.md",
+                         f"{run.name}, {spec['setup']}, context {context}, batch {batch}")
     active_nodes = None
     active_after = ddtree_active_counters() if active_before is not None else None
     if active_before is not None and active_after is not None:

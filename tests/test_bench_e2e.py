@@ -733,3 +733,34 @@ def test_allocator_calls_during_a_cell_are_reported():
     quiet = dict(delta, num_device_free=0, num_alloc_retries=0)
     assert "allocator" not in bench_e2e.cell_row(base, summary, {}, wall_s=0.05,
                                                  allocator=quiet)["note"]
+
+
+# ---------------------------------------------------------------------------------------
+# Host profile (BENCH_E2E_HOST_PROFILE)
+
+
+def test_host_profile_reports_per_step_calls_of_a_fake_engine(tmp_path):
+    import host_profile  # noqa: E402
+
+    runner_file = tmp_path / "model_runner.py"
+    runner_file.write_text(
+        "def propose():\n    return sum(range(50))\n\n"
+        "def execute_model():\n    propose()\n    propose()\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import model_runner  # the fake runner: 2 propose calls per engine step
+    finally:
+        sys.path.remove(str(tmp_path))
+
+    class FakeLLM:
+        def generate(self, inputs, params, use_tqdm=False):
+            for _ in range(params):
+                model_runner.execute_model()
+
+    out = host_profile.profile_generate(FakeLLM(), [], 5, tmp_path / "p" / "x.md", "fake")
+    text = out.read_text()
+    assert text.startswith("# Host profile: fake")
+    assert "5 engine steps" in text
+    row = next(line for line in text.splitlines() if "model_runner.py:1 propose" in line)
+    assert row.split("|")[2].strip() == "2.0"  # calls per step

@@ -1,0 +1,73 @@
+"""Host (Python) time of a decode run by function: cProfile around one ``generate``.
+
+``evals/bench_e2e.py`` calls :func:`profile_generate` after a cell's measured generate
+when ``BENCH_E2E_HOST_PROFILE=<dir>`` is set, so the measured figures are not slowed by
+the profiler. The engine runs in-process (the runner is called from the calling
+thread), so cProfile sees the scheduler, the runner and the speculator alike. The
+profiler inflates every Python call by a similar factor: read the shares and the call
+counts per step, not the absolute milliseconds.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+from pathlib import Path
+from typing import Any
+
+# Functions whose file contains one of these are listed in the "ours" table.
+OWN_PATHS = ("vllm_ddtree", "patches", "attention_backends", "spec_decode")
+
+
+def _rows(stats: pstats.Stats, steps: int, sort: str, limit: int,
+          only: tuple[str, ...] | None) -> list[str]:
+    entries = []
+    for (path, line, name), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
+        if only is not None and not any(part in path for part in only):
+            continue
+        entries.append((path, line, name, ncalls, tottime, cumtime))
+    key = 4 if sort == "tottime" else 5
+    entries.sort(key=lambda e: e[key], reverse=True)
+    lines = ["| function | calls / step | own ms / step | cum ms / step |", "|---|---|---|---|"]
+    for path, line, name, ncalls, tottime, cumtime in entries[:limit]:
+        short = "/".join(Path(path).parts[-3:]) if path != "~" else "builtin"
+        lines.append(f"| `{short}:{line} {name}` | {ncalls / steps:.1f} | "
+                     f"{1e3 * tottime / steps:.3f} | {1e3 * cumtime / steps:.3f} |")
+    return lines
+
+
+def engine_steps(stats: pstats.Stats) -> int:
+    """Calls of the V2 runner's ``execute_model`` (one per engine step) in a profile."""
+    return max((ncalls for (path, _line, name), (_cc, ncalls, *_rest) in stats.stats.items()
+                if name == "execute_model" and "model_runner" in path), default=0)
+
+
+def summarize(profile: cProfile.Profile, title: str, limit: int = 40) -> str:
+    """Markdown tables of a profile, per engine step: the top functions by own time
+    and by cumulative time, and our own functions (``OWN_PATHS``) by cumulative time."""
+    stats = pstats.Stats(profile, stream=io.StringIO())
+    steps = max(1, engine_steps(stats))
+    out = [f"# Host profile: {title}", "",
+           f"{steps} engine steps under cProfile (times include the profiler's overhead).",
+           "", "## By own time", ""]
+    out += _rows(stats, steps, "tottime", limit, None)
+    out += ["", "## By cumulative time", ""]
+    out += _rows(stats, steps, "cumtime", limit, None)
+    out += ["", "## Speculator, patches and backends by cumulative time", ""]
+    out += _rows(stats, steps, "cumtime", limit, OWN_PATHS)
+    return "\n".join(out) + "\n"
+
+
+def profile_generate(llm: Any, inputs: list, params: Any, out_path: Path, title: str) -> Path:
+    """Run ``llm.generate(inputs, params)`` under cProfile and write :func:`summarize`
+    to ``out_path`` (markdown)."""
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        llm.generate(inputs, params, use_tqdm=False)
+    finally:
+        profile.disable()
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(summarize(profile, title))
+    return out_path
