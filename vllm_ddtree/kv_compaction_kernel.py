@@ -63,6 +63,7 @@ exists: building it copies to the device once, see :func:`compact_kv_views_`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -317,6 +318,7 @@ def _check_slots(src_slots: torch.Tensor, dst_slots: torch.Tensor,
     return path_len
 
 
+@functools.lru_cache(maxsize=512)
 def _launch_args(layout: RowLayout, num_moves: int, path_len: int):
     """Grid dims 0-1, the runtime layout args and the constexprs of one launch."""
     block_l = triton.next_power_of_2(path_len)
@@ -521,12 +523,16 @@ class _PathPlan:
     fallback: dict[int, list[int]]
 
 
-def _path_plan_key(groups) -> tuple:
+def _path_plan_key(groups, views_keys: tuple | None = None) -> tuple:
     """Slot mappings by address, dtype and stride, not length: vLLM's are rows of one
-    persistent buffer sliced to each step's ``num_tokens_padded``."""
+    persistent buffer sliced to each step's ``num_tokens_padded``. ``views_keys``: the
+    groups' ``_plan_key`` of their views, when the caller keeps them
+    (:class:`PathCompactor`)."""
+    if views_keys is None:
+        views_keys = tuple(_plan_key(views) for _, views in groups)
     return ("paths", tuple(
-        (sm.data_ptr(), sm.dtype, sm.stride(), sm.device, _plan_key(list(views)))
-        for sm, views in groups))
+        (sm.data_ptr(), sm.dtype, sm.stride(), sm.device, views_key)
+        for (sm, _), views_key in zip(groups, views_keys, strict=True)))
 
 
 def _build_path_plan(groups) -> _PathPlan:
@@ -568,7 +574,7 @@ def _check_walk(query_start_loc: torch.Tensor, kv_src_rows: torch.Tensor) -> Non
 
 
 def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
-                      kv_src_rows: torch.Tensor) -> None:
+                      kv_src_rows: torch.Tensor, views_keys: tuple | None = None) -> None:
     """One verify round's KV compaction in every KV-cache group: for each
     ``(slot_mapping, views)`` of ``groups``, moves the accepted path of every request
     in every view, as ``compact_kv_cache_(view, *path_compaction_slots(slot_mapping,
@@ -599,7 +605,8 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
     every group uses the PyTorch reference.
     """
     _check_walk(query_start_loc, kv_src_rows)
-    groups = [(slot_mapping, list(views)) for slot_mapping, views in groups]
+    if views_keys is None:
+        groups = [(slot_mapping, list(views)) for slot_mapping, views in groups]
     num_reqs, path_len = kv_src_rows.shape
     views = [v for _, vs in groups for v in vs]
     if num_reqs == 0 or path_len == 0 or not views:
@@ -612,7 +619,7 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
             src, dst = _padded_compaction_slots(slot_mapping, query_start_loc, kv_src_rows)
             compact_kv_views_([group_views[i] for i in indices], src, dst, path_len)
         return
-    plan = _cached_plan(_path_plan_key(groups), lambda: _build_path_plan(groups))
+    plan = _cached_plan(_path_plan_key(groups, views_keys), lambda: _build_path_plan(groups))
     for g, indices in plan.fallback.items():
         slot_mapping, group_views = groups[g]
         src, dst = _padded_compaction_slots(slot_mapping, query_start_loc, kv_src_rows)
@@ -629,3 +636,25 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
             table, query_start_loc, kv_src_rows, kv_src_rows.stride(0), kv_src_rows.stride(1),
             path_len, num_tokens, *args[1:], ELEM=_TL_DTYPES[layout.dtype], **consts,
             num_warps=NUM_WARPS)
+
+
+class PathCompactor:
+    """:func:`compact_kv_paths_` over fixed views (a speculator's target layers, whose
+    caches vLLM allocates once): the views' part of the plan key is computed here, once,
+    so a round only keys the groups' slot mappings before its launches.
+
+    Args:
+        views_by_group: per KV-cache group, the ``[num_blocks, page, *row]`` views of
+            its distinct caches (``speculator.kv_page_views``).
+    """
+
+    def __init__(self, views_by_group: list[list[torch.Tensor]]) -> None:
+        self.views_by_group = [list(views) for views in views_by_group]
+        self._views_keys = tuple(_plan_key(views) for views in self.views_by_group)
+
+    def __call__(self, slot_mappings: list[torch.Tensor], query_start_loc: torch.Tensor,
+                 kv_src_rows: torch.Tensor) -> None:
+        """One round: ``slot_mappings[g]`` int64 ``[num_tokens]`` is group ``g``'s
+        verify-batch slot mapping; the other arguments as in :func:`compact_kv_paths_`."""
+        groups = list(zip(slot_mappings, self.views_by_group, strict=True))
+        compact_kv_paths_(groups, query_start_loc, kv_src_rows, views_keys=self._views_keys)

@@ -36,7 +36,10 @@ def _choice(env: str, default: str) -> str:
     Raises:
         ValueError: the variable holds another value (names it and the choices).
     """
-    value = os.environ.get(env, default).strip().lower()
+    raw = os.environ.get(env)
+    if raw is None:  # the common case, checked several times a round
+        return default
+    value = raw.strip().lower()
     if value not in ROUND_KERNEL_CHOICES:
         raise ValueError(f"{env}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}")
     return value

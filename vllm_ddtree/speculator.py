@@ -70,7 +70,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from attention_backends.tree_mask_state import decode_query_limit
-from vllm_ddtree.kv_compaction_kernel import compact_kv_paths_
+from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -185,6 +185,9 @@ class DDTreeSpeculator(DFlashSpeculator):
     adaptive = False
     budget_policy = None
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
+    # (first cache of each group, PathCompactor over the groups' views), see
+    # _path_compactor
+    _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         spec = vllm_config.speculative_config
@@ -364,8 +367,22 @@ class DDTreeSpeculator(DFlashSpeculator):
         in-kernel); otherwise each group runs ``path_compaction_slots`` +
         ``compact_kv_cache_`` per view.
         """
+        compactor = self._path_compactor()
+        compactor([slot_mappings[layer_names[0]]
+                   for layer_names in self._target_layers_by_group.values()],
+                  query_start_loc, kv_src_rows)
+
+    def _path_compactor(self) -> PathCompactor:
+        """The groups' cache views, built at the first round and again only if vLLM
+        re-binds a group's first cache (the per-layer walk is 61 layers on Kimi-K2)."""
         forward_context = self.vllm_config.compilation_config.static_forward_context
-        groups = []
+        firsts = [forward_context[names[0]].kv_cache
+                  for names in self._target_layers_by_group.values()]
+        cached = self._compactor
+        if cached is not None and len(cached[0]) == len(firsts) and all(
+                a is b for a, b in zip(cached[0], firsts, strict=True)):
+            return cached[1]
+        views_by_group = []
         for layer_names in self._target_layers_by_group.values():
             seen_in_group: set[int] = set()
             views: list[torch.Tensor] = []
@@ -375,8 +392,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                     continue
                 seen_in_group.add(kv_cache.data_ptr())
                 views.extend(kv_page_views(kv_cache))
-            groups.append((slot_mappings[layer_names[0]], views))
-        compact_kv_paths_(groups, query_start_loc, kv_src_rows)
+            views_by_group.append(views)
+        compactor = PathCompactor(views_by_group)
+        self._compactor = (firsts, compactor)
+        return compactor
 
     @torch.inference_mode()
     def propose(
