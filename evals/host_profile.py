@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import cProfile
 import io
+import os
 import pstats
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +61,53 @@ def summarize(profile: cProfile.Profile, title: str, limit: int = 40) -> str:
     return "\n".join(out) + "\n"
 
 
+def _thread_times() -> dict[int, tuple[float, float]]:
+    """``{thread id: (user s, system s)}`` of this process's threads (psutil), or {}."""
+    try:
+        import psutil
+    except ImportError:
+        return {}
+    return {t.id: (t.user_time, t.system_time) for t in psutil.Process().threads()}
+
+
+def thread_report(before: dict, after: dict, wall_s: float) -> str:
+    """Markdown table of each thread's CPU time during the profiled generate, busiest
+    first: a thread other than the main one that burns CPU slows the whole process
+    (the GIL, or a shared core), which no per-function table shows."""
+    rows = []
+    for tid, (user, system) in after.items():
+        u0, s0 = before.get(tid, (0.0, 0.0))
+        rows.append((user - u0 + system - s0, user - u0, system - s0, tid))
+    rows.sort(reverse=True)
+    try:
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        load = "?"
+    lines = ["## Threads: CPU time during the profiled generate", "",
+             f"Wall {wall_s:.2f} s, load average {load}, "
+             f"{len(os.sched_getaffinity(0))} CPUs in this process's affinity.", "",
+             "| thread id | CPU s | share of wall | user s | system s |", "|---|---|---|---|---|"]
+    for cpu, user, system, tid in rows[:12]:
+        lines.append(f"| {tid} | {cpu:.3f} | {cpu / max(wall_s, 1e-9):.0%} | {user:.3f} | "
+                     f"{system:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
 def profile_generate(llm: Any, inputs: list, params: Any, out_path: Path, title: str) -> Path:
     """Run ``llm.generate(inputs, params)`` under cProfile and write :func:`summarize`
-    to ``out_path`` (markdown)."""
+    and :func:`thread_report` to ``out_path`` (markdown)."""
+    threads_before = _thread_times()
+    start = time.perf_counter()
     profile = cProfile.Profile()
     profile.enable()
     try:
         llm.generate(inputs, params, use_tqdm=False)
     finally:
         profile.disable()
+    wall = time.perf_counter() - start
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(summarize(profile, title))
+    report = summarize(profile, title)
+    if threads_before:
+        report += "\n" + thread_report(threads_before, _thread_times(), wall)
+    out_path.write_text(report)
     return out_path

@@ -764,3 +764,4 @@ def test_host_profile_reports_per_step_calls_of_a_fake_engine(tmp_path):
     assert "5 engine steps" in text
     row = next(line for line in text.splitlines() if "model_runner.py:1 propose" in line)
     assert row.split("|")[2].strip() == "2.0"  # calls per step
+    assert "## Threads: CPU time" in text and "| thread id |" in text  # psutil is there
