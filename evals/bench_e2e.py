@@ -173,6 +173,20 @@ def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],
             if r.budget == "auto" and r.auto_max is None else r for r in runs]
 
 
+def parse_cpus(text: str) -> set[int]:
+    """CPU ids from ``"0-3,8"`` (``--pin-cpus``)."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            first, _, last = part.strip().partition("-")
+            cpus.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--pin-cpus {text!r}: use e.g. 0-3 or 0,2,4") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError(f"--pin-cpus {text!r}: no CPU given")
+    return cpus
+
+
 def parse_context(text: str) -> int:
     """``1024``, ``1k``, ``128K`` -> tokens (k = 1024)."""
     m = re.fullmatch(r"(\d+)([kK]?)", text.strip())
@@ -451,7 +465,7 @@ def _sampling_params(spec: dict, max_tokens: int, batch: int):
 
 def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
     from e2e_models import make_prompts
-    from e2e_timing import allocator_counts, allocator_delta, summarize_steps
+    from e2e_timing import allocator_counts, allocator_delta, python_speed_ms, summarize_steps
     from vllm.inputs import TokensPrompt
 
     context, batch, kind = cell
@@ -466,6 +480,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         t0 = time.perf_counter()
         llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
         prefill_s = time.perf_counter() - t0
+    python_ms = python_speed_ms()
     before = spec_counters(llm)
     active_before = ddtree_active_counters() if run.budget == "auto" else None
     allocator_before = allocator_counts()
@@ -498,10 +513,12 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
     lasts = [o.metrics.last_token_ts for o in outputs
              if getattr(o, "metrics", None) is not None and o.metrics.last_token_ts]
     decode_s_stats = max(lasts) - min(firsts) if firsts and lasts else None
-    return cell_row(spec_base_row(spec, cell), summarize_steps(steps), counters, wall_s=wall,
-                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
-                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
-                    active_nodes=active_nodes, allocator=allocator)
+    row = cell_row(spec_base_row(spec, cell), summarize_steps(steps), counters, wall_s=wall,
+                   prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
+                   cached_tokens=cached, expect_cached=spec["prime"] == "cache",
+                   active_nodes=active_nodes, allocator=allocator)
+    row["python_ms"] = python_ms
+    return row
 
 
 def warm_up(llm, spec: dict) -> None:
@@ -546,6 +563,8 @@ def child_main(spec_path: str) -> None:
             _write_json_atomic(out, result)
         finish(0)
 
+    if spec.get("pin_cpus"):  # every run on the same cores: comparable host speed
+        os.sched_setaffinity(0, parse_cpus(spec["pin_cpus"]))
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
     try:
@@ -820,7 +839,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
             "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
             "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
             "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
-            "repeat": repeat,
+            "repeat": repeat, "pin_cpus": getattr(args, "pin_cpus", None),
         }
         hard = now + 60 * args.child_timeout_min
         if deadline:
@@ -898,6 +917,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --max-minutes: start no run with less time than this left "
                    "(an LLM takes about a minute to start)")
     p.add_argument("--child-timeout-min", type=float, default=45.0)
+    p.add_argument("--pin-cpus", help="run every child on these CPUs (e.g. 0-7), so that "
+                   "host-bound steps of different runs see the same cores")
     p.add_argument("--out-dir", help="default evals/results (with --from-json: beside "
                    "each JSON)")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
@@ -938,6 +959,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batches must be >= 1")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.pin_cpus:
+        try:
+            missing = parse_cpus(args.pin_cpus) - os.sched_getaffinity(0)
+        except argparse.ArgumentTypeError as e:
+            p.error(str(e))
+        if missing:
+            p.error(f"--pin-cpus: CPUs {sorted(missing)} are not available here")
     args.run_specs = list(dict.fromkeys(runs))
     return args
 

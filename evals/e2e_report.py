@@ -270,13 +270,16 @@ def _host_table(rows: list[dict]) -> list[str]:
     if not measured:
         return []
     header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
-    header += [name for name, _ in _HOST_COLUMNS]
+    header += [name for name, _ in _HOST_COLUMNS] + ["Python ms (fixed loop)"]
     lines = ["## Host time per decode step by region (ms)", "",
              "Host (CPU) time inside each call, means over the decode steps. A runner "
              "host time near the step time means the step is host-bound (the GPU waits "
              "for launches); the rest of a step's host time is vLLM's scheduler and "
              "output handling. GC pauses: Python garbage collections that ran inside a "
-             "step (in any region).", "",
+             "step (in any region). Python ms: one fixed pure-Python workload timed in "
+             "the run's process just before the cell (`e2e_timing.python_speed_ms`); "
+             "host-bound steps of two runs compare only where it agrees (on the lent "
+             "H200 host it was seen 1.8x apart between processes of one run).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in measured:
         regions = r["host_regions_ms"]
@@ -284,6 +287,7 @@ def _host_table(rows: list[dict]) -> list[str]:
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
+        cells.append(_f(r.get("python_ms")) if r.get("python_ms") else "—")
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

@@ -473,3 +473,29 @@ def split_step(decode_ms: float, steps: int, draft_ms: float, verify_ms: float) 
     step = decode_ms / steps
     return {"decode_ms": decode_ms, "steps": steps, "step_ms": step, "draft_ms": draft_ms,
             "verify_ms": verify_ms, "other_ms": step - draft_ms - verify_ms}
+
+
+def _python_workload(n: int) -> int:
+    """Interpreter-bound work (dict stores, int arithmetic, calls), like a runner's
+    per-step bookkeeping; no allocation that grows with ``n``."""
+    table: dict[int, int] = {}
+    total = 0
+    for i in range(n):
+        table[i & 255] = i
+        total += len(table) + i % 7
+    return total
+
+
+def python_speed_ms(repeats: int = 5, n: int = 20000) -> float:
+    """Median milliseconds of one fixed pure-Python workload in this process.
+
+    Host-bound decode steps of two processes compare only when their interpreters run
+    at the same speed; on the lent H200 host this figure was seen to differ by up to
+    1.8x between processes of one benchmark run (same code, same configuration), so
+    ``bench_e2e`` records it beside every cell."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _python_workload(n)
+        times.append(1000 * (time.perf_counter() - start))
+    return statistics.median(times)

@@ -130,7 +130,11 @@ for stage in "$@"; do
       cat "$OUT/replay.md" 2>/dev/null ;;
     e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
       # E2E_REPEATS (runs started interleaved, median shown) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
-      # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before)
+      # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before).
+      # E2E_PIN_CPUS=0-7: every run on the same cores (host-bound steps of separate
+      # processes were seen 1.3x apart on this host: compare the host table's Python ms).
+      # BENCH_E2E_HOST_PROFILE=$OUT/profiles: a cProfile summary per cell (host_profile.py).
+      # A first engine start on a fresh machine took 3 min (cold caches): budget for it.
       setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
       # E2E_PAIR=<dir with target/ and drafter/>: `trained` runs on that pair instead of
       # the embedded one (copied over vllm_ddtree/checkpoints for this call only: tracked
@@ -156,7 +160,7 @@ for stage in "$@"; do
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
         --batches ${E2E_BATCHES:-$batches} --prompts $prompts --repeats ${E2E_REPEATS:-1} \
-        --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" \
+        --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} \
         --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
       grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;

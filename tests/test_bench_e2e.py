@@ -689,6 +689,8 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     # runner host = execute_model + sample_tokens; empty regions read "—"
     assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — |" in lines[6]
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
+    timed = e2e_report._host_table([dict(row, python_ms=1.234)])
+    assert "Python ms (fixed loop)" in timed[4] and timed[6].endswith("| 1.23 |")
 
 
 class GcRunner(FakeRunner):
@@ -765,3 +767,13 @@ def test_host_profile_reports_per_step_calls_of_a_fake_engine(tmp_path):
     row = next(line for line in text.splitlines() if "model_runner.py:1 propose" in line)
     assert row.split("|")[2].strip() == "2.0"  # calls per step
     assert "## Threads: CPU time" in text and "| thread id |" in text  # psutil is there
+
+
+def test_python_speed_is_a_positive_median_and_cpus_parse():
+    ms = e2e_timing.python_speed_ms(repeats=3, n=2000)
+    assert 0 < ms < 1000
+    assert bench_e2e.parse_cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(Exception, match="pin-cpus"):
+        bench_e2e.parse_cpus("a-b")
+    with pytest.raises(SystemExit):  # a CPU this machine lacks is refused up front
+        parse_args(["--setup", "kimi8", "--pin-cpus", "100000", "--fake"])
