@@ -777,3 +777,28 @@ def test_python_speed_is_a_positive_median_and_cpus_parse():
         bench_e2e.parse_cpus("a-b")
     with pytest.raises(SystemExit):  # a CPU this machine lacks is refused up front
         parse_args(["--setup", "kimi8", "--pin-cpus", "100000", "--fake"])
+
+
+def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tmp_path):
+    import host_speed_report
+
+    run_dir = tmp_path / "call1"
+    (run_dir / "profiles").mkdir(parents=True)
+    rows = [{"run": "ddtree-64", "status": "ok", "step_ms": 4.0},
+            {"run": "ddtree-auto-64", "status": "ok", "step_ms": 6.0}]
+    (run_dir / "e2e_trained.json").write_text(json.dumps(
+        {"invocations": [{"runs": ["ddtree-64", "ddtree-auto-64"]}], "rows": rows}))
+    for name, us in (("ddtree-64", 0.2), ("ddtree-auto-64", 0.3)):
+        calls = 200.0
+        (run_dir / "profiles" / f"host_profile_{name}.md").write_text(
+            f"# Host profile: {name}, trained, context 1024, batch 1\n\n## By own time\n\n"
+            f"| `builtin:0 <built-in method builtins.isinstance>` | {calls} | "
+            f"{calls * us / 1000:.3f} | 0.1 |\n")
+    entries = host_speed_report.collect([run_dir])
+    assert [(e["run"], e["order"]) for e in entries] == [("ddtree-64", 1),
+                                                          ("ddtree-auto-64", 2)]
+    assert [round(e["us_per_call"], 3) for e in entries] == [0.2, 0.3]
+    host_speed_report.write(entries, tmp_path / "out", "cmd")
+    table = (tmp_path / "out.md").read_text()
+    assert "| call1 | 2 | ddtree-auto-64 | 6.00 | 0.300 | — | 20.0 |" in table
+    assert (tmp_path / "out.png").stat().st_size > 0
