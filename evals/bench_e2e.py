@@ -465,7 +465,13 @@ def _sampling_params(spec: dict, max_tokens: int, batch: int):
 
 def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
     from e2e_models import make_prompts
-    from e2e_timing import allocator_counts, allocator_delta, python_speed_ms, summarize_steps
+    from e2e_timing import (
+        allocator_counts,
+        allocator_delta,
+        current_cpu_and_node,
+        python_speed_ms,
+        summarize_steps,
+    )
     from vllm.inputs import TokensPrompt
 
     context, batch, kind = cell
@@ -481,6 +487,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
         prefill_s = time.perf_counter() - t0
     python_ms = python_speed_ms()
+    cpu, numa_node = current_cpu_and_node()
     before = spec_counters(llm)
     active_before = ddtree_active_counters() if run.budget == "auto" else None
     allocator_before = allocator_counts()
@@ -517,7 +524,7 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
                    active_nodes=active_nodes, allocator=allocator)
-    row["python_ms"] = python_ms
+    row.update(python_ms=python_ms, cpu=cpu, numa_node=numa_node)
     return row
 
 

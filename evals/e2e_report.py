@@ -277,7 +277,8 @@ def _host_table(rows: list[dict]) -> list[str]:
              "for launches); the rest of a step's host time is vLLM's scheduler and "
              "output handling. GC pauses: Python garbage collections that ran inside a "
              "step (in any region). Python ms: one fixed pure-Python workload timed in "
-             "the run's process just before the cell (`e2e_timing.python_speed_ms`); "
+             "the run's process just before the cell (`e2e_timing.python_speed_ms`), with "
+             "the CPU and NUMA node it ran on; "
              "host-bound steps of two runs compare only where it agrees (on the lent "
              "H200 host it was seen 1.8x apart between processes of one run).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -287,7 +288,11 @@ def _host_table(rows: list[dict]) -> list[str]:
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
-        cells.append(_f(r.get("python_ms")) if r.get("python_ms") else "—")
+        speed = _f(r.get("python_ms")) if r.get("python_ms") else "—"
+        if r.get("cpu") is not None:
+            node = r.get("numa_node")
+            speed += f" (cpu {r['cpu']}{'' if node is None else f', node {node}'})"
+        cells.append(speed)
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

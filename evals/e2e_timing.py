@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -499,3 +500,21 @@ def python_speed_ms(repeats: int = 5, n: int = 20000) -> float:
         _python_workload(n)
         times.append(1000 * (time.perf_counter() - start))
     return statistics.median(times)
+
+
+def current_cpu_and_node() -> tuple[int | None, int | None]:
+    """The CPU this thread runs on now and its NUMA node (Linux sysfs), None where
+    unknown: beside ``python_speed_ms``, it tells a slow core or a remote-memory
+    placement from a slow process."""
+    try:
+        import psutil
+
+        cpu = psutil.Process().cpu_num()
+    except (ImportError, AttributeError, OSError):
+        return None, None
+    try:
+        nodes = [n for n in os.listdir(f"/sys/devices/system/cpu/cpu{cpu}")
+                 if n.startswith("node") and n[4:].isdigit()]
+    except OSError:
+        return cpu, None
+    return cpu, int(nodes[0][4:]) if nodes else None

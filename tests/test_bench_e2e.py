@@ -5,6 +5,7 @@ runner classes), the markdown/PNG writer and the parent/child plumbing (``--fake
 import gc
 import inspect
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -691,6 +692,8 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
     timed = e2e_report._host_table([dict(row, python_ms=1.234)])
     assert "Python ms (fixed loop)" in timed[4] and timed[6].endswith("| 1.23 |")
+    placed = e2e_report._host_table([dict(row, python_ms=1.234, cpu=5, numa_node=1)])
+    assert placed[6].endswith("| 1.23 (cpu 5, node 1) |")
 
 
 class GcRunner(FakeRunner):
@@ -773,6 +776,9 @@ def test_python_speed_is_a_positive_median_and_cpus_parse():
     ms = e2e_timing.python_speed_ms(repeats=3, n=2000)
     assert 0 < ms < 1000
     assert bench_e2e.parse_cpus("0-2,5") == {0, 1, 2, 5}
+    cpu, node = e2e_timing.current_cpu_and_node()
+    assert cpu is None or cpu in os.sched_getaffinity(0)
+    assert node is None or node >= 0
     with pytest.raises(Exception, match="pin-cpus"):
         bench_e2e.parse_cpus("a-b")
     with pytest.raises(SystemExit):  # a CPU this machine lacks is refused up front
