@@ -637,6 +637,37 @@ def test_compaction_reaches_every_group_sharing_one_storage():
             range(1 + BUDGET, total))
 
 
+def test_compaction_views_are_kept_across_rounds_and_rebuilt_on_a_rebound_cache():
+    """The speculator builds its PathCompactor at the first round and keeps it; a cache
+    vLLM binds anew (another tensor object) gets a new one, and rounds then move the
+    new cache's rows, not the old one's."""
+    state = new_state()
+    spec = fake_speculator(state)
+    total = 2 * (1 + BUDGET)
+    qsl = torch.tensor([0, 1 + BUDGET, total], dtype=torch.int32)
+    slots = torch.arange(10, 10 + total)
+    kv_src_rows = torch.full((2, DEPTHS), -1, dtype=torch.int64)
+    kv_src_rows[0, :2] = torch.tensor([4, 7])
+
+    def fresh_cache():
+        cache = torch.zeros(100, 1, 2)
+        cache[slots, 0, 0] = torch.arange(total, dtype=torch.float32)
+        return cache
+
+    context = {"target.0": NS(kv_cache=fresh_cache())}
+    spec._target_layers_by_group = {0: ["target.0"]}
+    spec.vllm_config = NS(compilation_config=NS(static_forward_context=context))
+    spec._compact_target_kv({"target.0": slots}, qsl, kv_src_rows)
+    first = spec._compactor[1]
+    spec._compact_target_kv({"target.0": slots}, qsl, kv_src_rows)
+    assert spec._compactor[1] is first  # same caches: built once
+    rebound = fresh_cache()
+    context["target.0"] = NS(kv_cache=rebound)
+    spec._compact_target_kv({"target.0": slots}, qsl, kv_src_rows)
+    assert spec._compactor[1] is not first
+    assert rebound[slots[:3], 0, 0].tolist() == [0.0, 4.0, 7.0]
+
+
 def undo_runner_patches_after_test(monkeypatch) -> None:
     """Apply the released patches, then make monkeypatch restore every attribute the
     runner patches replace: other tests expect a process without DDTree (vLLM's own

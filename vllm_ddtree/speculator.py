@@ -309,6 +309,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._target_layers_by_group = target_layers_by_group(
             kv_cache_config, self.draft_attn_layer_names
         )
+        self._compactor = None  # views of the new groups at the next round
 
     def _generate_draft(
         self,
