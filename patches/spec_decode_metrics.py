@@ -82,8 +82,24 @@ def _ddtree_prom_cls(base):
             }
 
         def observe(self, spec_decoding_stats, engine_idx: int = 0):
-            super().observe(spec_decoding_stats, engine_idx)
-            if not self.ddtree_enabled or not spec_decoding_stats.num_drafts:
+            if not self.ddtree_enabled:
+                return super().observe(spec_decoding_stats, engine_idx)
+            # vLLM increments all B per-position counters every step (B = 64-512 for a
+            # tree) though no accepted depth passes the drafter's L: hand it only the
+            # positions up to the last non-zero count (the others would add 0). The
+            # in-process engine runs this on the engine's thread.
+            per_pos = self.counter_spec_decode_num_accepted_tokens_per_pos
+            counters = per_pos.get(engine_idx)
+            if counters is not None:
+                counts = spec_decoding_stats.num_accepted_tokens_per_pos
+                used = max((i + 1 for i, n in enumerate(counts) if n), default=0)
+                per_pos[engine_idx] = counters[:used]
+            try:
+                super().observe(spec_decoding_stats, engine_idx)
+            finally:
+                if counters is not None:
+                    per_pos[engine_idx] = counters
+            if not spec_decoding_stats.num_drafts:
                 return
             summary = summarize_rounds(
                 spec_decoding_stats.num_drafts,
@@ -95,7 +111,8 @@ def _ddtree_prom_cls(base):
             self.ddtree_committed[engine_idx].inc(summary.committed_tokens)
             self.ddtree_nodes[engine_idx].inc(summary.tree_nodes)
             for depth, rounds in enumerate(summary.depth_histogram):
-                self.ddtree_by_depth[engine_idx][depth].inc(rounds)
+                if rounds:
+                    self.ddtree_by_depth[engine_idx][depth].inc(rounds)
 
     return DDTreeSpecDecodingProm
 

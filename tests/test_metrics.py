@@ -64,6 +64,20 @@ def test_patched_loggers_report_ddtree(monkeypatch):
     assert registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_total", labels) == 14
     assert registry.get_sample_value("vllm:ddtree_rounds_by_accepted_depth_total",
                                      {**labels, "depth": "3"}) == 2
+    # vLLM's per-position counters: the same values as vLLM's own observe gives, every
+    # position still exported, though only those up to the deepest accepted one are
+    # incremented
+    want = stats_for(DEPTHS).num_accepted_tokens_per_pos
+    assert want[7:] == [0] * (BUDGET - 7)
+    for pos in range(BUDGET):
+        assert registry.get_sample_value("vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                                         {**labels, "position": str(pos)}) == want[pos], pos
+    assert len(prom.counter_spec_decode_num_accepted_tokens_per_pos[0]) == BUDGET
+    incremented = []
+    for counter in prom.counter_spec_decode_num_accepted_tokens_per_pos[0]:
+        monkeypatch.setattr(counter, "inc", lambda n, c=counter: incremented.append(n))
+    prom.observe(stats_for([2, 0]))
+    assert incremented == [1, 1]  # positions 0 and 1; the 14 zeros are skipped
     # without DDTree the class is vLLM's own
     plain_cls = prom_cls_on(prometheus_client.CollectorRegistry())
     plain = plain_cls(NS(num_speculative_tokens=4, ddtree=None), ["model_name", "engine"],
