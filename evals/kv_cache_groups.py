@@ -1,0 +1,121 @@
+"""How vLLM 0.26 groups the KV caches of an MLA target beside a DFlash drafter.
+
+Every KV-cache group costs host time in every step: its own block table and slot
+mapping, and an attention-metadata build per attention backend (for the target's verify
+and for the drafter). With the hybrid KV-cache manager (vLLM's default) a target of M
+MLA layers beside a drafter with sliding-window and full layers gets one group per
+layer; with ``disable_hybrid_kv_cache_manager`` one group holds them all (the drafter's
+sliding layers then keep KV for the whole context, as full layers do: more memory, the
+same attention, since the window is the layer's, not the cache's). This runs vLLM's own
+grouping (``get_kv_cache_groups``) on the layer specs of the setups we benchmark; CPU
+only, no model is built.
+
+    python evals/kv_cache_groups.py --out evals/results/kv_cache_groups.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_models
+
+
+@dataclass(frozen=True)
+class PairShape:
+    """The attention layers of a target + drafter pair, as vLLM's KV specs see them."""
+
+    name: str
+    target_layers: int  # MLA (kv_lora_rank 512 + rope 64)
+    sliding_layers: int  # drafter
+    full_layers: int  # drafter
+    drafter_kv_heads: int
+    drafter_head_dim: int
+    window: int
+
+
+def _kimi(name: str, target_layers: int) -> PairShape:
+    from e2e_models import (
+        KIMI_DRAFTER_HEAD_DIM,
+        KIMI_DRAFTER_KV_HEADS,
+        KIMI_DRAFTER_LAYERS,
+        KIMI_DRAFTER_WINDOW,
+    )
+
+    return PairShape(name, target_layers, KIMI_DRAFTER_LAYERS - 1, 1, KIMI_DRAFTER_KV_HEADS,
+                     KIMI_DRAFTER_HEAD_DIM, KIMI_DRAFTER_WINDOW)
+
+
+def shapes() -> tuple[PairShape, ...]:
+    """The embedded pair (its checkpoint configs), the kimi8 / kimi64 setups of
+    ``bench_e2e`` and Kimi-K2's 61 layers beside the same drafter."""
+    from e2e_models import KIMI_TARGET_LAYERS
+
+    return (PairShape("embedded pair (vllm_ddtree/checkpoints)", 4, 2, 1, 2, 64, 256),
+            _kimi("kimi8 / kimi64 benchmark setups", KIMI_TARGET_LAYERS),
+            _kimi("Kimi-K2 + Kimi-K2.6-shaped drafter", 61))
+
+
+def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64) -> list[tuple[str, int]]:
+    """``[(spec type, number of layers)]`` per KV-cache group vLLM forms for ``shape``
+    (64-token pages; the pages are padded to one size as vLLM does for our backends)."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    specs = {}
+    for i in range(shape.target_layers):
+        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=page, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+            indexes_kv_by_block_stride=True)
+    drafter = dict(block_size=page, num_kv_heads=shape.drafter_kv_heads,
+                   head_size=shape.drafter_head_dim, dtype=torch.bfloat16,
+                   indexes_kv_by_block_stride=True)
+    for i in range(shape.sliding_layers):
+        specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
+            sliding_window=shape.window, **drafter)
+    for i in range(shape.full_layers):
+        specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
+            **drafter)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(
+        disable_hybrid_kv_cache_manager=not hybrid))
+    return [(type(g.kv_cache_spec).__name__, len(g.layer_names))
+            for g in get_kv_cache_groups(config, specs)]
+
+
+def describe(groups: list[tuple[str, int]]) -> str:
+    counts = Counter(groups)
+    return ", ".join(f"{n} x {kind} of {layers} layer{'s' * (layers > 1)}"
+                     for (kind, layers), n in counts.items())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("evals/results/kv_cache_groups.md"))
+    args = p.parse_args(argv)
+    lines = ["# KV-cache groups of an MLA target beside a DFlash drafter (vLLM 0.26.0)", "",
+             "Command: `python evals/kv_cache_groups.py --out " + str(args.out) + "` (CPU: "
+             "vLLM's `get_kv_cache_groups` on the layers' KV specs, 64-token pages).", "",
+             "| pair | layers (target MLA + drafter sliding + full) | groups, hybrid manager "
+             "(default) | groups, `disable_hybrid_kv_cache_manager` |", "|---|---|---|---|"]
+    for shape in shapes():
+        hybrid, single = kv_cache_groups(shape, True), kv_cache_groups(shape, False)
+        lines.append(f"| {shape.name} | {shape.target_layers} + {shape.sliding_layers} + "
+                     f"{shape.full_layers} | {len(hybrid)}: {describe(hybrid)} | "
+                     f"{len(single)}: {describe(single)} |")
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
