@@ -436,16 +436,6 @@ def llm_kwargs(spec: dict) -> dict:
     return kwargs
 
 
-def ddtree_active_counters() -> tuple[int, int] | None:
-    """(active tree nodes, verified trees) counted by ``ddtree_budget: "auto"`` in this
-    process (the child runs the engine and its one worker in-process), or None."""
-    from vllm_ddtree.runtime_state import DDTREE_STATE
-
-    if not DDTREE_STATE.adaptive or DDTREE_STATE.active_nodes_sum is None:
-        return None
-    return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
-
-
 def spec_counters(llm) -> dict:
     """Current values of vLLM's spec-decode counters (summed over label sets)."""
     try:
@@ -463,15 +453,18 @@ def _sampling_params(spec: dict, max_tokens: int, batch: int):
             for i in range(batch)]
 
 
-def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
-    from e2e_models import make_prompts
-    from e2e_timing import (
-        allocator_counts,
-        allocator_delta,
-        current_cpu_and_node,
-        python_speed_ms,
-        summarize_steps,
+def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
+    """One cell: prime the prefix cache, then the measured generate with the step timer
+    of ``engine`` (``e2e_engine.LocalEngine`` or ``RemoteEngine``) around it."""
+    from e2e_engine import (
+        engine_active_counters,
+        engine_allocator_counts,
+        engine_host_speed,
+        engine_timer_begin,
+        engine_timer_end,
     )
+    from e2e_models import make_prompts
+    from e2e_timing import allocator_delta, summarize_steps
     from vllm.inputs import TokensPrompt
 
     context, batch, kind = cell
@@ -486,30 +479,28 @@ def measure_cell(llm, timer, spec: dict, cell: tuple[int, int, str], tokenizer) 
         t0 = time.perf_counter()
         llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
         prefill_s = time.perf_counter() - t0
-    python_ms = python_speed_ms()
-    cpu, numa_node = current_cpu_and_node()
+    python_ms, cpu, numa_node = engine.call(engine_host_speed)
     before = spec_counters(llm)
-    active_before = ddtree_active_counters() if run.budget == "auto" else None
-    allocator_before = allocator_counts()
-    timer.begin(prompt_len=context)
+    active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
+    allocator_before = engine.call(engine_allocator_counts)
+    engine.call(engine_timer_begin, context)
     t0 = time.perf_counter()
     try:
         outputs = llm.generate(inputs, _sampling_params(spec, max_tokens, batch), use_tqdm=False)
     finally:
         wall = time.perf_counter() - t0
-        steps = timer.end()
-    allocator = allocator_delta(allocator_before, allocator_counts())
+        steps = engine.call(engine_timer_end)
+    allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
     counters = counter_delta(before, spec_counters(llm))
     profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
     if profile_dir:  # after the measured generate and its counters: they stay unprofiled
-        from host_profile import profile_generate
-
         name = f"{run.name}_{context}x{batch}_{kind}".replace("@", "_").replace("=", "")
-        profile_generate(llm, inputs, _sampling_params(spec, max_tokens, batch),
-                         Path(profile_dir) / f"host_profile_{name}.md",
-                         f"{run.name}, {spec['setup']}, context {context}, batch {batch}")
+        engine.profile(llm, inputs, _sampling_params(spec, max_tokens, batch),
+                       Path(profile_dir).resolve() / f"host_profile_{name}.md",
+                       f"{run.name}, {spec['setup']}, context {context}, batch {batch}")
     active_nodes = None
-    active_after = ddtree_active_counters() if active_before is not None else None
+    active_after = (engine.call(engine_active_counters) if active_before is not None
+                    else None)
     if active_before is not None and active_after is not None:
         trees = active_after[1] - active_before[1]
         active_nodes = (active_after[0] - active_before[0]) / trees if trees else None
@@ -572,7 +563,14 @@ def child_main(spec_path: str) -> None:
 
     if spec.get("pin_cpus"):  # every run on the same cores: comparable host speed
         os.sched_setaffinity(0, parse_cpus(spec["pin_cpus"]))
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
+    remote = bool(spec.get("engine_process"))
+    if remote:  # vLLM's own layout; the timer runs in the engine core (e2e_engine)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # callables in collective_rpc
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(EVALS), os.environ.get("PYTHONPATH")) if p)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
     try:
         import torch
@@ -580,13 +578,12 @@ def child_main(spec_path: str) -> None:
         import vllm_ddtree
 
         vllm_ddtree.register()  # front-end patch; LLM() applies DDTree's runner patches
+        from e2e_engine import LocalEngine, RemoteEngine
         from e2e_models import load_tokenizer
-        from e2e_timing import StepTimer
         from vllm import LLM
 
-        timer = StepTimer()
-        result["meta"]["hooks"] = timer.install_vllm()
-        timer.install_graph_modes()
+        engine = None if remote else LocalEngine()
+        result["meta"]["engine_process"] = remote
         result["meta"].update(gpu=torch.cuda.get_device_name(0), versions=_versions())
         kwargs = llm_kwargs(spec)
         result["meta"]["llm_kwargs"] = {k: v for k, v in kwargs.items()}
@@ -594,6 +591,9 @@ def child_main(spec_path: str) -> None:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["meta"]["startup_s"] = time.perf_counter() - t0
+        if remote:
+            engine = RemoteEngine(llm)
+        result["meta"]["hooks"] = engine.hooks
         warm_up(llm, spec)
         tokenizer = load_tokenizer(spec["tokenizer_file"]) if spec["tokenizer_file"] else None
     except Exception as e:  # noqa: BLE001 - report the failure in every cell
@@ -613,7 +613,7 @@ def child_main(spec_path: str) -> None:
         else:
             print(f"[bench_e2e] {run.name}: cell {cell}", flush=True)
             try:
-                result["rows"].append(measure_cell(llm, timer, spec, cell, tokenizer))
+                result["rows"].append(measure_cell(llm, engine, spec, cell, tokenizer))
             except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
                 traceback.print_exc()
                 oom = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e)
@@ -847,6 +847,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
             "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
             "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
             "repeat": repeat, "pin_cpus": getattr(args, "pin_cpus", None),
+            "engine_process": getattr(args, "engine_process", False),
         }
         hard = now + 60 * args.child_timeout_min
         if deadline:
@@ -924,6 +925,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --max-minutes: start no run with less time than this left "
                    "(an LLM takes about a minute to start)")
     p.add_argument("--child-timeout-min", type=float, default=45.0)
+    p.add_argument("--engine-process", action="store_true",
+                   help="run vLLM's engine core in its own process, as vllm serve does "
+                   "(the timer reads the runner there through collective_rpc); default: "
+                   "in the child's process, with the front end on the engine's thread")
     p.add_argument("--pin-cpus", help="run every child on these CPUs (e.g. 0-7), so that "
                    "host-bound steps of different runs see the same cores")
     p.add_argument("--out-dir", help="default evals/results (with --from-json: beside "
@@ -1013,7 +1018,8 @@ def main(argv=None) -> int:
             invocation = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M"),
                           "runs": [r.name for r in args.run_specs],
                           "max_tokens": args.max_tokens, "temperature": args.temperature,
-                          "graphs": not args.eager, "prime": args.prime}
+                          "graphs": not args.eager, "prime": args.prime,
+                          "engine_process": args.engine_process}
             run_setup(SETUPS[name], args, args.run_specs, progress, deadline, invocation)
     print(f"done in {(time.time() - start) / 60:.1f} min")
     return 0

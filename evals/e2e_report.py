@@ -162,11 +162,18 @@ def _header(data: dict) -> list[str]:
         lines.append(f"- {max_tokens} new tokens per request (ignore_eos), temperature "
                      f"{temperature}, CUDA graphs {'on' if graphs else 'off'}, "
                      f"prompts primed into the prefix cache: {prime}")
+    layouts = sorted({bool(i.get("engine_process")) for i in invocations})
+    for remote in layouts:
+        lines.append("- engine: " + (
+            "engine core in its own process, as `vllm serve` runs it (`--engine-process`; "
+            "the step timer runs there)" if remote else
+            "in the run's process (the front end's work shares the engine's thread)"))
     lines += [
         "",
         "How to read: every method runs in its own process (a fresh `LLM`) on vLLM's V2 "
-        "model runner, engine in-process. Per cell, a `max_tokens=1` generate first "
-        "prefills the prompts into the prefix cache, then the measured generate "
+        "model runner (the engine's process: see *engine* above). Per cell, a "
+        "`max_tokens=1` generate first prefills the prompts into the prefix cache, then "
+        "the measured generate "
         "re-sends them (all requests start decoding together; prefill is excluded). "
         "*decode time* is the GPU timeline (CUDA events) from the first to the last pure "
         "decode step; tokens/s = batch x (max_tokens - 1) / decode time; step = decode "

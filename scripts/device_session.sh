@@ -134,6 +134,8 @@ for stage in "$@"; do
       # E2E_PIN_CPUS=0-7: every run on the same cores (host-bound steps of separate
       # processes were seen 1.3x apart on this host: compare the host table's Python ms).
       # BENCH_E2E_HOST_PROFILE=$OUT/profiles: a cProfile summary per cell (host_profile.py).
+      # E2E_ENGINE_PROCESS=1: vLLM's engine core in its own process, as vllm serve runs it
+      # (the timer reads it through collective_rpc, e2e_engine.py; not yet GPU-run).
       # A first engine start on a fresh machine took 3 min (cold caches): budget for it.
       setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
       # E2E_PAIR=<dir with target/ and drafter/>: `trained` runs on that pair instead of
@@ -160,7 +162,7 @@ for stage in "$@"; do
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
         --batches ${E2E_BATCHES:-$batches} --prompts $prompts --repeats ${E2E_REPEATS:-1} \
-        --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} \
+        --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} ${E2E_ENGINE_PROCESS:+--engine-process} \
         --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
       grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;

@@ -808,3 +808,36 @@ def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tm
     table = (tmp_path / "out.md").read_text()
     assert "| call1 | 2 | ddtree-auto-64 | 6.00 | 0.300 | — | 20.0 |" in table
     assert (tmp_path / "out.png").stat().st_size > 0
+
+
+def test_remote_engine_runs_the_probes_through_collective_rpc(tmp_path, monkeypatch):
+    """``--engine-process``: every probe goes through ``llm.collective_rpc(fn, args=...)``
+    with the worker first (here a fake that runs it in this process) and rank 0's result
+    comes back; the profile is started and stopped there around the generate."""
+    import e2e_engine
+
+    calls = []
+
+    class FakeLLM:
+        def collective_rpc(self, method, args=()):
+            calls.append(method.__name__)
+            return [method("worker", *args), "rank 1 ignored"]
+
+        def generate(self, inputs, params, use_tqdm=False):
+            calls.append("generate")
+
+    monkeypatch.setattr(e2e_engine, "_TIMER", None)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_vllm", lambda self: self.installed)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_graph_modes", lambda self: None)
+    engine = e2e_engine.RemoteEngine(FakeLLM())
+    assert engine.remote and engine.hooks == [] and calls == ["engine_install_timer"]
+    speed, _cpu, _node = engine.call(e2e_engine.engine_host_speed)
+    assert speed > 0
+    engine.call(e2e_engine.engine_timer_begin, 128)
+    assert e2e_engine._TIMER.active and e2e_engine._TIMER.prompt_len == 128
+    assert engine.call(e2e_engine.engine_timer_end) == []  # no step ran
+    engine.profile(FakeLLM(), [], None, tmp_path / "p.md", "fake")
+    assert calls[-3:] == ["engine_profile_start", "generate", "engine_profile_stop"]
+    assert "(engine-core process)" in (tmp_path / "p.md").read_text()
+    local = e2e_engine.LocalEngine()  # the in-process default: the same functions, direct
+    assert not local.remote and local.call(e2e_engine.engine_active_counters) is None
