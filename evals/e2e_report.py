@@ -37,17 +37,26 @@ ANCHORS: dict[str, dict[str, dict[int, float]]] = {
 def run_sort_key(row: dict) -> tuple:
     budget = row.get("budget")
     return (METHOD_ORDER.get(row.get("method"), 9), BACKEND_ORDER.get(row.get("backend"), 9),
-            budget if isinstance(budget, int) else 10**9, str(row.get("run")))
+            budget if isinstance(budget, int) else 10**9, run_id(row))
+
+
+def run_id(row: dict) -> str:
+    """The run a row belongs to: its ``run`` name, told apart from the same run measured
+    with ``--engine-process``."""
+    return str(row.get("run")) + (" @engine-process" if row.get("engine_process") else "")
 
 
 def run_label(row: dict) -> str:
+    """The method's name in the tables (``(engine process)`` for ``--engine-process``
+    rows, which sit beside the in-process ones of the same run)."""
+    suffix = " (engine process)" if row.get("engine_process") else ""
     method, backend = row.get("method"), row.get("backend")
     if method == "ddtree":
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
-            return "DDTree B=auto, fixed shape"
-        return f"DDTree B={row.get('budget')}"
+            return "DDTree B=auto, fixed shape" + suffix
+        return f"DDTree B={row.get('budget')}{suffix}"
     name = {"ar": "AR", "dflash": "DFlash chain"}.get(method, str(method))
-    return f"{name}, {BACKEND_SHORT.get(backend, backend)}"
+    return f"{name}, {BACKEND_SHORT.get(backend, backend)}{suffix}"
 
 
 def ctx_label(n: int) -> str:
@@ -80,7 +89,7 @@ def collapse_repeats(rows: list[dict]) -> list[dict]:
     measured repeat keep their first row."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        groups[(r.get("run"), r.get("context"), r.get("batch"), r.get("kind"))].append(r)
+        groups[(run_id(r), r.get("context"), r.get("batch"), r.get("kind"))].append(r)
     out = []
     for group in groups.values():
         measured = sorted(ok_rows(group), key=lambda r: r.get("step_ms") or float("inf"))
@@ -111,13 +120,14 @@ def _spread_table(rows: list[dict]) -> list[str]:
 
 
 def reference_ar(rows: list[dict]) -> dict[tuple, float]:
-    """tokens/s of the AR reference per (context, batch, kind): ``ar@FLASH_ATTN_MLA``
-    when measured, else the first AR run in table order."""
+    """tokens/s of the AR reference per (context, batch, kind, engine process): the
+    ``ar@FLASH_ATTN_MLA`` of the same engine layout when measured, else the first AR run
+    in table order."""
     best: dict[tuple, tuple] = {}
     for r in ok_rows(rows):
         if r.get("method") != "ar" or not r.get("tokens_per_s"):
             continue
-        key = (r["context"], r["batch"], r["kind"])
+        key = (r["context"], r["batch"], r["kind"], bool(r.get("engine_process")))
         rank = run_sort_key(r)
         if key not in best or rank < best[key][0]:
             best[key] = (rank, r["tokens_per_s"])
@@ -205,8 +215,8 @@ def _pivot(rows: list[dict], value: str, title: str, digits: int = 2) -> list[st
         by_run: dict[str, dict] = {}
         order: dict[str, tuple] = {}
         for r in group:
-            by_run.setdefault(r["run"], {})[r["context"]] = r.get(value)
-            order[r["run"]] = (run_sort_key(r), run_label(r))
+            by_run.setdefault(run_id(r), {})[r["context"]] = r.get(value)
+            order[run_id(r)] = (run_sort_key(r), run_label(r))
         lines += [f"### {title}, batch {batch}, {kind} prompts", "",
                   "| method | " + " | ".join(ctx_label(c) for c in contexts) + " |",
                   "|---|" + "---|" * len(contexts)]
@@ -222,7 +232,7 @@ def _anchor_table(data: dict) -> list[str]:
     if not anchors:
         return []
     measured = {(r["run"], r["context"]): r.get("step_ms") for r in ok_rows(data["rows"])
-                if r["batch"] == 1}
+                if r["batch"] == 1 and not r.get("engine_process")}
     contexts = sorted({c for a in anchors.values() for c in a})
     runs = list(anchors)
     head = []
@@ -318,7 +328,7 @@ def _full_table(rows: list[dict]) -> list[str]:
             cells += ["—"] * (len(header) - 5) + [f"{r.get('status')}: {note}".strip(": ")]
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        base = ref.get((r["context"], r["batch"], r["kind"]))
+        base = ref.get((r["context"], r["batch"], r["kind"], bool(r.get("engine_process"))))
         speedup = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
         compact = r.get("compact_ms") if r.get("method") == "ddtree" else None
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
@@ -339,7 +349,7 @@ def _answers(data: dict) -> list[str]:
     lines = ["## Reading (generated from the rows above)", ""]
     by_run: dict[tuple, list[dict]] = defaultdict(list)
     for r in rows:
-        by_run[(r["kind"], r["batch"], r["run"])].append(r)
+        by_run[(r["kind"], r["batch"], run_id(r))].append(r)
     growth = []
     for (kind, _batch, _run), group in sorted(
             by_run.items(), key=lambda kv: (kv[0][0], kv[0][1], run_sort_key(kv[1][0]))):
@@ -398,7 +408,7 @@ def _throughput_bars(ax, rows: list[dict], kinds: list[str], order: list[str]) -
     width = 0.8 / max(len(kinds), 1)
     labels = {}
     for k, kind in enumerate(kinds):
-        by_run = {r["run"]: r for r in rows if r["kind"] == kind}
+        by_run = {run_id(r): r for r in rows if r["kind"] == kind}
         for i, run in enumerate(order):
             r = by_run.get(run)
             if r is None or not r.get("tokens_per_s"):
@@ -436,7 +446,7 @@ def write_plot(data: dict, path: str) -> bool:
     sel = [r for r in rows if r["batch"] == batch and r["kind"] == kind]
     runs: dict[str, list[dict]] = defaultdict(list)
     for r in sel:
-        runs[r["run"]].append(r)
+        runs[run_id(r)].append(r)
     order = sorted(runs, key=lambda k: run_sort_key(runs[k][0]))
     contexts = sorted({r["context"] for r in sel})
 

@@ -841,3 +841,23 @@ def test_remote_engine_runs_the_probes_through_collective_rpc(tmp_path, monkeypa
     assert "(engine-core process)" in (tmp_path / "p.md").read_text()
     local = e2e_engine.LocalEngine()  # the in-process default: the same functions, direct
     assert not local.remote and local.call(e2e_engine.engine_active_counters) is None
+
+
+def test_engine_process_rows_sit_beside_the_in_process_ones(tmp_path):
+    """The same run measured in-process and with ``--engine-process`` keeps two rows
+    (merge key), two table lines and its own AR reference."""
+    common = ["--fake", "--batches", "1", "--out-dir", str(tmp_path), "--model-dir",
+              str(tmp_path / "models"), "--setup", "kimi8", "--contexts", "1k",
+              "--runs", "ar@FLASH_ATTN_MLA", "ddtree-64"]
+    assert bench_e2e.main(common) == 0
+    assert bench_e2e.main(common + ["--engine-process"]) == 0
+    data = json.loads((tmp_path / "e2e_kimi8.json").read_text())
+    keys = sorted((r["run"], bool(r.get("engine_process"))) for r in data["rows"])
+    assert keys == [("ar@FLASH_ATTN_MLA", False), ("ar@FLASH_ATTN_MLA", True),
+                    ("ddtree-64", False), ("ddtree-64", True)]
+    assert [bool(i.get("engine_process")) for i in data["invocations"]] == [False, True]
+    md = (tmp_path / "e2e_kimi8.md").read_text()
+    assert "| DDTree B=64 (engine process) |" in md and "| DDTree B=64 |" in md
+    assert "engine core in its own process" in md
+    refs = e2e_report.reference_ar(data["rows"])
+    assert {k[3] for k in refs} == {False, True}
