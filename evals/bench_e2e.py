@@ -499,6 +499,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
     if profile_dir:  # after the measured generate and its counters: they stay unprofiled
         name = f"{run.name}_{context}x{batch}_{kind}".replace("@", "_").replace("=", "")
+        name += "_engine" if engine.remote else ""
         engine.profile(llm, inputs, _sampling_params(spec, max_tokens, batch),
                        Path(profile_dir).resolve() / f"host_profile_{name}.md",
                        f"{run.name}, {spec['setup']}, context {context}, batch {batch}")

@@ -50,12 +50,15 @@ def collect(dirs: list[Path]) -> list[dict]:
             text = profile.read_text()
             title = text.splitlines()[0].removeprefix("# Host profile: ")
             run = title.split(",")[0]
+            remote = title.endswith("(engine-core process)")  # bench_e2e --engine-process
             speeds = proxy_us_per_call(text)
-            rows = [r for r in data["rows"] if r.get("run") == run and r.get("status") == "ok"]
+            rows = [r for r in data["rows"] if r.get("run") == run and r.get("status") == "ok"
+                    and bool(r.get("engine_process")) == remote]
             if PROXIES[0] not in speeds or not rows:
                 continue
             entries.append({"call": d.name, "order": order.index(run) + 1 if run in order
-                            else None, "run": run, "step_ms": rows[-1]["step_ms"],
+                            else None, "run": run + (" (engine process)" if remote else ""),
+                            "step_ms": rows[-1]["step_ms"],
                             "us_per_call": speeds[PROXIES[0]],
                             "check_us_per_call": speeds.get(PROXIES[1])})
     return entries

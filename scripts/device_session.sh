@@ -23,6 +23,7 @@
 #   launches the MLA tree launches of a profiled run, replayed alone (evals/replay_mla_launch.py)
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
 #            (SYNCS_ARGS="--auto --methods ddtree" profiles ddtree_budget "auto")
+#   layout / groups  the sixteenth session's next GPU stages 1 and 2 (ddtree_vllm_h200.md)
 #   e2e_kimi8 / e2e_kimi64 / e2e_trained  evals/bench_e2e.py on one setup (runs, contexts,
 #            batches per setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES override). Give each
 #            a GPU of its own: side by side on one GPU the timings mean nothing.
@@ -163,9 +164,40 @@ for stage in "$@"; do
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
         --batches ${E2E_BATCHES:-$batches} --prompts $prompts --repeats ${E2E_REPEATS:-1} \
         --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} ${E2E_ENGINE_PROCESS:+--engine-process} \
-        --out-dir "$OUT" > "$OUT/$stage.log" 2>&1
+        --out-dir "${E2E_OUT_DIR:-$OUT}" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
-      grep -A14 "^## Step latency" "$OUT/e2e_$setup.md" 2>/dev/null | head -30 ;;
+      grep -A14 "^## Step latency" "${E2E_OUT_DIR:-$OUT}/e2e_$setup.md" 2>/dev/null | head -30 ;;
+    layout|groups)  # the sixteenth session's next stages 1 and 2, pinned and profiled:
+      # layout = trained pair, 1k, chain and B = 64 in-process then --engine-process;
+      # groups = kimi8, 1k / 128k, chain / B = 64 / auto, then chain / B = 64 with one
+      # KV-cache group (disable_hybrid_kv_cache_manager). Both into $OUT (one JSON), then
+      # evals/host_speed_report.py over the profiles. PIN: cores of NUMA node 0.
+      pin="$(lscpu -p=CPU,NODE 2>/dev/null | grep -v '^#' | awk -F, '$2==0{print $1}' \
+        | paste -sd, -)"
+      lscpu | grep -i numa | tee -a "$OUT/summary.txt"
+      export E2E_PIN_CPUS="${E2E_PIN_CPUS:-$pin}" BENCH_E2E_HOST_PROFILE="$OUT/profiles"
+      # the first half gets 4/7: its first engine start is the cold one (3 min)
+      total="${STAGE_LIMIT:-580}"; first=$(( total * 4 / 7 )); second=$(( total - first ))
+      if [ "$stage" = layout ]; then
+        STAGE_LIMIT=$first E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" E2E_CONTEXTS=1k \
+          E2E_BATCHES=1 bash "${BASH_SOURCE[0]}" e2e_trained
+        cp "$OUT/e2e_trained.log" "$OUT/e2e_trained_inprocess.log" 2>/dev/null
+        STAGE_LIMIT=$second E2E_ENGINE_PROCESS=1 E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" \
+          E2E_CONTEXTS=1k E2E_BATCHES=1 bash "${BASH_SOURCE[0]}" e2e_trained
+      else
+        STAGE_LIMIT=$first E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto" \
+          E2E_CONTEXTS="1k 128k" bash "${BASH_SOURCE[0]}" e2e_kimi8
+        cp "$OUT/e2e_kimi8.log" "$OUT/e2e_kimi8_hybrid.log" 2>/dev/null
+        mkdir -p "$OUT/one_group"  # its own JSON: same runs, other LLM kwargs
+        STAGE_LIMIT=$second E2E_LLM_KWARGS='{"disable_hybrid_kv_cache_manager": true}' \
+          E2E_OUT_DIR="$OUT/one_group" BENCH_E2E_HOST_PROFILE="$OUT/one_group/profiles" \
+          E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" E2E_CONTEXTS="1k 128k" \
+          bash "${BASH_SOURCE[0]}" e2e_kimi8
+      fi
+      python3 evals/host_speed_report.py "$OUT" $( [ -d "$OUT/one_group" ] && echo "$OUT/one_group" ) \
+        --out "$OUT/host_speed_$stage" > "$OUT/host_speed_$stage.log" 2>&1
+      summary "$stage" $?
+      cat "$OUT/host_speed_$stage.md" 2>/dev/null | tail -12 ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;  # 300 s cut it (s18)
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
