@@ -804,6 +804,21 @@ def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tm
     assert [(e["run"], e["order"]) for e in entries] == [("ddtree-64", 1),
                                                           ("ddtree-auto-64", 2)]
     assert [round(e["us_per_call"], 3) for e in entries] == [0.2, 0.3]
+    # an --engine-process cell of the same run: its own row and profile are paired
+    data = json.loads((run_dir / "e2e_trained.json").read_text())
+    data["rows"].append({"run": "ddtree-64", "status": "ok", "step_ms": 3.0,
+                         "engine_process": True})
+    (run_dir / "e2e_trained.json").write_text(json.dumps(data))
+    (run_dir / "profiles" / "host_profile_ddtree-64_engine.md").write_text(
+        "# Host profile: ddtree-64, trained, context 1024, batch 1 (engine-core process)\n\n"
+        "## By own time\n\n| `builtin:0 <built-in method builtins.isinstance>` | 100.0 | "
+        "0.015 | 0.1 |\n")
+    remote = [e for e in host_speed_report.collect([run_dir]) if "engine" in e["run"]]
+    assert [(e["run"], e["step_ms"], round(e["us_per_call"], 3)) for e in remote] == [
+        ("ddtree-64 (engine process)", 3.0, 0.15)]
+    entries = host_speed_report.collect([run_dir])
+    assert [e["step_ms"] for e in entries if e["run"] == "ddtree-64"] == [4.0]
+    entries = [e for e in entries if "engine" not in e["run"]]
     host_speed_report.write(entries, tmp_path / "out", "cmd")
     table = (tmp_path / "out.md").read_text()
     assert "| call1 | 2 | ddtree-auto-64 | 6.00 | 0.300 | — | 20.0 |" in table
