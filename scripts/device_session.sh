@@ -170,7 +170,8 @@ for stage in "$@"; do
     layout|groups)  # the sixteenth session's next stages 1 and 2, pinned and profiled:
       # layout = trained pair, 1k, chain and B = 64 in-process then --engine-process;
       # groups = kimi8, 1k / 128k, chain / B = 64 / auto, then chain / B = 64 with one
-      # KV-cache group (disable_hybrid_kv_cache_manager). Both into $OUT (one JSON), then
+      # KV-cache group (disable_hybrid_kv_cache_manager); GROUPS_SETUP=trained: the
+      # embedded pair at 1k. Both into $OUT (one JSON), then
       # evals/host_speed_report.py over the profiles. PIN: cores of NUMA node 0.
       pin="$(lscpu -p=CPU,NODE 2>/dev/null | grep -v '^#' | awk -F, '$2==0{print $1}' \
         | paste -sd, -)"
@@ -184,15 +185,16 @@ for stage in "$@"; do
         cp "$OUT/e2e_trained.log" "$OUT/e2e_trained_inprocess.log" 2>/dev/null
         STAGE_LIMIT=$second E2E_ENGINE_PROCESS=1 E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" \
           E2E_CONTEXTS=1k E2E_BATCHES=1 bash "${BASH_SOURCE[0]}" e2e_trained
-      else
+      else  # GROUPS_SETUP=trained: the embedded pair at 1k (7 groups -> 1) instead
+        gsetup="${GROUPS_SETUP:-kimi8}"; gctx="1k 128k"; [ "$gsetup" = trained ] && gctx=1k
         STAGE_LIMIT=$first E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto" \
-          E2E_CONTEXTS="1k 128k" bash "${BASH_SOURCE[0]}" e2e_kimi8
-        cp "$OUT/e2e_kimi8.log" "$OUT/e2e_kimi8_hybrid.log" 2>/dev/null
+          E2E_CONTEXTS="$gctx" E2E_BATCHES=1 bash "${BASH_SOURCE[0]}" "e2e_$gsetup"
+        cp "$OUT/e2e_$gsetup.log" "$OUT/e2e_${gsetup}_hybrid.log" 2>/dev/null
         mkdir -p "$OUT/one_group"  # its own JSON: same runs, other LLM kwargs
         STAGE_LIMIT=$second E2E_LLM_KWARGS='{"disable_hybrid_kv_cache_manager": true}' \
           E2E_OUT_DIR="$OUT/one_group" BENCH_E2E_HOST_PROFILE="$OUT/one_group/profiles" \
-          E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" E2E_CONTEXTS="1k 128k" \
-          bash "${BASH_SOURCE[0]}" e2e_kimi8
+          E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" E2E_CONTEXTS="$gctx" E2E_BATCHES=1 \
+          bash "${BASH_SOURCE[0]}" "e2e_$gsetup"
       fi
       python3 evals/host_speed_report.py "$OUT" $( [ -d "$OUT/one_group" ] && echo "$OUT/one_group" ) \
         --out "$OUT/host_speed_$stage" > "$OUT/host_speed_$stage.log" 2>&1
