@@ -876,3 +876,53 @@ def test_engine_process_rows_sit_beside_the_in_process_ones(tmp_path):
     assert "engine core in its own process" in md
     refs = e2e_report.reference_ar(data["rows"])
     assert {k[3] for k in refs} == {False, True}
+
+
+def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
+    """The default layout end to end on a fake LLM: the cell primes the cache, times the
+    measured generate with the local step timer, records the host speed and placement,
+    and (with BENCH_E2E_HOST_PROFILE) writes a profile of one more generate."""
+    import e2e_engine
+
+    max_tokens, batch = 6, 2
+
+    class FakeLLM:
+        generates = 0
+
+        def generate(self, inputs, params, use_tqdm=False):
+            FakeLLM.generates += 1
+            return [SimpleOutput(params[i].max_tokens) for i in range(len(inputs))]
+
+        def get_metrics(self):
+            return []
+
+    class SimpleOutput:
+        def __init__(self, n):
+            self.outputs = [type("Completion", (), {"token_ids": list(range(n))})()]
+            self.num_cached_tokens = 64
+            self.metrics = None
+
+    monkeypatch.setattr(e2e_engine, "_TIMER", None)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_vllm", lambda self: self.installed)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_graph_modes", lambda self: None)
+    monkeypatch.setenv("BENCH_E2E_HOST_PROFILE", str(tmp_path / "profiles"))
+    engine = e2e_engine.LocalEngine()
+    spec = {"setup": "kimi8", "run": "ddtree-64", "max_tokens": max_tokens, "prime": "cache",
+            "temperature": 0.0, "repeat": 0}
+    row = bench_e2e.measure_cell(FakeLLM(), engine, spec, (64, batch, "random"), None)
+    assert FakeLLM.generates == 3  # prime, measured, profiled
+    assert row["status"] == "ok" and row["tokens"] == batch * (max_tokens - 1)
+    assert row["python_ms"] > 0 and "engine_process" not in row
+    assert "no runner events" in row["note"]  # the fake LLM ran no runner step
+    assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
+
+    class FakeRemoteLLM(FakeLLM):  # --engine-process: the same cell through collective_rpc
+        def collective_rpc(self, method, args=()):
+            return [method("worker", *args)]
+
+    remote = e2e_engine.RemoteEngine(FakeRemoteLLM())
+    row = bench_e2e.measure_cell(FakeRemoteLLM(), remote, dict(spec, engine_process=True),
+                                 (64, batch, "random"), None)
+    assert row["status"] == "ok" and row["engine_process"] is True
+    profile = tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random_engine.md"
+    assert "(engine-core process)" in profile.read_text()
