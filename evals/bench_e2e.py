@@ -853,8 +853,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
             "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
             "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
             "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
-            "repeat": repeat, "pin_cpus": getattr(args, "pin_cpus", None),
-            "engine_process": getattr(args, "engine_process", False),
+            "repeat": repeat, "pin_cpus": args.pin_cpus, "engine_process": args.engine_process,
         }
         hard = now + 60 * args.child_timeout_min
         if deadline:

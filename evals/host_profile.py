@@ -2,8 +2,10 @@
 
 ``evals/bench_e2e.py`` calls :func:`profile_generate` after a cell's measured generate
 when ``BENCH_E2E_HOST_PROFILE=<dir>`` is set, so the measured figures are not slowed by
-the profiler. The engine runs in-process (the runner is called from the calling
-thread), so cProfile sees the scheduler, the runner and the speculator alike. The
+the profiler. With the engine in-process (the default) the runner is called from the
+calling thread, so cProfile sees the scheduler, the runner and the speculator alike;
+with ``--engine-process`` ``e2e_engine`` profiles the engine core's thread with
+:func:`summarize` instead. The
 profiler inflates every Python call by a similar factor: read the shares and the call
 counts per step, not the absolute milliseconds.
 """

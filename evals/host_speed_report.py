@@ -3,10 +3,10 @@
 Host-bound decode steps of two processes compare only when both processes run Python
 at the same speed. This reads bench_e2e result directories (``e2e_<setup>.json`` and
 the ``profiles/host_profile_*.md`` written with ``BENCH_E2E_HOST_PROFILE``), takes one
-fixed-call-count pure-Python function's own time per call from each profile as that
-process's speed (``prometheus_client``'s counter ``inc``: 83 calls per engine step in
-every DDTree run; ``builtins.isinstance`` where it is missing), and writes a markdown
-table and a scatter plot of step ms against it.
+pure-Python builtin's own time per call from each profile as that process's speed
+(``builtins.isinstance``, in every run's top own-time list; ``prometheus_client``'s
+counter ``inc``, 83 calls per engine step in every DDTree run, as a cross-check where
+listed), and writes a markdown table and a scatter plot of step ms against it.
 
     python evals/host_speed_report.py DIR [DIR ...] --out evals/results/host_speed_variance
 """
