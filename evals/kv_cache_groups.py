@@ -60,11 +60,19 @@ def shapes() -> tuple[PairShape, ...]:
             _kimi("Kimi-K2 + Kimi-K2.6-shaped drafter", 61))
 
 
-def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64) -> list[tuple[str, int]]:
+def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
+                    sliding_page: int | None = None, align: bool = False
+                    ) -> list[tuple[str, int]]:
     """``[(spec type, number of layers)]`` per KV-cache group vLLM forms for ``shape``
-    (64-token pages; the pages are padded to one size as vLLM does for our backends)."""
+    (``page``-token pages; the pages are padded to one size as vLLM does for our
+    backends). ``sliding_page``: the block size the sliding layers choose for themselves
+    (vLLM: the backend's smallest kernel block, 16 for FlashAttention; default
+    ``page``); ``align``: with ``patches.unify_kv_block_size``'s alignment first.
+    Raises vLLM's ``ValueError`` when it cannot form the groups."""
+    from unittest import mock
+
     import torch
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.core import kv_cache_utils
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
         MLAAttentionSpec,
@@ -81,14 +89,22 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64) -> list[tupl
                    indexes_kv_by_block_stride=True)
     for i in range(shape.sliding_layers):
         specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
-            sliding_window=shape.window, **drafter)
+            sliding_window=shape.window, **{**drafter, "block_size": sliding_page or page})
     for i in range(shape.full_layers):
         specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
             **drafter)
+    if align:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from patches.unify_kv_block_size import align_sliding_block_sizes
+
+        align_sliding_block_sizes(specs)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(
         disable_hybrid_kv_cache_manager=not hybrid))
-    return [(type(g.kv_cache_spec).__name__, len(g.layer_names))
-            for g in get_kv_cache_groups(config, specs)]
+    unify = kv_cache_utils.unify_hybrid_kv_cache_specs
+    vllm_unify = getattr(unify, "_ddtree_original", unify)  # vLLM's own, patched or not
+    with mock.patch.object(kv_cache_utils, "unify_hybrid_kv_cache_specs", vllm_unify):
+        groups = kv_cache_utils.get_kv_cache_groups(config, specs)
+    return [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
 
 
 def describe(groups: list[tuple[str, int]]) -> str:
@@ -106,12 +122,21 @@ def main(argv=None) -> int:
              "Command: `python evals/kv_cache_groups.py --out " + str(args.out) + "` (CPU: "
              "vLLM's `get_kv_cache_groups` on the layers' KV specs, 64-token pages).", "",
              "| pair | layers (target MLA + drafter sliding + full) | groups, hybrid manager "
-             "(default) | groups, `disable_hybrid_kv_cache_manager` |", "|---|---|---|---|"]
+             "(default) | groups, `disable_hybrid_kv_cache_manager` | the same, sliding layers on "
+             "16-token blocks (FlashAttention's own choice): vLLM 0.26 / with "
+             "`patches/unify_kv_block_size.py` |", "|---|---|---|---|---|"]
     for shape in shapes():
         hybrid, single = kv_cache_groups(shape, True), kv_cache_groups(shape, False)
+        try:
+            kv_cache_groups(shape, False, sliding_page=16)
+            unpatched = "starts"
+        except ValueError:
+            unpatched = "refuses to start"
+        aligned = kv_cache_groups(shape, False, sliding_page=16, align=True)
         lines.append(f"| {shape.name} | {shape.target_layers} + {shape.sliding_layers} + "
                      f"{shape.full_layers} | {len(hybrid)}: {describe(hybrid)} | "
-                     f"{len(single)}: {describe(single)} |")
+                     f"{len(single)}: {describe(single)} | {unpatched} / {len(aligned)}: "
+                     f"{describe(aligned)} |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

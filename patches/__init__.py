@@ -30,6 +30,7 @@ RUNNER_PATCHES: list[str] = [
     "custom_sampler",  # DefaultModelState.custom_sampler -> DDTreeVerifier
     "tree_positions",  # DefaultModelState.prepare_inputs / prepare_dummy_inputs
     "verify_shapes",  # GPUModelRunner.execute_model, CudaGraphManager._init_candidates
+    "unify_kv_block_size",  # kv_cache_utils.unify_hybrid_kv_cache_specs (one KV group)
 ]
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"
