@@ -251,6 +251,9 @@ def main() -> None:
                         help="embedded trained pair, or a tiny random target (GQA Qwen3 / MLA "
                         "DeepSeek-V3) with a random mixed sliding/full DFlash drafter "
                         "(evals/tiny_pairs.py; token-id prompts, no tokenizer)")
+    parser.add_argument("--one-kv-group", action="store_true",
+                        help="disable_hybrid_kv_cache_manager: all layers in one KV-cache "
+                        "group (patches/unify_kv_block_size.py)")
     parser.add_argument("--trace", type=int, default=0,
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
@@ -298,6 +301,8 @@ def main() -> None:
         max_tokens = list(MIXED_MAX_TOKENS) if args.mixed else [args.max_tokens] * len(prompts)
         extra["skip_tokenizer_init"] = True
     max_tokens = [n + args.extra_tokens for n in max_tokens]
+    if args.one_kv_group:
+        extra["disable_hybrid_kv_cache_manager"] = True
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k

@@ -17,6 +17,7 @@
 #   roundk   walk / active-row / tree-build / verify-inputs kernel tests compiled on CUDA
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
+#   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR: eager, CUDA graphs, fixed shape, and
 #            adaptive shapes forced below B (--cycle-budgets)
@@ -200,6 +201,8 @@ for stage in "$@"; do
         --out "$OUT/host_speed_$stage" > "$OUT/host_speed_$stage.log" 2>&1
       summary "$stage" $?
       cat "$OUT/host_speed_$stage.md" 2>/dev/null | tail -12 ;;
+    onegroup)  # DDTree with disable_hybrid_kv_cache_manager (patches/unify_kv_block_size.py)
+      stage_pytest onegroup 360 tests/gpu/test_ddtree_vllm.py -k one_kv_group ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;  # 300 s cut it (s18)
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;

@@ -260,6 +260,16 @@ def test_ddtree_with_cuda_graphs_equals_ar(ar_mixed, budget, tmp_path):
     assert mal > 1.5
 
 
+def test_ddtree_one_kv_group_with_cuda_graphs_equals_ar(ar_mixed, tmp_path):
+    """The CUDA-graph mixed batch with ``disable_hybrid_kv_cache_manager``: target and
+    drafter layers in one KV-cache group, the drafter's sliding layers on the target's
+    64-token blocks (``patches/unify_kv_block_size.py``; vLLM 0.26 alone refuses to
+    start). Same tokens as AR up to measured ties, tree acceptance kept."""
+    got = run_mixed_vs_ar(ar_mixed, ["--mixed", "--budget", "32", "--graphs", "--one-kv-group"],
+                          tmp_path / "g1.json", "graphs B=32, one KV-cache group")
+    assert got["ddtree_mean_acceptance_length"] > 1.5
+
+
 def _to_cuda(ns):
     from types import SimpleNamespace
 
