@@ -468,7 +468,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         engine_timer_end,
     )
     from e2e_models import make_prompts
-    from e2e_timing import allocator_delta, summarize_steps
+    from e2e_timing import allocator_delta, host_cpu_delta, host_cpu_state, summarize_steps
     from vllm.inputs import TokensPrompt
 
     context, batch, kind = cell
@@ -488,12 +488,15 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     allocator_before = engine.call(engine_allocator_counts)
     engine.call(engine_timer_begin, context)
+    cpu_before = host_cpu_state()
     t0 = time.perf_counter()
     try:
         outputs = llm.generate(inputs, _sampling_params(spec, max_tokens, batch), use_tqdm=False)
     finally:
         wall = time.perf_counter() - t0
         steps = engine.call(engine_timer_end)
+    host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
+    python_ms_after = engine.call(engine_host_speed)[0]
     allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
     counters = counter_delta(before, spec_counters(llm))
     profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
@@ -520,7 +523,8 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
                    active_nodes=active_nodes, allocator=allocator)
-    row.update(python_ms=python_ms, cpu=cpu, numa_node=numa_node)
+    row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
+               numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
     return row
 
 

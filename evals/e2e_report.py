@@ -287,7 +287,8 @@ def _host_table(rows: list[dict]) -> list[str]:
     if not measured:
         return []
     header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
-    header += [name for name, _ in _HOST_COLUMNS] + ["Python ms (fixed loop)"]
+    header += [name for name, _ in _HOST_COLUMNS] + ["Python ms (fixed loop, before -> after)",
+                                                      "machine steal % / busy % / MHz"]
     lines = ["## Host time per decode step by region (ms)", "",
              "Host (CPU) time inside each call, means over the decode steps. A runner "
              "host time near the step time means the step is host-bound (the GPU waits "
@@ -295,7 +296,11 @@ def _host_table(rows: list[dict]) -> list[str]:
              "output handling. GC pauses: Python garbage collections that ran inside a "
              "step (in any region). Python ms: one fixed pure-Python workload timed in "
              "the run's process just before the cell (`e2e_timing.python_speed_ms`), with "
-             "the CPU and NUMA node it ran on; "
+             "the CPU and NUMA node it ran on, and again just after it (on the lent H200 host it "
+             "changed up to 2x between two cells of one process); machine steal / busy / "
+             "MHz: the whole machine's CPU time over the measured generate given to other "
+             "guests (hypervisor steal) and not idle, and its clock (`e2e_timing."
+             "host_cpu_delta`); "
              "host-bound steps of two runs compare only where it agrees (on the lent "
              "H200 host it was seen 1.8x apart between processes of one run).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -306,10 +311,18 @@ def _host_table(rows: list[dict]) -> list[str]:
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
         speed = _f(r.get("python_ms")) if r.get("python_ms") else "—"
+        if r.get("python_ms_after"):
+            speed += f" -> {_f(r['python_ms_after'])}"
         if r.get("cpu") is not None:
             node = r.get("numa_node")
             speed += f" (cpu {r['cpu']}{'' if node is None else f', node {node}'})"
         cells.append(speed)
+        machine = "—"
+        if r.get("host_steal_pct") is not None:
+            machine = f"{r['host_steal_pct']:.1f} / {r['host_busy_pct']:.0f}"
+            if r.get("host_mhz"):
+                machine += f" / {r['host_mhz']:.0f}"
+        cells.append(machine)
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 

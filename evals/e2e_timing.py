@@ -502,6 +502,35 @@ def python_speed_ms(repeats: int = 5, n: int = 20000) -> float:
     return statistics.median(times)
 
 
+def host_cpu_state() -> dict | None:
+    """Machine-wide CPU times (``psutil.cpu_times()``, seconds) and the mean clock
+    (MHz, None where the VM hides it), for :func:`host_cpu_delta`; None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    freq = psutil.cpu_freq()
+    return {"times": psutil.cpu_times()._asdict(), "mhz": freq.current if freq else None}
+
+
+def host_cpu_delta(before: dict | None, after: dict | None) -> dict:
+    """Over a cell: ``steal_pct`` (share of all CPU time the hypervisor gave to other
+    guests, Linux's ``steal``), ``busy_pct`` (share not idle / iowait / steal: load from
+    every process of the machine) and ``mhz`` (the clock at the end). Empty when
+    either snapshot is missing. A host-bound step that slows with a high steal share
+    or a lower clock is the machine's state, not the code."""
+    if not before or not after:
+        return {}
+    delta = {k: after["times"][k] - before["times"].get(k, 0.0) for k in after["times"]}
+    total = sum(delta.values())
+    if total <= 0:
+        return {}
+    idle = delta.get("idle", 0.0) + delta.get("iowait", 0.0)
+    steal = delta.get("steal", 0.0)
+    return {"steal_pct": 100 * steal / total, "busy_pct": 100 * (total - idle - steal) / total,
+            "mhz": after.get("mhz")}
+
+
 def current_cpu_and_node() -> tuple[int | None, int | None]:
     """The CPU this thread runs on now and its NUMA node (Linux sysfs), None where
     unknown: beside ``python_speed_ms``, it tells a slow core or a remote-memory

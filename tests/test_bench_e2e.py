@@ -688,12 +688,17 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     lines = e2e_report._host_table([row])
     assert "runner host / step" in lines[4]
     # runner host = execute_model + sample_tokens; empty regions read "—"
-    assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — |" in lines[6]
+    assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — | — |" in lines[6]
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
     timed = e2e_report._host_table([dict(row, python_ms=1.234)])
-    assert "Python ms (fixed loop)" in timed[4] and timed[6].endswith("| 1.23 |")
+    assert "Python ms (fixed loop" in timed[4] and timed[6].endswith("| 1.23 | — |")
     placed = e2e_report._host_table([dict(row, python_ms=1.234, cpu=5, numa_node=1)])
-    assert placed[6].endswith("| 1.23 (cpu 5, node 1) |")
+    assert placed[6].endswith("| 1.23 (cpu 5, node 1) | — |")
+    machine = e2e_report._host_table([dict(row, python_ms=1.234, python_ms_after=2.5,
+                                           host_steal_pct=12.34, host_busy_pct=20.4,
+                                           host_mhz=2100.0)])
+    assert "machine steal % / busy % / MHz" in machine[4]
+    assert machine[6].endswith("| 1.23 -> 2.50 | 12.3 / 20 / 2100 |")
 
 
 class GcRunner(FakeRunner):
@@ -773,6 +778,16 @@ def test_host_profile_reports_per_step_calls_of_a_fake_engine(tmp_path):
 
 
 def test_python_speed_is_a_positive_median_and_cpus_parse():
+    before = e2e_timing.host_cpu_state()
+    sum(i * i for i in range(200000))
+    delta = e2e_timing.host_cpu_delta(before, e2e_timing.host_cpu_state())
+    if delta:  # {} when the clock ticks did not advance (10 ms resolution)
+        assert 0 <= delta["steal_pct"] <= 100 and 0 <= delta["busy_pct"] <= 100
+    fake = {"times": {"user": 10.0, "system": 0.0, "idle": 10.0, "steal": 0.0}, "mhz": None}
+    later = {"times": {"user": 13.0, "system": 1.0, "idle": 14.0, "steal": 2.0}, "mhz": 1800.0}
+    assert e2e_timing.host_cpu_delta(fake, later) == {"steal_pct": 20.0, "busy_pct": 40.0,
+                                                      "mhz": 1800.0}
+    assert e2e_timing.host_cpu_delta(None, later) == {}
     ms = e2e_timing.python_speed_ms(repeats=3, n=2000)
     assert 0 < ms < 1000
     assert bench_e2e.parse_cpus("0-2,5") == {0, 1, 2, 5}
@@ -912,7 +927,7 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     row = bench_e2e.measure_cell(FakeLLM(), engine, spec, (64, batch, "random"), None)
     assert FakeLLM.generates == 3  # prime, measured, profiled
     assert row["status"] == "ok" and row["tokens"] == batch * (max_tokens - 1)
-    assert row["python_ms"] > 0 and "engine_process" not in row
+    assert row["python_ms"] > 0 and row["python_ms_after"] > 0 and "engine_process" not in row
     assert "no runner events" in row["note"]  # the fake LLM ran no runner step
     assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
 
