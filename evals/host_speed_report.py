@@ -52,12 +52,16 @@ def collect(dirs: list[Path]) -> list[dict]:
             run = title.split(",")[0]
             remote = title.endswith("(engine-core process)")  # bench_e2e --engine-process
             speeds = proxy_us_per_call(text)
+            cell = re.search(r"context (\d+), batch (\d+)", title)  # the profiled cell
             rows = [r for r in data["rows"] if r.get("run") == run and r.get("status") == "ok"
-                    and bool(r.get("engine_process")) == remote]
+                    and bool(r.get("engine_process")) == remote
+                    and (cell is None or (r.get("context"), r.get("batch"))
+                         == (int(cell[1]), int(cell[2])))]
             if PROXIES[0] not in speeds or not rows:
                 continue
             entries.append({"call": d.name, "order": order.index(run) + 1 if run in order
                             else None, "run": run + (" (engine process)" if remote else ""),
+                            "context": rows[-1].get("context"),
                             "step_ms": rows[-1]["step_ms"],
                             "us_per_call": speeds[PROXIES[0]],
                             "check_us_per_call": speeds.get(PROXIES[1])})
@@ -74,11 +78,12 @@ def write(entries: list[dict], out: Path, command: str) -> None:
              "per step in every DDTree run), a cross-check. *step / speed*: step ms over "
              "the isinstance figure, a step normalised to one interpreter speed (a fully "
              "host-bound step scales with it; GPU time does not).", "",
-             "| call | order | run | step ms | isinstance µs | inc µs | step / speed |",
-             "|---|---|---|---|---|---|---|"]
+             "| call | order | run | context | step ms | isinstance µs | inc µs | step / speed |",
+             "|---|---|---|---|---|---|---|---|"]
     for e in entries:
         check = e["check_us_per_call"]
-        lines.append(f"| {e['call']} | {e['order'] or '—'} | {e['run']} | {e['step_ms']:.2f} | "
+        lines.append(f"| {e['call']} | {e['order'] or '—'} | {e['run']} | "
+                     f"{e.get('context') or '—'} | {e['step_ms']:.2f} | "
                      f"{e['us_per_call']:.3f} | {f'{check:.3f}' if check else '—'} | "
                      f"{e['step_ms'] / e['us_per_call']:.1f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

@@ -170,8 +170,9 @@ for stage in "$@"; do
       grep -A14 "^## Step latency" "${E2E_OUT_DIR:-$OUT}/e2e_$setup.md" 2>/dev/null | head -30 ;;
     layout|groups)  # the sixteenth session's next stages 1 and 2, pinned and profiled:
       # layout = trained pair, 1k, chain and B = 64 in-process then --engine-process;
-      # groups = kimi8, 1k / 128k, chain / B = 64 / auto, then chain / B = 64 with one
-      # KV-cache group (disable_hybrid_kv_cache_manager); GROUPS_SETUP=trained: the
+      # groups = kimi8, 1k / 128k, chain / B = 64 / auto, then the same with one
+      # KV-cache group (disable_hybrid_kv_cache_manager; DDTree needs
+      # patches/unify_kv_block_size.py for it, s17); GROUPS_SETUP=trained: the
       # embedded pair at 1k. Both into $OUT (one JSON), then
       # evals/host_speed_report.py over the profiles. PIN: cores of NUMA node 0.
       pin="$(lscpu -p=CPU,NODE 2>/dev/null | grep -v '^#' | awk -F, '$2==0{print $1}' \
@@ -194,8 +195,8 @@ for stage in "$@"; do
         mkdir -p "$OUT/one_group"  # its own JSON: same runs, other LLM kwargs
         STAGE_LIMIT=$second E2E_LLM_KWARGS='{"disable_hybrid_kv_cache_manager": true}' \
           E2E_OUT_DIR="$OUT/one_group" BENCH_E2E_HOST_PROFILE="$OUT/one_group/profiles" \
-          E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64" E2E_CONTEXTS="$gctx" E2E_BATCHES=1 \
-          bash "${BASH_SOURCE[0]}" "e2e_$gsetup"
+          E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto" E2E_CONTEXTS="$gctx" \
+          E2E_BATCHES=1 bash "${BASH_SOURCE[0]}" "e2e_$gsetup"
       fi
       python3 evals/host_speed_report.py "$OUT" $( [ -d "$OUT/one_group" ] && echo "$OUT/one_group" ) \
         --out "$OUT/host_speed_$stage" > "$OUT/host_speed_$stage.log" 2>&1

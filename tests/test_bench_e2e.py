@@ -805,8 +805,10 @@ def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tm
 
     run_dir = tmp_path / "call1"
     (run_dir / "profiles").mkdir(parents=True)
-    rows = [{"run": "ddtree-64", "status": "ok", "step_ms": 4.0},
-            {"run": "ddtree-auto-64", "status": "ok", "step_ms": 6.0}]
+    rows = [{"run": "ddtree-64", "status": "ok", "step_ms": 4.0, "context": 1024, "batch": 1},
+            {"run": "ddtree-64", "status": "ok", "step_ms": 9.0, "context": 131072, "batch": 1},
+            {"run": "ddtree-auto-64", "status": "ok", "step_ms": 6.0, "context": 1024,
+             "batch": 1}]
     (run_dir / "e2e_trained.json").write_text(json.dumps(
         {"invocations": [{"runs": ["ddtree-64", "ddtree-auto-64"]}], "rows": rows}))
     for name, us in (("ddtree-64", 0.2), ("ddtree-auto-64", 0.3)):
@@ -822,7 +824,7 @@ def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tm
     # an --engine-process cell of the same run: its own row and profile are paired
     data = json.loads((run_dir / "e2e_trained.json").read_text())
     data["rows"].append({"run": "ddtree-64", "status": "ok", "step_ms": 3.0,
-                         "engine_process": True})
+                         "engine_process": True, "context": 1024, "batch": 1})
     (run_dir / "e2e_trained.json").write_text(json.dumps(data))
     (run_dir / "profiles" / "host_profile_ddtree-64_engine.md").write_text(
         "# Host profile: ddtree-64, trained, context 1024, batch 1 (engine-core process)\n\n"
@@ -836,7 +838,7 @@ def test_host_speed_report_normalises_steps_by_the_profiled_interpreter_speed(tm
     entries = [e for e in entries if "engine" not in e["run"]]
     host_speed_report.write(entries, tmp_path / "out", "cmd")
     table = (tmp_path / "out.md").read_text()
-    assert "| call1 | 2 | ddtree-auto-64 | 6.00 | 0.300 | — | 20.0 |" in table
+    assert "| call1 | 2 | ddtree-auto-64 | 1024 | 6.00 | 0.300 | — | 20.0 |" in table
     assert (tmp_path / "out.png").stat().st_size > 0
 
 
