@@ -94,7 +94,6 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
         specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
             **drafter)
     if align:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from patches.unify_kv_block_size import align_sliding_block_sizes
 
         align_sliding_block_sizes(specs)
