@@ -197,7 +197,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-to", default=None,
                    help="acceptance_by_context.json of the shipped pair: append the "
                    "shipping gate (compare_to_reference) and exit 1 when it fails")
+    p.add_argument("--yarn-factor", type=float, default=None,
+                   help="serve the target with YaRN of this factor over its 512-token "
+                   "window (vllm_ddtree/long_context.py), drafter unchanged")
     return p.parse_args(argv)
+
+
+def yarn_pair(checkpoints: Path, factor: float, out: Path) -> Path:
+    """``out`` with ``target/`` (the YaRN copy of ``checkpoints/target``) and
+    ``drafter/`` (a link to ``checkpoints/drafter``)."""
+    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+
+    write_rope_scaled(checkpoints / "target", out / "target", yarn_parameters(factor))
+    drafter = out / "drafter"
+    if drafter.is_symlink() or drafter.exists():
+        drafter.unlink()
+    drafter.symlink_to((checkpoints / "drafter").resolve(), target_is_directory=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -211,14 +227,22 @@ def main(argv=None) -> int:
     checkpoints = Path(args.checkpoints)
     if not (checkpoints / "target" / "config.json").exists():
         sys.exit(f"--checkpoints {checkpoints}: no target/config.json there")
+    label = checkpoints
+    if args.yarn_factor:
+        import tempfile
+
+        checkpoints = yarn_pair(checkpoints, args.yarn_factor,
+                                Path(tempfile.mkdtemp(prefix="acceptance_yarn_")))
     pair = load_embedded_pair(checkpoints)
     start = time.time()
     result = measure(pair, sorted(args.lengths), args.prompts, args.new_tokens, args.budgets,
                      progress=not args.no_progress)
     try:
-        result["pair"] = str(checkpoints.resolve().relative_to(REPO))
+        result["pair"] = str(label.resolve().relative_to(REPO))
     except ValueError:
-        result["pair"] = str(checkpoints)
+        result["pair"] = str(label)
+    if args.yarn_factor:
+        result["pair"] += f", target with YaRN x{args.yarn_factor:g}"
     result["seconds"] = round(time.time() - start, 1)
     command = "python evals/acceptance_by_context.py " + " ".join(argv or sys.argv[1:])
     result["command"] = command.strip()

@@ -67,6 +67,8 @@ from e2e_models import PROMPT_KINDS, SETUPS, Setup, cell_seed, prepare_setup  # 
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters  # noqa: E402
 
+DEFAULT_SETUPS = ("trained", "kimi64", "kimi8")
+
 DEFAULT_CONTEXTS = [1024, 16384, 65536, 131072]
 DEFAULT_BATCHES = [1, 8]
 DEFAULT_BUDGETS = ["16", "32", "64", "128"]
@@ -897,7 +899,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--setup", nargs="+", choices=sorted(SETUPS), dest="setups",
-                   help="model setups (default: all three; --quick: kimi64)")
+                   help="model setups (default: " + " ".join(DEFAULT_SETUPS)
+                   + "; --quick: kimi64; trained_yarn: the trained pair served with "
+                   "YaRN for long context)")
     p.add_argument("--runs", nargs="+", help="explicit runs, e.g. ar@FLASH_ATTN_MLA "
                    "dflash@TRITON_MLA ddtree-64 (default: from --methods/--*-backends/--budgets)")
     p.add_argument("--methods", nargs="+", choices=["ar", "dflash", "ddtree"],
@@ -961,7 +965,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.runs and not args.budgets:
             args.runs = list(QUICK["runs"])
     args.out_dir = args.out_dir or str(EVALS / "results")
-    args.setups = args.setups or list(SETUPS)
+    args.setups = args.setups or list(DEFAULT_SETUPS)
     args.contexts = sorted(set(args.contexts or DEFAULT_CONTEXTS))
     args.batches = sorted(set(args.batches or DEFAULT_BATCHES))
     args.budgets = args.budgets or list(DEFAULT_BUDGETS)

@@ -14,6 +14,10 @@ Setups:
   Config files only: vLLM loads them with ``load_format="dummy"`` (uniform weights in
   [-1e-3, 1e-3]: drafts are almost never accepted, so these measure step latency).
 
+- ``trained_yarn``: the same pair with the target's RoPE stretched by YaRN x4 over
+  its 512-token window (``vllm_ddtree/long_context.py``), how a short-window model is
+  served at long context; max_position_embeddings 2048.
+
 Prompts: ``code`` (standard-library source tokenized with the target's tokenizer: text
 the trained pair knows) and ``random`` (uniform token ids, unpredictable). Every prompt
 has exactly the asked length.
@@ -80,6 +84,8 @@ class Setup:
     random_ids: tuple[int, int]  # [low, high) of ``random`` prompt ids (no special ids)
     block_size: int  # drafter block: the DFlash chain drafts block_size - 1 tokens
     max_positions: int  # the target's max_position_embeddings (default)
+    # the embedded target with YaRN (long_context.yarn_parameters()), written per run
+    target_rope: bool = False
 
 
 SETUPS: dict[str, Setup] = {
@@ -97,6 +103,23 @@ SETUPS: dict[str, Setup] = {
         random_ids=(2, 4096),  # 0 = bos/eos/pad, 1 = mask
         block_size=16,
         max_positions=4096,
+    ),
+    "trained_yarn": Setup(
+        name="trained_yarn",
+        title="Trained pair, target RoPE stretched by YaRN x4 (long-context serving)",
+        description=(
+            "The embedded pair with the target's config changed to YaRN factor 4 over its "
+            "512-token training window (vllm_ddtree/long_context.py; max_position_embeddings "
+            "2048; same weights, drafter unchanged): the target holds past 640 tokens, where "
+            "the unscaled one falls apart. AR, the chain and DDTree all run this target."
+        ),
+        dummy=False,
+        heads=None,
+        default_kinds=("code",),
+        random_ids=(2, 4096),
+        block_size=16,
+        max_positions=2048,
+        target_rope=True,
     ),
     "kimi64": Setup(
         name="kimi64",
@@ -242,6 +265,13 @@ def prepare_setup(setup: Setup, model_root: Path, min_positions: int = 0) -> Mod
     ``min_positions``: the longest sequence a run needs; Kimi configs get a larger
     ``max_position_embeddings`` when it exceeds the default (the trained pair cannot).
     """
+    if setup.target_rope:
+        from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+
+        target = write_rope_scaled(CHECKPOINTS / "target",
+                                   Path(model_root) / setup.name / "target", yarn_parameters())
+        return ModelPaths(target, CHECKPOINTS / "drafter", target / "tokenizer.json",
+                          setup.max_positions)
     if not setup.dummy:
         return ModelPaths(CHECKPOINTS / "target", CHECKPOINTS / "drafter",
                           CHECKPOINTS / "target" / "tokenizer.json", setup.max_positions)

@@ -31,6 +31,8 @@
 #   tiny     tests/gpu/test_ddtree_vllm.py on tiny random Qwen3 / DeepSeek-V3 pairs (4 starts)
 #   oracle   tests/gpu/test_ddtree_oracle_vllm.py (deep acceptance with an oracle drafter)
 #   pair     tests/gpu/test_embedded_pair_vllm.py (vLLM AR/DFlash vs reference engine)
+#   pairyarn the same with the target served with YaRN x4, 1,024-token prompts
+#   e2e_trained_yarn  bench_e2e on the trained pair with the YaRN target (1k, batch 1)
 #   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
@@ -130,7 +132,7 @@ for stage in "$@"; do
         --context "${REPLAY_CONTEXT:-16384}" --out "$OUT/replay.md" > "$OUT/replay.log" 2>&1
       summary replay $?
       cat "$OUT/replay.md" 2>/dev/null ;;
-    e2e_kimi8|e2e_kimi64|e2e_trained)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
+    e2e_kimi8|e2e_kimi64|e2e_trained|e2e_trained_yarn)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
       # E2E_REPEATS (runs started interleaved, median shown) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
       # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before).
       # E2E_PIN_CPUS=0-7: every run on the same cores (host-bound steps of separate
@@ -145,7 +147,7 @@ for stage in "$@"; do
       # files travel afresh with every call). A pair beside the working tree rarely fits
       # the 64 MiB carry with a kit part: carry it alone first (e.g. .devkit/pending_pair,
       # 22 MB, `cp -r .devkit/pending_pair /root/`), then E2E_PAIR=/root/pending_pair.
-      if [ "$setup" = trained ] && [ -n "${E2E_PAIR:-}" ]; then
+      if [ "${setup#trained}" != "$setup" ] && [ -n "${E2E_PAIR:-}" ]; then
         [ -f "$E2E_PAIR/target/model.safetensors" ] && \
           [ -f "$E2E_PAIR/drafter/model.safetensors" ] || { \
           echo "E2E_PAIR: $E2E_PAIR needs target/ and drafter/"; summary "$stage" 3; continue; }
@@ -155,6 +157,9 @@ for stage in "$@"; do
       case "$setup" in
         trained) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
                  contexts="384 1k" batches="1 8" prompts="code" ;;  # 384: inside the embedded pair's 512 window
+        trained_yarn)  # the target served with YaRN x4 (vllm_ddtree/long_context.py)
+                 runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
+                 contexts="1k" batches="1" prompts="code" ;;
         kimi8) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
                contexts="1k 16k 64k 128k" batches="1" prompts="random" ;;
         kimi64) runs="ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
@@ -206,7 +211,9 @@ for stage in "$@"; do
       stage_pytest onegroup 360 tests/gpu/test_ddtree_vllm.py -k one_kv_group ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;  # 300 s cut it (s18)
-    pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py ;;
+    pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
+    pairyarn)  # vLLM's DeepSeek YaRN on the YaRN copy of the target vs the reference, 1k
+      stage_pytest pairyarn 300 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;
     backend)  # 4 engines each (~40 s apiece once the Triton cache is warm)
       stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
       stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;

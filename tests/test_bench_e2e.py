@@ -54,6 +54,12 @@ def test_prepare_setup_paths_and_positions(tmp_path):
     trained = e2e_models.prepare_setup(e2e_models.SETUPS["trained"], tmp_path)
     assert (trained.target / "config.json").exists() and trained.tokenizer_file.exists()
     assert e2e_models.read_config(trained.target)["max_position_embeddings"] == 4096
+    yarn = e2e_models.prepare_setup(e2e_models.SETUPS["trained_yarn"], tmp_path)
+    config = e2e_models.read_config(yarn.target)
+    assert config["rope_parameters"]["rope_type"] == "yarn"
+    assert config["max_position_embeddings"] == yarn.max_positions == 2048
+    assert yarn.tokenizer_file.exists() and yarn.drafter == trained.drafter
+    assert yarn.target != trained.target  # the embedded checkpoint is left alone
     kimi = e2e_models.prepare_setup(e2e_models.SETUPS["kimi8"], tmp_path,
                                     min_positions=300_000)
     assert kimi.max_positions == 524288 and kimi.tokenizer_file is None

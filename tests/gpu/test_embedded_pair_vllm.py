@@ -15,12 +15,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_vllm(mode: str, tmp_path: Path) -> dict:
+def run_vllm(mode: str, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{mode}.json"
     env = {**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'evals'}:" +
            __import__("os").environ.get("PYTHONPATH", "")}
     subprocess.run([sys.executable, str(ROOT / "evals/check_pair_vllm.py"), "--mode", mode,
-                    "--out", str(out)], check=True, timeout=600, env=env)
+                    "--out", str(out), *extra], check=True, timeout=600, env=env)
     return json.loads(out.read_text())
 
 
@@ -52,3 +52,32 @@ def test_vllm_matches_reference_engine_and_runs_dflash(tmp_path):
         assert problem is None, f"vLLM DFlash vs vLLM AR: {problem}"
     print(f"prompts whose vLLM bf16 tokens differ from the fp32 reference at a tie: "
           f"{sum(differing)}/{len(differing)}")
+
+
+@pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
+                    reason="embedded pair not trained yet")
+def test_vllm_yarn_target_matches_reference_past_the_window(tmp_path):
+    """The YaRN copy of the target (``vllm_ddtree/long_context.py``) on 1,024-token code
+    prompts: vLLM's DeepSeek YaRN (``deepseek_yarn``) gives the fp32 reference's greedy
+    tokens up to measured bf16 ties, and its DFlash chain gives vLLM AR's."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+    from vllm_ddtree.reference import generate
+    from vllm_ddtree.training.common import load_drafter
+
+    pair = tmp_path / "pair"
+    write_rope_scaled(CHECKPOINTS / "target", pair / "target", yarn_parameters())
+    (pair / "drafter").symlink_to(CHECKPOINTS / "drafter", target_is_directory=True)
+    extra = ("--checkpoints", str(pair), "--prompt-tokens", "1024", "--prompts", "2")
+    ar = run_vllm("ar", tmp_path, *extra)
+    chain = run_vllm("dflash", tmp_path, *extra)
+    target = AutoModelForCausalLM.from_pretrained(pair / "target",
+                                                  dtype=torch.float32).cuda().eval()
+    drafter = load_drafter(CHECKPOINTS / "drafter", device="cuda")
+    for a, c in zip(ar["outputs"], chain["outputs"], strict=True):
+        ref = generate(target, drafter, a["prompt"], len(a["tokens"]), "ddtree", budget=32)
+        problem = first_unexplained(a["tokens"], ref.tokens, a["top2_gap"])
+        assert problem is None, f"vLLM AR (YaRN) vs reference: {problem}"
+        problem = first_unexplained(c["tokens"], a["tokens"], a["top2_gap"])
+        assert problem is None, f"vLLM DFlash (YaRN) vs vLLM AR: {problem}"

@@ -1,0 +1,101 @@
+"""Long-context serving of a target trained on short windows: RoPE stretched by YaRN.
+
+The embedded target was trained on 512-token windows; past ~640 positions its loss
+doubles (2.2 -> 4.8 nats) and every drafter conditioned on it stops being accepted.
+YaRN (Peng et al. 2023) interpolates the RoPE frequencies whose wavelength exceeds the
+training window and leaves the fast ones alone, with no retraining; with factor 4 the
+embedded target holds 1.5-2.1 nats out to 2048 positions for about +0.1 nats below 512
+(`evals/results/long_context_rope.md`). Like Qwen's "add rope_scaling only when long
+contexts are needed", it is a serving choice: ``write_rope_scaled`` writes a copy of a
+checkpoint whose config carries the scaling, which vLLM and transformers load alike
+(vLLM: ``--hf-overrides '{"rope_parameters": ..., "max_position_embeddings": ...}'``
+does the same on the command line).
+
+    python -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target --out /tmp/t
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+
+# The embedded target's training window and its RoPE base.
+EMBEDDED_TRAIN_WINDOW = 512
+EMBEDDED_ROPE_THETA = 10000.0
+DEFAULT_YARN_FACTOR = 4.0
+
+
+def yarn_parameters(factor: float = DEFAULT_YARN_FACTOR,
+                    original_positions: int = EMBEDDED_TRAIN_WINDOW,
+                    rope_theta: float = EMBEDDED_ROPE_THETA) -> dict:
+    """``rope_parameters`` for YaRN with ``factor`` over ``original_positions``.
+
+    No ``mscale`` / ``mscale_all_dim``: transformers and vLLM then both scale cos/sin by
+    ``0.1 ln(factor) + 1`` and leave the softmax scale alone (for DeepSeek-V3 vLLM maps
+    ``yarn`` to ``deepseek_yarn``; ``tests/test_long_context.py`` checks the two agree).
+    """
+    if factor <= 1.0:
+        raise ValueError(f"YaRN factor must be > 1, got {factor}")
+    if original_positions < 1:
+        raise ValueError(f"original_positions must be >= 1, got {original_positions}")
+    return {"rope_type": "yarn", "rope_theta": float(rope_theta), "factor": float(factor),
+            "original_max_position_embeddings": int(original_positions)}
+
+
+def scaled_max_positions(rope_parameters: dict) -> int:
+    """Positions a YaRN config covers: ``factor * original_max_position_embeddings``.
+
+    vLLM's YaRN tables hold exactly this many positions (more would index past them),
+    and transformers warns when ``max_position_embeddings`` differs from it."""
+    return int(rope_parameters["factor"] * rope_parameters["original_max_position_embeddings"])
+
+
+def write_rope_scaled(src: Path, out: Path, rope_parameters: dict) -> Path:
+    """Copy of the Hugging Face checkpoint ``src`` in ``out`` with ``rope_parameters``
+    and ``max_position_embeddings = scaled_max_positions(rope_parameters)``; every other
+    file is symlinked (weights are unchanged). Returns ``out``. Rewrites ``out`` when
+    called again."""
+    src, out = Path(src).resolve(), Path(out)
+    config_path = src / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{src}: no config.json (not a Hugging Face checkpoint)")
+    config = json.loads(config_path.read_text())
+    old_rope = config.get("rope_parameters") or {}
+    if old_rope.get("rope_type", "default") != "default":
+        raise ValueError(f"{src}: rope_parameters already scaled ({old_rope}); "
+                         "start from an unscaled checkpoint")
+    config["rope_parameters"] = dict(rope_parameters)
+    config["max_position_embeddings"] = scaled_max_positions(rope_parameters)
+    if out.resolve() == src:
+        raise ValueError("--out must differ from --src")
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for entry in src.iterdir():
+        if entry.name != "config.json":
+            os.symlink(entry, out / entry.name)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--src", required=True, help="Hugging Face checkpoint (target) folder")
+    p.add_argument("--out", required=True, help="folder to write (replaced if present)")
+    p.add_argument("--factor", type=float, default=DEFAULT_YARN_FACTOR)
+    p.add_argument("--original-positions", type=int, default=EMBEDDED_TRAIN_WINDOW,
+                   help="the training window of the checkpoint")
+    args = p.parse_args(argv)
+    config = json.loads((Path(args.src) / "config.json").read_text())
+    theta = (config.get("rope_parameters") or {}).get("rope_theta", EMBEDDED_ROPE_THETA)
+    rope = yarn_parameters(args.factor, args.original_positions, theta)
+    out = write_rope_scaled(Path(args.src), Path(args.out), rope)
+    print(f"{out}: rope_parameters {rope}, max_position_embeddings "
+          f"{scaled_max_positions(rope)}")
+
+
+if __name__ == "__main__":
+    main()
