@@ -151,6 +151,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter-continuation", type=int, default=384,
                    help="greedy tokens after each corpus prefix (0: up to the sequence end)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
+    p.add_argument("--drafter-init", default=None,
+                   help="start the drafter from this checkpoint (fine-tune; e.g. the "
+                   "embedded drafter on a YaRN copy of its target, long_context.py) "
+                   "instead of random weights; its shape must match the drafter config")
     p.add_argument("--accept-prompts", type=int, default=None)
     p.add_argument("--accept-new-tokens", type=int, default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -411,6 +415,33 @@ def drafter_pools(args, out, device, tok, splits, summary):
     return target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s
 
 
+DRAFTER_INIT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "intermediate_size", "vocab_size",
+                       "block_size", "layer_types", "sliding_window", "dflash_config")
+
+
+def init_from_checkpoint(drafter, path: Path) -> None:
+    """Load ``path``'s drafter weights into ``drafter`` (same architecture). Raises
+    ValueError naming the first config field that differs."""
+    config_path = path / "config.json"
+    if not config_path.exists():
+        raise ValueError(f"--drafter-init {path}: no config.json there")
+    saved = json.loads(config_path.read_text())
+    for field in DRAFTER_INIT_FIELDS:
+        want = getattr(drafter.config, field, None)
+        if field == "dflash_config":
+            want = {k: want.get(k) for k in ("target_layer_ids", "mask_token_id")}
+            got = {k: (saved.get(field) or {}).get(k) for k in want}
+        else:
+            got = saved.get(field)
+        if got != want:
+            raise ValueError(f"--drafter-init {path}: {field} is {got!r}, the drafter "
+                             f"being trained has {want!r}; pass a drafter of this shape "
+                             "(or --target-layer-ids to match it)")
+    init = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
+    drafter.load_state_dict(init.state_dict(), strict=True)
+
+
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s = drafter_pools(
         args, out, device, tok, splits, summary)
@@ -421,6 +452,9 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         print(f"[drafter] + {dc.text_sequences} corpus-text rows: train pool {len(pool)}")
     seed_everything(args.seed)
     drafter = DFlashDraftModel(dcfg)
+    if args.drafter_init:
+        init_from_checkpoint(drafter, Path(args.drafter_init))
+        print(f"[drafter] initialised from {args.drafter_init}")
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"[drafter] DFlashDraftModel {n_params / 1e6:.2f} M params, block "

@@ -47,6 +47,9 @@ def test_write_rope_scaled_links_weights_and_rewrites_config(tmp_path):
     # again into the same folder: replaced, not stacked
     write_rope_scaled(src, out, yarn_parameters(2.0, 512))
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 1024
+    copied = write_rope_scaled(src, tmp_path / "copied", yarn_parameters(2.0, 512), link=False)
+    assert not (copied / "model.safetensors").is_symlink()
+    assert (copied / "model.safetensors").read_bytes() == b"weights"
     with pytest.raises(ValueError, match="already scaled"):
         write_rope_scaled(out, tmp_path / "twice", yarn_parameters(2.0, 512))
     with pytest.raises(FileNotFoundError, match="config.json"):

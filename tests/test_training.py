@@ -465,6 +465,22 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
     with pytest.raises(ValueError, match="gen_sequences"):
         mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
                   "--gen-sequences", "5"])
+    # --drafter-init: the next drafter starts from the saved one (fine-tuning), so its
+    # first evaluation is the saved drafter's kept evaluation, not a random model's.
+    first = summary["drafter"]
+    saved = tmp_path / "first_drafter"
+    __import__("shutil").copytree(out / "drafter", saved)
+    mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
+              "--text-sequences", "3", "--drafter-init", str(saved)])
+    assert f"initialised from {saved}" in capsys.readouterr().out
+    again = json.loads((out / "results" / "train_pair.json").read_text())["drafter"]
+    kept = first["log"].get("eval_kept") or first["log"]["eval_last"]
+    assert again["init_eval"]["loss"] == pytest.approx(kept["loss"], rel=1e-3)
+    assert again["init_eval"]["loss"] < first["init_eval"]["loss"]
+    other = DFlashDraftModel.from_pretrained(str(saved))
+    other.config.block_size = other.config.block_size * 2
+    with pytest.raises(ValueError, match="block_size"):
+        mod.init_from_checkpoint(DFlashDraftModel(other.config), saved)
 
 
 def test_text_pool_rows_are_corpus_text_and_join_the_greedy_pool():

@@ -53,11 +53,12 @@ def scaled_max_positions(rope_parameters: dict) -> int:
     return int(rope_parameters["factor"] * rope_parameters["original_max_position_embeddings"])
 
 
-def write_rope_scaled(src: Path, out: Path, rope_parameters: dict) -> Path:
+def write_rope_scaled(src: Path, out: Path, rope_parameters: dict, link: bool = True
+                      ) -> Path:
     """Copy of the Hugging Face checkpoint ``src`` in ``out`` with ``rope_parameters``
     and ``max_position_embeddings = scaled_max_positions(rope_parameters)``; every other
-    file is symlinked (weights are unchanged). Returns ``out``. Rewrites ``out`` when
-    called again."""
+    file is symlinked (``link``) or copied (weights are unchanged). Returns ``out``.
+    Rewrites ``out`` when called again."""
     src, out = Path(src).resolve(), Path(out)
     config_path = src / "config.json"
     if not config_path.exists():
@@ -75,8 +76,14 @@ def write_rope_scaled(src: Path, out: Path, rope_parameters: dict) -> Path:
         shutil.rmtree(out)
     out.mkdir(parents=True)
     for entry in src.iterdir():
-        if entry.name != "config.json":
+        if entry.name == "config.json":
+            continue
+        if link:
             os.symlink(entry, out / entry.name)
+        elif entry.is_dir():
+            shutil.copytree(entry, out / entry.name)
+        else:
+            shutil.copy2(entry, out / entry.name)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -88,11 +95,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--factor", type=float, default=DEFAULT_YARN_FACTOR)
     p.add_argument("--original-positions", type=int, default=EMBEDDED_TRAIN_WINDOW,
                    help="the training window of the checkpoint")
+    p.add_argument("--copy", action="store_true",
+                   help="copy the weights and tokenizer instead of linking them (a folder "
+                   "that travels on its own, e.g. /tmp/ckpt/target for train_pair)")
     args = p.parse_args(argv)
     config = json.loads((Path(args.src) / "config.json").read_text())
     theta = (config.get("rope_parameters") or {}).get("rope_theta", EMBEDDED_ROPE_THETA)
     rope = yarn_parameters(args.factor, args.original_positions, theta)
-    out = write_rope_scaled(Path(args.src), Path(args.out), rope)
+    out = write_rope_scaled(Path(args.src), Path(args.out), rope, link=not args.copy)
     print(f"{out}: rope_parameters {rope}, max_position_embeddings "
           f"{scaled_max_positions(rope)}")
 
