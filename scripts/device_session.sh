@@ -46,6 +46,8 @@
 #   trainpair  evals/train_pair.py into /tmp/ckpt (TRAIN_ARGS), checkpoints back as
 #            ckpt.tar.part-* (scripts/unpack_pair.sh); builds the corpus (CORPUS_ARGS) unless
 #            data/ is carried
+#   trainyarn  the embedded drafter fine-tuned on the YaRN copy of its target (then packed
+#            like trainpair; TRAIN_ARGS overrides the fine-tune's arguments)
 #   savecache  Triton + vLLM compile caches -> $OUT/compile-cache.part-00.. (15 MB each, run
 #            last; carry them back as .devkit/compile-cache.part-* beside a kit part)
 # Side by side (VLLM_DDTREE_TEST_KV_GIB: a fixed KV cache, no start-up memory profiling,
@@ -322,6 +324,23 @@ for stage in "$@"; do
         (cd /tmp/ckpt && tar cf - target drafter | split -b 12M - "$OUT/ckpt.tar.part-")
         mkdir -p "$OUT/results" && cp /tmp/results/* "$OUT/results/" 2>/dev/null
       fi ;;
+    trainyarn)  # fine-tune the embedded drafter on the YaRN copy of its target
+      # (vllm_ddtree/long_context.py): the drafter was trained on the unscaled target's
+      # hidden states and accepts ~10 % less under YaRN below 512 tokens, ~50 % more at
+      # 1k (CPU reference engine, long_context_rope.md). Pools of long prefixes (the
+      # train_pair defaults: prefixes up to 1280, continuations of 384). Then `trainpair`
+      # packs /tmp/ckpt as usual; the target that comes back is the YaRN copy.
+      [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
+        ${CORPUS_ARGS:---vocab-size 4096} > "$OUT/corpus.log" 2>&1
+      cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
+        echo "data/tokenizer differs from the embedded target's: build the corpus with" \
+          "the Python the pair was trained on (3.12 on the device)"; summary trainyarn 3; continue; }
+      rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt
+      python3 -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target \
+        --out /tmp/ckpt/target --copy | tee -a "$OUT/summary.txt"
+      TRAIN_ARGS="${TRAIN_ARGS:---stage drafter --drafter-init vllm_ddtree/checkpoints/drafter \
+        --drafter-lr 5e-4 --drafter-minutes 3 --gen-sequences 6144}" \
+        bash "${BASH_SOURCE[0]}" trainpair ;;
     pack)  # last: $OUT's files in one archive (only a few files come back per call)
       (cd "$OUT" && tar czf /tmp/all.tgz --exclude 'compile-cache.part-*' . \
         && find . -maxdepth 1 -type f ! -name 'compile-cache.part-*' -delete \

@@ -164,3 +164,26 @@ def test_ddtree_on_the_yarn_target_equals_ar_past_the_window(tmp_path):
     assert tree.tokens == ar.tokens
     assert chain.tokens == ar.tokens
     assert tree.rounds < len(ar.tokens)  # the drafter is still accepted
+
+
+@pytest.mark.skipif(not EMBEDDED, reason="embedded pair not trained yet")
+def test_rope_scaling_loss_report(tmp_path):
+    """``evals/rope_scaling_loss.py`` on a short slice: one row per variant, buckets of
+    the asked size, the default row equal to the checkpoint's own loss."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "evals" / "rope_scaling_loss.py"
+    spec = importlib.util.spec_from_file_location("rope_scaling_loss", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--factors", "2", "--length", "256", "--prompts", "1", "--bucket", "64",
+                     "--out-dir", str(tmp_path), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "rope_scaling_loss.json").read_text())
+    assert [r["variant"] for r in result["rows"]] == ["default", "yarn x2"]
+    assert all(len(r["loss"]) == 4 for r in result["rows"])
+    assert result["rows"][1]["max_positions"] == 1024
+    assert (tmp_path / "rope_scaling_loss.png").stat().st_size > 0
+    assert "| yarn x2 |" in (tmp_path / "rope_scaling_loss.md").read_text()
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--length", "100", "--bucket", "64"])
