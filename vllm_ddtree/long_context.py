@@ -9,7 +9,9 @@ embedded target holds 1.5-2.1 nats out to 2048 positions for about +0.1 nats bel
 contexts are needed", it is a serving choice: ``write_rope_scaled`` writes a copy of a
 checkpoint whose config carries the scaling, which vLLM and transformers load alike
 (vLLM: ``--hf-overrides '{"rope_parameters": ..., "max_position_embeddings": ...}'``
-does the same on the command line).
+does the same on the command line; vLLM 0.26 applies a dict override to the target
+only, not to the drafter, which keeps the RoPE it was trained with: stretching the
+drafter's too lowered acceptance at every length in our runs).
 
     python -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target --out /tmp/t
 """
