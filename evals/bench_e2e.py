@@ -63,7 +63,13 @@ for _p in (str(EVALS), str(REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from e2e_models import PROMPT_KINDS, SETUPS, Setup, cell_seed, prepare_setup  # noqa: E402
+from e2e_models import (  # noqa: E402
+    SETUPS,
+    Setup,
+    cell_seed,
+    parse_prompt_kind,
+    prepare_setup,
+)
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters  # noqa: E402
 
@@ -226,7 +232,7 @@ def plan_cells(setup: Setup, contexts: list[int], batches: list[int], kinds: lis
     for kind in kinds:
         for batch in batches:
             for context in contexts:
-                if kind == "code" and setup.dummy:
+                if parse_prompt_kind(kind)[0] == "code" and setup.dummy:
                     skipped.append((context, batch, kind, "no tokenizer (dummy weights): "
                                     "code prompts need the target's tokenizer"))
                 elif not setup.dummy and context + max_tokens + margin > positions:
@@ -895,6 +901,15 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
     print(f"wrote {paths['md']}, {paths['png']}, {paths['json']}")
 
 
+def prompt_kind_arg(kind: str) -> str:
+    """argparse type of ``--prompts``: a kind :func:`parse_prompt_kind` accepts."""
+    try:
+        parse_prompt_kind(kind)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return kind
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -915,8 +930,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contexts", nargs="+", type=parse_context,
                    help="prompt lengths, e.g. 1k 16k 64k 128k (default)")
     p.add_argument("--batches", nargs="+", type=int, help="default 1 8")
-    p.add_argument("--prompts", nargs="+", choices=PROMPT_KINDS,
-                   help="prompt kinds (default per setup: trained code+random, kimi random)")
+    p.add_argument("--prompts", nargs="+", type=prompt_kind_arg,
+                   help="prompt kinds (default per setup: trained code+random, kimi "
+                   "random); code@k / random@k: the k-th disjoint prompt set, e.g. "
+                   "--prompts code code@1 code@2 at batch 1")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--repeats", type=int, default=1,
                    help="start every run this many times, interleaved (A B C C B A ...); "

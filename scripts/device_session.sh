@@ -135,7 +135,8 @@ for stage in "$@"; do
       summary replay $?
       cat "$OUT/replay.md" 2>/dev/null ;;
     e2e_kimi8|e2e_kimi64|e2e_trained|e2e_trained_yarn)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
-      # E2E_REPEATS (runs started interleaved, median shown) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
+      # E2E_REPEATS (runs started interleaved, median shown), E2E_PROMPTS (e.g. "code
+      # code@1 code@2": batch-1 cells on several disjoint prompts) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
       # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before).
       # E2E_PIN_CPUS=0-7: every run on the same cores (host-bound steps of separate
       # processes were seen 1.3x apart on this host: compare the host table's Python ms).
@@ -161,7 +162,7 @@ for stage in "$@"; do
                  contexts="384 1k" batches="1 8" prompts="code" ;;  # 384: inside the embedded pair's 512 window
         trained_yarn)  # the target served with YaRN x4 (vllm_ddtree/long_context.py)
                  runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
-                 contexts="1k" batches="1" prompts="code" ;;
+                 contexts="1k" batches="1" prompts="code code@1 code@2 code@3" ;;
         kimi8) runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
                contexts="1k 16k 64k 128k" batches="1" prompts="random" ;;
         kimi64) runs="ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
@@ -170,7 +171,7 @@ for stage in "$@"; do
       timeout "$limit" python3 evals/bench_e2e.py --setup "$setup" \
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
-        --batches ${E2E_BATCHES:-$batches} --prompts $prompts --repeats ${E2E_REPEATS:-1} \
+        --batches ${E2E_BATCHES:-$batches} --prompts ${E2E_PROMPTS:-$prompts} --repeats ${E2E_REPEATS:-1} \
         --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} ${E2E_ENGINE_PROCESS:+--engine-process} \
         --out-dir "${E2E_OUT_DIR:-$OUT}" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?

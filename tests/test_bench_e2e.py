@@ -211,6 +211,32 @@ def test_code_prompts_are_disjoint_slices_of_stdlib_source():
         e2e_models.make_prompts("code", 1, 10, e2e_models.SETUPS["kimi8"])
 
 
+def test_prompt_sets_are_the_next_disjoint_slices(capsys):
+    """``code@k``: the k-th set of ``batch`` slices (``code`` = ``code@0``), so batch-1
+    cells can run on several prompts; ``random@k`` another seed."""
+    tokenizer = e2e_models.load_tokenizer(e2e_models.CHECKPOINTS / "target" / "tokenizer.json")
+    setup = e2e_models.SETUPS["trained"]
+    eight = e2e_models.code_prompts(tokenizer, 8, 300)
+    assert e2e_models.make_prompts("code@0", 1, 300, setup, tokenizer) == eight[:1]
+    assert e2e_models.make_prompts("code@3", 1, 300, setup, tokenizer) == eight[3:4]
+    assert e2e_models.make_prompts("code@1", 2, 300, setup, tokenizer) == eight[2:4]
+    first = e2e_models.make_prompts("random", 2, 40, setup, seed=5)
+    assert e2e_models.make_prompts("random@0", 2, 40, setup, seed=5) == first
+    assert e2e_models.make_prompts("random@1", 2, 40, setup, seed=5) != first
+    assert e2e_models.parse_prompt_kind("code@12") == ("code", 12)
+    for bad, why in (("prose", "unknown prompt kind"), ("code@x", "integer"),
+                     ("code@-1", "integer")):
+        with pytest.raises(ValueError, match=why):
+            e2e_models.parse_prompt_kind(bad)
+    assert parse_args(["--prompts", "code", "code@1"]).prompts == ["code", "code@1"]
+    with pytest.raises(SystemExit):
+        parse_args(["--prompts", "code@one"])
+    assert "the set after '@' must be an integer" in capsys.readouterr().err
+    kimi = e2e_models.SETUPS["kimi8"]
+    _, skipped = bench_e2e.plan_cells(kimi, [1024], [1], ["code@2"], 64, 32)
+    assert skipped and "no tokenizer" in skipped[0][3]
+
+
 # ---------------------------------------------------------------------------------------
 # Step split
 
