@@ -268,8 +268,11 @@ def prepare_setup(setup: Setup, model_root: Path, min_positions: int = 0) -> Mod
     if setup.target_rope:
         from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
 
-        target = write_rope_scaled(CHECKPOINTS / "target",
-                                   Path(model_root) / setup.name / "target", yarn_parameters())
+        target = CHECKPOINTS / "target"
+        rope = read_config(target).get("rope_parameters") or {}
+        if rope.get("rope_type", "default") == "default":  # else scaled already (E2E_PAIR)
+            target = write_rope_scaled(target, Path(model_root) / setup.name / "target",
+                                       yarn_parameters())
         return ModelPaths(target, CHECKPOINTS / "drafter", target / "tokenizer.json",
                           setup.max_positions)
     if not setup.dummy:

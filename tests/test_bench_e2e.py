@@ -50,6 +50,18 @@ def test_kimi_configs_have_the_anchor_shapes_and_pass_the_drafter_checks(heads, 
     assert len(set(ids)) == len(ids) and max(ids) < target.num_hidden_layers
 
 
+def test_trained_yarn_takes_a_pair_that_is_scaled_already(tmp_path, monkeypatch):
+    """A pair carried with E2E_PAIR whose target already has YaRN (a `trainyarn`
+    fine-tune) is used as it is, not scaled twice."""
+    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+
+    pair = tmp_path / "pair"
+    write_rope_scaled(e2e_models.CHECKPOINTS / "target", pair / "target", yarn_parameters())
+    monkeypatch.setattr(e2e_models, "CHECKPOINTS", pair)
+    paths = e2e_models.prepare_setup(e2e_models.SETUPS["trained_yarn"], tmp_path / "root")
+    assert paths.target == pair / "target"
+
+
 def test_prepare_setup_paths_and_positions(tmp_path):
     trained = e2e_models.prepare_setup(e2e_models.SETUPS["trained"], tmp_path)
     assert (trained.target / "config.json").exists() and trained.tokenizer_file.exists()
