@@ -203,19 +203,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def yarn_pair(checkpoints: Path, factor: float, out: Path) -> Path:
-    """``out`` with ``target/`` (the YaRN copy of ``checkpoints/target``) and
-    ``drafter/`` (a link to ``checkpoints/drafter``)."""
-    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
-
-    write_rope_scaled(checkpoints / "target", out / "target", yarn_parameters(factor))
-    drafter = out / "drafter"
-    if drafter.is_symlink() or drafter.exists():
-        drafter.unlink()
-    drafter.symlink_to((checkpoints / "drafter").resolve(), target_is_directory=True)
-    return out
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
@@ -231,8 +218,11 @@ def main(argv=None) -> int:
     if args.yarn_factor:
         import tempfile
 
-        checkpoints = yarn_pair(checkpoints, args.yarn_factor,
-                                Path(tempfile.mkdtemp(prefix="acceptance_yarn_")))
+        from vllm_ddtree.long_context import write_rope_scaled_pair, yarn_parameters
+
+        checkpoints = write_rope_scaled_pair(
+            checkpoints, Path(tempfile.mkdtemp(prefix="acceptance_yarn_")),
+            yarn_parameters(args.yarn_factor))
     pair = load_embedded_pair(checkpoints)
     start = time.time()
     result = measure(pair, sorted(args.lengths), args.prompts, args.new_tokens, args.budgets,

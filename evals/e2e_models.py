@@ -380,7 +380,8 @@ def parse_prompt_kind(kind: str) -> tuple[str, int]:
     """``(base, set)`` of a prompt kind: ``code`` / ``random``, optionally ``@k`` for
     the k-th disjoint prompt set (``code@1``: the next ``batch`` slices of the same
     source; ``code`` = ``code@0``). At batch 1 one prompt decides a cell's acceptance
-    (on the trained pair 1.8-6.4 tokens per round across eight 1k slices), so a run can
+    (DDTree B = 64 on the YaRN-served trained pair: 2.6-6.4 tokens per round
+    across eight 1k slices, reference engine), so a run can
     measure several sets side by side."""
     base, sep, index = kind.partition("@")
     if base not in PROMPT_KINDS:

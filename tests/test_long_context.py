@@ -12,6 +12,7 @@ from vllm_ddtree.demo import CHECKPOINTS
 from vllm_ddtree.long_context import (
     scaled_max_positions,
     write_rope_scaled,
+    write_rope_scaled_pair,
     yarn_parameters,
 )
 
@@ -54,6 +55,17 @@ def test_write_rope_scaled_links_weights_and_rewrites_config(tmp_path):
         write_rope_scaled(out, tmp_path / "twice", yarn_parameters(2.0, 512))
     with pytest.raises(FileNotFoundError, match="config.json"):
         write_rope_scaled(tmp_path / "missing", tmp_path / "x", yarn_parameters())
+
+    pair_src = tmp_path / "pair_src"
+    (pair_src / "drafter").mkdir(parents=True)
+    (pair_src / "drafter" / "config.json").write_text("{}")
+    __import__("shutil").copytree(src, pair_src / "target")
+    for _ in range(2):  # a second call replaces the pair
+        pair = write_rope_scaled_pair(pair_src, tmp_path / "pair", yarn_parameters(4.0, 512))
+    assert json.loads((pair / "target" / "config.json").read_text())[
+        "max_position_embeddings"] == 2048
+    assert (pair / "drafter").is_symlink()
+    assert (pair / "drafter").resolve() == (pair_src / "drafter").resolve()
 
 
 def _deepseek_config(rope: dict):

@@ -90,6 +90,19 @@ def write_rope_scaled(src: Path, out: Path, rope_parameters: dict, link: bool = 
     return out
 
 
+def write_rope_scaled_pair(checkpoints: Path, out: Path, rope_parameters: dict) -> Path:
+    """``out/target`` = :func:`write_rope_scaled` of ``checkpoints/target`` and
+    ``out/drafter`` = a link to ``checkpoints/drafter`` (the drafter keeps its RoPE).
+    Returns ``out``, a pair folder like ``vllm_ddtree/checkpoints``."""
+    checkpoints, out = Path(checkpoints), Path(out)
+    write_rope_scaled(checkpoints / "target", out / "target", rope_parameters)
+    drafter = out / "drafter"
+    if drafter.is_symlink() or drafter.exists():
+        drafter.unlink()
+    drafter.symlink_to((checkpoints / "drafter").resolve(), target_is_directory=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--src", required=True, help="Hugging Face checkpoint (target) folder")

@@ -62,13 +62,11 @@ def test_vllm_yarn_target_matches_reference_past_the_window(tmp_path):
     tokens up to measured bf16 ties, and its DFlash chain gives vLLM AR's."""
     from transformers import AutoModelForCausalLM
 
-    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+    from vllm_ddtree.long_context import write_rope_scaled_pair, yarn_parameters
     from vllm_ddtree.reference import generate
     from vllm_ddtree.training.common import load_drafter
 
-    pair = tmp_path / "pair"
-    write_rope_scaled(CHECKPOINTS / "target", pair / "target", yarn_parameters())
-    (pair / "drafter").symlink_to(CHECKPOINTS / "drafter", target_is_directory=True)
+    pair = write_rope_scaled_pair(CHECKPOINTS, tmp_path / "pair", yarn_parameters())
     extra = ("--checkpoints", str(pair), "--prompt-tokens", "1024", "--prompts", "2")
     ar = run_vllm("ar", tmp_path, *extra)
     chain = run_vllm("dflash", tmp_path, *extra)
