@@ -355,9 +355,12 @@ def fake_row(base: dict, num_spec: int) -> dict:
     counters = {SPEC_COUNTERS[0]: drafts, SPEC_COUNTERS[1]: 2.0 * drafts,
                 SPEC_COUNTERS[2]: drafts * num_spec}
     active = num_spec / 2 if base["budget"] == "auto" else None
-    return cell_row(base, summary, counters, wall_s=step * steps / 900, prefill_s=0.1,
-                    produced=[base["max_tokens"]] * batch, cached_tokens=batch * context,
-                    active_nodes=active)
+    row = cell_row(base, summary, counters, wall_s=step * steps / 900, prefill_s=0.1,
+                   produced=[base["max_tokens"]] * batch, cached_tokens=batch * context,
+                   active_nodes=active)
+    row["output_token_ids"] = [[(context + r + i) % 97 for i in range(base["max_tokens"])]
+                               for r in range(batch)]
+    return row
 
 
 # ---------------------------------------------------------------------------------------
@@ -533,6 +536,8 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
                    active_nodes=active_nodes, allocator=allocator)
     row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
                numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
+    # Each request's generated ids: the report checks them against AR's in the same cell.
+    row["output_token_ids"] = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
     return row
 
 

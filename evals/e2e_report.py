@@ -134,6 +134,109 @@ def reference_ar(rows: list[dict]) -> dict[tuple, float]:
     return {k: v[1] for k, v in best.items()}
 
 
+def ar_outputs(rows: list[dict]) -> dict[tuple, list[list[int]]]:
+    """AR's generated ids per (context, batch, kind): those of the first AR row in
+    table order that recorded them (``output_token_ids``, one list per request)."""
+    out: dict[tuple, list[list[int]]] = {}
+    for r in sorted(ok_rows(rows), key=run_sort_key):
+        key = (r.get("context"), r.get("batch"), r.get("kind"))
+        if r.get("method") == "ar" and r.get("output_token_ids") and key not in out:
+            out[key] = r["output_token_ids"]
+    return out
+
+
+def first_mismatch(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token of two id lists (the shorter one's length
+    when one is a prefix of the other), None when equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def tokens_vs_ar(row: dict, ref: dict[tuple, list[list[int]]]) -> str:
+    """``same`` when every request generated AR's ids in the same cell, else how many
+    did and the earliest differing token (bf16 argmax ties can cause one: the GPU
+    tests measure those gaps); ``ref`` for AR rows with the reference's ids."""
+    ids = row.get("output_token_ids")
+    ar = ref.get((row.get("context"), row.get("batch"), row.get("kind")))
+    if not ids or not ar:
+        return "—"
+    if row.get("method") == "ar" and ids == ar:
+        return "ref"
+    diffs = [first_mismatch(a, b) for a, b in zip(ar, ids, strict=False)]
+    same = sum(d is None for d in diffs)
+    if same == len(diffs) and len(ar) == len(ids):
+        return "same"
+    firsts = [d for d in diffs if d is not None]
+    where = f", first diff at token {min(firsts)}" if firsts else ""
+    return f"{same}/{len(ids)} same{where}"
+
+
+def distinct_ngrams(ids: list[list[int]], n: int = 4) -> float | None:
+    """Share of distinct ``n``-grams among a cell's generated ids (all requests): near
+    1 for varied text, low when the greedy continuation loops (which drafters predict
+    well, so acceptance alone can flatter a method)."""
+    grams = [tuple(seq[i:i + n]) for seq in ids for i in range(len(seq) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else None
+
+
+def prompt_set_of(kind: str) -> str:
+    """``code@2`` -> ``code``: the prompt set a cell's prompts belong to."""
+    return kind.split("@", 1)[0]
+
+
+def _prompt_set_table(rows: list[dict]) -> list[str]:
+    """Tokens/s over each prompt set measured on several prompts (``code``,
+    ``code@1``, ...) at one context and batch: total tokens over total decode time of
+    the run's cells, so every prompt weighs by the time it took; x AR / x chain against
+    the AR and DFlash-chain runs of the same set. Runs missing a prompt are left out."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in ok_rows(rows):
+        if r.get("tokens") and r.get("decode_s"):
+            groups[(prompt_set_of(r["kind"]), r["context"], r["batch"])].append(r)
+    lines: list[str] = []
+    for (pset, context, batch), group in sorted(groups.items()):
+        kinds = sorted({r["kind"] for r in group})
+        if len(kinds) < 2:
+            continue
+        by_run: dict[str, list[dict]] = defaultdict(list)
+        for r in group:
+            by_run[run_id(r)].append(r)
+        totals = []
+        for runs in by_run.values():
+            if sorted(r["kind"] for r in runs) != kinds:
+                continue
+            tps = sum(r["tokens"] for r in runs) / sum(r["decode_s"] for r in runs)
+            drafts = sum(r.get("drafts") or 0 for r in runs)
+            accepted = sum(r.get("accepted") or 0 for r in runs)
+            accept = 1 + accepted / drafts if drafts else (
+                1.0 if runs[0].get("method") == "ar" else None)
+            speeds = [r[k] for r in runs for k in ("python_ms", "python_ms_after")
+                      if r.get(k) is not None]
+            speed = f"{min(speeds):.2f}-{max(speeds):.2f}" if speeds else "—"
+            totals.append((runs[0], tps, accept, speed))
+        totals.sort(key=lambda t: run_sort_key(t[0]))
+        ar = next((t[1] for t in totals if t[0].get("method") == "ar"), None)
+        chain = next((t[1] for t in totals if t[0].get("method") == "dflash"), None)
+        if not lines:
+            lines = ["## Over each prompt set", "",
+                     "Total tokens over total decode time of a run's cells on every prompt "
+                     "of the set (the median repeat of each cell); accept len = 1 + all "
+                     "accepted / all drafts. Python ms: the range of the fixed host loop "
+                     "(before / after each cell; host-bound steps compare only where it "
+                     "agrees).", ""]
+        lines += [f"### {pset} prompts ({', '.join(kinds)}), {ctx_label(context)}, "
+                  f"batch {batch}", "",
+                  "| method | tok/s | x AR | x chain | accept len | Python ms |",
+                  "|---|---|---|---|---|---|"]
+        for row, tps, accept, speed in totals:
+            lines.append(f"| {run_label(row)} | {_f(tps, 0)} | {_f(tps / ar if ar else None)}"
+                         f" | {_f(tps / chain if chain else None)} | {_f(accept)} | {speed} |")
+        lines.append("")
+    return lines
+
+
 def sorted_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("kind", ""), r.get("batch", 0),
                                        run_sort_key(r), r.get("context", 0)))
@@ -332,8 +435,10 @@ def _full_table(rows: list[dict]) -> list[str]:
     header = ["method", "ctx", "batch", "prompts", "tok/s", "x AR", "step ms",
               "median step", "accept len", "depth", "draft ms", "verify ms", "other ms",
               "(sample ms)", "(compact ms)", "host draft / verify ms",
-              "FULL graph steps verify / draft", "active nodes", "note"]
+              "FULL graph steps verify / draft", "active nodes", "tokens vs AR",
+              "distinct 4-grams", "note"]
     lines = ["## All cells", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    outputs = ar_outputs(rows)
     for r in sorted_rows(rows):
         note = r.get("note") or ""
         if r.get("status") != "ok":
@@ -350,7 +455,9 @@ def _full_table(rows: list[dict]) -> list[str]:
                  _f(r.get("accepted_depth")), _f(r.get("draft_ms")), _f(r.get("verify_ms")),
                  _f(r.get("other_ms")), _f(r.get("sample_ms")), _f(compact),
                  _host_split(r), _graph_steps(r), _f(r.get("active_nodes_per_round"), 1),
-                 note]
+                 tokens_vs_ar(r, outputs),
+                 _f(distinct_ngrams(r["output_token_ids"]) if r.get("output_token_ids")
+                    else None), note]
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
@@ -404,6 +511,7 @@ def write_markdown(data: dict, path: str) -> None:
         lines += ["## Mean acceptance length (tokens per round)", ""]
         lines += _pivot([r for r in rows if r.get("method") != "ar"], "acceptance_length",
                         "Accept len")
+    lines += _prompt_set_table(rows)
     lines += _spread_table(rows)
     lines += _full_table(rows)
     lines += _host_table(rows)

@@ -298,7 +298,8 @@ for stage in "$@"; do
       # 10 against 16) but whose greedy text its drafter predicts far worse (validation
       # chain tau 3.4 against 5.5, 2026-12-01 calls 9 and 15), so not the benchmark pair.
       # The tokenizer and the eval splits come from the standard library of the Python
-      # that builds the corpus: the device's 3.12 gives another tokenizer than a 3.11's.
+      # that builds the corpus: the device's 3.12 gives another tokenizer than a 3.11's
+      # (the embedded pair's); CORPUS_ARGS="--tokenizer DIR" reuses a checkpoint's.
       [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
         ${CORPUS_ARGS:---vocab-size 4096} > "$OUT/corpus.log" 2>&1
       # A target trained in an earlier session, carried as .devkit/pending_target (with
@@ -331,11 +332,14 @@ for stage in "$@"; do
       # 1k (CPU reference engine, long_context_rope.md). Pools of long prefixes (the
       # train_pair defaults: prefixes up to 1280, continuations of 384). Then `trainpair`
       # packs /tmp/ckpt as usual; the target that comes back is the YaRN copy.
+      # The embedded tokenizer was trained on Python 3.11's standard library (this
+      # repo's CPU env); the device's 3.12 trains another (2026-12-02 call 10), so the
+      # corpus here reuses the target's tokenizer (corpus.py --tokenizer).
       [ -f data/manifest.json ] || python3 -m vllm_ddtree.training.corpus --out data \
-        ${CORPUS_ARGS:---vocab-size 4096} > "$OUT/corpus.log" 2>&1
+        --tokenizer vllm_ddtree/checkpoints/target ${CORPUS_ARGS:-} > "$OUT/corpus.log" 2>&1
       cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
-        echo "data/tokenizer differs from the embedded target's: build the corpus with" \
-          "the Python the pair was trained on (3.12 on the device)"; summary trainyarn 3; continue; }
+        echo "data/tokenizer differs from the embedded target's: a carried data/ was built" \
+          "with another tokenizer; drop it"; summary trainyarn 3; continue; }
       rm -rf /tmp/ckpt && mkdir -p /tmp/ckpt
       python3 -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target \
         --out /tmp/ckpt/target --copy | tee -a "$OUT/summary.txt"

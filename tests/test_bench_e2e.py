@@ -975,6 +975,7 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert row["status"] == "ok" and row["tokens"] == batch * (max_tokens - 1)
     assert row["python_ms"] > 0 and row["python_ms_after"] > 0 and "engine_process" not in row
     assert "no runner events" in row["note"]  # the fake LLM ran no runner step
+    assert row["output_token_ids"] == [list(range(max_tokens))] * batch
     assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
 
     class FakeRemoteLLM(FakeLLM):  # --engine-process: the same cell through collective_rpc
@@ -987,3 +988,44 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert row["status"] == "ok" and row["engine_process"] is True
     profile = tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random_engine.md"
     assert "(engine-core process)" in profile.read_text()
+
+
+def test_report_compares_tokens_with_ar_and_totals_prompt_sets(tmp_path):
+    """Every cell's generated ids against AR's in the same cell (same / how many / the
+    first differing token), the share of distinct 4-grams (low = looping text), and
+    tokens/s over a prompt set weighted by each prompt's decode time."""
+    import e2e_report
+
+    def row(run, method, kind, tps, ids, drafts=0.0, accepted=0.0):
+        return {"run": run, "method": method, "backend": "FLASH_ATTN_MLA" if method != "ddtree"
+                else None, "budget": 64 if method == "ddtree" else None, "context": 1024,
+                "batch": 1, "kind": kind, "status": "ok", "tokens": 100,
+                "decode_s": 100 / tps, "tokens_per_s": tps, "drafts": drafts,
+                "accepted": accepted, "output_token_ids": ids, "python_ms": 1.8}
+
+    looping = [[1, 2, 3, 4] * 8]
+    varied = [list(range(32))]
+    rows = [row("ar@FLASH_ATTN_MLA", "ar", "code", 500, varied),
+            row("ar@FLASH_ATTN_MLA", "ar", "code@1", 500, looping),
+            row("dflash@FLASH_ATTN_MLA", "dflash", "code", 1000, varied, 10, 20),
+            row("dflash@FLASH_ATTN_MLA", "dflash", "code@1", 500, looping, 10, 0),
+            row("ddtree-64", "ddtree", "code", 2000, [list(range(31)) + [99]], 10, 40),
+            row("ddtree-64", "ddtree", "code@1", 1000, looping, 10, 10)]
+    ref = e2e_report.ar_outputs(rows)
+    assert [e2e_report.tokens_vs_ar(r, ref) for r in rows] == [
+        "ref", "ref", "same", "same", "0/1 same, first diff at token 31", "same"]
+    assert e2e_report.first_mismatch([1, 2], [1, 2, 3]) == 2
+    assert e2e_report.distinct_ngrams(varied) == 1.0
+    assert e2e_report.distinct_ngrams(looping) == pytest.approx(4 / 29)
+    table = "\n".join(e2e_report._prompt_set_table(rows))
+    assert "### code prompts (code, code@1), 1k, batch 1" in table
+    # AR: 200 tokens in 0.4 s = 500; chain: 200 / 0.3 s = 667; DDTree 200 / 0.15 s = 1333.
+    assert "| AR, FA-MLA | 500 | 1.00 | 0.75 | 1.00 | 1.80-1.80 |" in table
+    assert "| DDTree B=64 | 1333 | 2.67 | 2.00 | 3.50 |" in table
+    # A run missing one prompt of the set is left out; a lone prompt makes no table.
+    assert "DFlash" not in "\n".join(e2e_report._prompt_set_table(rows[:2] + rows[3:4] + rows[4:]))
+    assert e2e_report._prompt_set_table(rows[::2]) == []
+    data = {"setup": "trained", "rows": rows, "invocations": []}
+    e2e_report.write_markdown(data, str(tmp_path / "r.md"))
+    md = (tmp_path / "r.md").read_text()
+    assert "## Over each prompt set" in md and "first diff at token 31" in md

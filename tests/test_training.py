@@ -405,6 +405,36 @@ def test_corpus_extra_packages_go_to_train_only(tmp_path, monkeypatch):
         corpus.build_corpus(tmp_path / "bad", extra_packages=["no_such_pkg_ddtree"], **kwargs)
 
 
+def test_corpus_reuses_a_given_tokenizer(tmp_path):
+    """``tokenizer_dir``: the corpus keeps that tokenizer byte for byte (the trainyarn
+    fine-tune on a Python whose standard library trains another one) and tokenizes
+    every split with it; a tokenizer without the special ids 0 / 1 is refused."""
+    kwargs = dict(heldout_fraction=0.3, valid_fraction=0.3)
+    first = corpus.build_corpus(tmp_path / "first", vocab_size=VOCAB * 4, max_files=12, **kwargs)
+    other = corpus.build_corpus(tmp_path / "other", vocab_size=VOCAB * 4, max_files=30, **kwargs)
+    reused = corpus.build_corpus(tmp_path / "reused", max_files=30,
+                                 tokenizer_dir=tmp_path / "first" / "tokenizer", **kwargs)
+    sha = "tokenizer_json_sha256"
+    assert other["tokenizer"][sha] != first["tokenizer"][sha]  # more text, other merges
+    assert reused["tokenizer"][sha] == first["tokenizer"][sha]
+    assert (tmp_path / "reused/tokenizer/tokenizer.json").read_bytes() == \
+        (tmp_path / "first/tokenizer/tokenizer.json").read_bytes()
+    tok = corpus.load_tokenizer(tmp_path / "reused" / "tokenizer")
+    assert tok.convert_tokens_to_ids([corpus.EOS_TOKEN, corpus.MASK_TOKEN]) == [0, 1]
+    kept, _ = corpus.list_stdlib_files()
+    kept = dict(list(kept.items())[:30])
+    bpe = corpus.load_bpe_tokenizer(tmp_path / "first" / "tokenizer")
+    valid_paths = [f["path"] for f in reused["valid_files"]]
+    expected = corpus.tokenize_texts(bpe, (kept[p] for p in valid_paths), 0)
+    np.testing.assert_array_equal(corpus.load_split(tmp_path / "reused", "valid"), expected)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    from tokenizers import Tokenizer, models
+    Tokenizer(models.BPE()).save(str(bad / "tokenizer.json"))
+    with pytest.raises(ValueError, match="tokenizer_dir"):
+        corpus.build_corpus(tmp_path / "x", max_files=5, tokenizer_dir=bad, **kwargs)
+
+
 def test_pool_cache_round_trip_and_refuses_another_run(tmp_path):
     """Saved pools come back with the same tokens, prefix lengths and ends, and aux
     hidden states recomputed by the target equal the original ones; a description that

@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import platform
+import shutil
 import sys
 import sysconfig
 from collections.abc import Iterable, Sequence
@@ -38,6 +39,7 @@ DEFAULT_HELDOUT_FRACTION = 0.05
 DEFAULT_VALID_FRACTION = 0.05
 SPLITS = ("train", "valid", "heldout")
 TOKENIZER_SUBDIR = "tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 # Directory names whose files are never used (tests, third-party packages, caches).
 SKIP_DIRS = frozenset(
@@ -204,6 +206,22 @@ def save_tokenizer(tok, out_dir: str | Path, model_max_length: int = 4096):
     return hf_tok
 
 
+def load_bpe_tokenizer(tokenizer_dir: str | Path):
+    """The ``tokenizers.Tokenizer`` in ``tokenizer_dir/tokenizer.json``; refuses one
+    without this project's special tokens at ids 0 and 1."""
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer_dir: no tokenizer.json in {tokenizer_dir}")
+    tok = Tokenizer.from_file(str(path))
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    if ids != [0, 1]:
+        raise ValueError(f"tokenizer_dir: {path} maps {SPECIAL_TOKENS} to {ids}, expected "
+                         "[0, 1]: use a tokenizer made by this module")
+    return tok
+
+
 def load_tokenizer(path: str | Path):
     """``AutoTokenizer.from_pretrained(path)``."""
     from transformers import AutoTokenizer
@@ -236,9 +254,16 @@ def build_corpus(
     max_files: int | None = None,
     valid_fraction: float = DEFAULT_VALID_FRACTION,
     extra_packages: Sequence[str] = (),
+    tokenizer_dir: str | Path | None = None,
 ) -> dict:
     """Write ``{train,valid,heldout}.npy``, ``tokenizer/`` and ``manifest.json``
     under ``out_dir``; return the manifest (a JSON-able dict).
+
+    ``tokenizer_dir``: a directory holding an earlier corpus's (or a checkpoint's)
+    ``tokenizer.json``, used as it is instead of training one (its files are copied
+    byte for byte, ``vocab_size`` is then ignored). BPE merges depend on the standard
+    library's text, so another Python gives another tokenizer; fine-tuning a model
+    trained elsewhere needs its own tokenizer.
 
     ``max_files`` keeps only the first files in path order (quick tests).
     ``extra_packages``: installed packages whose Python sources (``tests`` and the like
@@ -252,7 +277,10 @@ def build_corpus(
     if max_files is not None:
         kept = dict(list(kept.items())[:max_files])
     files = split_files(kept, heldout_fraction, valid_fraction)
-    tok = train_tokenizer((kept[p] for p in files["train"]), vocab_size)
+    if tokenizer_dir is None:
+        tok = train_tokenizer((kept[p] for p in files["train"]), vocab_size)
+    else:
+        tok = load_bpe_tokenizer(tokenizer_dir)
     extras = {}
     for name in extra_packages:
         pkg_kept, pkg_skipped, extras[name] = list_package_files(name)
@@ -260,7 +288,13 @@ def build_corpus(
         skipped.update(pkg_skipped)
         files["train"].extend(pkg_kept)
     tok_dir = out_dir / TOKENIZER_SUBDIR
-    save_tokenizer(tok, tok_dir)
+    if tokenizer_dir is None:
+        save_tokenizer(tok, tok_dir)
+    else:
+        tok_dir.mkdir(parents=True, exist_ok=True)
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copyfile(Path(tokenizer_dir) / name, tok_dir / name)
     eos_id = tok.token_to_id(EOS_TOKEN)
     mask_id = tok.token_to_id(MASK_TOKEN)
     arrays = {}
@@ -296,6 +330,7 @@ def build_corpus(
             "mask_token": MASK_TOKEN,
             "mask_token_id": mask_id,
             "dir": TOKENIZER_SUBDIR,
+            "source": "trained here" if tokenizer_dir is None else str(tokenizer_dir),
             "tokenizer_json_sha256": sha256_file(tok_dir / "tokenizer.json"),
         },
         "splits": {
@@ -332,6 +367,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--extra-package", action="append", default=[], metavar="NAME",
                         help="add this installed package's sources to the train split "
                         "(repeatable; e.g. torch, transformers)")
+    parser.add_argument("--tokenizer", default=None, metavar="DIR",
+                        help="reuse the tokenizer.json in DIR (e.g. a checkpoint's) instead "
+                        "of training one")
     args = parser.parse_args(argv)
     m = build_corpus(
         args.out,
@@ -341,6 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         args.max_files,
         args.valid_fraction,
         args.extra_package,
+        args.tokenizer,
     )
     out = Path(args.out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
