@@ -25,7 +25,10 @@ has exactly the asked length.
 
 from __future__ import annotations
 
+import functools
 import json
+import lzma
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -322,20 +325,66 @@ def random_prompts(batch: int, length: int, id_range: tuple[int, int], seed: int
     return rng.integers(low, high, size=(batch, length)).tolist()
 
 
-def stdlib_source(min_chars: int, modules: tuple[str, ...] = CODE_MODULES) -> str:
-    """Concatenated source of standard-library modules, at least ``min_chars`` long
-    when the listed modules hold that much (else all of them)."""
+# The first CODE_MODULES' source as Python 3.11 ships it (the embedded pair's tokenizer
+# and every reference-engine result were made on 3.11): the device's 3.12 has other
+# text in the same modules (argparse, ...), so its prompts were not the ones the CPU
+# reference engine measured. Modules past the snapshot come from the running Python.
+CODE_SOURCE_SNAPSHOT = Path(__file__).resolve().parent / "data" / "code_modules_py311.json.xz"
+CODE_SOURCE_SNAPSHOT_CHARS = 600_000
+
+
+@functools.lru_cache(maxsize=1)
+def code_source_snapshot() -> dict[str, str]:
+    """``{module name: source}`` of the snapshot (empty when the file is absent)."""
+    if not CODE_SOURCE_SNAPSHOT.exists():
+        return {}
+    with lzma.open(CODE_SOURCE_SNAPSHOT, "rt", encoding="utf-8") as f:
+        return dict(json.load(f)["modules"])
+
+
+def live_module_source(name: str) -> str | None:
+    """This Python's source of module ``name`` (None when it has none)."""
     import importlib
     import inspect
 
-    parts, total, seen = [], 0, set()
-    for name in modules:
-        if name in seen:
+    try:
+        return inspect.getsource(importlib.import_module(name))
+    except (ImportError, OSError, TypeError):
+        return None
+
+
+def write_code_source_snapshot(path: Path = CODE_SOURCE_SNAPSHOT,
+                               min_chars: int = CODE_SOURCE_SNAPSHOT_CHARS) -> dict:
+    """Write the running Python's source of the first ``CODE_MODULES`` (at least
+    ``min_chars`` in all) to ``path`` (xz JSON ``{"python", "modules": [[name, src]]}``)."""
+    modules, total = [], 0
+    for name in dict.fromkeys(CODE_MODULES):
+        source = live_module_source(name)
+        if source is None:
             continue
-        seen.add(name)
-        try:
-            source = inspect.getsource(importlib.import_module(name))
-        except (ImportError, OSError, TypeError):
+        modules.append([name, source])
+        total += len(source)
+        if total >= min_chars:
+            break
+    data = {"python": sys.version.split()[0], "modules": modules}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with lzma.open(path, "wt", encoding="utf-8", preset=9) as f:
+        json.dump(data, f)
+    code_source_snapshot.cache_clear()
+    return data
+
+
+def stdlib_source(min_chars: int, modules: tuple[str, ...] = CODE_MODULES) -> str:
+    """Concatenated source of standard-library modules, at least ``min_chars`` long
+    when the listed modules hold that much (else all of them): each module's text from
+    the Python 3.11 snapshot when it holds it, else from the running Python."""
+    snapshot = code_source_snapshot()
+    parts, total = [], 0
+    for name in dict.fromkeys(modules):
+        source = snapshot.get(name)
+        if source is None:
+            source = live_module_source(name)
+        if source is None:
             continue
         parts.append(source)
         total += len(source)

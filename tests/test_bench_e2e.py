@@ -1029,3 +1029,20 @@ def test_report_compares_tokens_with_ar_and_totals_prompt_sets(tmp_path):
     e2e_report.write_markdown(data, str(tmp_path / "r.md"))
     md = (tmp_path / "r.md").read_text()
     assert "## Over each prompt set" in md and "first diff at token 31" in md
+
+
+def test_code_prompts_come_from_the_python_311_snapshot(monkeypatch):
+    """The ``code`` prompts read the shipped Python 3.11 text of the listed modules, so
+    the device's 3.12 decodes the prompts the CPU reference engine measured; modules
+    past the snapshot come from the running Python."""
+    snapshot = e2e_models.code_source_snapshot()
+    names = list(snapshot)
+    assert names[0] == e2e_models.CODE_MODULES[0]
+    assert sum(map(len, snapshot.values())) >= e2e_models.CODE_SOURCE_SNAPSHOT_CHARS
+    if sys.version_info[:2] == (3, 11):
+        assert snapshot[names[0]] == e2e_models.live_module_source(names[0])
+    monkeypatch.setattr(e2e_models, "live_module_source", lambda name: f"# {name}\n")
+    assert e2e_models.stdlib_source(1000) == snapshot[names[0]]
+    total = sum(map(len, snapshot.values()))
+    past = e2e_models.stdlib_source(total + 1)
+    assert past == "".join(snapshot.values()) + f"# {e2e_models.CODE_MODULES[len(names)]}\n"
