@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs ON the accelerator machine (the `run` tool), after the kit parts were carried
 # (../shared/devkit/README.md; `scripts/split_kit.sh` first when a part plus the project
-# tree passes 64 MiB: six 28 MiB parts since 2026-12-01). On a fresh machine the first
+# tree passes 64 MiB: without an argument it picks the part size that fits beside the tree). On a fresh machine the first
 # engine start takes about 2 minutes (cold torch.compile / Triton caches; 35-45 s warm):
 # give a first e2e child that time. One call = one or more stages, each with its own time
 # limit, logs in $OUT/<stage>.log and one summary line per stage in $OUT/summary.txt:

@@ -2,11 +2,15 @@
 # Re-split the GPU kit (.devkit/part0.., from ../shared/devkit/build-kit.sh) into parts
 # of SIZE MiB, so that one part plus the project tree fits the 64 MiB a `run` call
 # carries (build-kit.sh writes 44 MiB parts; with the tree at 32 MiB they no longer fit).
-#   usage: scripts/split_kit.sh [SIZE_MiB]   (default 28)
+#   usage: scripts/split_kit.sh [SIZE_MiB]   (default: what fits beside the tree, which a
+#   call carries too: 63 MiB minus the tracked and untracked-unignored files, 24 for 38 MB)
 # Checks the joined kit against .devkit/kit.sha256 before replacing the parts.
 set -euo pipefail
-size="${1:-28}"
-cd "$(dirname "$0")/../.devkit"
+cd "$(dirname "$0")/.."
+tree_bytes="$(git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)"
+size="${1:-$(( (63 * 1048576 - tree_bytes) / 1048576 ))}"
+[ "$size" -ge 4 ] || { echo "the tree ($tree_bytes bytes) leaves no room for a kit part"; exit 1; }
+cd .devkit
 n="$(cat parts)"
 tmp="$(mktemp kit.XXXXXX)"
 trap 'rm -f "$tmp"' EXIT
@@ -15,4 +19,4 @@ echo "$(cat kit.sha256)  $tmp" | sha256sum -c --quiet
 rm -f part[0-9]*
 split -b "${size}M" -d -a 1 "$tmp" part
 ls part[0-9]* | wc -l > parts
-echo "kit: $(cat parts) parts of <= ${size} MiB; tree $(cd .. && git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1) bytes"
+echo "kit: $(cat parts) parts of <= ${size} MiB; tree $tree_bytes bytes"
