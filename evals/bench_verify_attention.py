@@ -50,12 +50,14 @@ V_HEAD = 128
 HBM_BYTES_PER_S = 4.8e12
 MMA_FLOPS_PER_S = 790e12
 
-METHODS = ("ours_tree", "ours_chain", "ours_active", "flashmla", "vllm_triton", "prefill")
+METHODS = ("ours_tree", "ours_chain", "ours_active", "ours_split", "flashmla", "vllm_triton",
+           "prefill")
 ACTIVE_ROWS = 5  # `ddtree_budget: "auto"` picking 4 nodes of the tree shape (+ the root)
 METHOD_TITLES = {
     "ours_tree": "ours, tree mask",
     "ours_active": f"ours, tree shape, first {ACTIVE_ROWS} tokens active (auto)",
     "ours_chain": "ours, chain mask",
+    "ours_split": "ours split: FlashMLA context + tree tail (experimental)",
     "flashmla": "FlashMLA causal",
     "vllm_triton": "vLLM Triton decode, row per token",
     "prefill": "prefill path (decompress + SDPA)",
@@ -196,6 +198,30 @@ def flashmla(inp: Inputs):
         )
 
     run()  # the new interface plans its schedule on the first call
+    return run
+
+
+def split_path(inp: Inputs):
+    """Tree mask by ``mla_tree_verify_split``: FlashMLA over the cached context
+    (``causal=False``), the tree tail in PyTorch, merged by log-sum-exp."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        raise Unavailable("FlashMLA is Hopper-only")
+    if inp.cell.page != 64:
+        raise Unavailable("FlashMLA needs page size 64")
+    from attention_backends.mla_tree.split import (
+        context_attention_flashmla,
+        mla_tree_verify_split,
+    )
+
+    def run():
+        return mla_tree_verify_split(
+            inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, inp.cell.qlen,
+            inp.bits_tree, inp.scale, KV_LORA, context_fn=context_attention_flashmla)
+
+    try:
+        run()  # FlashMLA plans its schedule on the first call
+    except RuntimeError as e:
+        raise Unavailable(str(e)) from e
     return run
 
 
@@ -572,6 +598,7 @@ def run_cell(
         "ours_chain": lambda: ours(inp, inp.bits_chain),
         "ours_active": lambda: ours(inp, inp.bits_tree, active_rows=ACTIVE_ROWS),
         "flashmla": lambda: flashmla(inp),
+        "ours_split": lambda: split_path(inp),
         "vllm_triton": lambda: vllm_triton_decode(inp),
         "prefill": lambda: prefill_path(inp, args.prefill_mem_gb),
     }

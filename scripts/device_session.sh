@@ -35,6 +35,7 @@
 #   e2e_trained_yarn  bench_e2e on the trained pair with the YaRN target (1k, batch 1)
 #   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
+#   split    FlashMLA context + masked tree tail (mla_tree/split.py): GPU test, then timed
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
 #   gluon    the Gluon MLA kernel's GPU test; gluonbench: evals/bench_gluon_mla.py
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
@@ -280,6 +281,16 @@ for stage in "$@"; do
         --out-md $OUT/va_v2_pages.md --out-png $OUT/va_v2_pages.png" > "$OUT/bench_rest.log" 2>&1
       summary bench_rest $?
       tail -8 "$OUT/va_v2_257.md" "$OUT/va_v2_pages.md" 2>/dev/null ;;
+    split)  # attention_backends/mla_tree/split.py (not yet GPU-run): FlashMLA over the
+      # cached context + the masked tree tail in PyTorch, merged by LSE; its test, then
+      # timed beside our kernel and FlashMLA causal at 64-token pages
+      stage_pytest split 240 tests/gpu/test_mla_split_gpu.py
+      timeout "${STAGE_LIMIT:-300}" python3 evals/bench_verify_attention.py --heads 8 64 \
+        --ctx 8192 32768 131072 --qlen 16 65 --page 64 \
+        --methods ours_tree ours_split flashmla --skip-check \
+        --out-md "$OUT/va_split.md" --out-png "$OUT/va_split.png" > "$OUT/splitbench.log" 2>&1
+      summary splitbench $?
+      tail -10 "$OUT/va_split.md" 2>/dev/null ;;
     trainpair)  # evals/train_pair.py (defaults: long-context pair) into /tmp/ckpt, which a
       # warm machine keeps between calls; TRAIN_ARGS picks the stage and minutes (the
       # default, the shipped pair's recipe, took 430 s in one call on 2026-12-01). The
