@@ -203,7 +203,8 @@ def flashmla(inp: Inputs):
 
 def split_path(inp: Inputs):
     """Tree mask by ``mla_tree_verify_split``: FlashMLA over the cached context
-    (``causal=False``), the tree tail in PyTorch, merged by log-sum-exp."""
+    (``causal=False``), then the tree tail and the log-sum-exp merge in one Triton
+    launch (``split_kernels.tree_tail_merge``)."""
     if torch.cuda.get_device_capability()[0] != 9:
         raise Unavailable("FlashMLA is Hopper-only")
     if inp.cell.page != 64:
@@ -216,7 +217,8 @@ def split_path(inp: Inputs):
     def run():
         return mla_tree_verify_split(
             inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, inp.cell.qlen,
-            inp.bits_tree, inp.scale, KV_LORA, context_fn=context_attention_flashmla)
+            inp.bits_tree, inp.scale, KV_LORA, context_fn=context_attention_flashmla,
+            fused_tail=True)
 
     try:
         run()  # FlashMLA plans its schedule on the first call

@@ -6,8 +6,9 @@ tree keys at the end of its sequence, only its ancestors. The context part there
 needs no mask: at long context it can go through FlashMLA (``causal=False``,
 ``cache_seqlens`` = the context length), which took 0.276 ms per layer against our Gluon
 v2 kernel's 0.313 at 8 heads / 128k / 65 rows on the H200. The ``Q x Q`` tail with the
-ancestor mask is small and runs here in PyTorch; :func:`merge_partial_attention`
-combines the two halves exactly (softmax over a union of disjoint key sets).
+ancestor mask is small: :func:`tree_tail_attention` computes it in PyTorch and
+:func:`merge_partial_attention` combines the two halves exactly (softmax over a union
+of disjoint key sets); ``split_kernels.tree_tail_merge`` does both in one Triton launch.
 
 Not wired into the vLLM backend: :func:`mla_tree_verify_split` is tested on CPU with the
 PyTorch context (:func:`context_attention_reference`) against
@@ -185,10 +186,12 @@ def mla_tree_verify_split(
     scale: float,
     kv_lora_rank: int,
     context_fn: ContextFn = context_attention_reference,
+    fused_tail: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA tree verify for requests of one query length ``Q`` (DDTree's uniform 1 + B
     rows): the context part by ``context_fn`` (FlashMLA: :func:`context_attention_flashmla`),
-    the tree tail by :func:`tree_tail_attention`, merged by log-sum-exp.
+    the tree tail by :func:`tree_tail_attention`, merged by log-sum-exp; ``fused_tail``:
+    tail and merge in one Triton launch (``split_kernels.tree_tail_merge``).
 
     Args and shapes as :func:`tree_tail_attention`; ``seq_lens`` include the ``Q`` tree
     keys, which are the last ``Q`` of each request's sequence.
@@ -207,6 +210,11 @@ def mla_tree_verify_split(
     context_lens = (seq_lens - query_len).to(torch.int32)
     ctx_out, ctx_lse = context_fn(q, kv_cache, block_table, context_lens, query_len, scale,
                                   kv_lora_rank)
+    if fused_tail:
+        from .split_kernels import tree_tail_merge
+
+        return tree_tail_merge(q, kv_cache, block_table, seq_lens, query_len, ancestor_bits,
+                               scale, kv_lora_rank, ctx_out, ctx_lse)
     tail_out, tail_lse = tree_tail_attention(q, kv_cache, block_table, seq_lens, query_len,
                                              ancestor_bits, scale, kv_lora_rank)
     out, lse = merge_partial_attention(ctx_out, ctx_lse, tail_out, tail_lse)

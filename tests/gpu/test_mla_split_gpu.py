@@ -28,13 +28,15 @@ def split_batch(heads, contexts, qlen, seed=0):
     return batch, batch.pop("query_start_loc")
 
 
+@pytest.mark.parametrize("fused_tail", [False, True])
 @pytest.mark.parametrize("heads", [8, 64])
-@pytest.mark.parametrize("qlen", [16, 65])
-def test_flashmla_context_plus_tail_matches_reference(heads, qlen):
-    """Contexts ending inside a page (1000, 5003) and a long one (33000)."""
+@pytest.mark.parametrize("qlen", [16, 65, 129])
+def test_flashmla_context_plus_tail_matches_reference(heads, qlen, fused_tail):
+    """Contexts ending inside a page (1000, 5003) and a long one (33000); the tail in
+    PyTorch or in the fused Triton tail + merge kernel."""
     batch, qsl = split_batch(heads, [1000, 5003, 33000], qlen, seed=heads + qlen)
     out, lse = mla_tree_verify_split(query_len=qlen, context_fn=context_attention_flashmla,
-                                     **batch)
+                                     fused_tail=fused_tail, **batch)
     ref_out, ref_lse = mla_tree_verify_reference(query_start_loc=qsl, **batch)
     torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
     torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
@@ -45,7 +47,7 @@ def test_split_replays_in_a_cuda_graph():
 
     def launch():
         return mla_tree_verify_split(query_len=65, context_fn=context_attention_flashmla,
-                                     **batch)
+                                     fused_tail=True, **batch)
 
     expected, _ = launch()  # plans FlashMLA's schedule outside the capture
     graph = torch.cuda.CUDAGraph()
