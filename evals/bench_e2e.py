@@ -245,16 +245,19 @@ def plan_cells(setup: Setup, contexts: list[int], batches: list[int], kinds: lis
 
 
 def base_row(setup: str, run: RunSpec, cell: tuple[int, int, str], max_tokens: int,
-             repeat: int = 0, engine_process: bool = False) -> dict:
+             repeat: int = 0, engine_process: bool = False, temperature: float = 0.0) -> dict:
     """The identifying fields of one cell's row (``repeat``: which pass of
-    ``--repeats``; ``engine_process``: measured with ``--engine-process``, kept only
-    when set so that earlier rows keep their keys)."""
+    ``--repeats``; ``engine_process``: measured with ``--engine-process``;
+    ``temperature``: of ``--temperature``; the last two kept only when set, so that
+    earlier rows keep their keys and sampled rows never replace greedy ones)."""
     context, batch, kind = cell
     row = {"setup": setup, "run": run.name, "method": run.method, "backend": run.backend,
            "budget": run.budget, "context": context, "batch": batch, "kind": kind,
            "max_tokens": max_tokens, "repeat": repeat}
     if engine_process:
         row["engine_process"] = True
+    if temperature:
+        row["temperature"] = float(temperature)
     return row
 
 
@@ -262,7 +265,8 @@ def spec_base_row(spec: dict, cell: tuple[int, int, str]) -> dict:
     """``base_row`` of a child's cell, from the child's spec (its setup, run, max_tokens
     and repeat): measured, skipped and failed rows of a child all start from it."""
     return base_row(spec["setup"], RunSpec.parse(spec["run"]), cell, spec["max_tokens"],
-                    spec.get("repeat", 0), bool(spec.get("engine_process")))
+                    spec.get("repeat", 0), bool(spec.get("engine_process")),
+                    spec.get("temperature", 0.0))
 
 
 # ---------------------------------------------------------------------------------------
@@ -657,7 +661,7 @@ def results_paths(out_dir: Path, setup: str) -> dict[str, Path]:
 
 def row_key(row: dict) -> tuple:
     return (row["run"], row["context"], row["batch"], row["kind"], row.get("repeat", 0),
-            bool(row.get("engine_process")))
+            bool(row.get("engine_process")), row.get("temperature", 0.0))
 
 
 def merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
@@ -836,7 +840,8 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
     for run in runs:
         for context, batch, kind, why in skipped:
             rows.append(dict(base_row(setup.name, run, (context, batch, kind), args.max_tokens,
-                                      engine_process=args.engine_process),
+                                      engine_process=args.engine_process,
+                                      temperature=args.temperature),
                              status=STATUS_SKIPPED, note=why))
     data["rows"] = merge_rows(data["rows"], rows)
 
@@ -855,7 +860,8 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         now = time.time()
         if deadline and now > deadline - 60 * args.min_child_minutes:
             data["rows"] = merge_rows(data["rows"], [
-                dict(base_row(setup.name, run, c, args.max_tokens, repeat, args.engine_process),
+                dict(base_row(setup.name, run, c, args.max_tokens, repeat, args.engine_process,
+                              args.temperature),
                      status=STATUS_NOT_RUN, note="--max-minutes reached") for c in cells])
             if progress is not None:
                 progress.update(len(cells))
@@ -894,10 +900,11 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         got = {row_key(r) for r in result.get("rows", [])}
         why = ("child killed at the time limit" if result.get("killed") else
                f"child exited {result.get('returncode')}: {_log_tail(paths['log'])}")
-        missing = [dict(base_row(setup.name, run, c, args.max_tokens, repeat, args.engine_process),
+        missing = [dict(base_row(setup.name, run, c, args.max_tokens, repeat, args.engine_process,
+                                 args.temperature),
                         status=STATUS_FAILED, note=why) for c in cells
                    if row_key(base_row(setup.name, run, c, args.max_tokens, repeat,
-                                       args.engine_process)) not in got]
+                                       args.engine_process, args.temperature)) not in got]
         if progress is not None:
             progress.update(max(0, len(cells) - done[0]))
         data["rows"] = merge_rows(data["rows"], result.get("rows", []) + missing)

@@ -42,14 +42,18 @@ def run_sort_key(row: dict) -> tuple:
 
 def run_id(row: dict) -> str:
     """The run a row belongs to: its ``run`` name, told apart from the same run measured
-    with ``--engine-process``."""
-    return str(row.get("run")) + (" @engine-process" if row.get("engine_process") else "")
+    with ``--engine-process`` or sampled (``--temperature``)."""
+    temperature = f" @T={row['temperature']:g}" if row.get("temperature") else ""
+    return (str(row.get("run")) + (" @engine-process" if row.get("engine_process") else "")
+            + temperature)
 
 
 def run_label(row: dict) -> str:
     """The method's name in the tables (``(engine process)`` for ``--engine-process``
     rows, which sit beside the in-process ones of the same run)."""
     suffix = " (engine process)" if row.get("engine_process") else ""
+    if row.get("temperature"):
+        suffix += f", T = {row['temperature']:g}"
     method, backend = row.get("method"), row.get("backend")
     if method == "ddtree":
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
@@ -119,15 +123,21 @@ def _spread_table(rows: list[dict]) -> list[str]:
     return lines + _pivot(repeated, "step_spread", "Step ms spread")
 
 
+def ar_key(row: dict) -> tuple:
+    """The AR row a row is compared with: same cell, engine layout and temperature."""
+    return (row["context"], row["batch"], row["kind"], bool(row.get("engine_process")),
+            row.get("temperature", 0.0))
+
+
 def reference_ar(rows: list[dict]) -> dict[tuple, float]:
-    """tokens/s of the AR reference per (context, batch, kind, engine process): the
-    ``ar@FLASH_ATTN_MLA`` of the same engine layout when measured, else the first AR run
-    in table order."""
+    """tokens/s of the AR reference per :func:`ar_key` (context, batch, kind, engine
+    process, temperature): the ``ar@FLASH_ATTN_MLA`` of the same engine layout when
+    measured, else the first AR run in table order."""
     best: dict[tuple, tuple] = {}
     for r in ok_rows(rows):
         if r.get("method") != "ar" or not r.get("tokens_per_s"):
             continue
-        key = (r["context"], r["batch"], r["kind"], bool(r.get("engine_process")))
+        key = ar_key(r)
         rank = run_sort_key(r)
         if key not in best or rank < best[key][0]:
             best[key] = (rank, r["tokens_per_s"])
@@ -140,7 +150,8 @@ def ar_outputs(rows: list[dict]) -> dict[tuple, list[list[int]]]:
     out: dict[tuple, list[list[int]]] = {}
     for r in sorted(ok_rows(rows), key=run_sort_key):
         key = (r.get("context"), r.get("batch"), r.get("kind"))
-        if r.get("method") == "ar" and r.get("output_token_ids") and key not in out:
+        if (r.get("method") == "ar" and r.get("output_token_ids") and key not in out
+                and not r.get("temperature")):
             out[key] = r["output_token_ids"]
     return out
 
@@ -158,6 +169,8 @@ def tokens_vs_ar(row: dict, ref: dict[tuple, list[list[int]]]) -> str:
     """``same`` when every request generated AR's ids in the same cell, else how many
     did and the earliest differing token (bf16 argmax ties can cause one: the GPU
     tests measure those gaps); ``ref`` for AR rows with the reference's ids."""
+    if row.get("temperature"):
+        return "sampled"  # same distribution, not the same tokens
     ids = row.get("output_token_ids")
     ar = ref.get((row.get("context"), row.get("batch"), row.get("kind")))
     if not ids or not ar:
@@ -194,9 +207,10 @@ def _prompt_set_table(rows: list[dict]) -> list[str]:
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for r in ok_rows(rows):
         if r.get("tokens") and r.get("decode_s"):
-            groups[(prompt_set_of(r["kind"]), r["context"], r["batch"])].append(r)
+            groups[(prompt_set_of(r["kind"]), r["context"], r["batch"],
+                    r.get("temperature", 0.0))].append(r)
     lines: list[str] = []
-    for (pset, context, batch), group in sorted(groups.items()):
+    for (pset, context, batch, temperature), group in sorted(groups.items()):
         kinds = sorted({r["kind"] for r in group})
         if len(kinds) < 2:
             continue
@@ -226,8 +240,9 @@ def _prompt_set_table(rows: list[dict]) -> list[str]:
                      "accepted / all drafts. Python ms: the range of the fixed host loop "
                      "(before / after each cell; host-bound steps compare only where it "
                      "agrees).", ""]
+        sampled = f", T = {temperature:g}" if temperature else ""
         lines += [f"### {pset} prompts ({', '.join(kinds)}), {ctx_label(context)}, "
-                  f"batch {batch}", "",
+                  f"batch {batch}{sampled}", "",
                   "| method | tok/s | x AR | x chain | accept len | Python ms |",
                   "|---|---|---|---|---|---|"]
         for row, tps, accept, speed in totals:
@@ -446,7 +461,7 @@ def _full_table(rows: list[dict]) -> list[str]:
             cells += ["—"] * (len(header) - 5) + [f"{r.get('status')}: {note}".strip(": ")]
             lines.append("| " + " | ".join(cells) + " |")
             continue
-        base = ref.get((r["context"], r["batch"], r["kind"], bool(r.get("engine_process"))))
+        base = ref.get(ar_key(r))
         speedup = r["tokens_per_s"] / base if base and r.get("tokens_per_s") else None
         compact = r.get("compact_ms") if r.get("method") == "ddtree" else None
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],

@@ -137,7 +137,9 @@ for stage in "$@"; do
       cat "$OUT/replay.md" 2>/dev/null ;;
     e2e_kimi8|e2e_kimi64|e2e_trained|e2e_trained_yarn)  # one setup; E2E_RUNS / E2E_CONTEXTS / E2E_BATCHES /
       # E2E_REPEATS (runs started interleaved, median shown), E2E_PROMPTS (e.g. "code
-      # code@1 code@2": batch-1 cells on several disjoint prompts) override the defaults, E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
+      # code@1 code@2": batch-1 cells on several disjoint prompts) override the defaults,
+      # E2E_TEMPERATURE=1.0 samples (rows kept apart from the greedy ones: no looping
+      # text), E2E_LLM_KWARGS adds LLM() arguments to every run (JSON, e.g.
       # '{"block_size": 64}'); STAGE_LIMIT the time (the bench stops cleanly 40 s before).
       # E2E_PIN_CPUS=0-7: every run on the same cores (host-bound steps of separate
       # processes were seen 1.3x apart on this host: compare the host table's Python ms).
@@ -173,6 +175,7 @@ for stage in "$@"; do
         --max-minutes "$(python3 -c "print(round(max(1, ($limit - 40) / 60), 1))")" \
         --runs ${E2E_RUNS:-$runs} --contexts ${E2E_CONTEXTS:-$contexts} \
         --batches ${E2E_BATCHES:-$batches} --prompts ${E2E_PROMPTS:-$prompts} --repeats ${E2E_REPEATS:-1} \
+        ${E2E_TEMPERATURE:+--temperature "$E2E_TEMPERATURE"} \
         --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} ${E2E_ENGINE_PROCESS:+--engine-process} \
         --out-dir "${E2E_OUT_DIR:-$OUT}" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?

@@ -1046,3 +1046,28 @@ def test_code_prompts_come_from_the_python_311_snapshot(monkeypatch):
     total = sum(map(len, snapshot.values()))
     past = e2e_models.stdlib_source(total + 1)
     assert past == "".join(snapshot.values()) + f"# {e2e_models.CODE_MODULES[len(names)]}\n"
+
+
+def test_sampled_rows_sit_beside_greedy_ones(tmp_path):
+    """``--temperature``: rows keep it, so a sampled run never replaces the greedy row of
+    the same cell; labels and the AR reference are per temperature, and sampled rows are
+    not compared token by token with AR."""
+    run = RunSpec.parse("ddtree-64")
+    greedy = bench_e2e.base_row("trained", run, (1024, 1, "code"), 16)
+    sampled = bench_e2e.base_row("trained", run, (1024, 1, "code"), 16, temperature=1.0)
+    assert "temperature" not in greedy and sampled["temperature"] == 1.0
+    assert bench_e2e.row_key(greedy) != bench_e2e.row_key(sampled)
+    merged = bench_e2e.merge_rows([dict(greedy, status="ok")], [dict(sampled, status="ok")])
+    assert len(merged) == 2
+    assert e2e_report.run_label(sampled) == "DDTree B=64, T = 1"
+    ar = RunSpec.parse("ar@FLASH_ATTN_MLA")
+    rows = [dict(bench_e2e.base_row("trained", ar, (1024, 1, "code"), 16, temperature=t),
+                 status="ok", tokens_per_s=tps, output_token_ids=[[1, 2, 3]])
+            for t, tps in ((0.0, 500.0), (1.0, 400.0))]
+    refs = e2e_report.reference_ar(rows)
+    assert refs[e2e_report.ar_key(greedy)] == 500.0 and refs[e2e_report.ar_key(sampled)] == 400.0
+    outputs = e2e_report.ar_outputs(rows)
+    assert e2e_report.tokens_vs_ar(dict(sampled, output_token_ids=[[1, 2, 4]]),
+                                   outputs) == "sampled"
+    assert e2e_report.tokens_vs_ar(dict(greedy, output_token_ids=[[1, 2, 4]]),
+                                   outputs) == "0/1 same, first diff at token 2"
