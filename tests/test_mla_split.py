@@ -131,3 +131,20 @@ def test_fused_tail_kernel_fits_sm120_shared_memory():
 
     for used in compiled_shared_memory(_TAIL_COMPILE_SCRIPT):
         assert 0 < used <= SM120_SHARED_MEMORY_BYTES, used
+
+
+@pytest.mark.parametrize("fused_tail", [False, True])
+def test_padding_request_sees_nothing_and_leaves_the_others(fused_tail):
+    """A CUDA-graph padding request (``seq_len`` 0 < Q) gets out 0 / lse -inf and reads no
+    slot out of range; the real request beside it is unchanged."""
+    rng = random.Random(11)
+    batch = make_batch([(30, random_tree(9, rng)), (30, random_tree(9, rng))], heads=2,
+                       kv_lora=64, rope=64, page_size=16)
+    batch.pop("query_start_loc")
+    want, want_lse = mla_tree_verify_split(query_len=9, fused_tail=fused_tail, **batch)
+    batch["seq_lens"] = torch.tensor([39, 0], dtype=torch.int32)
+    got, got_lse = mla_tree_verify_split(query_len=9, fused_tail=fused_tail, **batch)
+    torch.testing.assert_close(got[:9], want[:9])
+    torch.testing.assert_close(got_lse[:9], want_lse[:9])
+    assert torch.equal(got[9:], torch.zeros_like(got[9:]))
+    assert torch.isinf(got_lse[9:]).all() and (got_lse[9:] < 0).all()

@@ -60,7 +60,8 @@ def tail_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int
                page_size: int) -> torch.Tensor:
     """Flat cache slots ``[R, Q]`` of each request's last ``query_len`` keys (its tree)."""
     offsets = torch.arange(query_len, device=seq_lens.device)
-    positions = (seq_lens.to(torch.long) - query_len)[:, None] + offsets[None, :]  # [R, Q]
+    start = (seq_lens.to(torch.long) - query_len).clamp(min=0)  # padding requests: slot 0..
+    positions = start[:, None] + offsets[None, :]  # [R, Q]
     pages = torch.gather(block_table.to(torch.long), 1, positions // page_size)
     return pages * page_size + positions % page_size
 
@@ -107,9 +108,12 @@ def tree_tail_attention(
     queries = q.view(num_reqs, query_len, num_heads, head_dim).float()
     scores = torch.einsum("rthd,rkd->rthk", queries, keys) * scale
     visible = batched_tree_mask(ancestor_bits, num_reqs, query_len)  # [R, Q(t), Q(k)]
+    # a CUDA-graph padding request (seq_len < Q) sees no key
+    visible &= (seq_lens >= query_len)[:, None, None]
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # [R, Q, H]; every row sees itself
-    probs = torch.exp(scores - lse[..., None])
+    lse = torch.logsumexp(scores, dim=-1)  # [R, Q, H]
+    seen = torch.isfinite(lse)
+    probs = torch.exp(scores - torch.where(seen, lse, 0.0)[..., None])
     out = torch.einsum("rthk,rkd->rthd", probs, keys[..., :kv_lora_rank])
     return out.reshape(num_tokens, num_heads, kv_lora_rank), lse.reshape(num_tokens, num_heads)
 
@@ -207,7 +211,7 @@ def mla_tree_verify_split(
     if query_len < 1 or q.shape[0] != num_reqs * query_len:
         raise ValueError(f"q has {q.shape[0]} rows: query_len ({query_len}) x requests "
                          f"({num_reqs}) expected (uniform tree rows only)")
-    context_lens = (seq_lens - query_len).to(torch.int32)
+    context_lens = (seq_lens - query_len).clamp(min=0).to(torch.int32)
     ctx_out, ctx_lse = context_fn(q, kv_cache, block_table, context_lens, query_len, scale,
                                   kv_lora_rank)
     if fused_tail:

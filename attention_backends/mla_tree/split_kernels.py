@@ -45,9 +45,10 @@ def _tail_merge_kernel(
     h = rows % NUM_HEADS
     tok = req * QUERY_LEN + t  # global token index
     keys = tl.arange(0, BLOCK_N)
-    key_ok = keys < QUERY_LEN
     seq_len = tl.load(SeqLens + req)
-    positions = seq_len - QUERY_LEN + keys
+    # a CUDA-graph padding request (seq_len < Q, e.g. 0) sees no key: out 0, lse -inf
+    positions = tl.maximum(seq_len - QUERY_LEN, 0) + keys
+    key_ok = (keys < QUERY_LEN) & (positions < seq_len)
     pages = tl.load(BlockTable + req * stride_bt + positions // PAGE_SIZE, mask=key_ok,
                     other=0)
     slot_off = pages.to(tl.int64) * stride_kv_block + (positions % PAGE_SIZE) * stride_kv_slot
