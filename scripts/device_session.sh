@@ -36,6 +36,7 @@
 #   backend  tests/gpu/test_mla_backend_vllm.py, then tests/gpu/test_gqa_backend_vllm.py
 #   kernels  the Triton kernel GPU tests (MLA + GQA tree verify)
 #   split    FlashMLA context + masked tree tail (mla_tree/split.py): GPU test, then timed
+#   e2e_kimi8_split  kimi8 B = 64 through the backend's split verify (VLLM_DDTREE_MLA_KERNEL=split)
 #   serve    tests/gpu/test_ddtree_serve.py (vllm serve + OpenAI client)
 #   gluon    the Gluon MLA kernel's GPU test; gluonbench: evals/bench_gluon_mla.py
 #   demo     vllm-ddtree demo --engine vllm (AR / DFlash / DDTree through vLLM, 3 starts)
@@ -294,6 +295,16 @@ for stage in "$@"; do
         --out-md "$OUT/va_split.md" --out-png "$OUT/va_split.png" > "$OUT/splitbench.log" 2>&1
       summary splitbench $?
       tail -10 "$OUT/va_split.md" 2>/dev/null ;;
+    e2e_kimi8_split)  # kimi8 DDTree B = 64 at 1k / 128k with VLLM_DDTREE_MLA_KERNEL=split
+      # (the backend's experimental split verify), into $OUT/split (its own JSON: the
+      # rows do not record the variable); compare with an e2e_kimi8 run of the same call
+      mkdir -p "$OUT/split"
+      VLLM_DDTREE_MLA_KERNEL=split E2E_OUT_DIR="$OUT/split" \
+        E2E_RUNS="${E2E_RUNS:-ddtree-64}" E2E_CONTEXTS="${E2E_CONTEXTS:-1k 128k}" \
+        bash "${BASH_SOURCE[0]}" e2e_kimi8
+      cp "$OUT/e2e_kimi8.log" "$OUT/e2e_kimi8_split.log" 2>/dev/null
+      grep -h "split verify not used" "$OUT/e2e_kimi8_split.log" "$OUT/split/"*.log 2>/dev/null \
+        | sed "s/.*split verify/split verify/" | sort | uniq -c | head ;;
     trainpair)  # evals/train_pair.py (defaults: long-context pair) into /tmp/ckpt, which a
       # warm machine keeps between calls; TRAIN_ARGS picks the stage and minutes (the
       # default, the shipped pair's recipe, took 430 s in one call on 2026-12-01). The

@@ -148,3 +148,66 @@ def test_padding_request_sees_nothing_and_leaves_the_others(fused_tail):
     torch.testing.assert_close(got_lse[:9], want_lse[:9])
     assert torch.equal(got[9:], torch.zeros_like(got[9:]))
     assert torch.isinf(got_lse[9:]).all() and (got_lse[9:] < 0).all()
+
+
+def test_split_eligibility_names_each_reason():
+    from attention_backends.mla_tree.split import split_ineligible_reason
+
+    q = torch.zeros(2 * 65, 8, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    ok = dict(num_reqs=2, max_query_len=65, kv_lora_rank=512, active_query_lens=None,
+              capability_major=9)
+    assert split_ineligible_reason(q, kv, **ok) is None
+    cases = [
+        (dict(capability_major=12), "sm_90"),
+        (dict(q=q.float(), kv=kv.float()), "bf16 / fp16"),
+        (dict(kv=torch.zeros(4, 16, 576, dtype=torch.bfloat16)), "64-token pages"),
+        (dict(kv_lora_rank=256), "dims"),
+        (dict(active_query_lens=torch.ones(2, dtype=torch.int32)), "active query rows"),
+        (dict(num_reqs=3), "query lengths differ"),
+        (dict(q=torch.zeros(2 * 300, 8, 576, dtype=torch.bfloat16), max_query_len=300),
+         "tree rows"),
+    ]
+    for change, reason in cases:
+        args = dict(ok, q=q, kv=kv) | change
+        got = split_ineligible_reason(args.pop("q"), args.pop("kv"), **args)
+        assert got is not None and reason in got, (change, got)
+
+
+def test_backend_takes_the_split_path_when_asked(monkeypatch):
+    """``VLLM_DDTREE_MLA_KERNEL=split``: an eligible launch goes through
+    ``mla_tree_verify_split`` (here with the PyTorch context standing in for FlashMLA)
+    and equals the reference; an ineligible one (this CPU) falls back to the tree kernel
+    with the same result and its reason logged once."""
+    from types import SimpleNamespace as NS
+
+    from attention_backends.mla_tree import backend
+    from attention_backends.mla_tree.split import context_attention_reference
+
+    rng = random.Random(2)
+    batch = make_batch([(40, random_tree(9, rng)), (13, random_tree(9, rng))], heads=2,
+                       kv_lora=64, rope=16, page_size=4)
+    want, want_lse = mla_tree_verify_reference(**batch)
+    decode = NS(block_table=batch["block_table"], seq_lens=batch["seq_lens"],
+                query_start_loc=batch["query_start_loc"], ancestor_bits=batch["ancestor_bits"],
+                max_query_len=9, max_seq_len=int(batch["seq_lens"].max()), max_model_len=64,
+                active_query_lens=None)
+    impl = backend.TreeMLAImpl.__new__(backend.TreeMLAImpl)
+    impl.scale, impl.kv_lora_rank = batch["scale"], batch["kv_lora_rank"]
+    impl.split_context_fn = staticmethod(context_attention_reference)
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "split")
+    monkeypatch.setattr(backend, "SPLIT_LAUNCHES", {"split": 0, "fallback": 0})
+    real_reason = backend.split_ineligible_reason
+    monkeypatch.setattr(backend, "split_ineligible_reason", lambda *a, **k: None)
+    out, lse = impl.forward_mqa(batch["q"], batch["kv_cache"], NS(decode=decode), None)
+    assert backend.SPLIT_LAUNCHES == {"split": 1, "fallback": 0}
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(backend, "split_ineligible_reason", real_reason)
+    out, lse = impl.forward_mqa(batch["q"], batch["kv_cache"], NS(decode=decode), None)
+    assert backend.SPLIT_LAUNCHES == {"split": 1, "fallback": 1}
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+    assert any("sm_90" in r for r in backend._SPLIT_REASONS_LOGGED)
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "splitt")
+    with pytest.raises(ValueError, match="VLLM_DDTREE_MLA_KERNEL"):
+        impl.forward_mqa(batch["q"], batch["kv_cache"], NS(decode=decode), None)

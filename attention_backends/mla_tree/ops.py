@@ -62,6 +62,9 @@ def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **para
 
 KERNEL_CHOICES = ("auto", "triton")
 KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"
+# "split" (experimental): the backend sends eligible verify launches through
+# split.mla_tree_verify_split (FlashMLA context + tree tail), the rest as "auto".
+KERNEL_ENV_CHOICES = KERNEL_CHOICES + ("split",)
 
 
 RUNTIME_SPLITS_ENV = "VLLM_DDTREE_RUNTIME_SPLITS"
@@ -81,12 +84,26 @@ def runtime_splits_enabled() -> bool:
     return value == "1"
 
 
-def _gluon_allowed() -> bool:
-    """False when ``VLLM_DDTREE_MLA_KERNEL=triton`` (any other value: error)."""
+def kernel_env_choice() -> str:
+    """``VLLM_DDTREE_MLA_KERNEL`` (default ``auto``).
+
+    Raises:
+        ValueError: a value outside ``KERNEL_ENV_CHOICES``.
+    """
     choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_CHOICES}, got {choice!r}")
-    return choice == "auto"
+    if choice not in KERNEL_ENV_CHOICES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_ENV_CHOICES}, got {choice!r}")
+    return choice
+
+
+def _gluon_allowed() -> bool:
+    """False when ``VLLM_DDTREE_MLA_KERNEL=triton``."""
+    return kernel_env_choice() != "triton"
+
+
+def split_requested() -> bool:
+    """``VLLM_DDTREE_MLA_KERNEL=split``: the backend tries the split verify first."""
+    return kernel_env_choice() == "split"
 
 
 def _interpreted() -> bool:

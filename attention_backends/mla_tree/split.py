@@ -10,8 +10,9 @@ ancestor mask is small: :func:`tree_tail_attention` computes it in PyTorch and
 :func:`merge_partial_attention` combines the two halves exactly (softmax over a union
 of disjoint key sets); ``split_kernels.tree_tail_merge`` does both in one Triton launch.
 
-Not wired into the vLLM backend: :func:`mla_tree_verify_split` is tested on CPU with the
-PyTorch context (:func:`context_attention_reference`) against
+The backend takes it with ``VLLM_DDTREE_MLA_KERNEL=split`` for launches that
+:func:`split_ineligible_reason` allows. :func:`mla_tree_verify_split` is tested on CPU
+with the PyTorch context (:func:`context_attention_reference`) against
 :func:`~.reference.mla_tree_verify_reference`, and on the GPU with FlashMLA
 (``tests/gpu/test_mla_split_gpu.py``, not yet run); ``evals/bench_verify_attention.py
 --methods ours_split`` times it. FlashMLA needs 64-token pages and sm_90.
@@ -178,6 +179,38 @@ def context_attention_flashmla(
     # out [R, Q, H, Dv]; lse [R, H, Q] -> [T, H]
     return (out.reshape(num_tokens, num_heads, kv_lora_rank),
             lse.transpose(1, 2).reshape(num_tokens, num_heads).float())
+
+
+FLASHMLA_PAGE_SIZE = 64
+FLASHMLA_DIMS = (576, 512)  # head dim (kv_lora 512 + rope 64), value dim
+
+
+def split_ineligible_reason(q: torch.Tensor, kv_cache: torch.Tensor, num_reqs: int,
+                            max_query_len: int, kv_lora_rank: int,
+                            active_query_lens: torch.Tensor | None,
+                            capability_major: int | None = None) -> str | None:
+    """Why a verify launch cannot take :func:`mla_tree_verify_split` with FlashMLA and
+    the fused tail (None when it can): host-side facts only, no sync.
+    ``capability_major``: the GPU's (default: read from ``q``'s device)."""
+    from .split_kernels import MAX_TAIL_KEYS
+
+    if capability_major is None and q.is_cuda:
+        capability_major = torch.cuda.get_device_capability(q.device)[0]
+    if capability_major != 9:
+        return "FlashMLA needs an sm_90 GPU"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashMLA takes bf16 / fp16, not {q.dtype}"
+    if kv_cache.shape[1] != FLASHMLA_PAGE_SIZE:
+        return f"FlashMLA needs {FLASHMLA_PAGE_SIZE}-token pages, not {kv_cache.shape[1]}"
+    if (q.shape[2], kv_lora_rank) != FLASHMLA_DIMS:
+        return f"FlashMLA needs dims {FLASHMLA_DIMS}, not {(q.shape[2], kv_lora_rank)}"
+    if active_query_lens is not None:
+        return "active query rows (adaptive budget) are not supported by the split"
+    if q.shape[0] != num_reqs * max_query_len:
+        return "query lengths differ between requests"
+    if max_query_len > MAX_TAIL_KEYS:
+        return f"more than {MAX_TAIL_KEYS} tree rows"
+    return None
 
 
 def mla_tree_verify_split(
