@@ -106,7 +106,7 @@ def tree_tail_attention(
     slots = tail_slots(block_table, seq_lens, query_len, kv_cache.shape[1])
     keys = kv_cache.reshape(-1, head_dim)[slots.reshape(-1)].view(num_reqs, query_len,
                                                                   head_dim).float()
-    queries = q.view(num_reqs, query_len, num_heads, head_dim).float()
+    queries = q.reshape(num_reqs, query_len, num_heads, head_dim).float()
     scores = torch.einsum("rthd,rkd->rthk", queries, keys) * scale
     visible = batched_tree_mask(ancestor_bits, num_reqs, query_len)  # [R, Q(t), Q(k)]
     # a CUDA-graph padding request (seq_len < Q) sees no key
@@ -166,7 +166,7 @@ def context_attention_flashmla(
     meta, _ = fm.get_mla_metadata(context_lens, query_len * num_heads, 1,
                                   is_fp8_kvcache=False)
     out, lse = fm.flash_mla_with_kvcache(
-        q=q.view(num_reqs, query_len, num_heads, head_dim),
+        q=q.reshape(num_reqs, query_len, num_heads, head_dim),
         k_cache=kv_cache.unsqueeze(-2),
         block_table=block_table,
         cache_seqlens=context_lens,
