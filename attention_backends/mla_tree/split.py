@@ -163,6 +163,9 @@ def context_attention_flashmla(
         raise RuntimeError(f"FlashMLA needs 64-token pages, the cache has {kv_cache.shape[1]}")
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = num_tokens // query_len
+    # A CUDA-graph padding request has no context; FlashMLA is not known to accept a
+    # zero length, so it reads one key (its output is discarded with the request's).
+    context_lens = context_lens.clamp(min=1)
     meta, _ = fm.get_mla_metadata(context_lens, query_len * num_heads, 1,
                                   is_fp8_kvcache=False)
     out, lse = fm.flash_mla_with_kvcache(
