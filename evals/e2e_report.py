@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 from collections import defaultdict
 
+from vllm_ddtree.testing.compare import first_mismatch
+
 METHOD_ORDER = {"ar": 0, "dflash": 1, "ddtree": 2}
 BACKEND_ORDER = {"FLASH_ATTN_MLA": 0, "TRITON_MLA": 1, "CUSTOM": 2}
 BACKEND_SHORT = {"FLASH_ATTN_MLA": "FA-MLA", "TRITON_MLA": "Triton-MLA", "CUSTOM": "CUSTOM"}
@@ -154,15 +156,6 @@ def ar_outputs(rows: list[dict]) -> dict[tuple, list[list[int]]]:
                 and not r.get("temperature")):
             out[key] = r["output_token_ids"]
     return out
-
-
-def first_mismatch(a: list[int], b: list[int]) -> int | None:
-    """Index of the first differing token of two id lists (the shorter one's length
-    when one is a prefix of the other), None when equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def tokens_vs_ar(row: dict, ref: dict[tuple, list[list[int]]]) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from .reference import gather_request_kv
-from .tree_mask import BITS_PER_WORD
+from .tree_mask import dense_new_token_masks
 
 ContextFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
@@ -67,17 +67,6 @@ def tail_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, query_len: int
     return pages * page_size + positions % page_size
 
 
-def batched_tree_mask(ancestor_bits: torch.Tensor, num_reqs: int, query_len: int
-                      ) -> torch.Tensor:
-    """Bool ``[R, Q, Q]``: row ``t`` of request ``r`` sees tree key ``j`` (an ancestor or
-    itself), from the requests' ``[R * Q, W]`` ancestor bits (bits above the diagonal
-    are dropped, as in ``tree_mask.dense_new_token_mask``)."""
-    j = torch.arange(query_len, device=ancestor_bits.device)
-    words = ancestor_bits.view(num_reqs, query_len, -1)[:, :, j // BITS_PER_WORD]
-    visible = ((words >> (j % BITS_PER_WORD)) & 1) != 0  # [R, Q, Q]
-    return visible & (j[None, :] <= j[:, None])
-
-
 def tree_tail_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -108,7 +97,7 @@ def tree_tail_attention(
                                                                   head_dim).float()
     queries = q.reshape(num_reqs, query_len, num_heads, head_dim).float()
     scores = torch.einsum("rthd,rkd->rthk", queries, keys) * scale
-    visible = batched_tree_mask(ancestor_bits, num_reqs, query_len)  # [R, Q(t), Q(k)]
+    visible = dense_new_token_masks(ancestor_bits, num_reqs, query_len)  # [R, Q(t), Q(k)]
     # a CUDA-graph padding request (seq_len < Q) sees no key
     visible &= (seq_lens >= query_len)[:, None, None]
     scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))

@@ -73,8 +73,14 @@ def dense_new_token_mask(bits: torch.Tensor, query_len: int) -> torch.Tensor:
     Entry ``[t, j]`` is True iff token ``t`` attends new token ``j``. Bits above the
     diagonal (``j > t``) are dropped, see the module docstring.
     """
+    return dense_new_token_masks(bits, 1, query_len)[0]
+
+
+def dense_new_token_masks(bits: torch.Tensor, num_reqs: int, query_len: int) -> torch.Tensor:
+    """:func:`dense_new_token_mask` of ``num_reqs`` requests of ``query_len`` tokens each,
+    from their ``[num_reqs * query_len, W]`` bit rows: bool ``[num_reqs, Q, Q]``."""
     j = torch.arange(query_len, device=bits.device)
-    words = bits[:, j // BITS_PER_WORD]  # [query_len, query_len]
+    words = bits.reshape(num_reqs, query_len, -1)[:, :, j // BITS_PER_WORD]  # [R, Q, Q]
     visible = ((words >> (j % BITS_PER_WORD)) & 1) != 0
     return visible & (j[None, :] <= j[:, None])
 
