@@ -34,10 +34,10 @@ from e2e_report import (  # noqa: E402
 )
 
 
-def replay_plan(rows: list[dict]) -> list[dict]:
-    """The speculative rows to replay: measured, of a fixed budget (``auto`` picks its
-    size per round, which replay cannot follow) or the chain, with AR ids in their
-    cell; one per (run, cell) (the median repeat)."""
+def replay_plan(rows: list[dict]) -> list[tuple[dict, list[list[int]]]]:
+    """The speculative rows to replay with their cell's AR ids: measured, of a fixed
+    budget (``auto`` picks its size per round, which replay cannot follow) or the
+    chain, in cells whose AR row kept its ids; one per (run, cell) (the median repeat)."""
     rows = collapse_repeats(ok_rows(rows))
     ar = ar_outputs(rows)
     plan = []
@@ -46,9 +46,11 @@ def replay_plan(rows: list[dict]) -> list[dict]:
             continue
         if str(r.get("run", "")).startswith("ddtree-auto"):
             continue
-        if (r["context"], r["batch"], r["kind"]) in ar:
-            plan.append(r)
-    return sorted(plan, key=lambda r: (r["kind"], r["context"], r["batch"], run_sort_key(r)))
+        ids = ar.get((r["context"], r["batch"], r["kind"]))
+        if ids:
+            plan.append((r, ids))
+    return sorted(plan, key=lambda p: (p[0]["kind"], p[0]["context"], p[0]["batch"],
+                                       run_sort_key(p[0])))
 
 
 def replay_cells(data: dict, model_root: Path | None = None, progress: bool = True
@@ -71,17 +73,16 @@ def replay_cells(data: dict, model_root: Path | None = None, progress: bool = Tr
     target = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32).eval()
     drafter = load_drafter(models.drafter, dtype=torch.float32)
     tokenizer = load_tokenizer(models.tokenizer_file)
-    ar = ar_outputs(collapse_repeats(ok_rows(data["rows"])))
     out = []
     plan = replay_plan(data["rows"])
-    for r in tqdm(plan, desc="replayed cells", disable=not progress):
+    for r, ar_ids in tqdm(plan, desc="replayed cells", disable=not progress):
         context, batch, kind = r["context"], r["batch"], r["kind"]
         prompts = make_prompts(kind, batch, context, setup, tokenizer,
                                seed=cell_seed(context, batch))
         method = "dflash" if r["method"] == "dflash" else "ddtree"
         budget = int(r["budget"]) if method == "ddtree" else 1
         rounds: list[int] = []
-        for prompt, ids in zip(prompts, ar[(context, batch, kind)], strict=True):
+        for prompt, ids in zip(prompts, ar_ids, strict=True):
             rounds += replay(target, drafter, prompt, ids, method, budget=budget)
         out.append({"run": r["run"], "label": run_label(r), "context": context,
                     "batch": batch, "kind": kind, "vllm_accept": r.get("acceptance_length"),
