@@ -335,7 +335,7 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
     assert_same_walk(got, want, "verifier.walk")
     assert int(want.accepted_depth[0]) >= (3 if not adaptive else 1)
     out_got = vf(sc.logits.clone(), sc.batch)
-    assert len(calls) == 3  # walk; __call__: walk, then the fused finish
+    assert len(calls) == 2  # walk; __call__: the fused walk (verify_walk_triton)
     for name in ("sampled_token_ids", "num_sampled", "num_rejected"):
         assert torch.equal(getattr(out_got, name), getattr(out_want, name)), name
     for n in counters:
@@ -376,6 +376,99 @@ def test_walk_inputs_kernel_equals_the_pytorch_gathers(adaptive):
     assert int((tokens.cpu() == -1).sum()) > 0
 
 
+def _random_forest(gen, max_reqs: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot-indexed parents (node i's parent < i) and depths of valid trees."""
+    parents = torch.full((max_reqs, budget), -1, dtype=torch.int64)
+    depths = torch.ones(max_reqs, budget, dtype=torch.int64)
+    for slot in range(max_reqs):
+        for i in range(1, budget):
+            parent = int(torch.randint(-1, i, (1,), generator=gen))
+            parents[slot, i] = parent
+            depths[slot, i] = 1 if parent < 0 else int(depths[slot, parent]) + 1
+    return parents, depths
+
+
+@pytest.mark.parametrize("adaptive,count,block_b,walk_width",
+                         [(False, True, None, 12), (True, True, 4, 8), (True, False, None, 8),
+                          (False, False, 2, 16)])
+def test_fused_verify_walk_equals_the_pytorch_round(adaptive, count, block_b, walk_width):
+    """verify_walk_triton (one launch) against the PyTorch round it replaces:
+    tree_inputs_from_rows + mask_inactive_nodes + follow_tree + sampled_rows_from_walk +
+    the counters + num_sampled_and_rejected: full, truncated and draft-less requests, a
+    chunked prefill, deep walks (targets forced along a path), multi-block scans."""
+    from vllm_ddtree.tree_walk_kernel import verify_walk_triton
+    from vllm_ddtree.verify_batch import sampled_rows_from_walk
+
+    gen = torch.Generator().manual_seed(11 + 2 * adaptive + count)
+    budget, max_reqs, max_depth = 9, 7, 6
+    drafts = [9, 0, 4, 9, 1, 9]  # logit rows per request: 1 + drafts
+    num_reqs = len(drafts)
+    cu = torch.tensor([0, *torch.tensor([1 + d for d in drafts]).cumsum(0).tolist()],
+                      dtype=torch.int32)
+    num_logits = int(cu[-1])
+    input_ids = torch.randint(0, 3, (num_logits + 20,), generator=gen, dtype=torch.int32)
+    logits_indices = torch.randperm(num_logits + 20, generator=gen)[:num_logits]
+    drawn = torch.randint(0, 3, (num_logits,), generator=gen)
+    idx = torch.randperm(max_reqs, generator=gen)[:num_reqs].int()
+    parents, depths = _random_forest(gen, max_reqs, budget)
+    active = torch.randint(1, budget + 1, (max_reqs,), generator=gen) if adaptive else None
+    rows_tokens = input_ids[logits_indices].long()
+    # request 0 (and 3) draw along a path to their deepest node: deep walks
+    for r in (0, 3):
+        slot, start = int(idx[r]), int(cu[r])
+        node = int(depths[slot].argmax())
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = int(parents[slot, node])
+        prev = -1
+        for node in reversed(path):
+            drawn[start + prev + 1] = rows_tokens[start + 1 + node]
+            prev = node
+    seq_lens = torch.full((num_reqs,), 100, dtype=torch.int32)
+    prefill_len = torch.full((max_reqs,), 50, dtype=torch.int32)
+    prefill_len[int(idx[4])] = 200  # request 4 is mid chunked prefill
+
+    tokens, targets = verifier.tree_inputs_from_rows(rows_tokens, drawn, cu, budget)
+    if adaptive:
+        tokens = mask_inactive_nodes(tokens, active[idx.long()])
+    tree = DraftTree(tokens=tokens, parents=parents[idx.long()], depths=depths[idx.long()],
+                     scores=torch.zeros(num_reqs, budget))
+    want = follow_tree(tree, targets, max_depth=max_depth)
+    want_sampled, want_num, _ = sampled_rows_from_walk(
+        want.committed_tokens, want.accepted_depth, budget)
+    want_num, want_rejected = verifier.num_sampled_and_rejected_torch(
+        want_num, seq_lens, cu, idx, prefill_len)
+    has_tree = (cu[1:] - cu[:-1]) > 1
+    assert int(want.accepted_depth.max()) >= 3 and int(want.accepted_depth.min()) == 0
+
+    dev = lambda t: None if t is None else t.to(DEVICE)  # noqa: E731
+    walk_rows = dev(torch.full((max_reqs, walk_width), -7, dtype=torch.int64))
+    counters = (dev(torch.tensor([5])), dev(torch.tensor([2]))) if count else None
+    active_sum = dev(torch.tensor([3])) if adaptive else None
+    walk, sampled, num_sampled, num_rejected = verify_walk_triton(
+        dev(input_ids), dev(logits_indices), dev(drawn), dev(cu), dev(idx), dev(parents),
+        max_depth, budget, walk_rows, dev(seq_lens), dev(prefill_len), dev(active),
+        counters, active_sum, block_b=block_b)
+    assert_same_walk(WalkResult(**{n: getattr(walk, n).cpu() for n in FIELDS}), want)
+    assert torch.equal(sampled.cpu(), want_sampled)
+    assert num_sampled.dtype == num_rejected.dtype == torch.int32
+    assert torch.equal(num_sampled.cpu(), want_num)
+    assert torch.equal(num_rejected.cpu(), want_rejected)
+    assert int(want_num[4]) == 0 and int(want_rejected[4]) == 0
+    got_rows = walk_rows.cpu()
+    want_rows = torch.full((num_reqs, walk_width), -1, dtype=torch.int64)
+    want_rows[:, :max_depth] = want.kv_src_rows
+    assert torch.equal(got_rows[:num_reqs], want_rows)
+    assert bool((got_rows[num_reqs:] == -7).all())  # other slots untouched
+    if count:
+        assert int(counters[0]) == 5 + int(torch.where(has_tree, want.accepted_depth, 0).sum())
+        assert int(counters[1]) == 2 + int(has_tree.sum())
+        if adaptive:
+            verified = torch.minimum(active[idx.long()], cu[1:] - cu[:-1] - 1)
+            assert int(active_sum) == 3 + int(torch.where(has_tree, verified, 0).sum())
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import json, triton
@@ -408,16 +501,20 @@ _COMPILE_SCRIPT = textwrap.dedent(
             k = triton.compile(ASTSource(inputs_fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             result.append(k.metadata.shared)
-    from vllm_ddtree.tree_walk_kernel import _finish_walk_kernel as finish_fn
+    from vllm_ddtree.tree_walk_kernel import _verify_walk_kernel as fused_fn
 
-    ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32"}
+    ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32",
+            "num_rejected_ptr": "*i32", "seq_lens_ptr": "*i32", "prefill_len_ptr": "*i32",
+            "input_ids_ptr": "*i32", "logits_indices_ptr": "*i32"}
     for arch in (90, 120):
-        for count, adaptive in ((False, False), (True, True)):
-            consts = dict(COUNT=count, ADAPTIVE=adaptive, BLOCK_S=128, BLOCK_W=16)
+        for count, adaptive, block_b, warps in ((False, False, 64, 1), (True, True, 512, 4)):
+            consts = dict(ADAPTIVE=adaptive, COUNT=count, BLOCK_B=block_b, BLOCK_L=32,
+                          BLOCK_S=512, BLOCK_W=32)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64")
-                   if n.endswith("_ptr") else "i32" for n in finish_fn.arg_names}
-            k = triton.compile(ASTSource(finish_fn, sig, constexprs=consts),
-                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 1})
+                   if n.endswith("_ptr") else "i32" for n in fused_fn.arg_names}
+            k = triton.compile(ASTSource(fused_fn, sig, constexprs=consts),
+                               target=GPUTarget("cuda", arch, 32),
+                               options={"num_warps": warps})
             result.append(k.metadata.shared)
     print(json.dumps(result))
     """
@@ -426,7 +523,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 def test_kernel_compiles_for_sm90_and_sm120():
     """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk, its
-    inputs kernel, and the fused finish."""
+    inputs kernel, and the fused verify walk."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
     assert len(shared) == 16 and max(shared) < 4096
 

@@ -221,7 +221,7 @@ class DDTreeRuntimeState:
 
     def mark_walk_(self, num_reqs: int) -> None:
         """A walk of ``num_reqs`` requests is in ``walk_kv_src_rows`` (written by
-        ``record_walk_`` or by ``tree_walk_kernel.finish_walk_triton``)."""
+        ``record_walk_`` or by ``tree_walk_kernel.verify_walk_triton``)."""
         self.walk_num_reqs = num_reqs
         self.walk_valid = True
 

@@ -20,7 +20,10 @@ the launch can be captured in a CUDA graph.
 ``DDTreeVerifier.walk`` runs :func:`walk_inputs_triton` and the walk on CUDA tensors
 unless ``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``), and
 ``follow_tree`` otherwise (the kernels run on CPU only in Triton's interpreter, for
-tests); :func:`finish_walk_triton` follows the walk.
+tests). In the verifier's round, :func:`verify_walk_triton` does the inputs, the walk
+and what follows it (vLLM's sampled rows and counts, the KV source rows for propose,
+the acceptance counters) in one launch; the two kernels above stay for
+``DDTreeVerifier.walk`` and as the pieces the fused kernel is checked against.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ import triton.language as tl
 
 from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args
 
-__all__ = ["MAX_BLOCK_B", "finish_walk_triton", "follow_tree_triton", "walk_inputs_triton"]
+__all__ = [
+    "MAX_BLOCK_B",
+    "follow_tree_triton",
+    "verify_walk_triton",
+    "walk_inputs_triton",
+]
 
 MAX_BLOCK_B = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -285,101 +293,212 @@ def walk_inputs_triton(
     return tokens, targets, parents
 
 
-@triton.jit
-def _finish_walk_kernel(
-    committed_ptr,  # int64 [R, L + 1]
-    depth_ptr,  # int64 [R]
-    src_ptr,  # int64 [R, L]
+@triton.jit(do_not_specialize=["num_nodes", "max_depth", "budget", "walk_width"])
+def _verify_walk_kernel(
+    input_ids_ptr,  # int [T]
+    logits_indices_ptr,  # int [num_logits]
+    drawn_ptr,  # int [num_logits]
     cu_ptr,  # int32 [R + 1]
     idx_ptr,  # int32 [R]
-    active_nodes_ptr,  # int64 [max_reqs]; read only with ADAPTIVE
+    state_parents_ptr,  # int64 [max_reqs, B]
+    active_nodes_ptr,  # int64 [max_reqs]; read with ADAPTIVE
+    seq_lens_ptr,  # int32 [R]
+    prefill_len_ptr,  # int32 [max_reqs]
+    walk_ptr,  # int64 [6 chunks]: accepted, depth, committed, num_committed, bonus, src
     sampled_ptr,  # int64 [R, B + 1]
     num_sampled_ptr,  # int32 [R]
+    num_rejected_ptr,  # int32 [R]
     walk_rows_ptr,  # int64 [max_reqs, W >= L]
     accepted_sum_ptr,  # int64 [1]; with COUNT
     num_drafts_ptr,  # int64 [1]; with COUNT
     active_sum_ptr,  # int64 [1]; with COUNT and ADAPTIVE
+    num_reqs,
+    num_nodes,
     max_depth,
     budget,
     walk_width,
+    stride_state_r,
     stride_walk_r,
-    COUNT: tl.constexpr,
     ADAPTIVE: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    depth = tl.load(depth_ptr + r)
-    cols = tl.arange(0, BLOCK_S)
-    committed = tl.load(committed_ptr + r * (max_depth + 1) + cols, mask=cols <= max_depth,
-                        other=-1)
-    tl.store(sampled_ptr + r * (budget + 1) + cols, committed, mask=cols <= budget)
-    tl.store(num_sampled_ptr + r, (depth + 1).to(tl.int32))
+    start = tl.load(cu_ptr + r).to(tl.int64)
+    num_logits = tl.load(cu_ptr + r + 1).to(tl.int64) - start
+    num_drafts = num_logits - 1
+    slot = tl.load(idx_ptr + r).to(tl.int64)
+    limit = tl.minimum(num_drafts, num_nodes)
+    if ADAPTIVE:
+        limit = tl.minimum(limit, tl.load(active_nodes_ptr + slot))
+    par_row = state_parents_ptr + slot * stride_state_r
+    offs = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_L)
+
+    # The walk of _follow_tree_kernel, reading the inputs that _walk_inputs_kernel
+    # would gather (node i's token: input_ids[logits_indices[start + 1 + i]]) in place.
+    current = tl.full((), -1, tl.int64)
+    path = tl.full((BLOCK_L,), -1, tl.int64)
+    path_tokens = tl.full((BLOCK_L,), -1, tl.int64)
+    for step in range(max_depth):
+        wanted = tl.load(drawn_ptr + start + current + 1, mask=current + 1 <= num_drafts,
+                         other=-1).to(tl.int64)
+        best = tl.full((), num_nodes, tl.int32)
+        for first in range(0, num_nodes, BLOCK_B):
+            idx = first + offs
+            live = idx < limit
+            par = tl.load(par_row + idx, mask=live, other=-2).to(tl.int64)
+            row = tl.load(logits_indices_ptr + start + 1 + idx, mask=live, other=0)
+            tok = tl.load(input_ids_ptr + row, mask=live, other=-1).to(tl.int64)
+            match = live & (par == current) & (tok == wanted)
+            best = tl.minimum(best, tl.min(tl.where(match, idx, num_nodes), axis=0))
+        alive = best < num_nodes
+        node = best.to(tl.int64)
+        current = tl.where(alive, node, current)
+        here = (cols == step) & alive
+        path = tl.where(here, node, path)
+        path_tokens = tl.where(here, wanted, path_tokens)
+
+    depth = tl.sum((path >= 0).to(tl.int64), axis=0)
+    bonus = tl.load(drawn_ptr + start + current + 1, mask=current + 1 <= num_drafts,
+                    other=-1).to(tl.int64)
+    committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
+    src = tl.where(path >= 0, path + 1, -1)
+    in_path = cols < max_depth
+    # WalkResult chunks, as follow_tree_triton lays them out in one buffer.
+    accepted_base = walk_ptr
+    depth_base = accepted_base + num_reqs * max_depth
+    committed_base = depth_base + num_reqs
+    num_committed_base = committed_base + num_reqs * (max_depth + 1)
+    bonus_base = num_committed_base + num_reqs
+    src_base = bonus_base + num_reqs
+    tl.store(accepted_base + r * max_depth + cols, path, mask=in_path)
+    tl.store(src_base + r * max_depth + cols, src, mask=in_path)
+    tl.store(committed_base + r * (max_depth + 1) + cols, committed, mask=cols <= max_depth)
+    tl.store(depth_base + r, depth)
+    tl.store(num_committed_base + r, depth + 1)
+    tl.store(bonus_base + r, bonus)
+
+    # The finish: vLLM's sampled rows, the KV source rows for propose, the counters
+    # (each output in two stores to disjoint columns: registers, then the -1 padding).
+    tl.store(sampled_ptr + r * (budget + 1) + cols, committed,
+             mask=(cols <= max_depth) & (cols <= budget))
+    scols = tl.arange(0, BLOCK_S)
+    tl.store(sampled_ptr + r * (budget + 1) + scols, tl.full((BLOCK_S,), -1, tl.int64),
+             mask=(scols > max_depth) & (scols <= budget))
+    tl.store(walk_rows_ptr + r * stride_walk_r + cols, src,
+             mask=in_path & (cols < walk_width))
     wcols = tl.arange(0, BLOCK_W)
-    src = tl.load(src_ptr + r * max_depth + wcols, mask=wcols < max_depth, other=-1)
-    tl.store(walk_rows_ptr + r * stride_walk_r + wcols, src, mask=wcols < walk_width)
+    tl.store(walk_rows_ptr + r * stride_walk_r + wcols, tl.full((BLOCK_W,), -1, tl.int64),
+             mask=(wcols >= max_depth) & (wcols < walk_width))
     if COUNT:
-        num_nodes = (tl.load(cu_ptr + r + 1) - tl.load(cu_ptr + r) - 1).to(tl.int64)
-        is_tree = num_nodes > 0
+        is_tree = num_drafts > 0
         tl.atomic_add(accepted_sum_ptr, tl.where(is_tree, depth, 0))
         tl.atomic_add(num_drafts_ptr, is_tree.to(tl.int64))
         if ADAPTIVE:
-            active = tl.load(active_nodes_ptr + tl.load(idx_ptr + r).to(tl.int64))
-            tl.atomic_add(active_sum_ptr, tl.where(is_tree, tl.minimum(active, num_nodes), 0))
+            active = tl.load(active_nodes_ptr + slot)
+            tl.atomic_add(active_sum_ptr, tl.where(is_tree, tl.minimum(active, num_drafts), 0))
+
+    # vLLM's get_num_sampled_and_rejected: a chunked prefill samples and rejects nothing.
+    chunked = tl.load(seq_lens_ptr + r) < tl.load(prefill_len_ptr + slot)
+    num_sampled = tl.where(chunked, 0, depth + 1)
+    tl.store(num_sampled_ptr + r, num_sampled.to(tl.int32))
+    tl.store(num_rejected_ptr + r, tl.where(chunked, 0, num_logits - num_sampled).to(tl.int32))
 
 
-def finish_walk_triton(
-    walk: WalkResult,
+def verify_walk_triton(
+    input_ids: torch.Tensor,
+    logits_indices: torch.Tensor,
+    drawn: torch.Tensor,
     cu_num_logits: torch.Tensor,
     idx_mapping: torch.Tensor,
+    state_parents: torch.Tensor,
+    max_depth: int,
     budget: int,
     walk_rows_out: torch.Tensor,
-    counters: tuple[torch.Tensor, torch.Tensor] | None = None,
+    seq_lens: torch.Tensor,
+    prefill_len: torch.Tensor,
     active_nodes: torch.Tensor | None = None,
+    counters: tuple[torch.Tensor, torch.Tensor] | None = None,
     active_sum: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """After the walk, in one launch: vLLM's sampled rows, the walk's KV source rows for
-    the next ``propose``, and DDTree's acceptance counters (the PyTorch path,
-    ``verify_batch.sampled_rows_from_walk`` + ``DDTreeVerifier._update_stats`` +
-    ``DDTreeRuntimeState.record_walk_``, is about 15 small kernels).
+    *,
+    block_b: int | None = None,
+) -> tuple[WalkResult, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The verifier's whole round after the draw in one launch: :func:`walk_inputs_triton`,
+    :func:`follow_tree_triton`, the finish (``verify_batch.sampled_rows_from_walk``,
+    ``DDTreeVerifier._update_stats``, ``DDTreeRuntimeState.record_walk_``) and vLLM's
+    ``get_num_sampled_and_rejected`` (four launches and their allocations before).
 
     Args:
-        walk: :func:`follow_tree_triton`'s result (contiguous ``[R, L + 1]`` / ``[R, L]``).
-        cu_num_logits: int32 ``[R + 1]`` (a request with more than one logit row is a
-            tree request); idx_mapping: int32 ``[R]`` (state slots).
-        budget: B.
-        walk_rows_out: int64 ``[>= R, W >= L]``: row ``r`` gets ``kv_src_rows[r]``, -1
-            past ``L``.
+        input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
+            active_nodes: as :func:`walk_inputs_triton` (``active_nodes``: the walk
+            ignores nodes from ``active_nodes[slot]`` on, and the counters add each
+            tree's verified nodes to ``active_sum``).
+        max_depth: ``L_max >= 0``, as :func:`follow_tree_triton`.
+        budget: B, the width of vLLM's sampled rows minus one.
+        walk_rows_out: int64 ``[>= R, W >= L]``: row ``r`` gets the walk's
+            ``kv_src_rows[r]``, -1 past ``L`` (for the next ``propose``).
         counters: ``(accepted_sum, num_drafts)`` int64 ``[1]`` to add this batch's
             accepted nodes and tree count to, or None.
-        active_nodes / active_sum: ``auto`` only: int64 ``[max_reqs]`` per-slot
-            budgets, and the int64 ``[1]`` sum of each tree's verified nodes.
+        active_sum: int64 ``[1]``, with counters and ``active_nodes``: the sum of each
+            tree's verified nodes.
+        seq_lens: int32 ``[R]``; prefill_len: int32 ``[max_reqs]`` (slot-indexed): a
+            request with ``seq_len < prefill_len`` is mid chunked prefill and samples
+            nothing (vLLM's rule).
 
     Returns:
-        ``sampled_token_ids`` int64 ``[R, B + 1]`` (the committed tokens, then -1) and
-        ``num_sampled`` int32 ``[R]`` (accepted depth + 1), as ``sampled_rows_from_walk``.
-        No host sync.
+        ``(walk, sampled_token_ids int64 [R, B + 1], num_sampled int32 [R],
+        num_rejected int32 [R])``, each equal to what the four-launch path returns;
+        ``walk`` is laid out as :func:`follow_tree_triton`'s. No host sync.
     """
-    committed, depth, src = walk.committed_tokens, walk.accepted_depth, walk.kv_src_rows
-    num_reqs, max_depth = src.shape
-    if not (committed.is_contiguous() and src.is_contiguous()):
-        raise ValueError("the walk's committed_tokens and kv_src_rows must be contiguous")
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
+    if state_parents.stride(1) != 1:
+        raise ValueError("state_parents must be contiguous in its last dim")
     if walk_rows_out.shape[1] < max_depth or walk_rows_out.stride(1) != 1:
         raise ValueError(f"walk_rows_out must be [>= R, >= {max_depth}], last dim contiguous")
-    device = depth.device
+    num_reqs, num_nodes = idx_mapping.shape[0], state_parents.shape[1]
+    device = drawn.device
+    if device.type == "cpu" and not _interpreted():
+        raise ValueError("the Triton walk needs GPU tensors (or TRITON_INTERPRET=1)")
+    if block_b is None:
+        block_b = min(triton.next_power_of_2(max(num_nodes, 1)), MAX_BLOCK_B)
+    if block_b < 1 or block_b & (block_b - 1):
+        raise ValueError(f"block_b must be a power of two, got {block_b}")
+    shapes = [(max_depth,), (), (max_depth + 1,), (), (), (max_depth,)]
+    numels = [num_reqs * (shape[0] if shape else 1) for shape in shapes]
+    buffer = torch.empty(sum(numels), dtype=torch.int64, device=device)
+    accepted, depth, committed, num_committed, bonus, src = (
+        chunk.view(num_reqs, *shape)
+        for chunk, shape in zip(buffer.split(numels), shapes, strict=True)
+    )
     sampled = torch.empty(num_reqs, budget + 1, dtype=torch.int64, device=device)
-    num_sampled = torch.empty(num_reqs, dtype=torch.int32, device=device)
+    counts = torch.empty(2, num_reqs, dtype=torch.int32, device=device)
+    num_sampled, num_rejected = counts[0], counts[1]
     if num_reqs:
         count, adaptive = counters is not None, active_nodes is not None
-        accepted_sum, num_drafts = counters if count else (depth, depth)
-        _finish_walk_kernel[(num_reqs,)](
-            committed, depth, src, cu_num_logits, idx_mapping,
-            active_nodes if adaptive else depth, sampled, num_sampled, walk_rows_out,
-            accepted_sum, num_drafts, active_sum if adaptive else depth,
-            max_depth, budget, walk_rows_out.shape[1], walk_rows_out.stride(0),
+        if count and adaptive and active_sum is None:
+            raise ValueError("active_sum is needed with counters and active_nodes")
+        accepted_sum, num_drafts = counters if count else (buffer, buffer)
+        _verify_walk_kernel[(num_reqs,)](
+            input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
+            active_nodes if adaptive else buffer, seq_lens, prefill_len, buffer, sampled,
+            num_sampled, num_rejected, walk_rows_out, accepted_sum, num_drafts,
+            active_sum if count and adaptive else buffer,
+            num_reqs, num_nodes, max_depth, budget, walk_rows_out.shape[1],
+            state_parents.stride(0), walk_rows_out.stride(0),
+            ADAPTIVE=adaptive,
             COUNT=count,
-            ADAPTIVE=count and adaptive,
+            BLOCK_B=block_b,
+            BLOCK_L=triton.next_power_of_2(max_depth + 1),
             BLOCK_S=triton.next_power_of_2(max(budget, max_depth) + 1),
             BLOCK_W=triton.next_power_of_2(max(walk_rows_out.shape[1], 1)),
+            num_warps=4 if block_b >= 256 else 1,
         )  # fmt: skip
-    return sampled, num_sampled
+    walk = WalkResult(accepted_nodes=accepted, accepted_depth=depth,
+                      committed_tokens=committed, num_committed=num_committed,
+                      bonus_tokens=bonus, kv_src_rows=src)
+    return walk, sampled, num_sampled, num_rejected

@@ -15,9 +15,9 @@ parent structure instead:
    (``sample/gumbel.py:215``; argmax for greedy rows), keyed by the request seed and
    the row's RoPE position, which is what plain decoding uses for the same token
    ("sample and match": lossless at any temperature);
-3. walk the tree (on CUDA two Triton launches, ``tree_walk_kernel.walk_inputs_triton``
-   then ``follow_tree_triton``; ``VLLM_DDTREE_ROUND_KERNELS=torch`` or CPU tensors:
-   ``tree.follow_tree``; fixed ``max_depth = L``: no host sync); with
+3. walk the tree (on CUDA one Triton launch for steps 3 and 4,
+   ``tree_walk_kernel.verify_walk_triton``; ``VLLM_DDTREE_ROUND_KERNELS=torch`` or CPU
+   tensors: ``tree.follow_tree``; fixed ``max_depth = L``: no host sync); with
    ``ddtree_budget: "auto"`` the nodes past the request's active budget are masked out
    first (``budget.mask_inactive_nodes``), so the walk is the
    walk of the budget-``b`` tree;
@@ -39,8 +39,8 @@ from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
 from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
 from vllm_ddtree.tree_walk_kernel import (
-    finish_walk_triton,
     follow_tree_triton,
+    verify_walk_triton,
     walk_inputs_triton,
 )
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
@@ -350,16 +350,20 @@ class DDTreeVerifier:
             num_nans = get_num_nans(logits)
 
         drawn, processed, _ = self.draw_target_tokens(logits, input_batch)
-        walk = self.walk(drawn, input_batch)
         if use_triton_round_kernels(drawn):
-            sampled, num_sampled = self._finish_walk_fused(walk, input_batch)
+            walk, sampled, num_sampled, num_rejected = self._verify_walk_fused(
+                drawn, input_batch
+            )
         else:
+            walk = self.walk(drawn, input_batch)
             sampled, num_sampled, _ = sampled_rows_from_walk(
                 walk.committed_tokens, walk.accepted_depth, self.budget
             )
             self._update_stats(walk, input_batch)
             self.state.record_walk_(walk.kv_src_rows)
-        num_sampled, num_rejected = self._num_sampled_and_rejected(num_sampled, input_batch)
+            num_sampled, num_rejected = self._num_sampled_and_rejected(
+                num_sampled, input_batch
+            )
 
         logprobs = self._logprobs(logits, processed, sampled, num_sampled, walk, input_batch)
         return SamplerOutput(
@@ -370,21 +374,25 @@ class DDTreeVerifier:
             num_rejected=num_rejected,
         )
 
-    def _finish_walk_fused(self, walk: WalkResult, input_batch: Any):
-        """``sampled_rows_from_walk`` + ``_update_stats`` + ``record_walk_`` in one
-        Triton launch (``tree_walk_kernel.finish_walk_triton``)."""
-        assert self.state.walk_kv_src_rows is not None
-        counters = active_nodes = None
+    def _verify_walk_fused(self, drawn: torch.Tensor, input_batch: Any):
+        """``walk`` + ``sampled_rows_from_walk`` + ``_update_stats`` + ``record_walk_`` +
+        ``_num_sampled_and_rejected`` in one Triton launch
+        (``tree_walk_kernel.verify_walk_triton``). Returns ``(walk, sampled,
+        num_sampled, num_rejected)``."""
+        assert self.state.parents is not None and self.state.walk_kv_src_rows is not None
+        counters = None
         if self._counts(input_batch):
             counters = (self.state.accepted_sum, self.state.num_drafts)
-            if self.state.adaptive:
-                active_nodes = self.state.active_nodes
-        sampled, num_sampled = finish_walk_triton(
-            walk, input_batch.cu_num_logits, input_batch.idx_mapping, self.budget,
-            self.state.walk_kv_src_rows, counters, active_nodes, self.state.active_nodes_sum,
-        )
-        self.state.mark_walk_(walk.kv_src_rows.shape[0])
-        return sampled, num_sampled
+        out = verify_walk_triton(
+            input_batch.input_ids, input_batch.logits_indices, drawn,
+            input_batch.cu_num_logits, input_batch.idx_mapping, self.state.parents,
+            self.max_depth, self.budget, self.state.walk_kv_src_rows,
+            input_batch.seq_lens, self.sampler.req_states.prefill_len.gpu,
+            self.state.active_nodes if self.state.adaptive else None, counters,
+            self.state.active_nodes_sum,
+        )  # fmt: skip
+        self.state.mark_walk_(input_batch.idx_mapping.shape[0])
+        return out
 
     def _counts(self, input_batch: Any) -> bool:
         """Whether this batch's walks go into DDTree's acceptance counters."""
