@@ -34,7 +34,13 @@ Usage (GPU machine, project root; device-time estimates in evals/results/README.
     python evals/bench_e2e.py --setup trained                # acceptance, 1k, batch 1/8
     python evals/bench_e2e.py --setup kimi8 --max-minutes 9
     python evals/bench_e2e.py --setup kimi64 --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA
+    python evals/bench_e2e.py --setup kimi8 --lockstep --repeats 2  # all engines at once
     python evals/bench_e2e.py --from-json evals/results/e2e_kimi64.json   # re-render (CPU)
+
+``--lockstep``: every run's child starts at once (one ``LLM`` each on the one GPU, its KV
+cache fixed by ``kv_cache_memory_bytes``), then the parent has each cell measured by every
+run in turn, one engine working at a time (order reversed on alternate rounds), so that
+the methods of a cell are measured seconds apart, not minutes (the host's speed drifts).
 
 Writes ``<out-dir>/e2e_<setup>.md``, ``.png``, ``.json`` (raw rows; later invocations
 merge into it, so a grid can be measured in several commands) and ``e2e_<setup>.log``
@@ -91,6 +97,12 @@ DEFAULT_AUTO_MAX = 64  # maximum B of ddtree-auto when neither --auto-max nor a 
 MAX_BUDGET = 512  # vllm_ddtree.config.MAX_BUDGET
 SPEC_COUNTERS = SPEC_DECODE_COUNTERS
 STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "failed", "not run"
+# --lockstep: several engines share the GPU, so each gets a fixed KV cache
+# (kv_cache_memory_bytes: vLLM skips its memory profiling, which the other engines would
+# upset) and a low gpu_memory_utilization (then only read by vLLM's free-memory check at
+# start: total x this must be free).
+LOCKSTEP_GPU_MEM = 0.05
+LOCKSTEP_KV_FACTOR = 3  # vLLM's hybrid KV groups took 2.8x kv_cache_bytes (kimi8, 128k)
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,6 +443,8 @@ def llm_kwargs(spec: dict) -> dict:
         "enable_prefix_caching": spec["prime"] == "cache",
         "speculative_config": run.speculative_config(setup, spec["drafter"]),
     }
+    if spec.get("kv_cache_memory_bytes"):  # --lockstep: no memory profiling
+        kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
     if setup.dummy:
         kwargs["load_format"] = "dummy"
     if run.method != "ddtree":  # DDTree picks CUSTOM for the target itself
@@ -561,6 +575,64 @@ def warm_up(llm, spec: dict) -> None:
                          use_tqdm=False)
 
 
+def failure_note(e: Exception) -> str:
+    """The note of a cell whose measurement raised ``e``: "out of memory" or the
+    exception's type and text."""
+    oom = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e)
+    return "out of memory" if oom else f"{type(e).__name__}: {e}"[:300]
+
+
+def fake_crash_after(run: RunSpec) -> int:
+    """Tests: the cell (sequential) or command (``--lockstep``) index at which a fake
+    child dies (``BENCH_E2E_FAKE_CRASH_AFTER``; with ``BENCH_E2E_FAKE_CRASH_RUN`` only
+    that run's child), else -1."""
+    only = os.environ.get("BENCH_E2E_FAKE_CRASH_RUN")
+    if only and only != run.name:
+        return -1
+    return int(os.environ.get("BENCH_E2E_FAKE_CRASH_AFTER", "-1"))
+
+
+def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1) -> None:
+    """``--lockstep`` child, engine ready: answer one command per stdin line until
+    ``quit`` or EOF. A command ``{"cell": [context, batch, kind], "repeat": r, "seq": n}``
+    measures the cell (``measure(cell_spec, cell)`` -> its row, ``cell_spec`` the spec
+    with ``repeat`` r) and appends the row, with ``measured_seq`` n and
+    ``measure_start`` / ``measured_at`` (time.time() before / after), to the result file
+    (written atomically: the parent polls it). After a failed cell the engine may be
+    broken: later commands get not-run rows. ``crash_at``: tests, the child dies
+    (uncaught) on that command."""
+    failed = None
+    for line in iter(sys.stdin.readline, ""):
+        line = line.strip()
+        if line == "quit":
+            break
+        if not line:
+            continue
+        command = json.loads(line)
+        cell = tuple(command["cell"])
+        cell_spec = dict(spec, repeat=int(command.get("repeat", 0)))
+        measure_start = time.time()
+        if len(result["rows"]) == crash_at:
+            raise RuntimeError("fake crash")
+        if failed is not None:
+            row = dict(spec_base_row(cell_spec, cell), status=STATUS_NOT_RUN,
+                       note=f"an earlier cell failed ({failed})")
+        else:
+            print(f"[bench_e2e] {spec['run']}: cell {cell} repeat {cell_spec['repeat']}",
+                  flush=True)
+            try:
+                row = measure(cell_spec, cell)
+            except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
+                traceback.print_exc()
+                failed = failure_note(e)
+                row = dict(spec_base_row(cell_spec, cell), status=STATUS_FAILED, note=failed)
+        row.update(measured_seq=command.get("seq"), measure_start=measure_start,
+                   measured_at=time.time())
+        result["rows"].append(row)
+        _write_json_atomic(spec["out"], result)
+    result["meta"]["finished"] = time.time()
+
+
 def child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -579,7 +651,13 @@ def child_main(spec_path: str) -> None:
 
     if spec.get("fake"):
         result["meta"].update(gpu="fake", versions={"vllm": "fake"})
-        crash_after = int(os.environ.get("BENCH_E2E_FAKE_CRASH_AFTER", "-1"))
+        crash_after = fake_crash_after(run)
+        if spec.get("lockstep"):
+            result["meta"]["ready"] = True
+            _write_json_atomic(out, result)
+            serve_commands(spec, result, lambda s, cell: fake_row(
+                spec_base_row(s, cell), run.num_spec_tokens(setup)), crash_after)
+            finish(0)
         for i, cell in enumerate(cells):
             if i == crash_after:  # tests: a child that dies mid-run
                 raise RuntimeError("fake crash")
@@ -625,9 +703,15 @@ def child_main(spec_path: str) -> None:
     except Exception as e:  # noqa: BLE001 - report the failure in every cell
         traceback.print_exc()
         note = f"engine start failed: {type(e).__name__}: {e}"[:400]
+        result["meta"]["error"] = note
         result["rows"] = [dict(base(c), status=STATUS_FAILED, note=note) for c in cells]
         finish(1)
+    result["meta"]["ready"] = True
     _write_json_atomic(out, result)
+    if spec.get("lockstep"):
+        serve_commands(spec, result, lambda s, cell: measure_cell(llm, engine, s, cell,
+                                                                   tokenizer))
+        finish(0)
     failed = None
     for cell in cells:
         if failed is not None:
@@ -642,8 +726,7 @@ def child_main(spec_path: str) -> None:
                 result["rows"].append(measure_cell(llm, engine, spec, cell, tokenizer))
             except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
                 traceback.print_exc()
-                oom = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e)
-                failed = "out of memory" if oom else f"{type(e).__name__}: {e}"[:300]
+                failed = failure_note(e)
                 result["rows"].append(dict(base(cell), status=STATUS_FAILED, note=failed))
         _write_json_atomic(out, result)
     result["meta"]["finished"] = time.time()
@@ -814,6 +897,261 @@ def interleaved(runs: list[RunSpec], repeats: int) -> list[tuple[int, RunSpec]]:
     return order
 
 
+def child_spec(setup: Setup, args: argparse.Namespace, run: RunSpec,
+               cells: list[tuple[int, int, str]], models, max_model_len: int,
+               deadline: float | None, repeat: int = 0, kv_bytes: int | None = None) -> dict:
+    """The spec of ``run``'s child (its cells, models and settings; ``kv_bytes``:
+    ``--lockstep``'s fixed KV cache, with :data:`LOCKSTEP_GPU_MEM` as
+    gpu_memory_utilization, and the child then waits for commands on stdin)."""
+    spec = {
+        "setup": setup.name, "run": run.name, "cells": [list(c) for c in cells],
+        "target": str(models.target), "drafter": str(models.drafter),
+        "tokenizer_file": str(models.tokenizer_file) if models.tokenizer_file else None,
+        "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
+        "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
+        "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
+        "repeat": repeat, "pin_cpus": args.pin_cpus, "engine_process": args.engine_process,
+    }
+    if kv_bytes:
+        spec.update(lockstep=True, kv_cache_memory_bytes=int(kv_bytes),
+                    gpu_mem=LOCKSTEP_GPU_MEM)
+    return spec
+
+
+def lockstep_kv_bytes(models, max_model_len: int, batch: int,
+                      override_gib: float | None = None) -> int:
+    """``kv_cache_memory_bytes`` of every ``--lockstep`` engine: ``override_gib``, else
+    ``LOCKSTEP_KV_FACTOR x`` what ``batch`` requests of ``max_model_len`` tokens need
+    (``e2e_models.kv_cache_bytes``) + 1 GiB, at least 1 GiB (vLLM refuses to start if
+    one max_model_len request does not fit; its hybrid KV-cache groups pad)."""
+    if override_gib:
+        return int(override_gib * 2**30)
+    from e2e_models import kv_cache_bytes, read_config
+
+    kv = kv_cache_bytes(read_config(models.target), read_config(models.drafter),
+                        max_model_len, batch)
+    return max(2**30, LOCKSTEP_KV_FACTOR * kv["total"] + 2**30)
+
+
+def lockstep_order(cells: list[tuple[int, int, str]], runs: list[RunSpec],
+                   repeats: int) -> list[tuple[tuple[int, int, str], int, RunSpec]]:
+    """``(cell, repeat, run)`` in the order ``--lockstep`` measures them: cell after
+    cell, each by every run per round, alternate rounds reversed (A B C C B A), so that
+    the runs of a cell are measured seconds apart and a drift within a cell falls on
+    every run alike."""
+    return [(cell, repeat, run) for cell in cells for repeat, run in interleaved(runs, repeats)]
+
+
+@dataclass
+class LockstepChild:
+    """A ``--lockstep`` run's child: its process (stdin a pipe), result file and log;
+    ``answered``: rows read from it; ``why`` / ``status``: set once it can answer no more
+    (the note and status of its remaining rows)."""
+
+    run: RunSpec
+    proc: subprocess.Popen
+    out: str
+    log: Path
+    answered: int = 0
+    why: str | None = None
+    status: str = STATUS_FAILED
+
+
+def start_lockstep_child(spec: dict, tmp: str, index: int, log_path: Path) -> LockstepChild:
+    """Start one ``--lockstep`` child (its own session, stdin a pipe, its own log beside
+    ``log_path``: the children run at once); return it."""
+    out = os.path.join(tmp, f"result{index}.json")
+    spec = dict(spec, out=out)
+    spec_path = os.path.join(tmp, f"spec{index}.json")
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", spec_path]
+    log = log_path.with_suffix(f".lockstep{index}.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        f.write(f"\n===== {time.strftime('%Y-%m-%d %H:%M:%S')} {spec['setup']} "
+                f"{spec['run']} (lockstep): {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=f, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                                cwd=str(REPO_ROOT), start_new_session=True, text=True)
+    return LockstepChild(RunSpec.parse(spec["run"]), proc, out, log)
+
+
+def _exit_note(child: LockstepChild) -> str:
+    """Why a child that stopped answering did (its exit status and log's last error)."""
+    try:
+        child.proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+    return f"child exited {child.proc.returncode}: {_log_tail(child.log)}"
+
+
+def _send(child: LockstepChild, line: str) -> bool:
+    """Write one command line to a child's stdin; False if the pipe is gone."""
+    try:
+        child.proc.stdin.write(line + "\n")
+        child.proc.stdin.flush()
+        return True
+    except (OSError, ValueError):  # BrokenPipeError; closed
+        return False
+
+
+def wait_lockstep_ready(children: list[LockstepChild], limit: float, poll: float,
+                        at_deadline: bool) -> None:
+    """Wait until every child's result says ``ready``, or it died (``why``: its start
+    error or exit), or ``limit`` (the children not ready then are killed: not-run rows
+    if ``at_deadline``, the --max-minutes limit, else failed ones)."""
+    pending = list(children)
+    while pending:
+        for child in list(pending):
+            meta = (_read_result(child.out) or {}).get("meta") or {}
+            if meta.get("ready"):
+                pending.remove(child)
+            elif child.proc.poll() is not None:
+                child.why = meta.get("error") or _exit_note(child)
+                pending.remove(child)
+        if pending and time.time() > limit:
+            for child in pending:
+                _kill_group(child.proc)
+                child.why, child.status = (
+                    ("--max-minutes reached (engine not ready)", STATUS_NOT_RUN) if at_deadline
+                    else ("child killed at the time limit (engine not ready)", STATUS_FAILED))
+            return
+        if pending:
+            time.sleep(poll)
+
+
+def await_lockstep_rows(child: LockstepChild, hard: float, poll: float) -> list[dict] | None:
+    """The rows ``child`` wrote past the ones read (polling its result file's stat, so
+    that the parent costs the measuring child no CPU), or None when it died or passed
+    ``hard`` (then killed); ``child.why`` says which."""
+    stamp = None
+    while True:
+        try:
+            st = os.stat(child.out)
+            now = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            now = None
+        dead = child.proc.poll() is not None
+        if now != stamp or dead:  # a dead child: read its last write once more
+            stamp = now
+            rows = (_read_result(child.out) or {}).get("rows", [])
+            if len(rows) > child.answered:
+                fresh, child.answered = rows[child.answered:], len(rows)
+                return fresh
+        if dead:
+            child.why = _exit_note(child)
+            return None
+        if time.time() > hard:
+            _kill_group(child.proc)
+            child.why = "child killed at the time limit"
+            return None
+        time.sleep(poll)
+
+
+def stop_lockstep_children(children: list[LockstepChild], log_path: Path, wait_s: float
+                           ) -> None:
+    """``quit`` to every child, ``wait_s`` for them to leave, then kill their process
+    groups; append their logs to ``log_path`` (and remove them)."""
+    for child in children:
+        _send(child, "quit")
+        try:
+            child.proc.stdin.close()
+        except OSError:
+            pass
+    end = time.time() + wait_s
+    for child in children:
+        try:
+            child.proc.wait(timeout=max(0.1, end - time.time()))
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_group(child.proc)
+        child.proc.wait()
+    with open(log_path, "a") as log:
+        for child in children:
+            try:
+                log.write(child.log.read_text(errors="replace"))
+                child.log.unlink()
+            except OSError:
+                pass
+
+
+def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
+                 cells: list[tuple[int, int, str]], models, max_model_len: int,
+                 log_path: Path, add_rows, progress, deadline: float | None,
+                 invocation: dict) -> None:
+    """``--lockstep``: start every run's child at once, wait for their engines, then send
+    each cell to every run in turn (:func:`lockstep_order`), waiting for one child's row
+    before the next command, so that one engine works at a time. ``add_rows(rows)``
+    gets every row (measured, failed, not run) as it comes."""
+    kv = lockstep_kv_bytes(models, max_model_len, max(c[1] for c in cells),
+                           args.lockstep_kv_gib)
+    invocation["lockstep_kv_cache_gib"] = round(kv / 2**30, 2)
+    invocation["lockstep_gpu_mem"] = LOCKSTEP_GPU_MEM
+    print(f"{setup.name}: lockstep, {len(runs)} engines at once, kv_cache_memory_bytes "
+          f"{kv / 2**30:.2f} GiB each")
+    order = lockstep_order(cells, runs, args.repeats)
+
+    def row(cell, repeat, run, status, note):
+        return dict(base_row(setup.name, run, cell, args.max_tokens, repeat,
+                             args.engine_process, args.temperature), status=status, note=note)
+
+    if deadline and time.time() > deadline - 60 * args.min_child_minutes:
+        add_rows([row(c, r, run, STATUS_NOT_RUN, "--max-minutes reached") for c, r, run in order])
+        if progress is not None:
+            progress.update(len(order))
+        return
+    poll = 0.05
+    start = time.time()
+    with tempfile.TemporaryDirectory(prefix="bench_e2e_lockstep_") as tmp:
+        children: list[LockstepChild] = []
+        try:
+            for i, run in enumerate(runs):
+                spec = child_spec(setup, args, run, cells, models, max_model_len, deadline,
+                                  kv_bytes=kv)
+                children.append(start_lockstep_child(spec, tmp, i, log_path))
+            limit = start + 60 * args.child_timeout_min
+            wait_lockstep_ready(children, min(limit, deadline) if deadline else limit,
+                                poll if args.fake else 1.0,
+                                bool(deadline) and deadline < limit)
+            for child in children:
+                meta = (_read_result(child.out) or {}).get("meta") or {}
+                if meta.get("gpu"):
+                    invocation["gpu"] = meta["gpu"]
+                if meta.get("versions"):
+                    invocation["versions"] = meta["versions"]
+                invocation.setdefault("startup_s", {})[child.run.name] = meta.get("startup_s")
+            by_run = {child.run: child for child in children}
+            for seq, (cell, repeat, run) in enumerate(order):
+                child = by_run[run]
+                if progress is not None:
+                    progress.set_postfix_str(f"{setup.name} {run.name}")
+                rows = None
+                if child.why is not None:
+                    pass
+                elif deadline and time.time() > deadline:
+                    rows = [row(cell, repeat, run, STATUS_NOT_RUN, "--max-minutes reached")]
+                elif not _send(child, json.dumps({"cell": list(cell), "repeat": repeat,
+                                                  "seq": seq})):
+                    child.why = _exit_note(child)
+                else:
+                    hard = time.time() + 60 * args.child_timeout_min
+                    if deadline:
+                        hard = min(hard, deadline + 60 * args.grace_minutes)
+                    rows = await_lockstep_rows(child, hard, poll)
+                if rows is None:
+                    rows = [row(cell, repeat, run, child.status, child.why)]
+                add_rows(rows)
+                if progress is not None:
+                    progress.update(1)
+        finally:
+            stop_lockstep_children(children, log_path, 2.0 if args.fake else 30.0)
+    if not args.fake:
+        wait_gpu_released()
+
+
 def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progress,
               deadline: float | None, invocation: dict) -> None:
     paths = results_paths(Path(args.out_dir), setup.name)
@@ -832,7 +1170,9 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         invocation["kv_cache_cell"] = [ctx, batch]
         print(f"{setup.name}: KV cache for {ctx} tokens x {batch} requests: "
               f"{kv['total'] / 2**30:.1f} GiB (target {kv['target'] / 2**30:.1f}, drafter "
-              f"{kv['drafter'] / 2**30:.1f}); gpu_memory_utilization {args.gpu_mem}")
+              f"{kv['drafter'] / 2**30:.1f}); " + ("kv_cache_memory_bytes fixed (--lockstep)"
+                                                    if args.lockstep else
+                                                    f"gpu_memory_utilization {args.gpu_mem}"))
     data = load_store(paths["json"], setup)
     data["setup_title"], data["setup_description"] = setup.title, setup.description
     data["invocations"].append(invocation)
@@ -856,6 +1196,16 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         return
     max_model_len = min(models.max_positions,
                         max(c[0] for c in cells) + args.max_tokens + margin)
+    if args.lockstep:
+        def add_rows(new_rows):
+            data["rows"] = merge_rows(data["rows"], new_rows)
+            save(plot=False)
+
+        run_lockstep(setup, args, runs, cells, models, max_model_len, paths["log"],
+                     add_rows, progress, deadline, invocation)
+        save()
+        print(f"wrote {paths['md']}, {paths['png']}, {paths['json']}")
+        return
     for repeat, run in interleaved(runs, args.repeats):
         now = time.time()
         if deadline and now > deadline - 60 * args.min_child_minutes:
@@ -868,16 +1218,7 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
             continue
         if progress is not None:
             progress.set_postfix_str(f"{setup.name} {run.name}")
-        spec = {
-            "setup": setup.name, "run": run.name, "cells": [list(c) for c in cells],
-            "target": str(models.target), "drafter": str(models.drafter),
-            "tokenizer_file": str(models.tokenizer_file) if models.tokenizer_file else None,
-            "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "eager": args.eager, "gpu_mem": args.gpu_mem, "prime": args.prime,
-            "max_model_len": max_model_len, "max_num_seqs": max(c[1] for c in cells),
-            "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
-            "repeat": repeat, "pin_cpus": args.pin_cpus, "engine_process": args.engine_process,
-        }
+        spec = child_spec(setup, args, run, cells, models, max_model_len, deadline, repeat)
         hard = now + 60 * args.child_timeout_min
         if deadline:
             hard = min(hard, deadline + 60 * args.grace_minutes)
@@ -973,6 +1314,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run vLLM's engine core in its own process, as vllm serve does "
                    "(the timer reads the runner there through collective_rpc); default: "
                    "in the child's process, with the front end on the engine's thread")
+    p.add_argument("--lockstep", action="store_true",
+                   help="start every run's engine at once (fixed KV cache each, "
+                   "--lockstep-kv-gib) and measure each cell by every run in turn, one "
+                   "engine working at a time, alternate rounds reversed: the runs of a "
+                   "cell are measured seconds apart (default: one run after another)")
+    p.add_argument("--lockstep-kv-gib", type=float,
+                   help="with --lockstep: kv_cache_memory_bytes of every engine in GiB "
+                   f"(default: {LOCKSTEP_KV_FACTOR} x the largest cell's KV cache + 1 GiB)")
     p.add_argument("--pin-cpus", help="run every child on these CPUs (e.g. 0-7), so that "
                    "host-bound steps of different runs see the same cores")
     p.add_argument("--out-dir", help="default evals/results (with --from-json: beside "
@@ -1015,6 +1364,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batches must be >= 1")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.lockstep_kv_gib is not None and (not args.lockstep or args.lockstep_kv_gib <= 0):
+        p.error("--lockstep-kv-gib needs --lockstep and a size > 0")
     if args.pin_cpus:
         try:
             missing = parse_cpus(args.pin_cpus) - os.sched_getaffinity(0)
@@ -1064,6 +1415,8 @@ def main(argv=None) -> int:
                           "max_tokens": args.max_tokens, "temperature": args.temperature,
                           "graphs": not args.eager, "prime": args.prime,
                           "engine_process": args.engine_process}
+            if args.lockstep:
+                invocation["lockstep"] = True
             run_setup(SETUPS[name], args, args.run_specs, progress, deadline, invocation)
     print(f"done in {(time.time() - start) / 60:.1f} min")
     return 0

@@ -254,6 +254,26 @@ def sorted_rows(rows: list[dict]) -> list[dict]:
 # Markdown
 
 
+def _lockstep_text(invocations: list[dict]) -> str:
+    """The "How to read" sentence on how the runs shared the machine: one after another,
+    or (``--lockstep`` invocations) all engines alive at once, each cell measured by every
+    run in turn; empty when no invocation was lockstep."""
+    lockstep = [i for i in invocations if i.get("lockstep")]
+    if not lockstep:
+        return ""
+    kv = sorted({i["lockstep_kv_cache_gib"] for i in lockstep if i.get("lockstep_kv_cache_gib")})
+    size = f" of {', '.join(str(g) for g in kv)} GiB" if kv else ""
+    which = ("" if len(lockstep) == len(invocations) else
+             "In the `--lockstep` invocations (the others ran the methods one after "
+             "another), ")
+    start = which or "With `--lockstep`, "
+    return (f"{start}all runs' engines were alive at once on the GPU (each with a fixed "
+            f"KV cache{size}, `kv_cache_memory_bytes`: no start-up memory profiling), and "
+            "each cell was measured by every run in turn, one engine working at a time, "
+            "the order reversed on alternate rounds (repeats): the methods of a cell were "
+            "measured seconds apart, not minutes. ")
+
+
 def _header(data: dict) -> list[str]:
     lines = [f"# End-to-end decoding: {data.get('setup_title') or data.get('setup')}", ""]
     if data.get("setup_description"):
@@ -292,7 +312,8 @@ def _header(data: dict) -> list[str]:
     lines += [
         "",
         "How to read: every method runs in its own process (a fresh `LLM`) on vLLM's V2 "
-        "model runner (the engine's process: see *engine* above). Per cell, a "
+        "model runner (the engine's process: see *engine* above). " + _lockstep_text(
+            invocations) + "Per cell, a "
         "`max_tokens=1` generate first prefills the prompts into the prefix cache, then "
         "the measured generate "
         "re-sends them (all requests start decoding together; prefill is excluded). "

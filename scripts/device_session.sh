@@ -147,6 +147,9 @@ for stage in "$@"; do
       # BENCH_E2E_HOST_PROFILE=$OUT/profiles: a cProfile summary per cell (host_profile.py).
       # E2E_ENGINE_PROCESS=1: vLLM's engine core in its own process, as vllm serve runs it
       # (the timer reads it through collective_rpc, e2e_engine.py; not yet GPU-run).
+      # E2E_LOCKSTEP=1: --lockstep, every run's engine alive at once (fixed KV cache each,
+      # E2E_LOCKSTEP_KV_GIB overrides its size) and each cell measured by every run in turn,
+      # seconds apart (the host's speed drifts over minutes; not yet GPU-run).
       # A first engine start on a fresh machine took 3 min (cold caches): budget for it.
       setup="${stage#e2e_}" limit="${STAGE_LIMIT:-560}"
       # E2E_PAIR=<dir with target/ and drafter/>: `trained` runs on that pair instead of
@@ -178,6 +181,7 @@ for stage in "$@"; do
         --batches ${E2E_BATCHES:-$batches} --prompts ${E2E_PROMPTS:-$prompts} --repeats ${E2E_REPEATS:-1} \
         ${E2E_TEMPERATURE:+--temperature "$E2E_TEMPERATURE"} \
         --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" ${E2E_PIN_CPUS:+--pin-cpus "$E2E_PIN_CPUS"} ${E2E_ENGINE_PROCESS:+--engine-process} \
+        ${E2E_LOCKSTEP:+--lockstep} ${E2E_LOCKSTEP_KV_GIB:+--lockstep-kv-gib "$E2E_LOCKSTEP_KV_GIB"} \
         --out-dir "${E2E_OUT_DIR:-$OUT}" > "$OUT/$stage.log" 2>&1
       summary "$stage" $?
       grep -A14 "^## Step latency" "${E2E_OUT_DIR:-$OUT}/e2e_$setup.md" 2>/dev/null | head -30 ;;

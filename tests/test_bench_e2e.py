@@ -489,6 +489,119 @@ def test_fake_children_end_to_end(tmp_path, monkeypatch):
         assert (tmp_path / name).exists()
 
 
+LOCKSTEP_RUNS = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto"]
+
+
+def _lockstep(tmp_path, *extra):
+    """``--lockstep --fake`` on kimi8, 2 contexts, batch 1, :data:`LOCKSTEP_RUNS`,
+    2 repeats; returns the result JSON."""
+    assert bench_e2e.main(["--fake", "--lockstep", "--setup", "kimi8", "--batches", "1",
+                           "--contexts", "1k", "16k", "--runs", *LOCKSTEP_RUNS,
+                           "--repeats", "2", "--out-dir", str(tmp_path), "--model-dir",
+                           str(tmp_path / "models"), *extra]) == 0
+    return json.loads((tmp_path / "e2e_kimi8.json").read_text())
+
+
+def test_lockstep_order_alternates_runs_per_round_within_each_cell():
+    runs = [RunSpec.parse(r) for r in ("ar@CUSTOM", "ddtree-32", "ddtree-64")]
+    cells = [(1024, 1, "random"), (16384, 1, "random")]
+    order = [(c[0], r, run.name) for c, r, run in bench_e2e.lockstep_order(cells, runs, 2)]
+    assert order == [(1024, 0, "ar@CUSTOM"), (1024, 0, "ddtree-32"), (1024, 0, "ddtree-64"),
+                     (1024, 1, "ddtree-64"), (1024, 1, "ddtree-32"), (1024, 1, "ar@CUSTOM"),
+                     (16384, 0, "ar@CUSTOM"), (16384, 0, "ddtree-32"),
+                     (16384, 0, "ddtree-64"), (16384, 1, "ddtree-64"),
+                     (16384, 1, "ddtree-32"), (16384, 1, "ar@CUSTOM")]
+
+
+def test_lockstep_measures_each_cell_by_every_run_in_turn(tmp_path):
+    """``--lockstep``: one child per run, all alive at once; each cell is measured by
+    every run before the next cell, round 1 in the reverse order of round 0, one child
+    at a time (a child's measurement starts after the previous child's row came); every
+    (run, cell, repeat) is an ok row; the invocation and the report say lockstep."""
+    data = _lockstep(tmp_path)
+    rows = data["rows"]
+    names = [r.name for r in parse_args(["--runs", *LOCKSTEP_RUNS]).run_specs]
+    assert len(rows) == 2 * 2 * len(names)
+    assert all(r["status"] == "ok" for r in rows)
+    assert sorted((r["run"], r["context"], r["repeat"]) for r in rows) == sorted(
+        (n, c, rep) for n in names for c in (1024, 16384) for rep in (0, 1))
+    by_time = sorted(rows, key=lambda r: r["measure_start"])
+    assert [r["measured_seq"] for r in by_time] == list(range(len(rows)))
+    for before, after in zip(by_time[:-1], by_time[1:], strict=True):  # one at a time
+        assert after["measure_start"] >= before["measured_at"]
+    assert [(r["context"], r["repeat"], r["run"]) for r in by_time] == [
+        (c, rep, n) for c in (1024, 16384) for rep in (0, 1)
+        for n in (names if rep == 0 else names[::-1])]
+    inv = data["invocations"][-1]
+    assert inv["lockstep"] is True
+    setup = e2e_models.SETUPS["kimi8"]
+    models = e2e_models.prepare_setup(setup, tmp_path / "models")
+    margin = bench_e2e.sequence_margin(parse_args(["--runs", *LOCKSTEP_RUNS]).run_specs, setup)
+    kv = e2e_models.kv_cache_bytes(e2e_models.read_config(models.target),
+                                   e2e_models.read_config(models.drafter),
+                                   16384 + 128 + margin, 1)["total"]
+    assert inv["lockstep_kv_cache_gib"] == round((3 * kv + 2**30) / 2**30, 2)
+    assert set(inv["startup_s"]) == set(names)
+    md = (tmp_path / "e2e_kimi8.md").read_text()
+    assert "engines were alive at once on the GPU" in md
+    assert "measured by every run in turn" in md
+    log = (tmp_path / "e2e_kimi8.log").read_text()
+    assert all(f"kimi8 {n} (lockstep)" in log for n in names)
+    assert not list(tmp_path.glob("*.lockstep*.log"))  # merged into the setup's log
+
+
+def test_lockstep_child_that_dies_fails_only_its_remaining_cells(tmp_path, monkeypatch):
+    """A lockstep child that crashes on its second command: its later (cell, repeat)s
+    are failed rows naming the crash, the other runs measure every cell; a spent
+    --max-minutes starts no child (not-run rows)."""
+    monkeypatch.setenv("BENCH_E2E_FAKE_CRASH_RUN", "ddtree-64")
+    monkeypatch.setenv("BENCH_E2E_FAKE_CRASH_AFTER", "1")
+    data = _lockstep(tmp_path)
+    status = {(r["run"], r["context"], r["repeat"]): (r["status"], r.get("note", ""))
+              for r in data["rows"]}
+    assert len(status) == 12
+    crashed = {k: v for k, v in status.items() if k[0] == "ddtree-64"}
+    assert crashed.pop(("ddtree-64", 1024, 0))[0] == "ok"
+    assert len(crashed) == 3
+    for state, note in crashed.values():
+        assert state == "failed" and "child exited 1" in note and "fake crash" in note
+    assert all(v[0] == "ok" for k, v in status.items() if k[0] != "ddtree-64")
+
+    monkeypatch.delenv("BENCH_E2E_FAKE_CRASH_RUN")
+    monkeypatch.delenv("BENCH_E2E_FAKE_CRASH_AFTER")
+    data = _lockstep(tmp_path / "late", "--max-minutes", "0.001")
+    assert {r["status"] for r in data["rows"]} == {"not run"} and len(data["rows"]) == 12
+    assert "startup_s" not in data["invocations"][-1]
+
+
+def test_lockstep_fixes_every_engines_kv_cache(tmp_path, capsys):
+    """The lockstep spec carries kv_cache_memory_bytes (3 x the largest cell's KV cache
+    + 1 GiB, or --lockstep-kv-gib) into LLM(...) with a low gpu_memory_utilization;
+    the sequential spec carries neither."""
+    args = parse_args(["--setup", "kimi8", "--contexts", "128k", "--batches", "1", "8",
+                       "--runs", "ddtree-64", "--lockstep"])
+    setup, run = e2e_models.SETUPS["kimi8"], args.run_specs[0]
+    models = e2e_models.prepare_setup(setup, tmp_path, min_positions=140000)
+    cells = [(131072, 1, "random"), (131072, 8, "random")]
+    kv = bench_e2e.lockstep_kv_bytes(models, 132000, 8)
+    total = e2e_models.kv_cache_bytes(e2e_models.read_config(models.target),
+                                      e2e_models.read_config(models.drafter), 132000,
+                                      8)["total"]
+    assert kv == 3 * total + 2**30
+    assert bench_e2e.lockstep_kv_bytes(models, 132000, 8, 2.5) == int(2.5 * 2**30)
+    kw = bench_e2e.llm_kwargs(bench_e2e.child_spec(setup, args, run, cells, models, 132000,
+                                                   None, kv_bytes=kv))
+    assert kw["kv_cache_memory_bytes"] == kv and kw["gpu_memory_utilization"] == 0.05
+    assert kw["max_num_seqs"] == 8 and kw["max_model_len"] == 132000
+    kw = bench_e2e.llm_kwargs(bench_e2e.child_spec(setup, args, run, cells, models, 132000,
+                                                   None))
+    assert "kv_cache_memory_bytes" not in kw and kw["gpu_memory_utilization"] == 0.85
+    assert parse_args(["--lockstep", "--lockstep-kv-gib", "6"]).lockstep_kv_gib == 6.0
+    with pytest.raises(SystemExit):
+        parse_args(["--lockstep-kv-gib", "6"])
+    assert "--lockstep-kv-gib needs --lockstep" in capsys.readouterr().err
+
+
 class FakeMode:
     def __init__(self, name):
         self.name = name
