@@ -193,6 +193,15 @@ _COMPILE_SCRIPT = textwrap.dedent(
         k = triton.compile(ASTSource(rows_fn, sig, constexprs=dict(BLOCK=128)),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
         result.append(k.metadata.shared)
+    from vllm_ddtree.hidden_rows_kernel import _move_path_rows_kernel as move_fn
+
+    for arch in (90, 120):
+        consts = dict(NUM=4, BLOCK_L=32, BLOCK_H=128)
+        sig = {n: "constexpr" if n in consts else {"qsl_ptr": "*i32", "src_ptr": "*i64"}.get(
+               n, "*bf16") if n.endswith("_ptr") else "i32" for n in move_fn.arg_names}
+        k = triton.compile(ASTSource(move_fn, sig, constexprs=consts),
+                           target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+        result.append(k.metadata.shared)
     print(json.dumps(result))
     """
 )
@@ -202,7 +211,7 @@ def test_kernel_compiles_for_sm90_and_sm120():
     """Compiled (no GPU needed) for Hopper and sm_120, plain, adaptive, and with the
     256 mask words of an fp32 run (16k-token batches)."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 8 and max(shared) <= 99 * 1024, shared
+    assert len(shared) == 10 and max(shared) <= 99 * 1024, shared
 
 
 @pytest.mark.parametrize("num_padding", [0, 7])
@@ -226,3 +235,37 @@ def test_hidden_row_index_kernel_equals_the_pytorch_index(num_padding):
     got = hidden_row_gather_index_triton(qsl.to(DEVICE), src.to(DEVICE), num_rows)
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, torch.arange(num_rows))  # paths did move rows
+
+
+@pytest.mark.parametrize("num_tensors,block_h", [(3, 4), (5, 128)])
+def test_in_place_path_move_equals_the_gather(num_tensors, block_h):
+    """move_path_rows_triton (in place, four tensors a launch) against ``x[index]`` with
+    ``hidden_row_gather_index``: bit-equal rows for every tensor, chains where a
+    destination row is a later move's source, short requests, CUDA-graph padding
+    rows untouched; tensors of another layout are refused (the caller gathers)."""
+    from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
+    from vllm_ddtree.runtime_state import hidden_row_gather_index
+
+    gen = torch.Generator().manual_seed(num_tensors)
+    depth, qlens = 6, [1 + 9, 1, 1 + 9, 3, 1 + 4]
+    src = torch.full((len(qlens), depth), -1, dtype=torch.int64)
+    src[0, :6] = torch.tensor([2, 3, 4, 5, 6, 7])  # rows k <- k + 1: chained moves
+    src[2, :2] = torch.tensor([4, 9])
+    src[3, :3] = torch.tensor([1, 2, 5])  # the last one points past the request: kept
+    src[4, :4] = torch.tensor([1, 2, 3, 4])  # src == k: nothing moves
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+    num_rows, hidden = int(qsl[-1]) + 5, 10
+    xs = [torch.randn(num_rows, hidden, generator=gen).to(torch.bfloat16)
+          for _ in range(num_tensors)]
+    safe = src.clone()
+    safe[3, 2] = -1  # the gather's rule for a source past the request's rows
+    index = hidden_row_gather_index(qsl, safe, num_rows)
+    want = [x[index] for x in xs]
+    got = [x.clone().to(DEVICE) for x in xs]
+    assert move_path_rows_triton(got, qsl.to(DEVICE), src.to(DEVICE), block_h=block_h)
+    for g, w, x in zip(got, want, xs, strict=True):
+        assert torch.equal(g.cpu(), w)
+        assert not torch.equal(g.cpu(), x)  # rows did move
+    assert not move_path_rows_triton([got[0], got[0][:, :4]], qsl.to(DEVICE),
+                                     src.to(DEVICE))
+    assert not move_path_rows_triton([got[0], got[0]], qsl.to(DEVICE), src.to(DEVICE))

@@ -30,7 +30,9 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   accepted path into the slots of positions ``seq+1..seq+a`` in every target layer,
   using the target slot mappings ``propose`` receives (``model_runner.py:1510``);
   (2) gather the target hidden rows ``[0, src_1..src_a] -> [0..a]`` so DFlash's
-  context precompute sees the committed path at linear positions; (3) after the
+  context precompute sees the committed path at linear positions (on CUDA the aux
+  hidden states are moved in place, ``hidden_rows_kernel.move_path_rows_triton``);
+  (3) after the
   draft, scatter the batch trees to request-state rows via ``input_batch.idx_mapping``
   (as the runner does for draft tokens, ``model_runner.py:1521``).
   ``num_rejected`` needs no change: the runner passes the verifier's value
@@ -70,7 +72,9 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from attention_backends.tree_mask_state import decode_query_limit
+from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
+from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -434,10 +438,16 @@ class DDTreeSpeculator(DFlashSpeculator):
             # KV-cache group).
             self._compact_target_kv(slot_mappings, query_start_loc, walk)
             if aux_hidden_states:
-                index = hidden_row_gather_index(
-                    query_start_loc, walk, aux_hidden_states[0].shape[0]
+                # The target's aux outputs are read only here until its next forward:
+                # move the path rows in place (one launch) rather than gather copies.
+                moved = use_triton_round_kernels(walk) and move_path_rows_triton(
+                    aux_hidden_states, query_start_loc, walk
                 )
-                aux_hidden_states = [h[index] for h in aux_hidden_states]
+                if not moved:
+                    index = hidden_row_gather_index(
+                        query_start_loc, walk, aux_hidden_states[0].shape[0]
+                    )
+                    aux_hidden_states = [h[index] for h in aux_hidden_states]
             else:
                 index = hidden_row_gather_index(
                     query_start_loc, walk, last_hidden_states.shape[0]
