@@ -269,3 +269,78 @@ def test_in_place_path_move_equals_the_gather(num_tensors, block_h):
     assert not move_path_rows_triton([got[0], got[0][:, :4]], qsl.to(DEVICE),
                                      src.to(DEVICE))
     assert not move_path_rows_triton([got[0], got[0]], qsl.to(DEVICE), src.to(DEVICE))
+
+
+def test_greedy_draw_is_argmax_and_skips_the_seeded_draw():
+    """DDTreeVerifier's greedy fast path: all requests at temperature 0 without top-k /
+    top-p draw ``processed.argmax`` (no gumbel launch, no row positions, no history
+    gather without penalties); one sampled request, or top-k, takes vLLM's draw."""
+    import numpy as np
+
+    from vllm_ddtree.runtime_state import DDTreeRuntimeState
+    from vllm_ddtree.verifier import DDTreeVerifier
+
+    calls = []
+    temperature = np.zeros(4, dtype=np.float32)
+    top = [(None, None)]
+    states = NS(temperature=NS(np=temperature), get_top_k_top_p=lambda *a: top[0])
+    sampler = NS(sampling_states=states, logit_bias_state=NS(use_logit_bias=np.zeros(4, bool)),
+                 apply_sampling_params=lambda logits, eim, idx, pos, rows, *a, **k:
+                 calls.append(("params", pos, rows)) or logits)
+    state = DDTreeRuntimeState()
+    state.depths = torch.zeros(4, 3, dtype=torch.int64)
+    vf = DDTreeVerifier(sampler, NS(num_speculative_tokens=3), "cpu", 2, state=state)
+    vf._gumbel_draw = lambda *a: calls.append(("gumbel",)) or torch.zeros(5, dtype=torch.int64)
+    vf.draw_fn = vf._gumbel_draw
+    vf._row_positions = lambda batch: calls.append(("positions",)) or torch.arange(5)
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(0))
+    batch = NS(idx_mapping_np=np.array([2, 0]), expanded_idx_mapping=torch.tensor([0] * 5),
+               input_ids=torch.arange(20), logits_indices=torch.arange(5),
+               expanded_local_pos=torch.arange(5))
+    drawn, _, pos = vf.draw_target_tokens(logits, batch, needs_history=False)
+    assert torch.equal(drawn, logits.argmax(-1)) and pos is None
+    assert calls == [("params", None, None)]
+    calls.clear()
+    vf.draw_target_tokens(logits, batch, needs_history=True)
+    assert calls[0][0] == "params" and torch.equal(calls[0][2], torch.arange(5))
+    for change in ("temperature", "top_k", "logit_bias"):
+        calls.clear()
+        if change == "temperature":
+            temperature[0] = 0.7
+        elif change == "top_k":
+            temperature[0], top[0] = 0.0, (torch.tensor([5]), None)
+        else:
+            top[0] = (None, None)
+            sampler.logit_bias_state.use_logit_bias[2] = True
+        vf.draw_target_tokens(logits, batch, needs_history=False)
+        names = [c[0] for c in calls]
+        if change == "logit_bias":  # still greedy, but the bias reads positions
+            assert names == ["positions", "params"], names
+        else:
+            assert names == ["positions", "params", "gumbel"], (change, names)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="vLLM's gumbel kernel needs CUDA")
+def test_argmax_breaks_ties_as_vllms_greedy_gumbel_draw():
+    """torch.argmax (the greedy fast path) picks vLLM's gumbel_sample token at
+    temperature 0 on rows with exact ties inside one 1024-column block and across
+    blocks (both take the first maximal index)."""
+    from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 65, 163840
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    logits = logits.float()
+    top = logits.max() + 1
+    logits[0, [7, 9]] = top  # one block
+    logits[1, [5000, 100000, 163839]] = top  # across blocks
+    logits[2, [163839, 3]] = top
+    logits[3] = 0.0  # all equal
+    temperature = torch.zeros(4, device="cuda")
+    seeds = torch.arange(4, device="cuda", dtype=torch.int64)
+    idx = torch.zeros(rows, dtype=torch.int32, device="cuda")
+    pos = torch.arange(rows, device="cuda", dtype=torch.int64)
+    want = gumbel_sample(logits, idx, temperature, seeds, pos, apply_temperature=False)
+    got = logits.argmax(dim=-1)
+    assert want[:4].tolist() == [7, 5000, 3, 0]
+    assert torch.equal(got, want)

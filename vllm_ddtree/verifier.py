@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from vllm_ddtree.budget import mask_inactive_nodes
@@ -190,6 +191,8 @@ class DDTreeVerifier:
         self.max_depth = max_depth
         self.device = device
         self.state = DDTREE_STATE if state is None else state
+        # Tests pass their own draw; vLLM's (``_gumbel_draw``) has a greedy fast path.
+        self.custom_draw = draw_fn is not None
         self.draw_fn = self._gumbel_draw if draw_fn is None else draw_fn
 
     # -- vLLM pieces (CUDA/Triton); isolated so that tests can replace them --------
@@ -227,8 +230,9 @@ class DDTreeVerifier:
 
     # -- checks ------------------------------------------------------------------
 
-    def check_supported(self, input_batch: Any) -> None:
-        """Raise ``UnsupportedForTreeError`` for features that assume a chain.
+    def check_supported(self, input_batch: Any) -> bool:
+        """Raise ``UnsupportedForTreeError`` for features that assume a chain; return
+        whether any of them is on (V2 warm-up batches only).
 
         * structured outputs: the grammar bitmask rows and ``validate_tokens`` follow
           the chain order (``scheduler.py:2057-2114``);
@@ -255,31 +259,51 @@ class DDTreeVerifier:
                 "they assume the draft tokens form a chain. Drop them from the request's "
                 "SamplingParams, or serve without --speculative-config"
             )
+        return bool(problems)
 
     # -- the call ------------------------------------------------------------------
 
+    def all_greedy(self, input_batch: Any) -> bool:
+        """Whether every request of the batch decodes greedily (temperature 0) without
+        top-k / top-p: then the target's token at a row is the processed logits'
+        argmax, which is what ``gumbel_sample`` computes for temperature 0 (the first
+        maximal index, as ``torch.argmax``), without its seed and position inputs."""
+        if self.custom_draw:
+            return False
+        states = self.sampler.sampling_states
+        temperature = getattr(getattr(states, "temperature", None), "np", None)
+        if temperature is None:  # a sampler without vLLM's host copy: the seeded draw
+            return False
+        idx = input_batch.idx_mapping_np
+        if not bool(np.all(temperature[idx] == 0.0)):
+            return False
+        top_k, top_p = states.get_top_k_top_p(input_batch.expanded_idx_mapping, idx)
+        return top_k is None and top_p is None
+
+    def _uses_logit_bias(self, input_batch: Any) -> bool:
+        state = getattr(self.sampler, "logit_bias_state", None)
+        flags = getattr(state, "use_logit_bias", None)
+        return flags is None or bool(np.any(flags[input_batch.idx_mapping_np]))
+
     def draw_target_tokens(
-        self, logits: torch.Tensor, input_batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self, logits: torch.Tensor, input_batch: Any, needs_history: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The target's token at every logit row.
 
+        ``needs_history``: whether penalties or bad words may run (they read each row's
+        input token); ``check_supported`` refuses them outside V2 warm-up batches.
+
         Returns ``(drawn int64 [num_logits], processed_logits [num_logits, V],
-        row_positions int64 [num_logits])``.
+        row_positions int64 [num_logits] or None)``: greedy batches without logit bias
+        skip the positions (only the seeded draw and the logit bias read them).
         """
         assert self.state.depths is not None
-        if (self.state.positions is not None
-                and self.state.positions_num_tokens == input_batch.num_tokens):
-            # verify_inputs_ (prepare_inputs) wrote this batch's RoPE positions: a logit
-            # row's key is its token's position (logit_row_positions' formula).
-            row_positions = self.state.positions[input_batch.logits_indices]
-        else:
-            row_positions = logit_row_positions(
-                input_batch.positions[input_batch.logits_indices],
-                input_batch.expanded_local_pos,
-                input_batch.expanded_idx_mapping,
-                self.state.depths,
-            )
-        draft_row_tokens = input_batch.input_ids[input_batch.logits_indices]
+        greedy = self.all_greedy(input_batch)
+        row_positions = None
+        if not greedy or self._uses_logit_bias(input_batch):
+            row_positions = self._row_positions(input_batch)
+        draft_row_tokens = (input_batch.input_ids[input_batch.logits_indices]
+                            if needs_history else None)  # unread: no penalty, bad words
         processed = self.sampler.apply_sampling_params(
             logits,
             input_batch.expanded_idx_mapping,
@@ -289,6 +313,8 @@ class DDTreeVerifier:
             input_batch.expanded_local_pos,
             skip_top_k_top_p=True,
         )
+        if greedy:
+            return processed.argmax(dim=-1), processed, row_positions
         top_k, top_p = self.sampler.sampling_states.get_top_k_top_p(
             input_batch.expanded_idx_mapping, input_batch.idx_mapping_np
         )
@@ -298,6 +324,20 @@ class DDTreeVerifier:
             processed = apply_top_k_top_p(processed, top_k, top_p)
         drawn = self.draw_fn(processed, input_batch.expanded_idx_mapping, row_positions)
         return drawn.to(torch.int64), processed, row_positions
+
+    def _row_positions(self, input_batch: Any) -> torch.Tensor:
+        """int64 ``[num_logits]``: each logit row's RoPE position (its token's)."""
+        if (self.state.positions is not None
+                and self.state.positions_num_tokens == input_batch.num_tokens):
+            # verify_inputs_ (prepare_inputs) wrote this batch's RoPE positions: a logit
+            # row's key is its token's position (logit_row_positions' formula).
+            return self.state.positions[input_batch.logits_indices]
+        return logit_row_positions(
+            input_batch.positions[input_batch.logits_indices],
+            input_batch.expanded_local_pos,
+            input_batch.expanded_idx_mapping,
+            self.state.depths,
+        )
 
     def walk(self, drawn: torch.Tensor, input_batch: Any) -> WalkResult:
         """Walk each request's tree with the drawn tokens (no host sync)."""
@@ -342,14 +382,14 @@ class DDTreeVerifier:
             raise UnsupportedForTreeError(
                 "DDTree drafts greedily; draft_sample_method must stay 'greedy'"
             )
-        self.check_supported(input_batch)
+        needs_history = self.check_supported(input_batch)
         num_nans = None
         if self.sampler.compute_nans:
             from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 
             num_nans = get_num_nans(logits)
 
-        drawn, processed, _ = self.draw_target_tokens(logits, input_batch)
+        drawn, processed, _ = self.draw_target_tokens(logits, input_batch, needs_history)
         if use_triton_round_kernels(drawn):
             walk, sampled, num_sampled, num_rejected = self._verify_walk_fused(
                 drawn, input_batch
