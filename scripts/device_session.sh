@@ -103,7 +103,7 @@ for stage in "$@"; do
     roundk) stage_pytest roundk 300 tests/test_tree_walk_kernel.py \
               tests/test_active_query_rows.py tests/test_tree_build_kernel.py \
               tests/test_vocab_top_k_kernel.py tests/test_verify_inputs_kernel.py \
-              tests/test_budget_choice_kernel.py ;;
+              tests/test_budget_choice_kernel.py tests/test_tree_store_kernel.py ;;
     ddtree_treek)  # the ddtree suite and the graphs test with the Triton tree build (flip
       # DEFAULT_TREE_BUILD; passed on the H200 2026-11-30 and is now the default)
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \

@@ -1,8 +1,8 @@
 """Which implementation runs the eager per-round work on the GPU: the verify inputs
 (``verify_inputs_kernel``), the tree walk with its inputs and its finish
 (``tree_walk_kernel``), the KV compaction (``kv_compaction_kernel``), ``propose``'s
-hidden-row index (``hidden_rows_kernel``) and ``auto``'s budget choice
-(``budget_choice_kernel``).
+hidden-row moves (``hidden_rows_kernel``), the tree scatter to request-state rows
+(``tree_store_kernel``) and ``auto``'s budget choice (``budget_choice_kernel``).
 
 ``VLLM_DDTREE_ROUND_KERNELS``:
 

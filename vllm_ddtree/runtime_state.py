@@ -34,6 +34,7 @@ from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.hidden_rows_kernel import hidden_row_gather_index_triton
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree import num_mask_words, pack_ancestor_mask
+from vllm_ddtree.tree_store_kernel import store_trees_triton
 from vllm_ddtree.verify_batch import tree_verify_positions_and_bits
 from vllm_ddtree.verify_inputs_kernel import verify_inputs_triton
 
@@ -198,16 +199,22 @@ class DDTreeRuntimeState:
         """Scatter batch-ordered trees (``[R, B]``, ``[R, B]``, ``[R, 1+B, W]``) to the
         request-state rows ``idx_mapping`` (int32 ``[R]``), as the runner scatters the
         draft tokens (``model_runner.py:1521``). ``active_nodes``: int ``[R]`` or a
-        0-dim tensor for the whole batch (``ddtree_budget: "auto"`` only)."""
+        0-dim tensor for the whole batch (``ddtree_budget: "auto"`` only). On CUDA one
+        Triton launch (``tree_store_kernel``)."""
         assert self.parents is not None and self.depths is not None
         assert self.ancestor_bits is not None
+        if active_nodes is not None and self.active_nodes is None:
+            raise RuntimeError("active_nodes given but enable_adaptive_ was not called")
+        if use_triton_round_kernels(parents) and store_trees_triton(
+                idx_mapping, parents, depths, ancestor_bits, self.parents, self.depths,
+                self.ancestor_bits, active_nodes,
+                self.active_nodes if active_nodes is not None else None):
+            return
         idx = idx_mapping.to(torch.int64)
         self.parents[idx] = parents
         self.depths[idx] = depths
         self.ancestor_bits[idx] = ancestor_bits
         if active_nodes is not None:
-            if self.active_nodes is None:
-                raise RuntimeError("active_nodes given but enable_adaptive_ was not called")
             self.active_nodes[idx] = active_nodes.to(torch.int64).expand(idx.shape[0])
 
     def record_walk_(self, kv_src_rows: torch.Tensor) -> None:
