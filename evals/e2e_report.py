@@ -245,6 +245,78 @@ def _prompt_set_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+EQUAL_HOST_SPREAD = 1.25  # a pair's four fixed-loop timings within this factor
+
+
+def _host_spread(*rows: dict) -> float | None:
+    """max / min of the rows' fixed Python loop timings (before and after each)."""
+    speeds = [r[k] for r in rows for k in ("python_ms", "python_ms_after")
+              if r.get(k) is not None]
+    return max(speeds) / min(speeds) if speeds and min(speeds) > 0 else None
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _paired_table(rows: list[dict]) -> list[str]:
+    """``--lockstep`` rows only: per cell and round, each run's tokens/s over the DFlash
+    chain's and AR's of the same round (measured seconds apart), summarised as median
+    (min-max) and how many rounds the run was ahead; then the same over the pairs whose
+    fixed Python loop agreed within :data:`EQUAL_HOST_SPREAD` (host-bound steps follow
+    the interpreter's speed, which moved up to 2x between measurements on the H200
+    host). Empty without lockstep rows."""
+    paired = [r for r in ok_rows(rows) if r.get("measured_seq") is not None
+              and r.get("tokens_per_s")]
+    if not paired:
+        return []
+    rounds: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in paired:
+        rounds[(r["context"], r["batch"], r["kind"], r.get("temperature", 0.0),
+                r.get("repeat", 0))][run_id(r)] = r
+    cells: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for (context, batch, kind, temperature, _), by_run in rounds.items():
+        refs = {m: next((r for r in sorted(by_run.values(), key=run_sort_key)
+                         if r.get("method") == m), None) for m in ("dflash", "ar")}
+        for key, r in by_run.items():
+            for m, ref in refs.items():
+                if ref is None or ref is r or r.get("method") == "ar":
+                    continue
+                spread = _host_spread(r, ref)
+                cells[(kind, batch, context, temperature)][(key, m)].append(
+                    (r["tokens_per_s"] / ref["tokens_per_s"], spread, r))
+    lines = ["## Paired rounds (`--lockstep`)", "",
+             "Each round measured every run's cell seconds apart; *x chain* / *x AR* = the "
+             "run's tokens/s over the DFlash chain's / AR's of the same round: median "
+             "(min-max), then rounds ahead out of rounds. *equal host*: only the pairs whose "
+             f"fixed Python loop (before and after both cells) agreed within "
+             f"{EQUAL_HOST_SPREAD:g}x.", "",
+             "| prompts | batch | ctx | method | x chain | ahead | x chain, equal host | "
+             "x AR | ahead | x AR, equal host |", "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def summary(values):
+        if not values:
+            return "—", "—", "—"
+        ratios = [v[0] for v in values]
+        equal = [v[0] for v in values if v[1] is not None and v[1] <= EQUAL_HOST_SPREAD]
+        eq = (f"{_median(equal):.2f} (n={len(equal)})" if equal else "none")
+        return (f"{_median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+                f"{sum(x > 1 for x in ratios)}/{len(ratios)}", eq)
+
+    for (kind, batch, context, _), by_key in sorted(cells.items()):
+        runs = sorted({key for key, _ in by_key}, key=lambda k: run_sort_key(
+            next(v[2] for (kk, _), vs in by_key.items() if kk == k for v in vs)))
+        for key in runs:
+            example = next(v[2] for (kk, _), vs in by_key.items() if kk == key for v in vs)
+            chain = summary(by_key.get((key, "dflash"), []))
+            ar = summary(by_key.get((key, "ar"), []))
+            lines.append(f"| {kind} | {batch} | {ctx_label(context)} | {run_label(example)} | "
+                         f"{' | '.join(chain)} | {' | '.join(ar)} |")
+    return lines + [""]
+
+
 def sorted_rows(rows: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda r: (r.get("kind", ""), r.get("batch", 0),
                                        run_sort_key(r), r.get("context", 0)))
@@ -541,6 +613,7 @@ def write_markdown(data: dict, path: str) -> None:
         lines += _pivot([r for r in rows if r.get("method") != "ar"], "acceptance_length",
                         "Accept len")
     lines += _prompt_set_table(rows)
+    lines += _paired_table(data.get("rows") or [])
     lines += _spread_table(rows)
     lines += _full_table(rows)
     lines += _host_table(rows)

@@ -1184,3 +1184,30 @@ def test_sampled_rows_sit_beside_greedy_ones(tmp_path):
                                    outputs) == "sampled"
     assert e2e_report.tokens_vs_ar(dict(greedy, output_token_ids=[[1, 2, 4]]),
                                    outputs) == "0/1 same, first diff at token 2"
+
+
+def test_paired_rounds_table_compares_runs_within_each_lockstep_round():
+    """e2e_report._paired_table: per round, tok/s over the same round's chain and AR;
+    median (min-max), rounds ahead, and the equal-host median over pairs whose fixed
+    Python loop agreed within EQUAL_HOST_SPREAD; sequential rows give no table."""
+    def row(run, method, repeat, tps, py, seq):
+        return {"status": "ok", "run": run, "method": method, "backend": "FLASH_ATTN_MLA",
+                "budget": 64 if method == "ddtree" else None, "context": 1024, "batch": 1,
+                "kind": "code", "repeat": repeat, "tokens_per_s": tps, "python_ms": py,
+                "python_ms_after": py, "measured_seq": seq}
+
+    rows = [row("ar@FLASH_ATTN_MLA", "ar", 0, 500.0, 2.0, 0),
+            row("dflash@FLASH_ATTN_MLA", "dflash", 0, 800.0, 2.0, 1),
+            row("ddtree-64", "ddtree", 0, 1200.0, 2.1, 2),   # x1.5 chain, equal host
+            row("ddtree-64", "ddtree", 1, 700.0, 3.8, 3),    # x0.875, host 2x apart
+            row("dflash@FLASH_ATTN_MLA", "dflash", 1, 800.0, 1.9, 4),
+            row("ar@FLASH_ATTN_MLA", "ar", 1, 400.0, 3.8, 5)]
+    lines = e2e_report._paired_table(rows)
+    table = "\n".join(lines)
+    tree = next(line for line in lines if "DDTree B=64" in line)
+    cols = [c.strip() for c in tree.strip("|").split("|")]
+    assert cols[4:7] == ["1.19 (0.88-1.50)", "1/2", "1.50 (n=1)"], cols
+    # x AR: 2.40 and 1.75, both at equal host (round 1's pair both ran slow)
+    assert cols[7:10] == ["2.08 (1.75-2.40)", "2/2", "2.08 (n=2)"], cols
+    assert "Paired rounds" in table
+    assert e2e_report._paired_table([dict(r, measured_seq=None) for r in rows]) == []

@@ -58,23 +58,25 @@ def test_other_layouts_are_refused():
 
 
 def test_runtime_state_uses_the_kernel_and_matches_the_torch_path(monkeypatch):
-    """store_trees_ with the kernels forced on (CPU tensors, interpreter) leaves the
-    state as the PyTorch path does, adaptive budgets included."""
+    """store_trees_ with the kernels forced on (the interpreter on CPU) leaves the state
+    as the PyTorch path does, adaptive budgets included (a GPU run failed here on CPU
+    tensors before the state moved to DEVICE: compiled Triton cannot read them)."""
     from vllm_ddtree import runtime_state
     from vllm_ddtree.runtime_state import DDTreeRuntimeState
     from vllm_ddtree.tree import build_ddtree
 
     gen = torch.Generator().manual_seed(3)
     trees = build_ddtree(torch.randn(3, 4, 11, generator=gen), 6, 3)
-    idx = torch.tensor([5, 0, 2], dtype=torch.int32)
-    active = torch.tensor([2, 6, 4])
+    idx = torch.tensor([5, 0, 2], dtype=torch.int32, device=DEVICE)
+    active = torch.tensor([2, 6, 4], device=DEVICE)
+    bits = trees.ancestor_bits().to(DEVICE)
     states = []
     for forced in (False, True):
         state = DDTreeRuntimeState()
-        state.allocate(8, 64, 6, 4, 7, "cpu")
-        state.enable_adaptive_(8, "cpu")
+        state.allocate(8, 64, 6, 4, 7, DEVICE)
+        state.enable_adaptive_(8, DEVICE)
         monkeypatch.setattr(runtime_state, "use_triton_round_kernels", lambda t, f=forced: f)
-        state.store_trees_(idx, trees.parents, trees.depths, trees.ancestor_bits(), active)
+        state.store_trees_(idx, trees.parents.to(DEVICE), trees.depths.to(DEVICE), bits, active)
         states.append(state)
     for name in ("parents", "depths", "ancestor_bits", "active_nodes"):
         assert torch.equal(getattr(states[0], name), getattr(states[1], name)), name
