@@ -17,6 +17,7 @@
 #   roundk   walk / active-row / tree-build / verify-inputs kernel tests compiled on CUDA
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
+#   direct   VLLM_DDTREE_DIRECT_LAUNCH=1: its GPU test, then ddtree + graphs with it on
 #   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR: eager, CUDA graphs, fixed shape, and
@@ -109,6 +110,14 @@ for stage in "$@"; do
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
+    direct)  # VLLM_DDTREE_DIRECT_LAUNCH=1 (vllm_ddtree/direct_launch.py, not yet GPU-run):
+      # the round kernels through their cached CompiledKernel; its GPU test, then the
+      # ddtree suite and the graphs test with it on. Time it with
+      # `E2E_LOCKSTEP=1 VLLM_DDTREE_DIRECT_LAUNCH=1 E2E_OUT_DIR=$OUT/direct ... e2e_kimi8`
+      # beside a plain lockstep run of the same call.
+      stage_pytest direct 150 tests/gpu/test_direct_launch_gpu.py
+      VLLM_DDTREE_DIRECT_LAUNCH=1 stage_pytest ddtree_direct 480 tests/gpu/test_ddtree_vllm.py \
+        -k "not tiny_random and not auto" ;;
     tp2)  # kind nvidia-h200-x2. Its NVLink multicast is off (TORCH_SYMM_MEM_DISABLE_MULTICAST,
       # /work/.library/device/KINDS.md) while vLLM's symmetric-memory all-reduce uses
       # multimem ops: the 2026-11-30 run died in the TP=2 profile run with an illegal

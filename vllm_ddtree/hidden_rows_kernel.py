@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.direct_launch import DirectLauncher
+
 __all__ = ["hidden_row_gather_index_triton", "move_path_rows_triton"]
 
 BLOCK_ROWS = 128
@@ -117,6 +119,9 @@ def _move_path_rows_kernel(
         _move_tile(x3_ptr, src_offs, dst_offs, mask)
 
 
+_MOVE_PATH_ROWS_LAUNCH = DirectLauncher(lambda: _move_path_rows_kernel)
+
+
 def move_path_rows_triton(
     hidden_states: list[torch.Tensor], query_start_loc: torch.Tensor,
     kv_src_rows: torch.Tensor, *, block_h: int = 128,
@@ -157,7 +162,7 @@ def move_path_rows_triton(
     for i in range(0, len(hidden_states), MAX_MOVE_TENSORS):
         group = hidden_states[i:i + MAX_MOVE_TENSORS]
         ptrs = group + [group[0]] * (MAX_MOVE_TENSORS - len(group))
-        _move_path_rows_kernel[grid](
+        _MOVE_PATH_ROWS_LAUNCH(grid,
             *ptrs, query_start_loc, kv_src_rows, num_rows, width, hidden, first.stride(0),
             kv_src_rows.stride(0),
             NUM=len(group), BLOCK_L=triton.next_power_of_2(width), BLOCK_H=block_h,

@@ -70,6 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.direct_launch import DirectLauncher
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots
 
@@ -201,6 +202,9 @@ def _compact_paths_kernel(
     _move_rows(rows, tl.where(moving, src, -1), tl.where(moving, dst, -1), page,
                block_stride, slot_stride, chunk_stride, chunk_len, row_elems, BLOCK_C,
                CONTIGUOUS)
+
+
+_COMPACT_PATHS_LAUNCH = DirectLauncher(lambda: _compact_paths_kernel)
 
 
 @dataclass(frozen=True)
@@ -632,7 +636,7 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
     num_tokens = min(sm.shape[0] for sm, _ in groups)
     for layout, table, _ in plan.launches:
         grid, args, consts = _launch_args(layout, num_reqs * path_len, path_len)
-        _compact_paths_kernel[(*grid, table.shape[0])](
+        _COMPACT_PATHS_LAUNCH((*grid, table.shape[0]),
             table, query_start_loc, kv_src_rows, kv_src_rows.stride(0), kv_src_rows.stride(1),
             path_len, num_tokens, *args[1:], ELEM=_TL_DTYPES[layout.dtype], **consts,
             num_warps=NUM_WARPS)

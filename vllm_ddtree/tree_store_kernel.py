@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.direct_launch import DirectLauncher
+
 __all__ = ["store_trees_triton"]
 
 BLOCK_WORDS = 256
@@ -66,6 +68,9 @@ def _store_trees_kernel(
         tl.store(state_active_ptr + slot, active.to(tl.int64))
 
 
+_STORE_TREES_LAUNCH = DirectLauncher(lambda: _store_trees_kernel)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
     """``t`` as ``[R, n]`` without a copy (its non-leading dims contiguous), or None."""
     flat = t.reshape(t.shape[0], -1) if t.dim() > 1 else None
@@ -116,7 +121,7 @@ def store_trees_triton(
     p, d, b, sp, sd, sb = rows
     per_request = (active_nodes is not None and active_nodes.dim() == 1
                    and active_nodes.numel() == num_reqs)
-    _store_trees_kernel[(num_reqs,)](
+    _STORE_TREES_LAUNCH((num_reqs,),
         idx_mapping, p, d, b, active_nodes if active_nodes is not None else p, sp, sd, sb,
         state_active if state_active is not None else sp,
         p.shape[1], b.shape[1], p.stride(0), d.stride(0), b.stride(0), sp.stride(0),

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_ddtree.direct_launch import DirectLauncher
 from vllm_ddtree.tree import DraftTree, WalkResult, _check_walk_args
 
 __all__ = [
@@ -409,6 +410,9 @@ def _verify_walk_kernel(
     tl.store(num_rejected_ptr + r, tl.where(chunked, 0, num_logits - num_sampled).to(tl.int32))
 
 
+_VERIFY_WALK_LAUNCH = DirectLauncher(lambda: _verify_walk_kernel)
+
+
 def verify_walk_triton(
     input_ids: torch.Tensor,
     logits_indices: torch.Tensor,
@@ -483,7 +487,7 @@ def verify_walk_triton(
         if count and adaptive and active_sum is None:
             raise ValueError("active_sum is needed with counters and active_nodes")
         accepted_sum, num_drafts = counters if count else (buffer, buffer)
-        _verify_walk_kernel[(num_reqs,)](
+        _VERIFY_WALK_LAUNCH((num_reqs,),
             input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
             active_nodes if adaptive else buffer, seq_lens, prefill_len, buffer, sampled,
             num_sampled, num_rejected, walk_rows_out, accepted_sum, num_drafts,
