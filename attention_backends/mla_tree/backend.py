@@ -99,8 +99,11 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
         num_decode_tokens: int,
         dcp_tot_seq_lens_device: torch.Tensor | None,
     ) -> TreeMLADecodeMetadata:
-        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-        max_query_len = int(query_lens.max()) if query_lens.numel() else 0
+        # NumPy on the host copy: this runs once per KV-cache group and step (vLLM 0.26
+        # gives each MLA layer beside a DFlash drafter its own group), three torch CPU
+        # ops cost several times more.
+        starts = query_start_loc_cpu.numpy()
+        max_query_len = int((starts[1:] - starts[:-1]).max()) if starts.shape[0] > 1 else 0
         if TREE_MASK_STATE.active and TREE_MASK_STATE.ancestor_bits is not None:
             bits = TREE_MASK_STATE.ancestor_bits[:num_decode_tokens]
         else:
