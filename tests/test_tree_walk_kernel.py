@@ -293,9 +293,9 @@ def test_launch_wrapper_has_no_host_sync(monkeypatch):
                     reason="the verifier scenario is on CPU tensors: needs Triton's interpreter")
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkeypatch):
-    """DDTreeVerifier.walk and __call__ with the walk forced onto the kernels (the walk
-    inputs, the walk, the fused finish) give the outputs of the PyTorch walk (the CPU
-    default): sampled rows, counters, and the KV source rows kept for propose."""
+    """DDTreeVerifier.__call__ with the round forced onto the fused kernel
+    (verify_walk_triton) gives the outputs of the PyTorch round (the CPU default):
+    sampled rows, counters, and the KV source rows kept for propose."""
     from test_ddtree_integration_units import BUDGET, DEPTHS, make_scenario
 
     sc = make_scenario(0.0)
@@ -331,49 +331,14 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
         return True
 
     monkeypatch.setattr(verifier, "use_triton_round_kernels", forced)
-    got = vf.walk(drawn, sc.batch)
-    assert_same_walk(got, want, "verifier.walk")
     assert int(want.accepted_depth[0]) >= (3 if not adaptive else 1)
     out_got = vf(sc.logits.clone(), sc.batch)
-    assert len(calls) == 2  # walk; __call__: the fused walk (verify_walk_triton)
+    assert len(calls) == 1  # __call__: the fused walk (verify_walk_triton)
     for name in ("sampled_token_ids", "num_sampled", "num_rejected"):
         assert torch.equal(getattr(out_got, name), getattr(out_want, name)), name
     for n in counters:
         assert torch.equal(getattr(sc.state, n), state_want[n]), n
     assert torch.equal(sc.state.take_walk(sc.batch.num_reqs), rows_want)
-
-
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_walk_inputs_kernel_equals_the_pytorch_gathers(adaptive):
-    """walk_inputs_triton against tree_inputs_from_rows + the slot gathers +
-    mask_inactive_nodes: full trees, truncated trees, requests without drafts."""
-    from vllm_ddtree.budget import mask_inactive_nodes
-    from vllm_ddtree.tree_walk_kernel import walk_inputs_triton
-
-    gen = torch.Generator().manual_seed(5 + adaptive)
-    budget, max_reqs = 9, 7
-    drafts = [9, 0, 4, 9, 1]  # logit rows per request: 1 + drafts
-    cu = torch.tensor([0, *torch.tensor([1 + d for d in drafts]).cumsum(0).tolist()],
-                      dtype=torch.int32)
-    num_logits = int(cu[-1])
-    input_ids = torch.randint(0, VOCAB, (num_logits + 20,), generator=gen, dtype=torch.int32)
-    logits_indices = torch.randperm(num_logits + 20, generator=gen)[:num_logits]
-    drawn = torch.randint(0, VOCAB, (num_logits,), generator=gen)
-    idx = torch.randperm(max_reqs, generator=gen)[: len(drafts)].int()
-    parents = torch.randint(-1, budget, (max_reqs, budget), generator=gen)
-    active = torch.randint(1, budget + 1, (max_reqs,), generator=gen) if adaptive else None
-
-    rows_tokens = input_ids[logits_indices].long()
-    want_tokens, want_targets = verifier.tree_inputs_from_rows(rows_tokens, drawn, cu, budget)
-    if adaptive:
-        want_tokens = mask_inactive_nodes(want_tokens, active[idx.long()])
-    dev = [t.to(DEVICE) if t is not None else None
-           for t in (input_ids, logits_indices, drawn, cu, idx, parents, active)]
-    tokens, targets, got_parents = walk_inputs_triton(*dev)
-    assert torch.equal(tokens.cpu(), want_tokens)
-    assert torch.equal(targets.cpu(), want_targets)
-    assert torch.equal(got_parents.cpu(), parents[idx.long()])
-    assert int((tokens.cpu() == -1).sum()) > 0
 
 
 def _random_forest(gen, max_reqs: int, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,18 +454,6 @@ _COMPILE_SCRIPT = textwrap.dedent(
                                    target=GPUTarget("cuda", arch, 32),
                                    options={"num_warps": num_warps})
                 result.append(k.metadata.shared)
-    from vllm_ddtree.tree_walk_kernel import _walk_inputs_kernel as inputs_fn
-
-    ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "input_ids_ptr": "*i32",
-            "logits_indices_ptr": "*i32"}
-    for arch in (90, 120):
-        for adaptive in (False, True):
-            consts = dict(ADAPTIVE=adaptive, BLOCK=128)
-            sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64")
-                   if n.endswith("_ptr") else "i32" for n in inputs_fn.arg_names}
-            k = triton.compile(ASTSource(inputs_fn, sig, constexprs=consts),
-                               target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-            result.append(k.metadata.shared)
     from vllm_ddtree.tree_walk_kernel import _verify_walk_kernel as fused_fn
 
     ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32",
@@ -522,17 +475,17 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_kernel_compiles_for_sm90_and_sm120():
-    """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk, its
-    inputs kernel, and the fused verify walk."""
+    """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk and
+    the fused verify walk."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 16 and max(shared) < 4096
+    assert len(shared) == 12 and max(shared) < 4096
 
 
-def test_walk_inputs_host_side_has_no_sync(monkeypatch):
-    """walk_inputs_triton's host side (allocations, launch arguments) reads nothing
+def test_fused_walk_host_side_has_no_sync(monkeypatch):
+    """verify_walk_triton's host side (allocations, launch arguments) reads nothing
     back; the launch is stubbed (the interpreter copies tensors to the host)."""
     from vllm_ddtree.testing.sync_guard import assert_no_host_sync
-    from vllm_ddtree.tree_walk_kernel import walk_inputs_triton
+    from vllm_ddtree.tree_walk_kernel import verify_walk_triton
 
     launches = []
 
@@ -540,11 +493,16 @@ def test_walk_inputs_host_side_has_no_sync(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: launches.append(grid)
 
-    monkeypatch.setattr(tree_walk_kernel, "_walk_inputs_kernel", FakeKernel())
+    monkeypatch.setattr(tree_walk_kernel, "_verify_walk_kernel", FakeKernel())
+    counters = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
     args = (torch.zeros(8, dtype=torch.int32), torch.arange(5), torch.zeros(5),
             torch.tensor([0, 4, 5], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
-            torch.zeros(3, 6, dtype=torch.int64), torch.full((3,), 6))
+            torch.zeros(3, 6, dtype=torch.int64), 4, 6,
+            torch.full((3, 4), -1, dtype=torch.int64), torch.ones(2, dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32), torch.full((3,), 6), counters,
+            torch.zeros(1, dtype=torch.int64))
     with assert_no_host_sync():
-        tokens, targets, parents = walk_inputs_triton(*args)
+        walk, sampled, num_sampled, num_rejected = verify_walk_triton(*args)
     assert launches == [(2,)]
-    assert tokens.shape == (2, 6) and targets.shape == (2, 7) and parents.shape == (2, 6)
+    assert sampled.shape == (2, 7) and num_sampled.shape == num_rejected.shape == (2,)
+    assert walk.kv_src_rows.shape == (2, 4)

@@ -17,13 +17,13 @@ its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
 once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
 the launch can be captured in a CUDA graph.
 
-``DDTreeVerifier.walk`` runs :func:`walk_inputs_triton` and the walk on CUDA tensors
-unless ``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``), and
-``follow_tree`` otherwise (the kernels run on CPU only in Triton's interpreter, for
-tests). In the verifier's round, :func:`verify_walk_triton` does the inputs, the walk
-and what follows it (vLLM's sampled rows and counts, the KV source rows for propose,
-the acceptance counters) in one launch; the two kernels above stay for
-``DDTreeVerifier.walk`` and as the pieces the fused kernel is checked against.
+The verifier's round runs :func:`verify_walk_triton` on CUDA tensors unless
+``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``): the walk's inputs
+read in place from the verify batch, the walk, and what follows it (vLLM's sampled
+rows and counts, the KV source rows for propose, the acceptance counters) in one
+launch. Both kernels walk with one ``@triton.jit`` helper, ``_walk_path``, so
+:func:`follow_tree_triton`'s tests against ``follow_tree`` cover the fused kernel's
+walk too (the kernels run on CPU only in Triton's interpreter, for tests).
 """
 
 from __future__ import annotations
@@ -39,11 +39,61 @@ __all__ = [
     "MAX_BLOCK_B",
     "follow_tree_triton",
     "verify_walk_triton",
-    "walk_inputs_triton",
 ]
 
 MAX_BLOCK_B = 512
 _INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+@triton.jit
+def _walk_path(
+    tok_ptr,  # INDIRECT: int [T], node i's token at tok_ptr[rows_ptr[i]]; else tok_ptr[i * stride]
+    tok_stride,
+    rows_ptr,  # int [>= limit], read with INDIRECT
+    par_ptr,  # node i's parent at par_ptr[i * par_stride]
+    par_stride,
+    tgt_ptr,  # the target's token at the root (0) and at node i (i + 1), tgt_stride apart
+    tgt_stride,
+    num_targets,  # target columns present (the rest read as -1)
+    limit,  # nodes that may match (later ones are masked out)
+    num_nodes,
+    max_depth,
+    INDIRECT: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    """One request's walk: ``(path, path_tokens, bonus)``, the accepted nodes and their
+    tokens (``[BLOCK_L]``, -1 padded) and the target's token after the last one."""
+    offs = tl.arange(0, BLOCK_B)
+    cols = tl.arange(0, BLOCK_L)
+    current = tl.full((), -1, tl.int64)
+    path = tl.full((BLOCK_L,), -1, tl.int64)
+    path_tokens = tl.full((BLOCK_L,), -1, tl.int64)
+    for step in range(max_depth):
+        wanted = tl.load(tgt_ptr + (current + 1) * tgt_stride, mask=current + 1 < num_targets,
+                         other=-1).to(tl.int64)
+        best = tl.full((), num_nodes, tl.int32)
+        for first in range(0, num_nodes, BLOCK_B):
+            idx = first + offs
+            live = idx < limit
+            par = tl.load(par_ptr + idx * par_stride, mask=live, other=-2).to(tl.int64)
+            if INDIRECT:
+                row = tl.load(rows_ptr + idx, mask=live, other=0)
+                tok = tl.load(tok_ptr + row, mask=live, other=-1).to(tl.int64)
+            else:
+                tok = tl.load(tok_ptr + idx * tok_stride, mask=live, other=-1).to(tl.int64)
+            match = live & (par == current) & (tok == wanted)
+            best = tl.minimum(best, tl.min(tl.where(match, idx, num_nodes), axis=0))
+        # A stopped walk stays stopped: `current` and `wanted` no longer change.
+        alive = best < num_nodes
+        node = best.to(tl.int64)
+        current = tl.where(alive, node, current)
+        here = (cols == step) & alive
+        path = tl.where(here, node, path)
+        path_tokens = tl.where(here, wanted, path_tokens)
+    bonus = tl.load(tgt_ptr + (current + 1) * tgt_stride, mask=current + 1 < num_targets,
+                    other=-1).to(tl.int64)
+    return path, path_tokens, bonus
 
 
 @triton.jit(do_not_specialize=["num_nodes", "max_depth"])
@@ -70,34 +120,12 @@ def _follow_tree_kernel(
 ):
     r = tl.program_id(0).to(tl.int64)
     tok_row = tokens_ptr + r * stride_tok_r
-    par_row = parents_ptr + r * stride_par_r
-    tgt_row = targets_ptr + r * stride_tgt_r
-    offs = tl.arange(0, BLOCK_B)
+    path, path_tokens, bonus = _walk_path(
+        tok_row, stride_tok_b, tok_row, parents_ptr + r * stride_par_r, stride_par_b,
+        targets_ptr + r * stride_tgt_r, stride_tgt_b, num_nodes + 1, num_nodes, num_nodes,
+        max_depth, INDIRECT=False, BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L)
     cols = tl.arange(0, BLOCK_L)
-
-    current = tl.full((), -1, tl.int64)
-    path = tl.full((BLOCK_L,), -1, tl.int64)
-    path_tokens = tl.full((BLOCK_L,), -1, tl.int64)
-    for step in range(max_depth):
-        wanted = tl.load(tgt_row + (current + 1) * stride_tgt_b).to(tl.int64)
-        best = tl.full((), num_nodes, tl.int32)
-        for start in range(0, num_nodes, BLOCK_B):
-            idx = start + offs
-            valid = idx < num_nodes
-            par = tl.load(par_row + idx * stride_par_b, mask=valid, other=0).to(tl.int64)
-            tok = tl.load(tok_row + idx * stride_tok_b, mask=valid, other=0).to(tl.int64)
-            match = valid & (par == current) & (tok == wanted)
-            best = tl.minimum(best, tl.min(tl.where(match, idx, num_nodes), axis=0))
-        # A stopped walk stays stopped: `current` and `wanted` no longer change.
-        alive = best < num_nodes
-        node = best.to(tl.int64)
-        current = tl.where(alive, node, current)
-        here = (cols == step) & alive
-        path = tl.where(here, node, path)
-        path_tokens = tl.where(here, wanted, path_tokens)
-
     depth = tl.sum((path >= 0).to(tl.int64), axis=0)
-    bonus = tl.load(tgt_row + (current + 1) * stride_tgt_b).to(tl.int64)
     committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
     in_path = cols < max_depth
     tl.store(accepted_ptr + r * max_depth + cols, path, mask=in_path)
@@ -209,91 +237,6 @@ def follow_tree_triton(
     )
 
 
-@triton.jit
-def _walk_inputs_kernel(
-    input_ids_ptr,  # int [T]
-    logits_indices_ptr,  # int [num_logits]
-    drawn_ptr,  # int [num_logits]
-    cu_ptr,  # int32 [R + 1]
-    idx_ptr,  # int32 [R]
-    state_parents_ptr,  # int64 [max_reqs, B]
-    active_nodes_ptr,  # int64 [max_reqs]; read only with ADAPTIVE
-    tokens_ptr,  # int64 [R, B]
-    targets_ptr,  # int64 [R, 1 + B]
-    parents_ptr,  # int64 [R, B]
-    num_nodes,
-    stride_state_r,
-    ADAPTIVE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    start = tl.load(cu_ptr + r).to(tl.int64)
-    num_drafts = tl.load(cu_ptr + r + 1).to(tl.int64) - start - 1
-    slot = tl.load(idx_ptr + r).to(tl.int64)
-    limit = num_drafts
-    if ADAPTIVE:
-        limit = tl.minimum(limit, tl.load(active_nodes_ptr + slot))
-    for first in range(0, num_nodes + 1, BLOCK):
-        j = first + tl.arange(0, BLOCK)  # logit row j of the request: root, node j - 1
-        has_row = j <= num_drafts
-        target = tl.load(drawn_ptr + start + j, mask=has_row, other=-1).to(tl.int64)
-        tl.store(targets_ptr + r * (num_nodes + 1) + j, target, mask=j <= num_nodes)
-        node = j - 1
-        is_node = (node >= 0) & (node < num_nodes)
-        row_index = tl.load(logits_indices_ptr + start + j, mask=has_row & is_node, other=0)
-        token = tl.load(input_ids_ptr + row_index, mask=has_row & is_node, other=-1)
-        token = tl.where(node < limit, token.to(tl.int64), -1)
-        tl.store(tokens_ptr + r * num_nodes + node, token, mask=is_node)
-        parent = tl.load(state_parents_ptr + slot * stride_state_r + node, mask=is_node)
-        tl.store(parents_ptr + r * num_nodes + node, parent, mask=is_node)
-
-
-def walk_inputs_triton(
-    input_ids: torch.Tensor,
-    logits_indices: torch.Tensor,
-    drawn: torch.Tensor,
-    cu_num_logits: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    state_parents: torch.Tensor,
-    active_nodes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The walk's per-request inputs from the verify batch's flat logit rows, in one
-    launch (the PyTorch path, ``verifier.tree_inputs_from_rows`` + the slot gathers +
-    ``budget.mask_inactive_nodes``, is about 20 small kernels).
-
-    Args:
-        input_ids: int ``[T]``; logits_indices: int ``[num_logits]`` (the input token of
-            logit row ``i`` is ``input_ids[logits_indices[i]]``: the root, then the
-            verified nodes); drawn: int ``[num_logits]``, the target's token per row.
-        cu_num_logits: int32 ``[R + 1]``; idx_mapping: int32 ``[R]`` (state slots).
-        state_parents: int64 ``[max_reqs, B]``, slot-indexed parents (last stride 1).
-        active_nodes: int64 ``[max_reqs]`` (``ddtree_budget: "auto"``): nodes from
-            ``active_nodes[slot]`` on get token -1 (never match).
-
-    Returns:
-        ``tokens`` int64 ``[R, B]`` (-1 past the request's drafts), ``targets`` int64
-        ``[R, 1 + B]`` (-1 past row ``num_drafts``) and ``parents`` int64 ``[R, B]``,
-        as the PyTorch path computes them. No host sync.
-    """
-    if state_parents.stride(1) != 1:
-        raise ValueError("state_parents must be contiguous in its last dim")
-    num_reqs, num_nodes = idx_mapping.shape[0], state_parents.shape[1]
-    device = drawn.device
-    tokens = torch.empty(num_reqs, num_nodes, dtype=torch.int64, device=device)
-    targets = torch.empty(num_reqs, num_nodes + 1, dtype=torch.int64, device=device)
-    parents = torch.empty(num_reqs, num_nodes, dtype=torch.int64, device=device)
-    if num_reqs:
-        adaptive = active_nodes is not None
-        _walk_inputs_kernel[(num_reqs,)](
-            input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
-            active_nodes if adaptive else state_parents, tokens, targets, parents,
-            num_nodes, state_parents.stride(0),
-            ADAPTIVE=adaptive,
-            BLOCK=min(triton.next_power_of_2(num_nodes + 1), 1024),
-        )  # fmt: skip
-    return tokens, targets, parents
-
-
 @triton.jit(do_not_specialize=["num_nodes", "max_depth", "budget", "walk_width"])
 def _verify_walk_kernel(
     input_ids_ptr,  # int [T]
@@ -335,37 +278,14 @@ def _verify_walk_kernel(
     limit = tl.minimum(num_drafts, num_nodes)
     if ADAPTIVE:
         limit = tl.minimum(limit, tl.load(active_nodes_ptr + slot))
-    par_row = state_parents_ptr + slot * stride_state_r
-    offs = tl.arange(0, BLOCK_B)
+    # The walk of _follow_tree_kernel, reading node i's token in place
+    # (input_ids[logits_indices[start + 1 + i]]) and its parent from the state row.
+    path, path_tokens, bonus = _walk_path(
+        input_ids_ptr, 1, logits_indices_ptr + start + 1,
+        state_parents_ptr + slot * stride_state_r, 1, drawn_ptr + start, 1, num_logits,
+        limit, num_nodes, max_depth, INDIRECT=True, BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L)
     cols = tl.arange(0, BLOCK_L)
-
-    # The walk of _follow_tree_kernel, reading the inputs that _walk_inputs_kernel
-    # would gather (node i's token: input_ids[logits_indices[start + 1 + i]]) in place.
-    current = tl.full((), -1, tl.int64)
-    path = tl.full((BLOCK_L,), -1, tl.int64)
-    path_tokens = tl.full((BLOCK_L,), -1, tl.int64)
-    for step in range(max_depth):
-        wanted = tl.load(drawn_ptr + start + current + 1, mask=current + 1 <= num_drafts,
-                         other=-1).to(tl.int64)
-        best = tl.full((), num_nodes, tl.int32)
-        for first in range(0, num_nodes, BLOCK_B):
-            idx = first + offs
-            live = idx < limit
-            par = tl.load(par_row + idx, mask=live, other=-2).to(tl.int64)
-            row = tl.load(logits_indices_ptr + start + 1 + idx, mask=live, other=0)
-            tok = tl.load(input_ids_ptr + row, mask=live, other=-1).to(tl.int64)
-            match = live & (par == current) & (tok == wanted)
-            best = tl.minimum(best, tl.min(tl.where(match, idx, num_nodes), axis=0))
-        alive = best < num_nodes
-        node = best.to(tl.int64)
-        current = tl.where(alive, node, current)
-        here = (cols == step) & alive
-        path = tl.where(here, node, path)
-        path_tokens = tl.where(here, wanted, path_tokens)
-
     depth = tl.sum((path >= 0).to(tl.int64), axis=0)
-    bonus = tl.load(drawn_ptr + start + current + 1, mask=current + 1 <= num_drafts,
-                    other=-1).to(tl.int64)
     committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
     src = tl.where(path >= 0, path + 1, -1)
     in_path = cols < max_depth
@@ -431,16 +351,21 @@ def verify_walk_triton(
     *,
     block_b: int | None = None,
 ) -> tuple[WalkResult, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The verifier's whole round after the draw in one launch: :func:`walk_inputs_triton`,
+    """The verifier's whole round after the draw in one launch: the walk's inputs
+    (``verifier.tree_inputs_from_rows``, the slot gathers, ``budget.mask_inactive_nodes``),
     :func:`follow_tree_triton`, the finish (``verify_batch.sampled_rows_from_walk``,
     ``DDTreeVerifier._update_stats``, ``DDTreeRuntimeState.record_walk_``) and vLLM's
     ``get_num_sampled_and_rejected`` (four launches and their allocations before).
 
     Args:
-        input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
-            active_nodes: as :func:`walk_inputs_triton` (``active_nodes``: the walk
-            ignores nodes from ``active_nodes[slot]`` on, and the counters add each
-            tree's verified nodes to ``active_sum``).
+        input_ids: int ``[T]``; logits_indices: int ``[num_logits]`` (the input token of
+            logit row ``i`` is ``input_ids[logits_indices[i]]``: the root, then the
+            verified nodes); drawn: int ``[num_logits]``, the target's token per row.
+        cu_num_logits: int32 ``[R + 1]``; idx_mapping: int32 ``[R]`` (state slots).
+        state_parents: int64 ``[max_reqs, B]``, slot-indexed parents (last stride 1).
+        active_nodes: int64 ``[max_reqs]`` (``ddtree_budget: "auto"``): the walk ignores
+            nodes from ``active_nodes[slot]`` on, and the counters add each tree's
+            verified nodes to ``active_sum``.
         max_depth: ``L_max >= 0``, as :func:`follow_tree_triton`.
         budget: B, the width of vLLM's sampled rows minus one.
         walk_rows_out: int64 ``[>= R, W >= L]``: row ``r`` gets the walk's

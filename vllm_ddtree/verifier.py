@@ -39,11 +39,7 @@ from vllm_ddtree.budget import mask_inactive_nodes
 from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
 from vllm_ddtree.tree import DraftTree, WalkResult, follow_tree
-from vllm_ddtree.tree_walk_kernel import (
-    follow_tree_triton,
-    verify_walk_triton,
-    walk_inputs_triton,
-)
+from vllm_ddtree.tree_walk_kernel import verify_walk_triton
 from vllm_ddtree.verify_batch import sampled_rows_from_walk
 
 __all__ = [
@@ -340,17 +336,10 @@ class DDTreeVerifier:
         )
 
     def walk(self, drawn: torch.Tensor, input_batch: Any) -> WalkResult:
-        """Walk each request's tree with the drawn tokens (no host sync)."""
+        """Walk each request's tree with the drawn tokens in PyTorch (no host sync):
+        the CPU and ``VLLM_DDTREE_ROUND_KERNELS=torch`` path of ``__call__``, whose CUDA
+        path walks inside ``verify_walk_triton``."""
         assert self.state.parents is not None and self.state.depths is not None
-        if use_triton_round_kernels(drawn):  # two launches: the inputs, the walk
-            tokens, targets, parents = walk_inputs_triton(
-                input_batch.input_ids, input_batch.logits_indices, drawn,
-                input_batch.cu_num_logits, input_batch.idx_mapping, self.state.parents,
-                self.state.active_nodes if self.state.adaptive else None,
-            )
-            # The walk reads tokens and parents only; depths / scores just fill the shape.
-            tree = DraftTree(tokens=tokens, parents=parents, depths=parents, scores=parents)
-            return follow_tree_triton(tree, targets, self.max_depth)
         draft_row_tokens = input_batch.input_ids[input_batch.logits_indices]
         tokens, targets = tree_inputs_from_rows(
             draft_row_tokens, drawn, input_batch.cu_num_logits, self.budget
