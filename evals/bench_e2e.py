@@ -50,6 +50,7 @@ merge into it, so a grid can be measured in several commands) and ``e2e_<setup>.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -113,26 +114,36 @@ LOCKSTEP_KV_FACTOR = 3  # vLLM's hybrid KV groups took 2.8x kv_cache_bytes (kimi
 class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
     ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
-    ``fixed_shape``: verify ``1 + M`` rows every round)."""
+    ``fixed_shape``: verify ``1 + M`` rows every round). A DDTree run may end in
+    ``+direct``: its child runs with ``VLLM_DDTREE_DIRECT_LAUNCH=1``
+    (``vllm_ddtree/direct_launch.py``), so one lockstep run times both launch paths."""
 
     method: str
     backend: str
     budget: int | str | None = None
     auto_max: int | None = None
     fixed_shape: bool = False
+    direct_launch: bool = False
 
     @property
     def name(self) -> str:
+        suffix = "+direct" if self.direct_launch else ""
         if self.budget == "auto" and self.auto_max is not None:
             kind = "autofixed" if self.fixed_shape else "auto"
-            return f"ddtree-{kind}-{self.auto_max}"
+            return f"ddtree-{kind}-{self.auto_max}{suffix}"
         if self.method == "ddtree":
-            return f"ddtree-{self.budget}"
+            return f"ddtree-{self.budget}{suffix}"
         return f"{self.method}@{self.backend}"
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
+        if text.endswith("+direct"):
+            run = cls.parse(text[: -len("+direct")])
+            if run.method != "ddtree":
+                raise ValueError(f"{text!r}: +direct applies to DDTree runs only (it "
+                                 "launches DDTree's round kernels)")
+            return dataclasses.replace(run, direct_launch=True)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)
         if m:
@@ -189,7 +200,7 @@ def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],
     numeric = [r.budget for r in runs if isinstance(r.budget, int)]
     numeric += [int(b) for b in budgets if str(b).isdigit()]
     default = auto_max or max(numeric, default=DEFAULT_AUTO_MAX)
-    return [RunSpec(r.method, r.backend, "auto", default, r.fixed_shape)
+    return [dataclasses.replace(r, auto_max=default)
             if r.budget == "auto" and r.auto_max is None else r for r in runs]
 
 
@@ -676,6 +687,8 @@ def child_main(spec_path: str) -> None:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
+    if run.direct_launch:  # read at every launch: set before the engine starts
+        os.environ["VLLM_DDTREE_DIRECT_LAUNCH"] = "1"
     try:
         import torch
 

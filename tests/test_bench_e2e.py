@@ -120,6 +120,26 @@ def test_run_specs_parse_and_speculative_configs():
         RunSpec.parse("ddtree-auto-1000")
 
 
+def test_direct_suffix_parses_round_trips_and_keeps_the_config():
+    direct = RunSpec.parse("ddtree-64+direct")
+    assert direct.direct_launch and direct.budget == 64 and direct.name == "ddtree-64+direct"
+    assert RunSpec.parse(direct.name) == direct  # the child re-parses the name
+    assert direct != RunSpec.parse("ddtree-64")  # its own column in every table
+    trained = e2e_models.SETUPS["trained"]
+    assert direct.speculative_config(trained, "/d") == RunSpec.parse(
+        "ddtree-64").speculative_config(trained, "/d")
+    auto = RunSpec.parse("ddtree-auto+direct")
+    resolved = bench_e2e.resolve_auto_runs([auto], [], 32)[0]
+    assert resolved.direct_launch and resolved.name == "ddtree-auto-32+direct"
+    assert RunSpec.parse(resolved.name) == resolved
+    with pytest.raises(ValueError, match="DDTree runs only"):
+        RunSpec.parse("dflash@FLASH_ATTN_MLA+direct")
+    row = bench_e2e.base_row("trained", direct, (1024, 1, "code"), 16)
+    assert e2e_report.run_label(row) == "DDTree B=64, direct launch"
+    plain = bench_e2e.base_row("trained", RunSpec.parse("ddtree-64"), (1024, 1, "code"), 16)
+    assert bench_e2e.row_key(row) != bench_e2e.row_key(plain)
+
+
 def test_parse_args_defaults_quick_and_errors(capsys):
     args = parse_args([])
     assert args.setups == ["trained", "kimi64", "kimi8"]
