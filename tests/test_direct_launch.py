@@ -138,3 +138,28 @@ def test_round_kernels_still_run_in_the_interpreter_with_it_on(on):
     from vllm_ddtree.tree_store_kernel import _STORE_TREES_LAUNCH
 
     assert _STORE_TREES_LAUNCH.direct_launches == 0
+
+
+def test_hook_check_reads_triton_knobs_hook_chains():
+    """Against the installed Triton, not a stub: its empty ``HookChain`` is no hook (the
+    first GPU run read it as one and never launched directly); an added hook is."""
+    knobs = pytest.importorskip("triton.knobs")
+    chain = knobs.runtime.launch_enter_hook
+    assert DirectLauncher._hooks_set() is False
+
+    def hook(metadata):
+        return None
+
+    if hasattr(chain, "add"):
+        chain.add(hook)
+        try:
+            assert DirectLauncher._hooks_set() is True
+        finally:
+            chain.remove(hook)
+    else:  # an older Triton: a plain attribute
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            assert DirectLauncher._hooks_set() is True
+        finally:
+            knobs.runtime.launch_enter_hook = chain
+    assert DirectLauncher._hooks_set() is False

@@ -494,13 +494,17 @@ def test_fused_walk_host_side_has_no_sync(monkeypatch):
             return lambda *args, **kwargs: launches.append(grid)
 
     monkeypatch.setattr(tree_walk_kernel, "_verify_walk_kernel", FakeKernel())
-    counters = (torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64))
-    args = (torch.zeros(8, dtype=torch.int32), torch.arange(5), torch.zeros(5),
-            torch.tensor([0, 4, 5], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
-            torch.zeros(3, 6, dtype=torch.int64), 4, 6,
-            torch.full((3, 4), -1, dtype=torch.int64), torch.ones(2, dtype=torch.int32),
-            torch.zeros(3, dtype=torch.int32), torch.full((3,), 6), counters,
-            torch.zeros(1, dtype=torch.int64))
+    def dev(t):  # compiled Triton (a GPU run of this file) refuses host tensors
+        return t.to(DEVICE) if isinstance(t, torch.Tensor) else t
+
+    counters = (dev(torch.zeros(1, dtype=torch.int64)), dev(torch.zeros(1, dtype=torch.int64)))
+    args = tuple(dev(a) for a in (
+        torch.zeros(8, dtype=torch.int32), torch.arange(5), torch.zeros(5),
+        torch.tensor([0, 4, 5], dtype=torch.int32), torch.tensor([1, 0], dtype=torch.int32),
+        torch.zeros(3, 6, dtype=torch.int64), 4, 6,
+        torch.full((3, 4), -1, dtype=torch.int64), torch.ones(2, dtype=torch.int32),
+        torch.zeros(3, dtype=torch.int32), torch.full((3,), 6))) + (
+        counters, dev(torch.zeros(1, dtype=torch.int64)))
     with assert_no_host_sync():
         walk, sampled, num_sampled, num_rejected = verify_walk_triton(*args)
     assert launches == [(2,)]

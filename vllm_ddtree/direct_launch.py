@@ -20,8 +20,9 @@ rules (which ignore the int properties of ``do_not_specialize`` arguments), so a
 miss only costs one more JIT launch. Launch hooks (profilers) and Triton's
 interpreter always take the JIT path.
 
-Off unless ``VLLM_DDTREE_DIRECT_LAUNCH=1``: written after the twentieth session's
-device time was spent; CPU-tested on fake kernels only.
+Off unless ``VLLM_DDTREE_DIRECT_LAUNCH=1``. Its first GPU run (twenty-first session)
+never went direct: the hook check read Triton 3.6's always-present ``HookChain`` as a
+registered hook (fixed; outputs were equal, since the JIT path ran).
 """
 
 from __future__ import annotations
@@ -125,12 +126,19 @@ class DirectLauncher:
 
     @staticmethod
     def _hooks_set() -> bool:
+        """Whether a launch hook (a profiler's) is registered: then the JIT path runs it.
+
+        Triton 3.6 keeps the hooks in a ``HookChain`` that is never None, empty until a
+        hook is added (the first GPU run read ``is not None`` and never went direct);
+        a plain callable (older knobs) counts as set.
+        """
         try:
             from triton import knobs
         except ImportError:  # an older Triton: no knobs module, no direct path
             return True
         runtime = knobs.runtime
-        return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+        return any(hook is not None and bool(getattr(hook, "calls", True))
+                   for hook in (runtime.launch_enter_hook, runtime.launch_exit_hook))
 
     @staticmethod
     def _stream() -> int:
