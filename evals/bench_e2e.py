@@ -504,6 +504,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         engine_active_counters,
         engine_allocator_counts,
         engine_host_speed,
+        engine_launch_counts,
         engine_timer_begin,
         engine_timer_end,
     )
@@ -527,6 +528,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     allocator_before = engine.call(engine_allocator_counts)
+    launches_before = engine.call(engine_launch_counts)
     engine.call(engine_timer_begin, context)
     cpu_before = host_cpu_state()
     t0 = time.perf_counter()
@@ -536,6 +538,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         wall = time.perf_counter() - t0
         steps = engine.call(engine_timer_end)
     host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
+    launches_after = engine.call(engine_launch_counts)
     python_ms_after = engine.call(engine_host_speed)[0]
     allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
     counters = counter_delta(before, spec_counters(llm))
@@ -563,6 +566,9 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
                    active_nodes=active_nodes, allocator=allocator)
+    # Whether the round kernels went through their cached CompiledKernel (+direct runs).
+    row["round_launches"] = {"direct": launches_after[0] - launches_before[0],
+                             "jit": launches_after[1] - launches_before[1]}
     row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
                numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
     # Each request's generated ids: the report checks them against AR's in the same cell.

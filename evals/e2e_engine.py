@@ -67,6 +67,14 @@ def engine_active_counters(worker: Any = None) -> tuple[int, int] | None:
     return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
 
 
+def engine_launch_counts(worker: Any = None) -> tuple[int, int]:
+    """(direct, JIT) launches of DDTree's round kernels in this process so far
+    (``vllm_ddtree.direct_launch.launch_counts``)."""
+    from vllm_ddtree.direct_launch import launch_counts
+
+    return launch_counts()
+
+
 def engine_profile_start(worker: Any = None) -> None:
     """Start cProfile on this thread (the engine core's, which runs the steps)."""
     global _PROFILE

@@ -485,6 +485,15 @@ _HOST_COLUMNS = (("execute_model", "verify"), ("sample_tokens", "sample_tokens")
                  ("GC pauses", "gc"))
 
 
+def _round_launches(row: dict) -> str:
+    """``direct / JIT`` round-kernel launches per decode step of ``row``, or a dash
+    (rows measured before the counter, AR and chain rows: none)."""
+    counts, steps = row.get("round_launches"), row.get("steps")
+    if not counts or not steps or not (counts["direct"] or counts["jit"]):
+        return "—"
+    return f"{counts['direct'] / steps:.1f} / {counts['jit'] / steps:.1f}"
+
+
 def _host_table(rows: list[dict]) -> list[str]:
     """Host ms per decode step by region (``host_regions_ms``): ``execute_model`` +
     ``sample_tokens`` is the runner's host time per step (``propose`` runs inside
@@ -494,14 +503,18 @@ def _host_table(rows: list[dict]) -> list[str]:
     if not measured:
         return []
     header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
-    header += [name for name, _ in _HOST_COLUMNS] + ["Python ms (fixed loop, before -> after)",
+    header += [name for name, _ in _HOST_COLUMNS] + ["round launches direct / JIT",
+                                                      "Python ms (fixed loop, before -> after)",
                                                       "machine steal % / busy % / MHz"]
     lines = ["## Host time per decode step by region (ms)", "",
              "Host (CPU) time inside each call, means over the decode steps. A runner "
              "host time near the step time means the step is host-bound (the GPU waits "
              "for launches); the rest of a step's host time is vLLM's scheduler and "
              "output handling. GC pauses: Python garbage collections that ran inside a "
-             "step (in any region). Python ms: one fixed pure-Python workload timed in "
+             "step (in any region). Round launches: DDTree's per-round Triton launches "
+             "over the measured generate, per decode step, through the cached "
+             "CompiledKernel (`+direct` runs, `vllm_ddtree/direct_launch.py`) / through "
+             "Triton's JIT path. Python ms: one fixed pure-Python workload timed in "
              "the run's process just before the cell (`e2e_timing.python_speed_ms`), with "
              "the CPU and NUMA node it ran on, and again just after it (on the lent H200 host it "
              "changed up to 2x between two cells of one process); machine steal / busy / "
@@ -517,6 +530,7 @@ def _host_table(rows: list[dict]) -> list[str]:
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
+        cells.append(_round_launches(r))
         speed = _f(r.get("python_ms")) if r.get("python_ms") else "—"
         if r.get("python_ms_after"):
             speed += f" -> {_f(r['python_ms_after'])}"

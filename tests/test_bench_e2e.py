@@ -867,6 +867,9 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     # runner host = execute_model + sample_tokens; empty regions read "—"
     assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — | — |" in lines[6]
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
+    counted = e2e_report._host_table([dict(row, steps=40,
+                                           round_launches={"direct": 200, "jit": 4})])
+    assert "round launches direct / JIT" in counted[4] and "| 5.0 / 0.1 |" in counted[6]
     timed = e2e_report._host_table([dict(row, python_ms=1.234)])
     assert "Python ms (fixed loop" in timed[4] and timed[6].endswith("| 1.23 | — |")
     placed = e2e_report._host_table([dict(row, python_ms=1.234, cpu=5, numa_node=1)])
@@ -1078,13 +1081,18 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     and (with BENCH_E2E_HOST_PROFILE) writes a profile of one more generate."""
     import e2e_engine
 
+    from vllm_ddtree.direct_launch import DirectLauncher
+
     max_tokens, batch = 6, 2
+    launcher = DirectLauncher(lambda: None)
 
     class FakeLLM:
         generates = 0
 
         def generate(self, inputs, params, use_tqdm=False):
             FakeLLM.generates += 1
+            launcher.direct_launches += 4  # as the round kernels of one generate would
+            launcher.jit_launches += 1
             return [SimpleOutput(params[i].max_tokens) for i in range(len(inputs))]
 
         def get_metrics(self):
@@ -1109,6 +1117,7 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert row["python_ms"] > 0 and row["python_ms_after"] > 0 and "engine_process" not in row
     assert "no runner events" in row["note"]  # the fake LLM ran no runner step
     assert row["output_token_ids"] == [list(range(max_tokens))] * batch
+    assert row["round_launches"] == {"direct": 4, "jit": 1}  # the measured generate only
     assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
 
     class FakeRemoteLLM(FakeLLM):  # --engine-process: the same cell through collective_rpc

@@ -105,7 +105,21 @@ def test_jit_path_when_off_hooked_interpreted_or_a_default_is_left_out(monkeypat
             for _ in range(3):
                 launch((1,), x, 5, y, **meta)
         assert kinds(fn) == ["jit"] * 3, case
-        assert launch.direct_launches == 0
+        assert (launch.direct_launches, launch.jit_launches) == (0, 3), case
+
+
+def test_launch_counts_sum_every_launcher(on):
+    before = direct_launch.launch_counts()
+    fns = [FakeJit(), FakeJit()]
+    launches = [DirectLauncher(lambda fn=fn: fn) for fn in fns]
+    x, y = torch.zeros(8, dtype=torch.int64), torch.zeros(8)
+    for launch in launches:
+        for n in (5, 7, 9):  # one JIT launch (compiles), then two direct
+            launch((1,), x, n, y, BLOCK=32, FLAG=True)
+    launches[0]((1,), x.int(), 5, y, BLOCK=32, FLAG=True)  # a new key: JIT again
+    after = direct_launch.launch_counts()
+    assert (after[0] - before[0], after[1] - before[1]) == (4, 3)
+    assert [kinds(fn).count("run") for fn in fns] == [2, 2]
 
 
 def test_cache_is_bounded_and_the_variable_is_checked(on, monkeypatch):

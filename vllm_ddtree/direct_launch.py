@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DIRECT_LAUNCH_ENV", "DirectLauncher", "direct_launch_enabled"]
+__all__ = ["DIRECT_LAUNCH_ENV", "DirectLauncher", "direct_launch_enabled", "launch_counts"]
 
 DIRECT_LAUNCH_ENV = "VLLM_DDTREE_DIRECT_LAUNCH"
 _I32 = (-(2**31), 2**31)
@@ -47,6 +47,17 @@ def direct_launch_enabled() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"{DIRECT_LAUNCH_ENV}={raw!r}: use 0 or 1")
     return raw == "1"
+
+
+_LAUNCHERS: list[DirectLauncher] = []  # every launcher made, for launch_counts
+
+
+def launch_counts() -> tuple[int, int]:
+    """``(direct, jit)``: launches of every :class:`DirectLauncher` in this process so
+    far that went through a cached ``CompiledKernel`` / through Triton's JIT path (the
+    benchmark reads it per cell: whether the engine's round kernels went direct)."""
+    return (sum(launcher.direct_launches for launcher in _LAUNCHERS),
+            sum(launcher.jit_launches for launcher in _LAUNCHERS))
 
 
 def _arg_key(arg: Any) -> Any:
@@ -80,7 +91,9 @@ class DirectLauncher:
         self.get_kernel = get_kernel
         self._compiled: dict[tuple, Any] = {}
         self._names: dict[int, tuple[list[str], set[str]]] = {}
-        self.direct_launches = 0  # for tests and counters
+        self.direct_launches = 0  # for tests and counters (launch_counts)
+        self.jit_launches = 0
+        _LAUNCHERS.append(self)
 
     def _signature(self, fn: Any) -> tuple[list[str], set[str]]:
         names = self._names.get(id(fn))
@@ -94,11 +107,13 @@ class DirectLauncher:
     def __call__(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> None:
         fn = self.get_kernel()
         if not direct_launch_enabled() or self._hooks_set():
+            self.jit_launches += 1
             fn[grid](*args, **meta)
             return
         arg_names, constexpr_names = self._signature(fn)
         rest = arg_names[len(args):]
         if not arg_names or any(name not in meta for name in rest):
+            self.jit_launches += 1
             fn[grid](*args, **meta)  # a default we would have to guess
             return
 
@@ -113,6 +128,7 @@ class DirectLauncher:
                tuple(sorted((k, meta_key(k, v)) for k, v in meta.items())))
         compiled = self._compiled.get(key)
         if compiled is None:
+            self.jit_launches += 1
             compiled = fn[grid](*args, **meta)
             if (compiled is not None and hasattr(compiled, "packed_metadata")
                     and len(self._compiled) < self.max_entries):
