@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # du fails on tracked files missing from the work tree (e.g. evals/results moved aside,
-# below): count what exists, which is what a call carries.
+# as above): count what exists, which is what a call carries.
 tree_bytes="$( (git ls-files -z -co --exclude-standard | xargs -0 du -cb 2>/dev/null || true) \
   | tail -1 | cut -f1)"
 size="${1:-$(( (63 * 1048576 - tree_bytes) / 1048576 ))}"
