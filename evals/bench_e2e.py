@@ -115,8 +115,10 @@ class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
     ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
     ``fixed_shape``: verify ``1 + M`` rows every round). A DDTree run may end in
-    ``+direct``: its child runs with ``VLLM_DDTREE_DIRECT_LAUNCH=1``
-    (``vllm_ddtree/direct_launch.py``), so one lockstep run times both launch paths."""
+    ``+direct`` (its child runs with ``VLLM_DDTREE_DIRECT_LAUNCH=1``,
+    ``vllm_ddtree/direct_launch.py``) and / or ``+graphstore`` (with
+    ``VLLM_DDTREE_TREE_STORE=graph``: the trees stored inside the drafter's CUDA
+    graph), so one lockstep run times both paths side by side."""
 
     method: str
     backend: str
@@ -124,10 +126,12 @@ class RunSpec:
     auto_max: int | None = None
     fixed_shape: bool = False
     direct_launch: bool = False
+    graph_store: bool = False
 
     @property
     def name(self) -> str:
-        suffix = "+direct" if self.direct_launch else ""
+        suffix = ("+direct" if self.direct_launch else "") + (
+            "+graphstore" if self.graph_store else "")
         if self.budget == "auto" and self.auto_max is not None:
             kind = "autofixed" if self.fixed_shape else "auto"
             return f"ddtree-{kind}-{self.auto_max}{suffix}"
@@ -138,12 +142,13 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
-        if text.endswith("+direct"):
-            run = cls.parse(text[: -len("+direct")])
-            if run.method != "ddtree":
-                raise ValueError(f"{text!r}: +direct applies to DDTree runs only (it "
-                                 "launches DDTree's round kernels)")
-            return dataclasses.replace(run, direct_launch=True)
+        for suffix, field in (("+direct", "direct_launch"), ("+graphstore", "graph_store")):
+            if text.endswith(suffix):
+                run = cls.parse(text[: -len(suffix)])
+                if run.method != "ddtree":
+                    raise ValueError(f"{text!r}: {suffix} applies to DDTree runs only (it "
+                                     "changes how DDTree's round kernels run)")
+                return dataclasses.replace(run, **{field: True})
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)
         if m:
@@ -695,6 +700,8 @@ def child_main(spec_path: str) -> None:
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
     if run.direct_launch:  # read at every launch: set before the engine starts
         os.environ["VLLM_DDTREE_DIRECT_LAUNCH"] = "1"
+    if run.graph_store:  # read when the speculator is built
+        os.environ["VLLM_DDTREE_TREE_STORE"] = "graph"
     try:
         import torch
 

@@ -53,13 +53,17 @@ def run_id(row: dict) -> str:
 def run_label(row: dict) -> str:
     """The method's name in the tables (``(engine process)`` for ``--engine-process``
     rows, which sit beside the in-process ones of the same run; ``direct launch`` for
-    ``+direct`` runs)."""
+    ``+direct`` runs, ``tree store in graph`` for ``+graphstore`` runs)."""
     suffix = " (engine process)" if row.get("engine_process") else ""
     if row.get("temperature"):
         suffix += f", T = {row['temperature']:g}"
     method, backend = row.get("method"), row.get("backend")
     if method == "ddtree":
-        if str(row.get("run", "")).endswith("+direct"):
+        run = str(row.get("run", ""))
+        if run.endswith("+graphstore"):
+            suffix = ", tree store in graph" + suffix
+            run = run[: -len("+graphstore")]
+        if run.endswith("+direct"):
             suffix = ", direct launch" + suffix
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
             return "DDTree B=auto, fixed shape" + suffix

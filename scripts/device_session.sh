@@ -18,6 +18,8 @@
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   direct   VLLM_DDTREE_DIRECT_LAUNCH=1: its GPU test, then ddtree + graphs with it on
+#   treestore  VLLM_DDTREE_TREE_STORE=graph: ddtree + graphs with the trees stored in the
+#            drafter's CUDA graph
 #   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR: eager, CUDA graphs, fixed shape, and
@@ -117,6 +119,12 @@ for stage in "$@"; do
       # beside a plain lockstep run of the same call.
       stage_pytest direct 150 tests/gpu/test_direct_launch_gpu.py
       VLLM_DDTREE_DIRECT_LAUNCH=1 stage_pytest ddtree_direct 480 tests/gpu/test_ddtree_vllm.py \
+        -k "not tiny_random and not auto" ;;
+    treestore)  # VLLM_DDTREE_TREE_STORE=graph (speculator._store_trees_in_step; CPU-tested,
+      # not yet GPU-run): the ddtree suite and the graphs tests with the trees stored inside
+      # the drafter's CUDA graph (~6 min warm). Time it beside the eager store in one run:
+      # E2E_LOCKSTEP=1 E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64 ddtree-64+graphstore" e2e_kimi8
+      VLLM_DDTREE_TREE_STORE=graph stage_pytest treestore 540 tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
     tp2)  # kind nvidia-h200-x2. Its NVLink multicast is off (TORCH_SYMM_MEM_DISABLE_MULTICAST,
       # /work/.library/device/KINDS.md) while vLLM's symmetric-memory all-reduce uses

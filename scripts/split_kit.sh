@@ -8,7 +8,7 @@
 # Fewer calls: nothing on the device reads evals/results (16 MB with its logs; the bench
 # writes to $OUT), so `mv evals/results /tmp/` before splitting and the GPU calls (and
 # back before any commit) leaves a 25 MB tree and a 163 MB kit in 4 parts of 40 MiB
-# (`scripts/split_kit.sh 40`: 40 MiB + the tree fit the 64 MiB a call carries; twenty-ninth session).
+# (`scripts/split_kit.sh 40`: 40 MiB + the tree fit the 64 MiB a call carries; twenty-second session).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # du fails on tracked files missing from the work tree (e.g. evals/results moved aside,

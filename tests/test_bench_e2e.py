@@ -138,6 +138,17 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     assert e2e_report.run_label(row) == "DDTree B=64, direct launch"
     plain = bench_e2e.base_row("trained", RunSpec.parse("ddtree-64"), (1024, 1, "code"), 16)
     assert bench_e2e.row_key(row) != bench_e2e.row_key(plain)
+    both = RunSpec.parse("ddtree-64+direct+graphstore")
+    assert both.direct_launch and both.graph_store and RunSpec.parse(both.name) == both
+    assert RunSpec.parse("ddtree-64+graphstore+direct") == both
+    assert not RunSpec.parse("ddtree-64+graphstore").direct_launch
+    labels = {e2e_report.run_label(bench_e2e.base_row("trained", RunSpec.parse(t),
+                                                      (1024, 1, "code"), 16))
+              for t in ("ddtree-64+graphstore", "ddtree-64+direct+graphstore")}
+    assert labels == {"DDTree B=64, tree store in graph",
+                      "DDTree B=64, direct launch, tree store in graph"}
+    with pytest.raises(ValueError, match="DDTree runs only"):
+        RunSpec.parse("ar@FLASH_ATTN_MLA+graphstore")
 
 
 def test_parse_args_defaults_quick_and_errors(capsys):

@@ -397,6 +397,60 @@ def test_generate_draft_builds_trees_from_drafter_logits():
     assert torch.equal(spec.batch_scores[:num_reqs], want.scores)
 
 
+def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
+    """VLLM_DDTREE_TREE_STORE=graph: the draft step itself scatters the trees to the
+    rows of DFlash's sample_idx_mapping (L entries per request; -1 = a CUDA-graph
+    padding request, which writes nothing), as propose's eager store does for live
+    rows; propose then stores nothing (Triton's interpreter on CPU)."""
+    state = new_state()
+    spec = fake_speculator(state)
+    spec.store_trees_in_graph = True
+    num_reqs, block = 3, DEPTHS + 1  # the third request pads a captured batch of 3
+    hidden = torch.randn(num_reqs * block, VOCAB)
+    spec._run_model = lambda *args: hidden
+    spec.model = NS(compute_logits=lambda h: h * 3)
+    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS + [-1] * DEPTHS
+                                           + [0] * DEPTHS * (MAX_REQS - num_reqs),
+                                           dtype=torch.int32)
+    before = [state.parents.clone(), state.depths.clone(), state.ancestor_bits.clone()]
+    spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
+    want = build_ddtree((hidden * 3).view(num_reqs, block, VOCAB)[:, 1:], BUDGET)
+    for r, row in ((0, 4), (1, 1)):
+        assert torch.equal(state.parents[row], want.parents[r])
+        assert torch.equal(state.depths[row], want.depths[r])
+        assert torch.equal(state.ancestor_bits[row], want.ancestor_bits()[r])
+    untouched = [i for i in range(MAX_REQS) if i not in (1, 4)]
+    for now, was in zip((state.parents, state.depths, state.ancestor_bits), before,
+                        strict=True):
+        assert torch.equal(now[untouched], was[untouched])
+
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    stored = state.parents.clone()
+    spec.batch_parents[:2] = 7  # what an eager store in propose would write
+    batch = NS(num_reqs=2, query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+               idx_mapping=torch.tensor([4, 1], dtype=torch.int32))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(DFlashSpeculator, "propose",
+                  lambda self, input_batch, *a, **k: self.draft_tokens[:input_batch.num_reqs])
+        ones = torch.ones(2, dtype=torch.int32)
+        spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None)
+    assert torch.equal(state.parents, stored)
+
+
+def test_tree_store_switch_is_checked(monkeypatch):
+    from vllm_ddtree.round_kernels import TREE_STORE_ENV, tree_store
+
+    assert tree_store() == "eager"
+    monkeypatch.setenv(TREE_STORE_ENV, "Graph")
+    assert tree_store() == "graph"
+    monkeypatch.setenv(TREE_STORE_ENV, "cuda_graph")
+    with pytest.raises(ValueError, match=f"{TREE_STORE_ENV}='cuda_graph': use one of eager, graph"):
+        tree_store()
+
+
 def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 

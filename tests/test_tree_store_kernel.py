@@ -44,6 +44,34 @@ def test_scatter_equals_index_put(active, budget, words):
         assert torch.equal(g.cpu(), w), name
 
 
+def test_strided_rows_and_padding_requests_write_only_live_rows():
+    """The in-graph store (``VLLM_DDTREE_TREE_STORE=graph``): request ``r``'s row is
+    ``sample_idx_mapping[r * L]``, and CUDA-graph padding requests (-1) write nothing."""
+    gen = torch.Generator().manual_seed(11)
+    max_reqs, num_reqs, budget, words, depths = 6, 4, 9, 1, 3
+    parents = torch.randint(-1, budget, (num_reqs, budget), generator=gen)
+    node_depths = torch.randint(1, 16, (num_reqs, budget), generator=gen)
+    bits = torch.randint(-2**62, 2**62, (num_reqs, 1 + budget, words), generator=gen)
+    rows = [3, 0, -1, -1]  # two live requests, then two padding requests
+    sample_idx_mapping = torch.tensor([r for r in rows for _ in range(depths)],
+                                      dtype=torch.int32)
+    want = _state(max_reqs, budget, words, -3)
+    for r, row in enumerate(rows[:2]):
+        want[0][row], want[1][row], want[2][row] = parents[r], node_depths[r], bits[r]
+    got = [t.to(DEVICE) for t in _state(max_reqs, budget, words, -3)]
+    assert store_trees_triton(sample_idx_mapping.to(DEVICE), parents.to(DEVICE),
+                              node_depths.to(DEVICE), bits.to(DEVICE), *got[:3],
+                              idx_stride=depths)
+    for g, w, name in zip(got[:3], want[:3], ("parents", "depths", "bits"), strict=True):
+        assert torch.equal(g.cpu(), w), name
+    # too short for R requests at this stride, or strided itself: refused, nothing written
+    assert not store_trees_triton(sample_idx_mapping[:9].to(DEVICE), parents.to(DEVICE),
+                                  node_depths.to(DEVICE), bits.to(DEVICE), *got[:3],
+                                  idx_stride=depths)
+    assert not store_trees_triton(sample_idx_mapping[::2].to(DEVICE), parents.to(DEVICE),
+                                  node_depths.to(DEVICE), bits.to(DEVICE), *got[:3])
+
+
 def test_other_layouts_are_refused():
     """Strided rows or other dtypes: False, nothing written (the caller scatters)."""
     state = _state(4, 5, 1, -3)

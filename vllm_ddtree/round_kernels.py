@@ -30,8 +30,9 @@ ROUND_KERNEL_CHOICES = ("torch", "triton")
 DEFAULT_ROUND_KERNELS = "triton"
 
 
-def _choice(env: str, default: str) -> str:
-    """``"torch"`` or ``"triton"`` from the environment variable ``env``.
+def _choice(env: str, default: str, choices: tuple[str, ...] = ROUND_KERNEL_CHOICES) -> str:
+    """One of ``choices`` (default ``"torch"`` / ``"triton"``) from the environment
+    variable ``env``.
 
     Raises:
         ValueError: the variable holds another value (names it and the choices).
@@ -40,8 +41,8 @@ def _choice(env: str, default: str) -> str:
     if raw is None:  # the common case, checked several times a round
         return default
     value = raw.strip().lower()
-    if value not in ROUND_KERNEL_CHOICES:
-        raise ValueError(f"{env}={value!r}: use one of {', '.join(ROUND_KERNEL_CHOICES)}")
+    if value not in choices:
+        raise ValueError(f"{env}={value!r}: use one of {', '.join(choices)}")
     return value
 
 
@@ -73,3 +74,20 @@ def tree_build() -> str:
 def use_triton_tree_build(tensor: torch.Tensor) -> bool:
     """True when the drafter logits ``tensor`` (CUDA) go to the Triton tree build."""
     return tree_build() == "triton" and tensor.is_cuda
+
+
+# Where the trees reach the request-state rows, ``VLLM_DDTREE_TREE_STORE``: ``eager``
+# (default): ``tree_store_kernel`` launched in ``propose`` after the drafter's step;
+# ``graph`` (CPU-tested, not yet GPU-run): the same kernel inside the drafter's step, so
+# inside its CUDA graph (one eager launch and its host time fewer per round). ``graph``
+# applies to fixed budgets with the Triton round kernels on CUDA; ``auto`` chooses the
+# active budget after the graph and keeps the eager store.
+TREE_STORE_ENV = "VLLM_DDTREE_TREE_STORE"
+TREE_STORE_CHOICES = ("eager", "graph")
+DEFAULT_TREE_STORE = "eager"
+
+
+def tree_store() -> str:
+    """The configured tree store, ``"eager"`` or ``"graph"`` (raises ``ValueError``
+    naming ``VLLM_DDTREE_TREE_STORE`` on any other value)."""
+    return _choice(TREE_STORE_ENV, DEFAULT_TREE_STORE, TREE_STORE_CHOICES)

@@ -74,7 +74,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from attention_backends.tree_mask_state import decode_query_limit
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
-from vllm_ddtree.round_kernels import use_triton_round_kernels
+from vllm_ddtree.round_kernels import round_kernels, tree_store, use_triton_round_kernels
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -83,6 +83,7 @@ from vllm_ddtree.runtime_state import (
 )
 from vllm_ddtree.tree import DraftTree, num_mask_words
 from vllm_ddtree.tree_build_kernel import build_ddtree_fast
+from vllm_ddtree.tree_store_kernel import store_trees_triton
 from vllm_ddtree.verify_batch import compaction_slots
 
 __all__ = [
@@ -189,6 +190,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     adaptive = False
     budget_policy = None
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
+    store_trees_in_graph = False  # VLLM_DDTREE_TREE_STORE=graph, see __init__
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
     _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
@@ -235,8 +237,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         ).repeat(self.max_num_reqs)
 
         # Batch-ordered trees written inside the (captured) draft step; scattered to
-        # request-state rows eagerly in propose, so padded CUDA-graph rows never
-        # touch live requests.
+        # request-state rows eagerly in propose (or, with VLLM_DDTREE_TREE_STORE=graph,
+        # in the step by sample_idx_mapping, whose padded CUDA-graph rows are -1), so
+        # padded CUDA-graph rows never touch live requests.
         words = num_mask_words(1 + self.budget)
         self.batch_parents = torch.zeros(
             self.max_num_reqs, self.budget, dtype=torch.int64, device=device
@@ -268,6 +271,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                          self.budget, self.top_k, device)
         if ddtree.adaptive:
             self._init_adaptive(vllm_config, device)
+        # The trees reach the request-state rows inside the drafter's step (its CUDA
+        # graph) rather than in an eager launch after it. ``auto`` picks the active
+        # budget after the graph, so it keeps the eager store.
+        self.store_trees_in_graph = (tree_store() == "graph" and not self.adaptive
+                                     and device.type == "cuda" and round_kernels() == "triton")
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
         """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
@@ -349,6 +357,29 @@ class DDTreeSpeculator(DFlashSpeculator):
                         scores=self.batch_scores[:num_reqs],
                         packed_bits=self.batch_ancestor_bits[:num_reqs])
         build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
+        if self.store_trees_in_graph:
+            self._store_trees_in_step(num_reqs)
+
+    def _store_trees_in_step(self, num_reqs: int) -> None:
+        """Scatter the batch's trees (``batch_parents`` / ``batch_depths`` /
+        ``batch_ancestor_bits[:num_reqs]``) to their request-state rows inside the
+        drafter's step (``VLLM_DDTREE_TREE_STORE=graph``), in one launch that a CUDA
+        graph captures. Request ``r``'s row is ``sample_idx_mapping[r * L]``, which
+        vLLM's ``prepare_dflash_inputs`` writes before every step (the graph reads the
+        buffer) and sets to -1 for CUDA-graph padding requests: they write nothing.
+
+        Dummy steps (start-up, DP padding) write their trees to the rows of their dummy
+        batch too. That stays lossless: the tokens, positions, mask and walk of a
+        verify all read one stored tree, whichever it is; a live request whose tree a
+        dummy step replaced verifies that tree for one round.
+        """
+        if not store_trees_triton(
+                self.sample_idx_mapping, self.batch_parents[:num_reqs],
+                self.batch_depths[:num_reqs], self.batch_ancestor_bits[:num_reqs],
+                self.state.parents, self.state.depths, self.state.ancestor_bits,
+                idx_stride=self.num_draft_depths):
+            raise RuntimeError("VLLM_DDTREE_TREE_STORE=graph: the tree store refused the "
+                               "speculator's buffers; unset it to store trees eagerly")
 
     def _compact_target_kv(
         self,
@@ -472,7 +503,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             mm_inputs=mm_inputs,
             is_profile=is_profile,
         )
-        if not dummy_run:
+        if not dummy_run and not self.store_trees_in_graph:
             active = None
             if self.budget_policy is not None:
                 active = self.budget_policy.choose(

@@ -5,6 +5,11 @@ After each draft, ``propose`` scatters the batch-ordered trees (parents, depths,
 packed ancestor bits and, with ``ddtree_budget: "auto"``, the active budget) to the
 request-state rows ``idx_mapping``; the PyTorch path is an index conversion and three
 or four ``index_put_`` launches. Here one program per request copies its rows.
+
+With ``VLLM_DDTREE_TREE_STORE=graph`` the speculator launches it inside the drafter's
+step (its CUDA graph), reading each request's row from DFlash's ``sample_idx_mapping``
+(``idx_stride`` = L entries per request, -1 for CUDA-graph padding rows, which write
+nothing), so no eager launch is left after the graph.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ __all__ = ["store_trees_triton"]
 BLOCK_WORDS = 256
 
 
-@triton.jit(do_not_specialize=["budget", "num_words"])
+@triton.jit(do_not_specialize=["budget", "num_words", "stride_idx"])
 def _store_trees_kernel(
-    idx_ptr,  # int32 [R]
+    idx_ptr,  # int32 [(R - 1) * stride_idx + 1]; < 0: write nothing
     parents_ptr,  # int64 [R, B]
     depths_ptr,  # int64 [R, B]
     bits_ptr,  # int64 [R, (1 + B) * W]
@@ -33,6 +38,7 @@ def _store_trees_kernel(
     state_active_ptr,  # int64 [max_reqs]; written with ACTIVE
     budget,
     num_words,
+    stride_idx,
     stride_parents,
     stride_depths,
     stride_bits,
@@ -45,11 +51,12 @@ def _store_trees_kernel(
     BLOCK_WORDS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
-    slot = tl.load(idx_ptr + r).to(tl.int64)
+    slot = tl.load(idx_ptr + r * stride_idx).to(tl.int64)
+    live = slot >= 0
     offs = tl.arange(0, BLOCK_B)
     for first in range(0, budget, BLOCK_B):
         cols = first + offs
-        mask = cols < budget
+        mask = (cols < budget) & live
         parents = tl.load(parents_ptr + r * stride_parents + cols, mask=mask)
         tl.store(state_parents_ptr + slot * stride_state_parents + cols, parents, mask=mask)
         depths = tl.load(depths_ptr + r * stride_depths + cols, mask=mask)
@@ -57,7 +64,7 @@ def _store_trees_kernel(
     words = tl.arange(0, BLOCK_WORDS)
     for first in range(0, num_words, BLOCK_WORDS):
         cols = first + words
-        mask = cols < num_words
+        mask = (cols < num_words) & live
         bits = tl.load(bits_ptr + r * stride_bits + cols, mask=mask)
         tl.store(state_bits_ptr + slot * stride_state_bits + cols, bits, mask=mask)
     if ACTIVE:
@@ -65,7 +72,7 @@ def _store_trees_kernel(
             active = tl.load(active_ptr + r)
         else:
             active = tl.load(active_ptr)
-        tl.store(state_active_ptr + slot, active.to(tl.int64))
+        tl.store(state_active_ptr + slot, active.to(tl.int64), mask=live)
 
 
 _STORE_TREES_LAUNCH = DirectLauncher(lambda: _store_trees_kernel)
@@ -89,23 +96,31 @@ def store_trees_triton(
     state_bits: torch.Tensor,
     active_nodes: torch.Tensor | None = None,
     state_active: torch.Tensor | None = None,
+    idx_stride: int = 1,
 ) -> bool:
     """``state_x[idx_mapping] = x`` for the trees (and ``state_active[idx_mapping] =
     active_nodes``) in one launch.
 
     Args:
-        idx_mapping: int32 ``[R]`` request-state rows.
+        idx_mapping: int32 / int64, request ``r``'s state row at ``idx_mapping[r *
+            idx_stride]`` (``[R]`` with the default stride 1); a negative row writes
+            nothing (CUDA-graph padding requests of DFlash's ``sample_idx_mapping``).
         parents, depths: int64 ``[R, B]``; ancestor_bits: int64 ``[R, 1 + B, W]``.
         state_parents, state_depths: int64 ``[max_reqs, B]``; state_bits: int64
             ``[max_reqs, 1 + B, W]``.
         active_nodes: int ``[R]``, or a 0-dim / one-element tensor for every request;
             state_active: int64 ``[max_reqs]`` (both or neither).
+        idx_stride: entries of ``idx_mapping`` per request (>= 1).
 
     Returns:
         False (nothing written) when a tensor's rows are not contiguous or dtypes
-        differ: the caller then scatters with PyTorch. No host sync.
+        differ, or ``idx_mapping`` is not a stride-1 vector of ``(R - 1) * idx_stride +
+        1`` entries or more: the caller then scatters with PyTorch. No host sync.
     """
-    num_reqs = idx_mapping.shape[0]
+    num_reqs = parents.shape[0]
+    if (idx_stride < 1 or idx_mapping.dim() != 1 or idx_mapping.stride(0) != 1
+            or idx_mapping.shape[0] < (num_reqs - 1) * idx_stride + 1):
+        return False
     rows = [_rows(t) for t in (parents, depths, ancestor_bits, state_parents, state_depths,
                                state_bits)]
     if any(t is None or t.dtype != torch.int64 for t in rows):
@@ -124,7 +139,7 @@ def store_trees_triton(
     _STORE_TREES_LAUNCH((num_reqs,),
         idx_mapping, p, d, b, active_nodes if active_nodes is not None else p, sp, sd, sb,
         state_active if state_active is not None else sp,
-        p.shape[1], b.shape[1], p.stride(0), d.stride(0), b.stride(0), sp.stride(0),
+        p.shape[1], b.shape[1], idx_stride, p.stride(0), d.stride(0), b.stride(0), sp.stride(0),
         sd.stride(0), sb.stride(0),
         ACTIVE=active_nodes is not None, ACTIVE_PER_REQUEST=per_request,
         BLOCK_B=min(triton.next_power_of_2(max(p.shape[1], 1)), 512),
