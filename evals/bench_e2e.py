@@ -510,6 +510,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         engine_allocator_counts,
         engine_host_speed,
         engine_launch_counts,
+        engine_threads,
         engine_timer_begin,
         engine_timer_end,
     )
@@ -574,6 +575,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     # Whether the round kernels went through their cached CompiledKernel (+direct runs).
     row["round_launches"] = {"direct": launches_after[0] - launches_before[0],
                              "jit": launches_after[1] - launches_before[1]}
+    row["engine_threads"] = engine.call(engine_threads)
     row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
                numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
     # Each request's generated ids: the report checks them against AR's in the same cell.

@@ -75,6 +75,14 @@ def engine_launch_counts(worker: Any = None) -> tuple[int, int]:
     return launch_counts()
 
 
+def engine_threads(worker: Any = None) -> list[str]:
+    """Names of this process's live Python threads: Triton's launcher releases the GIL
+    around every launch, so any of them that wants it can run inside a round."""
+    import threading
+
+    return sorted(t.name for t in threading.enumerate())
+
+
 def engine_profile_start(worker: Any = None) -> None:
     """Start cProfile on this thread (the engine core's, which runs the steps)."""
     global _PROFILE

@@ -508,6 +508,7 @@ def _host_table(rows: list[dict]) -> list[str]:
         return []
     header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
     header += [name for name, _ in _HOST_COLUMNS] + ["round launches direct / JIT",
+                                                      "Python threads",
                                                       "Python ms (fixed loop, before -> after)",
                                                       "machine steal % / busy % / MHz"]
     lines = ["## Host time per decode step by region (ms)", "",
@@ -518,7 +519,10 @@ def _host_table(rows: list[dict]) -> list[str]:
              "step (in any region). Round launches: DDTree's per-round Triton launches "
              "over the measured generate, per decode step, through the cached "
              "CompiledKernel (`+direct` runs, `vllm_ddtree/direct_launch.py`) / through "
-             "Triton's JIT path. Python ms: one fixed pure-Python workload timed in "
+             "Triton's JIT path. Python threads: live threads of the engine's process "
+             "(names in the JSON); Triton's launcher releases the GIL around each "
+             "launch, so another thread may run inside a round. Python ms: one fixed "
+             "pure-Python workload timed in "
              "the run's process just before the cell (`e2e_timing.python_speed_ms`), with "
              "the CPU and NUMA node it ran on, and again just after it (on the lent H200 host it "
              "changed up to 2x between two cells of one process); machine steal / busy / "
@@ -535,6 +539,8 @@ def _host_table(rows: list[dict]) -> list[str]:
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
         cells.append(_round_launches(r))
+        threads = r.get("engine_threads")
+        cells.append(str(len(threads)) if threads else "—")
         speed = _f(r.get("python_ms")) if r.get("python_ms") else "—"
         if r.get("python_ms_after"):
             speed += f" -> {_f(r['python_ms_after'])}"

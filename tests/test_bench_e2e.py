@@ -880,7 +880,9 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
     counted = e2e_report._host_table([dict(row, steps=40,
                                            round_launches={"direct": 200, "jit": 4})])
-    assert "round launches direct / JIT" in counted[4] and "| 5.0 / 0.1 |" in counted[6]
+    assert "round launches direct / JIT" in counted[4] and "| 5.0 / 0.1 | — |" in counted[6]
+    threaded = e2e_report._host_table([dict(row, engine_threads=["MainThread", "output"])])
+    assert "Python threads" in threaded[4] and "| — | 2 |" in threaded[6]
     timed = e2e_report._host_table([dict(row, python_ms=1.234)])
     assert "Python ms (fixed loop" in timed[4] and timed[6].endswith("| 1.23 | — |")
     placed = e2e_report._host_table([dict(row, python_ms=1.234, cpu=5, numa_node=1)])
@@ -1129,6 +1131,7 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert "no runner events" in row["note"]  # the fake LLM ran no runner step
     assert row["output_token_ids"] == [list(range(max_tokens))] * batch
     assert row["round_launches"] == {"direct": 4, "jit": 1}  # the measured generate only
+    assert "MainThread" in row["engine_threads"]
     assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
 
     class FakeRemoteLLM(FakeLLM):  # --engine-process: the same cell through collective_rpc
