@@ -425,6 +425,11 @@ def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
     for now, was in zip((state.parents, state.depths, state.ancestor_bits), before,
                         strict=True):
         assert torch.equal(now[untouched], was[untouched])
+    # __init__'s compile-before-capture call: a -1 row writes nothing
+    after = [state.parents.clone(), state.depths.clone(), state.ancestor_bits.clone()]
+    spec._store_trees_in_step(1, torch.full((1,), -1, dtype=torch.int32))
+    assert all(torch.equal(a, b) for a, b in zip(
+        after, (state.parents, state.depths, state.ancestor_bits), strict=True))
 
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 

@@ -276,6 +276,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         # budget after the graph, so it keeps the eager store.
         self.store_trees_in_graph = (tree_store() == "graph" and not self.adaptive
                                      and device.type == "cuda" and round_kernels() == "triton")
+        if self.store_trees_in_graph:
+            # Compile the store before any capture (a -1 row writes nothing).
+            self._store_trees_in_step(1, torch.full((1,), -1, dtype=torch.int32,
+                                                    device=device))
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
         """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
@@ -360,7 +364,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         if self.store_trees_in_graph:
             self._store_trees_in_step(num_reqs)
 
-    def _store_trees_in_step(self, num_reqs: int) -> None:
+    def _store_trees_in_step(self, num_reqs: int,
+                             row_of_sample: torch.Tensor | None = None) -> None:
         """Scatter the batch's trees (``batch_parents`` / ``batch_depths`` /
         ``batch_ancestor_bits[:num_reqs]``) to their request-state rows inside the
         drafter's step (``VLLM_DDTREE_TREE_STORE=graph``), in one launch that a CUDA
@@ -372,9 +377,13 @@ class DDTreeSpeculator(DFlashSpeculator):
         batch too. That stays lossless: the tokens, positions, mask and walk of a
         verify all read one stored tree, whichever it is; a live request whose tree a
         dummy step replaced verifies that tree for one round.
+
+        ``row_of_sample``: int32, the state row per sample (default
+        ``sample_idx_mapping``, L per request).
         """
         if not store_trees_triton(
-                self.sample_idx_mapping, self.batch_parents[:num_reqs],
+                self.sample_idx_mapping if row_of_sample is None else row_of_sample,
+                self.batch_parents[:num_reqs],
                 self.batch_depths[:num_reqs], self.batch_ancestor_bits[:num_reqs],
                 self.state.parents, self.state.depths, self.state.ancestor_bits,
                 idx_stride=self.num_draft_depths):
