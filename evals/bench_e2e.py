@@ -77,6 +77,7 @@ from e2e_models import (  # noqa: E402
     parse_prompt_kind,
     prepare_setup,
 )
+from e2e_report import RUN_SWITCHES, split_run_switches  # noqa: E402
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters  # noqa: E402
 
@@ -114,24 +115,30 @@ LOCKSTEP_KV_FACTOR = 3  # vLLM's hybrid KV groups took 2.8x kv_cache_bytes (kimi
 class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
     ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
-    ``fixed_shape``: verify ``1 + M`` rows every round). A DDTree run may end in
-    ``+direct`` (its child runs with ``VLLM_DDTREE_DIRECT_LAUNCH=1``,
-    ``vllm_ddtree/direct_launch.py``) and / or ``+graphstore`` (with
-    ``VLLM_DDTREE_TREE_STORE=graph``: the trees stored inside the drafter's CUDA
-    graph), so one lockstep run times both paths side by side."""
+    ``fixed_shape``: verify ``1 + M`` rows every round). A DDTree run may end in any of
+    ``e2e_report.RUN_SWITCHES``' suffixes: ``+direct`` (``VLLM_DDTREE_DIRECT_LAUNCH=1``),
+    ``+graphstore`` (``VLLM_DDTREE_TREE_STORE=graph``), ``+torchround``
+    (``VLLM_DDTREE_ROUND_KERNELS=torch``): its child runs with that setting, so one
+    lockstep run times each variant beside the plain run."""
 
     method: str
     backend: str
     budget: int | str | None = None
     auto_max: int | None = None
     fixed_shape: bool = False
-    direct_launch: bool = False
-    graph_store: bool = False
+    switches: tuple[str, ...] = ()  # RUN_SWITCHES suffixes, in their order
+
+    @property
+    def direct_launch(self) -> bool:
+        return "+direct" in self.switches
+
+    @property
+    def graph_store(self) -> bool:
+        return "+graphstore" in self.switches
 
     @property
     def name(self) -> str:
-        suffix = ("+direct" if self.direct_launch else "") + (
-            "+graphstore" if self.graph_store else "")
+        suffix = "".join(self.switches)
         if self.budget == "auto" and self.auto_max is not None:
             kind = "autofixed" if self.fixed_shape else "auto"
             return f"ddtree-{kind}-{self.auto_max}{suffix}"
@@ -142,13 +149,13 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
-        for suffix, field in (("+direct", "direct_launch"), ("+graphstore", "graph_store")):
-            if text.endswith(suffix):
-                run = cls.parse(text[: -len(suffix)])
-                if run.method != "ddtree":
-                    raise ValueError(f"{text!r}: {suffix} applies to DDTree runs only (it "
-                                     "changes how DDTree's round kernels run)")
-                return dataclasses.replace(run, **{field: True})
+        base, switches = split_run_switches(text)
+        if switches:
+            run = cls.parse(base)
+            if run.method != "ddtree":
+                raise ValueError(f"{text!r}: {', '.join(switches)} applies to DDTree runs "
+                                 "only (it changes how DDTree's round kernels run)")
+            return dataclasses.replace(run, switches=switches)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)
         if m:
@@ -657,6 +664,13 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1) -> Non
     result["meta"]["finished"] = time.time()
 
 
+def apply_run_switches(run: RunSpec, environ) -> None:
+    """Set the environment variable of each of ``run``'s ``RUN_SWITCHES`` suffixes."""
+    for suffix, env, value, _ in RUN_SWITCHES:
+        if suffix in run.switches:
+            environ[env] = value
+
+
 def child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -700,10 +714,7 @@ def child_main(spec_path: str) -> None:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
-    if run.direct_launch:  # read at every launch: set before the engine starts
-        os.environ["VLLM_DDTREE_DIRECT_LAUNCH"] = "1"
-    if run.graph_store:  # read when the speculator is built
-        os.environ["VLLM_DDTREE_TREE_STORE"] = "graph"
+    apply_run_switches(run, os.environ)  # before the engine starts
     try:
         import torch
 

@@ -16,6 +16,30 @@ from collections import defaultdict
 
 from vllm_ddtree.testing.compare import first_mismatch
 
+# DDTree run suffixes of bench_e2e: (suffix, environment variable, value, label in the
+# tables). The run's child sets the variable before its engine starts, so one lockstep
+# run times each variant beside the plain run.
+RUN_SWITCHES = (
+    ("+direct", "VLLM_DDTREE_DIRECT_LAUNCH", "1", "direct launch"),
+    ("+graphstore", "VLLM_DDTREE_TREE_STORE", "graph", "tree store in graph"),
+    ("+torchround", "VLLM_DDTREE_ROUND_KERNELS", "torch", "PyTorch round ops"),
+)
+
+
+def split_run_switches(name: str) -> tuple[str, tuple[str, ...]]:
+    """``(base run name, suffixes in RUN_SWITCHES order)`` of a run name such as
+    ``ddtree-64+direct+graphstore``."""
+    found: set[str] = set()
+    stripped = True
+    while stripped:
+        stripped = False
+        for suffix, *_ in RUN_SWITCHES:
+            if name.endswith(suffix):
+                name, stripped = name[: -len(suffix)], True
+                found.add(suffix)
+    return name, tuple(s for s, *_ in RUN_SWITCHES if s in found)
+
+
 METHOD_ORDER = {"ar": 0, "dflash": 1, "ddtree": 2}
 BACKEND_ORDER = {"FLASH_ATTN_MLA": 0, "TRITON_MLA": 1, "CUSTOM": 2}
 BACKEND_SHORT = {"FLASH_ATTN_MLA": "FA-MLA", "TRITON_MLA": "Triton-MLA", "CUSTOM": "CUSTOM"}
@@ -53,18 +77,15 @@ def run_id(row: dict) -> str:
 def run_label(row: dict) -> str:
     """The method's name in the tables (``(engine process)`` for ``--engine-process``
     rows, which sit beside the in-process ones of the same run; ``direct launch`` for
-    ``+direct`` runs, ``tree store in graph`` for ``+graphstore`` runs)."""
+    ``+direct`` runs and the other ``RUN_SWITCHES`` labels)."""
     suffix = " (engine process)" if row.get("engine_process") else ""
     if row.get("temperature"):
         suffix += f", T = {row['temperature']:g}"
     method, backend = row.get("method"), row.get("backend")
     if method == "ddtree":
-        run = str(row.get("run", ""))
-        if run.endswith("+graphstore"):
-            suffix = ", tree store in graph" + suffix
-            run = run[: -len("+graphstore")]
-        if run.endswith("+direct"):
-            suffix = ", direct launch" + suffix
+        switches = split_run_switches(str(row.get("run", "")))[1]
+        suffix = "".join(f", {label}" for name, _, _, label in RUN_SWITCHES
+                         if name in switches) + suffix
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
             return "DDTree B=auto, fixed shape" + suffix
         return f"DDTree B={row.get('budget')}{suffix}"

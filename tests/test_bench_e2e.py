@@ -149,6 +149,14 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
                       "DDTree B=64, direct launch, tree store in graph"}
     with pytest.raises(ValueError, match="DDTree runs only"):
         RunSpec.parse("ar@FLASH_ATTN_MLA+graphstore")
+    environ = {}
+    bench_e2e.apply_run_switches(both, environ)
+    assert environ == {"VLLM_DDTREE_DIRECT_LAUNCH": "1", "VLLM_DDTREE_TREE_STORE": "graph"}
+    torch_ops = RunSpec.parse("ddtree-auto-32+torchround+direct")
+    assert torch_ops.name == "ddtree-auto-32+direct+torchround"
+    assert e2e_report.run_label(bench_e2e.base_row("trained", torch_ops, (1024, 1, "code"),
+                                                   16)) == (
+        "DDTree B=auto, direct launch, PyTorch round ops")
 
 
 def test_parse_args_defaults_quick_and_errors(capsys):
