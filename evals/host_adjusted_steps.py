@@ -13,7 +13,8 @@ slope shared by all runs (least squares)::
 It reports each run's step at the group's median Python ms, its tokens/s there (mean
 tokens per step over the adjusted step) and that over vLLM's DFlash chain, with a
 bootstrap interval (each run's points resampled), beside each run's own slope (a check
-on the shared slope) and its median measured step. This is an adjustment under a model,
+on the shared slope) and its median measured step; then the parts of a step (GPU spans
+and host regions, ``STEP_PARTS``) fitted the same way. This is an adjustment under a model,
 not a measurement: read it beside the paired rounds, never instead of them.
 
 Usage::
@@ -28,13 +29,21 @@ import argparse
 import json
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from e2e_report import ctx_label, run_label, run_sort_key
 
 BOOTSTRAP_SAMPLES = 2000
+# Parts of a step fitted like the step itself: (row key or host region, column name).
+STEP_PARTS = (("draft_ms", "draft (GPU span)"), ("verify_ms", "verify (GPU span)"),
+              ("other_ms", "other"), ("host:verify", "host execute_model"),
+              ("host:sample_tokens", "host sample_tokens"), ("host:draft", "host propose"),
+              ("host:dflash_propose", "host vLLM DFlash propose"),
+              ("host:compact", "host KV compaction"), ("host:store_trees", "host tree scatter"),
+              ("host:verifier", "host verifier"))
 
 
 @dataclass
@@ -42,6 +51,7 @@ class Point:
     python_ms: float
     step_ms: float
     tokens_per_step: float
+    parts: dict[str, float] = field(default_factory=dict)  # STEP_PARTS keys present
 
 
 @dataclass
@@ -65,15 +75,23 @@ def host_points(rows: list[dict]) -> dict[tuple, dict[str, list[Point]]]:
                 or not r.get("python_ms_after") or not r.get("tokens_per_s")):
             continue
         key = (r.get("setup"), r["kind"], r["batch"], r["context"])
+        regions = r.get("host_regions_ms") or {}
+        # a region a run never enters (the chain's KV compaction) reads 0; rows
+        # measured before the regions were kept have none
+        parts = {name: (regions.get(name[5:], 0.0) if regions else None)
+                 if name.startswith("host:") else r.get(name) for name, _ in STEP_PARTS}
         groups[key][r["run"]].append(Point(
             python_ms=(r["python_ms"] + r["python_ms_after"]) / 2, step_ms=r["step_ms"],
-            tokens_per_step=r["tokens_per_s"] * r["step_ms"] / 1000))
+            tokens_per_step=r["tokens_per_s"] * r["step_ms"] / 1000,
+            parts={k: v for k, v in parts.items() if v is not None}))
     return groups
 
 
-def shared_slope_fit(points_by_run: dict[str, list[Point]]) -> tuple[dict[str, float], float]:
-    """Least-squares ``step = a_run + b * python_ms`` over every run's points: returns
-    (``{run: a_run}``, ``b``)."""
+def shared_slope_fit(points_by_run: dict[str, list[Point]],
+                     value: Callable[[Point], float] = lambda p: p.step_ms,
+                     ) -> tuple[dict[str, float], float]:
+    """Least-squares ``value = a_run + b * python_ms`` over every run's points (value:
+    the step ms by default): returns (``{run: a_run}``, ``b``)."""
     runs = list(points_by_run)
     design, target = [], []
     for i, run in enumerate(runs):
@@ -81,7 +99,7 @@ def shared_slope_fit(points_by_run: dict[str, list[Point]]) -> tuple[dict[str, f
             row = [0.0] * len(runs)
             row[i] = 1.0
             design.append(row + [p.python_ms])
-            target.append(p.step_ms)
+            target.append(value(p))
     coef, *_ = np.linalg.lstsq(np.array(design), np.array(target), rcond=None)
     return dict(zip(runs, coef[:-1].tolist(), strict=True)), float(coef[-1])
 
@@ -138,6 +156,33 @@ def fit_group(points_by_run: dict[str, list[Point]], rows_by_run: dict[str, dict
     return x_ref, slope, fits
 
 
+def _parts_table(points_by_run: dict[str, list[Point]], fits: list[RunFit],
+                 x_ref: float) -> list[str]:
+    """Each part of a step (``STEP_PARTS``) fitted like the step, at ``x_ref``: a
+    markdown table, runs as rows, with each part's shared slope in the last row."""
+    columns, slopes, values = [], [], {f.run: [] for f in fits}
+    for key, name in STEP_PARTS:
+        # runs that never enter the part (AR's propose, the chain's KV compaction)
+        # are left out of its fit and read "—"
+        runs = {run: pts for run, pts in points_by_run.items()
+                if all(key in p.parts for p in pts) and any(p.parts[key] for p in pts)}
+        if not runs or (len(runs) == 1 and len(next(iter(runs.values()))) < 2):
+            continue
+        intercepts, slope = shared_slope_fit(runs, lambda p, key=key: p.parts[key])
+        columns.append(name)
+        slopes.append(f"{round(slope, 2) + 0.0:.2f}")
+        for f in fits:
+            values[f.run].append(f"{round(intercepts[f.run] + slope * x_ref, 2) + 0.0:.2f}"
+                                 if f.run in intercepts else "—")  # + 0.0: no "-0.00"
+    if not columns:
+        return []
+    lines = ["Parts of a step at the reference Python ms (ms per decode step, same fit):", "",
+             "| run | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    lines += [f"| {f.label} | " + " | ".join(values[f.run]) + " |" for f in fits]
+    lines += ["| *shared slope* | " + " | ".join(slopes) + " |", ""]
+    return lines
+
+
 def report(data_files: list[Path], out: Path) -> str:
     """Markdown of every group of the pooled rows (also written to ``out``.md, with a
     PNG of the points and fitted lines to ``out``.png)."""
@@ -182,7 +227,7 @@ def report(data_files: list[Path], out: Path) -> str:
                 f"{statistics.median(p.step_ms for p in f.points):.2f} | "
                 f"{f.adjusted_step_ms:.2f}{mark} | {f.adjusted_tokens_per_s:.0f} | {ratio} | "
                 f"{own} |")
-        lines.append("")
+        lines += [""] + _parts_table(groups[key], fits, x_ref)
     text = "\n".join(lines)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)

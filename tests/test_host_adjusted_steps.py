@@ -74,3 +74,36 @@ def test_interval_holds_the_estimate_and_narrows_with_agreeing_points():
     chain = [f for f in fits if f.run.startswith("dflash")][0]
     assert chain.x_chain is None and chain.own_slope is not None
     assert has.fit_group({"ddtree-64": points["ddtree-64"]}, by_run) is None
+
+
+def test_parts_of_a_step_are_fitted_like_the_step(tmp_path):
+    """GPU spans and host regions at the reference Python ms; a region the chain never
+    enters reads 0 for it, and rows without host regions leave those columns out."""
+    rows = []
+    for r in synthetic():
+        tree = r["method"] == "ddtree"
+        x = (r["python_ms"] + r["python_ms_after"]) / 2
+        rows.append(dict(r, draft_ms=2.0 + 0.1 * x,
+                         host_regions_ms={"draft": 1.0 + 0.3 * x + (0.5 if tree else 0.0),
+                                          **({"compact": 0.14} if tree else {})}))
+    data = tmp_path / "e2e_kimi8.json"
+    data.write_text(json.dumps({"rows": rows}))
+    text = has.report([data], tmp_path / "out")
+    table = text.split("Parts of a step")[1]
+    assert "| run | draft (GPU span) | host propose | host KV compaction |" in table
+    x_ref = 2.75
+
+    def cells(label):
+        (line,) = [s for s in table.splitlines() if s.startswith(f"| {label} |")]
+        return [c.strip() for c in line.strip("|").split("|")][1:]
+
+    assert [float(c) for c in cells("DDTree B=64")] == pytest.approx(
+        (2.0 + 0.1 * x_ref, 1.5 + 0.3 * x_ref, 0.14), abs=0.006)
+    chain = cells("DFlash chain, FA-MLA")
+    assert [float(c) for c in chain[:2]] == pytest.approx(
+        (2.0 + 0.1 * x_ref, 1.0 + 0.3 * x_ref), abs=0.006)
+    assert chain[2] == "—"  # the chain never compacts: out of that fit
+    assert cells("*shared slope*") == ["0.10", "0.30", "0.00"]
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"rows": synthetic()}))
+    assert "Parts of a step" not in has.report([bare], tmp_path / "bare")
