@@ -124,7 +124,8 @@ for stage in "$@"; do
       # not yet GPU-run): the ddtree suite and the graphs tests with the trees stored inside
       # the drafter's CUDA graph (~6 min warm). Time it beside the eager store in one run:
       # E2E_LOCKSTEP=1 E2E_RUNS="dflash@FLASH_ATTN_MLA ddtree-64 ddtree-64+graphstore" e2e_kimi8
-      VLLM_DDTREE_TREE_STORE=graph stage_pytest treestore 540 tests/gpu/test_ddtree_vllm.py \
+      VLLM_DDTREE_TREE_STORE=graph stage_pytest treestore 540 \
+        tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
     tp2)  # kind nvidia-h200-x2. Its NVLink multicast is off (TORCH_SYMM_MEM_DISABLE_MULTICAST,
       # /work/.library/device/KINDS.md) while vLLM's symmetric-memory all-reduce uses
