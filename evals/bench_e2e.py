@@ -129,14 +129,6 @@ class RunSpec:
     switches: tuple[str, ...] = ()  # RUN_SWITCHES suffixes, in their order
 
     @property
-    def direct_launch(self) -> bool:
-        return "+direct" in self.switches
-
-    @property
-    def graph_store(self) -> bool:
-        return "+graphstore" in self.switches
-
-    @property
     def name(self) -> str:
         suffix = "".join(self.switches)
         if self.budget == "auto" and self.auto_max is not None:

@@ -109,9 +109,11 @@ def _chain_run(runs: list[str]) -> str | None:
     return chains[0] if chains else None
 
 
-def _adjusted(points_by_run: dict[str, list[Point]], x_ref: float) -> dict[str, float]:
-    """Adjusted tokens/s per run at Python ms ``x_ref``."""
-    intercepts, slope = shared_slope_fit(points_by_run)
+def _adjusted(points_by_run: dict[str, list[Point]], x_ref: float,
+              fit: tuple[dict[str, float], float] | None = None) -> dict[str, float]:
+    """Adjusted tokens/s per run at Python ms ``x_ref`` (``fit``: the runs'
+    ``shared_slope_fit``, made here when not given)."""
+    intercepts, slope = fit or shared_slope_fit(points_by_run)
     return {run: 1000 * statistics.fmean(p.tokens_per_step for p in pts)
             / (intercepts[run] + slope * x_ref) for run, pts in points_by_run.items()}
 
@@ -129,7 +131,7 @@ def fit_group(points_by_run: dict[str, list[Point]], rows_by_run: dict[str, dict
         return None
     x_ref = statistics.median(p.python_ms for pts in points_by_run.values() for p in pts)
     intercepts, slope = shared_slope_fit(points_by_run)
-    tps = _adjusted(points_by_run, x_ref)
+    tps = _adjusted(points_by_run, x_ref, (intercepts, slope))
     chain = _chain_run(list(points_by_run))
     rng = np.random.default_rng(seed)
     ratios: dict[str, list[float]] = defaultdict(list)

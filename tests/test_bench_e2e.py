@@ -122,7 +122,8 @@ def test_run_specs_parse_and_speculative_configs():
 
 def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     direct = RunSpec.parse("ddtree-64+direct")
-    assert direct.direct_launch and direct.budget == 64 and direct.name == "ddtree-64+direct"
+    assert direct.switches == ("+direct",) and direct.budget == 64
+    assert direct.name == "ddtree-64+direct"
     assert RunSpec.parse(direct.name) == direct  # the child re-parses the name
     assert direct != RunSpec.parse("ddtree-64")  # its own column in every table
     trained = e2e_models.SETUPS["trained"]
@@ -130,7 +131,7 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
         "ddtree-64").speculative_config(trained, "/d")
     auto = RunSpec.parse("ddtree-auto+direct")
     resolved = bench_e2e.resolve_auto_runs([auto], [], 32)[0]
-    assert resolved.direct_launch and resolved.name == "ddtree-auto-32+direct"
+    assert resolved.switches == ("+direct",) and resolved.name == "ddtree-auto-32+direct"
     assert RunSpec.parse(resolved.name) == resolved
     with pytest.raises(ValueError, match="DDTree runs only"):
         RunSpec.parse("dflash@FLASH_ATTN_MLA+direct")
@@ -139,9 +140,9 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     plain = bench_e2e.base_row("trained", RunSpec.parse("ddtree-64"), (1024, 1, "code"), 16)
     assert bench_e2e.row_key(row) != bench_e2e.row_key(plain)
     both = RunSpec.parse("ddtree-64+direct+graphstore")
-    assert both.direct_launch and both.graph_store and RunSpec.parse(both.name) == both
+    assert both.switches == ("+direct", "+graphstore") and RunSpec.parse(both.name) == both
     assert RunSpec.parse("ddtree-64+graphstore+direct") == both
-    assert not RunSpec.parse("ddtree-64+graphstore").direct_launch
+    assert RunSpec.parse("ddtree-64+graphstore").switches == ("+graphstore",)
     labels = {e2e_report.run_label(bench_e2e.base_row("trained", RunSpec.parse(t),
                                                       (1024, 1, "code"), 16))
               for t in ("ddtree-64+graphstore", "ddtree-64+direct+graphstore")}
