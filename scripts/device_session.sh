@@ -18,6 +18,7 @@
 #   ddtree_treek  ddtree suite + graphs test with VLLM_DDTREE_TREE_BUILD=triton
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   direct   VLLM_DDTREE_DIRECT_LAUNCH=1: its GPU test, then ddtree + graphs with it on
+#   probe    evals/probe_launch_wait.py (a launch's host time after a CUDA-graph replay)
 #   treestore  VLLM_DDTREE_TREE_STORE=graph: ddtree + graphs with the trees stored in the
 #            drafter's CUDA graph
 #   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
@@ -127,6 +128,12 @@ for stage in "$@"; do
       VLLM_DDTREE_TREE_STORE=graph stage_pytest treestore 540 \
         tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
+    probe)  # evals/probe_launch_wait.py: host us of one Triton / PyTorch launch idle, right
+      # after a CUDA-graph replay, after replay + a host gap, and beside a busy thread
+      timeout 120 python3 evals/probe_launch_wait.py --out "$OUT/probe_launch_wait.md" \
+        > "$OUT/probe.log" 2>&1
+      summary probe $?
+      cat "$OUT/probe_launch_wait.md" 2>/dev/null ;;
     tp2)  # kind nvidia-h200-x2. Its NVLink multicast is off (TORCH_SYMM_MEM_DISABLE_MULTICAST,
       # /work/.library/device/KINDS.md) while vLLM's symmetric-memory all-reduce uses
       # multimem ops: the 2026-11-30 run died in the TP=2 profile run with an illegal
