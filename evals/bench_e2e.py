@@ -115,11 +115,12 @@ LOCKSTEP_KV_FACTOR = 3  # vLLM's hybrid KV groups took 2.8x kv_cache_bytes (kimi
 class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
     ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
-    ``fixed_shape``: verify ``1 + M`` rows every round). A DDTree run may end in any of
-    ``e2e_report.RUN_SWITCHES``' suffixes: ``+direct`` (``VLLM_DDTREE_DIRECT_LAUNCH=1``),
-    ``+graphstore`` (``VLLM_DDTREE_TREE_STORE=graph``), ``+torchround``
-    (``VLLM_DDTREE_ROUND_KERNELS=torch``): its child runs with that setting, so one
-    lockstep run times each variant beside the plain run."""
+    ``fixed_shape``: verify ``1 + M`` rows every round). A run may end in any of
+    ``e2e_report.RUN_SWITCHES``' suffixes for its method, e.g. ``+direct``
+    (``VLLM_DDTREE_DIRECT_LAUNCH=1``), ``+eagerstore`` (``VLLM_DDTREE_TREE_STORE=eager``)
+    or, for any method, ``+skipprefix`` (``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``): its child
+    runs with that setting, so one lockstep run times each variant beside the plain
+    run."""
 
     method: str
     backend: str
@@ -136,7 +137,7 @@ class RunSpec:
             return f"ddtree-{kind}-{self.auto_max}{suffix}"
         if self.method == "ddtree":
             return f"ddtree-{self.budget}{suffix}"
-        return f"{self.method}@{self.backend}"
+        return f"{self.method}@{self.backend}{suffix}"
 
     @classmethod
     def parse(cls, text: str) -> RunSpec:
@@ -144,9 +145,13 @@ class RunSpec:
         base, switches = split_run_switches(text)
         if switches:
             run = cls.parse(base)
-            if run.method != "ddtree":
-                raise ValueError(f"{text!r}: {', '.join(switches)} applies to DDTree runs "
-                                 "only (it changes how DDTree's round kernels run)")
+            for suffix, env, _, _, methods in RUN_SWITCHES:
+                if suffix in switches and run.method not in methods:
+                    raise ValueError(f"{text!r}: {suffix} ({env}) applies to "
+                                     f"{' / '.join(methods)} runs only")
+            envs = [env for suffix, env, *_ in RUN_SWITCHES if suffix in switches]
+            if len(set(envs)) != len(envs):
+                raise ValueError(f"{text!r}: two suffixes set the same variable")
             return dataclasses.replace(run, switches=switches)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)
@@ -549,7 +554,9 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     counters = counter_delta(before, spec_counters(llm))
     profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
     if profile_dir:  # after the measured generate and its counters: they stay unprofiled
-        name = f"{run.name}_{context}x{batch}_{kind}".replace("@", "_").replace("=", "")
+        # no '@', '=' or '+': the device tool returns only plainly named files
+        name = f"{run.name}_{context}x{batch}_{kind}"
+        name = name.replace("@", "_").replace("=", "").replace("+", "_")
         name += "_engine" if engine.remote else ""
         engine.profile(llm, inputs, _sampling_params(spec, max_tokens, batch),
                        Path(profile_dir).resolve() / f"host_profile_{name}.md",
@@ -658,7 +665,7 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1) -> Non
 
 def apply_run_switches(run: RunSpec, environ) -> None:
     """Set the environment variable of each of ``run``'s ``RUN_SWITCHES`` suffixes."""
-    for suffix, env, value, _ in RUN_SWITCHES:
+    for suffix, env, value, *_ in RUN_SWITCHES:
         if suffix in run.switches:
             environ[env] = value
 

@@ -16,13 +16,20 @@ from collections import defaultdict
 
 from vllm_ddtree.testing.compare import first_mismatch
 
-# DDTree run suffixes of bench_e2e: (suffix, environment variable, value, label in the
-# tables). The run's child sets the variable before its engine starts, so one lockstep
-# run times each variant beside the plain run.
+# Run suffixes of bench_e2e: (suffix, environment variable, value, label in the tables,
+# methods it applies to). The run's child sets the variable before its engine starts,
+# so one lockstep run times each variant beside the plain run.
+_DDTREE = ("ddtree",)
 RUN_SWITCHES = (
-    ("+direct", "VLLM_DDTREE_DIRECT_LAUNCH", "1", "direct launch"),
-    ("+graphstore", "VLLM_DDTREE_TREE_STORE", "graph", "tree store in graph"),
-    ("+torchround", "VLLM_DDTREE_ROUND_KERNELS", "torch", "PyTorch round ops"),
+    ("+direct", "VLLM_DDTREE_DIRECT_LAUNCH", "1", "direct launch", _DDTREE),
+    ("+graphstore", "VLLM_DDTREE_TREE_STORE", "graph", "tree store in graph", _DDTREE),
+    ("+eagerstore", "VLLM_DDTREE_TREE_STORE", "eager", "eager tree store", _DDTREE),
+    ("+torchround", "VLLM_DDTREE_ROUND_KERNELS", "torch", "PyTorch round ops", _DDTREE),
+    # patches.scheduler_common_prefix: on by default for DDTree; +skipprefix gives
+    # vLLM's own methods the same scheduler, +scanprefix gives DDTree vLLM's.
+    ("+skipprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "1", "no common-prefix scan",
+     ("ar", "dflash", "ddtree")),
+    ("+scanprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "0", "common-prefix scan", _DDTREE),
 )
 
 
@@ -82,10 +89,10 @@ def run_label(row: dict) -> str:
     if row.get("temperature"):
         suffix += f", T = {row['temperature']:g}"
     method, backend = row.get("method"), row.get("backend")
+    switches = split_run_switches(str(row.get("run", "")))[1]
+    suffix = "".join(f", {label}" for name, _, _, label, _ in RUN_SWITCHES
+                     if name in switches) + suffix
     if method == "ddtree":
-        switches = split_run_switches(str(row.get("run", "")))[1]
-        suffix = "".join(f", {label}" for name, _, _, label in RUN_SWITCHES
-                         if name in switches) + suffix
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
             return "DDTree B=auto, fixed shape" + suffix
         return f"DDTree B={row.get('budget')}{suffix}"

@@ -11,6 +11,7 @@ import importlib
 import os
 
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
+from patches.scheduler_common_prefix import skip_common_prefix_setting
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = [
@@ -25,6 +26,8 @@ PATCH_MODULES: list[str] = [
 # is idempotent.
 RUNNER_PATCHES: list[str] = [
     "drafting_slots",  # SpeculativeConfig.max_num_new_slots_for_drafting
+    # Before scheduler_lookahead, whose idempotency flag must stay on the outer wrapper.
+    "scheduler_common_prefix",  # Scheduler.__init__: no common-prefix scan (V2 runner)
     "scheduler_lookahead",  # Scheduler.__init__: num_lookahead_tokens = block_size
     "init_speculator",  # model_runner.init_speculator -> DDTreeSpeculator
     "custom_sampler",  # DefaultModelState.custom_sampler -> DDTreeVerifier
@@ -47,7 +50,8 @@ def runner_patches_requested() -> bool:
 
 def apply_all() -> list[str]:
     """Apply every patch in ``PATCH_MODULES`` (and ``RUNNER_PATCHES`` when
-    ``VLLM_DDTREE_RUNNER=1``); returns the names applied."""
+    ``VLLM_DDTREE_RUNNER=1``, else ``scheduler_common_prefix`` alone when
+    ``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``); returns the names applied."""
     applied = []
     for name in PATCH_MODULES:
         importlib.import_module(f"patches.{name}").apply()
@@ -56,6 +60,10 @@ def apply_all() -> list[str]:
         for name in RUNNER_PATCHES:
             importlib.import_module(f"patches.{name}").apply()
             applied.append(name)
+    elif skip_common_prefix_setting():
+        # vLLM's own methods with DDTree's scheduler fix (VLLM_DDTREE_SKIP_COMMON_PREFIX=1)
+        importlib.import_module("patches.scheduler_common_prefix").apply()
+        applied.append("scheduler_common_prefix")
     return applied
 
 

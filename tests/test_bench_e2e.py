@@ -133,7 +133,7 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     resolved = bench_e2e.resolve_auto_runs([auto], [], 32)[0]
     assert resolved.switches == ("+direct",) and resolved.name == "ddtree-auto-32+direct"
     assert RunSpec.parse(resolved.name) == resolved
-    with pytest.raises(ValueError, match="DDTree runs only"):
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
         RunSpec.parse("dflash@FLASH_ATTN_MLA+direct")
     row = bench_e2e.base_row("trained", direct, (1024, 1, "code"), 16)
     assert e2e_report.run_label(row) == "DDTree B=64, direct launch"
@@ -148,8 +148,10 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
               for t in ("ddtree-64+graphstore", "ddtree-64+direct+graphstore")}
     assert labels == {"DDTree B=64, tree store in graph",
                       "DDTree B=64, direct launch, tree store in graph"}
-    with pytest.raises(ValueError, match="DDTree runs only"):
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
         RunSpec.parse("ar@FLASH_ATTN_MLA+graphstore")
+    with pytest.raises(ValueError, match="two suffixes set the same variable"):
+        RunSpec.parse("ddtree-64+graphstore+eagerstore")
     environ = {}
     bench_e2e.apply_run_switches(both, environ)
     assert environ == {"VLLM_DDTREE_DIRECT_LAUNCH": "1", "VLLM_DDTREE_TREE_STORE": "graph"}
@@ -158,6 +160,29 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     assert e2e_report.run_label(bench_e2e.base_row("trained", torch_ops, (1024, 1, "code"),
                                                    16)) == (
         "DDTree B=auto, direct launch, PyTorch round ops")
+
+
+def test_skipprefix_applies_to_vllms_methods_too():
+    """+skipprefix gives vLLM's chain (and AR) DDTree's scheduler fix
+    (patches.scheduler_common_prefix) in its own column; +scanprefix turns it off for
+    DDTree. The plain chain stays the x-chain reference (it sorts first)."""
+    chain = RunSpec.parse("dflash@FLASH_ATTN_MLA+skipprefix")
+    assert chain.method == "dflash" and chain.switches == ("+skipprefix",)
+    assert chain.name == "dflash@FLASH_ATTN_MLA+skipprefix"
+    assert RunSpec.parse(chain.name) == chain
+    plain = RunSpec.parse("dflash@FLASH_ATTN_MLA")
+    rows = [bench_e2e.base_row("kimi8", r, (1024, 1, "random"), 16) for r in (chain, plain)]
+    assert e2e_report.run_label(rows[0]) == "DFlash chain, FA-MLA, no common-prefix scan"
+    assert sorted(rows, key=e2e_report.run_sort_key)[0]["run"] == plain.name
+    environ = {}
+    bench_e2e.apply_run_switches(chain, environ)
+    assert environ == {"VLLM_DDTREE_SKIP_COMMON_PREFIX": "1"}
+    scan = RunSpec.parse("ddtree-64+scanprefix+eagerstore")
+    environ = {}
+    bench_e2e.apply_run_switches(scan, environ)
+    assert environ == {"VLLM_DDTREE_SKIP_COMMON_PREFIX": "0", "VLLM_DDTREE_TREE_STORE": "eager"}
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
+        RunSpec.parse("ar@FLASH_ATTN_MLA+scanprefix")
 
 
 def test_parse_args_defaults_quick_and_errors(capsys):

@@ -448,9 +448,9 @@ def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
 def test_tree_store_switch_is_checked(monkeypatch):
     from vllm_ddtree.round_kernels import TREE_STORE_ENV, tree_store
 
-    assert tree_store() == "eager"
-    monkeypatch.setenv(TREE_STORE_ENV, "Graph")
     assert tree_store() == "graph"
+    monkeypatch.setenv(TREE_STORE_ENV, "Eager")
+    assert tree_store() == "eager"
     monkeypatch.setenv(TREE_STORE_ENV, "cuda_graph")
     with pytest.raises(ValueError, match=f"{TREE_STORE_ENV}='cuda_graph': use one of eager, graph"):
         tree_store()

@@ -76,15 +76,17 @@ def use_triton_tree_build(tensor: torch.Tensor) -> bool:
     return tree_build() == "triton" and tensor.is_cuda
 
 
-# Where the trees reach the request-state rows, ``VLLM_DDTREE_TREE_STORE``: ``eager``
-# (default): ``tree_store_kernel`` launched in ``propose`` after the drafter's step;
-# ``graph`` (CPU-tested, not yet GPU-run): the same kernel inside the drafter's step, so
-# inside its CUDA graph (one eager launch and its host time fewer per round). ``graph``
-# applies to fixed budgets with the Triton round kernels on CUDA; ``auto`` chooses the
-# active budget after the graph and keeps the eager store.
+# Where the trees reach the request-state rows, ``VLLM_DDTREE_TREE_STORE``: ``graph``
+# (default since the twenty-third session): ``tree_store_kernel`` inside the drafter's
+# step, so inside its CUDA graph (one eager launch and its host time fewer per round;
+# H200: the ddtree suite, CUDA graphs and one KV-cache group included, and the
+# captured-store GPU test passed with it); ``eager``: the same kernel launched in
+# ``propose`` after the drafter's step. ``graph`` applies to fixed budgets with the
+# Triton round kernels on CUDA; ``auto`` chooses the active budget after the graph and
+# keeps the eager store.
 TREE_STORE_ENV = "VLLM_DDTREE_TREE_STORE"
 TREE_STORE_CHOICES = ("eager", "graph")
-DEFAULT_TREE_STORE = "eager"
+DEFAULT_TREE_STORE = "graph"
 
 
 def tree_store() -> str:

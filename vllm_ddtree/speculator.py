@@ -237,9 +237,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         ).repeat(self.max_num_reqs)
 
         # Batch-ordered trees written inside the (captured) draft step; scattered to
-        # request-state rows eagerly in propose (or, with VLLM_DDTREE_TREE_STORE=graph,
-        # in the step by sample_idx_mapping, whose padded CUDA-graph rows are -1), so
-        # padded CUDA-graph rows never touch live requests.
+        # request-state rows in the step by sample_idx_mapping, whose padded CUDA-graph
+        # rows are -1 (VLLM_DDTREE_TREE_STORE=graph, the default for fixed budgets), or
+        # eagerly in propose, so padded CUDA-graph rows never touch live requests.
         words = num_mask_words(1 + self.budget)
         self.batch_parents = torch.zeros(
             self.max_num_reqs, self.budget, dtype=torch.int64, device=device

@@ -1,0 +1,81 @@
+"""Patch ``vllm.v1.core.sched.scheduler.Scheduler.__init__`` (vLLM 0.26.0): no
+common-prefix scan for the V2 model runner.
+
+Every ``schedule()`` asks ``kv_cache_manager.get_num_common_prefix_blocks`` for the
+blocks all running requests share (``scheduler.py:1077-1085``), for cascade
+attention. Each KV-cache group walks the first running request's blocks in Python
+until one is not shared (``single_type_kv_cache_manager.py:795-802``): at batch 1
+every block is shared, so the walk is the whole context, every step, in every group
+(at 16k context and 64-token pages, 256 blocks in each of 5 groups on the kimi8
+bench). Only the V1 runner reads the result (``gpu_model_runner.py:2594-2654``); the
+V2 runner, the only one DDTree runs on, never does (its warm-up writes zeros). With
+this patch the scheduler of a V2-runner engine gets ``[0] * num_groups``, which is
+what cascade attention's "no common prefix" reads as anyway.
+
+``VLLM_DDTREE_SKIP_COMMON_PREFIX``: unset, it applies to DDTree engines (where the
+runner patches run); ``1`` applies it to every V2-runner engine of the process,
+vLLM's own methods included (so a benchmark can give vLLM's chain the same scheduler);
+``0`` turns it off everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+
+from patches._guard import require_vllm_version
+
+PATCHED_FUNCTION = ("vllm.v1.core.sched.scheduler.Scheduler.__init__ "
+                    "(kv_cache_manager.get_num_common_prefix_blocks)")
+SKIP_COMMON_PREFIX_ENV = "VLLM_DDTREE_SKIP_COMMON_PREFIX"
+
+
+def skip_common_prefix_setting() -> bool | None:
+    """``VLLM_DDTREE_SKIP_COMMON_PREFIX``: ``None`` unset (DDTree engines only),
+    ``True`` for ``1`` (every V2-runner engine), ``False`` for ``0`` (none).
+
+    Raises:
+        ValueError: any other value (names the variable and the choices).
+    """
+    raw = os.environ.get(SKIP_COMMON_PREFIX_ENV)
+    if raw is None:
+        return None
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{SKIP_COMMON_PREFIX_ENV}={raw!r}: use 0 or 1 (or leave it unset "
+                         "to skip the scan in DDTree engines only)")
+    return raw.strip() == "1"
+
+
+def skips_common_prefix(use_v2_model_runner: bool, is_ddtree: bool) -> bool:
+    """Whether an engine's scheduler skips the common-prefix scan."""
+    setting = skip_common_prefix_setting()
+    wanted = is_ddtree if setting is None else setting
+    return bool(use_v2_model_runner and wanted)
+
+
+def apply() -> None:
+    require_vllm_version(PATCHED_FUNCTION)
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.__init__
+    wrapper = original
+    while wrapper is not None:  # other patches may wrap ours (scheduler_lookahead)
+        if getattr(wrapper, "_ddtree_common_prefix_patched", False):
+            return
+        wrapper = getattr(wrapper, "_ddtree_original", None)
+
+    def __init__(self, vllm_config, *args, **kwargs):
+        original(self, vllm_config, *args, **kwargs)
+        from vllm_ddtree.runtime_state import ddtree_config_of
+
+        is_ddtree = ddtree_config_of(vllm_config.speculative_config) is not None
+        if skips_common_prefix(bool(getattr(self, "use_v2_model_runner", False)), is_ddtree):
+            num_groups = len(self.kv_cache_config.kv_cache_groups)
+            # An instance attribute: this engine's manager only.
+            self.kv_cache_manager.get_num_common_prefix_blocks = (
+                lambda running_request_id: [0] * num_groups)
+
+    # Not mark_patched: its _ddtree_patched flag is scheduler_lookahead's idempotency
+    # check on Scheduler.__init__, which must still wrap this one.
+    __init__._ddtree_original = original
+    __init__._ddtree_common_prefix_patched = True
+    Scheduler.__init__ = __init__

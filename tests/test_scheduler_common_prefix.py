@@ -1,0 +1,126 @@
+"""patches.scheduler_common_prefix: which engines skip vLLM's common-prefix scan, and
+that the patched scheduler answers zeros per KV-cache group without walking blocks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+import pytest
+
+from patches import scheduler_common_prefix as patch
+
+ENV = patch.SKIP_COMMON_PREFIX_ENV
+
+
+@pytest.mark.parametrize(
+    ("env", "v2", "ddtree", "expected"),
+    [
+        (None, True, True, True),  # default: DDTree engines on the V2 runner
+        (None, True, False, False),  # vLLM's own methods keep the scan
+        (None, False, True, False),  # the V1 runner reads the result (cascade attention)
+        ("1", True, False, True),  # the chain with DDTree's scheduler fix
+        ("1", False, False, False),
+        ("0", True, True, False),
+        (" 1 ", True, False, True),
+    ],
+)
+def test_which_engines_skip_the_scan(monkeypatch, env, v2, ddtree, expected):
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    assert patch.skips_common_prefix(v2, ddtree) is expected
+
+
+def test_a_bad_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ENV, "yes")
+    with pytest.raises(ValueError, match=ENV):
+        patch.skips_common_prefix(True, True)
+
+
+class _Manager:
+    """Stands in for vLLM's KVCacheManager: counts the scans it is asked for."""
+
+    def __init__(self):
+        self.scans = 0
+
+    def get_num_common_prefix_blocks(self, running_request_id):
+        self.scans += 1
+        return [7, 7, 7]
+
+
+def _fake_init(self, vllm_config, *args, **kwargs):
+    self.use_v2_model_runner = vllm_config.use_v2
+    self.kv_cache_config = NS(kv_cache_groups=[object(), object(), object()])
+    self.kv_cache_manager = _Manager()
+
+
+def _scheduler(monkeypatch, *, use_v2: bool, ddtree: bool):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    monkeypatch.setattr(Scheduler, "__init__", _fake_init)
+    patch.apply()
+    patch.apply()  # idempotent
+    assert Scheduler.__init__._ddtree_original is _fake_init
+    spec = NS(ddtree={"budget": 8, "top_k": None}) if ddtree else None
+    config = NS(use_v2=use_v2, speculative_config=spec)
+    scheduler = Scheduler.__new__(Scheduler)
+    Scheduler.__init__(scheduler, config)
+    return scheduler
+
+
+def test_a_ddtree_engine_gets_zeros_without_a_scan(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    scheduler = _scheduler(monkeypatch, use_v2=True, ddtree=True)
+    manager = scheduler.kv_cache_manager
+    assert manager.get_num_common_prefix_blocks("req-0") == [0, 0, 0]
+    assert manager.scans == 0
+
+
+@pytest.mark.parametrize(("env", "use_v2", "ddtree"),
+                         [(None, True, False), ("0", True, True), ("1", False, True)])
+def test_other_engines_keep_vllms_scan(monkeypatch, env, use_v2, ddtree):
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    scheduler = _scheduler(monkeypatch, use_v2=use_v2, ddtree=ddtree)
+    manager = scheduler.kv_cache_manager
+    assert manager.get_num_common_prefix_blocks("req-0") == [7, 7, 7]
+    assert manager.scans == 1
+
+
+def test_the_lookahead_patch_still_wraps_it_once(monkeypatch):
+    """Applied before scheduler_lookahead (RUNNER_PATCHES order): both stay idempotent
+    and the lookahead wrapper is the outer one, carrying _ddtree_patched."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import patches
+    from patches import scheduler_lookahead
+
+    monkeypatch.setattr(Scheduler, "__init__", _fake_init)
+    order = patches.RUNNER_PATCHES
+    assert order.index("scheduler_common_prefix") < order.index("scheduler_lookahead")
+    for _ in range(2):
+        patch.apply()
+        scheduler_lookahead.apply()
+    outer = Scheduler.__init__
+    assert outer._ddtree_patched
+    assert outer._ddtree_original._ddtree_common_prefix_patched
+    assert outer._ddtree_original._ddtree_original is _fake_init
+
+
+def test_the_env_alone_applies_it_in_a_process_without_ddtree(monkeypatch):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import patches
+
+    monkeypatch.setattr(Scheduler, "__init__", _fake_init)
+    monkeypatch.setenv(patches.RUNNER_ENV, "0")
+    monkeypatch.setenv(ENV, "1")
+    assert patches.apply_all() == [*patches.PATCH_MODULES, "scheduler_common_prefix"]
+    assert Scheduler.__init__._ddtree_common_prefix_patched
+    monkeypatch.setenv(ENV, "0")
+    monkeypatch.setattr(Scheduler, "__init__", _fake_init)
+    assert patches.apply_all() == patches.PATCH_MODULES
+    assert Scheduler.__init__ is _fake_init
