@@ -124,3 +124,16 @@ def test_the_env_alone_applies_it_in_a_process_without_ddtree(monkeypatch):
     monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     assert patches.apply_all() == patches.PATCH_MODULES
     assert Scheduler.__init__ is _fake_init
+
+
+def test_the_scan_benchmark_times_vllms_scan_over_the_whole_context():
+    """evals/bench_common_prefix_scan.py calls vLLM's own FullAttentionManager scan; it
+    asserts the batch-1 answer (every block common) before timing."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    import bench_common_prefix_scan as bench
+
+    assert bench.scan_us(4096, 64, repeats=3) > 0
+    assert bench.scan_us(1000, 16, repeats=1) > 0  # a partial last block
