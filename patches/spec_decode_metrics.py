@@ -90,9 +90,9 @@ def _ddtree_prom_cls(base):
             # in-process engine runs this on the engine's thread.
             per_pos = self.counter_spec_decode_num_accepted_tokens_per_pos
             counters = per_pos.get(engine_idx)
+            counts = spec_decoding_stats.num_accepted_tokens_per_pos
+            used = max((i + 1 for i, n in enumerate(counts) if n), default=0)
             if counters is not None:
-                counts = spec_decoding_stats.num_accepted_tokens_per_pos
-                used = max((i + 1 for i, n in enumerate(counts) if n), default=0)
                 per_pos[engine_idx] = counters[:used]
             try:
                 super().observe(spec_decoding_stats, engine_idx)
@@ -105,7 +105,7 @@ def _ddtree_prom_cls(base):
                 spec_decoding_stats.num_drafts,
                 spec_decoding_stats.num_draft_tokens,
                 spec_decoding_stats.num_accepted_tokens,
-                spec_decoding_stats.num_accepted_tokens_per_pos,
+                counts[:used],  # the zeros past it add nothing to the histogram
             )
             self.ddtree_rounds[engine_idx].inc(summary.rounds)
             self.ddtree_committed[engine_idx].inc(summary.committed_tokens)
