@@ -30,6 +30,9 @@ RUN_SWITCHES = (
     ("+skipprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "1", "no common-prefix scan",
      ("ar", "dflash", "ddtree")),
     ("+scanprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "0", "common-prefix scan", _DDTREE),
+    # vllm_ddtree.context_kv_graphs: the drafter's context K/V precompute in CUDA graphs
+    # (default); +eagerctx runs it eagerly, as vLLM does.
+    ("+eagerctx", "VLLM_DDTREE_CONTEXT_KV_GRAPH", "0", "eager context K/V", _DDTREE),
 )
 
 

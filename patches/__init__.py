@@ -30,6 +30,7 @@ RUNNER_PATCHES: list[str] = [
     "scheduler_common_prefix",  # Scheduler.__init__: no common-prefix scan (V2 runner)
     "scheduler_lookahead",  # Scheduler.__init__: num_lookahead_tokens = block_size
     "init_speculator",  # model_runner.init_speculator -> DDTreeSpeculator
+    "dflash_context_kv",  # DFlashQwen3ForCausalLM.precompute_and_store_context_kv graphs
     "custom_sampler",  # DefaultModelState.custom_sampler -> DDTreeVerifier
     "tree_positions",  # DefaultModelState.prepare_inputs / prepare_dummy_inputs
     "verify_shapes",  # GPUModelRunner.execute_model, CudaGraphManager._init_candidates

@@ -19,6 +19,7 @@
 #   graphs   the same mixed batch with CUDA graphs vs AR (eager AR, 2 engine starts)
 #   direct   VLLM_DDTREE_DIRECT_LAUNCH=1: its GPU test, then ddtree + graphs with it on
 #   probe    evals/probe_launch_wait.py (a launch's host time after a CUDA-graph replay)
+#   ctxgraph the context K/V precompute in CUDA graphs: its GPU test, then the ddtree suite
 #   treestore  VLLM_DDTREE_TREE_STORE=graph: ddtree + graphs with the trees stored in the
 #            drafter's CUDA graph
 #   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
@@ -128,6 +129,11 @@ for stage in "$@"; do
       VLLM_DDTREE_TREE_STORE=graph stage_pytest treestore 540 \
         tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
+    ctxgraph)  # the drafter's context K/V precompute in CUDA graphs (default since the
+      # twenty-fourth session, vllm_ddtree/context_kv_graphs.py): its GPU test, then the
+      # ddtree suite (greedy = AR with CUDA graphs, the mixed batch, one KV-cache group)
+      stage_pytest ctxgraph 540 tests/gpu/test_context_kv_graphs_gpu.py \
+        tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not auto" ;;
     probe)  # evals/probe_launch_wait.py: host us of one Triton / PyTorch launch idle, right
       # after a CUDA-graph replay, after replay + a host gap, and beside a busy thread
       timeout 120 python3 evals/probe_launch_wait.py --out "$OUT/probe_launch_wait.md" \

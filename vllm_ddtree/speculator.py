@@ -63,6 +63,7 @@ Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any
 
@@ -72,6 +73,11 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from attention_backends.tree_mask_state import decode_query_limit
+from vllm_ddtree.context_kv_graphs import (
+    ContextKVGraphs,
+    context_kv_graph_enabled,
+    context_lengths_to_capture,
+)
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.round_kernels import round_kernels, tree_store, use_triton_round_kernels
@@ -280,6 +286,35 @@ class DDTreeSpeculator(DFlashSpeculator):
             # Compile the store before any capture (a -1 row writes nothing).
             self._store_trees_in_step(1, torch.full((1,), -1, dtype=torch.int32,
                                                     device=device))
+
+    def capture(self) -> None:
+        """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
+        batches (``vllm_ddtree.context_kv_graphs``; ``VLLM_DDTREE_CONTEXT_KV_GRAPH=0``
+        keeps it eager): ``R * (1 + B)`` context rows for every request count ``R`` up
+        to the largest the drafter's graphs take."""
+        super().capture()
+        if not context_kv_graph_enabled() or self.device.type != "cuda":
+            return
+        manager = self.query_cudagraph_manager
+        descs = getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, [])
+        counts = [d.num_reqs or d.num_tokens // self.num_query_per_req for d in descs]
+        if not counts:
+            return  # the drafter runs eagerly: so does its precompute
+        lengths = context_lengths_to_capture(range(1, min(max(counts), self.max_num_reqs) + 1),
+                                             1 + self.budget, self.max_num_tokens)
+        from vllm.distributed.parallel_state import graph_capture
+
+        method = type(self.model).precompute_and_store_context_kv
+        # vLLM's eager method, not patches.dflash_context_kv's wrapper (which would
+        # replay graphs of an earlier capture).
+        eager = functools.partial(getattr(method, "_ddtree_original", method), self.model)
+        graphs = ContextKVGraphs(eager,
+                                 self.hidden_states, self.context_positions,
+                                 self._context_slot_mappings, self._layer_group_idx)
+        with graph_capture(device=self.device):
+            graphs.capture(lengths)
+        # Read by patches.dflash_context_kv (a plain attribute, not a submodule).
+        self.model._ddtree_context_kv_graphs = graphs
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
         """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node

@@ -1,0 +1,136 @@
+"""vllm_ddtree.context_kv_graphs and patches.dflash_context_kv: which precompute calls a
+captured graph stands in for (CPU: graphs are stand-ins that count replays; the capture
+itself runs in tests/gpu/test_context_kv_graphs_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_ddtree import context_kv_graphs as ckv
+
+
+class _CountingGraph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def _graphs(layer_group_idx=None, groups=1, max_tokens=64, lengths=(17,)):
+    calls = []
+    graphs = ckv.ContextKVGraphs(
+        lambda *args: calls.append(args),
+        torch.zeros(max_tokens, 8), torch.zeros(max_tokens, dtype=torch.int64),
+        torch.zeros(groups, max_tokens, dtype=torch.int64), layer_group_idx)
+    for n in lengths:
+        graphs.graphs[n] = _CountingGraph()
+    return graphs, calls
+
+
+def test_lengths_are_full_tree_batches_within_the_token_budget():
+    assert ckv.context_lengths_to_capture(range(1, 5), 65, 200) == [195, 130, 65]
+    assert ckv.context_lengths_to_capture([2, 2, 0], 17, 100) == [34]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("1", True), ("0", False),
+                                               (" 0 ", False)])
+def test_the_switch(monkeypatch, raw, expected):
+    if raw is None:
+        monkeypatch.delenv(ckv.CONTEXT_KV_GRAPH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, raw)
+    assert ckv.context_kv_graph_enabled() is expected
+
+
+def test_a_bad_switch_value_names_the_variable(monkeypatch):
+    monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "on")
+    with pytest.raises(ValueError, match=ckv.CONTEXT_KV_GRAPH_ENV):
+        ckv.context_kv_graph_enabled()
+
+
+def test_the_speculators_own_views_replay_one_slot_row():
+    graphs, _ = _graphs()
+    n = 17
+    assert graphs.replay(graphs.states[:n], graphs.positions[:n], graphs.slots(n))
+    assert graphs.graphs[n].replays == 1
+
+
+def test_per_layer_slot_rows_replay_only_in_layer_order():
+    graphs, _ = _graphs(layer_group_idx=[0, 1, 0], groups=2)
+    n = 17
+    slots = graphs.slots(n)
+    assert [s.data_ptr() for s in slots] == [graphs.slot_rows[i].data_ptr() for i in (0, 1, 0)]
+    assert graphs.replay(graphs.states[:n], graphs.positions[:n], slots)
+    swapped = [slots[1], slots[0], slots[2]]
+    assert not graphs.replay(graphs.states[:n], graphs.positions[:n], swapped)
+    assert not graphs.replay(graphs.states[:n], graphs.positions[:n], slots[:2])
+    assert not graphs.replay(graphs.states[:n], graphs.positions[:n], slots[0])
+    assert graphs.graphs[n].replays == 1
+
+
+@pytest.mark.parametrize("case", ["length", "states", "positions", "slots", "offset",
+                                  "dummy", "list"])
+def test_other_calls_run_eagerly(case):
+    graphs, _ = _graphs(lengths=(17, 20))
+    n = 17
+    states, positions, slots = graphs.states[:n], graphs.positions[:n], graphs.slots(n)
+    if case == "length":  # a context length without a graph (a prefill chunk)
+        states, positions, slots = graphs.states[:9], graphs.positions[:9], graphs.slots(9)
+    elif case == "states":  # another buffer of the same shape
+        states = states.clone()
+    elif case == "positions":
+        positions = positions.clone()
+    elif case == "slots":
+        slots = slots.clone()
+    elif case == "offset":  # same length, shifted view
+        slots = graphs.slot_rows[0][1 : n + 1]
+    elif case == "dummy":  # DFlash's dummy runs pass no slots (no cache write)
+        slots = None
+    elif case == "list":  # one row given as a per-layer list
+        slots = [slots]
+    assert not graphs.replay(states, positions, slots)
+    assert graphs.graphs[17].replays == 0 and graphs.graphs[20].replays == 0
+
+
+def test_mismatched_slot_length_runs_eagerly():
+    graphs, _ = _graphs(lengths=(17, 20))
+    assert not graphs.replay(graphs.states[:17], graphs.positions[:17], graphs.slots(20))
+
+
+def test_the_patch_routes_only_drafters_that_carry_graphs():
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
+    from patches import dflash_context_kv
+
+    dflash_context_kv.apply()
+    dflash_context_kv.apply()  # idempotent
+    method = DFlashQwen3ForCausalLM.precompute_and_store_context_kv
+    assert method._ddtree_patched and not getattr(method._ddtree_original,
+                                                  "_ddtree_patched", False)
+
+    class _Inner:
+        def __init__(self):
+            self.calls = 0
+
+        def precompute_and_store_context_kv(self, *args):
+            self.calls += 1
+
+    class _Drafter:  # stands in for the module: the original delegates to .model
+        def __init__(self, graphs=None):
+            self.model = _Inner()
+            if graphs is not None:
+                setattr(self, dflash_context_kv.GRAPHS_ATTR, graphs)
+
+    graphs, _ = _graphs()
+    n = 17
+    args = (graphs.states[:n], graphs.positions[:n], graphs.slots(n))
+    chain = _Drafter()  # vLLM's own DFlash: never routed
+    method(chain, *args)
+    assert chain.model.calls == 1
+    ddtree = _Drafter(graphs)
+    method(ddtree, *args)
+    assert ddtree.model.calls == 0 and graphs.graphs[n].replays == 1
+    method(ddtree, graphs.states[:9], graphs.positions[:9], graphs.slots(9))
+    assert ddtree.model.calls == 1 and graphs.graphs[n].replays == 1
