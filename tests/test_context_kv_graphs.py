@@ -30,8 +30,25 @@ def _graphs(layer_group_idx=None, groups=1, max_tokens=64, lengths=(17,)):
 
 
 def test_lengths_are_full_tree_batches_within_the_token_budget():
-    assert ckv.context_lengths_to_capture(range(1, 5), 65, 200) == [195, 130, 65]
-    assert ckv.context_lengths_to_capture([2, 2, 0], 17, 100) == [34]
+    assert ckv.context_lengths_to_capture(range(1, 5), [65], 200) == [195, 130, 65]
+    assert ckv.context_lengths_to_capture([2, 2, 0], [17], 100) == [34]
+    # auto's verify shapes: every request count with every shape, small batches first
+    assert ckv.context_lengths_to_capture(range(1, 4), [65, 9, 17], 140) == [
+        130, 65, 51, 34, 27, 18, 17, 9]
+    assert ckv.context_lengths_to_capture(range(1, 100), [65, 9], 10_000, max_graphs=3) == [
+        130, 65, 9]
+    # the longest capture is capped whatever vLLM's token budget
+    longest = max(ckv.context_lengths_to_capture(range(1, 1000), [65], 1 << 20))
+    assert longest == ckv.MAX_CONTEXT_GRAPH_TOKENS // 65 * 65
+
+
+def test_request_counts_come_from_the_drafters_full_graphs():
+    from types import SimpleNamespace as NS
+
+    descs = [NS(num_reqs=4, num_tokens=64), NS(num_reqs=None, num_tokens=32)]
+    assert ckv.decode_context_lengths(descs, 16, 8, [65], 1_000) == [260, 195, 130, 65]
+    assert ckv.decode_context_lengths(descs, 16, 2, [65, 9], 1_000) == [130, 65, 18, 9]
+    assert ckv.decode_context_lengths([], 16, 8, [65], 10_000) == []
 
 
 @pytest.mark.parametrize(("raw", "expected"), [(None, True), ("1", True), ("0", False),

@@ -28,6 +28,7 @@ __all__ = [
     "ContextKVGraphs",
     "context_kv_graph_enabled",
     "context_lengths_to_capture",
+    "decode_context_lengths",
 ]
 
 CONTEXT_KV_GRAPH_ENV = "VLLM_DDTREE_CONTEXT_KV_GRAPH"
@@ -49,13 +50,48 @@ def context_kv_graph_enabled() -> bool:
     return raw.strip() == "1"
 
 
-def context_lengths_to_capture(request_counts: Iterable[int], rows_per_request: int,
-                               max_num_tokens: int) -> list[int]:
-    """Context lengths ``r * rows_per_request`` of full-tree decode batches of ``r``
-    requests (``rows_per_request = 1 + B``), those within ``max_num_tokens``, sorted
-    largest first (the first capture sizes the shared memory pool)."""
-    lengths = {r * rows_per_request for r in request_counts if r > 0}
-    return sorted((n for n in lengths if n <= max_num_tokens), reverse=True)
+# Graphs per speculator at most: R * (1 + s) for every request count R and verify shape
+# s would be thousands with ``auto`` at a large max_num_seqs; small batches come first.
+MAX_CONTEXT_GRAPHS = 128
+# Longest captured context: the graphs' private memory pool keeps the precompute's
+# intermediates of the longest one for good (about 75 KB a row for a Kimi-K2.6-shaped
+# drafter: 7168 hidden, 6 layers of 8 x 128 K/V), allocated after vLLM sized its KV
+# cache. Longer contexts (large batches, where the GPU work outweighs the launches)
+# stay eager.
+MAX_CONTEXT_GRAPH_TOKENS = 2048
+
+
+def context_lengths_to_capture(request_counts: Iterable[int], rows_per_request: Iterable[int],
+                               max_num_tokens: int,
+                               max_graphs: int = MAX_CONTEXT_GRAPHS) -> list[int]:
+    """Context lengths ``r * q`` of full-tree decode batches: ``r`` requests of ``q``
+    verify rows each (``q = 1 + B``, and ``1 + s`` for every adaptive verify shape
+    ``s``), at most ``max_num_tokens`` and ``MAX_CONTEXT_GRAPH_TOKENS``. Fewest
+    requests first until ``max_graphs``
+    lengths; returned largest first (the first capture sizes the shared memory pool)."""
+    lengths: set[int] = set()
+    max_num_tokens = min(max_num_tokens, MAX_CONTEXT_GRAPH_TOKENS)
+    rows = sorted(set(rows_per_request), reverse=True)
+    for r in sorted(set(request_counts)):
+        for q in rows:
+            if r > 0 and r * q <= max_num_tokens and len(lengths) < max_graphs:
+                lengths.add(r * q)
+    return sorted(lengths, reverse=True)
+
+
+def decode_context_lengths(drafter_descs: Iterable, query_per_request: int,
+                           max_num_reqs: int, rows_per_request: Iterable[int],
+                           max_num_tokens: int) -> list[int]:
+    """:func:`context_lengths_to_capture` for request counts ``1..R_max``, ``R_max`` the
+    most requests a FULL drafter graph takes (``drafter_descs``: vLLM's
+    ``BatchExecutionDescriptor`` list, ``num_reqs`` or ``num_tokens //
+    query_per_request`` requests each), capped at ``max_num_reqs``. Empty when the
+    drafter has no FULL graph (it runs eagerly, and so does its precompute)."""
+    counts = [d.num_reqs or d.num_tokens // query_per_request for d in drafter_descs]
+    if not counts:
+        return []
+    most = min(max(counts), max_num_reqs)
+    return context_lengths_to_capture(range(1, most + 1), rows_per_request, max_num_tokens)
 
 
 class ContextKVGraphs:

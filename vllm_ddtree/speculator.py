@@ -76,7 +76,7 @@ from attention_backends.tree_mask_state import decode_query_limit
 from vllm_ddtree.context_kv_graphs import (
     ContextKVGraphs,
     context_kv_graph_enabled,
-    context_lengths_to_capture,
+    decode_context_lengths,
 )
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
@@ -290,18 +290,21 @@ class DDTreeSpeculator(DFlashSpeculator):
     def capture(self) -> None:
         """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
         batches (``vllm_ddtree.context_kv_graphs``; ``VLLM_DDTREE_CONTEXT_KV_GRAPH=0``
-        keeps it eager): ``R * (1 + B)`` context rows for every request count ``R`` up
-        to the largest the drafter's graphs take."""
+        keeps it eager): ``R * (1 + B)`` context rows (and ``R * (1 + s)`` for
+        ``auto``'s verify shapes ``s``) for request counts ``R`` up to the largest the
+        drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
         super().capture()
         if not context_kv_graph_enabled() or self.device.type != "cuda":
             return
         manager = self.query_cudagraph_manager
-        descs = getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, [])
-        counts = [d.num_reqs or d.num_tokens // self.num_query_per_req for d in descs]
-        if not counts:
+        rows = [1 + self.budget]
+        if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
+            rows += [1 + s for s in self.verify_shape.shapes]
+        lengths = decode_context_lengths(
+            getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, []),
+            self.num_query_per_req, self.max_num_reqs, rows, self.max_num_tokens)
+        if not lengths:
             return  # the drafter runs eagerly: so does its precompute
-        lengths = context_lengths_to_capture(range(1, min(max(counts), self.max_num_reqs) + 1),
-                                             1 + self.budget, self.max_num_tokens)
         from vllm.distributed.parallel_state import graph_capture
 
         method = type(self.model).precompute_and_store_context_kv
