@@ -33,6 +33,8 @@ RUN_SWITCHES = (
     # vllm_ddtree.context_kv_graphs: the drafter's context K/V precompute in CUDA graphs
     # (default); +eagerctx runs it eagerly, as vLLM does.
     ("+eagerctx", "VLLM_DDTREE_CONTEXT_KV_GRAPH", "0", "eager context K/V", _DDTREE),
+    # round_kernels.auto_in_graph: auto's choice and tree store inside the drafter's graph
+    ("+autograph", "VLLM_DDTREE_AUTO_IN_GRAPH", "1", "auto choice in graph", _DDTREE),
 )
 
 

@@ -144,18 +144,85 @@ def test_kernel_adds_the_row_cost_as_the_pytorch_policy_does(num_reqs):
     torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
 
 
+def _policy_args(policy):
+    table = policy.table
+    return (table.contexts.to(DEVICE), table.seconds.to(DEVICE), policy.budgets.to(DEVICE))
+
+
+@pytest.mark.parametrize("num_reqs", [3, 21])
+def test_padding_rows_of_a_graph_batch_do_not_count(num_reqs):
+    """Inside the drafter's CUDA graph the batch is padded: rows whose state row
+    (``sample_idx_mapping[r * L]``) is -1 must not move the choice, the modeled
+    attention or the row cost (which counts the valid requests)."""
+    gen = torch.Generator().manual_seed(num_reqs)
+    policy = make_policy(64, [1024, 16384, 131072], True, 2e-3, gen)
+    policy.set_row_costs({b: 1e-3 + 4e-6 * b + 1e-7 * b * b for b in candidate_budgets(64)})
+    depths = 15
+    scores = (torch.randn(num_reqs, 64, generator=gen) - 1).sort(dim=1, descending=True)
+    scores = scores.values.clamp(max=0).float()
+    ctx = torch.randint(1000, 150_000, (num_reqs,), generator=gen, dtype=torch.int32)
+    valid = torch.rand(num_reqs, generator=gen) < 0.6
+    valid[0] = True
+    want = policy.choose(scores[valid], ctx[valid])  # the valid requests alone
+    want_modeled = policy.last_attention.clone()
+
+    rows = torch.full((num_reqs * depths,), -1, dtype=torch.int32)
+    rows[::depths] = torch.where(valid, torch.arange(num_reqs, dtype=torch.int32), -1)
+    padded = scores.clone()
+    padded[~valid] = 0.0  # the most confident trees: would pull the choice up
+    last = torch.zeros(1, device=DEVICE)
+    out = torch.full((1,), -7, dtype=torch.int64, device=DEVICE)
+    got = choose_budget_triton(
+        padded.to(DEVICE), ctx.to(DEVICE), *_policy_args(policy),
+        policy.base_seconds.to(DEVICE), last, policy.num_layers, policy.table.extrapolate,
+        row_seconds=policy.row_seconds.to(DEVICE), row_of_sample=rows.to(DEVICE),
+        idx_stride=depths, out=out)
+    assert int(got) == int(want) == int(out[0].cpu())
+    torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("pending", [True, False])
+def test_the_device_flag_says_whether_a_sample_is_folded_and_is_cleared(pending):
+    """``sample_flag``: a graph replayed every round folds the wall sample only when the
+    host recorded one (pending != 0), then clears the flag."""
+    gen = torch.Generator().manual_seed(5)
+    policy = make_policy(64, [1024, 16384, 131072], True, 3e-3, gen)
+    policy.ema_weight = 0.3
+    policy.last_attention.fill_(1e-3)
+    scores = (torch.randn(4, 64, generator=gen) - 3).sort(dim=1, descending=True).values
+    scores = scores.clamp(max=0).float()
+    ctx = torch.randint(1000, 150_000, (4,), generator=gen, dtype=torch.int32)
+    if pending:
+        policy.update_base_(torch.tensor([5e-3]))
+    want_base = policy.base_seconds.clone()
+    want = policy.choose(scores, ctx)
+
+    base = torch.tensor([3e-3], device=DEVICE)
+    wall = torch.tensor([5e-3, 1.0 if pending else 0.0], device=DEVICE)
+    got = choose_budget_triton(
+        scores.to(DEVICE), ctx.to(DEVICE), *_policy_args(policy), base,
+        torch.tensor([1e-3], device=DEVICE), policy.num_layers, policy.table.extrapolate,
+        wall_seconds=wall, ema_weight=0.3, sample_flag=True)
+    torch.testing.assert_close(base.cpu(), want_base, rtol=1e-6, atol=0)
+    assert int(got) == int(want)
+    assert wall.cpu().tolist() == [torch.tensor(5e-3).item(), 0.0]  # the flag only
+    with pytest.raises(ValueError, match="two entries"):
+        choose_budget_triton(scores.to(DEVICE), ctx.to(DEVICE), *_policy_args(policy), base,
+                             base, 1, True, wall_seconds=base, sample_flag=True)
+
+
 _COMPILE_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vllm_ddtree.budget_choice_kernel import _choose_budget_kernel as fn
 
-ptrs = {"ctx_ptr": "*i32", "budgets_ptr": "*i64", "chosen_ptr": "*i64"}
+ptrs = {"ctx_ptr": "*i32", "budgets_ptr": "*i64", "chosen_ptr": "*i64", "idx_ptr": "*i32"}
 result = []
 for arch in (90, 120):
     for block_r, block_b in ((16, 64), (8, 512)):
         consts = dict(EXTRAPOLATE=True, BLOCK_R=block_r, BLOCK_B=block_b, BLOCK_K=16,
-                      BLOCK_C=8)
+                      BLOCK_C=8, HAS_IDX=block_r == 8, SAMPLE_FLAG=block_r == 8)
         floats = ("num_layers", "ema_weight", "rate_tolerance")
         sig = {n: "constexpr" if n in consts else ptrs.get(n, "*fp32")
                if n.endswith("_ptr") else "fp32" if n in floats else "i32"

@@ -445,6 +445,93 @@ def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
     assert torch.equal(state.parents, stored)
 
 
+def _auto_policy():
+    from vllm_ddtree.budget import BudgetCostTable
+    from vllm_ddtree.budget_policy import BudgetPolicy, candidate_budgets
+
+    budgets = torch.tensor(candidate_budgets(BUDGET))
+    contexts = torch.tensor([1024.0, 16384.0, 131072.0])
+    seconds = (2e-6 + contexts[:, None] * 1e-10 * budgets[None, :].float()).float()
+    policy = BudgetPolicy(BudgetCostTable(contexts, budgets, seconds, True), num_layers=4,
+                          ema_weight=0.3)
+    policy.set_row_costs({int(b): 1e-4 + 3e-6 * int(b) for b in budgets})
+    return policy
+
+
+def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
+    """VLLM_DDTREE_AUTO_IN_GRAPH=1: the draft step chooses the batch's budget from the
+    live requests' trees and context lengths (a padding request, state row -1, does not
+    count, however confident its tree), folds the host's pending wall sample, and
+    stores each live tree with that budget; propose then only hands the choice to the
+    verify-shape chooser. Reference: the PyTorch policy on the live requests alone."""
+    state = new_state()
+    state.enable_adaptive_(MAX_REQS, "cpu")
+    spec = fake_speculator(state)
+    spec.adaptive = spec.store_trees_in_graph = True
+    policy, reference = _auto_policy(), _auto_policy()
+    policy.in_graph = True  # enable_in_graph_ refuses CPU tensors
+    spec.budget_policy = policy
+    num_reqs, block = 3, DEPTHS + 1
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(num_reqs * block, VOCAB, generator=gen)
+    hidden[2 * block:] = 0.0
+    hidden[2 * block:, 0] = 50.0  # the padding request: a certain chain
+    spec._run_model = lambda *args: hidden
+    spec.model = NS(compute_logits=lambda h: h)
+    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS + [-1] * DEPTHS
+                                           + [0] * DEPTHS * (MAX_REQS - num_reqs),
+                                           dtype=torch.int32)
+    seq_lens = torch.tensor([900, 120_000, 5, 0, 0, 0], dtype=torch.int32)
+    spec.target_input_buffers = NS(seq_lens=seq_lens)
+    policy.observe_round(now=1.0)
+    policy.observe_round(now=1.004)  # a 4 ms round, pending on the "device"
+    reference.update_base_(torch.tensor([0.004]))
+    active_before = state.active_nodes.clone()
+
+    spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
+
+    want = reference.choose(spec.batch_scores[:2].clone(), seq_lens[:2])
+    assert int(policy.chosen[0]) == int(want)
+    torch.testing.assert_close(policy.base_seconds, reference.base_seconds, rtol=1e-6, atol=0)
+    assert float(policy._wall_flagged[1]) == 0.0  # the sample was consumed
+    assert int(state.active_nodes[4]) == int(state.active_nodes[1]) == int(want)
+    untouched = [i for i in range(MAX_REQS) if i not in (1, 4)]
+    assert torch.equal(state.active_nodes[untouched], active_before[untouched])
+    # Counting the padding request would have chosen otherwise.
+    counted = _auto_policy()
+    counted.update_base_(torch.tensor([0.004]))
+    assert int(counted.choose(spec.batch_scores[:3].clone(), seq_lens[:3])) != int(want)
+
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    recorded = []
+    spec.verify_shape = NS(record_=lambda b: recorded.append(int(b.reshape(-1)[0])))
+    stored = state.active_nodes.clone()
+    batch = NS(num_reqs=2, query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+               idx_mapping=torch.tensor([4, 1], dtype=torch.int32),
+               seq_lens=seq_lens[:2])
+    monkeypatch.setattr(DFlashSpeculator, "propose",
+                        lambda self, input_batch, *a, **k: self.draft_tokens[:2])
+    ones = torch.ones(2, dtype=torch.int32)
+    spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None)
+    assert recorded == [int(want)] and torch.equal(state.active_nodes, stored)
+
+
+def test_auto_in_graph_switch(monkeypatch):
+    from vllm_ddtree.round_kernels import AUTO_IN_GRAPH_ENV, auto_in_graph
+
+    assert not auto_in_graph()
+    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "1")
+    assert auto_in_graph()
+    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "yes")
+    with pytest.raises(ValueError, match=AUTO_IN_GRAPH_ENV):
+        auto_in_graph()
+    with pytest.raises(NotImplementedError, match="CUDA"):
+        _auto_policy().enable_in_graph_()
+
+
 def test_tree_store_switch_is_checked(monkeypatch):
     from vllm_ddtree.round_kernels import TREE_STORE_ENV, tree_store
 

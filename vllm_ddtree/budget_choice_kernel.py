@@ -30,8 +30,18 @@ __all__ = ["choose_budget_triton"]
 BLOCK_R = 16
 
 
+@triton.jit
+def _fold_wall_sample(base, wall, last_attention, ema_weight):
+    """``BudgetPolicy.update_base_``: sample = max(wall - last_attention, 0), at most
+    2 x base + 0.1 ms, into the EMA (the sample itself while base < 0)."""
+    sample = tl.maximum(wall - last_attention, 0.0)
+    known = base >= 0
+    sample = tl.where(known, tl.minimum(sample, 2 * base + 1e-4), sample)
+    return tl.where(known, (1 - ema_weight) * base + ema_weight * sample, sample)
+
+
 @triton.jit(do_not_specialize=["num_reqs", "num_nodes", "num_budgets", "num_contexts",
-                               "has_sample", "has_rows"])
+                               "has_sample", "has_rows", "idx_stride"])
 def _choose_budget_kernel(
     scores_ptr,  # fp32 [R, B]
     ctx_ptr,  # int [R]
@@ -41,7 +51,8 @@ def _choose_budget_kernel(
     base_ptr,  # fp32 [1]
     chosen_ptr,  # int64 [1]
     last_attention_ptr,  # fp32 [1]
-    wall_ptr,  # fp32 [1]: the round's wall seconds (read when has_sample)
+    wall_ptr,  # fp32 [1]: the round's wall seconds (read when has_sample); with
+    # SAMPLE_FLAG fp32 [2]: (seconds, pending), pending != 0 read and cleared here
     has_sample,  # int: 1 = fold wall_ptr into the base EMA first
     ema_weight,  # fp32
     rows_ptr,  # fp32 [K]: one request's row cost at 1 + b_k rows (read when has_rows)
@@ -53,7 +64,11 @@ def _choose_budget_kernel(
     num_contexts,
     stride_scores_r,
     num_layers,
+    idx_ptr,  # int [>= (R - 1) * idx_stride + 1]: row r counts iff idx[r * stride] >= 0
+    idx_stride,
     EXTRAPOLATE: tl.constexpr,
+    HAS_IDX: tl.constexpr,
+    SAMPLE_FLAG: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -69,9 +84,15 @@ def _choose_budget_kernel(
     last_ctx = tl.load(contexts_ptr + num_contexts - 1)
     tokens = tl.zeros([BLOCK_K], tl.float32)
     attention = tl.zeros([BLOCK_K], tl.float32)
+    num_valid = 0.0
     for first in range(0, num_reqs, BLOCK_R):
         rows = first + tl.arange(0, BLOCK_R)
         valid_r = rows < num_reqs
+        if HAS_IDX:  # CUDA-graph padding requests (state row -1) do not count
+            state_row = tl.load(idx_ptr + rows.to(tl.int64) * idx_stride, mask=valid_r,
+                                other=-1)
+            valid_r = valid_r & (state_row >= 0)
+        num_valid += tl.sum(valid_r.to(tl.float32), axis=0)
         # Expected committed tokens: 1 + the sum of the b largest node probabilities.
         scores = tl.load(
             scores_ptr + rows[:, None].to(tl.int64) * stride_scores_r + offs_b[None, :],
@@ -114,7 +135,7 @@ def _choose_budget_kernel(
             # budget.rows_seconds_for_batch: the cost at num_reqs * (1 + b_k) rows,
             # piecewise linear over the one-request points 1 + b_j, last segment extended.
             xs = tl.where(valid_k, 1.0 + budgets.to(tl.float32), float("inf"))
-            x = num_reqs * (1.0 + budgets.to(tl.float32))
+            x = num_valid * (1.0 + budgets.to(tl.float32))
             hi = tl.sum((xs[None, :] < x[:, None]).to(tl.int32), axis=1)
             hi = tl.minimum(tl.maximum(hi, 1), num_budgets - 1)
             lo = hi - 1
@@ -125,12 +146,16 @@ def _choose_budget_kernel(
             w = (x - x_lo) / (x_hi - x_lo)
             attention += tl.where(valid_k, tl.maximum(y_lo + w * (y_hi - y_lo), 0.0), 0.0)
     base = tl.load(base_ptr)
-    if has_sample != 0:
-        # update_base_: sample = max(wall - last_attention, 0), at most 2 x base + 0.1 ms.
-        sample = tl.maximum(tl.load(wall_ptr) - tl.load(last_attention_ptr), 0.0)
-        known = base >= 0
-        sample = tl.where(known, tl.minimum(sample, 2 * base + 1e-4), sample)
-        base = tl.where(known, (1 - ema_weight) * base + ema_weight * sample, sample)
+    if SAMPLE_FLAG:
+        pending = tl.load(wall_ptr + 1) != 0
+        folded = _fold_wall_sample(base, tl.load(wall_ptr), tl.load(last_attention_ptr),
+                                   ema_weight)
+        base = tl.where(pending, folded, base)
+        tl.store(base_ptr, base)
+        tl.store(wall_ptr + 1, 0.0)
+    elif has_sample != 0:
+        base = _fold_wall_sample(base, tl.load(wall_ptr), tl.load(last_attention_ptr),
+                                 ema_weight)
         tl.store(base_ptr, base)
     at_max = tl.sum(tl.where(offs_k == num_budgets - 1, attention, 0.0), axis=0)
     base = tl.where(base >= 0, base, at_max)
@@ -159,6 +184,10 @@ def choose_budget_triton(
     wall_seconds: torch.Tensor | None = None,
     ema_weight: float = 0.0,
     row_seconds: torch.Tensor | None = None,
+    row_of_sample: torch.Tensor | None = None,
+    idx_stride: int = 1,
+    sample_flag: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch's active budget, as ``BudgetPolicy.choose`` computes it.
 
@@ -177,14 +206,24 @@ def choose_budget_triton(
         row_seconds: fp32 ``[K]``, one request's row cost per candidate
             (``BudgetPolicy.row_seconds``), added to the modeled attention as
             ``budget.rows_seconds_for_batch`` does; None: no row cost.
+        row_of_sample: int, request ``r`` counts only if ``row_of_sample[r *
+            idx_stride] >= 0`` (inside the drafter's CUDA graph: DFlash's
+            ``sample_idx_mapping``, -1 for padding requests); None: every row counts.
+        sample_flag: ``wall_seconds`` is fp32 ``[2]``, (seconds, pending): the sample
+            is folded only if pending != 0, and pending is cleared (a graph replayed
+            every round reads whether the host recorded a sample).
+        out: int64 ``[1]`` to write ``b`` to (a persistent buffer under a CUDA graph).
 
     Returns:
-        int64 0-dim tensor ``b`` (one of ``budgets``). No host sync.
+        int64 0-dim tensor ``b`` (one of ``budgets``; a view of ``out`` when given).
+        No host sync.
     """
+    if sample_flag and (wall_seconds is None or wall_seconds.numel() < 2):
+        raise ValueError("sample_flag needs wall_seconds of two entries (seconds, pending)")
     num_reqs, num_nodes = scores.shape
     if scores.stride(1) != 1 or not seconds.is_contiguous():
         raise ValueError("scores (last dim) and seconds must be contiguous")
-    chosen = torch.empty(1, dtype=torch.int64, device=scores.device)
+    chosen = torch.empty(1, dtype=torch.int64, device=scores.device) if out is None else out
     block_b = triton.next_power_of_2(max(num_nodes, 1))
     _CHOOSE_BUDGET_LAUNCH((1,),
         scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
@@ -194,7 +233,8 @@ def choose_budget_triton(
         RATE_TOLERANCE,
         num_reqs, num_nodes, budgets.numel(), contexts.numel(),
         scores.stride(0), float(num_layers),
-        EXTRAPOLATE=extrapolate,
+        chosen if row_of_sample is None else row_of_sample, idx_stride,
+        EXTRAPOLATE=extrapolate, HAS_IDX=row_of_sample is not None, SAMPLE_FLAG=sample_flag,
         BLOCK_R=min(BLOCK_R, max(1, 4096 // block_b)),
         BLOCK_B=block_b,
         BLOCK_K=triton.next_power_of_2(budgets.numel()),

@@ -179,9 +179,18 @@ class BudgetPolicy:
         self.last_attention = torch.zeros(1, **f32)
         # rows(1 + b_k) of one request, float32 [K] (set_row_costs); None: not measured.
         self.row_seconds: torch.Tensor | None = None
+        # The same in a buffer a CUDA graph reads (zeros: no row cost), written in place.
+        self._row_seconds_buffer = torch.zeros(len(budgets), **f32)
         self._wall_device = torch.zeros(1, **f32)
         self._wall_host = torch.zeros(
             _WALL_SLOTS, dtype=torch.float32, pin_memory=device.type == "cuda"
+        )
+        # choose_in_graph: the chosen budget, and (wall seconds, pending) the graph reads.
+        self.in_graph = False
+        self.chosen = torch.full((1,), self.max_budget, dtype=torch.int64, device=device)
+        self._wall_flagged = torch.zeros(2, **f32)
+        self._wall_host_flagged = torch.zeros(
+            _WALL_SLOTS, 2, dtype=torch.float32, pin_memory=device.type == "cuda"
         )
         self._slot = 0
         self._last_round_start: float | None = None
@@ -208,7 +217,8 @@ class BudgetPolicy:
         if not bool((times > 0).all()):
             raise ValueError(f"verify times must be positive, got {times.tolist()}")
         rows = (times - times[0]).clamp_min(0).cummax(dim=0).values
-        self.row_seconds = rows.to(device=self.base_seconds.device, dtype=torch.float32)
+        self._row_seconds_buffer.copy_(rows)
+        self.row_seconds = self._row_seconds_buffer
         logger.info(
             "DDTree auto budget: one request's verify forward per shape (us): %s; row "
             "cost over the smallest shape (us): %s",
@@ -268,6 +278,35 @@ class BudgetPolicy:
                                         group=self.tp_group.device_group)
         return b
 
+    def choose_in_graph(self, scores: torch.Tensor, context_lens: torch.Tensor,
+                        row_of_sample: torch.Tensor, idx_stride: int) -> torch.Tensor:
+        """:meth:`choose` for a step captured in a CUDA graph (the drafter's), TP = 1 on
+        CUDA: only rows whose ``row_of_sample[r * idx_stride] >= 0`` count (padding
+        requests are -1), the wall sample is folded when the flag :meth:`observe_round`
+        copied with it says so, the row costs are read from a buffer that
+        :meth:`set_row_costs` fills later, and the choice lands in ``self.chosen``
+        (int64 ``[1]``, returned). One launch, no host sync. Call
+        :meth:`enable_in_graph_` first."""
+        if not self.in_graph:
+            raise RuntimeError("choose_in_graph needs enable_in_graph_() first")
+        table = self.table
+        return choose_budget_triton(
+            scores, context_lens, table.contexts, table.seconds, self.budgets,
+            self.base_seconds, self.last_attention, self.num_layers, table.extrapolate,
+            wall_seconds=self._wall_flagged, ema_weight=self.ema_weight,
+            row_seconds=self._row_seconds_buffer, row_of_sample=row_of_sample,
+            idx_stride=idx_stride, sample_flag=True, out=self.chosen)
+
+    def enable_in_graph_(self) -> None:
+        """Choose inside a CUDA graph from now on (:meth:`choose_in_graph`): wall
+        samples go to the device with a pending flag. Raises ``NotImplementedError``
+        at TP > 1 (the ranks' choice is broadcast eagerly) or off CUDA."""
+        if self.tp_group is not None:
+            raise NotImplementedError("the in-graph budget choice is for TP = 1")
+        if self.base_seconds.device.type != "cuda":
+            raise NotImplementedError("the in-graph budget choice needs CUDA")
+        self.in_graph = True
+
     # -- the base time ---------------------------------------------------------------
 
     def update_base_(self, wall_seconds: torch.Tensor) -> None:
@@ -290,6 +329,12 @@ class BudgetPolicy:
         last, self._last_round_start = self._last_round_start, now
         if last is None or not verified or not 0 < now - last <= MAX_ROUND_SECONDS:
             return
+        if self.in_graph:  # (seconds, pending) for the graph's choice
+            pair = self._wall_host_flagged[self._slot]
+            self._slot = (self._slot + 1) % _WALL_SLOTS
+            pair[0], pair[1] = now - last, 1.0
+            self._wall_flagged.copy_(pair, non_blocking=True)
+            return
         slot = self._wall_host[self._slot : self._slot + 1]
         self._slot = (self._slot + 1) % _WALL_SLOTS
         slot.fill_(now - last)
@@ -301,6 +346,8 @@ class BudgetPolicy:
         dummy or profile run)."""
         self._last_round_start = None
         self._sample_pending = False
+        if self.in_graph:
+            self._wall_flagged[1:].zero_()
 
     # -- construction in vLLM ------------------------------------------------------------
 

@@ -93,3 +93,18 @@ def tree_store() -> str:
     """The configured tree store, ``"eager"`` or ``"graph"`` (raises ``ValueError``
     naming ``VLLM_DDTREE_TREE_STORE`` on any other value)."""
     return _choice(TREE_STORE_ENV, DEFAULT_TREE_STORE, TREE_STORE_CHOICES)
+
+
+# ``ddtree_budget: "auto"`` with its per-round choice and tree store inside the drafter's
+# CUDA graph, ``VLLM_DDTREE_AUTO_IN_GRAPH``: ``0`` (default) chooses and stores eagerly
+# after the graph (four eager operations a round); ``1`` (experimental, interpreter-
+# tested, not yet GPU-run) runs both inside the graph (padding requests skipped by their
+# -1 state row), leaving the wall-time copy in and the chosen-budget copy out. TP = 1,
+# Triton round kernels on CUDA only.
+AUTO_IN_GRAPH_ENV = "VLLM_DDTREE_AUTO_IN_GRAPH"
+
+
+def auto_in_graph() -> bool:
+    """``VLLM_DDTREE_AUTO_IN_GRAPH`` is ``1`` (raises ``ValueError`` naming it on a
+    value other than ``0`` / ``1``)."""
+    return _choice(AUTO_IN_GRAPH_ENV, "0", ("0", "1")) == "1"

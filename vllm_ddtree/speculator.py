@@ -46,7 +46,10 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   inactive rows and the verifier ignores them. With adaptive verify shapes
   (``vllm_ddtree.verify_shape``, the default at TP = 1) ``b`` also goes to the host
   without a sync, and later steps verify ``1 + s`` rows (``s >= b`` of a recent
-  round) instead of ``1 + B``. Without the key none of this runs.
+  round) instead of ``1 + B``. Without the key none of this runs. With
+  ``VLLM_DDTREE_AUTO_IN_GRAPH=1`` (experimental) the choice and the store run inside
+  ``_generate_draft`` instead (``BudgetPolicy.choose_in_graph``), so inside the
+  drafter's CUDA graph.
 
 Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
@@ -80,7 +83,12 @@ from vllm_ddtree.context_kv_graphs import (
 )
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
-from vllm_ddtree.round_kernels import round_kernels, tree_store, use_triton_round_kernels
+from vllm_ddtree.round_kernels import (
+    auto_in_graph,
+    round_kernels,
+    tree_store,
+    use_triton_round_kernels,
+)
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -280,12 +288,25 @@ class DDTreeSpeculator(DFlashSpeculator):
         # The trees reach the request-state rows inside the drafter's step (its CUDA
         # graph) rather than in an eager launch after it. ``auto`` picks the active
         # budget after the graph, so it keeps the eager store.
-        self.store_trees_in_graph = (tree_store() == "graph" and not self.adaptive
-                                     and device.type == "cuda" and round_kernels() == "triton")
+        in_graph_ok = device.type == "cuda" and round_kernels() == "triton"
+        self.store_trees_in_graph = in_graph_ok and (
+            # at TP > 1 the ranks' choice is broadcast eagerly
+            auto_in_graph() and self.budget_policy.tp_group is None if self.adaptive
+            else tree_store() == "graph")
+        if self.store_trees_in_graph and self.adaptive:
+            # VLLM_DDTREE_AUTO_IN_GRAPH=1: the choice runs in the graph too (TP = 1).
+            self.budget_policy.enable_in_graph_()
         if self.store_trees_in_graph:
-            # Compile the store before any capture (a -1 row writes nothing).
-            self._store_trees_in_step(1, torch.full((1,), -1, dtype=torch.int32,
-                                                    device=device))
+            # Compile the store (and auto's choice) before any capture: a -1 row writes
+            # no tree and counts in no choice.
+            padding = torch.full((1,), -1, dtype=torch.int32, device=device)
+            active = None
+            if self.adaptive:
+                policy = self.budget_policy
+                active = policy.choose_in_graph(self.batch_scores[:1], padding, padding, 1)
+                policy.chosen.fill_(self.budget)
+                policy.last_attention.zero_()
+            self._store_trees_in_step(1, padding, active=active)
 
     def capture(self) -> None:
         """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
@@ -400,10 +421,16 @@ class DDTreeSpeculator(DFlashSpeculator):
                         packed_bits=self.batch_ancestor_bits[:num_reqs])
         build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
         if self.store_trees_in_graph:
-            self._store_trees_in_step(num_reqs)
+            active = None
+            if self.adaptive:  # VLLM_DDTREE_AUTO_IN_GRAPH=1
+                active = self.budget_policy.choose_in_graph(
+                    self.batch_scores[:num_reqs], self.target_input_buffers.seq_lens[:num_reqs],
+                    self.sample_idx_mapping, self.num_draft_depths)
+            self._store_trees_in_step(num_reqs, active=active)
 
     def _store_trees_in_step(self, num_reqs: int,
-                             row_of_sample: torch.Tensor | None = None) -> None:
+                             row_of_sample: torch.Tensor | None = None,
+                             active: torch.Tensor | None = None) -> None:
         """Scatter the batch's trees (``batch_parents`` / ``batch_depths`` /
         ``batch_ancestor_bits[:num_reqs]``) to their request-state rows inside the
         drafter's step (``VLLM_DDTREE_TREE_STORE=graph``), in one launch that a CUDA
@@ -417,13 +444,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         dummy step replaced verifies that tree for one round.
 
         ``row_of_sample``: int32, the state row per sample (default
-        ``sample_idx_mapping``, L per request).
+        ``sample_idx_mapping``, L per request). ``active``: int64 ``[1]``, ``auto``'s
+        chosen budget for every request (``VLLM_DDTREE_AUTO_IN_GRAPH=1``), or None.
         """
         if not store_trees_triton(
                 self.sample_idx_mapping if row_of_sample is None else row_of_sample,
                 self.batch_parents[:num_reqs],
                 self.batch_depths[:num_reqs], self.batch_ancestor_bits[:num_reqs],
                 self.state.parents, self.state.depths, self.state.ancestor_bits,
+                active, None if active is None else self.state.active_nodes,
                 idx_stride=self.num_draft_depths):
             raise RuntimeError("VLLM_DDTREE_TREE_STORE=graph: the tree store refused the "
                                "speculator's buffers; unset it to store trees eagerly")
@@ -550,6 +579,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             mm_inputs=mm_inputs,
             is_profile=is_profile,
         )
+        if not dummy_run and self.store_trees_in_graph and self.verify_shape is not None:
+            self.verify_shape.record_(self.budget_policy.chosen)  # auto, in graph
         if not dummy_run and not self.store_trees_in_graph:
             active = None
             if self.budget_policy is not None:
