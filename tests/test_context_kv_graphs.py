@@ -151,3 +151,65 @@ def test_the_patch_routes_only_drafters_that_carry_graphs():
     assert ddtree.model.calls == 0 and graphs.graphs[n].replays == 1
     method(ddtree, graphs.states[:9], graphs.positions[:9], graphs.slots(9))
     assert ddtree.model.calls == 1 and graphs.graphs[n].replays == 1
+
+
+def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_drafter(
+        monkeypatch):
+    """DDTreeSpeculator.capture after DFlash's: lengths R * (1 + B) and, with auto's
+    verify shapes, R * (1 + s), for R up to the drafter's largest FULL graph; the
+    graphs go to the drafter only when its class is routed by the patch."""
+    import contextlib
+    from types import SimpleNamespace as NS
+
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from patches import dflash_context_kv
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    dflash_context_kv.apply()
+    captured = []
+    monkeypatch.setattr(DFlashSpeculator, "capture", lambda self: None)
+    monkeypatch.setattr(parallel_state, "graph_capture", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(ckv.ContextKVGraphs, "capture",
+                        lambda self, lengths, pool=None: captured.append(list(lengths)))
+
+    def speculator(model, shapes=None):
+        spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
+        spec.device = NS(type="cuda")
+        spec.budget, spec.num_query_per_req, spec.max_num_reqs = 8, 16, 4
+        spec.max_num_tokens = 1024
+        spec.verify_shape = None if shapes is None else NS(shapes=shapes)
+        spec.query_cudagraph_manager = NS(_capture_descs={CUDAGraphMode.FULL: [
+            NS(num_reqs=2, num_tokens=32), NS(num_reqs=1, num_tokens=16)]})
+        spec.model = model
+        spec.hidden_states = torch.zeros(1024, 8)
+        spec.context_positions = torch.zeros(1024, dtype=torch.int64)
+        spec._context_slot_mappings = torch.zeros(1, 1024, dtype=torch.int64)
+        spec._layer_group_idx = None
+        return spec
+
+    drafter = DFlashQwen3ForCausalLM.__new__(DFlashQwen3ForCausalLM)
+    object.__setattr__(drafter, "__dict__", {})  # no nn.Module __init__: a bare instance
+    spec = speculator(drafter)
+    spec.capture()
+    assert captured == [[18, 9]]
+    graphs = drafter.__dict__[dflash_context_kv.GRAPHS_ATTR]
+    original = DFlashQwen3ForCausalLM.precompute_and_store_context_kv._ddtree_original
+    assert isinstance(graphs, ckv.ContextKVGraphs) and graphs.precompute.func is original
+
+    speculator(drafter, shapes=[1, 4, 8]).capture()  # auto: every verify shape
+    assert captured[-1] == [18, 10, 9, 5, 4, 2]
+
+    class OtherDrafter:  # a DFlash drafter class the patch does not route
+        def precompute_and_store_context_kv(self, *args):
+            pass
+
+    other = OtherDrafter()
+    speculator(other).capture()
+    assert len(captured) == 2 and not hasattr(other, dflash_context_kv.GRAPHS_ATTR)
+    monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "0")
+    speculator(drafter).capture()
+    assert len(captured) == 2

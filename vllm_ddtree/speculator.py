@@ -329,9 +329,11 @@ class DDTreeSpeculator(DFlashSpeculator):
         from vllm.distributed.parallel_state import graph_capture
 
         method = type(self.model).precompute_and_store_context_kv
+        if not getattr(method, "_ddtree_patched", False):
+            return  # a drafter class patches.dflash_context_kv does not route
         # vLLM's eager method, not patches.dflash_context_kv's wrapper (which would
         # replay graphs of an earlier capture).
-        eager = functools.partial(getattr(method, "_ddtree_original", method), self.model)
+        eager = functools.partial(method._ddtree_original, self.model)
         graphs = ContextKVGraphs(eager,
                                  self.hidden_states, self.context_positions,
                                  self._context_slot_mappings, self._layer_group_idx)
