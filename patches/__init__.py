@@ -11,6 +11,7 @@ import importlib
 import os
 
 from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
+from patches.dflash_context_kv import chain_graphs_requested
 from patches.scheduler_common_prefix import skip_common_prefix_setting
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
@@ -52,7 +53,8 @@ def runner_patches_requested() -> bool:
 def apply_all() -> list[str]:
     """Apply every patch in ``PATCH_MODULES`` (and ``RUNNER_PATCHES`` when
     ``VLLM_DDTREE_RUNNER=1``, else ``scheduler_common_prefix`` alone when
-    ``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``); returns the names applied."""
+    ``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``; and the chain's context K/V graphs when
+    ``VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1``); returns the names applied."""
     applied = []
     for name in PATCH_MODULES:
         importlib.import_module(f"patches.{name}").apply()
@@ -65,6 +67,10 @@ def apply_all() -> list[str]:
         # vLLM's own methods with DDTree's scheduler fix (VLLM_DDTREE_SKIP_COMMON_PREFIX=1)
         importlib.import_module("patches.scheduler_common_prefix").apply()
         applied.append("scheduler_common_prefix")
+    if chain_graphs_requested():
+        # vLLM's chain with DDTree's context K/V graphs (VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1)
+        importlib.import_module("patches.dflash_context_kv").apply_chain()
+        applied.append("dflash_context_kv (chain)")
     return applied
 
 

@@ -213,3 +213,40 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "0")
     speculator(drafter).capture()
     assert len(captured) == 2
+
+
+def test_the_chain_switch_captures_for_vllms_dflash_only(monkeypatch):
+    """VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1 (bench +ctxgraph): vLLM's DFlash chain
+    captures the context graphs for its 1 + N rows a request after its drafter graphs;
+    a DDTree speculator (which captures its own) is left alone; bad values are named."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    import vllm_ddtree.context_kv_graphs as module
+    import vllm_ddtree.speculator as speculator
+    from patches import dflash_context_kv
+    from vllm_ddtree.speculator import DDTreeSpeculator
+
+    monkeypatch.delenv(dflash_context_kv.CHAIN_ENV, raising=False)
+    assert not dflash_context_kv.chain_graphs_requested()
+    monkeypatch.setenv(dflash_context_kv.CHAIN_ENV, "on")
+    with pytest.raises(ValueError, match=dflash_context_kv.CHAIN_ENV):
+        dflash_context_kv.chain_graphs_requested()
+    monkeypatch.setenv(dflash_context_kv.CHAIN_ENV, "1")
+    assert dflash_context_kv.chain_graphs_requested()
+
+    drafter_captures, context_captures = [], []
+    monkeypatch.setattr(DFlashSpeculator, "capture",
+                        lambda self: drafter_captures.append(type(self).__name__))
+    for where in (module, speculator):
+        monkeypatch.setattr(where, "capture_for_speculator",
+                            lambda spec, rows: context_captures.append(list(rows)))
+    dflash_context_kv.apply_chain()
+    dflash_context_kv.apply_chain()  # idempotent
+    chain = DFlashSpeculator.__new__(DFlashSpeculator)
+    chain.num_query_per_req = 16
+    chain.capture()
+    assert drafter_captures == ["DFlashSpeculator"] and context_captures == [[16]]
+    ddtree = DDTreeSpeculator.__new__(DDTreeSpeculator)
+    ddtree.budget, ddtree.verify_shape = 64, None
+    ddtree.capture()  # its own capture, once, with 1 + B rows
+    assert drafter_captures[-1] == "DDTreeSpeculator" and context_captures == [[16], [65]]

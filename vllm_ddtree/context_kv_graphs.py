@@ -18,6 +18,7 @@ runs eagerly, as before.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 
@@ -27,6 +28,7 @@ __all__ = [
     "CONTEXT_KV_GRAPH_ENV",
     "ContextKVGraphs",
     "context_kv_graph_enabled",
+    "capture_for_speculator",
     "context_lengths_to_capture",
     "decode_context_lengths",
 ]
@@ -174,3 +176,35 @@ class ContextKVGraphs:
             self.graphs[n] = graph
             if pool is None:
                 pool = graph.pool()
+
+
+def capture_for_speculator(spec, rows_per_request: Sequence[int]) -> ContextKVGraphs | None:
+    """Capture the context K/V graphs of a DFlash speculator (vLLM's
+    ``DFlashSpeculator`` or ``DDTreeSpeculator``, after its drafter graphs) for
+    ``rows_per_request`` verify rows a request, and hand them to its drafter (the
+    attribute ``patches.dflash_context_kv`` reads). Returns them, or None when nothing
+    is captured: the switch is off, no CUDA, the drafter has no FULL graph, or its class
+    is not routed by the patch."""
+    if not context_kv_graph_enabled() or spec.device.type != "cuda":
+        return None
+    from vllm.config.compilation import CUDAGraphMode
+
+    manager = spec.query_cudagraph_manager
+    lengths = decode_context_lengths(
+        getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, []),
+        spec.num_query_per_req, spec.max_num_reqs, rows_per_request, spec.max_num_tokens)
+    method = type(spec.model).precompute_and_store_context_kv
+    if not lengths or not getattr(method, "_ddtree_patched", False):
+        return None
+    from vllm.distributed.parallel_state import graph_capture
+
+    # vLLM's eager method, not the patch's wrapper (which would replay graphs of an
+    # earlier capture).
+    eager = functools.partial(method._ddtree_original, spec.model)
+    graphs = ContextKVGraphs(eager, spec.hidden_states, spec.context_positions,
+                             spec._context_slot_mappings, spec._layer_group_idx)
+    with graph_capture(device=spec.device):
+        graphs.capture(lengths)
+    # Read by patches.dflash_context_kv (a plain attribute, not a submodule).
+    spec.model._ddtree_context_kv_graphs = graphs
+    return graphs

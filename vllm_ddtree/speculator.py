@@ -66,7 +66,6 @@ Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
 from __future__ import annotations
 
-import functools
 import time
 from typing import Any
 
@@ -76,11 +75,7 @@ from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from attention_backends.tree_mask_state import decode_query_limit
-from vllm_ddtree.context_kv_graphs import (
-    ContextKVGraphs,
-    context_kv_graph_enabled,
-    decode_context_lengths,
-)
+from vllm_ddtree.context_kv_graphs import capture_for_speculator
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.round_kernels import (
@@ -315,32 +310,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         ``auto``'s verify shapes ``s``) for request counts ``R`` up to the largest the
         drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
         super().capture()
-        if not context_kv_graph_enabled() or self.device.type != "cuda":
-            return
-        manager = self.query_cudagraph_manager
         rows = [1 + self.budget]
         if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
             rows += [1 + s for s in self.verify_shape.shapes]
-        lengths = decode_context_lengths(
-            getattr(manager, "_capture_descs", {}).get(CUDAGraphMode.FULL, []),
-            self.num_query_per_req, self.max_num_reqs, rows, self.max_num_tokens)
-        if not lengths:
-            return  # the drafter runs eagerly: so does its precompute
-        from vllm.distributed.parallel_state import graph_capture
-
-        method = type(self.model).precompute_and_store_context_kv
-        if not getattr(method, "_ddtree_patched", False):
-            return  # a drafter class patches.dflash_context_kv does not route
-        # vLLM's eager method, not patches.dflash_context_kv's wrapper (which would
-        # replay graphs of an earlier capture).
-        eager = functools.partial(method._ddtree_original, self.model)
-        graphs = ContextKVGraphs(eager,
-                                 self.hidden_states, self.context_positions,
-                                 self._context_slot_mappings, self._layer_group_idx)
-        with graph_capture(device=self.device):
-            graphs.capture(lengths)
-        # Read by patches.dflash_context_kv (a plain attribute, not a submodule).
-        self.model._ddtree_context_kv_graphs = graphs
+        capture_for_speculator(self, rows)
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
         """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
