@@ -637,3 +637,40 @@ def test_policy_at_tp2_takes_the_first_ranks_budget(monkeypatch):
     assert int(BudgetPolicy(policy.table, 3).choose(scores, torch.tensor([1000]))) == 16
     assert int(policy.choose(scores, torch.tensor([1000]))) == 2
     assert sent == [(4, "tp-group")]
+
+
+def test_in_graph_choice_reads_the_target_seq_lens_and_skips_the_profile_run():
+    """``VLLM_DDTREE_AUTO_IN_GRAPH=1``: the drafter step chooses from the target's
+    ``seq_lens`` buffer; vLLM's profile run drafts before ``set_attn`` hands that buffer
+    over (the s32 GPU run died there), so that step stores full trees and chooses
+    nothing."""
+    from test_ddtree_integration_units import fake_speculator
+
+    spec = fake_speculator(adaptive_state())
+    spec.adaptive = spec.store_trees_in_graph = True
+    spec.batch_scores = torch.zeros(6, BUDGET)
+    num_reqs, block = 2, DEPTHS + 1
+    hidden = torch.randn(num_reqs * block, VOCAB)
+    spec._run_model = lambda *a: hidden
+    spec.model = NS(compute_logits=lambda h: h)
+    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS, dtype=torch.int32)
+    chosen = torch.tensor([5])
+    calls, stored = [], []
+    spec.budget_policy = NS(choose_in_graph=lambda scores, lens, rows, stride: (
+        calls.append((scores.clone(), lens.clone(), rows, stride)) or chosen))
+    spec._store_trees_in_step = lambda n, active=None: stored.append((n, active))
+
+    assert not hasattr(spec, "target_input_buffers")  # the profile run
+    spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
+    assert calls == [] and stored == [(num_reqs, None)]
+
+    spec.target_input_buffers = NS(seq_lens=torch.tensor([900, 70000, 0, 0],
+                                                         dtype=torch.int32))
+    spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
+    scores, lens, rows, stride = calls[0]
+    assert lens.tolist() == [900, 70000] and stride == DEPTHS
+    assert rows is spec.sample_idx_mapping
+    assert torch.equal(scores, spec.batch_scores[:num_reqs])
+    assert stored[1] == (num_reqs, chosen)

@@ -397,9 +397,12 @@ class DDTreeSpeculator(DFlashSpeculator):
         build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
         if self.store_trees_in_graph:
             active = None
-            if self.adaptive:  # VLLM_DDTREE_AUTO_IN_GRAPH=1
+            # vLLM's profile run drafts before set_attn hands over the target's buffers:
+            # that dummy step stores full trees (no choice, nothing to choose for).
+            target_buffers = getattr(self, "target_input_buffers", None)
+            if self.adaptive and target_buffers is not None:  # VLLM_DDTREE_AUTO_IN_GRAPH=1
                 active = self.budget_policy.choose_in_graph(
-                    self.batch_scores[:num_reqs], self.target_input_buffers.seq_lens[:num_reqs],
+                    self.batch_scores[:num_reqs], target_buffers.seq_lens[:num_reqs],
                     self.sample_idx_mapping, self.num_draft_depths)
             self._store_trees_in_step(num_reqs, active=active)
 
