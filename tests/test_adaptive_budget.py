@@ -644,17 +644,14 @@ def test_in_graph_choice_reads_the_target_seq_lens_and_skips_the_profile_run():
     ``seq_lens`` buffer; vLLM's profile run drafts before ``set_attn`` hands that buffer
     over (the s32 GPU run died there), so that step stores full trees and chooses
     nothing."""
-    from test_ddtree_integration_units import fake_speculator
+    from test_ddtree_integration_units import fake_speculator, feed_drafter_step
 
     spec = fake_speculator(adaptive_state())
     spec.adaptive = spec.store_trees_in_graph = True
     spec.batch_scores = torch.zeros(6, BUDGET)
     num_reqs, block = 2, DEPTHS + 1
     hidden = torch.randn(num_reqs * block, VOCAB)
-    spec._run_model = lambda *a: hidden
-    spec.model = NS(compute_logits=lambda h: h)
-    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
-        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    feed_drafter_step(spec, hidden, num_reqs)
     spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS, dtype=torch.int32)
     chosen = torch.tensor([5])
     calls, stored = [], []

@@ -378,16 +378,24 @@ def fake_speculator(state):
     return spec
 
 
+def feed_drafter_step(spec, hidden, num_reqs, logit_scale=1.0):
+    """Stand-ins for the drafter forward of ``spec._generate_draft``: ``_run_model``
+    returns ``hidden`` (fp32 ``[R * (L + 1), V]``), logits are ``hidden * logit_scale``,
+    and the sample rows are query offsets 1..L of each request (prepare_dflash_inputs'
+    layout)."""
+    block = DEPTHS + 1
+    spec._run_model = lambda *args: hidden
+    spec.model = NS(compute_logits=lambda h: h * logit_scale)
+    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+
+
 def test_generate_draft_builds_trees_from_drafter_logits():
     state = new_state()
     spec = fake_speculator(state)
     num_reqs, block = 2, DEPTHS + 1
     hidden = torch.randn(num_reqs * block, VOCAB)
-    spec._run_model = lambda *args: hidden
-    spec.model = NS(compute_logits=lambda h: h * 3)
-    # sample rows: query offsets 1..L of each request (prepare_dflash_inputs' layout)
-    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
-        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    feed_drafter_step(spec, hidden, num_reqs, logit_scale=3)
     spec._generate_draft(num_reqs, num_reqs * block, None, None, None)
     want = build_ddtree((hidden * 3).view(num_reqs, block, VOCAB)[:, 1:], BUDGET)
     assert torch.equal(spec.draft_tokens[:num_reqs], want.tokens)
@@ -407,10 +415,7 @@ def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
     spec.store_trees_in_graph = True
     num_reqs, block = 3, DEPTHS + 1  # the third request pads a captured batch of 3
     hidden = torch.randn(num_reqs * block, VOCAB)
-    spec._run_model = lambda *args: hidden
-    spec.model = NS(compute_logits=lambda h: h * 3)
-    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
-        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    feed_drafter_step(spec, hidden, num_reqs, logit_scale=3)
     spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS + [-1] * DEPTHS
                                            + [0] * DEPTHS * (MAX_REQS - num_reqs),
                                            dtype=torch.int32)
@@ -476,10 +481,7 @@ def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
     hidden = torch.randn(num_reqs * block, VOCAB, generator=gen)
     hidden[2 * block:] = 0.0
     hidden[2 * block:, 0] = 50.0  # the padding request: a certain chain
-    spec._run_model = lambda *args: hidden
-    spec.model = NS(compute_logits=lambda h: h)
-    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
-        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    feed_drafter_step(spec, hidden, num_reqs)
     spec.sample_idx_mapping = torch.tensor([4] * DEPTHS + [1] * DEPTHS + [-1] * DEPTHS
                                            + [0] * DEPTHS * (MAX_REQS - num_reqs),
                                            dtype=torch.int32)

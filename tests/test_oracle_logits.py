@@ -12,7 +12,14 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-from test_ddtree_integration_units import BUDGET, DEPTHS, fake_speculator, make_scenario, new_state
+from test_ddtree_integration_units import (
+    BUDGET,
+    DEPTHS,
+    fake_speculator,
+    feed_drafter_step,
+    make_scenario,
+    new_state,
+)
 
 from vllm_ddtree.testing.oracle import (
     CONFIDENT_LOGIT,
@@ -155,10 +162,7 @@ def test_install_oracle_drafts_the_truth_and_records_rounds(monkeypatch):
     spec = fake_speculator(state)
     num_reqs, block = 2, DEPTHS + 1
     hidden = torch.randn(num_reqs * block, vocab)
-    spec._run_model = lambda *args: hidden
-    spec.model = NS(compute_logits=lambda h: h)
-    spec.sample_indices[: num_reqs * DEPTHS] = torch.tensor(
-        [r * block + k for r in range(num_reqs) for k in range(1, block)])
+    feed_drafter_step(spec, hidden, num_reqs)
     # row 0: bonus at position 7 -> depths predict 8..11; row 1 a warm-up request
     spec.sample_pos = torch.zeros(6 * DEPTHS, dtype=torch.int64)
     spec.sample_pos[:DEPTHS] = torch.arange(8, 8 + DEPTHS)
