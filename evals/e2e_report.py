@@ -34,7 +34,9 @@ RUN_SWITCHES = (
     # (default); +eagerctx runs it eagerly, as vLLM does.
     ("+eagerctx", "VLLM_DDTREE_CONTEXT_KV_GRAPH", "0", "eager context K/V", _DDTREE),
     # round_kernels.auto_in_graph: auto's choice and tree store inside the drafter's graph
+    # (default); +eagerauto chooses and stores eagerly after it
     ("+autograph", "VLLM_DDTREE_AUTO_IN_GRAPH", "1", "auto choice in graph", _DDTREE),
+    ("+eagerauto", "VLLM_DDTREE_AUTO_IN_GRAPH", "0", "eager auto choice", _DDTREE),
     # patches.dflash_context_kv.apply_chain: vLLM's chain with DDTree's context K/V graphs
     ("+ctxgraph", "VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH", "1", "context K/V graphs",
      ("dflash",)),

@@ -20,7 +20,8 @@
 #   direct   VLLM_DDTREE_DIRECT_LAUNCH=1: its GPU test, then ddtree + graphs with it on
 #   probe    evals/probe_launch_wait.py (a launch's host time after a CUDA-graph replay)
 #   ctxgraph the context K/V precompute in CUDA graphs: its GPU test, then the ddtree suite
-#   autograph  VLLM_DDTREE_AUTO_IN_GRAPH=1: auto's choice + store in the drafter's graph
+#   autograph  VLLM_DDTREE_AUTO_IN_GRAPH=1 (default): auto's choice + store in the drafter's
+#            graph; autoeager: the same tests with =0 (eager choice and store)
 #   treestore  VLLM_DDTREE_TREE_STORE=graph: ddtree + graphs with the trees stored in the
 #            drafter's CUDA graph
 #   onegroup the graphs test with disable_hybrid_kv_cache_manager (one KV-cache group)
@@ -135,11 +136,12 @@ for stage in "$@"; do
       # ddtree suite (greedy = AR with CUDA graphs, the mixed batch, one KV-cache group)
       stage_pytest ctxgraph 540 tests/gpu/test_context_kv_graphs_gpu.py \
         tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not auto" ;;
-    autograph)  # VLLM_DDTREE_AUTO_IN_GRAPH=1 (experimental, written after the s31 GPU
-      # time): the choice kernel compiled, then auto's GPU tests with the choice and the
-      # store inside the drafter's graph. Then time it: E2E_LOCKSTEP=1
-      # E2E_RUNS="ddtree-16 ddtree-32 ddtree-64 ddtree-auto ddtree-auto+autograph" e2e_kimi64
-      VLLM_DDTREE_AUTO_IN_GRAPH=1 stage_pytest autograph 540 \
+    autograph|autoeager)  # auto's choice + tree store inside the drafter's graph
+      # (VLLM_DDTREE_AUTO_IN_GRAPH=1, the default since the twenty-sixth session, whose
+      # run passed the choice kernel's tests and auto's eager / graphs / fixed-shape
+      # tests; the cycled-shape test ran out of time) or eagerly after it (autoeager: =0)
+      flag=1; [ "$stage" = autoeager ] && flag=0
+      VLLM_DDTREE_AUTO_IN_GRAPH=$flag stage_pytest "$stage" 540 \
         tests/test_budget_choice_kernel.py tests/gpu/test_ddtree_vllm.py -k "auto or budget_choice" ;;
     probe)  # evals/probe_launch_wait.py: host us of one Triton / PyTorch launch idle, right
       # after a CUDA-graph replay, after replay + a host gap, and beside a busy thread

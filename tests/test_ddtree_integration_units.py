@@ -524,9 +524,10 @@ def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
 def test_auto_in_graph_switch(monkeypatch):
     from vllm_ddtree.round_kernels import AUTO_IN_GRAPH_ENV, auto_in_graph
 
+    monkeypatch.delenv(AUTO_IN_GRAPH_ENV, raising=False)
+    assert auto_in_graph()  # the default
+    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "0")
     assert not auto_in_graph()
-    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "1")
-    assert auto_in_graph()
     monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "yes")
     with pytest.raises(ValueError, match=AUTO_IN_GRAPH_ENV):
         auto_in_graph()

@@ -40,16 +40,16 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   ``valid_ctx_end = ctx_end - num_rejected`` (``:502-503``) needs once rows 0..a
   hold the path.
 * **``ddtree_budget: "auto"``** (``vllm_ddtree.budget_policy``): ``_generate_draft``
-  also keeps the node scores (``batch_scores``); ``propose`` then picks the batch's
-  active budget ``b`` eagerly (outside the drafter's graph, no host sync) and
-  stores it with the trees (``DDTREE_STATE.active_nodes``); the backends skip the
-  inactive rows and the verifier ignores them. With adaptive verify shapes
-  (``vllm_ddtree.verify_shape``, the default at TP = 1) ``b`` also goes to the host
-  without a sync, and later steps verify ``1 + s`` rows (``s >= b`` of a recent
-  round) instead of ``1 + B``. Without the key none of this runs. With
-  ``VLLM_DDTREE_AUTO_IN_GRAPH=1`` (experimental) the choice and the store run inside
-  ``_generate_draft`` instead (``BudgetPolicy.choose_in_graph``), so inside the
-  drafter's CUDA graph.
+  also keeps the node scores (``batch_scores``) and picks the batch's active budget
+  ``b`` from them and the target's sequence lengths (``BudgetPolicy.choose_in_graph``),
+  storing it with the trees (``DDTREE_STATE.active_nodes``), all inside the drafter's
+  CUDA graph; the backends skip the inactive rows and the verifier ignores them. At
+  TP > 1, with ``VLLM_DDTREE_AUTO_IN_GRAPH=0`` or the PyTorch round ops, ``propose``
+  makes the same choice eagerly after the graph (no host sync either way). With
+  adaptive verify shapes (``vllm_ddtree.verify_shape``, the default at TP = 1) ``b``
+  also goes to the host without a sync, and later steps verify ``1 + s`` rows
+  (``s >= b`` of a recent round) instead of ``1 + B``. Without the key none of this
+  runs.
 
 Assumptions about vLLM internals (to re-check on any vLLM upgrade):
 
@@ -281,8 +281,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         if ddtree.adaptive:
             self._init_adaptive(vllm_config, device)
         # The trees reach the request-state rows inside the drafter's step (its CUDA
-        # graph) rather than in an eager launch after it. ``auto`` picks the active
-        # budget after the graph, so it keeps the eager store.
+        # graph) rather than in an eager launch after it; ``auto`` does so with its
+        # budget choice in the graph too (VLLM_DDTREE_AUTO_IN_GRAPH, default 1).
         in_graph_ok = device.type == "cuda" and round_kernels() == "triton"
         self.store_trees_in_graph = in_graph_ok and (
             # at TP > 1 the ranks' choice is broadcast eagerly
