@@ -1288,3 +1288,29 @@ def test_paired_rounds_table_compares_runs_within_each_lockstep_round():
     assert cols[7:10] == ["2.08 (1.75-2.40)", "2/2", "2.08 (n=2)"], cols
     assert "Paired rounds" in table
     assert e2e_report._paired_table([dict(r, measured_seq=None) for r in rows]) == []
+
+
+def test_lockstep_child_releases_cached_memory_after_each_written_row(tmp_path, monkeypatch):
+    """``serve_commands`` calls ``after_cell`` once per command, after the row reached the
+    result file (outside the measurement), failed cells included."""
+    import io
+
+    out = tmp_path / "child.json"
+    spec = {"out": str(out), "run": "ddtree-64", "setup": "kimi8", "max_tokens": 128}
+    commands = [{"cell": [1024, 1, "random"], "repeat": r, "seq": r} for r in range(3)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO(
+        "".join(json.dumps(c) + "\n" for c in commands) + "quit\n"))
+    rows_at_release = []
+
+    def measure(cell_spec, cell):
+        if cell_spec["repeat"] == 1:
+            raise RuntimeError("boom")
+        return {"status": bench_e2e.STATUS_OK, "repeat": cell_spec["repeat"]}
+
+    result = {"meta": {}, "rows": []}
+    bench_e2e.serve_commands(
+        spec, result, measure,
+        after_cell=lambda: rows_at_release.append(len(json.loads(out.read_text())["rows"])))
+    assert rows_at_release == [1, 2, 3]
+    assert [r["status"] for r in result["rows"]] == [
+        bench_e2e.STATUS_OK, bench_e2e.STATUS_FAILED, bench_e2e.STATUS_NOT_RUN]
