@@ -255,6 +255,9 @@ def test_forced_budget_hook(monkeypatch):
     from vllm_ddtree.testing import forced_budgets
 
     monkeypatch.setattr(BudgetPolicy, "choose", BudgetPolicy.choose)  # restored after
+    # The in-graph choice needs CUDA; a stand-in writes the policy's own pick (B).
+    monkeypatch.setattr(BudgetPolicy, "choose_in_graph",
+                        lambda self, *args: self.chosen.fill_(self.max_budget))
     assert not forced_budgets.apply_from_env()  # unset: nothing happens
     monkeypatch.setenv(forced_budgets.ENV, "1,4,99")
     assert forced_budgets.apply_from_env()
@@ -262,6 +265,12 @@ def test_forced_budget_hook(monkeypatch):
     policy = BudgetPolicy(table, num_layers=2)
     scores, ctx = torch.zeros(2, 8), torch.tensor([100, 200])
     assert [int(policy.choose(scores, ctx)) for _ in range(4)] == [1, 4, 8, 1]
+    # In the graph: the forced budget lands in ``chosen`` from a device counter (a
+    # replayed graph has no host iterator), overriding the policy's own pick.
+    rows = torch.zeros(2, dtype=torch.int32)
+    picks = [int(policy.choose_in_graph(scores, ctx, rows, 1)) for _ in range(4)]
+    assert picks == [1, 4, 8, 1]
+    assert int(policy.chosen) == 1 and int(policy._forced_turn) == 4
     for bad in ("", "0,2", "a"):
         with pytest.raises(ValueError, match=forced_budgets.ENV):
             forced_budgets.parse_budgets(bad)

@@ -1,7 +1,9 @@
 """Test hook: replace ``ddtree_budget: "auto"``'s per-round choice by given budgets.
 
 ``VLLM_DDTREE_TEST_FORCED_BUDGETS=1,4,3,16`` makes ``BudgetPolicy.choose`` return
-those budgets in turn (the policy still runs, so its side effects stay). The plugin
+those budgets in turn, and ``BudgetPolicy.choose_in_graph`` (the choice inside the
+drafter's CUDA graph, ``VLLM_DDTREE_AUTO_IN_GRAPH=1``) write them in turn from a device
+counter that every replay advances (the policy still runs, so its side effects stay). The plugin
 applies it in every process that loads it (``vllm_ddtree.register``), so it reaches
 tensor-parallel workers too; ``evals/check_ddtree_vllm.py --cycle-budgets`` sets it.
 It exists so the GPU tests can force verify shapes below B, shape changes and choices
@@ -50,6 +52,30 @@ def force_budget_choices(budgets: list[int]) -> None:
 
     choose._forced_original = original
     BudgetPolicy.choose = choose
+
+    original_in_graph = getattr(BudgetPolicy.choose_in_graph, "_forced_original",
+                                BudgetPolicy.choose_in_graph)
+
+    def choose_in_graph(self, scores, context_lens, row_of_sample, idx_stride):
+        original_in_graph(self, scores, context_lens, row_of_sample, idx_stride)
+        forced = getattr(self, "_forced_budgets", None)
+        if forced is None:
+            # A graph cannot capture this host-to-device copy: the speculator makes one
+            # eager call before any capture (``DDTreeSpeculator.__init__``).
+            if self.chosen.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("forced budgets: the first in-graph choice was captured")
+            capped = [min(b, self.max_budget) for b in budgets]
+            forced = torch.tensor(capped, dtype=torch.int64, device=self.chosen.device)
+            self._forced_budgets = forced
+            self._forced_turn = torch.zeros(1, dtype=torch.int64, device=forced.device)
+        # Device ops only, so that every replay of the graph picks the next budget.
+        index = torch.remainder(self._forced_turn, forced.numel())
+        self.chosen.copy_(forced.index_select(0, index))
+        self._forced_turn.add_(1)
+        return self.chosen
+
+    choose_in_graph._forced_original = original_in_graph
+    BudgetPolicy.choose_in_graph = choose_in_graph
 
 
 def apply_from_env() -> bool:
