@@ -28,6 +28,7 @@
 #   tp2      DDTree TP=2 vs TP=1 with CUDA graphs (run with kind nvidia-h200-x2)
 #   auto     ddtree_budget "auto" (B <= 32) vs AR: eager, CUDA graphs, fixed shape, and
 #            adaptive shapes forced below B (--cycle-budgets)
+#   cycled   only the last of those (the forced shapes), about 330 s on a fresh machine
 #   launches the MLA tree launches of a profiled run, replayed alone (evals/replay_mla_launch.py)
 #   syncs    evals/count_host_syncs.py: host syncs / D2H copies per step, DDTree vs DFlash vs AR
 #            (SYNCS_ARGS="--auto --methods ddtree" profiles ddtree_budget "auto")
@@ -160,6 +161,10 @@ for stage in "$@"; do
       VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_DDTREE_TP_NCCL_ONLY=1 stage_pytest tp2 480 \
         tests/gpu/test_ddtree_tp2.py ;;
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
+    cycled)  # auto's cycled-shape test alone (about 330 s on a fresh machine, 2026-12-03):
+      # budgets forced through 1..32 by VLLM_DDTREE_TEST_FORCED_BUDGETS, in the drafter's
+      # graph since the twenty-seventh session (its first run there saw 32 nodes a round)
+      stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
     syncs)
       timeout "${STAGE_LIMIT:-420}" python3 evals/count_host_syncs.py ${SYNCS_ARGS:-} \
         --out "$OUT/host_syncs.md" \
