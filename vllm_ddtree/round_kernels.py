@@ -99,9 +99,8 @@ def tree_store() -> str:
 # (padding requests skipped by their -1 state row), leaving the wall-time copy in and the
 # chosen-budget copy out; ``0`` chooses and stores eagerly after the graph (four eager
 # operations a round). In-graph needs TP = 1 and the Triton round kernels on CUDA; other
-# setups keep the eager path. H200, twenty-sixth session: auto's GPU tests passed with it
-# and it closed auto's host gap to the best fixed budget (kimi64 1k / 16k: 1.00x / 0.98x,
-# against 0.89x / 0.90x eager).
+# setups keep the eager path. Its H200 figures against the eager path are in
+# evals/results/ddtree_vllm_h200.md.
 AUTO_IN_GRAPH_ENV = "VLLM_DDTREE_AUTO_IN_GRAPH"
 DEFAULT_AUTO_IN_GRAPH = "1"
 
