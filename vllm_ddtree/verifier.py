@@ -424,7 +424,12 @@ class DDTreeVerifier:
         return out
 
     def _counts(self, input_batch: Any) -> bool:
-        """Whether this batch's walks go into DDTree's acceptance counters."""
+        """Whether this batch's walks go into DDTree's acceptance counters.
+
+        Every verified tree counts, also a round that was in flight when its request
+        finished (a stop string, async scheduling); vLLM's scheduler skips those
+        (``Scheduler.update_from_output``), so under stop strings DDTree's counters hold
+        up to one more round per request than vLLM's."""
         if self.state.accepted_sum is None or self.state.num_drafts is None:
             return False
         # V2 warm-up batches hold only warm-up requests (dummy drafts); vLLM's own
