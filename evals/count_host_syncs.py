@@ -234,7 +234,8 @@ class _ThreadIndex:
         return chain[::-1]
 
 
-def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
+def count_trace(events: list[dict], step_name: str = STEP_NAME,
+                region_top: int = TOP_REGION_KERNELS) -> dict:
     """Host syncs, device-to-host copies, kernel launches and GPU time per step of a
     Chrome trace.
 
@@ -266,8 +267,8 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
         first; ``top_kernels``: the ``TOP_KERNELS`` activity names with the most
         time, rows ``{name, us, count}`` (``name`` cut to 80 characters);
         ``region_top_kernels``: per region (regions by GPU time), its
-        ``TOP_REGION_KERNELS`` costliest activity names, rows ``{region, name, us,
-        count}``: e.g. what one method's draft runs that another's does not;
+        ``region_top`` (default ``TOP_REGION_KERNELS``) costliest activity names, rows
+        ``{region, name, us, count}``: e.g. what one method's draft runs that another's does not;
         ``step_gpu_us``: float, summed duration of all those activities.
 
         Host time inside steps: ``host_time``: rows ``{region, host_us, ranges}``, the
@@ -410,7 +411,7 @@ def count_trace(events: list[dict], step_name: str = STEP_NAME) -> dict:
             for r in sorted(region_us, key=lambda r: (-region_us[r], r))
             for k in sorted((k for rr, k in region_kernel_us if rr == r),
                             key=lambda k, r=r: (-region_kernel_us[(r, k)], k))
-            [:TOP_REGION_KERNELS]],
+            [:region_top]],
         "step_gpu_us": round(sum(region_us.values()), 3),
         "host_time": [dict(region=r, host_us=round(host_us[r], 3), ranges=host_ranges[r])
                       for r in sorted(host_us, key=lambda r: (-host_us[r], r))],
@@ -664,7 +665,7 @@ def run_child(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(args.keep_trace) if args.keep_trace else Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        result = count_trace(load_trace_events(trace))
+        result = count_trace(load_trace_events(trace), region_top=args.region_kernels)
     result["method"] = method
     auto = args.auto or method == "ddtree-auto"
     result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
@@ -716,6 +717,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(),
                                                        "ddtree_e2e_models"),
                    help="where the Kimi-shaped config files are written")
+    p.add_argument("--region-kernels", type=int, default=TOP_REGION_KERNELS,
+                   help="kernels listed per region (costliest first)")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
@@ -731,7 +734,7 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
            "--temperature", str(args.temperature), "--ar-backend", args.ar_backend,
            "--dflash-backend", args.dflash_backend, "--setup", args.setup,
            "--context", str(args.context), "--gpu-mem", str(args.gpu_mem),
-           "--model-dir", args.model_dir,
+           "--model-dir", args.model_dir, "--region-kernels", str(args.region_kernels),
            "--graphs" if args.graphs else "--enforce-eager",
            "--with-stack" if args.with_stack else "--no-with-stack"]
     if args.top_k is not None:

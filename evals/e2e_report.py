@@ -40,6 +40,9 @@ RUN_SWITCHES = (
     # patches.dflash_context_kv.apply_chain: vLLM's chain with DDTree's context K/V graphs
     ("+ctxgraph", "VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH", "1", "context K/V graphs",
      ("dflash",)),
+    # vllm_ddtree.context_rows: tree decodes draft from 1 + L context rows a request
+    # (default); +fullctx hands the drafter every verify row, as before
+    ("+fullctx", "VLLM_DDTREE_COMPACT_CONTEXT", "0", "every verify row as context", _DDTREE),
 )
 
 

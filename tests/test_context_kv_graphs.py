@@ -167,6 +167,7 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     from patches import dflash_context_kv
+    from vllm_ddtree.context_rows import COMPACT_CONTEXT_ENV
     from vllm_ddtree.speculator import DDTreeSpeculator
 
     dflash_context_kv.apply()
@@ -210,9 +211,17 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     other = OtherDrafter()
     speculator(other).capture()
     assert len(captured) == 2 and not hasattr(other, dflash_context_kv.GRAPHS_ATTR)
+    # B = 8 over a block of 4: tree decodes draft from 4 context rows a request
+    small_block = speculator(drafter, shapes=[1, 4, 8])
+    small_block.num_query_per_req = 4
+    small_block.capture()
+    assert captured[-1] == [8, 4, 2]
+    monkeypatch.setenv(COMPACT_CONTEXT_ENV, "0")  # every verify row
+    small_block.capture()
+    assert captured[-1] == [18, 10, 9, 5, 4, 2]
     monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "0")
     speculator(drafter).capture()
-    assert len(captured) == 2
+    assert len(captured) == 4
 
 
 def test_the_chain_switch_captures_for_vllms_dflash_only(monkeypatch):
@@ -247,6 +256,6 @@ def test_the_chain_switch_captures_for_vllms_dflash_only(monkeypatch):
     chain.capture()
     assert drafter_captures == ["DFlashSpeculator"] and context_captures == [[16]]
     ddtree = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    ddtree.budget, ddtree.verify_shape = 64, None
-    ddtree.capture()  # its own capture, once, with 1 + B rows
-    assert drafter_captures[-1] == "DDTreeSpeculator" and context_captures == [[16], [65]]
+    ddtree.budget, ddtree.verify_shape, ddtree.num_query_per_req = 64, None, 8
+    ddtree.capture()  # its own capture, once, with the 1 + L rows tree decodes draft from
+    assert drafter_captures[-1] == "DDTreeSpeculator" and context_captures == [[16], [8]]

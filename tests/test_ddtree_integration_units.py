@@ -588,6 +588,77 @@ def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):
     assert torch.equal(cache, cache_before) and seen["aux"] is aux
 
 
+def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch):
+    """A batch of tree decodes: the drafter sees 1 + L context rows a request (the
+    accepted path first), their linear positions, num_rejected = 1 + L - num_sampled
+    and the same requests; the target KV compaction still reads the verify layout. A
+    batch with a prefill chunk keeps every row (vllm_ddtree.context_rows)."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    from vllm_ddtree.context_rows import COMPACT_CONTEXT_ENV
+
+    monkeypatch.delenv(COMPACT_CONTEXT_ENV, raising=False)
+    state = new_state()
+    spec = fake_speculator(state)
+    rows = DEPTHS + 1
+    spec.context_query_start_loc = rows * torch.arange(MAX_REQS + 1, dtype=torch.int32)
+    spec.context_positions_compact = torch.zeros(MAX_REQS * rows, dtype=torch.int64)
+    spec.context_num_rejected = torch.zeros(MAX_REQS, dtype=torch.int32)
+    q = 1 + BUDGET
+    qsl = torch.tensor([0, q, 2 * q], dtype=torch.int32)
+    slots = torch.arange(100, 100 + 2 * q)
+    cache = torch.zeros(200, 1, 2)
+    cache[slots, 0] = torch.arange(2 * q, dtype=torch.float32)[:, None]
+    spec._target_layers_by_group = {0: ["target.0"]}
+    spec.vllm_config = NS(compilation_config=NS(
+        static_forward_context={"target.0": NS(kv_cache=cache)}))
+    seen = {}
+
+    def fake_propose(self, input_batch, attn_metadata, slot_mappings, last_hidden, aux,
+                     num_sampled, num_rejected, *args, **kwargs):
+        seen.update(batch=input_batch, aux=[h.clone() for h in aux],
+                    rejected=num_rejected.clone(), kv=cache[slots, 0, 0].clone())
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
+
+    def run(prefilling):
+        state.record_walk_(torch.tensor([[3, 8, -1, -1], [2, 5, 11, 20]]))
+        aux = [torch.arange(2 * q + 3, dtype=torch.float32)[:, None] * (k + 1)
+               for k in range(3)]
+        batch = NS(num_reqs=2, query_start_loc=qsl, idx_mapping=torch.tensor(
+            [4, 2], dtype=torch.int32), num_tokens=2 * q, num_tokens_after_padding=2 * q,
+            num_scheduled_tokens=np.array([q, q], dtype=np.int32),
+            num_draft_tokens_per_req=np.array([BUDGET, BUDGET], dtype=np.int32),
+            is_prefilling_np=np.array(prefilling), query_start_loc_np=qsl.numpy(),
+            positions=torch.cat([500 + torch.arange(q), 900 + torch.arange(q)]))
+        num_sampled = torch.tensor([3, 5], dtype=torch.int32)
+        num_rejected = q - num_sampled
+        spec.propose(batch, None, {"target.0": slots}, None, aux, num_sampled, num_rejected,
+                     None, None, None, None)
+        return batch
+
+    batch = run([False, False])
+    proxy = seen["batch"]
+    assert proxy is not batch and proxy.num_tokens == 2 * rows
+    assert proxy.query_start_loc.tolist() == [0, rows, 2 * rows]
+    assert proxy.positions.tolist() == [500, 501, 502, 503, 504, 900, 901, 902, 903, 904]
+    assert seen["rejected"].tolist() == [rows - 3, rows - 5]
+    assert [h.shape[0] for h in seen["aux"]] == [2 * rows] * 3
+    # request 0: root, nodes 3 and 8, then its rows 3, 4; request 1: root row q and
+    # its path nodes 2, 5, 11, 20
+    want = [0, 3, 8, 3, 4, q, q + 2, q + 5, q + 11, q + 20]
+    assert seen["aux"][1][:, 0].tolist() == [2.0 * i for i in want]
+    assert seen["kv"].tolist()[:3] == [0.0, 3.0, 8.0]  # verify layout, as before
+    assert seen["kv"].tolist()[q:q + 5] == [q, q + 2, q + 5, q + 11, q + 20]
+    assert batch.num_tokens == 2 * q  # the runner's batch is left as it was
+
+    run([False, True])  # a prefill chunk: every verify row stays context
+    assert seen["batch"].num_tokens == 2 * q and [h.shape[0] for h in seen["aux"]] == [
+        2 * q + 3] * 3
+    assert seen["rejected"].tolist() == [q - 3, q - 5]
+
+
 def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.config.speculative import SpeculativeConfig

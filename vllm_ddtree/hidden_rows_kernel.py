@@ -18,7 +18,7 @@ import triton.language as tl
 
 from vllm_ddtree.direct_launch import DirectLauncher
 
-__all__ = ["hidden_row_gather_index_triton", "move_path_rows_triton"]
+__all__ = ["compact_path_rows_triton", "hidden_row_gather_index_triton", "move_path_rows_triton"]
 
 BLOCK_ROWS = 128
 
@@ -166,5 +166,94 @@ def move_path_rows_triton(
             *ptrs, query_start_loc, kv_src_rows, num_rows, width, hidden, first.stride(0),
             kv_src_rows.stride(0),
             NUM=len(group), BLOCK_L=triton.next_power_of_2(width), BLOCK_H=block_h,
+        )  # fmt: skip
+    return True
+
+
+@triton.jit(do_not_specialize=["num_reqs", "width", "hidden", "rows_per_req"])
+def _compact_path_rows_kernel(
+    x0_ptr, x1_ptr, x2_ptr, x3_ptr,  # [num_rows, hidden] each, one row stride
+    qsl_ptr,  # int32 [>= R + 1]
+    src_ptr,  # int64 [R, width]
+    positions_ptr,  # int64 [num_rows], the verify rows' (linear) positions
+    num_sampled_ptr,  # int32 [R]
+    out_positions_ptr,  # int64 [>= R * rows_per_req]
+    out_num_rejected_ptr,  # int32 [>= R]
+    num_reqs,
+    width,
+    hidden,
+    rows_per_req,
+    stride_row,
+    stride_src_r,
+    NUM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    # One program per column block walks the requests in order: request r's
+    # destination rows [r * c, r * c + c) lie below every row a later request reads
+    # (>= qsl[r + 1] >= (r + 1) * c), and its own sources sit at or after their
+    # destinations, so one barrier per request between its reads and writes suffices.
+    block = tl.program_id(0)
+    cols = block * BLOCK_H + tl.arange(0, BLOCK_H)
+    k = tl.arange(0, BLOCK_C)
+    in_req = k < rows_per_req
+    mask = in_req[:, None] & (cols < hidden)[None, :]
+    for r in range(0, num_reqs):
+        start = tl.load(qsl_ptr + r).to(tl.int64)
+        src = tl.load(src_ptr + r * stride_src_r + (k - 1),
+                      mask=(k >= 1) & (k <= width) & in_req, other=-1)
+        rows = start + tl.where(src >= 0, src, k)
+        dst = (r * rows_per_req + k).to(tl.int64)
+        src_offs = rows[:, None] * stride_row + cols[None, :]
+        dst_offs = dst[:, None] * stride_row + cols[None, :]
+        _move_tile(x0_ptr, src_offs, dst_offs, mask)
+        if NUM > 1:
+            _move_tile(x1_ptr, src_offs, dst_offs, mask)
+        if NUM > 2:
+            _move_tile(x2_ptr, src_offs, dst_offs, mask)
+        if NUM > 3:
+            _move_tile(x3_ptr, src_offs, dst_offs, mask)
+        if block == 0:
+            pos = tl.load(positions_ptr + start + k, mask=in_req)
+            tl.store(out_positions_ptr + dst, pos, mask=in_req)
+            sampled = tl.load(num_sampled_ptr + r)
+            tl.store(out_num_rejected_ptr + r, rows_per_req - sampled)
+
+
+_COMPACT_PATH_ROWS_LAUNCH = DirectLauncher(lambda: _compact_path_rows_kernel)
+
+
+def compact_path_rows_triton(
+    hidden_states: list[torch.Tensor], query_start_loc: torch.Tensor,
+    kv_src_rows: torch.Tensor, positions: torch.Tensor, num_sampled: torch.Tensor,
+    rows_per_req: int, out_positions: torch.Tensor, out_num_rejected: torch.Tensor,
+    *, block_h: int = 128,
+) -> bool:
+    """:func:`vllm_ddtree.context_rows.compact_path_rows_torch` in place, one launch per
+    four tensors (the positions and rejected counts written by the first).
+
+    Same arguments and preconditions. Returns False (nothing done) when the tensors do
+    not share one layout: the caller then takes the PyTorch path. No host sync.
+    """
+    if not hidden_states:
+        return False
+    first = hidden_states[0]
+    if first.dim() != 2 or kv_src_rows.stride(1) != 1 or any(
+            x.shape != first.shape or x.dtype != first.dtype or x.stride() != first.stride()
+            or x.stride(1) != 1 for x in hidden_states):
+        return False
+    if len({x.data_ptr() for x in hidden_states}) != len(hidden_states):
+        return False  # aliased tensors would be moved twice
+    num_reqs, width = kv_src_rows.shape
+    hidden = first.shape[1]
+    grid = (triton.cdiv(hidden, block_h),)
+    for i in range(0, len(hidden_states), MAX_MOVE_TENSORS):
+        group = hidden_states[i:i + MAX_MOVE_TENSORS]
+        ptrs = group + [group[0]] * (MAX_MOVE_TENSORS - len(group))
+        _COMPACT_PATH_ROWS_LAUNCH(grid,
+            *ptrs, query_start_loc, kv_src_rows, positions, num_sampled, out_positions,
+            out_num_rejected, num_reqs, width, hidden, rows_per_req, first.stride(0),
+            kv_src_rows.stride(0),
+            NUM=len(group), BLOCK_C=triton.next_power_of_2(rows_per_req), BLOCK_H=block_h,
         )  # fmt: skip
     return True

@@ -32,7 +32,9 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   (2) gather the target hidden rows ``[0, src_1..src_a] -> [0..a]`` so DFlash's
   context precompute sees the committed path at linear positions (on CUDA the aux
   hidden states are moved in place, ``hidden_rows_kernel.move_path_rows_triton``);
-  (3) after the
+  in a batch of tree decodes only, the paths go to ``1 + L`` rows a request and the
+  drafter drafts from that smaller batch (``vllm_ddtree.context_rows``: its ``fc`` and
+  K/V precompute skip the rejected rows); (3) after the
   draft, scatter the batch trees to request-state rows via ``input_batch.idx_mapping``
   (as the runner does for draft tokens, ``model_runner.py:1521``).
   ``num_rejected`` needs no change: the runner passes the verifier's value
@@ -76,6 +78,12 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from attention_backends.tree_mask_state import decode_query_limit
 from vllm_ddtree.context_kv_graphs import capture_for_speculator
+from vllm_ddtree.context_rows import (
+    compact_context_enabled,
+    compact_path_rows_,
+    compacted_batch,
+    context_rows_per_request,
+)
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.round_kernels import (
@@ -276,6 +284,14 @@ class DDTreeSpeculator(DFlashSpeculator):
             device=device,
         )
         self._target_layers_by_group: dict[int, list[str]] = {}
+        # Context rows of tree-decode rounds, 1 + L a request (vllm_ddtree.context_rows).
+        rows = block_size
+        self.context_query_start_loc = rows * torch.arange(
+            self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.context_positions_compact = torch.zeros(
+            self.max_num_reqs * rows, dtype=torch.int64, device=device)
+        self.context_num_rejected = torch.zeros(self.max_num_reqs, dtype=torch.int32,
+                                                device=device)
         warm_tree_caches(self.num_draft_depths, vllm_config.model_config.get_vocab_size(),
                          self.budget, self.top_k, device)
         if ddtree.adaptive:
@@ -306,14 +322,17 @@ class DDTreeSpeculator(DFlashSpeculator):
     def capture(self) -> None:
         """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
         batches (``vllm_ddtree.context_kv_graphs``; ``VLLM_DDTREE_CONTEXT_KV_GRAPH=0``
-        keeps it eager): ``R * (1 + B)`` context rows (and ``R * (1 + s)`` for
-        ``auto``'s verify shapes ``s``) for request counts ``R`` up to the largest the
+        keeps it eager): ``R * min(1 + B, 1 + L)`` context rows (and ``R * min(1 + s,
+        1 + L)`` for ``auto``'s verify shapes ``s``; ``1 + B`` and ``1 + s`` with
+        ``VLLM_DDTREE_COMPACT_CONTEXT=0``) for request counts ``R`` up to the largest the
         drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
         super().capture()
         rows = [1 + self.budget]
         if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
             rows += [1 + s for s in self.verify_shape.shapes]
-        capture_for_speculator(self, rows)
+        if compact_context_enabled():  # tree decodes draft from 1 + L rows a request
+            rows = [min(q, self.num_query_per_req) for q in rows]
+        capture_for_speculator(self, sorted(set(rows)))
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
         """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
@@ -522,7 +541,20 @@ class DDTreeSpeculator(DFlashSpeculator):
             # slot-mapping rows these views point to (drafter and target may share a
             # KV-cache group).
             self._compact_target_kv(slot_mappings, query_start_loc, walk)
-            if aux_hidden_states:
+            rows = (context_rows_per_request(input_batch, self.num_draft_depths)
+                    if aux_hidden_states else None)
+            if rows is not None:
+                # The drafter reads 1 + L context rows a request, not 1 + B: the
+                # accepted paths go to rows r * (1 + L) + k of the aux states (in
+                # place, as below) and the drafter sees a batch of 1 + L rows each.
+                compact_path_rows_(aux_hidden_states, query_start_loc, walk,
+                                   input_batch.positions, num_sampled, rows,
+                                   self.context_positions_compact, self.context_num_rejected)
+                aux_hidden_states = [h[: num_reqs * rows] for h in aux_hidden_states]
+                input_batch = compacted_batch(input_batch, rows, self.context_query_start_loc,
+                                              self.context_positions_compact)
+                num_rejected = self.context_num_rejected[:num_reqs]
+            elif aux_hidden_states:
                 # The target's aux outputs are read only here until its next forward:
                 # move the path rows in place (one launch) rather than gather copies.
                 moved = use_triton_round_kernels(walk) and move_path_rows_triton(
