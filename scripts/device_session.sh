@@ -121,6 +121,8 @@ for stage in "$@"; do
       # DEFAULT_TREE_BUILD; passed on the H200 2026-11-30 and is now the default)
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
+    ctxrows)  # the context-row compaction kernel compiled on the GPU (vllm_ddtree/context_rows.py)
+      stage_pytest ctxrows 240 tests/test_context_rows.py ;;
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
     direct)  # VLLM_DDTREE_DIRECT_LAUNCH=1 (vllm_ddtree/direct_launch.py, not yet GPU-run):
       # the round kernels through their cached CompiledKernel; its GPU test, then the
