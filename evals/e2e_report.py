@@ -43,6 +43,9 @@ RUN_SWITCHES = (
     # vllm_ddtree.context_rows: tree decodes draft from 1 + L context rows a request
     # (default); +fullctx hands the drafter every verify row, as before
     ("+fullctx", "VLLM_DDTREE_COMPACT_CONTEXT", "0", "every verify row as context", _DDTREE),
+    # vllm_ddtree.dflash_inputs_kernel: every drafter KV-cache group's draft inputs in one
+    # launch (off by default until GPU-run)
+    ("+groupprep", "VLLM_DDTREE_FUSED_PREPARE", "1", "one prepare launch", _DDTREE),
 )
 
 

@@ -659,6 +659,71 @@ def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch)
     assert seen["rejected"].tolist() == [q - 3, q - 5]
 
 
+def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
+    """VLLM_DDTREE_FUSED_PREPARE=1: propose prepares every drafter KV-cache group in one
+    call (dflash_inputs_kernel) with the groups' rows, block tables and block sizes, and
+    DFlash's per-group loop sees no group; the group ids come back afterwards, also
+    when drafting raises. A refused launch (False) leaves DFlash's loop in charge."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    import vllm_ddtree.speculator as speculator_module
+    from vllm_ddtree.round_kernels import FUSED_PREPARE_ENV
+
+    spec = fake_speculator(new_state())
+    spec.draft_kv_cache_group_ids = [1, 3]
+    tables = {1: torch.zeros(2, 4, dtype=torch.int32), 3: torch.ones(2, 8, dtype=torch.int32)}
+    spec.block_tables = NS(slot_mappings=torch.zeros(4, 16, dtype=torch.int64),
+                           input_block_tables=tables, kernel_block_sizes={1: 16, 3: 64})
+    for name in ("input_buffers", "context_positions", "_context_slot_mappings",
+                 "sample_pos", "sample_idx_mapping"):
+        setattr(spec, name, object())
+    spec.parallel_drafting_token_id, spec.num_query_per_req = 9, DEPTHS + 1
+    spec.num_speculative_steps, spec.max_num_tokens, spec.max_model_len = DEPTHS, 64, 512
+    spec.sample_from_anchor = False
+    calls, seen = [], {}
+    accept = [True]
+
+    def fake_groups(*args):
+        calls.append(args)
+        return accept[0]
+
+    def fake_propose(self, input_batch, *args, **kwargs):
+        seen["ids"] = list(self.draft_kv_cache_group_ids)
+        if kwargs.get("is_profile"):
+            raise RuntimeError("drafting failed")
+        return self.draft_tokens[: input_batch.num_reqs]
+
+    monkeypatch.setattr(speculator_module, "prepare_dflash_inputs_groups", fake_groups)
+    monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
+    batch = NS(num_reqs=1, idx_mapping=torch.tensor([0], dtype=torch.int32))
+    ones = torch.ones(1, dtype=torch.int32)
+
+    def propose(**kwargs):
+        spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None, **kwargs)
+
+    monkeypatch.delenv(FUSED_PREPARE_ENV, raising=False)
+    propose()
+    assert not calls and seen["ids"] == [1, 3]  # off by default
+    monkeypatch.setenv(FUSED_PREPARE_ENV, "1")
+    propose()
+    assert len(calls) == 1 and seen["ids"] == [] and spec.draft_kv_cache_group_ids == [1, 3]
+    args = calls[0]
+    assert args[2] == [1, 3] and args[8] is batch
+    assert [t is tables[g] for t, g in zip(args[13], [1, 3], strict=True)] == [True, True]
+    assert args[14] == [16, 64]
+    with pytest.raises(RuntimeError, match="drafting failed"):
+        propose(is_profile=True)
+    assert spec.draft_kv_cache_group_ids == [1, 3]
+    accept[0] = False  # the kernel refused: DFlash's own loop prepares the groups
+    propose()
+    assert seen["ids"] == [1, 3]
+    propose(dummy_run=True)  # dummy runs keep DFlash's path
+    assert len(calls) == 3
+    monkeypatch.setenv(FUSED_PREPARE_ENV, "yes")
+    with pytest.raises(ValueError, match=FUSED_PREPARE_ENV):
+        propose()
+
+
 def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.config.speculative import SpeculativeConfig

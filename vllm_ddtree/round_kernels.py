@@ -109,3 +109,16 @@ def auto_in_graph() -> bool:
     """``VLLM_DDTREE_AUTO_IN_GRAPH`` is ``1``, its default (raises ``ValueError``
     naming it on a value other than ``0`` / ``1``)."""
     return _choice(AUTO_IN_GRAPH_ENV, DEFAULT_AUTO_IN_GRAPH, ("0", "1")) == "1"
+
+
+# DFlash's draft inputs for every drafter KV-cache group in one launch
+# (``dflash_inputs_kernel``) instead of vLLM's one ``prepare_dflash_inputs`` launch per
+# group, ``VLLM_DDTREE_FUSED_PREPARE``: ``0`` (default: not yet GPU-run inside vLLM; the
+# kernel equals vLLM's per-group launches bit for bit in Triton's interpreter) or ``1``.
+FUSED_PREPARE_ENV = "VLLM_DDTREE_FUSED_PREPARE"
+
+
+def fused_prepare() -> bool:
+    """``VLLM_DDTREE_FUSED_PREPARE`` is ``1`` (raises ``ValueError`` naming it on a value
+    other than ``0`` / ``1``)."""
+    return _choice(FUSED_PREPARE_ENV, "0", ("0", "1")) == "1"

@@ -84,10 +84,12 @@ from vllm_ddtree.context_rows import (
     compacted_batch,
     context_rows_per_request,
 )
+from vllm_ddtree.dflash_inputs_kernel import prepare_dflash_inputs_groups
 from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.round_kernels import (
     auto_in_graph,
+    fused_prepare,
     round_kernels,
     tree_store,
     use_triton_round_kernels,
@@ -506,6 +508,24 @@ class DDTreeSpeculator(DFlashSpeculator):
         self._compactor = (firsts, compactor)
         return compactor
 
+    def _prepare_inputs_in_one_launch(self, input_batch, num_sampled, num_rejected,
+                                      last_sampled, next_prefill_tokens) -> bool:
+        """``VLLM_DDTREE_FUSED_PREPARE=1``: DFlash's ``prepare_dflash_inputs`` for every
+        drafter KV-cache group in one launch (``dflash_inputs_kernel``); returns whether
+        it ran (else DFlash's per-group loop runs, as with the switch off)."""
+        if not fused_prepare():
+            return False
+        ids = list(self.draft_kv_cache_group_ids)
+        return prepare_dflash_inputs_groups(
+            self.input_buffers, self.block_tables.slot_mappings, ids, self.context_positions,
+            self._context_slot_mappings, self.sample_indices, self.sample_pos,
+            self.sample_idx_mapping, input_batch, num_sampled, num_rejected, last_sampled,
+            next_prefill_tokens, [self.block_tables.input_block_tables[g] for g in ids],
+            [self.block_tables.kernel_block_sizes[g] for g in ids],
+            self.parallel_drafting_token_id, self.num_query_per_req,
+            self.num_speculative_steps, self.max_num_reqs, self.max_num_tokens,
+            self.max_model_len, self.sample_from_anchor)
+
     @torch.inference_mode()
     def propose(
         self,
@@ -571,24 +591,33 @@ class DDTreeSpeculator(DFlashSpeculator):
                 )
                 last_hidden_states = last_hidden_states[index]
 
-        draft_tokens = super().propose(
-            input_batch,
-            attn_metadata,
-            slot_mappings,
-            last_hidden_states,
-            aux_hidden_states,
-            num_sampled,
-            num_rejected,
-            last_sampled,
-            next_prefill_tokens,
-            temperature,
-            seeds,
-            num_tokens_across_dp=num_tokens_across_dp,
-            dummy_run=dummy_run,
-            skip_attn_for_dummy_run=skip_attn_for_dummy_run,
-            mm_inputs=mm_inputs,
-            is_profile=is_profile,
-        )
+        fused = not dummy_run and self._prepare_inputs_in_one_launch(
+            input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens)
+        group_ids = self.draft_kv_cache_group_ids if fused else None
+        if fused:  # DFlash's per-group prepare loop has nothing left to do
+            self.draft_kv_cache_group_ids = []
+        try:
+            draft_tokens = super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                num_tokens_across_dp=num_tokens_across_dp,
+                dummy_run=dummy_run,
+                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs,
+                is_profile=is_profile,
+            )
+        finally:
+            if group_ids is not None:
+                self.draft_kv_cache_group_ids = group_ids
         if not dummy_run and self.store_trees_in_graph and self.verify_shape is not None:
             self.verify_shape.record_(self.budget_policy.chosen)  # auto, in graph
         if not dummy_run and not self.store_trees_in_graph:
