@@ -123,6 +123,10 @@ for stage in "$@"; do
         -k "not tiny_random and not auto" ;;
     ctxrows)  # the context-row compaction kernel compiled on the GPU (vllm_ddtree/context_rows.py)
       stage_pytest ctxrows 240 tests/test_context_rows.py ;;
+    groupprep)  # VLLM_DDTREE_FUSED_PREPARE=1: the one-launch DFlash prepare compiled against
+      # vLLM's own per-group kernel, then the ddtree suite (mixed sliding/full drafter) on it
+      VLLM_DDTREE_FUSED_PREPARE=1 stage_pytest groupprep 480 tests/test_dflash_inputs_kernel.py \
+        tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not graphs and not auto" ;;
     graphs) stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
     direct)  # VLLM_DDTREE_DIRECT_LAUNCH=1 (vllm_ddtree/direct_launch.py, not yet GPU-run):
       # the round kernels through their cached CompiledKernel; its GPU test, then the
