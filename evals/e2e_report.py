@@ -44,8 +44,10 @@ RUN_SWITCHES = (
     # (default); +fullctx hands the drafter every verify row, as before
     ("+fullctx", "VLLM_DDTREE_COMPACT_CONTEXT", "0", "every verify row as context", _DDTREE),
     # vllm_ddtree.dflash_inputs_kernel: every drafter KV-cache group's draft inputs in one
-    # launch (off by default until GPU-run)
+    # launch (default); +pergroupprep launches vLLM's prepare once per group
     ("+groupprep", "VLLM_DDTREE_FUSED_PREPARE", "1", "one prepare launch", _DDTREE),
+    ("+pergroupprep", "VLLM_DDTREE_FUSED_PREPARE", "0", "a prepare launch per group",
+     _DDTREE),
 )
 
 

@@ -660,14 +660,14 @@ def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch)
 
 
 def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
-    """VLLM_DDTREE_FUSED_PREPARE=1: propose prepares every drafter KV-cache group in one
+    """VLLM_DDTREE_FUSED_PREPARE=1 (default): propose prepares every drafter KV-cache group in one
     call (dflash_inputs_kernel) with the groups' rows, block tables and block sizes, and
     DFlash's per-group loop sees no group; the group ids come back afterwards, also
     when drafting raises. A refused launch (False) leaves DFlash's loop in charge."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     import vllm_ddtree.speculator as speculator_module
-    from vllm_ddtree.round_kernels import FUSED_PREPARE_ENV
+    from vllm_ddtree.round_kernels import FUSED_PREPARE_ENV, fused_prepare, use_fused_prepare
 
     spec = fake_speculator(new_state())
     spec.draft_kv_cache_group_ids = [1, 3]
@@ -694,6 +694,10 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
         return self.draft_tokens[: input_batch.num_reqs]
 
     monkeypatch.setattr(speculator_module, "prepare_dflash_inputs_groups", fake_groups)
+    # CPU rounds keep DFlash's loop (use_fused_prepare needs a CUDA tensor): the test
+    # stands in for a CUDA round, the switch itself still read from the environment.
+    assert not use_fused_prepare(torch.ones(1))
+    monkeypatch.setattr(speculator_module, "use_fused_prepare", lambda t: fused_prepare())
     monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
     batch = NS(num_reqs=1, idx_mapping=torch.tensor([0], dtype=torch.int32))
     ones = torch.ones(1, dtype=torch.int32)
@@ -701,10 +705,10 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
     def propose(**kwargs):
         spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None, **kwargs)
 
-    monkeypatch.delenv(FUSED_PREPARE_ENV, raising=False)
+    monkeypatch.setenv(FUSED_PREPARE_ENV, "0")
     propose()
-    assert not calls and seen["ids"] == [1, 3]  # off by default
-    monkeypatch.setenv(FUSED_PREPARE_ENV, "1")
+    assert not calls and seen["ids"] == [1, 3]  # DFlash's per-group loop
+    monkeypatch.delenv(FUSED_PREPARE_ENV, raising=False)  # on by default
     propose()
     assert len(calls) == 1 and seen["ids"] == [] and spec.draft_kv_cache_group_ids == [1, 3]
     args = calls[0]

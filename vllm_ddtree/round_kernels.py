@@ -113,12 +113,21 @@ def auto_in_graph() -> bool:
 
 # DFlash's draft inputs for every drafter KV-cache group in one launch
 # (``dflash_inputs_kernel``) instead of vLLM's one ``prepare_dflash_inputs`` launch per
-# group, ``VLLM_DDTREE_FUSED_PREPARE``: ``0`` (default: not yet GPU-run inside vLLM; the
-# kernel equals vLLM's per-group launches bit for bit in Triton's interpreter) or ``1``.
+# group, ``VLLM_DDTREE_FUSED_PREPARE``: ``1`` (default; bit-equal to vLLM's per-group
+# launches in Triton's interpreter and on the H200, where the ddtree suite and the graphs
+# test passed with it, thirtieth session) or ``0`` (vLLM's per-group launches).
 FUSED_PREPARE_ENV = "VLLM_DDTREE_FUSED_PREPARE"
+DEFAULT_FUSED_PREPARE = "1"
 
 
 def fused_prepare() -> bool:
-    """``VLLM_DDTREE_FUSED_PREPARE`` is ``1`` (raises ``ValueError`` naming it on a value
-    other than ``0`` / ``1``)."""
-    return _choice(FUSED_PREPARE_ENV, "0", ("0", "1")) == "1"
+    """``VLLM_DDTREE_FUSED_PREPARE`` is ``1``, its default (raises ``ValueError`` naming
+    it on a value other than ``0`` / ``1``)."""
+    return _choice(FUSED_PREPARE_ENV, DEFAULT_FUSED_PREPARE, ("0", "1")) == "1"
+
+
+def use_fused_prepare(tensor: torch.Tensor) -> bool:
+    """True when the round whose ``tensor`` (a CUDA tensor) is given prepares the
+    drafter's inputs in one launch (:func:`fused_prepare`); CPU rounds (tests with fake
+    speculators) keep DFlash's per-group path."""
+    return tensor.is_cuda and fused_prepare()

@@ -89,9 +89,9 @@ from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.kv_compaction_kernel import PathCompactor
 from vllm_ddtree.round_kernels import (
     auto_in_graph,
-    fused_prepare,
     round_kernels,
     tree_store,
+    use_fused_prepare,
     use_triton_round_kernels,
 )
 from vllm_ddtree.runtime_state import (
@@ -510,10 +510,10 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _prepare_inputs_in_one_launch(self, input_batch, num_sampled, num_rejected,
                                       last_sampled, next_prefill_tokens) -> bool:
-        """``VLLM_DDTREE_FUSED_PREPARE=1``: DFlash's ``prepare_dflash_inputs`` for every
-        drafter KV-cache group in one launch (``dflash_inputs_kernel``); returns whether
-        it ran (else DFlash's per-group loop runs, as with the switch off)."""
-        if not fused_prepare():
+        """``VLLM_DDTREE_FUSED_PREPARE=1`` (default): DFlash's ``prepare_dflash_inputs``
+        for every drafter KV-cache group in one launch (``dflash_inputs_kernel``); returns
+        whether it ran (else DFlash's per-group loop runs, as with the switch at 0)."""
+        if not use_fused_prepare(num_sampled):
             return False
         ids = list(self.draft_kv_cache_group_ids)
         return prepare_dflash_inputs_groups(
