@@ -696,7 +696,7 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
     monkeypatch.setattr(speculator_module, "prepare_dflash_inputs_groups", fake_groups)
     # CPU rounds keep DFlash's loop (use_fused_prepare needs a CUDA tensor): the test
     # stands in for a CUDA round, the switch itself still read from the environment.
-    assert not use_fused_prepare(torch.ones(1))
+    assert not use_fused_prepare(torch.ones(1)) and not use_fused_prepare(None)
     monkeypatch.setattr(speculator_module, "use_fused_prepare", lambda t: fused_prepare())
     monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
     batch = NS(num_reqs=1, idx_mapping=torch.tensor([0], dtype=torch.int32))

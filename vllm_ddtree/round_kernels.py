@@ -126,8 +126,8 @@ def fused_prepare() -> bool:
     return _choice(FUSED_PREPARE_ENV, DEFAULT_FUSED_PREPARE, ("0", "1")) == "1"
 
 
-def use_fused_prepare(tensor: torch.Tensor) -> bool:
+def use_fused_prepare(tensor: torch.Tensor | None) -> bool:
     """True when the round whose ``tensor`` (a CUDA tensor) is given prepares the
-    drafter's inputs in one launch (:func:`fused_prepare`); CPU rounds (tests with fake
-    speculators) keep DFlash's per-group path."""
-    return tensor.is_cuda and fused_prepare()
+    drafter's inputs in one launch (:func:`fused_prepare`); CPU rounds and test fakes
+    without the tensor keep DFlash's per-group path."""
+    return isinstance(tensor, torch.Tensor) and tensor.is_cuda and fused_prepare()
