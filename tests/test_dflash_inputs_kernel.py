@@ -187,11 +187,18 @@ BATCHES = {
 }
 
 
+# Entries per padding program: the module's (one chunk here) and a small one, so that
+# several programs share the padding and its chunks end inside each padded buffer.
+PAD_BLOCKS = (dflash_inputs_kernel._PAD_BLOCK, 16)
+
+
+@pytest.mark.parametrize("pad_block", PAD_BLOCKS)
 @pytest.mark.parametrize("sample_from_anchor", [False, True])
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("groups", sorted(GROUPS))
-def test_one_launch_equals_vllms_per_group_calls(vllm_prepare, groups, batch,
-                                                 sample_from_anchor):
+def test_one_launch_equals_vllms_per_group_calls(vllm_prepare, monkeypatch, groups, batch,
+                                                 sample_from_anchor, pad_block):
+    monkeypatch.setattr(dflash_inputs_kernel, "_PAD_BLOCK", pad_block)
     block_sizes, rows = GROUPS[groups]
     kinds = BATCHES[batch]
     inputs, block_tables = to_device(*make_case(kinds, block_sizes, sample_from_anchor,
@@ -275,7 +282,8 @@ def test_host_side_has_no_sync(monkeypatch):
     with HostSyncDetector() as detector:
         done, _ = run_ours(inputs, block_tables, block_sizes, rows)
     assert done
-    assert launches == [((2, 2), 3)]  # 300 + 16 rows: two blocks of 256
+    # 300 + 16 rows: two blocks of 256; one more row of programs for the padding
+    assert launches == [((3, 2), 3)]
     assert detector.count() == 0, detector.report()
 
 
@@ -294,7 +302,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for arch in (90, 120):
         for groups, anchor, block in ((1, False, 128), (8, False, 256), (8, True, 256)):
             consts = dict(NUM_GROUPS=groups, SAMPLE_FROM_ANCHOR=anchor, PAD_SLOT_ID=-1,
-                          BLOCK_SIZE=block)
+                          BLOCK_SIZE=block, PAD_BLOCK=1024)
             sig = {n: "constexpr" if n in consts else ("*i32" if n in i32 else "*i64")
                    if n.endswith("_ptr") else "i32" for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),

@@ -11,7 +11,12 @@ a drafter of 6 groups that is 5 launches of host time a round (steps at small ba
 are host-bound) spent rewriting equal values. :func:`prepare_dflash_inputs_groups`
 writes what those launches write, bit for bit, in one: vLLM's program layout (one
 program per request and block of its context + query span), the shared outputs
-written once, the slots and the query-slot padding once per group.
+written once, the slots once per group. vLLM's last request program also pads the
+query slots to ``max_num_tokens`` (and the per-request buffers to ``max_num_reqs``) in
+a serial loop; a launch per group repeats that loop (0.051 ms a round for 6 groups at
+1k on the H200, thirty-first session), and one program doing it for every group took
+0.104 ms. Here an extra row of programs writes the padding in ``_PAD_BLOCK``-entry
+chunks, all groups at once.
 
 The block tables are separate tensors (``BlockTables.input_block_tables`` is a list,
 one allocation per group), so up to :data:`MAX_GROUPS` of them travel as separate
@@ -33,6 +38,8 @@ from vllm_ddtree.direct_launch import DirectLauncher
 __all__ = ["MAX_GROUPS", "prepare_dflash_inputs_groups"]
 
 MAX_GROUPS = 8  # drafter KV-cache groups per launch; more fall back to vLLM's calls
+# Entries of each padded buffer one program of the padding row writes.
+_PAD_BLOCK = 1024
 
 
 @triton.jit
@@ -49,10 +56,6 @@ def _group_slots(
     query_pos,
     query_idx,
     is_query,
-    pad_from,  # query rows from here to max_num_tokens get PAD_SLOT_ID (-1: none)
-    max_num_tokens,
-    PAD_SLOT_ID: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
 ):
     # vLLM's expressions, operand for operand (same types, same clamps).
     row_ptr = bt_ptr + req_idx * bt_stride
@@ -64,13 +67,9 @@ def _group_slots(
     q_block_id = tl.load(row_ptr + q_block_num, mask=is_query, other=0).to(tl.int64)
     q_slot = q_block_id * block_size + (query_pos % block_size)
     tl.store(q_slots_ptr + query_idx, q_slot, mask=is_query)
-    if pad_from >= 0:
-        for i in range(pad_from, max_num_tokens, BLOCK_SIZE):
-            block = i + tl.arange(0, BLOCK_SIZE)
-            tl.store(q_slots_ptr + block, PAD_SLOT_ID, mask=block < max_num_tokens)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "num_blocks"])
 def _prepare_dflash_inputs_groups_kernel(
     # Outputs
     out_input_ids_ptr,
@@ -107,138 +106,152 @@ def _prepare_dflash_inputs_groups_kernel(
     max_num_reqs,
     max_num_tokens,
     max_model_len,
+    num_reqs,
+    num_blocks,  # programs per request (the rest of axis 1 serves the padding row)
     NUM_GROUPS: tl.constexpr,
     SAMPLE_FROM_ANCHOR: tl.constexpr,
     PAD_SLOT_ID: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    PAD_BLOCK: tl.constexpr,
 ):
     req_idx = tl.program_id(0)
     block_idx = tl.program_id(1)
-    num_reqs = tl.num_programs(0)
-    req_state_idx = tl.load(idx_mapping_ptr + req_idx)
+    if req_idx == num_reqs:
+        # The padding row: vLLM's last request pads every buffer to its maximum (for
+        # CUDA-graph safety) in a serial loop, once per group; here chunk ``block_idx``
+        # of every padded range, all groups at once, so no program loops over
+        # max_num_tokens.
+        chunk = block_idx * PAD_BLOCK + tl.arange(0, PAD_BLOCK)
+        last_query_end = num_reqs * num_query_per_req
+        q_pad = last_query_end + chunk
+        q_mask = q_pad < max_num_tokens
+        tl.store(out_query_slots_ptr + q_off0 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 1:
+            tl.store(out_query_slots_ptr + q_off1 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 2:
+            tl.store(out_query_slots_ptr + q_off2 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 3:
+            tl.store(out_query_slots_ptr + q_off3 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 4:
+            tl.store(out_query_slots_ptr + q_off4 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 5:
+            tl.store(out_query_slots_ptr + q_off5 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 6:
+            tl.store(out_query_slots_ptr + q_off6 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        if NUM_GROUPS > 7:
+            tl.store(out_query_slots_ptr + q_off7 + q_pad, PAD_SLOT_ID, mask=q_mask)
+        req_pad = num_reqs + chunk
+        tl.store(out_query_start_loc_ptr + req_pad, last_query_end,
+                 mask=req_pad < max_num_reqs + 1)
+        tl.store(out_seq_lens_ptr + req_pad, 0, mask=req_pad < max_num_reqs)
+        sample_pad = num_reqs * num_speculative_steps + chunk
+        sample_mask = sample_pad < max_num_reqs * num_speculative_steps
+        tl.store(out_sample_indices_ptr + sample_pad, 0, mask=sample_mask)
+        tl.store(out_sample_pos_ptr + sample_pad, 0, mask=sample_mask)
+        tl.store(out_sample_idx_mapping_ptr + sample_pad, -1, mask=sample_mask)
+    elif block_idx < num_blocks:
+        req_state_idx = tl.load(idx_mapping_ptr + req_idx)
 
-    ctx_start = tl.load(target_query_start_loc_ptr + req_idx)
-    ctx_end = tl.load(target_query_start_loc_ptr + req_idx + 1)
-    num_ctx = ctx_end - ctx_start
+        ctx_start = tl.load(target_query_start_loc_ptr + req_idx)
+        ctx_end = tl.load(target_query_start_loc_ptr + req_idx + 1)
+        num_ctx = ctx_end - ctx_start
 
-    num_rejected = tl.load(num_rejected_ptr + req_idx)
-    valid_ctx_end = ctx_end - num_rejected
+        num_rejected = tl.load(num_rejected_ptr + req_idx)
+        valid_ctx_end = ctx_end - num_rejected
 
-    num_sampled = tl.load(num_sampled_ptr + req_idx)
-    if num_sampled > 0:
-        bonus_token = tl.load(last_sampled_ptr + req_state_idx).to(tl.int32)
-    else:
-        # Chunked prefilling: splice in the next prefill token.
-        bonus_token = tl.load(next_prefill_tokens_ptr + req_state_idx).to(tl.int32)
+        num_sampled = tl.load(num_sampled_ptr + req_idx)
+        if num_sampled > 0:
+            bonus_token = tl.load(last_sampled_ptr + req_state_idx).to(tl.int32)
+        else:
+            # Chunked prefilling: splice in the next prefill token.
+            bonus_token = tl.load(next_prefill_tokens_ptr + req_state_idx).to(tl.int32)
 
-    last_valid_pos = tl.load(target_positions_ptr + valid_ctx_end - 1)
-    query_base = req_idx * num_query_per_req
+        last_valid_pos = tl.load(target_positions_ptr + valid_ctx_end - 1)
+        query_base = req_idx * num_query_per_req
 
-    j = block_idx * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    is_ctx = j < num_ctx
-    is_query = (j >= num_ctx) & (j < num_ctx + num_query_per_req)
-    query_off = j - num_ctx
+        j = block_idx * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        is_ctx = j < num_ctx
+        is_query = (j >= num_ctx) & (j < num_ctx + num_query_per_req)
+        query_off = j - num_ctx
 
-    # --- Context positions (slots per group below) ---
-    ctx_pos_idx = ctx_start + tl.where(is_ctx, j, 0)
-    ctx_pos = tl.load(target_positions_ptr + ctx_pos_idx, mask=is_ctx, other=0)
-    tl.store(out_context_positions_ptr + ctx_start + j, ctx_pos, mask=is_ctx)
+        # --- Context positions (slots per group below) ---
+        ctx_pos_idx = ctx_start + tl.where(is_ctx, j, 0)
+        ctx_pos = tl.load(target_positions_ptr + ctx_pos_idx, mask=is_ctx, other=0)
+        tl.store(out_context_positions_ptr + ctx_start + j, ctx_pos, mask=is_ctx)
 
-    # --- Query positions / input_ids ---
-    query_pos = last_valid_pos + 1 + query_off
-    query_idx = query_base + query_off
-    is_bonus = is_query & (query_off == 0)
-    input_id = tl.where(is_bonus, bonus_token, parallel_drafting_token_id)
-    tl.store(out_input_ids_ptr + query_idx, input_id, mask=is_query)
-    clamped_query_pos = tl.minimum(query_pos, max_model_len - 1)
-    tl.store(out_query_positions_ptr + query_idx, clamped_query_pos, mask=is_query)
+        # --- Query positions / input_ids ---
+        query_pos = last_valid_pos + 1 + query_off
+        query_idx = query_base + query_off
+        is_bonus = is_query & (query_off == 0)
+        input_id = tl.where(is_bonus, bonus_token, parallel_drafting_token_id)
+        tl.store(out_input_ids_ptr + query_idx, input_id, mask=is_query)
+        clamped_query_pos = tl.minimum(query_pos, max_model_len - 1)
+        tl.store(out_query_positions_ptr + query_idx, clamped_query_pos, mask=is_query)
 
-    # --- Sample indices / positions / idx_mapping (see vLLM's kernel) ---
-    sample_off = 0 if SAMPLE_FROM_ANCHOR else 1
-    is_sample = is_query & (query_off >= sample_off)
-    sample_idx = req_idx * num_speculative_steps + (query_off - sample_off)
-    sample_pos = query_pos + 1 if SAMPLE_FROM_ANCHOR else query_pos
-    tl.store(out_sample_indices_ptr + sample_idx, query_idx, mask=is_sample)
-    tl.store(out_sample_pos_ptr + sample_idx, sample_pos, mask=is_sample)
-    tl.store(out_sample_idx_mapping_ptr + sample_idx, req_state_idx, mask=is_sample)
+        # --- Sample indices / positions / idx_mapping (see vLLM's kernel) ---
+        sample_off = 0 if SAMPLE_FROM_ANCHOR else 1
+        is_sample = is_query & (query_off >= sample_off)
+        sample_idx = req_idx * num_speculative_steps + (query_off - sample_off)
+        sample_pos = query_pos + 1 if SAMPLE_FROM_ANCHOR else query_pos
+        tl.store(out_sample_indices_ptr + sample_idx, query_idx, mask=is_sample)
+        tl.store(out_sample_pos_ptr + sample_idx, sample_pos, mask=is_sample)
+        tl.store(out_sample_idx_mapping_ptr + sample_idx, req_state_idx, mask=is_sample)
 
-    is_pad_program = (block_idx == 0) & (req_idx == num_reqs - 1)
-    q_pad_start = tl.where(is_pad_program, num_reqs * num_query_per_req, -1)
+        # --- Context / query slots, per group ---
+        ctx_offs = ctx_start + j
+        ctx_slots_ptr = out_context_slots_ptr
+        _group_slots(bt0_ptr, bt_stride0, block_size0,
+                     out_query_slots_ptr + q_off0, ctx_slots_ptr,
+                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                     is_query)  # fmt: skip
+        if NUM_GROUPS > 1:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt1_ptr, bt_stride1, block_size1,
+                         out_query_slots_ptr + q_off1, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 2:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt2_ptr, bt_stride2, block_size2,
+                         out_query_slots_ptr + q_off2, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 3:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt3_ptr, bt_stride3, block_size3,
+                         out_query_slots_ptr + q_off3, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 4:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt4_ptr, bt_stride4, block_size4,
+                         out_query_slots_ptr + q_off4, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 5:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt5_ptr, bt_stride5, block_size5,
+                         out_query_slots_ptr + q_off5, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 6:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt6_ptr, bt_stride6, block_size6,
+                         out_query_slots_ptr + q_off6, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
+        if NUM_GROUPS > 7:
+            ctx_slots_ptr += ctx_row_stride
+            _group_slots(bt7_ptr, bt_stride7, block_size7,
+                         out_query_slots_ptr + q_off7, ctx_slots_ptr,
+                         req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx,
+                         is_query)  # fmt: skip
 
-    # --- Context / query slots, and query-slot padding, per group ---
-    ctx_offs = ctx_start + j
-    ctx_slots_ptr = out_context_slots_ptr
-    _group_slots(bt0_ptr, bt_stride0, block_size0,
-                 out_query_slots_ptr + q_off0, ctx_slots_ptr,
-                 req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                 q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 1:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt1_ptr, bt_stride1, block_size1,
-                     out_query_slots_ptr + q_off1, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 2:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt2_ptr, bt_stride2, block_size2,
-                     out_query_slots_ptr + q_off2, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 3:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt3_ptr, bt_stride3, block_size3,
-                     out_query_slots_ptr + q_off3, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 4:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt4_ptr, bt_stride4, block_size4,
-                     out_query_slots_ptr + q_off4, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 5:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt5_ptr, bt_stride5, block_size5,
-                     out_query_slots_ptr + q_off5, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 6:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt6_ptr, bt_stride6, block_size6,
-                     out_query_slots_ptr + q_off6, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-    if NUM_GROUPS > 7:
-        ctx_slots_ptr += ctx_row_stride
-        _group_slots(bt7_ptr, bt_stride7, block_size7,
-                     out_query_slots_ptr + q_off7, ctx_slots_ptr,
-                     req_idx, ctx_pos, ctx_offs, is_ctx, query_pos, query_idx, is_query,
-                     q_pad_start, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)  # fmt: skip
-
-    if block_idx == 0:
-        tl.store(out_query_start_loc_ptr + req_idx, query_base)
-        # seq_lens is the absolute sequence length the draft attention
-        # reads up to (context + query).
-        tl.store(out_seq_lens_ptr + req_idx, last_valid_pos + 1 + num_query_per_req)
-        if req_idx == num_reqs - 1:
-            # Pad per-request buffers to max_num_reqs for CUDA graph safety (vLLM's).
-            last_query_end = num_reqs * num_query_per_req
-            for i in range(num_reqs, max_num_reqs + 1, BLOCK_SIZE):
-                block = i + tl.arange(0, BLOCK_SIZE)
-                mask = block < max_num_reqs + 1
-                tl.store(out_query_start_loc_ptr + block, last_query_end, mask=mask)
-            for i in range(num_reqs, max_num_reqs, BLOCK_SIZE):
-                block = i + tl.arange(0, BLOCK_SIZE)
-                mask = block < max_num_reqs
-                tl.store(out_seq_lens_ptr + block, 0, mask=mask)
-            pad_start = num_reqs * num_speculative_steps
-            pad_end = max_num_reqs * num_speculative_steps
-            for i in range(pad_start, pad_end, BLOCK_SIZE):
-                block = i + tl.arange(0, BLOCK_SIZE)
-                mask = block < pad_end
-                tl.store(out_sample_indices_ptr + block, 0, mask=mask)
-                tl.store(out_sample_pos_ptr + block, 0, mask=mask)
-                tl.store(out_sample_idx_mapping_ptr + block, -1, mask=mask)
+        if block_idx == 0:
+            tl.store(out_query_start_loc_ptr + req_idx, query_base)
+            # seq_lens is the absolute sequence length the draft attention
+            # reads up to (context + query).
+            tl.store(out_seq_lens_ptr + req_idx, last_valid_pos + 1 + num_query_per_req)
 
 
 _LAUNCH = DirectLauncher(lambda: _prepare_dflash_inputs_groups_kernel)
@@ -322,7 +335,12 @@ def prepare_dflash_inputs_groups(
     num_blocks = triton.cdiv(max_tokens_per_req, BLOCK_SIZE)
     pad = MAX_GROUPS - num_groups
     q_offs = [row * query_slot_mappings.stride(0) for row in group_rows]
-    _LAUNCH((num_reqs, num_blocks),
+    longest_pad = max(max_num_tokens - num_reqs * num_query_per_req,
+                      (max_num_reqs - num_reqs) * num_speculative_steps,
+                      max_num_reqs + 1 - num_reqs, 1)
+    pad_chunks = triton.cdiv(longest_pad, _PAD_BLOCK)
+    # Rows 0..R-1: vLLM's programs; row R: the padding (see the kernel).
+    _LAUNCH((num_reqs + 1, max(num_blocks, pad_chunks)),
         input_buffers.input_ids, input_buffers.positions, input_buffers.query_start_loc,
         input_buffers.seq_lens, query_slot_mappings, context_positions,
         context_slot_mappings, sample_indices, sample_pos, sample_idx_mapping,
@@ -333,8 +351,8 @@ def prepare_dflash_inputs_groups(
         *block_sizes, *[block_sizes[0]] * pad,
         *q_offs, *[q_offs[0]] * pad, context_slot_mappings.stride(0),
         parallel_drafting_token_id, num_query_per_req, num_speculative_steps,
-        max_num_reqs, max_num_tokens, max_model_len,
+        max_num_reqs, max_num_tokens, max_model_len, num_reqs, num_blocks,
         NUM_GROUPS=num_groups, SAMPLE_FROM_ANCHOR=sample_from_anchor,
-        PAD_SLOT_ID=PAD_SLOT_ID, BLOCK_SIZE=BLOCK_SIZE,
+        PAD_SLOT_ID=PAD_SLOT_ID, BLOCK_SIZE=BLOCK_SIZE, PAD_BLOCK=_PAD_BLOCK,
     )  # fmt: skip
     return True
