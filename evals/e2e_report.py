@@ -48,6 +48,9 @@ RUN_SWITCHES = (
     ("+groupprep", "VLLM_DDTREE_FUSED_PREPARE", "1", "one prepare launch", _DDTREE),
     ("+pergroupprep", "VLLM_DDTREE_FUSED_PREPARE", "0", "a prepare launch per group",
      _DDTREE),
+    # attention_backends/mla_tree: fixed budgets verify with the Gluon kernel on sm_90,
+    # auto (active rows) with the Triton one; +tritonmla gives a fixed budget auto's kernel
+    ("+tritonmla", "VLLM_DDTREE_MLA_KERNEL", "triton", "Triton MLA tree kernel", _DDTREE),
 )
 
 

@@ -160,6 +160,12 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     assert e2e_report.run_label(bench_e2e.base_row("trained", torch_ops, (1024, 1, "code"),
                                                    16)) == (
         "DDTree B=auto, direct launch, PyTorch round ops")
+    triton_mla = RunSpec.parse("ddtree-64+tritonmla")
+    environ = {}
+    bench_e2e.apply_run_switches(triton_mla, environ)
+    assert environ == {"VLLM_DDTREE_MLA_KERNEL": "triton"}
+    assert e2e_report.run_label(bench_e2e.base_row("trained", triton_mla, (1024, 1, "code"),
+                                                   16)) == "DDTree B=64, Triton MLA tree kernel"
 
 
 def test_skipprefix_applies_to_vllms_methods_too():
