@@ -51,6 +51,9 @@ RUN_SWITCHES = (
     # attention_backends/mla_tree: fixed budgets verify with the Gluon kernel on sm_90,
     # auto (active rows) with the Triton one; +tritonmla gives a fixed budget auto's kernel
     ("+tritonmla", "VLLM_DDTREE_MLA_KERNEL", "triton", "Triton MLA tree kernel", _DDTREE),
+    # +computerows: auto's verify on the Gluon kernel, every row computed (ops.py)
+    ("+computerows", "VLLM_DDTREE_MLA_INACTIVE_ROWS", "compute", "inactive rows computed",
+     _DDTREE),
 )
 
 

@@ -166,6 +166,7 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
     assert environ == {"VLLM_DDTREE_MLA_KERNEL": "triton"}
     assert e2e_report.run_label(bench_e2e.base_row("trained", triton_mla, (1024, 1, "code"),
                                                    16)) == "DDTree B=64, Triton MLA tree kernel"
+    assert RunSpec.parse("ddtree-auto+computerows").switches == ("+computerows",)
 
 
 def test_skipprefix_applies_to_vllms_methods_too():

@@ -8,7 +8,7 @@ import torch
 from test_mla_tree_kernel import make_batch
 
 from attention_backends.mla_tree import MLA_TILE_CONFIGS, gluon_kernels, mla_tree_verify
-from attention_backends.mla_tree.ops import KERNEL_ENV
+from attention_backends.mla_tree.ops import INACTIVE_ROWS_ENV, KERNEL_ENV
 
 
 @pytest.fixture
@@ -23,6 +23,7 @@ def gluon_calls(monkeypatch):
     monkeypatch.setattr(gluon_kernels, "gluon_supported", lambda *a: True)
     monkeypatch.setattr(gluon_kernels, "mla_tree_fwd_gluon", fake_gluon)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.delenv(INACTIVE_ROWS_ENV, raising=False)
     return calls
 
 
@@ -55,12 +56,42 @@ def test_forcing_triton(gluon_calls, monkeypatch, how):
     assert gluon_calls == [] and not bool((out == 7.0).all())
 
 
+def test_compute_inactive_rows_sends_active_launches_to_gluon(gluon_calls, monkeypatch):
+    """VLLM_DDTREE_MLA_INACTIVE_ROWS=compute: a launch with active rows takes Gluon
+    (asked without them, the rule it must pass) and Gluon gets no active rows; an
+    explicit kernel="triton" or the global switch still wins."""
+    seen = []
+
+    def rule(*args):
+        seen.append(args[3])
+        return args[3] is None
+
+    monkeypatch.setattr(gluon_kernels, "gluon_supported", rule)
+    monkeypatch.setenv(INACTIVE_ROWS_ENV, "compute")
+    active = torch.tensor([3, 1], dtype=torch.int32)
+    out, _ = mla_tree_verify(**_batch(), active_query_lens=active)
+    assert len(gluon_calls) == 1 and bool((out == 7.0).all()) and seen == [None]
+    assert "active_query_lens" not in gluon_calls[0]
+    mla_tree_verify(**_batch(), active_query_lens=active, kernel="triton")
+    monkeypatch.setenv(KERNEL_ENV, "triton")
+    mla_tree_verify(**_batch(), active_query_lens=active)
+    assert len(gluon_calls) == 1
+    monkeypatch.setenv(INACTIVE_ROWS_ENV, "skip")
+    monkeypatch.delenv(KERNEL_ENV)
+    mla_tree_verify(**_batch(), active_query_lens=active)
+    assert len(gluon_calls) == 1 and seen[-1] is active
+
+
 def test_bad_choices_name_the_field(gluon_calls, monkeypatch):
     with pytest.raises(ValueError, match="kernel must be one of"):
         mla_tree_verify(**_batch(), kernel="cuda")
     monkeypatch.setenv(KERNEL_ENV, "flashmla")
     with pytest.raises(ValueError, match=KERNEL_ENV):
         mla_tree_verify(**_batch())
+    monkeypatch.delenv(KERNEL_ENV)
+    monkeypatch.setenv(INACTIVE_ROWS_ENV, "all")
+    with pytest.raises(ValueError, match=INACTIVE_ROWS_ENV):
+        mla_tree_verify(**_batch(), active_query_lens=torch.tensor([3, 1], dtype=torch.int32))
 
 
 def test_gluon_supported_is_false_off_hopper():

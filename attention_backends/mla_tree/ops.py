@@ -69,6 +69,27 @@ KERNEL_ENV_CHOICES = KERNEL_CHOICES + ("split",)
 
 RUNTIME_SPLITS_ENV = "VLLM_DDTREE_RUNTIME_SPLITS"
 
+# ``ddtree_budget: "auto"`` hands the kernel per-request active rows. "skip" (default):
+# the Triton kernel skips the inactive ones and re-splits the keys over the idle CTAs.
+# "compute" (experimental, not yet GPU-run): where the Gluon kernel applies it runs every
+# row, as for a fixed budget; the inactive rows' outputs are never read (their tokens are
+# -1, and no active row has an inactive ancestor), so the verify stays lossless.
+INACTIVE_ROWS_ENV = "VLLM_DDTREE_MLA_INACTIVE_ROWS"
+INACTIVE_ROWS_CHOICES = ("skip", "compute")
+
+
+def inactive_rows_choice() -> str:
+    """``VLLM_DDTREE_MLA_INACTIVE_ROWS`` (default ``skip``).
+
+    Raises:
+        ValueError: a value outside ``INACTIVE_ROWS_CHOICES``.
+    """
+    choice = os.environ.get(INACTIVE_ROWS_ENV, "skip").strip().lower() or "skip"
+    if choice not in INACTIVE_ROWS_CHOICES:
+        raise ValueError(
+            f"{INACTIVE_ROWS_ENV} must be one of {INACTIVE_ROWS_CHOICES}, got {choice!r}")
+    return choice
+
 
 def runtime_splits_enabled() -> bool:
     """Whether CUDA-graph captures choose KV split counts per request at run time
@@ -317,7 +338,9 @@ def mla_tree_verify(
             1.3-2.0x the Triton kernel's speed on the H200) where it applies (sm_90,
             16-bit, 512 + 64 dims, no ``config`` or ``active_query_lens``), else the
             Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
-            does the same globally.
+            does the same globally. ``VLLM_DDTREE_MLA_INACTIVE_ROWS=compute`` lets
+            launches with ``active_query_lens`` take Gluon, which then computes every
+            row (the inactive ones get real values instead of ``0 / -inf``).
         runtime_kv_splits: the split count resolved from ``num_kv_splits`` /
             ``max_seq_len`` only sizes the grid; each request splits its keys as the
             host would choose for its own ``seq_len`` (at most that many ways; the other
@@ -336,7 +359,10 @@ def mla_tree_verify(
     if kernel == "auto" and config is None and _gluon_allowed():
         from .gluon_kernels import gluon_supported, mla_tree_fwd_gluon
 
-        if gluon_supported(q, kv_cache, kv_lora_rank, active_query_lens):
+        gluon_active = active_query_lens
+        if active_query_lens is not None and inactive_rows_choice() == "compute":
+            gluon_active = None  # every row computed: see INACTIVE_ROWS_ENV
+        if gluon_supported(q, kv_cache, kv_lora_rank, gluon_active):
             return mla_tree_fwd_gluon(
                 q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
                 kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
