@@ -72,10 +72,23 @@ RUNTIME_SPLITS_ENV = "VLLM_DDTREE_RUNTIME_SPLITS"
 # ``ddtree_budget: "auto"`` hands the kernel per-request active rows. "skip" (default):
 # the Triton kernel skips the inactive ones and re-splits the keys over the idle CTAs.
 # "compute" (experimental, not yet GPU-run): where the Gluon kernel applies it runs every
-# row, as for a fixed budget; the inactive rows' outputs are never read (their tokens are
-# -1, and no active row has an inactive ancestor), so the verify stays lossless.
+# row, as for a fixed budget; the inactive rows' outputs are never read (the tree walk
+# stops at each request's active count, and no active row has an inactive ancestor), so
+# the verify stays lossless.
 INACTIVE_ROWS_ENV = "VLLM_DDTREE_MLA_INACTIVE_ROWS"
 INACTIVE_ROWS_CHOICES = ("skip", "compute")
+
+
+def _env_choice(env: str, default: str, choices: tuple[str, ...]) -> str:
+    """The value of ``env`` (lower-cased; ``default`` when unset or blank).
+
+    Raises:
+        ValueError: a value outside ``choices``, naming ``env``.
+    """
+    choice = os.environ.get(env, default).strip().lower() or default
+    if choice not in choices:
+        raise ValueError(f"{env} must be one of {choices}, got {choice!r}")
+    return choice
 
 
 def inactive_rows_choice() -> str:
@@ -84,11 +97,7 @@ def inactive_rows_choice() -> str:
     Raises:
         ValueError: a value outside ``INACTIVE_ROWS_CHOICES``.
     """
-    choice = os.environ.get(INACTIVE_ROWS_ENV, "skip").strip().lower() or "skip"
-    if choice not in INACTIVE_ROWS_CHOICES:
-        raise ValueError(
-            f"{INACTIVE_ROWS_ENV} must be one of {INACTIVE_ROWS_CHOICES}, got {choice!r}")
-    return choice
+    return _env_choice(INACTIVE_ROWS_ENV, "skip", INACTIVE_ROWS_CHOICES)
 
 
 def runtime_splits_enabled() -> bool:
@@ -111,10 +120,7 @@ def kernel_env_choice() -> str:
     Raises:
         ValueError: a value outside ``KERNEL_ENV_CHOICES``.
     """
-    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
-    if choice not in KERNEL_ENV_CHOICES:
-        raise ValueError(f"{KERNEL_ENV} must be one of {KERNEL_ENV_CHOICES}, got {choice!r}")
-    return choice
+    return _env_choice(KERNEL_ENV, "auto", KERNEL_ENV_CHOICES)
 
 
 def _gluon_allowed() -> bool:
