@@ -13,8 +13,8 @@ import os
 TREE_BACKEND_ENV = "VLLM_DDTREE_TREE_BACKEND"
 DEFAULT_TREE_BACKEND = "mla"
 TREE_BACKEND_CLASSES = {
-    "mla": "attention_backends.mla_tree.backend.TreeMLABackend",
-    "gqa": "attention_backends.gqa_tree.backend.TreeGQABackend",
+    "mla": "vllm_ddtree.attention_backends.mla_tree.backend.TreeMLABackend",
+    "gqa": "vllm_ddtree.attention_backends.gqa_tree.backend.TreeGQABackend",
 }
 
 

@@ -207,7 +207,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from vllm_ddtree.demo import load_embedded_pair
+    from vllm_ddtree.demo.reference_engine import load_embedded_pair
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -25,7 +25,7 @@ def run(args) -> None:
     import torch
     from tqdm import tqdm
 
-    from vllm_ddtree.demo import humaneval_prompts, load_embedded_pair
+    from vllm_ddtree.demo.reference_engine import humaneval_prompts, load_embedded_pair
     from vllm_ddtree.reference import generate
 
     torch.set_num_threads(args.threads)

@@ -33,7 +33,7 @@ def main() -> None:
     from check_ddtree_vllm import MIXED_SAMPLED_FROM, mixed_prompts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_ddtree.demo import CHECKPOINTS
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
     from vllm_ddtree.reference import clip_rounds, generate, replay
     from vllm_ddtree.training.common import load_drafter
 

@@ -40,8 +40,7 @@ from bench_verify_attention import (  # noqa: E402
     make_inputs,
     ours,
 )
-
-from attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
     gluon_supported,
     mla_tree_fwd_gluon,
 )

@@ -45,10 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_ddtree import tree as tree_mod  # noqa: E402
-from vllm_ddtree import tree_build_kernel  # noqa: E402
-from vllm_ddtree.tree import DraftTree, build_ddtree  # noqa: E402
-from vllm_ddtree.tree_build_kernel import build_ddtree_triton  # noqa: E402
+from vllm_ddtree.tree import build_kernel as tree_build_kernel  # noqa: E402
+from vllm_ddtree.tree import draft_tree as tree_mod  # noqa: E402
+from vllm_ddtree.tree.build_kernel import build_ddtree_triton  # noqa: E402
+from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree  # noqa: E402
 
 OUT_DIR = REPO / "evals" / "results"
 

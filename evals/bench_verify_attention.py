@@ -4,7 +4,7 @@
 One request per cell, absorbed MLA (kv_lora_rank 512 + rope 64), bf16, same inputs for
 every method:
 
-- ``ours tree`` / ``ours chain``: ``attention_backends.mla_tree.mla_tree_verify`` with a
+- ``ours tree`` / ``ours chain``: ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` with a
   random DDTree-like tree mask / a causal chain mask.
 - ``FlashMLA causal``: vLLM's FlashMLA decode kernel with ``causal=True`` (Hopper only,
   page size 64 only; no tree mask).
@@ -111,7 +111,10 @@ class Inputs:
 
 
 def make_inputs(cell: Cell, dtype: torch.dtype, seed: int = 0) -> Inputs:
-    from attention_backends.mla_tree import ancestor_bits_from_parents, causal_ancestor_bits
+    from vllm_ddtree.attention_backends.mla_tree import (
+        ancestor_bits_from_parents,
+        causal_ancestor_bits,
+    )
 
     rng = random.Random(seed)
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -145,7 +148,7 @@ def ours(inp: Inputs, bits: torch.Tensor, config=None, active_rows: int | None =
          kernel: str = "auto"):
     """``mla_tree_verify`` as vLLM launches it (``kernel="auto"``: Gluon on sm_90 where
     it applies, else Triton; ``config`` or active rows force Triton)."""
-    from attention_backends.mla_tree import mla_tree_verify
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
     kwargs = dict(
         validate_values=False,
@@ -209,7 +212,7 @@ def split_path(inp: Inputs):
         raise Unavailable("FlashMLA is Hopper-only")
     if inp.cell.page != 64:
         raise Unavailable("FlashMLA needs page size 64")
-    from attention_backends.mla_tree.split import (
+    from vllm_ddtree.attention_backends.mla_tree.split import (
         context_attention_flashmla,
         mla_tree_verify_split,
     )
@@ -326,7 +329,7 @@ def floors_ms(cell: Cell) -> tuple[float, float]:
 
 def check_correctness(dtype: torch.dtype, configs) -> None:
     """Ours vs the PyTorch reference on small cases; exits on a mismatch."""
-    from attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference
 
     failures = []
     for cell in (Cell(16, 1000, 16, 64), Cell(8, 3000, 65, 1), Cell(128, 700, 1, 64)):
@@ -501,7 +504,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def sweep_configs():
-    from attention_backends.mla_tree import MLA_TILE_CONFIGS, MLATileConfig
+    from vllm_ddtree.attention_backends.mla_tree import MLA_TILE_CONFIGS, MLATileConfig
 
     extras = [
         MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2),

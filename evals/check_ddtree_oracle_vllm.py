@@ -18,7 +18,7 @@ tensors on the host):
 
 * ``DDTreeSpeculator.propose`` is wrapped to remember the speculator and the batch's
   ``input_batch.req_ids`` (batch order = the rows of ``_generate_draft``).
-* ``vllm_ddtree.speculator.build_ddtree_fast`` (what ``_generate_draft`` calls on the
+* ``vllm_ddtree.draft.speculator.build_ddtree_fast`` (what ``_generate_draft`` calls on the
   drafter logits ``[R, L, V]``) is wrapped to replace the logits first. Row ``r``'s
   depth ``d`` predicts absolute position ``sample_pos[r * L + d - 1]``: DFlash's
   ``_prepare_dflash_inputs_kernel`` (``dflash/speculator.py:512-564``) writes the
@@ -129,8 +129,9 @@ def main() -> None:
     parser.add_argument("--min-depth", type=int, default=3)
     args = parser.parse_args()
 
+    from vllm_ddtree.patches import apply_all
+
     import vllm_ddtree
-    from patches import apply_all
 
     vllm_ddtree.register()
 
@@ -139,7 +140,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_ddtree.demo import CHECKPOINTS
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
     from vllm_ddtree.testing.compare import first_mismatch
     from vllm_ddtree.testing.oracle import (

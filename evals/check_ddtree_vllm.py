@@ -66,7 +66,7 @@ def mixed_prompts(tokenizer) -> tuple[list[list[int]], list[int]]:
 def record_rounds() -> dict[str, list[int]]:
     """Tokens committed per verified tree, per vLLM request id (a host sync per step:
     for this check only)."""
-    from vllm_ddtree import verifier as verifier_mod
+    from vllm_ddtree.verify import verifier as verifier_mod
 
     rounds: dict[str, list[int]] = {}
     original_call = verifier_mod.DDTreeVerifier.__call__
@@ -88,10 +88,11 @@ def install_trace(max_steps: int) -> list:
     """Record the first ``max_steps`` verify steps (debugging aid): per step the batch
     rows, linear and tree positions, ancestor bits, row tokens, the target's draws, the
     walk, and what the MLA backend saw (decode/prefill split, whose bits)."""
-    from attention_backends.mla_tree import backend as mla_backend
-    from attention_backends.tree_mask_state import TREE_MASK_STATE
-    from vllm_ddtree import verifier as verifier_mod
+    from vllm_ddtree.attention_backends.mla_tree import backend as mla_backend
+    from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE
+
     from vllm_ddtree.runtime_state import DDTREE_STATE
+    from vllm_ddtree.verify import verifier as verifier_mod
 
     steps: list = []
     attn_calls: list = []
@@ -139,8 +140,8 @@ def install_trace(max_steps: int) -> list:
             })
         return original_mqa(self, q, kv_cache, attn_metadata, layer)
 
-    from vllm_ddtree import speculator as speculator_mod
-    from vllm_ddtree.verify_batch import page_index
+    from vllm_ddtree.compact.reference import page_index
+    from vllm_ddtree.draft import speculator as speculator_mod
 
     def slot_distance(pages, src, dst) -> float:
         """Summed |row(src) - row(dst)| over moves, in a [num_blocks, page, *row] view."""
@@ -258,8 +259,9 @@ def main() -> None:
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
 
+    from vllm_ddtree.patches import apply_all
+
     import vllm_ddtree
-    from patches import apply_all
 
     vllm_ddtree.register()
 
@@ -268,7 +270,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_ddtree.demo import CHECKPOINTS
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
     from vllm_ddtree.testing.compare import vllm_top2_gaps, vllm_top_logprobs
 
@@ -315,7 +317,10 @@ def main() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         extra["attention_backend"] = "CUSTOM"
         if args.pair == "qwen3":  # CUSTOM = the GQA tree backend (set before register)
-            from attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
+            from vllm_ddtree.attention_backends.registration import (
+                TREE_BACKEND_ENV,
+                register_tree_backend,
+            )
 
             os.environ[TREE_BACKEND_ENV] = "gqa"
             register_tree_backend("gqa")

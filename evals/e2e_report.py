@@ -25,25 +25,25 @@ RUN_SWITCHES = (
     ("+graphstore", "VLLM_DDTREE_TREE_STORE", "graph", "tree store in graph", _DDTREE),
     ("+eagerstore", "VLLM_DDTREE_TREE_STORE", "eager", "eager tree store", _DDTREE),
     ("+torchround", "VLLM_DDTREE_ROUND_KERNELS", "torch", "PyTorch round ops", _DDTREE),
-    # patches.scheduler_common_prefix: on by default for DDTree; +skipprefix gives
+    # vllm_ddtree.patches.scheduler_common_prefix: on by default for DDTree; +skipprefix gives
     # vLLM's own methods the same scheduler, +scanprefix gives DDTree vLLM's.
     ("+skipprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "1", "no common-prefix scan",
      ("ar", "dflash", "ddtree")),
     ("+scanprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "0", "common-prefix scan", _DDTREE),
-    # vllm_ddtree.context_kv_graphs: the drafter's context K/V precompute in CUDA graphs
+    # vllm_ddtree.draft.context_kv_graphs: the drafter's context K/V precompute in CUDA graphs
     # (default); +eagerctx runs it eagerly, as vLLM does.
     ("+eagerctx", "VLLM_DDTREE_CONTEXT_KV_GRAPH", "0", "eager context K/V", _DDTREE),
     # round_kernels.auto_in_graph: auto's choice and tree store inside the drafter's graph
     # (default); +eagerauto chooses and stores eagerly after it
     ("+autograph", "VLLM_DDTREE_AUTO_IN_GRAPH", "1", "auto choice in graph", _DDTREE),
     ("+eagerauto", "VLLM_DDTREE_AUTO_IN_GRAPH", "0", "eager auto choice", _DDTREE),
-    # patches.dflash_context_kv.apply_chain: vLLM's chain with DDTree's context K/V graphs
+    # patches/dflash_context_kv.py apply_chain: vLLM's chain with DDTree's context K/V graphs
     ("+ctxgraph", "VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH", "1", "context K/V graphs",
      ("dflash",)),
-    # vllm_ddtree.context_rows: tree decodes draft from 1 + L context rows a request
+    # vllm_ddtree.draft.context_rows: tree decodes draft from 1 + L context rows a request
     # (default); +fullctx hands the drafter every verify row, as before
     ("+fullctx", "VLLM_DDTREE_COMPACT_CONTEXT", "0", "every verify row as context", _DDTREE),
-    # vllm_ddtree.dflash_inputs_kernel: every drafter KV-cache group's draft inputs in one
+    # vllm_ddtree.draft.inputs_kernel: every drafter KV-cache group's draft inputs in one
     # launch (default); +pergroupprep launches vLLM's prepare once per group
     ("+groupprep", "VLLM_DDTREE_FUSED_PREPARE", "1", "one prepare launch", _DDTREE),
     ("+pergroupprep", "VLLM_DDTREE_FUSED_PREPARE", "0", "a prepare launch per group",

@@ -323,7 +323,7 @@ class StepTimer:
         self.wrap_span(GPUModelRunner, "sample_tokens", SAMPLE_TOKENS)
         self.wrap_span(DFlashSpeculator, "propose", DRAFT)
         try:
-            from vllm_ddtree.speculator import DDTreeSpeculator
+            from vllm_ddtree.draft.speculator import DDTreeSpeculator
         except ImportError:
             return self.installed
         if "propose" in DDTreeSpeculator.__dict__:
@@ -340,9 +340,9 @@ class StepTimer:
 
         self.wrap_host(DFlashSpeculator, "propose", HOST_DFLASH)
         try:
-            from vllm_ddtree.budget_policy import BudgetPolicy
+            from vllm_ddtree.budget.policy import BudgetPolicy
             from vllm_ddtree.runtime_state import DDTreeRuntimeState
-            from vllm_ddtree.verifier import DDTreeVerifier
+            from vllm_ddtree.verify.verifier import DDTreeVerifier
         except ImportError:
             return
         self.wrap_host(DDTreeRuntimeState, "store_trees_", HOST_STORE)

@@ -33,9 +33,8 @@ if str(REPO) not in sys.path:
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-
-from attention_backends.mla_tree import MLATileConfig  # noqa: E402
-from attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import MLATileConfig  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*bf16", "Lse": "*fp32",

@@ -67,7 +67,7 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
     (``page``-token pages; the pages are padded to one size as vLLM does for our
     backends). ``sliding_page``: the block size the sliding layers choose for themselves
     (vLLM: the backend's smallest kernel block, 16 for FlashAttention; default
-    ``page``); ``align``: with ``patches.unify_kv_block_size``'s alignment first.
+    ``page``); ``align``: with ``vllm_ddtree.patches.unify_kv_block_size``'s alignment first.
     Raises vLLM's ``ValueError`` when it cannot form the groups."""
     from unittest import mock
 
@@ -94,7 +94,7 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
         specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
             **drafter)
     if align:
-        from patches.unify_kv_block_size import align_sliding_block_sizes
+        from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
 
         align_sliding_block_sizes(specs)
     config = SimpleNamespace(scheduler_config=SimpleNamespace(

@@ -83,8 +83,7 @@ def build_inputs(launch: Launch, context: int, device: str, dtype: torch.dtype,
     pages the requests use, with the logged page stride (``compact``: contiguous pages
     instead), random page order, a bushy random tree per request."""
     from bench_verify_attention import bushy_tree_parents
-
-    from attention_backends.mla_tree import ancestor_bits_from_parents
+    from vllm_ddtree.attention_backends.mla_tree import ancestor_bits_from_parents
 
     gen = torch.Generator(device=device).manual_seed(seed)
     num_tokens, num_heads, head_dim = launch.q_shape
@@ -133,8 +132,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU")
         return 2
     from bench_verify_attention import graph_time_ms
-
-    from attention_backends.mla_tree import mla_tree_verify
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
     lines = [f"# MLA tree launches from `{args.log}`, replayed at {args.context} context",
              "", f"({torch.cuda.get_device_name()}; GPU ms per call in a CUDA graph)", "",

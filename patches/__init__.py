@@ -10,9 +10,13 @@ from __future__ import annotations
 import importlib
 import os
 
-from patches._guard import SUPPORTED_VLLM_VERSION, VllmVersionError, require_vllm_version
-from patches.dflash_context_kv import chain_graphs_requested
-from patches.scheduler_common_prefix import skip_common_prefix_setting
+from vllm_ddtree.patches._guard import (
+    SUPPORTED_VLLM_VERSION,
+    VllmVersionError,
+    require_vllm_version,
+)
+from vllm_ddtree.patches.dflash_context_kv import chain_graphs_requested
+from vllm_ddtree.patches.scheduler_common_prefix import skip_common_prefix_setting
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = [
@@ -65,11 +69,11 @@ def apply_all() -> list[str]:
             applied.append(name)
     elif skip_common_prefix_setting():
         # vLLM's own methods with DDTree's scheduler fix (VLLM_DDTREE_SKIP_COMMON_PREFIX=1)
-        importlib.import_module("patches.scheduler_common_prefix").apply()
+        importlib.import_module("vllm_ddtree.patches.scheduler_common_prefix").apply()
         applied.append("scheduler_common_prefix")
     if chain_graphs_requested():
         # vLLM's chain with DDTree's context K/V graphs (VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1)
-        importlib.import_module("patches.dflash_context_kv").apply_chain()
+        importlib.import_module("vllm_ddtree.patches.dflash_context_kv").apply_chain()
         applied.append("dflash_context_kv (chain)")
     return applied
 

@@ -10,7 +10,7 @@ With DDTree active in this process (the ``DDTreeSpeculator`` was built first, in
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_states.default.DefaultModelState.custom_sampler"
@@ -38,9 +38,9 @@ def apply() -> None:
         if not DDTREE_STATE.enabled:
             raise RuntimeError(
                 "speculative config has ddtree but no DDTreeSpeculator was built in this "
-                "process: apply patches.init_speculator before the model runner starts"
+                "process: apply vllm_ddtree.patches.init_speculator before the model runner starts"
             )
-        from vllm_ddtree.verifier import DDTreeVerifier
+        from vllm_ddtree.verify.verifier import DDTreeVerifier
 
         verifier = DDTreeVerifier(
             sampler, spec, self.device, max_depth=drafter_block_size(spec) - 1

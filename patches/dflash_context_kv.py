@@ -4,7 +4,7 @@ when the drafter carries DDTree's ``ContextKVGraphs`` and the call matches one.
 
 ``DFlashSpeculator.propose`` calls the drafter's precompute eagerly every round
 (``dflash/speculator.py:391-409``); ``DDTreeSpeculator.capture`` captures it per
-full-tree context length (``vllm_ddtree.context_kv_graphs``) and sets the drafter's
+full-tree context length (``vllm_ddtree.draft.context_kv_graphs``) and sets the drafter's
 ``_ddtree_context_kv_graphs``. Drafters without that attribute (vLLM's own DFlash
 chain, any engine without DDTree) run the original unchanged.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = ("vllm.model_executor.models.qwen3_dflash.DFlashQwen3ForCausalLM."
                     "precompute_and_store_context_kv")
@@ -71,8 +71,8 @@ def apply_chain() -> None:
 
     def capture(self):
         original(self)
-        from vllm_ddtree.context_kv_graphs import capture_for_speculator
-        from vllm_ddtree.speculator import DDTreeSpeculator
+        from vllm_ddtree.draft.context_kv_graphs import capture_for_speculator
+        from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
         if not isinstance(self, DDTreeSpeculator):
             # the chain verifies 1 + N rows a request: its query block

@@ -13,7 +13,7 @@ that block size: ``block_size - 2`` (= L - 1 mask slots).
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.config.speculative.SpeculativeConfig.max_num_new_slots_for_drafting"
 

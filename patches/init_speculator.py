@@ -5,12 +5,12 @@
 ``spec_decode/__init__.py:8-40``; patching the ``spec_decode`` package attribute would
 not reach it, so the model-runner module's name is replaced. A speculative config
 carrying a ``ddtree`` dict (method ``dflash`` for vLLM) gets
-``vllm_ddtree.speculator.DDTreeSpeculator``; anything else the original.
+``vllm_ddtree.draft.speculator.DDTreeSpeculator``; anything else the original.
 """
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.worker.gpu.model_runner.init_speculator"
 
@@ -28,7 +28,7 @@ def apply() -> None:
 
         if ddtree_config_of(vllm_config.speculative_config) is None:
             return original(vllm_config, device)
-        from vllm_ddtree.speculator import DDTreeSpeculator
+        from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
         return DDTreeSpeculator(vllm_config, device)
 

@@ -20,8 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.model_executor.layers.attention.mla_attention.get_mla_prefill_backend"
 
@@ -65,7 +64,7 @@ class NoMLAPrefillBackend:
 
 def uses_fp32_tree_mla(vllm_config: Any) -> bool:
     """Whether ``vllm_config`` runs an fp32 model on the ``CUSTOM`` MLA tree backend."""
-    from attention_backends.registration import tree_backend_kind_from_env
+    from vllm_ddtree.attention_backends.registration import tree_backend_kind_from_env
 
     model_config = getattr(vllm_config, "model_config", None)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)

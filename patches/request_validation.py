@@ -4,7 +4,7 @@ that assume the draft tokens form a chain.
 
 With ``method: ddtree`` the verifier walks a tree; vLLM's penalty and bad-words
 kernels take row ``i``'s history to be draft rows ``1..i`` and structured outputs
-validate drafts in chain order (``vllm_ddtree.verifier.DDTreeVerifier.check_supported``
+validate drafts in chain order (``vllm_ddtree.verify.verifier.DDTreeVerifier.check_supported``
 lists the code). The verifier refuses them too, but inside the worker that would end a
 served engine; here the request gets a ``ValueError`` (HTTP 400 from ``vllm serve``)
 that names the field and the fix.
@@ -12,7 +12,7 @@ that names the field and the fix.
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.engine.input_processor.InputProcessor._validate_params"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 
-from patches._guard import require_vllm_version
+from vllm_ddtree.patches._guard import require_vllm_version
 
 PATCHED_FUNCTION = ("vllm.v1.core.sched.scheduler.Scheduler.__init__ "
                     "(kv_cache_manager.get_num_common_prefix_blocks)")

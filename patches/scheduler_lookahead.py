@@ -12,7 +12,7 @@ B < block_size - 1 and wastes KV for large B. ``AsyncScheduler`` inherits
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.core.sched.scheduler.Scheduler.__init__ (num_lookahead_tokens)"
 

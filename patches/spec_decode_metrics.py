@@ -11,7 +11,7 @@ Both are derived from the same ``SpecDecodingStats`` as vLLM's own figures
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.metrics.loggers.LoggingStatLogger.__init__ / "

@@ -8,7 +8,7 @@ before any GPU work, with errors that name the field and the fix.
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.engine.arg_utils.EngineArgs.create_speculative_config"
 
@@ -49,7 +49,7 @@ def apply() -> None:
 # VLLM_DDTREE_RUNNER=1, in the engine and worker processes this one starts.
 # --------------------------------------------------------------------------------
 
-TREE_ATTENTION_BACKEND = "CUSTOM"  # see attention_backends.registration
+TREE_ATTENTION_BACKEND = "CUSTOM"  # see vllm_ddtree.attention_backends.registration
 
 
 def choose_target_attention_backend(engine_args, target_model_config) -> None:
@@ -67,7 +67,8 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
     """
     import os
 
-    from attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
+    from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
+
     from vllm_ddtree.config import DDTreeConfigError
 
     chosen = engine_args.attention_backend
@@ -110,7 +111,7 @@ def create_ddtree_speculative_config(
             "VLLM_USE_V2_MODEL_RUNNER=0"
         )
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
-    from patches import apply_runner_patches
+    from vllm_ddtree.patches import apply_runner_patches
 
     apply_runner_patches()
     choose_target_attention_backend(engine_args, target_model_config)

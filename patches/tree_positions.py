@@ -16,7 +16,7 @@ and replays whatever address it bound.
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_states.default.DefaultModelState.prepare_inputs / "

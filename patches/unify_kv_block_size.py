@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.v1.core.kv_cache_utils.unify_hybrid_kv_cache_specs"
 

@@ -1,7 +1,7 @@
 """Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` /
 ``.capture_model`` and ``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.
 _init_candidates`` / ``.dispatch`` / ``.capture`` (vLLM 0.26.0): DDTree's adaptive verify
-shapes (``vllm_ddtree.verify_shape``).
+shapes (``vllm_ddtree.verify.shape``).
 
 * ``execute_model``: before the runner builds the batch, cut each request's
   scheduled drafts to the shape the speculator's ``VerifyShapeChooser`` gives
@@ -23,7 +23,7 @@ shapes (``vllm_ddtree.verify_shape``).
   query length that holds the batch (the runner pads requests and tokens, as for
   any FULL graph).
 * ``capture`` of that manager: each one-request verify graph is replayed right after
-  its capture (``vllm_ddtree.verify_shape_costs``), and ``capture_model`` hands the
+  its capture (``vllm_ddtree.budget.verify_costs``), and ``capture_model`` hands the
   times to ``ddtree_budget: "auto"``'s policy (``BudgetPolicy.set_row_costs``): what a
   verified row costs beside attention. Not at TP > 1: vLLM's custom all-reduce
   registers the graphs' buffers only when the capture context exits.
@@ -34,7 +34,7 @@ adaptive verify shape.
 
 from __future__ import annotations
 
-from patches._guard import mark_patched, require_vllm_version
+from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = (
     "vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model / .capture_model, "
@@ -46,7 +46,7 @@ PATCHED_FUNCTION = (
 def adaptive_verify_shapes(vllm_config) -> list[int] | None:
     """The candidate verify shapes (drafts per request) when ``vllm_config`` runs
     DDTree with adaptive verify shapes, else None."""
-    from vllm_ddtree.budget_policy import candidate_budgets
+    from vllm_ddtree.budget.policy import candidate_budgets
     from vllm_ddtree.runtime_state import ddtree_config_of
 
     spec = vllm_config.speculative_config
@@ -80,7 +80,7 @@ def apply() -> None:
     def execute_model(self, scheduler_output, *args, **kwargs):
         chooser = getattr(getattr(self, "speculator", None), "verify_shape", None)
         if chooser is not None:
-            from vllm_ddtree.verify_shape import truncate_drafts
+            from vllm_ddtree.verify.shape import truncate_drafts
 
             scheduler_output = truncate_drafts(scheduler_output, chooser.next_shape())
         return original_execute(self, scheduler_output, *args, **kwargs)
@@ -120,7 +120,7 @@ def apply() -> None:
         # registered when the capture context exits: no replay inside it.
         if not shapes or self.vllm_config.parallel_config.tensor_parallel_size > 1:
             return original_capture(self, create_forward_fn, *args, **kwargs)
-        from vllm_ddtree.verify_shape_costs import ShapeGraphTimer
+        from vllm_ddtree.budget.verify_costs import ShapeGraphTimer
 
         timer = ShapeGraphTimer(self.graphs, shapes)
 

@@ -121,7 +121,7 @@ for stage in "$@"; do
       # DEFAULT_TREE_BUILD; passed on the H200 2026-11-30 and is now the default)
       VLLM_DDTREE_TREE_BUILD=triton stage_pytest ddtree_treek 480 tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
-    ctxrows)  # the context-row compaction kernel compiled on the GPU (vllm_ddtree/context_rows.py)
+    ctxrows)  # the context-row compaction kernel compiled on the GPU (vllm_ddtree/draft/context_rows.py)
       stage_pytest ctxrows 240 tests/test_context_rows.py ;;
     groupprep)  # VLLM_DDTREE_FUSED_PREPARE=1: the one-launch DFlash prepare compiled against
       # vLLM's own per-group kernel, then the ddtree suite (mixed sliding/full drafter) on it
@@ -144,7 +144,7 @@ for stage in "$@"; do
         tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_ddtree_vllm.py \
         -k "not tiny_random and not auto" ;;
     ctxgraph)  # the drafter's context K/V precompute in CUDA graphs (default since the
-      # twenty-fourth session, vllm_ddtree/context_kv_graphs.py): its GPU test, then the
+      # twenty-fourth session, vllm_ddtree/draft/context_kv_graphs.py): its GPU test, then the
       # ddtree suite (greedy = AR with CUDA graphs, the mixed batch, one KV-cache group)
       stage_pytest ctxgraph 540 tests/gpu/test_context_kv_graphs_gpu.py \
         tests/gpu/test_ddtree_vllm.py -k "not tiny_random and not auto" ;;

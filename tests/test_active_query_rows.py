@@ -19,22 +19,21 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, TOLS, chain, kernels_run_here, random_tree  # noqa: E402
-
-from attention_backends.gqa_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQATileConfig,
     gqa_tree_verify,
     gqa_tree_verify_reference,
 )
-from attention_backends.gqa_tree import kernels as gqa_kernels  # noqa: E402
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree import kernels as gqa_kernels  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     MLATileConfig,
     ancestor_bits_from_parents,
     mla_tree_verify,
     mla_tree_verify_reference,
     num_mask_words,
 )
-from attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
-from attention_backends.tree_mask_state import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
+from vllm_ddtree.attention_backends.tree_mask_state import (  # noqa: E402
     ALL_ROWS_ACTIVE,
     TREE_MASK_STATE,
     TreeMaskState,
@@ -472,7 +471,7 @@ def arm_tree_state(tree_state, ancestor_bits, active, adaptive):
 @needs_kernels
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_mla_backend_passes_active_lens(adaptive, tree_state):
-    from attention_backends.mla_tree.backend import TreeMLAImpl, TreeMLAMetadataBuilder
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLAImpl, TreeMLAMetadataBuilder
 
     batch, active = mla_batch(_decode_specs(), page_size=16, heads=2)
     qsl = batch["query_start_loc"]
@@ -533,8 +532,7 @@ def _fake_vllm_config():
 def test_gqa_backend_passes_active_lens(adaptive, tree_state):
     """A verify-only batch (no prefill part, no KV write: the cache is random)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
-
-    from attention_backends.gqa_tree.backend import (
+    from vllm_ddtree.attention_backends.gqa_tree.backend import (
         TreeGQABackend,
         TreeGQAImpl,
         TreeGQAMetadataBuilder,

@@ -16,16 +16,16 @@ from test_ddtree_integration_units import (
     new_state,
 )
 from tiny_models import drafter_config, tiny_drafter, tiny_target
+from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 
-from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
-from vllm_ddtree.budget import (
+from vllm_ddtree.budget.choice import (
     RATE_TOLERANCE,
     BudgetCostTable,
     choose_batch_budget,
     expected_committed_by_budget,
     mask_inactive_nodes,
 )
-from vllm_ddtree.budget_policy import (
+from vllm_ddtree.budget.policy import (
     CONTEXT_GRID,
     MAX_ROUND_SECONDS,
     BudgetPolicy,
@@ -36,8 +36,9 @@ from vllm_ddtree.budget_policy import (
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, split_ddtree_spec
 from vllm_ddtree.reference import generate
 from vllm_ddtree.runtime_state import ddtree_config_of, verify_inputs_
-from vllm_ddtree.tree import build_ddtree, follow_tree, follow_tree_reference
-from vllm_ddtree.verifier import DDTreeVerifier
+from vllm_ddtree.tree.draft_tree import build_ddtree
+from vllm_ddtree.verify.verifier import DDTreeVerifier
+from vllm_ddtree.walk.follow import follow_tree, follow_tree_reference
 
 BASE_SPEC = {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 64}
 PROMPT = [5, 17, 33, 2, 60, 41, 9, 12, 77, 3, 28, 50]
@@ -230,7 +231,7 @@ def test_row_costs_shift_the_choice_to_fewer_rows():
     the tokens they are expected to add, the choice shrinks; the cost is that of the
     batch's total rows, so more requests shrink it further; the wall sample then
     covers attention + rows."""
-    from vllm_ddtree.budget import rows_seconds_for_batch
+    from vllm_ddtree.budget.choice import rows_seconds_for_batch
 
     table = measure_attention_table(lambda c, q: 1e-6, [1024, 4096], candidate_budgets(64))
     policy = BudgetPolicy(table, num_layers=4)
@@ -566,7 +567,7 @@ def fake_vllm_config(use_mla: bool, max_model_len: int = 40, eager: bool = True)
 def test_target_timers_run_the_tree_kernels_with_active_rows(use_mla):
     """The start-up timers call the real tree kernels (Triton interpreter on CPU) with
     the target's per-GPU shapes and 1 + b active rows of 1 + B."""
-    from vllm_ddtree.budget_policy import target_attention_timer
+    from vllm_ddtree.budget.policy import target_attention_timer
 
     config = fake_vllm_config(use_mla)
     seen = []
@@ -587,7 +588,7 @@ def test_policy_from_vllm_config_logs_the_measured_table(monkeypatch):
 
     import vllm.distributed.parallel_state as parallel_state
 
-    from vllm_ddtree import budget_policy
+    from vllm_ddtree.budget import policy as budget_policy
 
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: NS(ranks=[0, 1]))
 

@@ -171,7 +171,7 @@ def test_direct_suffix_parses_round_trips_and_keeps_the_config():
 
 def test_skipprefix_applies_to_vllms_methods_too():
     """+skipprefix gives vLLM's chain (and AR) DDTree's scheduler fix
-    (patches.scheduler_common_prefix) in its own column; +scanprefix turns it off for
+    (vllm_ddtree.patches.scheduler_common_prefix) in its own column; +scanprefix turns it off for
     DDTree. The plain chain stays the x-chain reference (it sorts first)."""
     chain = RunSpec.parse("dflash@FLASH_ATTN_MLA+skipprefix")
     assert chain.method == "dflash" and chain.switches == ("+skipprefix",)

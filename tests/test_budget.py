@@ -1,10 +1,14 @@
-"""Adaptive budget pieces (vllm_ddtree.budget) against brute force and Monte Carlo."""
+"""Adaptive budget pieces (vllm_ddtree.budget.choice) against brute force and Monte Carlo."""
 
 import pytest
 import torch
 
-from vllm_ddtree.budget import BudgetCostTable, choose_batch_budget, expected_committed_by_budget
-from vllm_ddtree.tree import build_ddtree
+from vllm_ddtree.budget.choice import (
+    BudgetCostTable,
+    choose_batch_budget,
+    expected_committed_by_budget,
+)
+from vllm_ddtree.tree.draft_tree import build_ddtree
 
 
 def node_paths(tree, r: int) -> list[tuple[int, ...]]:

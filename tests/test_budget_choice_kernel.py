@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``ddtree_budget: "auto"``'s choice in one launch (vllm_ddtree.budget_choice_kernel)
+"""``ddtree_budget: "auto"``'s choice in one launch (vllm_ddtree.budget.choice_kernel)
 against ``BudgetPolicy.choose``'s PyTorch ops: the same budget and the same modeled
 attention, over batches larger than one block of rows, node counts that are not powers
 of two, one- and many-point cost tables (clamped or extrapolated), with and without a
@@ -12,10 +12,10 @@ pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 
-from vllm_ddtree import budget_choice_kernel  # noqa: E402
-from vllm_ddtree.budget import BudgetCostTable  # noqa: E402
-from vllm_ddtree.budget_choice_kernel import choose_budget_triton  # noqa: E402
-from vllm_ddtree.budget_policy import BudgetPolicy, candidate_budgets  # noqa: E402
+from vllm_ddtree.budget import choice_kernel as budget_choice_kernel  # noqa: E402
+from vllm_ddtree.budget.choice import BudgetCostTable  # noqa: E402
+from vllm_ddtree.budget.choice_kernel import choose_budget_triton  # noqa: E402
+from vllm_ddtree.budget.policy import BudgetPolicy, candidate_budgets  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not kernels_run_here(budget_choice_kernel._choose_budget_kernel),
@@ -215,7 +215,7 @@ _COMPILE_SCRIPT = """
 import json, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from vllm_ddtree.budget_choice_kernel import _choose_budget_kernel as fn
+from vllm_ddtree.budget.choice_kernel import _choose_budget_kernel as fn
 
 ptrs = {"ctx_ptr": "*i32", "budgets_ptr": "*i64", "chosen_ptr": "*i64", "idx_ptr": "*i32"}
 result = []

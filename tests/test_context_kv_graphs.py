@@ -1,4 +1,4 @@
-"""vllm_ddtree.context_kv_graphs and patches.dflash_context_kv: which precompute calls a
+"""vllm_ddtree.draft.context_kv_graphs and patches/dflash_context_kv.py: which precompute calls a
 captured graph stands in for (CPU: graphs are stand-ins that count replays; the capture
 itself runs in tests/gpu/test_context_kv_graphs_gpu.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree import context_kv_graphs as ckv
+from vllm_ddtree.draft import context_kv_graphs as ckv
 
 
 class _CountingGraph:
@@ -118,8 +118,7 @@ def test_mismatched_slot_length_runs_eagerly():
 
 def test_the_patch_routes_only_drafters_that_carry_graphs():
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
-
-    from patches import dflash_context_kv
+    from vllm_ddtree.patches import dflash_context_kv
 
     dflash_context_kv.apply()
     dflash_context_kv.apply()  # idempotent
@@ -165,10 +164,10 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     from vllm.config.compilation import CUDAGraphMode
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    from vllm_ddtree.patches import dflash_context_kv
 
-    from patches import dflash_context_kv
-    from vllm_ddtree.context_rows import COMPACT_CONTEXT_ENV
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.draft.context_rows import COMPACT_CONTEXT_ENV
+    from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
     dflash_context_kv.apply()
     captured = []
@@ -229,11 +228,11 @@ def test_the_chain_switch_captures_for_vllms_dflash_only(monkeypatch):
     captures the context graphs for its 1 + N rows a request after its drafter graphs;
     a DDTree speculator (which captures its own) is left alone; bad values are named."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+    from vllm_ddtree.patches import dflash_context_kv
 
-    import vllm_ddtree.context_kv_graphs as module
-    import vllm_ddtree.speculator as speculator
-    from patches import dflash_context_kv
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    import vllm_ddtree.draft.context_kv_graphs as module
+    import vllm_ddtree.draft.speculator as speculator
+    from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
     monkeypatch.delenv(dflash_context_kv.CHAIN_ENV, raising=False)
     assert not dflash_context_kv.chain_graphs_requested()

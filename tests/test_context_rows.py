@@ -1,4 +1,4 @@
-"""The drafter's compacted context rows of tree-decode rounds (vllm_ddtree.context_rows):
+"""The drafter's compacted context rows of tree-decode rounds (vllm_ddtree.draft.context_rows):
 which batches compact, the PyTorch compaction against a per-row loop, the one-launch
 Triton compaction (in place) against the PyTorch one, and the batch copy DFlash drafts
 from. Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 
-from vllm_ddtree import hidden_rows_kernel  # noqa: E402
-from vllm_ddtree.context_rows import (  # noqa: E402
+from vllm_ddtree.draft import hidden_rows_kernel  # noqa: E402
+from vllm_ddtree.draft.context_rows import (  # noqa: E402
     COMPACT_CONTEXT_ENV,
     compact_context_enabled,
     compact_path_rows_torch,
@@ -133,7 +133,7 @@ def test_triton_compaction_in_place_equals_the_pytorch_one(qlens, accepted, num_
     """Bit-equal rows for every tensor (more than one launch of four for five tensors),
     positions and rejected counts; request 9's destination rows hold request 8's
     sources, read before they are written."""
-    from vllm_ddtree.hidden_rows_kernel import compact_path_rows_triton
+    from vllm_ddtree.draft.hidden_rows_kernel import compact_path_rows_triton
 
     xs, qsl, src, positions, num_sampled = random_round(qlens, accepted,
                                                         num_tensors=num_tensors)
@@ -166,7 +166,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.hidden_rows_kernel import _compact_path_rows_kernel as fn
+    from vllm_ddtree.draft.hidden_rows_kernel import _compact_path_rows_kernel as fn
 
     result = []
     for arch in (90, 120):

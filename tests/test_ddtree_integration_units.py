@@ -8,8 +8,8 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE
 
-from attention_backends.tree_mask_state import TREE_MASK_STATE
 from vllm_ddtree.reference.sampling import keyed_uniform
 from vllm_ddtree.runtime_state import (
     DDTreeRuntimeState,
@@ -18,14 +18,15 @@ from vllm_ddtree.runtime_state import (
     logit_row_positions,
     verify_inputs_,
 )
-from vllm_ddtree.tree import build_ddtree, follow_tree_reference, unpack_ancestor_bits
-from vllm_ddtree.verifier import (
+from vllm_ddtree.tree.draft_tree import build_ddtree, unpack_ancestor_bits
+from vllm_ddtree.verify.verifier import (
     DDTreeVerifier,
     UnsupportedForTreeError,
     committed_logit_rows,
     flatten_committed,
     num_sampled_and_rejected_torch,
 )
+from vllm_ddtree.walk.follow import follow_tree_reference
 
 VOCAB, BUDGET, DEPTHS, MAX_REQS = 5, 24, 4, 6
 NO_LOGPROBS = -1  # vllm.v1.worker.gpu.sample.states.NO_LOGPROBS
@@ -306,8 +307,8 @@ def test_num_sampled_and_rejected_matches_vllm_rule():
 
 
 def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
-    from vllm_ddtree.speculator import kv_page_views, path_compaction_slots
-    from vllm_ddtree.verify_batch import compact_kv_cache_
+    from vllm_ddtree.compact.reference import compact_kv_cache_
+    from vllm_ddtree.draft.speculator import kv_page_views, path_compaction_slots
 
     qlens = [1 + BUDGET, 1 + BUDGET, 3]
     qsl = torch.tensor([0] + np.cumsum(qlens).tolist(), dtype=torch.int32)
@@ -363,7 +364,7 @@ def test_hidden_gather_and_kv_compaction_put_the_path_at_consecutive_rows():
 
 
 def fake_speculator(state):
-    from vllm_ddtree.speculator import DDTreeSpeculator
+    from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
     spec = DDTreeSpeculator.__new__(DDTreeSpeculator)
     spec.state = state
@@ -451,8 +452,8 @@ def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
 
 
 def _auto_policy():
-    from vllm_ddtree.budget import BudgetCostTable
-    from vllm_ddtree.budget_policy import BudgetPolicy, candidate_budgets
+    from vllm_ddtree.budget.choice import BudgetCostTable
+    from vllm_ddtree.budget.policy import BudgetPolicy, candidate_budgets
 
     budgets = torch.tensor(candidate_budgets(BUDGET))
     contexts = torch.tensor([1024.0, 16384.0, 131072.0])
@@ -592,10 +593,10 @@ def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch)
     """A batch of tree decodes: the drafter sees 1 + L context rows a request (the
     accepted path first), their linear positions, num_rejected = 1 + L - num_sampled
     and the same requests; the target KV compaction still reads the verify layout. A
-    batch with a prefill chunk keeps every row (vllm_ddtree.context_rows)."""
+    batch with a prefill chunk keeps every row (vllm_ddtree.draft.context_rows)."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree.context_rows import COMPACT_CONTEXT_ENV
+    from vllm_ddtree.draft.context_rows import COMPACT_CONTEXT_ENV
 
     monkeypatch.delenv(COMPACT_CONTEXT_ENV, raising=False)
     state = new_state()
@@ -666,7 +667,7 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
     when drafting raises. A refused launch (False) leaves DFlash's loop in charge."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    import vllm_ddtree.speculator as speculator_module
+    import vllm_ddtree.draft.speculator as speculator_module
     from vllm_ddtree.round_kernels import FUSED_PREPARE_ENV, fused_prepare, use_fused_prepare
 
     spec = fake_speculator(new_state())
@@ -735,7 +736,7 @@ def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeyp
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    import patches
+    from vllm_ddtree import patches
 
     undo_runner_patches_after_test(monkeypatch)
 
@@ -767,7 +768,7 @@ def test_runner_env_applies_runner_patches(monkeypatch):
     import vllm.v1.worker.gpu.model_runner as model_runner
     from vllm.engine.arg_utils import EngineArgs
 
-    import patches
+    from vllm_ddtree import patches
 
     undo_runner_patches_after_test(monkeypatch)
 
@@ -785,11 +786,11 @@ def test_runner_env_applies_runner_patches(monkeypatch):
 
 def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
+    from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV
+    from vllm_ddtree.patches.speculative_config import choose_target_attention_backend
 
-    from attention_backends.gqa_tree.backend import TreeGQABackend
-    from attention_backends.mla_tree.backend import TreeMLABackend
-    from attention_backends.registration import TREE_BACKEND_ENV
-    from patches.speculative_config import choose_target_attention_backend
     from vllm_ddtree.config import DDTreeConfigError
 
     # setenv (not delenv, which records nothing for an unset variable) so that the
@@ -838,9 +839,9 @@ def test_config_helpers_read_the_attached_ddtree_dict():
 
 
 def test_tree_positions_patch_only_acts_for_ddtree_configs(monkeypatch):
+    import vllm_ddtree.patches.tree_positions as tree_positions
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    import patches.tree_positions as tree_positions
     from vllm_ddtree import runtime_state
 
     for name in ("prepare_inputs", "prepare_dummy_inputs"):
@@ -878,7 +879,7 @@ def test_target_layers_by_group_reads_uniform_type_groups():
         UniformTypeKVCacheSpecs,
     )
 
-    from vllm_ddtree.speculator import target_layers_by_group
+    from vllm_ddtree.draft.speculator import target_layers_by_group
 
     mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=_torch.bfloat16)
     full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=_torch.bfloat16)
@@ -967,7 +968,7 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
-    import patches
+    from vllm_ddtree import patches
 
     # apply_runner_patches sets VLLM_DDTREE_RUNNER: restore it afterwards
     monkeypatch.setenv(patches.RUNNER_ENV, "0")
@@ -986,8 +987,8 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
 def test_tree_caches_warm_before_graph_capture():
     """After warm_tree_caches, building trees of any batch size needs no new host-made
     index table (a host-to-device copy would break CUDA-graph capture)."""
-    from vllm_ddtree import tree as tree_mod
-    from vllm_ddtree.speculator import warm_tree_caches
+    from vllm_ddtree.draft.speculator import warm_tree_caches
+    from vllm_ddtree.tree import draft_tree as tree_mod
 
     tree_mod._beam_candidates.cache_clear()
     tree_mod._bit_values.cache_clear()

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """DFlash's draft inputs for every drafter KV-cache group in one launch
-(``vllm_ddtree.dflash_inputs_kernel``) against vLLM's ``prepare_dflash_inputs`` called
+(``vllm_ddtree.draft.inputs_kernel``) against vLLM's ``prepare_dflash_inputs`` called
 once per group, exactly: every output buffer (pre-filled with garbage) bit-equal, for
 one and three groups of different kernel block sizes and block tables, tree-decode
 batches, a chunked-prefill request, CUDA-graph padding, both sampling layouts.
@@ -20,8 +20,8 @@ pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 
-from vllm_ddtree import dflash_inputs_kernel  # noqa: E402
-from vllm_ddtree.dflash_inputs_kernel import (  # noqa: E402
+from vllm_ddtree.draft import inputs_kernel as dflash_inputs_kernel  # noqa: E402
+from vllm_ddtree.draft.inputs_kernel import (  # noqa: E402
     MAX_GROUPS,
     prepare_dflash_inputs_groups,
 )
@@ -292,7 +292,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.dflash_inputs_kernel import _prepare_dflash_inputs_groups_kernel as fn
+    from vllm_ddtree.draft.inputs_kernel import _prepare_dflash_inputs_groups_kernel as fn
 
     i32 = {"out_input_ids_ptr", "out_query_start_loc_ptr", "out_seq_lens_ptr",
            "out_sample_idx_mapping_ptr", "target_query_start_loc_ptr", "idx_mapping_ptr",

@@ -140,7 +140,7 @@ def test_cache_is_bounded_and_the_variable_is_checked(on, monkeypatch):
 def test_round_kernels_still_run_in_the_interpreter_with_it_on(on):
     """With the variable on, the interpreter (CPU) keeps every launch on the JIT path
     and the round kernels give what they give with it off."""
-    from vllm_ddtree.tree_store_kernel import store_trees_triton
+    from vllm_ddtree.tree.store_kernel import store_trees_triton
 
     state = [torch.full((4, 3), -1, dtype=torch.int64) for _ in range(2)]
     bits = torch.full((4, 4, 1), -1, dtype=torch.int64)
@@ -149,7 +149,7 @@ def test_round_kernels_still_run_in_the_interpreter_with_it_on(on):
     assert store_trees_triton(idx, parents, parents + 1, torch.zeros(2, 4, 1, dtype=torch.int64),
                               state[0], state[1], bits)
     assert state[0][2].tolist() == [-1, 0, 1] and state[1][0].tolist() == [0, 0, 1]
-    from vllm_ddtree.tree_store_kernel import _STORE_TREES_LAUNCH
+    from vllm_ddtree.tree.store_kernel import _STORE_TREES_LAUNCH
 
     assert _STORE_TREES_LAUNCH.direct_launches == 0
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS, humaneval_prompts, load_embedded_pair
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS, humaneval_prompts, load_embedded_pair
 from vllm_ddtree.drafter_config import check_drafter_target_pair
 from vllm_ddtree.reference import generate
 
@@ -63,13 +63,14 @@ def test_vllm_demo_refuses_without_cuda_and_reports_rounds(monkeypatch):
     round per prompt plus one round per draft (AR: one per further token)."""
     import torch as _torch
 
-    from vllm_ddtree import demo, demo_vllm
+    from vllm_ddtree import cli
+    from vllm_ddtree.demo import vllm_engine as demo_vllm
 
     monkeypatch.setattr(_torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--engine reference"):
-        demo.run_demo(engine="vllm")
-    with pytest.raises(ValueError, match="'reference'"):
-        demo.run_demo(engine="tensorrt")
+        cli.main(["demo", "--engine", "vllm"])
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--engine", "tensorrt"])
     prompts = [[5, 6], [7]]
     tokens = [[10, 11, 12, 13], [20, 21]]
     results = {

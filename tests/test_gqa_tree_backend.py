@@ -26,16 +26,15 @@ from kernel_testing import (  # noqa: E402
 )
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
-
-from attention_backends.gqa_tree import gqa_tree_verify_reference, kernels  # noqa: E402
-from attention_backends.gqa_tree.backend import (  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify_reference, kernels  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree.backend import (  # noqa: E402
     TREE_THRESHOLD_ENV,
     TreeGQABackend,
     TreeGQAImpl,
     TreeGQAMetadataBuilder,
 )
-from attention_backends.mla_tree import ancestor_bits_from_parents  # noqa: E402
-from attention_backends.tree_mask_state import TREE_MASK_STATE  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import ancestor_bits_from_parents  # noqa: E402
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -21,8 +21,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
-
-from attention_backends.gqa_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQA_TILE_CONFIGS,
     estimate_shared_memory_bytes,
     gqa_tree_verify,
@@ -30,7 +29,7 @@ from attention_backends.gqa_tree import (  # noqa: E402
     kernels,
     select_config,
 )
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     SM120_SHARED_MEMORY_BYTES,
     ancestor_bits_from_parents,
     num_mask_words,
@@ -245,7 +244,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from attention_backends.gqa_tree import GQA_TILE_CONFIGS, kernels
+    from vllm_ddtree.attention_backends.gqa_tree import GQA_TILE_CONFIGS, kernels
 
     fn = kernels._gqa_tree_fwd_kernel
     ptrs = {n: "*bf16" for n in ("Q", "KCache", "VCache", "Out")}

@@ -1,15 +1,15 @@
-"""patches.hf_mla_expand_kv: greedy decoding with incrementally expanded MLA keys /
+"""vllm_ddtree.patches.hf_mla_expand_kv: greedy decoding with incrementally expanded MLA keys /
 values gives the logits and tokens of transformers' own full re-expansion (CPU, fp32)."""
 
 import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM, DynamicCache
-
-from patches.hf_mla_expand_kv import (
+from vllm_ddtree.patches.hf_mla_expand_kv import (
     _ExpandedKVMemo,
     incremental_expand_kv,
     require_transformers_version,
 )
+
 from vllm_ddtree.training import configs
 from vllm_ddtree.training.train_drafter import greedy_continue
 

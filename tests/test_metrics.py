@@ -1,5 +1,5 @@
 """DDTree's metrics from vLLM's spec-decode counters: the summary, the log line and
-the Prometheus counters (patches.spec_decode_metrics)."""
+the Prometheus counters (vllm_ddtree.patches.spec_decode_metrics)."""
 
 import functools
 from types import SimpleNamespace as NS
@@ -37,7 +37,7 @@ def test_summary_committed_is_depth_plus_one():
 
 
 def test_patched_loggers_report_ddtree(monkeypatch):
-    from patches import spec_decode_metrics
+    from vllm_ddtree.patches import spec_decode_metrics
 
     logging_cls = spec_decode_metrics._ddtree_logging_cls()
     log = logging_cls()

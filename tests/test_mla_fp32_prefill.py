@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """fp32 MLA on the tree backend (exactness checks): vLLM's MLA prefill backends are
 bf16 / fp16 only, so the tree backend takes every query as a decode and
-``patches.mla_fp32_prefill`` gives the layer a prefill stand-in that refuses to run.
+``vllm_ddtree.patches.mla_fp32_prefill`` gives the layer a prefill stand-in that refuses to run.
 CPU: the patch's decisions and the builder's decode limit; the fp32 engine itself
 runs on the GPU only (``scripts/device_session.sh lmeval32``)."""
 
@@ -9,11 +9,10 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
-
-from attention_backends.mla_tree.backend import TreeMLABackend
-from attention_backends.registration import TREE_BACKEND_ENV
-from attention_backends.tree_mask_state import decode_query_limit
-from patches import mla_fp32_prefill
+from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
+from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV
+from vllm_ddtree.attention_backends.tree_mask_state import decode_query_limit
+from vllm_ddtree.patches import mla_fp32_prefill
 
 
 def config(dtype, backend="CUSTOM", tokens=16384):

@@ -40,7 +40,7 @@ _COMPILE_SCRIPT = _LAUNCH_TYPES + textwrap.dedent(
     sys.path.insert(0, "evals")
     from kernel_spills import launch_signature, ptxas_report, sass_loops, sass_of
 
-    from attention_backends.mla_tree import gluon_kernels as gk
+    from vllm_ddtree.attention_backends.mla_tree import gluon_kernels as gk
 
     fn = gk._mla_tree_fwd_gluon_kernel
 
@@ -129,8 +129,8 @@ _COMPILE_SCRIPT_V2 = _LAUNCH_TYPES + textwrap.dedent(
     sys.path.insert(0, "evals")
     from kernel_spills import launch_signature, ptxas_report, sass_loops, sass_of
 
-    from attention_backends.mla_tree import gluon_kernels as gk
-    from attention_backends.mla_tree import gluon_kernels_v2 as gk2
+    from vllm_ddtree.attention_backends.mla_tree import gluon_kernels as gk
+    from vllm_ddtree.attention_backends.mla_tree import gluon_kernels_v2 as gk2
 
     fn = gk2._mla_tree_fwd_gluon_v2_kernel
 

@@ -6,9 +6,8 @@
 import pytest
 import torch
 from test_mla_tree_kernel import make_batch
-
-from attention_backends.mla_tree import MLA_TILE_CONFIGS, gluon_kernels, mla_tree_verify
-from attention_backends.mla_tree.ops import INACTIVE_ROWS_ENV, KERNEL_ENV
+from vllm_ddtree.attention_backends.mla_tree import MLA_TILE_CONFIGS, gluon_kernels, mla_tree_verify
+from vllm_ddtree.attention_backends.mla_tree.ops import INACTIVE_ROWS_ENV, KERNEL_ENV
 
 
 @pytest.fixture
@@ -103,7 +102,7 @@ def test_gluon_supported_is_false_off_hopper():
 def test_debug_log_names_each_distinct_launch_once(caplog):
     import logging
 
-    from attention_backends.mla_tree import ops
+    from vllm_ddtree.attention_backends.mla_tree import ops
 
     ops._LOGGED_LAUNCHES.clear()
     with caplog.at_level(logging.DEBUG, logger=ops.logger.name):
@@ -118,7 +117,7 @@ def test_debug_log_names_each_distinct_launch_once(caplog):
 def test_launch_log_env_switch(monkeypatch, capsys):
     import logging
 
-    from attention_backends.mla_tree import ops
+    from vllm_ddtree.attention_backends.mla_tree import ops
 
     ops._LOGGED_LAUNCHES.clear()
     monkeypatch.setattr(ops.logger, "handlers", [])
@@ -139,7 +138,10 @@ def test_gluon_version_defaults_to_v2(monkeypatch):
 
 
 def test_runtime_splits_switch(monkeypatch):
-    from attention_backends.mla_tree.ops import RUNTIME_SPLITS_ENV, runtime_splits_enabled
+    from vllm_ddtree.attention_backends.mla_tree.ops import (
+        RUNTIME_SPLITS_ENV,
+        runtime_splits_enabled,
+    )
 
     monkeypatch.delenv(RUNTIME_SPLITS_ENV, raising=False)
     assert runtime_splits_enabled()

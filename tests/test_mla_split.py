@@ -9,9 +9,8 @@ import pytest
 import torch
 from kernel_testing import compiled_shared_memory, random_tree
 from test_mla_tree_kernel import make_batch
-
-from attention_backends.mla_tree import mla_tree_verify_reference
-from attention_backends.mla_tree.split import (
+from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify_reference
+from vllm_ddtree.attention_backends.mla_tree.split import (
     merge_partial_attention,
     mla_tree_verify_split,
     tree_tail_attention,
@@ -87,7 +86,7 @@ def test_fused_tail_and_merge_kernel_matches_the_torch_split(query_len, dtype):
 
 
 def test_fused_tail_refuses_trees_past_its_tile():
-    from attention_backends.mla_tree.split_kernels import MAX_TAIL_KEYS, tree_tail_merge
+    from vllm_ddtree.attention_backends.mla_tree.split_kernels import MAX_TAIL_KEYS, tree_tail_merge
 
     q = torch.zeros(MAX_TAIL_KEYS + 1, 1, 64)
     with pytest.raises(ValueError, match="query_len"):
@@ -102,7 +101,7 @@ _TAIL_COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from attention_backends.mla_tree import split_kernels
+    from vllm_ddtree.attention_backends.mla_tree import split_kernels
 
     fn = split_kernels._tail_merge_kernel
     ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
@@ -127,7 +126,7 @@ _TAIL_COMPILE_SCRIPT = textwrap.dedent(
 def test_fused_tail_kernel_fits_sm120_shared_memory():
     """Compiled for sm_120 (no GPU needed) at 17-256 tree keys: within the ~100 KB a
     block gets there."""
-    from attention_backends.mla_tree import SM120_SHARED_MEMORY_BYTES
+    from vllm_ddtree.attention_backends.mla_tree import SM120_SHARED_MEMORY_BYTES
 
     for used in compiled_shared_memory(_TAIL_COMPILE_SCRIPT):
         assert 0 < used <= SM120_SHARED_MEMORY_BYTES, used
@@ -151,7 +150,7 @@ def test_padding_request_sees_nothing_and_leaves_the_others(fused_tail):
 
 
 def test_split_eligibility_names_each_reason():
-    from attention_backends.mla_tree.split import split_ineligible_reason
+    from vllm_ddtree.attention_backends.mla_tree.split import split_ineligible_reason
 
     q = torch.zeros(2 * 65, 8, 576, dtype=torch.bfloat16)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
@@ -181,8 +180,8 @@ def test_backend_takes_the_split_path_when_asked(monkeypatch):
     with the same result and its reason logged once."""
     from types import SimpleNamespace as NS
 
-    from attention_backends.mla_tree import backend
-    from attention_backends.mla_tree.split import context_attention_reference
+    from vllm_ddtree.attention_backends.mla_tree import backend
+    from vllm_ddtree.attention_backends.mla_tree.split import context_attention_reference
 
     rng = random.Random(2)
     batch = make_batch([(40, random_tree(9, rng)), (13, random_tree(9, rng))], heads=2,

@@ -23,8 +23,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
-
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     MLA_TILE_CONFIGS,
     SM120_SHARED_MEMORY_BYTES,
     ancestor_bits_from_parents,
@@ -35,7 +34,7 @@ from attention_backends.mla_tree import (  # noqa: E402
     num_mask_words,
     select_config,
 )
-from attention_backends.mla_tree.configs import fit_config  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.configs import fit_config  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -139,8 +138,7 @@ def test_backend_lets_vllm_pad_its_pages():
     start ("page size is not divisible by the maximum page size")."""
     from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-    from attention_backends.mla_tree.backend import TreeMLABackend
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
     assert TreeMLABackend.indexes_kv_by_block_stride()
     target = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576,
@@ -256,7 +254,7 @@ def _runtime_splits_probe(KeyTiles, BaseCtas, Slots, GridSplits, Out,
 def test_runtime_split_choice_is_the_host_choice():
     """The device's split choice (CUDA graphs) equals ``select_num_kv_splits`` for the
     request's own length, capped by the grid's splits, ties to the fewest splits."""
-    from attention_backends.mla_tree.configs import (
+    from vllm_ddtree.attention_backends.mla_tree.configs import (
         MAX_KV_SPLITS,
         MIN_TILES_PER_SPLIT,
         select_num_kv_splits,
@@ -287,7 +285,10 @@ def test_runtime_grid_fits_every_length(num_requests, row_blocks, slots):
     """The grid of a run-time-split launch is the most splits any length up to
     ``max_seq_len`` would take (brute force over every length), not the choice at
     ``max_seq_len``: 1 request x 9 row blocks takes 44 splits at 85k but 29 at 160k."""
-    from attention_backends.mla_tree.configs import max_num_kv_splits, select_num_kv_splits
+    from vllm_ddtree.attention_backends.mla_tree.configs import (
+        max_num_kv_splits,
+        select_num_kv_splits,
+    )
 
     kw = dict(num_requests=num_requests, row_blocks=row_blocks, block_n=64, num_sms=slots,
               ctas_per_sm=1)
@@ -304,7 +305,7 @@ def test_runtime_grid_fits_every_length(num_requests, row_blocks, slots):
 def test_runtime_splits_launch_matches():
     """A graph-sized grid (16 splits for 8k keys) with run-time split counts: the long
     request takes fewer splits than the grid, the short one one; same result."""
-    from attention_backends.mla_tree.configs import select_num_kv_splits
+    from vllm_ddtree.attention_backends.mla_tree.configs import select_num_kv_splits
 
     specs = [(2000, chain(3)), (300, [-1, 0, 0])]
     batch = make_batch(specs, page_size=16, seed=3)
@@ -453,7 +454,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from attention_backends.mla_tree import MLA_TILE_CONFIGS, kernels
+    from vllm_ddtree.attention_backends.mla_tree import MLA_TILE_CONFIGS, kernels
 
     fn = kernels._mla_tree_fwd_kernel
     ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
@@ -496,8 +497,7 @@ def test_compiled_sm120_shared_memory_within_estimate():
 
 def test_large_tiles_only_where_shared_memory_allows():
     import torch
-
-    from attention_backends.mla_tree.configs import (
+    from vllm_ddtree.attention_backends.mla_tree.configs import (
         LARGE_SMEM_TILE_CONFIGS,
         MLA_TILE_CONFIGS,
         SM120_SHARED_MEMORY_BYTES,

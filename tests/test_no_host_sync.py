@@ -26,9 +26,9 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
 
-from attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
-from vllm_ddtree import tree as tree_mod
+from vllm_ddtree.compact.reference import compact_kv_cache_, compaction_slots
 from vllm_ddtree.runtime_state import (
     DDTreeRuntimeState,
     hidden_row_gather_index,
@@ -40,27 +40,22 @@ from vllm_ddtree.testing.sync_guard import (
     HostSyncError,
     assert_no_host_sync,
 )
-from vllm_ddtree.tree import (
+from vllm_ddtree.tree import draft_tree as tree_mod
+from vllm_ddtree.tree.draft_tree import (
     DraftTree,
     build_ddtree,
     build_ddtree_reference,
-    follow_tree,
-    follow_tree_reference,
     num_mask_words,
 )
-from vllm_ddtree.verifier import (
+from vllm_ddtree.verify.batch import sampled_rows_from_walk, tree_verify_positions_and_bits
+from vllm_ddtree.verify.verifier import (
     DDTreeVerifier,
     committed_logit_rows,
     flatten_committed,
     num_sampled_and_rejected_torch,
     tree_inputs_from_rows,
 )
-from vllm_ddtree.verify_batch import (
-    compact_kv_cache_,
-    compaction_slots,
-    sampled_rows_from_walk,
-    tree_verify_positions_and_bits,
-)
+from vllm_ddtree.walk.follow import follow_tree, follow_tree_reference
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import count_host_syncs  # noqa: E402
@@ -306,7 +301,7 @@ def make_scenario(budget: int, top_k: int | None, num_logprobs: int, monkeypatch
     target logits from the trees the previous ``propose`` stored."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree import speculator as speculator_mod
+    from vllm_ddtree.draft import speculator as speculator_mod
 
     gen = torch.Generator().manual_seed(budget * 31 + (top_k or 0))
     TREE_MASK_STATE.ancestor_bits = None
@@ -517,7 +512,7 @@ def round_components(sc) -> dict:
     """Every device-side function of a round, as zero-argument calls on the state a
     first (undetected) round left behind."""
     b, state, spec, budget = sc.batch, sc.state, sc.spec, sc.budget
-    from vllm_ddtree.speculator import kv_page_views, path_compaction_slots
+    from vllm_ddtree.draft.speculator import kv_page_views, path_compaction_slots
 
     idx = b.idx_mapping.long()
     drawn, _, _ = sc.verifier.draw_target_tokens(sc.logits, b)
@@ -553,11 +548,11 @@ def round_components(sc) -> dict:
             state.ancestor_bits[idx], TREE_MASK_STATE.ancestor_bits.shape[1]),
         "verify_batch.sampled_rows_from_walk": lambda: sampled_rows_from_walk(
             walk.committed_tokens, walk.accepted_depth, budget),
-        "verify_batch.compaction_slots": lambda: compaction_slots(
+        "compact.reference.compaction_slots": lambda: compaction_slots(
             sc.slot_mappings["t.0"], b.query_start_loc, walk.kv_src_rows),
         "speculator.path_compaction_slots": lambda: path_compaction_slots(
             sc.slot_mappings["t.0"], b.query_start_loc, walk.kv_src_rows),
-        "verify_batch.compact_kv_cache_": lambda: compact_kv_cache_(rows, src, dst),
+        "compact.reference.compact_kv_cache_": lambda: compact_kv_cache_(rows, src, dst),
         "runtime_state.verify_inputs_": lambda: verify_inputs_(
             state, b.positions, b.query_start_loc, b.cu_num_logits, b.idx_mapping,
             b.num_tokens, b.num_tokens_after_padding),
@@ -592,8 +587,8 @@ def round_components(sc) -> dict:
 COMPONENT_NAMES = [
     "tree.build_ddtree", "tree.DraftTree.ancestor_bits", "tree.DraftTree.positions_offsets",
     "tree.follow_tree(max_depth=L)", "verify_batch.tree_verify_positions_and_bits",
-    "verify_batch.sampled_rows_from_walk", "verify_batch.compaction_slots",
-    "speculator.path_compaction_slots", "verify_batch.compact_kv_cache_",
+    "verify_batch.sampled_rows_from_walk", "compact.reference.compaction_slots",
+    "speculator.path_compaction_slots", "compact.reference.compact_kv_cache_",
     "runtime_state.verify_inputs_", "runtime_state.logit_row_positions",
     "runtime_state.hidden_row_gather_index", "runtime_state.store_trees_",
     "runtime_state.record_walk_+take_walk", "tree_mask_state.causal_bits_",
@@ -635,7 +630,7 @@ def test_follow_tree_without_max_depth_syncs_once():
     detector = detect(lambda: follow_tree(tree, targets))
     line = _line_of(follow_tree, "int(tree.depths.max().item())")
     assert [(e.op, e.site) for e in detector.syncs] == [
-        ("aten._local_scalar_dense.default", f"vllm_ddtree/tree.py:{line} in follow_tree")]
+        ("aten._local_scalar_dense.default", f"vllm_ddtree/walk/follow.py:{line} in follow_tree")]
     assert detect(lambda: follow_tree(tree, targets, max_depth=DEPTHS)).count() == 0
 
 
@@ -656,7 +651,7 @@ def test_cold_tree_caches_copy_host_tables_once():
     cache them per device: the first call copies them to the device (a blocking
     copy), which is why ``DDTreeSpeculator.__init__`` calls ``warm_tree_caches``
     before CUDA-graph capture. Warm, the same call is sync-free."""
-    from vllm_ddtree.speculator import warm_tree_caches
+    from vllm_ddtree.draft.speculator import warm_tree_caches
 
     logits = torch.randn(3, DEPTHS, VOCAB)
     tree_mod._beam_candidates.cache_clear()
@@ -664,7 +659,7 @@ def test_cold_tree_caches_copy_host_tables_once():
     cold = detect(lambda: build_ddtree(logits, 24).ancestor_bits())
     assert cold.count("h2d") > 0 and cold.count() == cold.count("h2d")
     sites = {e.site.split(":")[0] for e in cold.syncs}
-    assert sites == {"vllm_ddtree/tree.py"}, cold.report()
+    assert sites == {"vllm_ddtree/tree/draft_tree.py"}, cold.report()
     tree_mod._beam_candidates.cache_clear()
     tree_mod._bit_values.cache_clear()
     warm_tree_caches(DEPTHS, VOCAB, 24, None, torch.device("cpu"))
@@ -695,8 +690,8 @@ def synthetic_trace() -> list[dict]:
         X("user_annotation", step, 0, 100),
         X("user_annotation", "ddtree::propose", 5, 60),
         X("user_annotation", "ddtree::verify", 10, 30),
-        X("python_function", "vllm_ddtree/verifier.py(330): __call__", 11, 28),
-        X("python_function", "vllm_ddtree/verify_batch.py(139): compact_kv_cache_", 12, 20),
+        X("python_function", "vllm_ddtree/verify/verifier.py(330): __call__", 11, 28),
+        X("python_function", "vllm_ddtree/verify/batch.py(139): compact_kv_cache_", 12, 20),
         X("python_function", "torch/_tensor.py(40): wrapped", 13, 10),
         X("python_function", "<built-in method item of Tensor object at 0x1>", 14, 8),
         X("cpu_op", "aten::item", 14, 8),
@@ -734,9 +729,9 @@ def test_count_trace_counts_and_attributes_per_step():
              for s in result["sites"]}
     assert sites == {
         ("sync", "ddtree", "ddtree::verify", "aten::_local_scalar_dense",
-         "vllm_ddtree/verify_batch.py:139 compact_kv_cache_"): 1,
+         "vllm_ddtree/verify/batch.py:139 compact_kv_cache_"): 1,
         ("dtoh", "ddtree", "ddtree::verify", "aten::_local_scalar_dense",
-         "vllm_ddtree/verify_batch.py:139 compact_kv_cache_"): 1,
+         "vllm_ddtree/verify/batch.py:139 compact_kv_cache_"): 1,
         ("sync", "vllm", "vllm::sample_tokens", "cudaEventSynchronize",
          "vllm/v1/worker/gpu/async_utils.py:60 get_output"): 1,
         ("dtoh", "vllm", "vllm::sample_tokens", "cudaMemcpyAsync",
@@ -771,7 +766,7 @@ def test_count_trace_reads_a_json_trace_and_writes_markdown(tmp_path):
                                             "python evals/count_host_syncs.py")
     assert "| DDTree B=32 | 2 | 1.50 | 1.00 (1) | 0.50 | 0.50 |" in text
     assert "| ar | 0 | n/a | n/a (0) | n/a | n/a | n/a | - |" in text
-    assert "`vllm_ddtree/verify_batch.py:139 compact_kv_cache_`" in text
+    assert "`vllm_ddtree/verify/batch.py:139 compact_kv_cache_`" in text
     assert "Command: `python evals/count_host_syncs.py`" in text
     assert ("- DDTree B=32: 1 host syncs and 1 DtoH copies inside `ddtree::` ranges over 2 "
             "steps; 1.50 syncs/step in all vs 2.00 for DFlash.") in text

@@ -33,8 +33,9 @@ from vllm_ddtree.testing.oracle import (
     request_index,
     true_path_depth,
 )
-from vllm_ddtree.tree import build_ddtree, follow_tree
-from vllm_ddtree.verifier import DDTreeVerifier
+from vllm_ddtree.tree.draft_tree import build_ddtree
+from vllm_ddtree.verify.verifier import DDTreeVerifier
+from vllm_ddtree.walk.follow import follow_tree
 
 V, L = 4096, 15  # the embedded pair: vocabulary 4096, drafter block_size 16
 
@@ -155,7 +156,7 @@ def test_install_oracle_drafts_the_truth_and_records_rounds(monkeypatch):
     """The three hooks on CPU stand-ins: propose captures the batch's request ids,
     the draft of a known request follows sample_pos into the truth, warm-up rows keep
     the drafter's logits, and the verifier records root position and depth."""
-    from vllm_ddtree import speculator as speculator_mod
+    from vllm_ddtree.draft import speculator as speculator_mod
 
     vocab = 64
     state = new_state()

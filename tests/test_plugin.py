@@ -3,9 +3,9 @@
 from importlib.metadata import entry_points
 
 import pytest
+from vllm_ddtree.patches import VllmVersionError, require_vllm_version
 
 import vllm_ddtree
-from patches import VllmVersionError, require_vllm_version
 
 
 def test_entry_point_is_installed():
@@ -40,8 +40,10 @@ def test_mla_tree_backend_registered_as_custom():
     from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
-    from attention_backends.mla_tree.backend import TreeMLABackend, TreeMLAMetadataBuilder
+    from vllm_ddtree.attention_backends.mla_tree.backend import (
+        TreeMLABackend,
+        TreeMLAMetadataBuilder,
+    )
 
     vllm_ddtree.register()
     cls = AttentionBackendEnum.CUSTOM.get_class()
@@ -52,9 +54,9 @@ def test_mla_tree_backend_registered_as_custom():
 
 def test_causal_bits_match_dense_causal_mask():
     import torch
+    from vllm_ddtree.attention_backends.tree_mask_state import causal_bits_
 
-    from attention_backends.tree_mask_state import causal_bits_
-    from vllm_ddtree.tree import pack_ancestor_mask
+    from vllm_ddtree.tree.draft_tree import pack_ancestor_mask
 
     qlens = [1, 70, 3, 130, 64]
     qsl = torch.tensor([0] + list(torch.tensor(qlens).cumsum(0)), dtype=torch.int32)

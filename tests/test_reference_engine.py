@@ -115,7 +115,7 @@ def test_context_kv_computed_once_per_committed_token(monkeypatch):
 
 def test_target_cache_after_compaction_matches_fresh_prefill():
     from vllm_ddtree.reference.target import TargetRunner
-    from vllm_ddtree.tree import build_ddtree
+    from vllm_ddtree.tree.draft_tree import build_ddtree
 
     target = tiny_target("deepseek_v3")
     runner = TargetRunner(target)

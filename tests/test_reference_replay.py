@@ -4,7 +4,7 @@ and on other tokens it counts what the trees accept on those tokens."""
 
 import pytest
 
-from vllm_ddtree.demo import CHECKPOINTS, humaneval_prompts, load_embedded_pair
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS, humaneval_prompts, load_embedded_pair
 from vllm_ddtree.reference import clip_rounds, compare_rounds, generate, replay
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import replay_e2e_cells  # noqa: E402
 from e2e_models import SETUPS, cell_seed, load_tokenizer, make_prompts, prepare_setup  # noqa: E402
 
-from vllm_ddtree.demo import CHECKPOINTS  # noqa: E402
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
                                 reason="embedded pair not trained yet")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import torch
 from test_mla_tree_kernel import make_batch
-
-from attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference, ops
+from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference, ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 import replay_mla_launch as replay  # noqa: E402

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from vllm_ddtree import kv_compaction_kernel, round_kernels, runtime_state
+from vllm_ddtree import round_kernels, runtime_state
+from vllm_ddtree.compact import kv_kernel as kv_compaction_kernel
 from vllm_ddtree.round_kernels import ROUND_KERNELS_ENV, use_triton_round_kernels
 
 

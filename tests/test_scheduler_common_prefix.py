@@ -1,4 +1,4 @@
-"""patches.scheduler_common_prefix: which engines skip vLLM's common-prefix scan, and
+"""vllm_ddtree.patches.scheduler_common_prefix: which engines skip vLLM's common-prefix scan, and
 that the patched scheduler answers zeros per KV-cache group without walking blocks."""
 
 from __future__ import annotations
@@ -6,8 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 import pytest
-
-from patches import scheduler_common_prefix as patch
+from vllm_ddtree.patches import scheduler_common_prefix as patch
 
 ENV = patch.SKIP_COMMON_PREFIX_ENV
 
@@ -94,9 +93,9 @@ def test_the_lookahead_patch_still_wraps_it_once(monkeypatch):
     """Applied before scheduler_lookahead (RUNNER_PATCHES order): both stay idempotent
     and the lookahead wrapper is the outer one, carrying _ddtree_patched."""
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm_ddtree.patches import scheduler_lookahead
 
-    import patches
-    from patches import scheduler_lookahead
+    from vllm_ddtree import patches
 
     monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     order = patches.RUNNER_PATCHES
@@ -113,7 +112,7 @@ def test_the_lookahead_patch_still_wraps_it_once(monkeypatch):
 def test_the_env_alone_applies_it_in_a_process_without_ddtree(monkeypatch):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    import patches
+    from vllm_ddtree import patches
 
     monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     monkeypatch.setenv(patches.RUNNER_ENV, "0")

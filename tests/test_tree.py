@@ -1,21 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Tests of vllm_ddtree.tree: tree construction, mask bits and the acceptance walk."""
+"""Tests of vllm_ddtree.tree.draft_tree: tree construction, mask bits and the acceptance walk."""
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_ddtree.tree import (
+from vllm_ddtree.tree.draft_tree import (
     DraftTree,
     _sort_keys,
     build_ddtree,
     build_ddtree_reference,
-    follow_tree,
-    follow_tree_reference,
     pack_ancestor_mask,
     unpack_ancestor_bits,
 )
+from vllm_ddtree.walk.follow import follow_tree, follow_tree_reference
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 LOGIT_KINDS = ("randn", "quantized", "uniform", "repeated", "peaked")
@@ -178,7 +177,7 @@ def test_build_matches_reference_large(kind, shape, budget, top_k):
 def test_build_ranks_depths_in_batches(monkeypatch, budget_bytes):
     """Depths ranked in several batches (one depth each, or 4 of 15 per batch: a
     short last batch) build the same trees as all depths at once."""
-    import vllm_ddtree.tree as tree_mod
+    import vllm_ddtree.tree.draft_tree as tree_mod
 
     logits = make_logits("randn", (3, 15, 50), seed=9)
     whole = build_ddtree(logits, 200, top_k=6)

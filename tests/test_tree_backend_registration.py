@@ -1,8 +1,7 @@
-"""Which tree backend fills vLLM's CUSTOM slot (``attention_backends.registration``)."""
+"""Which tree backend fills vLLM's CUSTOM slot (``vllm_ddtree.attention_backends.registration``)."""
 
 import pytest
-
-from attention_backends.registration import (
+from vllm_ddtree.attention_backends.registration import (
     TREE_BACKEND_ENV,
     register_tree_backend,
     tree_backend_kind_from_env,
@@ -10,10 +9,11 @@ from attention_backends.registration import (
 
 
 def test_register_switches_the_custom_class(custom_backend_slot):
-    from attention_backends.gqa_tree.backend import TreeGQABackend
-    from attention_backends.mla_tree.backend import TreeMLABackend
+    from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
-    assert register_tree_backend("gqa") == "attention_backends.gqa_tree.backend.TreeGQABackend"
+    assert register_tree_backend("gqa") == (
+        "vllm_ddtree.attention_backends.gqa_tree.backend.TreeGQABackend")
     assert custom_backend_slot.get_class() is TreeGQABackend
     register_tree_backend("mla")
     assert custom_backend_slot.get_class() is TreeMLABackend
@@ -37,8 +37,7 @@ def test_mla_backend_asks_vllm_for_64_token_pages():
     """vLLM keeps its default 16-token page for a backend that accepts any size unless the
     backend names another (``Platform.update_block_size_for_backend``)."""
     from vllm.config.cache import CacheConfig
-
-    from attention_backends.mla_tree.backend import TreeMLABackend
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
     assert CacheConfig.DEFAULT_BLOCK_SIZE != 64  # else the override is moot
     assert TreeMLABackend.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE) == 64

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Triton beam selection (vllm_ddtree.tree_build_kernel) vs build_ddtree and the
+"""The Triton beam selection (vllm_ddtree.tree.build_kernel) vs build_ddtree and the
 heapq oracle build_ddtree_reference, exactly (tokens, parents, depths, score bits).
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
@@ -18,15 +18,15 @@ triton = pytest.importorskip("triton")
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 from test_tree import make_logits  # noqa: E402
 
-from vllm_ddtree import tree as tree_mod  # noqa: E402
-from vllm_ddtree import tree_build_kernel  # noqa: E402
-from vllm_ddtree.tree import build_ddtree, build_ddtree_reference  # noqa: E402
-from vllm_ddtree.tree_build_kernel import (  # noqa: E402
+from vllm_ddtree.tree import build_kernel as tree_build_kernel  # noqa: E402
+from vllm_ddtree.tree import draft_tree as tree_mod  # noqa: E402
+from vllm_ddtree.tree.build_kernel import (  # noqa: E402
     MAX_BLOCK,
     beam_plan,
     build_ddtree_fast,
     build_ddtree_triton,
 )
+from vllm_ddtree.tree.draft_tree import build_ddtree, build_ddtree_reference  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -190,9 +190,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.tree_build_kernel import _build_tree_kernel as fn
+    from vllm_ddtree.tree.build_kernel import _build_tree_kernel as fn
 
-    from vllm_ddtree.vocab_top_k_kernel import (
+    from vllm_ddtree.tree.vocab_top_k_kernel import (
         MAX_MERGE_BLOCK, _CHUNK, _chunk_top_k_kernel, _merge_top_k_kernel)
 
     pointers = {"LogProbs": "*fp32", "BeamScores": "*fp32", "OutScores": "*fp32",

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The one-launch tree scatter (vllm_ddtree.tree_store_kernel) against the PyTorch
+"""The one-launch tree scatter (vllm_ddtree.tree.store_kernel) against the PyTorch
 ``index_put_`` path of DDTreeRuntimeState.store_trees_, exactly; Triton's interpreter
 on CPU, compiled on a GPU."""
 
@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")
 
 from kernel_testing import DEVICE  # noqa: E402
 
-from vllm_ddtree.tree_store_kernel import store_trees_triton  # noqa: E402
+from vllm_ddtree.tree.store_kernel import store_trees_triton  # noqa: E402
 
 
 def _state(max_reqs, budget, words, fill):
@@ -92,7 +92,7 @@ def test_runtime_state_uses_the_kernel_and_matches_the_torch_path(monkeypatch):
     tensors before the state moved to DEVICE: compiled Triton cannot read them)."""
     from vllm_ddtree import runtime_state
     from vllm_ddtree.runtime_state import DDTreeRuntimeState
-    from vllm_ddtree.tree import build_ddtree
+    from vllm_ddtree.tree.draft_tree import build_ddtree
 
     gen = torch.Generator().manual_seed(3)
     trees = build_ddtree(torch.randn(3, 4, 11, generator=gen), 6, 3)
@@ -123,7 +123,7 @@ def test_kernel_compiles_for_sm90_and_sm120():
         import json, triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from vllm_ddtree.tree_store_kernel import _store_trees_kernel as fn
+        from vllm_ddtree.tree.store_kernel import _store_trees_kernel as fn
 
         result = []
         for arch in (90, 120):

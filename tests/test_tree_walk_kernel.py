@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Triton acceptance walk (vllm_ddtree.tree_walk_kernel) vs follow_tree and its
+"""The Triton acceptance walk (vllm_ddtree.walk.walk_kernel) vs follow_tree and its
 per-request oracle follow_tree_reference, field by field and exactly.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
@@ -17,16 +17,12 @@ triton = pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
 
-from vllm_ddtree import tree_walk_kernel, verifier  # noqa: E402
-from vllm_ddtree.budget import mask_inactive_nodes  # noqa: E402
-from vllm_ddtree.tree import (  # noqa: E402
-    DraftTree,
-    WalkResult,
-    build_ddtree,
-    follow_tree,
-    follow_tree_reference,
-)
-from vllm_ddtree.tree_walk_kernel import follow_tree_triton  # noqa: E402
+from vllm_ddtree.budget.choice import mask_inactive_nodes  # noqa: E402
+from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree  # noqa: E402
+from vllm_ddtree.verify import verifier  # noqa: E402
+from vllm_ddtree.walk import walk_kernel as tree_walk_kernel  # noqa: E402
+from vllm_ddtree.walk.follow import WalkResult, follow_tree, follow_tree_reference  # noqa: E402
+from vllm_ddtree.walk.walk_kernel import follow_tree_triton  # noqa: E402
 
 needs_kernels = pytest.mark.skipif(
     not kernels_run_here(tree_walk_kernel._follow_tree_kernel),
@@ -361,8 +357,8 @@ def test_fused_verify_walk_equals_the_pytorch_round(adaptive, count, block_b, wa
     tree_inputs_from_rows + mask_inactive_nodes + follow_tree + sampled_rows_from_walk +
     the counters + num_sampled_and_rejected: full, truncated and draft-less requests, a
     chunked prefill, deep walks (targets forced along a path), multi-block scans."""
-    from vllm_ddtree.tree_walk_kernel import verify_walk_triton
-    from vllm_ddtree.verify_batch import sampled_rows_from_walk
+    from vllm_ddtree.verify.batch import sampled_rows_from_walk
+    from vllm_ddtree.walk.walk_kernel import verify_walk_triton
 
     gen = torch.Generator().manual_seed(11 + 2 * adaptive + count)
     budget, max_reqs, max_depth = 9, 7, 6
@@ -439,7 +435,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.tree_walk_kernel import _follow_tree_kernel as fn
+    from vllm_ddtree.walk.walk_kernel import _follow_tree_kernel as fn
 
     result = []
     for arch in (90, 120):
@@ -454,7 +450,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                                    target=GPUTarget("cuda", arch, 32),
                                    options={"num_warps": num_warps})
                 result.append(k.metadata.shared)
-    from vllm_ddtree.tree_walk_kernel import _verify_walk_kernel as fused_fn
+    from vllm_ddtree.walk.walk_kernel import _verify_walk_kernel as fused_fn
 
     ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32",
             "num_rejected_ptr": "*i32", "seq_lens_ptr": "*i32", "prefill_len_ptr": "*i32",
@@ -485,7 +481,7 @@ def test_fused_walk_host_side_has_no_sync(monkeypatch):
     """verify_walk_triton's host side (allocations, launch arguments) reads nothing
     back; the launch is stubbed (the interpreter copies tensors to the host)."""
     from vllm_ddtree.testing.sync_guard import assert_no_host_sync
-    from vllm_ddtree.tree_walk_kernel import verify_walk_triton
+    from vllm_ddtree.walk.walk_kernel import verify_walk_triton
 
     launches = []
 

@@ -2,13 +2,10 @@
 
 import torch
 
-from vllm_ddtree.tree import build_ddtree, follow_tree, pack_ancestor_mask
-from vllm_ddtree.verify_batch import (
-    compact_kv_cache_,
-    compaction_slots,
-    sampled_rows_from_walk,
-    tree_verify_positions_and_bits,
-)
+from vllm_ddtree.compact.reference import compact_kv_cache_, compaction_slots
+from vllm_ddtree.tree.draft_tree import build_ddtree, pack_ancestor_mask
+from vllm_ddtree.verify.batch import sampled_rows_from_walk, tree_verify_positions_and_bits
+from vllm_ddtree.walk.follow import follow_tree
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """One-launch round inputs against their PyTorch paths, exactly:
 
-* the verify inputs (``vllm_ddtree.verify_inputs_kernel``) against
+* the verify inputs (``vllm_ddtree.verify.inputs_kernel``) against
   ``runtime_state.verify_inputs_``'s PyTorch ops: positions, ancestor bits and active
   rows of mixed batches (full and truncated trees, prefill chunks past 64 tokens, plain
   decode, CUDA-graph padding, garbage in every output buffer beforehand);
-* ``propose``'s hidden-row index (``vllm_ddtree.hidden_rows_kernel``) against
+* ``propose``'s hidden-row index (``vllm_ddtree.draft.hidden_rows_kernel``) against
   ``runtime_state.hidden_row_gather_index``'s.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py)."""
@@ -19,12 +19,12 @@ import torch
 pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
 
-from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
-from vllm_ddtree import verify_inputs_kernel  # noqa: E402
 from vllm_ddtree.runtime_state import verify_inputs_  # noqa: E402
-from vllm_ddtree.tree import num_mask_words  # noqa: E402
-from vllm_ddtree.verify_inputs_kernel import verify_inputs_triton  # noqa: E402
+from vllm_ddtree.tree.draft_tree import num_mask_words  # noqa: E402
+from vllm_ddtree.verify import inputs_kernel as verify_inputs_kernel  # noqa: E402
+from vllm_ddtree.verify.inputs_kernel import verify_inputs_triton  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not kernels_run_here(verify_inputs_kernel._verify_inputs_kernel),
@@ -171,7 +171,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.verify_inputs_kernel import _verify_inputs_kernel as fn
+    from vllm_ddtree.verify.inputs_kernel import _verify_inputs_kernel as fn
 
     pointers = {"qsl_ptr": "*i32", "cu_logits_ptr": "*i32", "idx_ptr": "*i32",
                 "active_lens_ptr": "*i32"}
@@ -185,7 +185,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
             result.append(k.metadata.shared)
-    from vllm_ddtree.hidden_rows_kernel import _hidden_row_index_kernel as rows_fn
+    from vllm_ddtree.draft.hidden_rows_kernel import _hidden_row_index_kernel as rows_fn
 
     for arch in (90, 120):
         sig = {n: "constexpr" if n == "BLOCK" else {"qsl_ptr": "*i32"}.get(n, "*i64")
@@ -193,7 +193,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
         k = triton.compile(ASTSource(rows_fn, sig, constexprs=dict(BLOCK=128)),
                            target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
         result.append(k.metadata.shared)
-    from vllm_ddtree.hidden_rows_kernel import _move_path_rows_kernel as move_fn
+    from vllm_ddtree.draft.hidden_rows_kernel import _move_path_rows_kernel as move_fn
 
     for arch in (90, 120):
         consts = dict(NUM=4, BLOCK_L=32, BLOCK_H=128)
@@ -216,10 +216,10 @@ def test_kernel_compiles_for_sm90_and_sm120():
 
 @pytest.mark.parametrize("num_padding", [0, 7])
 def test_hidden_row_index_kernel_equals_the_pytorch_index(num_padding):
-    """``propose``'s hidden-row index (vllm_ddtree.hidden_rows_kernel) against
+    """``propose``'s hidden-row index (vllm_ddtree.draft.hidden_rows_kernel) against
     ``hidden_row_gather_index``'s PyTorch ops: full and truncated accepted paths,
     requests without drafts, a request longer than a block of rows, graph padding."""
-    from vllm_ddtree.hidden_rows_kernel import hidden_row_gather_index_triton
+    from vllm_ddtree.draft.hidden_rows_kernel import hidden_row_gather_index_triton
     from vllm_ddtree.runtime_state import hidden_row_gather_index
 
     gen = torch.Generator().manual_seed(num_padding)
@@ -243,7 +243,7 @@ def test_in_place_path_move_equals_the_gather(num_tensors, block_h):
     ``hidden_row_gather_index``: bit-equal rows for every tensor, chains where a
     destination row is a later move's source, short requests, CUDA-graph padding
     rows untouched; tensors of another layout are refused (the caller gathers)."""
-    from vllm_ddtree.hidden_rows_kernel import move_path_rows_triton
+    from vllm_ddtree.draft.hidden_rows_kernel import move_path_rows_triton
     from vllm_ddtree.runtime_state import hidden_row_gather_index
 
     gen = torch.Generator().manual_seed(num_tensors)
@@ -278,7 +278,7 @@ def test_greedy_draw_is_argmax_and_skips_the_seeded_draw():
     import numpy as np
 
     from vllm_ddtree.runtime_state import DDTreeRuntimeState
-    from vllm_ddtree.verifier import DDTreeVerifier
+    from vllm_ddtree.verify.verifier import DDTreeVerifier
 
     calls = []
     temperature = np.zeros(4, dtype=np.float32)

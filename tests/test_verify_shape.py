@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, split_ddtree_spec
-from vllm_ddtree.verify_shape import VerifyShapeChooser, truncate_drafts
+from vllm_ddtree.verify.shape import VerifyShapeChooser, truncate_drafts
 
 SPEC = {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 64}
 
@@ -156,12 +156,11 @@ def full_decode_lengths(manager) -> set[int]:
 
 @pytest.fixture
 def shape_patch(monkeypatch):
-    """``patches.verify_shapes`` applied over this test's own copies of the two vLLM
+    """``vllm_ddtree.patches.verify_shapes`` applied over this test's own copies of the two vLLM
     functions (monkeypatch restores vLLM's afterwards)."""
+    import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
-
-    import patches.verify_shapes as verify_shapes
 
     calls = []
     def vllms(fn):
@@ -251,7 +250,7 @@ def test_shape_choice_has_no_host_sync():
 def test_forced_budget_hook(monkeypatch):
     """The GPU tests' hook (``VLLM_DDTREE_TEST_FORCED_BUDGETS``): choose returns the
     listed budgets in turn, capped at B; bad values name the variable."""
-    from vllm_ddtree.budget_policy import BudgetPolicy, measure_attention_table
+    from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
     from vllm_ddtree.testing import forced_budgets
 
     monkeypatch.setattr(BudgetPolicy, "choose", BudgetPolicy.choose)  # restored after
@@ -299,13 +298,13 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
     """The capture patch replays every one-request verify graph right after its capture,
     before the next shape's inputs are prepared, and capture_model hands the times to
     the auto policy as row costs; other graphs (more requests) are not timed."""
+    import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-    import patches.verify_shapes as verify_shapes
-    from vllm_ddtree import verify_shape_costs
-    from vllm_ddtree.budget_policy import BudgetPolicy, measure_attention_table
+    from vllm_ddtree.budget import verify_costs as verify_shape_costs
+    from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
 
     for cls, name in ((CudaGraphManager, "capture"), (GPUModelRunner, "capture_model"),
                       (GPUModelRunner, "execute_model")):
@@ -361,7 +360,7 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
 def test_shape_timer_failure_leaves_auto_without_row_costs():
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
 
-    from vllm_ddtree.verify_shape_costs import ShapeGraphTimer
+    from vllm_ddtree.budget.verify_costs import ShapeGraphTimer
 
     def broken(run):
         raise RuntimeError("replay failed")

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The two-launch vocabulary ranking (vllm_ddtree.vocab_top_k_kernel) against the
+"""The two-launch vocabulary ranking (vllm_ddtree.tree.vocab_top_k_kernel) against the
 PyTorch ranking it replaces (``tree._ranked_top_k_by_depth``): the same tokens in the
 same order and the same fp32 bits, on tie-heavy logits and on rows with NaN / +-inf.
 
@@ -15,9 +15,9 @@ triton = pytest.importorskip("triton")
 from kernel_testing import DEVICE, kernels_run_here  # noqa: E402
 from test_tree import make_logits  # noqa: E402
 
-from vllm_ddtree import vocab_top_k_kernel  # noqa: E402
-from vllm_ddtree.tree import _ranked_top_k, _ranked_top_k_by_depth  # noqa: E402
-from vllm_ddtree.vocab_top_k_kernel import ranked_top_k_triton  # noqa: E402
+from vllm_ddtree.tree import vocab_top_k_kernel  # noqa: E402
+from vllm_ddtree.tree.draft_tree import _ranked_top_k, _ranked_top_k_by_depth  # noqa: E402
+from vllm_ddtree.tree.vocab_top_k_kernel import ranked_top_k_triton  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),

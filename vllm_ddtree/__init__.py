@@ -20,7 +20,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from patches import apply_all, require_vllm_version
+    from vllm_ddtree.patches import apply_all, require_vllm_version
 
     require_vllm_version("vllm_ddtree.register")
     applied = apply_all()
@@ -36,6 +36,9 @@ def register() -> None:
 def _register_attention_backends() -> None:
     """Expose the tree-verify backend named by ``VLLM_DDTREE_TREE_BACKEND`` (``mla``
     default, ``gqa``) as ``--attention-backend CUSTOM``."""
-    from attention_backends.registration import register_tree_backend, tree_backend_kind_from_env
+    from vllm_ddtree.attention_backends.registration import (
+        register_tree_backend,
+        tree_backend_kind_from_env,
+    )
 
     register_tree_backend(tree_backend_kind_from_env())

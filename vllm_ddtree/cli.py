@@ -15,10 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--engine", choices=["reference", "vllm"], default="reference")
     args = parser.parse_args(argv)
     if args.command in (None, "demo"):
-        from vllm_ddtree.demo import run_demo
-
+        if getattr(args, "engine", "reference") == "vllm":
+            from vllm_ddtree.demo.vllm_engine import run_demo_vllm as run_demo
+        else:
+            from vllm_ddtree.demo.reference_engine import run_demo
         print(run_demo(getattr(args, "prompts", 3), getattr(args, "max_new_tokens", 64),
-                       getattr(args, "budget", 32), getattr(args, "engine", "reference")))
+                       getattr(args, "budget", 32)))
     return 0
 
 

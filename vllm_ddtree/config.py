@@ -45,9 +45,9 @@ class DDTreeConfig:
     ``top_k`` caps the children per node (None = no cap beyond the budget).
     ``adaptive`` (``ddtree_budget: "auto"``): ``budget`` is the maximum B; each round
     verifies only the first ``b <= B`` nodes, ``b`` chosen by
-    ``vllm_ddtree.budget_policy``. ``verify_shape`` (``"adaptive"`` / ``"fixed"``,
+    ``vllm_ddtree.budget.policy``. ``verify_shape`` (``"adaptive"`` / ``"fixed"``,
     None = the default for the parallel setup, :meth:`resolved_verify_shape`): whether
-    the target verifies ``1 + b`` or ``1 + B`` rows (``vllm_ddtree.verify_shape``).
+    the target verifies ``1 + b`` or ``1 + B`` rows (``vllm_ddtree.verify.shape``).
     """
 
     budget: int
@@ -58,7 +58,7 @@ class DDTreeConfig:
     def resolved_verify_shape(self, tensor_parallel_size: int) -> str | None:
         """``"adaptive"`` / ``"fixed"`` for ``auto`` (None without it). The default is
         adaptive at TP = 1 and fixed at TP > 1, where adaptive shapes (each rank reads
-        the choice of two rounds before, ``vllm_ddtree.verify_shape``) have not run on
+        the choice of two rounds before, ``vllm_ddtree.verify.shape``) have not run on
         a GPU yet; an explicit ``"adaptive"`` is honoured at any TP."""
         if not self.adaptive:
             return None

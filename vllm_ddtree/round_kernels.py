@@ -13,8 +13,8 @@ hidden-row moves (``hidden_rows_kernel``), the tree scatter to request-state row
   what follows the walk (sampled rows, counters, KV source rows), the hidden-row index
   and ``auto``'s budget choice (about 50, 20, 15, 10 and 20 fewer; interpreter-tested,
   not yet GPU-run);
-* ``torch``: batched PyTorch ops (``tree.follow_tree``,
-  ``verify_batch.compact_kv_cache_``), the earlier path, kept as a fallback.
+* ``torch``: batched PyTorch ops (``walk.follow.follow_tree``,
+  ``compact.reference.compact_kv_cache_``), the earlier path, kept as a fallback.
 
 CPU tensors always take the PyTorch path.
 """

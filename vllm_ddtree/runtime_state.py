@@ -3,8 +3,8 @@
 The V2 runner has no channel for tree structure: it stores only the draft *tokens*
 (``req_states.draft_tokens``, ``model_runner.py:1521``) and its attention metadata has
 no request ids. DDTree therefore keeps its own persistent GPU buffers here, written
-by :class:`vllm_ddtree.speculator.DDTreeSpeculator` and read by
-:class:`vllm_ddtree.verifier.DDTreeVerifier` and the ``tree_positions`` patch:
+by :class:`vllm_ddtree.draft.speculator.DDTreeSpeculator` and read by
+:class:`vllm_ddtree.verify.verifier.DDTreeVerifier` and the ``tree_positions`` patch:
 
 * request-state indexed (``idx_mapping`` values, like vLLM's ``RequestState``):
   ``parents`` / ``depths`` ``[max_num_reqs, B]`` and ``ancestor_bits``
@@ -29,14 +29,14 @@ from typing import Any
 
 import torch
 
-from attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
+from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.config import DDTreeConfig
-from vllm_ddtree.hidden_rows_kernel import hidden_row_gather_index_triton
+from vllm_ddtree.draft.hidden_rows_kernel import hidden_row_gather_index_triton
 from vllm_ddtree.round_kernels import use_triton_round_kernels
-from vllm_ddtree.tree import num_mask_words, pack_ancestor_mask
-from vllm_ddtree.tree_store_kernel import store_trees_triton
-from vllm_ddtree.verify_batch import tree_verify_positions_and_bits
-from vllm_ddtree.verify_inputs_kernel import verify_inputs_triton
+from vllm_ddtree.tree.draft_tree import num_mask_words, pack_ancestor_mask
+from vllm_ddtree.tree.store_kernel import store_trees_triton
+from vllm_ddtree.verify.batch import tree_verify_positions_and_bits
+from vllm_ddtree.verify.inputs_kernel import verify_inputs_triton
 
 __all__ = [
     "DDTREE_STATE",

@@ -1,6 +1,6 @@
 """vLLM attention backend for GQA/MHA targets whose decode/verify path is the tree kernel.
 
-Registered as ``AttentionBackendEnum.CUSTOM`` (``attention_backends.registration``,
+Registered as ``AttentionBackendEnum.CUSTOM`` (``vllm_ddtree.attention_backends.registration``,
 kind ``gqa``). It is vLLM's Triton attention backend (KV-cache layout, KV writes,
 prefill kernel) with one change in the forward: the tokens of requests with at most
 ``reorder_batch_threshold`` new tokens (decodes and DDTree verify requests, 1 + 2B for
@@ -17,7 +17,7 @@ already tuned for long causal chunks.
 Without a DDTree tree the bits are causal, so the backend is a plain causal backend
 usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the tree
 kernel also gets the speculator's per-request active query rows
-(``attention_backends.tree_mask_state``) and skips the inactive ones.
+(``vllm_ddtree.attention_backends.tree_mask_state``) and skips the inactive ones.
 """
 
 from __future__ import annotations
@@ -39,10 +39,9 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
-
-from attention_backends.gqa_tree.ops import gqa_tree_verify
-from attention_backends.mla_tree.tree_mask import num_mask_words
-from attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
+from vllm_ddtree.attention_backends.gqa_tree.ops import gqa_tree_verify
+from vllm_ddtree.attention_backends.mla_tree.tree_mask import num_mask_words
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
 
 # Raises the query length up to which requests take the tree kernel (never lowers
 # it): lets a plain vLLM run (no speculation) push short prompts through the tree

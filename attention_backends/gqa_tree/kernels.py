@@ -6,7 +6,7 @@ takes ``BLOCK_M`` rows ``row = token * GROUP + q_head_in_group`` of one request 
 KV head, and one split of the request's keys, so all query tokens and all query heads
 of the group share each K/V tile. Axis 0 varies fastest: the CTAs reading the same
 (request, KV head, split) run side by side (L2). With more than one split the partial
-results are merged by ``attention_backends.mla_tree.kernels._mla_tree_merge_kernel``.
+results are merged by ``vllm_ddtree.attention_backends.mla_tree.kernels._mla_tree_merge_kernel``.
 
 ``HAS_ACTIVE`` (constexpr) adds per-request active query rows (adaptive tree
 budget): only the first ``ActiveQueryLens[r]`` tokens of request ``r`` are real. As in
@@ -18,8 +18,7 @@ split index that the merge reads; inactive rows get ``out = 0``. Without it
 
 import triton
 import triton.language as tl
-
-from attention_backends.mla_tree.kernels import (
+from vllm_ddtree.attention_backends.mla_tree.kernels import (
     _SPLIT_DEPENDENT,
     LN2,
     _dot,

@@ -7,16 +7,15 @@ import math
 
 import torch
 import triton
-
-from attention_backends.mla_tree.configs import (
+from vllm_ddtree.attention_backends.mla_tree.configs import (
     resolve_num_kv_splits,
 )
-from attention_backends.mla_tree.ops import (
+from vllm_ddtree.attention_backends.mla_tree.ops import (
     compact_partials,
     merge_splits,
     tree_launch_options,
 )
-from attention_backends.mla_tree.tree_mask import check_tree_batch
+from vllm_ddtree.attention_backends.mla_tree.tree_mask import check_tree_batch
 
 from . import kernels
 from .configs import GQATileConfig, block_head_dim, select_config

@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 import torch
-
-from attention_backends.mla_tree.reference import gather_request_kv, request_visibility
+from vllm_ddtree.attention_backends.mla_tree.reference import gather_request_kv, request_visibility
 
 
 def tree_positions(ancestor_bits: torch.Tensor, query_len: int, ctx_len: int) -> torch.Tensor:

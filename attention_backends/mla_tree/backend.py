@@ -8,7 +8,7 @@ path (in fp32, which vLLM's MLA prefill backends lack, every token takes the tre
 kernel). Without a DDTree tree the mask is causal, so the backend is a plain MLA
 backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
 kernel also gets the speculator's per-request active query rows
-(``attention_backends.tree_mask_state``) and skips the inactive ones.
+(``vllm_ddtree.attention_backends.tree_mask_state``) and skips the inactive ones.
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
-
-from attention_backends.mla_tree.ops import (
+from vllm_ddtree.attention_backends.mla_tree.ops import (
     mla_tree_verify,
     runtime_splits_enabled,
     split_requested,
 )
-from attention_backends.mla_tree.split import (
+from vllm_ddtree.attention_backends.mla_tree.split import (
     context_attention_flashmla,
     mla_tree_verify_split,
     split_ineligible_reason,
 )
-from attention_backends.tree_mask_state import (
+from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
     causal_bits_,
     decode_query_limit,

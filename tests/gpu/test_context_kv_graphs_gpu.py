@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""vllm_ddtree.context_kv_graphs on the GPU: a precompute captured per context length
+"""vllm_ddtree.draft.context_kv_graphs on the GPU: a precompute captured per context length
 reads the states, positions and per-layer slot rows written before each replay and
 writes what the eager call writes; the capture's warm-up (every slot -1) writes
 nothing (CPU side: tests/test_context_kv_graphs.py; the drafter's real precompute runs
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
-from vllm_ddtree.context_kv_graphs import ContextKVGraphs  # noqa: E402
+from vllm_ddtree.draft.context_kv_graphs import ContextKVGraphs  # noqa: E402
 
 MAX_TOKENS, HIDDEN, HEAD, NUM_SLOTS = 64, 32, 16, 200
 

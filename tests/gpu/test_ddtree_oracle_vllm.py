@@ -23,7 +23,7 @@ import json
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import MAX_GAP_NOISE, mismatch_problem, tie_gap_for
 
 pytestmark = [

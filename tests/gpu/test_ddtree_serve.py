@@ -22,9 +22,9 @@ verified: the 8192 default for an H200 would never mix them). Tests, in order:
    1..256, greedy and seeded sampling, streamed, n=2, stop strings, logprobs), no
    error; afterwards KV-cache usage is back to its idle value and vLLM's spec-decode
    counters are consistent with trees of B nodes and depth <= L = 15 (and with the
-   ``vllm:ddtree_*`` counters of ``patches.spec_decode_metrics`` when exported);
+   ``vllm:ddtree_*`` counters of ``vllm_ddtree.patches.spec_decode_metrics`` when exported);
 5. a request with a chain-only feature (repetition penalty) is refused with HTTP 400
-   (``patches.request_validation``) and the server keeps serving.
+   (``vllm_ddtree.patches.request_validation``) and the server keeps serving.
 
 KV usage: ``vllm:kv_cache_usage_perc`` = ``1 - free / (num_gpu_blocks - 1)``
 (``block_pool.py:805-816``); prefix-cached blocks no request holds sit in the free
@@ -52,7 +52,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import (
     mismatch_problem,
     mismatch_problems,
@@ -491,7 +491,8 @@ def test_concurrent_load_frees_kv_cache_and_reports_spec_metrics(server, client,
     assert not problems, "\n".join(problems)
     ddtree_problems = ddtree_counter_problems(after, counters, setup.max_depth)
     if ddtree_problems is None:
-        print("no vllm:ddtree_* counters on /metrics (patches.spec_decode_metrics not applied)")
+        print("no vllm:ddtree_* counters on /metrics "
+              "(vllm_ddtree.patches.spec_decode_metrics not applied)")
     assert not ddtree_problems, "\n".join(ddtree_problems)
     if not DRY_RUN:  # the random dry-run model accepts next to nothing
         assert mean_len > 1.0

@@ -9,7 +9,7 @@ run at TP=1. Greedy and seeded sampled tokens must agree up to the measured bf16
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.budget_policy import candidate_budgets
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.budget.policy import candidate_budgets
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import (
     first_mismatch,
     mismatch_problems,
@@ -287,7 +287,7 @@ def test_verifier_with_vllm_kernels(temperature):
     from vllm.v1.worker.gpu.sample.gumbel import gumbel_sample
 
     from vllm_ddtree.runtime_state import DDTreeRuntimeState
-    from vllm_ddtree.verifier import DDTreeVerifier
+    from vllm_ddtree.verify.verifier import DDTreeVerifier
 
     sc = make_scenario(temperature)
     state = DDTreeRuntimeState()

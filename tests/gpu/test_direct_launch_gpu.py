@@ -15,9 +15,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
 from vllm_ddtree.direct_launch import DIRECT_LAUNCH_ENV  # noqa: E402
-from vllm_ddtree.hidden_rows_kernel import _MOVE_PATH_ROWS_LAUNCH, move_path_rows_triton  # noqa: E402
-from vllm_ddtree.tree_store_kernel import _STORE_TREES_LAUNCH, store_trees_triton  # noqa: E402
-from vllm_ddtree.tree_walk_kernel import _VERIFY_WALK_LAUNCH, verify_walk_triton  # noqa: E402
+from vllm_ddtree.draft.hidden_rows_kernel import _MOVE_PATH_ROWS_LAUNCH, move_path_rows_triton  # noqa: E402
+from vllm_ddtree.tree.store_kernel import _STORE_TREES_LAUNCH, store_trees_triton  # noqa: E402
+from vllm_ddtree.walk.walk_kernel import _VERIFY_WALK_LAUNCH, verify_walk_triton  # noqa: E402
 
 
 def walk_inputs(num_reqs, budget=64, max_reqs=8, seed=0):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.demo import CHECKPOINTS
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import mismatch_problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -12,13 +12,13 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
-from attention_backends.gqa_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQA_TILE_CONFIGS,
     gqa_tree_verify,
     gqa_tree_verify_reference,
     kernels,
 )
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     ancestor_bits_from_parents,
     causal_ancestor_bits,
     num_mask_words,

@@ -21,12 +21,11 @@ from test_mla_tree_kernel_gpu import (  # noqa: E402
     check_runtime_splits_graph,
     make_batch,
 )
-
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify,
     mla_tree_verify_reference,
 )
-from attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
     GLUON_VERSION_ENV,
     GLUON_VERSIONS,
     gluon_supported,

@@ -14,9 +14,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
 from test_mla_tree_kernel_gpu import LSE_TOL, OUT_TOL, make_batch  # noqa: E402
-
-from attention_backends.mla_tree import mla_tree_verify_reference  # noqa: E402
-from attention_backends.mla_tree.split import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify_reference  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.split import (  # noqa: E402
     context_attention_flashmla,
     mla_tree_verify_split,
 )

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
-from attention_backends.mla_tree import (  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     MLA_TILE_CONFIGS,
     MLATileConfig,
     ancestor_bits_from_parents,

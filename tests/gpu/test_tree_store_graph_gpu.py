@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
 
-from vllm_ddtree.tree_store_kernel import store_trees_triton  # noqa: E402
+from vllm_ddtree.tree.store_kernel import store_trees_triton  # noqa: E402
 
 DEPTHS, BUDGET, WORDS, MAX_REQS, CAPTURED = 15, 64, 2, 8, 4
 

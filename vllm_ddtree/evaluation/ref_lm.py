@@ -30,7 +30,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from vllm_ddtree.demo import CHECKPOINTS, Pair
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS, Pair
 from vllm_ddtree.reference import DFlashDraftModel, generate
 
 logger = logging.getLogger(__name__)

@@ -181,7 +181,7 @@ def tokenizer_for(metadata: dict):
     embedded pair's."""
     from transformers import AutoTokenizer
 
-    from vllm_ddtree.demo import CHECKPOINTS
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
     path = metadata.get("tokenizer") or metadata.get("pretrained") or CHECKPOINTS / "target"
     return AutoTokenizer.from_pretrained(str(path) if isinstance(path, Path) else path)

@@ -8,11 +8,12 @@ from typing import Literal
 
 import torch
 
-from vllm_ddtree.budget import mask_inactive_nodes
+from vllm_ddtree.budget.choice import mask_inactive_nodes
 from vllm_ddtree.drafter_config import check_drafter_target_pair
 from vllm_ddtree.reference.sampling import choose_tokens
 from vllm_ddtree.reference.target import TargetRunner
-from vllm_ddtree.tree import DraftTree, WalkResult, build_ddtree, follow_tree
+from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree
+from vllm_ddtree.walk.follow import WalkResult, follow_tree
 
 Method = Literal["ar", "dflash", "ddtree"]
 MAX_BUDGET = 512
@@ -97,7 +98,7 @@ def generate(
     ``budget_chooser`` (``"ddtree"`` only; the reference of ``ddtree_budget: "auto"``):
     each round the tree of ``budget`` nodes is built and verified as usual, then only
     its first ``b = budget_chooser(tree, context_len)`` nodes count in the walk, as in
-    vLLM (``vllm_ddtree.budget.mask_inactive_nodes``).
+    vLLM (``vllm_ddtree.budget.choice.mask_inactive_nodes``).
     """
     if budget_chooser is not None and method != "ddtree":
         raise ValueError(f"budget_chooser needs method 'ddtree', got {method!r}")

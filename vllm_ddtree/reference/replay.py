@@ -22,7 +22,7 @@ from vllm_ddtree.reference.engine import (
 )
 from vllm_ddtree.reference.target import TargetRunner
 from vllm_ddtree.testing.compare import first_mismatch
-from vllm_ddtree.tree import follow_tree
+from vllm_ddtree.walk.follow import follow_tree
 
 __all__ = ["clip_rounds", "compare_rounds", "replay"]
 

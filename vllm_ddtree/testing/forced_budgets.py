@@ -36,7 +36,7 @@ def force_budget_choices(budgets: list[int]) -> None:
     an int64 0-dim tensor on the scores' device. Idempotent per process."""
     import torch
 
-    from vllm_ddtree.budget_policy import BudgetPolicy
+    from vllm_ddtree.budget.policy import BudgetPolicy
 
     original = getattr(BudgetPolicy.choose, "_forced_original", BudgetPolicy.choose)
     turn = iter(range(10**12))

@@ -189,7 +189,7 @@ def predicted_accepted_depth(
     """Accepted depths of ``num_samples`` oracle drafts of random true continuations
     (``build_ddtree`` on CPU): what the engine should accept per round when its
     output follows the truth."""
-    from vllm_ddtree.tree import build_ddtree
+    from vllm_ddtree.tree.draft_tree import build_ddtree
 
     gen = torch.Generator().manual_seed(seed)
     depths = []
@@ -277,7 +277,7 @@ def install_oracle(
 
     * ``DDTreeSpeculator.propose`` remembers the speculator and ``input_batch.req_ids``
       (batch order: the rows of ``_generate_draft``); dummy runs are left alone.
-    * ``vllm_ddtree.speculator.build_ddtree_fast`` (``_generate_draft`` calls it on the
+    * ``vllm_ddtree.draft.speculator.build_ddtree_fast`` (``_generate_draft`` calls it on the
       drafter logits ``[R, L, V]``) gets oracle logits instead. Depth ``d`` of row
       ``r`` predicts absolute position ``sample_pos[r * L + d - 1]``, which DFlash's
       ``_prepare_dflash_inputs_kernel`` (``dflash/speculator.py:534-564``) sets to
@@ -286,8 +286,8 @@ def install_oracle(
       true token there is ``truth[sample_pos]``.
     * ``DDTreeVerifier.__call__`` records each verified tree (:class:`OracleRecord`).
     """
-    from vllm_ddtree import speculator as speculator_mod
-    from vllm_ddtree import verifier as verifier_mod
+    from vllm_ddtree.draft import speculator as speculator_mod
+    from vllm_ddtree.verify import verifier as verifier_mod
 
     record = OracleRecord()
     ctx: dict = {"spec": None, "req_ids": None}

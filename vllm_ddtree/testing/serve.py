@@ -390,7 +390,7 @@ def write_dry_run_model(out_dir: Path, tokenizer_dir: Path, seed: int = 0) -> Pa
 
 
 def ddtree_counter_problems(metrics: Metrics, counters: dict, max_depth: int) -> list[str] | None:
-    """Agreement of the ``vllm:ddtree_*`` counters (``patches.spec_decode_metrics``)
+    """Agreement of the ``vllm:ddtree_*`` counters (``vllm_ddtree.patches.spec_decode_metrics``)
     with vLLM's spec-decode counters ``counters`` (:func:`spec_decode_counters`):
     rounds = drafts, committed = drafts + accepted, nodes = draft tokens, the depth
     histogram sums to the rounds and to the accepted tokens and stops at ``max_depth``.

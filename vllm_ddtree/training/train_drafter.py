@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from patches.hf_mla_expand_kv import incremental_expand_kv
+from vllm_ddtree.patches.hf_mla_expand_kv import incremental_expand_kv
 from vllm_ddtree.reference.drafter import DFlashDraftModel
 from vllm_ddtree.training.common import (
     BestKeeper,
@@ -81,7 +81,7 @@ class DrafterTrainConfig(StepLoopConfig):
 def greedy_continue(target, prefix: torch.Tensor, num_new: int) -> torch.Tensor:
     """``[B, P + num_new]``: ``prefix [B, P]`` (int64) followed by the target's
     greedy (argmax) continuation, computed with a KV cache (MLA keys/values expanded
-    once per position: ``patches.hf_mla_expand_kv``)."""
+    once per position: ``vllm_ddtree.patches.hf_mla_expand_kv``)."""
     if num_new <= 0:
         return prefix
     cache = DynamicCache(config=target.config)

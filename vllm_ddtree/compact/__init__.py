@@ -1,0 +1,2 @@
+"""Compact: moving the accepted nodes' KV into consecutive slots (PyTorch reference and
+Triton kernel)."""

@@ -1,0 +1,1 @@
+"""The main job: the embedded pair on HumanEval prompts, AR vs DFlash vs DDTree."""

@@ -1,0 +1,638 @@
+"""DDTree speculator for vLLM 0.26's V2 GPU runner (a ``DFlashSpeculator`` subclass).
+
+vLLM keeps seeing ``method: dflash`` (``vllm_ddtree.config``), so every DFlash code
+path (aux hidden states ``model_runner.py:197``, multi-KV-group drafters, CUDA-graph
+manager) keeps working; ``vllm_ddtree.patches.init_speculator`` builds this class instead of
+``DFlashSpeculator`` when the speculative config carries a ``ddtree`` dict.
+
+Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
+
+* **Block size decoupled from B.** DFlash drafts ``N = num_speculative_tokens``
+  tokens with a query block of ``1 + N`` (``:45``) and samples ``N`` rows per
+  request (``:70-84``). DDTree's drafter block is the drafter's own ``block_size``
+  (HF config): ``num_query_per_req = block_size``, ``L = block_size - 1`` sample
+  rows, while the runner verifies ``B = num_speculative_tokens`` tree nodes. We set
+  ``self.num_speculative_steps = L`` after ``super().__init__`` because
+  ``DFlashSpeculator.propose`` passes it to ``prepare_dflash_inputs`` as the sample
+  stride (``:384``); ``self.draft_tokens`` stays ``[max_num_reqs, B]`` (allocated by
+  ``DraftModelSpeculator.__init__``, ``spec_decode/speculator.py:119-124``, from the
+  config's B) and ``self.budget`` is B.
+* **``_generate_draft``** (captured in FULL CUDA graphs by
+  ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
+  depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k, out=...)`` (on
+  CUDA log-softmax + two ranking launches + one launch for the beams, merge and
+  ancestor bits, ``tree_build_kernel``; ``VLLM_DDTREE_TREE_BUILD=torch`` for the
+  PyTorch build), written straight into ``draft_tokens`` (the return value) and the
+  batch-ordered parents / depths / ancestor bits / scores buffers. Greedy drafting
+  only: no ``draft_logits [reqs, B, V]``.
+* **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the
+  shared ``block_tables.slot_mappings`` (``:366-389``), move the KV of each request's
+  accepted path into the slots of positions ``seq+1..seq+a`` in every target layer,
+  using the target slot mappings ``propose`` receives (``model_runner.py:1510``);
+  (2) gather the target hidden rows ``[0, src_1..src_a] -> [0..a]`` so DFlash's
+  context precompute sees the committed path at linear positions (on CUDA the aux
+  hidden states are moved in place, ``hidden_rows_kernel.move_path_rows_triton``);
+  in a batch of tree decodes only, the paths go to ``1 + L`` rows a request and the
+  drafter drafts from that smaller batch (``vllm_ddtree.draft.context_rows``: its ``fc`` and
+  K/V precompute skip the rejected rows); (3) after the
+  draft, scatter the batch trees to request-state rows via ``input_batch.idx_mapping``
+  (as the runner does for draft tokens, ``model_runner.py:1521``).
+  ``num_rejected`` needs no change: the runner passes the verifier's value
+  (``num_logits - (a+1)``, i.e. ``B - a`` for a full tree), which is what DFlash's
+  ``valid_ctx_end = ctx_end - num_rejected`` (``:502-503``) needs once rows 0..a
+  hold the path.
+* **``ddtree_budget: "auto"``** (``vllm_ddtree.budget.policy``): ``_generate_draft``
+  also keeps the node scores (``batch_scores``) and picks the batch's active budget
+  ``b`` from them and the target's sequence lengths (``BudgetPolicy.choose_in_graph``),
+  storing it with the trees (``DDTREE_STATE.active_nodes``), all inside the drafter's
+  CUDA graph; the backends skip the inactive rows and the verifier ignores them. At
+  TP > 1, with ``VLLM_DDTREE_AUTO_IN_GRAPH=0`` or the PyTorch round ops, ``propose``
+  makes the same choice eagerly after the graph (no host sync either way). With
+  adaptive verify shapes (``vllm_ddtree.verify.shape``, the default at TP = 1) ``b``
+  also goes to the host without a sync, and later steps verify ``1 + s`` rows
+  (``s >= b`` of a recent round) instead of ``1 + B``. Without the key none of this
+  runs.
+
+Assumptions about vLLM internals (to re-check on any vLLM upgrade):
+
+* ``propose`` is called after ``postprocess_sampled`` in the same ``sample_tokens``
+  call, with the ``input_batch`` that was verified (``model_runner.py:1489-1521``),
+  and nothing recomputes the target slot mappings in between.
+* Target layers' caches are ``static_forward_context[name].kv_cache``
+  (``v1/worker/utils.py`` ``bind_kv_cache``) in the backend's logical layout, whose
+  slot index is ``block * kernel_block_size + offset`` (``block_table.py:291-305``).
+* The verify rows of a request with drafts are exactly ``[root, nodes...]`` at
+  ``query_start_loc[r] ..`` (``combine_sampled_and_draft_tokens``,
+  ``input_batch.py:304-361``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from vllm.config import VllmConfig
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_ddtree.attention_backends.tree_mask_state import decode_query_limit
+from vllm_ddtree.compact.kv_kernel import PathCompactor
+from vllm_ddtree.compact.reference import compaction_slots
+from vllm_ddtree.draft.context_kv_graphs import capture_for_speculator
+from vllm_ddtree.draft.context_rows import (
+    compact_context_enabled,
+    compact_path_rows_,
+    compacted_batch,
+    context_rows_per_request,
+)
+from vllm_ddtree.draft.hidden_rows_kernel import move_path_rows_triton
+from vllm_ddtree.draft.inputs_kernel import prepare_dflash_inputs_groups
+from vllm_ddtree.round_kernels import (
+    auto_in_graph,
+    round_kernels,
+    tree_store,
+    use_fused_prepare,
+    use_triton_round_kernels,
+)
+from vllm_ddtree.runtime_state import (
+    DDTREE_STATE,
+    ddtree_config_of,
+    drafter_block_size,
+    hidden_row_gather_index,
+)
+from vllm_ddtree.tree.build_kernel import build_ddtree_fast
+from vllm_ddtree.tree.draft_tree import DraftTree, num_mask_words
+from vllm_ddtree.tree.store_kernel import store_trees_triton
+
+__all__ = [
+    "DDTreeSpeculator",
+    "path_compaction_slots",
+    "kv_page_views",
+    "target_layers_by_group",
+    "warm_tree_caches",
+]
+
+
+def path_compaction_slots(
+    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, kv_src_rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compact.reference.compaction_slots`` on a slot mapping padded by ``L + 1`` entries.
+
+    ``compaction_slots`` reads ``slot_mapping[start_r + k]`` for every depth column k,
+    valid or not; for a short last request (a prefill chunk, a truncated tree) that
+    index passes the end of the ``[num_tokens_padded]`` view (a device-side assert
+    on CUDA). The padding entries are only ever read for masked columns.
+    """
+    pad = slot_mapping.new_full((kv_src_rows.shape[1] + 1,), -1)
+    return compaction_slots(torch.cat([slot_mapping, pad]), query_start_loc, kv_src_rows)
+
+
+def kv_page_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """``[num_blocks, page, *row]`` views of one layer's paged KV cache (no copies):
+    slot ``s`` is row ``s % page`` of block ``s // page``; block strides are kept as
+    they are, so pages that vLLM padded to the model's largest page (an MLA target
+    beside a GQA drafter, ``kv_cache_utils.unify_kv_cache_spec_page_size``) work.
+
+    Supported logical layouts (``backend.get_kv_cache_shape``):
+
+    * MLA ``[num_blocks, block_size, head_size]`` -> itself;
+    * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V
+      ``[num_blocks, block_size, H, D]``;
+    * vLLM Triton / DDTree GQA ``[num_blocks, H, block_size, 2 * D]`` (K and V side by
+      side) -> ``[num_blocks, block_size, H, 2 * D]`` (a transpose).
+
+    Raises ``NotImplementedError`` for other layouts.
+    """
+    if kv_cache.dim() == 3:
+        return [kv_cache]
+    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
+        return [kv_cache[0], kv_cache[1]]
+    if kv_cache.dim() == 4:  # vLLM Triton / DDTree GQA: logical [nb, H, page, 2*D]
+        return [kv_cache.transpose(1, 2)]
+    raise NotImplementedError(
+        f"DDTree KV compaction does not know the KV cache layout {tuple(kv_cache.shape)}"
+    )
+
+
+def target_layers_by_group(kv_cache_config, draft_layer_names) -> dict[int, list[str]]:
+    """Target attention layers of each KV-cache group (the layers whose accepted-path KV
+    DDTree compacts), ``{group id: [layer names]}``.
+
+    A group's spec may be one ``AttentionSpec`` or a ``UniformTypeKVCacheSpecs`` (vLLM
+    merges same-type layers of different shapes into one group, e.g. an MLA target with
+    a GQA drafter's full-attention layers, ``kv_cache_interface.py:817``); drafter
+    layers are skipped (the context precompute rewrites them). Raises
+    ``NotImplementedError`` for a target layer without a slot-addressed KV cache
+    (Mamba / linear attention): its state cannot be rolled back to the accepted path.
+    """
+    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
+
+    groups: dict[int, list[str]] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        names = [n for n in group.layer_names if n not in draft_layer_names]
+        for name in names:
+            layer_spec = (
+                spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+            )
+            if not isinstance(layer_spec, AttentionSpec):
+                raise NotImplementedError(
+                    f"DDTree cannot compact target layer {name!r} with KV spec "
+                    f"{type(layer_spec).__name__}: only attention layers are supported"
+                )
+        if names:
+            groups[gid] = names
+    return groups
+
+
+def warm_tree_caches(num_depths: int, vocab_size: int, budget: int, top_k: int | None,
+                     device: torch.device) -> None:
+    """Build one tree and its ancestor bits eagerly, so the host-made index tables that
+    ``build_ddtree`` / ``tree_build_kernel.beam_plan`` and ``DraftTree.ancestor_bits``
+    cache per (budget, top_k, depths, device) exist before ``_generate_draft`` is
+    captured in a CUDA graph (a host-to-device copy is not allowed while a stream is
+    capturing). The tables do not depend on the number of requests or on the logits."""
+    logits = torch.zeros(1, num_depths, vocab_size, dtype=torch.float32, device=device)
+    build_ddtree_fast(logits, budget, top_k).ancestor_bits()
+
+
+class DDTreeSpeculator(DFlashSpeculator):
+    """DFlash drafter + best-first draft tree of ``B`` nodes per request.
+
+    Shapes: R = requests in the batch, B = ``num_speculative_tokens`` (tree nodes),
+    L = drafter ``block_size - 1`` (draft depths), V = vocabulary.
+    """
+
+    _speculator_name = "DDTree"
+    # ddtree_budget: "auto" (set in __init__); class defaults keep fakes working.
+    adaptive = False
+    budget_policy = None
+    verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
+    store_trees_in_graph = False  # VLLM_DDTREE_TREE_STORE=graph, see __init__
+    # (first cache of each group, PathCompactor over the groups' views), see
+    # _path_compactor
+    _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device):
+        spec = vllm_config.speculative_config
+        ddtree = ddtree_config_of(spec)
+        if ddtree is None:
+            raise ValueError("DDTreeSpeculator needs speculative_config.ddtree")
+        if spec.draft_sample_method != "greedy":
+            # Checked before super().__init__, which would allocate draft_logits
+            # [max_num_reqs, B, V] (spec_decode/speculator.py:129-137).
+            raise ValueError("DDTree drafts greedily: leave draft_sample_method unset")
+        if spec.use_local_argmax_reduction:
+            raise ValueError("DDTree needs full drafter logits: use_local_argmax_reduction "
+                             "is not supported")
+        parallel = vllm_config.parallel_config
+        if getattr(parallel, "decode_context_parallel_size", 1) > 1 or getattr(
+            parallel, "prefill_context_parallel_size", 1
+        ) > 1:
+            raise NotImplementedError("DDTree does not support context parallelism yet")
+        super().__init__(vllm_config, device)
+
+        block_size = drafter_block_size(spec)
+        self.budget = self.num_speculative_steps  # B
+        self.top_k = ddtree.top_k
+        self.num_query_per_req = block_size
+        self.num_draft_depths = block_size - 1  # L
+        # DFlashSpeculator.propose hands this to prepare_dflash_inputs as the per-request
+        # sample stride; for DDTree that is L (draft_tokens keeps its B columns).
+        self.num_speculative_steps = self.num_draft_depths
+        if self.max_num_reqs * block_size > self.max_num_tokens:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_reqs}) x drafter block_size ({block_size}) "
+                f"exceeds max_num_batched_tokens ({self.max_num_tokens}): raise the latter"
+            )
+
+        num_sample = self.max_num_reqs * self.num_draft_depths
+        self.sample_indices = torch.zeros(num_sample, dtype=torch.int64, device=device)
+        self.sample_pos = torch.zeros(num_sample, dtype=torch.int64, device=device)
+        self.sample_idx_mapping = torch.zeros(num_sample, dtype=torch.int32, device=device)
+        self.sample_col = torch.arange(
+            self.num_draft_depths, dtype=torch.int32, device=device
+        ).repeat(self.max_num_reqs)
+
+        # Batch-ordered trees written inside the (captured) draft step; scattered to
+        # request-state rows in the step by sample_idx_mapping, whose padded CUDA-graph
+        # rows are -1 (VLLM_DDTREE_TREE_STORE=graph, the default for fixed budgets), or
+        # eagerly in propose, so padded CUDA-graph rows never touch live requests.
+        words = num_mask_words(1 + self.budget)
+        self.batch_parents = torch.zeros(
+            self.max_num_reqs, self.budget, dtype=torch.int64, device=device
+        )
+        self.batch_depths = torch.ones_like(self.batch_parents)
+        self.batch_ancestor_bits = torch.zeros(
+            self.max_num_reqs, 1 + self.budget, words, dtype=torch.int64, device=device
+        )
+        # Node scores: the tree build writes them; only ``auto`` reads them.
+        self.batch_scores = torch.zeros(
+            self.max_num_reqs, self.budget, dtype=torch.float32, device=device
+        )
+
+        # The MLA tree backend treats queries up to its reorder_batch_threshold,
+        # 1 + 2B for DFlash (backend.py:651-681; in fp32 every query), as decodes:
+        # size the mask for them.
+        max_decode_query = decode_query_limit(vllm_config, 1 + 2 * self.budget)
+        self.state = DDTREE_STATE
+        self.state.allocate(
+            max_num_reqs=self.max_num_reqs,
+            max_num_tokens=self.max_num_tokens,
+            budget=self.budget,
+            max_depth=self.num_draft_depths,
+            max_query_len=max_decode_query,
+            device=device,
+        )
+        self._target_layers_by_group: dict[int, list[str]] = {}
+        # Context rows of tree-decode rounds, 1 + L a request (vllm_ddtree.draft.context_rows).
+        rows = block_size
+        self.context_query_start_loc = rows * torch.arange(
+            self.max_num_reqs + 1, dtype=torch.int32, device=device)
+        self.context_positions_compact = torch.zeros(
+            self.max_num_reqs * rows, dtype=torch.int64, device=device)
+        self.context_num_rejected = torch.zeros(self.max_num_reqs, dtype=torch.int32,
+                                                device=device)
+        warm_tree_caches(self.num_draft_depths, vllm_config.model_config.get_vocab_size(),
+                         self.budget, self.top_k, device)
+        if ddtree.adaptive:
+            self._init_adaptive(vllm_config, device)
+        # The trees reach the request-state rows inside the drafter's step (its CUDA
+        # graph) rather than in an eager launch after it; ``auto`` does so with its
+        # budget choice in the graph too (VLLM_DDTREE_AUTO_IN_GRAPH, default 1).
+        in_graph_ok = device.type == "cuda" and round_kernels() == "triton"
+        self.store_trees_in_graph = in_graph_ok and (
+            # at TP > 1 the ranks' choice is broadcast eagerly
+            auto_in_graph() and self.budget_policy.tp_group is None if self.adaptive
+            else tree_store() == "graph")
+        if self.store_trees_in_graph and self.adaptive:
+            # VLLM_DDTREE_AUTO_IN_GRAPH=1: the choice runs in the graph too (TP = 1).
+            self.budget_policy.enable_in_graph_()
+        if self.store_trees_in_graph:
+            # Compile the store (and auto's choice) before any capture: a -1 row writes
+            # no tree and counts in no choice.
+            padding = torch.full((1,), -1, dtype=torch.int32, device=device)
+            active = None
+            if self.adaptive:
+                policy = self.budget_policy
+                active = policy.choose_in_graph(self.batch_scores[:1], padding, padding, 1)
+                policy.chosen.fill_(self.budget)
+                policy.last_attention.zero_()
+            self._store_trees_in_step(1, padding, active=active)
+
+    def capture(self) -> None:
+        """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
+        batches (``vllm_ddtree.draft.context_kv_graphs``; ``VLLM_DDTREE_CONTEXT_KV_GRAPH=0``
+        keeps it eager): ``R * min(1 + B, 1 + L)`` context rows (and ``R * min(1 + s,
+        1 + L)`` for ``auto``'s verify shapes ``s``; ``1 + B`` and ``1 + s`` with
+        ``VLLM_DDTREE_COMPACT_CONTEXT=0``) for request counts ``R`` up to the largest the
+        drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
+        super().capture()
+        rows = [1 + self.budget]
+        if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
+            rows += [1 + s for s in self.verify_shape.shapes]
+        if compact_context_enabled():  # tree decodes draft from 1 + L rows a request
+            rows = [min(q, self.num_query_per_req) for q in rows]
+        capture_for_speculator(self, sorted(set(rows)))
+
+    def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
+        """``ddtree_budget: "auto"``: batch-ordered node scores, the active-node
+        buffers, and the budget policy (times the target's verify attention: syncs)."""
+        from vllm_ddtree.budget.policy import BudgetPolicy
+
+        self.adaptive = True
+        self.state.enable_adaptive_(self.max_num_reqs, device)
+        self.budget_policy = BudgetPolicy.from_vllm_config(vllm_config, self.budget, device)
+        ddtree = ddtree_config_of(vllm_config.speculative_config)
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        if ddtree is not None and ddtree.resolved_verify_shape(tp) == "adaptive":
+            from vllm_ddtree.verify.shape import VerifyShapeChooser
+
+            # Read by vllm_ddtree.patches.verify_shapes (the runner's execute_model). TP ranks
+            # must cut alike: each reads the (broadcast) choice of two rounds before.
+            self.verify_shape = VerifyShapeChooser(self.budget, device,
+                                                   lag=2 if tp > 1 else None)
+
+    def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
+                 target_attn_groups) -> None:
+        from vllm.v1.worker.gpu.model_states.default import DefaultModelState
+
+        if type(model_state) is not DefaultModelState:
+            # Only DefaultModelState's prepare_inputs / custom_sampler are patched.
+            raise NotImplementedError(
+                f"DDTree supports DefaultModelState targets only, not "
+                f"{type(model_state).__name__} (M-RoPE, hybrid, encoder-decoder)"
+            )
+        # Every target attention layer must apply the tree mask (the front-end picks
+        # CUSTOM for MLA targets; this catches configs built around it).
+        for groups in target_attn_groups:
+            for group in groups:
+                names = [n for n in group.layer_names if n not in self.draft_attn_layer_names]
+                if names and group.backend.get_name() != "CUSTOM":
+                    raise NotImplementedError(
+                        f"target layers {names[:2]}... use attention backend "
+                        f"{group.backend.get_name()}, which cannot apply DDTree's tree mask; "
+                        "DDTree needs the CUSTOM tree backend"
+                    )
+        super().set_attn(model_state, kv_cache_config, block_tables, target_input_buffers,
+                         target_attn_groups)
+        self._target_layers_by_group = target_layers_by_group(
+            kv_cache_config, self.draft_attn_layer_names
+        )
+        self._compactor = None  # views of the new groups at the next round
+
+    def _generate_draft(
+        self,
+        num_reqs: int,
+        num_tokens_padded: int,
+        attn_metadata: dict[str, Any] | None,
+        slot_mappings: dict[str, torch.Tensor] | None,
+        num_tokens_across_dp: torch.Tensor | None,
+        cudagraph_runtime_mode: CUDAGraphMode = CUDAGraphMode.NONE,
+    ) -> None:
+        """Drafter forward + tree build (replaces DFlash's ``sample_draft``, ``:233-265``).
+
+        Writes ``draft_tokens[:R]`` int64 ``[R, B]``, ``batch_parents[:R]``,
+        ``batch_depths[:R]`` int64 ``[R, B]``, ``batch_ancestor_bits[:R]`` int64
+        ``[R, 1+B, W]`` and ``batch_scores[:R]`` float32 ``[R, B]`` (in place: the Triton
+        build writes them in its launch, the PyTorch one is copied).
+        No host sync (graph-capturable once ``build_ddtree``'s cached
+        index tables exist, i.e. after one eager run with the same B, top_k).
+        """
+        hidden = self._run_model(
+            num_tokens_padded,
+            attn_metadata,
+            slot_mappings,
+            num_tokens_across_dp,
+            cudagraph_runtime_mode,
+        )
+        depths = self.num_draft_depths
+        num_sample = num_reqs * depths
+        logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
+        out = DraftTree(tokens=self.draft_tokens[:num_reqs],
+                        parents=self.batch_parents[:num_reqs],
+                        depths=self.batch_depths[:num_reqs],
+                        scores=self.batch_scores[:num_reqs],
+                        packed_bits=self.batch_ancestor_bits[:num_reqs])
+        build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
+        if self.store_trees_in_graph:
+            active = None
+            # vLLM's profile run drafts before set_attn hands over the target's buffers:
+            # that dummy step stores full trees (no choice, nothing to choose for).
+            target_buffers = getattr(self, "target_input_buffers", None)
+            if self.adaptive and target_buffers is not None:  # VLLM_DDTREE_AUTO_IN_GRAPH=1
+                active = self.budget_policy.choose_in_graph(
+                    self.batch_scores[:num_reqs], target_buffers.seq_lens[:num_reqs],
+                    self.sample_idx_mapping, self.num_draft_depths)
+            self._store_trees_in_step(num_reqs, active=active)
+
+    def _store_trees_in_step(self, num_reqs: int,
+                             row_of_sample: torch.Tensor | None = None,
+                             active: torch.Tensor | None = None) -> None:
+        """Scatter the batch's trees (``batch_parents`` / ``batch_depths`` /
+        ``batch_ancestor_bits[:num_reqs]``) to their request-state rows inside the
+        drafter's step (``VLLM_DDTREE_TREE_STORE=graph``), in one launch that a CUDA
+        graph captures. Request ``r``'s row is ``sample_idx_mapping[r * L]``, which
+        vLLM's ``prepare_dflash_inputs`` writes before every step (the graph reads the
+        buffer) and sets to -1 for CUDA-graph padding requests: they write nothing.
+
+        Dummy steps (start-up, DP padding) write their trees to the rows of their dummy
+        batch too. That stays lossless: the tokens, positions, mask and walk of a
+        verify all read one stored tree, whichever it is; a live request whose tree a
+        dummy step replaced verifies that tree for one round.
+
+        ``row_of_sample``: int32, the state row per sample (default
+        ``sample_idx_mapping``, L per request). ``active``: int64 ``[1]``, ``auto``'s
+        chosen budget for every request (``VLLM_DDTREE_AUTO_IN_GRAPH=1``), or None.
+        """
+        if not store_trees_triton(
+                self.sample_idx_mapping if row_of_sample is None else row_of_sample,
+                self.batch_parents[:num_reqs],
+                self.batch_depths[:num_reqs], self.batch_ancestor_bits[:num_reqs],
+                self.state.parents, self.state.depths, self.state.ancestor_bits,
+                active, None if active is None else self.state.active_nodes,
+                idx_stride=self.num_draft_depths):
+            raise RuntimeError("VLLM_DDTREE_TREE_STORE=graph: the tree store refused the "
+                               "speculator's buffers; unset it to store trees eagerly")
+
+    def _compact_target_kv(
+        self,
+        slot_mappings: dict[str, torch.Tensor],
+        query_start_loc: torch.Tensor,
+        kv_src_rows: torch.Tensor,
+    ) -> None:
+        """Move accepted-path KV to the slots of positions ``seq+1..seq+a`` in every
+        target layer (drafter layers are rewritten by the context precompute).
+
+        vLLM lets layers of *different* KV-cache groups share one storage tensor (the
+        groups own disjoint block ids), so a cache is compacted once per group with
+        that group's slots; only layers of one group that alias the same cache
+        (KV sharing) are skipped, since a second pass over an overlapping path would
+        read already-moved rows.
+
+        ``kv_compaction_kernel.compact_kv_paths_``: with
+        ``VLLM_DDTREE_ROUND_KERNELS=triton`` on CUDA it moves every group's views
+        in one Triton launch per distinct row layout (normally one launch a round,
+        however many groups: the slots are read from each group's slot mapping
+        in-kernel); otherwise each group runs ``path_compaction_slots`` +
+        ``compact_kv_cache_`` per view.
+        """
+        compactor = self._path_compactor()
+        compactor([slot_mappings[layer_names[0]]
+                   for layer_names in self._target_layers_by_group.values()],
+                  query_start_loc, kv_src_rows)
+
+    def _path_compactor(self) -> PathCompactor:
+        """The groups' cache views, built at the first round and again only if vLLM
+        re-binds a group's first cache (the per-layer walk is 61 layers on Kimi-K2)."""
+        forward_context = self.vllm_config.compilation_config.static_forward_context
+        firsts = [forward_context[names[0]].kv_cache
+                  for names in self._target_layers_by_group.values()]
+        cached = self._compactor
+        if cached is not None and len(cached[0]) == len(firsts) and all(
+                a is b for a, b in zip(cached[0], firsts, strict=True)):
+            return cached[1]
+        views_by_group = []
+        for layer_names in self._target_layers_by_group.values():
+            seen_in_group: set[int] = set()
+            views: list[torch.Tensor] = []
+            for name in layer_names:
+                kv_cache = forward_context[name].kv_cache
+                if kv_cache.data_ptr() in seen_in_group:
+                    continue
+                seen_in_group.add(kv_cache.data_ptr())
+                views.extend(kv_page_views(kv_cache))
+            views_by_group.append(views)
+        compactor = PathCompactor(views_by_group)
+        self._compactor = (firsts, compactor)
+        return compactor
+
+    def _prepare_inputs_in_one_launch(self, input_batch, num_sampled, num_rejected,
+                                      last_sampled, next_prefill_tokens) -> bool:
+        """``VLLM_DDTREE_FUSED_PREPARE=1`` (default): DFlash's ``prepare_dflash_inputs``
+        for every drafter KV-cache group in one launch (``dflash_inputs_kernel``); returns
+        whether it ran (else DFlash's per-group loop runs, as with the switch at 0)."""
+        if not use_fused_prepare(num_sampled):
+            return False
+        ids = list(self.draft_kv_cache_group_ids)
+        return prepare_dflash_inputs_groups(
+            self.input_buffers, self.block_tables.slot_mappings, ids, self.context_positions,
+            self._context_slot_mappings, self.sample_indices, self.sample_pos,
+            self.sample_idx_mapping, input_batch, num_sampled, num_rejected, last_sampled,
+            next_prefill_tokens, [self.block_tables.input_block_tables[g] for g in ids],
+            [self.block_tables.kernel_block_sizes[g] for g in ids],
+            self.parallel_drafting_token_id, self.num_query_per_req,
+            self.num_speculative_steps, self.max_num_reqs, self.max_num_tokens,
+            self.max_model_len, self.sample_from_anchor)
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        num_tokens_across_dp: torch.Tensor | None = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: tuple[list[torch.Tensor], torch.Tensor] | None = None,
+        is_profile: bool = False,
+    ) -> torch.Tensor:
+        """Same contract as ``DFlashSpeculator.propose`` (``:286-454``): returns the
+        draft tokens int64 ``[R, B]`` (a view of ``draft_tokens``)."""
+        num_reqs = input_batch.num_reqs
+        walk = None if dummy_run else self.state.take_walk(num_reqs)
+        if self.budget_policy is not None:
+            if dummy_run:
+                self.budget_policy.reset_round_clock()
+            else:
+                self.budget_policy.observe_round(time.perf_counter(), verified=walk is not None)
+        if walk is not None:
+            query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
+            # Must precede super().propose: prepare_dflash_inputs rewrites the shared
+            # slot-mapping rows these views point to (drafter and target may share a
+            # KV-cache group).
+            self._compact_target_kv(slot_mappings, query_start_loc, walk)
+            rows = (context_rows_per_request(input_batch, self.num_draft_depths)
+                    if aux_hidden_states else None)
+            if rows is not None:
+                # The drafter reads 1 + L context rows a request, not 1 + B: the
+                # accepted paths go to rows r * (1 + L) + k of the aux states (in
+                # place, as below) and the drafter sees a batch of 1 + L rows each.
+                compact_path_rows_(aux_hidden_states, query_start_loc, walk,
+                                   input_batch.positions, num_sampled, rows,
+                                   self.context_positions_compact, self.context_num_rejected)
+                aux_hidden_states = [h[: num_reqs * rows] for h in aux_hidden_states]
+                input_batch = compacted_batch(input_batch, rows, self.context_query_start_loc,
+                                              self.context_positions_compact)
+                num_rejected = self.context_num_rejected[:num_reqs]
+            elif aux_hidden_states:
+                # The target's aux outputs are read only here until its next forward:
+                # move the path rows in place (one launch) rather than gather copies.
+                moved = use_triton_round_kernels(walk) and move_path_rows_triton(
+                    aux_hidden_states, query_start_loc, walk
+                )
+                if not moved:
+                    index = hidden_row_gather_index(
+                        query_start_loc, walk, aux_hidden_states[0].shape[0]
+                    )
+                    aux_hidden_states = [h[index] for h in aux_hidden_states]
+            else:
+                index = hidden_row_gather_index(
+                    query_start_loc, walk, last_hidden_states.shape[0]
+                )
+                last_hidden_states = last_hidden_states[index]
+
+        fused = not dummy_run and self._prepare_inputs_in_one_launch(
+            input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens)
+        group_ids = self.draft_kv_cache_group_ids if fused else None
+        if fused:  # DFlash's per-group prepare loop has nothing left to do
+            self.draft_kv_cache_group_ids = []
+        try:
+            draft_tokens = super().propose(
+                input_batch,
+                attn_metadata,
+                slot_mappings,
+                last_hidden_states,
+                aux_hidden_states,
+                num_sampled,
+                num_rejected,
+                last_sampled,
+                next_prefill_tokens,
+                temperature,
+                seeds,
+                num_tokens_across_dp=num_tokens_across_dp,
+                dummy_run=dummy_run,
+                skip_attn_for_dummy_run=skip_attn_for_dummy_run,
+                mm_inputs=mm_inputs,
+                is_profile=is_profile,
+            )
+        finally:
+            if group_ids is not None:
+                self.draft_kv_cache_group_ids = group_ids
+        if not dummy_run and self.store_trees_in_graph and self.verify_shape is not None:
+            self.verify_shape.record_(self.budget_policy.chosen)  # auto, in graph
+        if not dummy_run and not self.store_trees_in_graph:
+            active = None
+            if self.budget_policy is not None:
+                active = self.budget_policy.choose(
+                    self.batch_scores[:num_reqs], input_batch.seq_lens[:num_reqs]
+                )
+                if self.verify_shape is not None:
+                    self.verify_shape.record_(active)
+            self.state.store_trees_(
+                input_batch.idx_mapping,
+                self.batch_parents[:num_reqs],
+                self.batch_depths[:num_reqs],
+                self.batch_ancestor_bits[:num_reqs],
+                active,
+            )
+        return draft_tokens

@@ -1,0 +1,168 @@
+"""Adaptive verify shapes for ``ddtree_budget: "auto"``: how many rows the target runs.
+
+Without them every round verifies ``1 + B`` rows per tree request and ``auto`` only
+skips the inactive rows inside the tree attention; the target's GEMMs, lm_head and
+sampling still pay for ``1 + B``. With ``ddtree_verify_shape: "adaptive"`` (the
+default of ``auto`` at TP = 1) the runner verifies ``1 + s`` rows, ``s`` the smallest
+candidate budget (``budget_policy.candidate_budgets``) that holds the budget the
+device chose in the newest round whose choice has reached the host:
+
+* the scheduler keeps scheduling (and allocating KV for) ``B`` drafts per request;
+  the worker cuts each request's drafts to its first ``s`` before the runner builds
+  the batch (:func:`truncate_drafts`, applied by ``vllm_ddtree.patches.verify_shapes``). The
+  first ``s`` nodes are the budget-``s`` tree (nodes are ordered best-first and
+  topologically, ``vllm_ddtree.tree.draft_tree``), and the verifier, the walk and the KV
+  compaction already take trees cut to a prefix (the scheduler cuts drafts near
+  ``max_model_len``);
+* token accounting stays consistent on both sides: the scheduler advanced
+  ``num_computed_tokens`` by ``1 + B`` and takes back ``B - a`` rejected drafts, the
+  worker advanced ``1 + s`` and takes back ``s - a``; both end ``1 + a`` further;
+* ``vllm_ddtree.patches.verify_shapes`` captures FULL CUDA graphs for every ``1 + s``, as vLLM
+  does for its dynamic speculative decoding (``cudagraph_utils.py:196-220``).
+
+The choice reaches the host without a sync: each ``propose`` copies ``b`` into a
+pinned slot (non-blocking) and records an event; at TP = 1 the host takes the newest
+slot whose event has completed (``Event.query``, never a wait): usually the round
+before the last one, since the host runs about one step ahead of the GPU. The device
+still picks ``b`` every round and masks the rows past it, so a lagging shape costs
+rows, never correctness.
+
+Ranks of a tensor-parallel group must cut the same drafts (their collectives need
+equal shapes), but could see different slots complete. With ``lag`` set (TP > 1)
+every rank reads the choice of exactly ``lag`` rounds before (the ranks' choices are
+equal: ``BudgetPolicy`` broadcasts the first rank's), waiting on that round's event if
+it has not completed; with ``lag = 2`` it has, unless the host ran two rounds ahead of
+the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from typing import Any
+
+import torch
+
+from vllm_ddtree.budget.policy import candidate_budgets
+
+__all__ = ["VerifyShapeChooser", "truncate_drafts"]
+
+# Pinned slots in flight; the host runs at most a step or two ahead of the GPU.
+_SLOTS = 8
+
+
+def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
+    """``scheduler_output`` with every request's scheduled drafts cut to ``num_drafts``.
+
+    Args:
+        scheduler_output: vLLM's ``SchedulerOutput`` (not modified: with the
+            in-process executor the scheduler reads the same object afterwards and
+            must see what it scheduled).
+        num_drafts: drafts to keep per request (>= 1).
+
+    Returns:
+        The same object when no request holds more drafts, else a shallow copy whose
+        ``scheduled_spec_decode_tokens`` lists, ``num_scheduled_tokens`` and
+        ``total_num_scheduled_tokens`` drop the cut drafts (prefill chunks and
+        requests without drafts are unchanged).
+    """
+    if num_drafts < 1:
+        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    if not drafts or all(len(tokens) <= num_drafts for tokens in drafts.values()):
+        return scheduler_output
+    kept_drafts = {}
+    num_scheduled = dict(scheduler_output.num_scheduled_tokens)
+    total = scheduler_output.total_num_scheduled_tokens
+    for req_id, tokens in drafts.items():
+        cut = len(tokens) - num_drafts
+        if cut > 0:
+            kept_drafts[req_id] = tokens[:num_drafts]
+            num_scheduled[req_id] -= cut
+            total -= cut
+        else:
+            kept_drafts[req_id] = tokens
+    return dataclasses.replace(
+        scheduler_output,
+        scheduled_spec_decode_tokens=kept_drafts,
+        num_scheduled_tokens=num_scheduled,
+        total_num_scheduled_tokens=total,
+    )
+
+
+class VerifyShapeChooser:
+    """The verify shape of the next step, from the device's recent budget choices.
+
+    Args:
+        max_budget: B (``num_speculative_tokens``); the shape before any choice has
+            reached the host.
+        device: where the choices live (CUDA: pinned slots and events; CPU: the
+            copy is synchronous and a choice is visible at once).
+        lag: None: the newest completed choice (TP = 1); an int in
+            ``1.._SLOTS - 1``: the choice of exactly that many rounds before, the same
+            on every rank (TP > 1).
+    """
+
+    def __init__(self, max_budget: int, device: torch.device | str,
+                 lag: int | None = None) -> None:
+        if lag is not None and not 1 <= lag < _SLOTS:
+            raise ValueError(f"lag must be in 1..{_SLOTS - 1} or None, got {lag}")
+        self.lag = lag
+        self._num_recorded = 0
+        self.shapes = candidate_budgets(max_budget)
+        self.max_budget = max_budget
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        self._host = torch.full((_SLOTS,), max_budget, dtype=torch.int64, pin_memory=cuda)
+        self._events: list[torch.cuda.Event | None] = [None] * _SLOTS
+        self._pending: deque[int] = deque()
+        self._next_slot = 0
+        self._latest = max_budget
+
+    def record_(self, budget: torch.Tensor) -> None:
+        """Start the copy of this round's chosen budget (int 0-dim or ``[1]`` tensor on
+        ``device``) to the host. No host sync."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % _SLOTS
+        if slot in self._pending:  # the host ran _SLOTS rounds ahead: drop the oldest
+            self._pending.remove(slot)
+        self._host[slot : slot + 1].copy_(budget.reshape(1), non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._events[slot] = event
+        self._pending.append(slot)
+        self._num_recorded += 1
+
+    def latest_budget(self) -> int:
+        """The newest chosen budget whose copy has completed (B before the first).
+        Never waits: events complete in stream order, so this stops at the first
+        pending one. With ``lag``: the choice of ``lag`` rounds before (B before it
+        exists), waiting for its copy if it has not completed."""
+        if self.lag is not None:
+            return self._lagged_budget()
+        while self._pending:
+            slot = self._pending[0]
+            event = self._events[slot]
+            if event is not None and not event.query():
+                break
+            self._pending.popleft()
+            self._latest = int(self._host[slot])
+        return self._latest
+
+    def _lagged_budget(self) -> int:
+        record = self._num_recorded - self.lag  # 0-based index of the round to read
+        if record < 0:
+            return self.max_budget
+        slot = record % _SLOTS
+        event = self._events[slot]
+        if event is not None:
+            event.synchronize()  # recorded `lag` rounds ago: normally long complete
+        return int(self._host[slot])
+
+    def next_shape(self) -> int:
+        """Drafts to verify per request next step: the smallest candidate budget
+        >= :meth:`latest_budget`."""
+        budget = self.latest_budget()
+        return next((s for s in self.shapes if s >= budget), self.max_budget)
