@@ -14,7 +14,7 @@ lint: env
 	.venv/bin/ruff check .
 
 test: lint
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 tests evals/tests
 
 # On the accelerator machine (kit installed, see README): GPU tests only.
 gpu-test:

@@ -6,7 +6,7 @@ all with it disabled. Guards the assumption behind the per-group host costs that
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 import kv_cache_groups  # noqa: E402
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 import host_adjusted_steps as has  # noqa: E402
 
 

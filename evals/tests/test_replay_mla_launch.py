@@ -11,7 +11,7 @@ import torch
 from test_mla_tree_kernel import make_batch
 from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify, mla_tree_verify_reference, ops
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 import replay_mla_launch as replay  # noqa: E402
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 import replay_e2e_cells  # noqa: E402
 from e2e_models import SETUPS, cell_seed, load_tokenizer, make_prompts, prepare_setup  # noqa: E402
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 import bench_e2e  # noqa: E402
 import e2e_models  # noqa: E402
 import e2e_report  # noqa: E402

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from vllm_ddtree.config import check_drafter_for_target
 from vllm_ddtree.reference import DFlashDraftModel, generate
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
 from tiny_pairs import make_tiny_pair, random_prompts  # noqa: E402
 
 
