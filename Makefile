@@ -16,6 +16,7 @@ lint: env
 test: lint
 	$(PY) -m pytest -q --durations=15 tests evals/tests
 
-# On the accelerator machine (kit installed, see README): GPU tests only.
+# On a CUDA machine with vLLM 0.26.0 and this package installed (CONTRIBUTING.md): the GPU
+# suites, each in its own pytest process with a time limit (logs in /tmp/gpu-suites).
 gpu-test:
-	python3 -m pytest -q tests/gpu
+	bash scripts/gpu_suites.sh kernels backend ddtree graphs auto tiny oracle pair pairyarn serve

