@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from vllm_ddtree.reference import DFlashDraftModel, generate
 
-CHECKPOINTS = Path(__file__).parent / "checkpoints"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 
 
 @dataclass
