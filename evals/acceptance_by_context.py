@@ -5,7 +5,7 @@
         --compare-to evals/results/acceptance_by_context.json   # + the shipping gate
 
 A pair is only worth shipping when it accepts at the contexts it is measured at: the
-512-window pair of 2026-11 accepted 2.9 tokens per round at 384-token prompts and
+pair trained on 512-token windows accepted 2.9 tokens per round at 384-token prompts and
 1.3 at 1024 (its target fell apart past ~600 tokens of relative distance). For each
 prompt length, ``--prompts`` disjoint slices of standard-library source
 (``e2e_models.code_prompts``, what ``bench_e2e``'s code prompts are) are decoded

@@ -77,7 +77,7 @@ from e2e_models import (  # noqa: E402
     parse_prompt_kind,
     prepare_setup,
 )
-from e2e_report import RUN_SWITCHES, split_run_switches  # noqa: E402
+from e2e_report import RUN_VARIANTS, split_run_variants  # noqa: E402
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS, read_spec_decode_counters  # noqa: E402
 
@@ -116,22 +116,20 @@ class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
     ``ddtree-auto[fixed][-M]`` (``auto_max`` = M, the maximum B of the adaptive budget;
     ``fixed_shape``: verify ``1 + M`` rows every round). A run may end in any of
-    ``e2e_report.RUN_SWITCHES``' suffixes for its method, e.g. ``+direct``
-    (``VLLM_DDTREE_DIRECT_LAUNCH=1``), ``+eagerstore`` (``VLLM_DDTREE_TREE_STORE=eager``)
-    or, for any method, ``+skipprefix`` (``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``): its child
-    runs with that setting, so one lockstep run times each variant beside the plain
-    run."""
+    ``e2e_report.RUN_VARIANTS``' suffixes for its method, e.g. ``+skipprefix`` (vLLM's
+    own methods without the scheduler's common-prefix scan): its child applies the
+    variant, so one lockstep run times each variant beside the plain run."""
 
     method: str
     backend: str
     budget: int | str | None = None
     auto_max: int | None = None
     fixed_shape: bool = False
-    switches: tuple[str, ...] = ()  # RUN_SWITCHES suffixes, in their order
+    variants: tuple[str, ...] = ()  # RUN_VARIANTS suffixes, in their order
 
     @property
     def name(self) -> str:
-        suffix = "".join(self.switches)
+        suffix = "".join(self.variants)
         if self.budget == "auto" and self.auto_max is not None:
             kind = "autofixed" if self.fixed_shape else "auto"
             return f"ddtree-{kind}-{self.auto_max}{suffix}"
@@ -142,17 +140,14 @@ class RunSpec:
     @classmethod
     def parse(cls, text: str) -> RunSpec:
         text = text.strip()
-        base, switches = split_run_switches(text)
-        if switches:
+        base, variants = split_run_variants(text)
+        if variants:
             run = cls.parse(base)
-            for suffix, env, _, _, methods in RUN_SWITCHES:
-                if suffix in switches and run.method not in methods:
-                    raise ValueError(f"{text!r}: {suffix} ({env}) applies to "
+            for suffix, _, methods in RUN_VARIANTS:
+                if suffix in variants and run.method not in methods:
+                    raise ValueError(f"{text!r}: {suffix} applies to "
                                      f"{' / '.join(methods)} runs only")
-            envs = [env for suffix, env, *_ in RUN_SWITCHES if suffix in switches]
-            if len(set(envs)) != len(envs):
-                raise ValueError(f"{text!r}: two suffixes set the same variable")
-            return dataclasses.replace(run, switches=switches)
+            return dataclasses.replace(run, variants=variants)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)
         if m:
@@ -438,10 +433,6 @@ def _versions() -> dict:
                 break
             except PackageNotFoundError:
                 continue
-    from vllm_ddtree.round_kernels import round_kernels, tree_build
-
-    out["DDTree round kernels"] = round_kernels()
-    out["DDTree tree build"] = tree_build()
     return out
 
 
@@ -513,7 +504,6 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         engine_active_counters,
         engine_allocator_counts,
         engine_host_speed,
-        engine_launch_counts,
         engine_threads,
         engine_timer_begin,
         engine_timer_end,
@@ -538,7 +528,6 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     allocator_before = engine.call(engine_allocator_counts)
-    launches_before = engine.call(engine_launch_counts)
     engine.call(engine_timer_begin, context)
     cpu_before = host_cpu_state()
     t0 = time.perf_counter()
@@ -548,7 +537,6 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         wall = time.perf_counter() - t0
         steps = engine.call(engine_timer_end)
     host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
-    launches_after = engine.call(engine_launch_counts)
     python_ms_after = engine.call(engine_host_speed)[0]
     allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
     counters = counter_delta(before, spec_counters(llm))
@@ -578,9 +566,6 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
                    prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
                    cached_tokens=cached, expect_cached=spec["prime"] == "cache",
                    active_nodes=active_nodes, allocator=allocator)
-    # Whether the round kernels went through their cached CompiledKernel (+direct runs).
-    row["round_launches"] = {"direct": launches_after[0] - launches_before[0],
-                             "jit": launches_after[1] - launches_before[1]}
     row["engine_threads"] = engine.call(engine_threads)
     row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
                numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
@@ -634,7 +619,7 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
     (uncaught) on that command. ``after_cell()`` runs once the row is written, outside
     the measurement (the GPU child: ``torch.cuda.empty_cache``, so that memory cached
     by this engine's prefill is free for the next engine's: with five kimi64 engines
-    at 128k a 768 MiB prefill allocation found 0.6 GiB free, twenty-sixth session)."""
+    at 128k a 768 MiB prefill allocation can otherwise find 0.6 GiB free)."""
     failed = None
     for line in iter(sys.stdin.readline, ""):
         line = line.strip()
@@ -669,11 +654,31 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
     result["meta"]["finished"] = time.time()
 
 
-def apply_run_switches(run: RunSpec, environ) -> None:
-    """Set the environment variable of each of ``run``'s ``RUN_SWITCHES`` suffixes."""
-    for suffix, env, value, *_ in RUN_SWITCHES:
-        if suffix in run.switches:
-            environ[env] = value
+def skip_common_prefix_in_every_engine() -> None:
+    """``+skipprefix``: every V2-runner engine built in this process afterwards gets the
+    scheduler DDTree engines run with, without vLLM's per-step common-prefix scan
+    (``vllm_ddtree.patches.scheduler_common_prefix.skip_common_prefix_scan``). The
+    engine must run in this process (no ``--engine-process``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm_ddtree.patches.scheduler_common_prefix import skip_common_prefix_scan
+
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "use_v2_model_runner", False):
+            skip_common_prefix_scan(self)
+
+    Scheduler.__init__ = __init__
+
+
+def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
+    """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
+    if "+skipprefix" in run.variants:
+        if engine_process:
+            raise ValueError(f"{run.name}: +skipprefix patches the scheduler in the run's "
+                             "process; drop --engine-process")
+        skip_common_prefix_in_every_engine()
 
 
 def child_main(spec_path: str) -> None:
@@ -719,7 +724,7 @@ def child_main(spec_path: str) -> None:
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
-    apply_run_switches(run, os.environ)  # before the engine starts
+    apply_run_variants(run, remote)  # before the engine starts
     try:
         import torch
 
@@ -858,7 +863,7 @@ def wait_gpu_released(limit_s: float = 90.0, below_mib: int = 2048) -> None:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the child's own session (start_new_session)
+        os.killpg(proc.pid, signal.SIGKILL)  # the child's own process group (start_new_session)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -1004,7 +1009,7 @@ class LockstepChild:
 
 
 def start_lockstep_child(spec: dict, tmp: str, index: int, log_path: Path) -> LockstepChild:
-    """Start one ``--lockstep`` child (its own session, stdin a pipe, its own log beside
+    """Start one ``--lockstep`` child (its own process group, stdin a pipe, its own log beside
     ``log_path``: the children run at once); return it."""
     out = os.path.join(tmp, f"result{index}.json")
     spec = dict(spec, out=out)
@@ -1403,6 +1408,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     runs = resolve_auto_runs(runs, [] if args.runs else args.budgets, args.auto_max)
     if not runs:
         p.error("no runs selected")
+    if args.engine_process and any("+skipprefix" in r.variants for r in runs):
+        p.error("+skipprefix patches the scheduler in the run's process: drop "
+                "--engine-process")
     if args.max_tokens < 2:
         p.error("--max-tokens must be >= 2 (the first token comes with the prefill)")
     if min(args.batches) < 1:

@@ -10,8 +10,8 @@ graph and replayed (as ``_generate_draft`` runs), on the same logits:
   code of that run);
 - ``batched torch``: ``build_ddtree`` as it is now (one ranking for every depth);
 - ``triton, torch ranking + bits``: the build kernel after the PyTorch ranking (int64
-  keys + ``topk``), then ``DraftTree.ancestor_bits``' ~30 small kernels (what the
-  speculator ran in its graph until the eighth session);
+  keys + ``topk``), then ``DraftTree.ancestor_bits``' ~30 small kernels (the build
+  before the ranking and the ancestor bits moved into Triton);
 - ``triton``: ``tree_build_kernel.build_ddtree_triton`` as the speculator runs it now:
   log-softmax, the two ranking launches of ``vocab_top_k_kernel``, one launch for the
   beams, the merge and the ancestor bits;
@@ -178,8 +178,8 @@ def write(rows: list[dict], args, command: str) -> None:
              f"command: `{command}`", "",
              f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}; "
              f"L = {args.depths} depths, bf16 logits; ms per graph replay "
-             f"(mean of {args.iters}); ratios against `per-depth torch` (the code of the "
-             "2026-11-30 end-to-end run).", "",
+             f"(mean of {args.iters}); ratios against `per-depth torch` (the first "
+             "batched build).", "",
              "| R | V | B | " + " | ".join(names)
              + " | triton speed-up | triton vs torch ranking + bits |",
              "|---|---|---|" + "---|" * (len(names) + 2)]

@@ -189,7 +189,7 @@ def gpu_memory_args() -> dict:
     """0.3 of the GPU by default. ``VLLM_DDTREE_TEST_KV_GIB`` fixes the KV cache size
     instead, which skips vLLM's start-up memory profiling: that profiling counts what
     other engines on the same GPU allocate meanwhile as its own (gpu_worker.py:529),
-    so device sessions that run suites side by side on one GPU set it."""
+    so runs of several suites side by side on one GPU set it."""
     kv_gib = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
     if kv_gib:
         return {"kv_cache_memory_bytes": int(float(kv_gib) * 2**30),
@@ -276,11 +276,14 @@ def main() -> None:
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
-    if args.cycle_budgets:  # every process (TP workers too) through the plugin
-        from vllm_ddtree.testing.forced_budgets import ENV, force_budget_choices, parse_budgets
+    forced_budgets = None
+    if args.cycle_budgets:
+        # The test hook, applied here before LLM() builds the engine in this process
+        # (at TP = 1 the in-graph choice is captured with it); TP workers get it below.
+        from vllm_ddtree.testing.forced_budgets import force_budget_choices, parse_budgets
 
-        os.environ[ENV] = args.cycle_budgets
-        force_budget_choices(parse_budgets(args.cycle_budgets))
+        forced_budgets = parse_budgets(args.cycle_budgets)
+        force_budget_choices(forced_budgets)
 
     extra = {}
     max_num_seqs = 8
@@ -317,27 +320,32 @@ def main() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         extra["attention_backend"] = "CUSTOM"
         if args.pair == "qwen3":  # CUSTOM = the GQA tree backend (set before register)
-            from vllm_ddtree.attention_backends.registration import (
-                TREE_BACKEND_ENV,
-                register_tree_backend,
-            )
+            from vllm_ddtree.attention_backends.registration import register_tree_backend
 
-            os.environ[TREE_BACKEND_ENV] = "gqa"
+            from vllm_ddtree import settings
+
+            settings.set_for_children("VLLM_DDTREE_TREE_BACKEND", "gqa")
             register_tree_backend("gqa")
     if args.tp > 1 and os.environ.get("VLLM_DDTREE_TP_NCCL_ONLY") == "1":
-        # Machines with NVLink multicast off (the device machines, KINDS.md): vLLM's
-        # custom / symmetric-memory all-reduce died there with an illegal memory access
-        # in the TP=2 forward (2026-11-30, twice); plain NCCL is what is seen working.
+        # Machines with NVLink multicast off: vLLM's custom / symmetric-memory
+        # all-reduce dies there with an illegal memory access in the TP=2 forward;
+        # plain NCCL works.
         extra["disable_custom_all_reduce"] = True
         os.environ["VLLM_ALLREDUCE_USE_SYMM_MEM"] = "0"
         # vLLM 0.26 turns on FlashInfer's fused all-reduce + RMSNorm for TP > 1 on sm_90
-        # (config/vllm.py enable_allreduce_rms_fusion); its IPC all-reduce is what faulted
-        # in the NCCL-only run (the first op of the compiled forward, 2026-11-30).
+        # (config/vllm.py enable_allreduce_rms_fusion); its IPC all-reduce faults there
+        # too (the first op of the compiled forward).
         extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="bfloat16", max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
               tensor_parallel_size=args.tp, **extra)
+    if forced_budgets is not None and args.tp > 1:
+        # TP workers run in their own processes and choose eagerly (BudgetPolicy.choose,
+        # looked up every round): patch it there before the first generate.
+        from vllm_ddtree.testing.forced_budgets import apply_in_worker
+
+        llm.collective_rpc(apply_in_worker, args=(forced_budgets,))
     applied = apply_all()  # names of the patches active in this process
     # The target's graph dispatch of every step (engine in this process at TP = 1).
     verify_dispatches = record_verify_dispatches() if args.graphs and args.tp == 1 else None

@@ -67,14 +67,6 @@ def engine_active_counters(worker: Any = None) -> tuple[int, int] | None:
     return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
 
 
-def engine_launch_counts(worker: Any = None) -> tuple[int, int]:
-    """(direct, JIT) launches of DDTree's round kernels in this process so far
-    (``vllm_ddtree.direct_launch.launch_counts``)."""
-    from vllm_ddtree.direct_launch import launch_counts
-
-    return launch_counts()
-
-
 def engine_threads(worker: Any = None) -> list[str]:
     """Names of this process's live Python threads: Triton's launcher releases the GIL
     around every launch, so any of them that wants it can run inside a round."""

@@ -16,59 +16,28 @@ from collections import defaultdict
 
 from vllm_ddtree.testing.compare import first_mismatch
 
-# Run suffixes of bench_e2e: (suffix, environment variable, value, label in the tables,
-# methods it applies to). The run's child sets the variable before its engine starts,
-# so one lockstep run times each variant beside the plain run.
-_DDTREE = ("ddtree",)
-RUN_SWITCHES = (
-    ("+direct", "VLLM_DDTREE_DIRECT_LAUNCH", "1", "direct launch", _DDTREE),
-    ("+graphstore", "VLLM_DDTREE_TREE_STORE", "graph", "tree store in graph", _DDTREE),
-    ("+eagerstore", "VLLM_DDTREE_TREE_STORE", "eager", "eager tree store", _DDTREE),
-    ("+torchround", "VLLM_DDTREE_ROUND_KERNELS", "torch", "PyTorch round ops", _DDTREE),
-    # vllm_ddtree.patches.scheduler_common_prefix: on by default for DDTree; +skipprefix gives
-    # vLLM's own methods the same scheduler, +scanprefix gives DDTree vLLM's.
-    ("+skipprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "1", "no common-prefix scan",
-     ("ar", "dflash", "ddtree")),
-    ("+scanprefix", "VLLM_DDTREE_SKIP_COMMON_PREFIX", "0", "common-prefix scan", _DDTREE),
-    # vllm_ddtree.draft.context_kv_graphs: the drafter's context K/V precompute in CUDA graphs
-    # (default); +eagerctx runs it eagerly, as vLLM does.
-    ("+eagerctx", "VLLM_DDTREE_CONTEXT_KV_GRAPH", "0", "eager context K/V", _DDTREE),
-    # round_kernels.auto_in_graph: auto's choice and tree store inside the drafter's graph
-    # (default); +eagerauto chooses and stores eagerly after it
-    ("+autograph", "VLLM_DDTREE_AUTO_IN_GRAPH", "1", "auto choice in graph", _DDTREE),
-    ("+eagerauto", "VLLM_DDTREE_AUTO_IN_GRAPH", "0", "eager auto choice", _DDTREE),
-    # patches/dflash_context_kv.py apply_chain: vLLM's chain with DDTree's context K/V graphs
-    ("+ctxgraph", "VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH", "1", "context K/V graphs",
-     ("dflash",)),
-    # vllm_ddtree.draft.context_rows: tree decodes draft from 1 + L context rows a request
-    # (default); +fullctx hands the drafter every verify row, as before
-    ("+fullctx", "VLLM_DDTREE_COMPACT_CONTEXT", "0", "every verify row as context", _DDTREE),
-    # vllm_ddtree.draft.inputs_kernel: every drafter KV-cache group's draft inputs in one
-    # launch (default); +pergroupprep launches vLLM's prepare once per group
-    ("+groupprep", "VLLM_DDTREE_FUSED_PREPARE", "1", "one prepare launch", _DDTREE),
-    ("+pergroupprep", "VLLM_DDTREE_FUSED_PREPARE", "0", "a prepare launch per group",
-     _DDTREE),
-    # attention_backends/mla_tree: fixed budgets verify with the Gluon kernel on sm_90,
-    # auto (active rows) with the Triton one; +tritonmla gives a fixed budget auto's kernel
-    ("+tritonmla", "VLLM_DDTREE_MLA_KERNEL", "triton", "Triton MLA tree kernel", _DDTREE),
-    # +computerows: auto's verify on the Gluon kernel, every row computed (ops.py)
-    ("+computerows", "VLLM_DDTREE_MLA_INACTIVE_ROWS", "compute", "inactive rows computed",
-     _DDTREE),
+# Run variants of bench_e2e: (suffix, label in the tables, methods it applies to). The
+# run's child applies the variant in its own process before its engine starts, so one
+# lockstep run times each variant beside the plain run.
+# +skipprefix: vLLM's own methods without the scheduler's common-prefix scan, as DDTree
+# engines always run (vllm_ddtree.patches.scheduler_common_prefix).
+RUN_VARIANTS = (
+    ("+skipprefix", "no common-prefix scan", ("ar", "dflash")),
 )
 
 
-def split_run_switches(name: str) -> tuple[str, tuple[str, ...]]:
-    """``(base run name, suffixes in RUN_SWITCHES order)`` of a run name such as
-    ``ddtree-64+direct+graphstore``."""
+def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:
+    """``(base run name, suffixes in RUN_VARIANTS order)`` of a run name such as
+    ``dflash@FLASH_ATTN_MLA+skipprefix``."""
     found: set[str] = set()
     stripped = True
     while stripped:
         stripped = False
-        for suffix, *_ in RUN_SWITCHES:
+        for suffix, *_ in RUN_VARIANTS:
             if name.endswith(suffix):
                 name, stripped = name[: -len(suffix)], True
                 found.add(suffix)
-    return name, tuple(s for s, *_ in RUN_SWITCHES if s in found)
+    return name, tuple(s for s, *_ in RUN_VARIANTS if s in found)
 
 
 METHOD_ORDER = {"ar": 0, "dflash": 1, "ddtree": 2}
@@ -107,15 +76,15 @@ def run_id(row: dict) -> str:
 
 def run_label(row: dict) -> str:
     """The method's name in the tables (``(engine process)`` for ``--engine-process``
-    rows, which sit beside the in-process ones of the same run; ``direct launch`` for
-    ``+direct`` runs and the other ``RUN_SWITCHES`` labels)."""
+    rows, which sit beside the in-process ones of the same run; the ``RUN_VARIANTS``
+    labels, e.g. ``no common-prefix scan`` for ``+skipprefix`` runs)."""
     suffix = " (engine process)" if row.get("engine_process") else ""
     if row.get("temperature"):
         suffix += f", T = {row['temperature']:g}"
     method, backend = row.get("method"), row.get("backend")
-    switches = split_run_switches(str(row.get("run", "")))[1]
-    suffix = "".join(f", {label}" for name, _, _, label, _ in RUN_SWITCHES
-                     if name in switches) + suffix
+    variants = split_run_variants(str(row.get("run", "")))[1]
+    suffix = "".join(f", {label}" for name, label, _ in RUN_VARIANTS
+                     if name in variants) + suffix
     if method == "ddtree":
         if str(row.get("run", "")).startswith("ddtree-autofixed"):
             return "DDTree B=auto, fixed shape" + suffix
@@ -508,7 +477,7 @@ def _anchor_table(data: dict) -> list[str]:
     for c in contexts:
         cells = [f"{_f(measured.get((run, c)))} / {_f(anchors[run].get(c))}" for run in runs]
         lines.append(f"| {ctx_label(c)} | " + " | ".join(cells) + " |")
-    lines += ["", "Anchor figures were measured with the same shapes in another session "
+    lines += ["", "Anchor figures were measured with the same shapes in another run "
               "(its AR runs may have used the V1 runner: a DeepSeek-V3 target with experts "
               "listed defaults to V1; here every run uses V2).", ""]
     return lines
@@ -541,15 +510,6 @@ _HOST_COLUMNS = (("execute_model", "verify"), ("sample_tokens", "sample_tokens")
                  ("GC pauses", "gc"))
 
 
-def _round_launches(row: dict) -> str:
-    """``direct / JIT`` round-kernel launches per decode step of ``row``, or a dash
-    (rows measured before the counter, AR and chain rows: none)."""
-    counts, steps = row.get("round_launches"), row.get("steps")
-    if not counts or not steps or not (counts["direct"] or counts["jit"]):
-        return "—"
-    return f"{counts['direct'] / steps:.1f} / {counts['jit'] / steps:.1f}"
-
-
 def _host_table(rows: list[dict]) -> list[str]:
     """Host ms per decode step by region (``host_regions_ms``): ``execute_model`` +
     ``sample_tokens`` is the runner's host time per step (``propose`` runs inside
@@ -559,8 +519,7 @@ def _host_table(rows: list[dict]) -> list[str]:
     if not measured:
         return []
     header = ["method", "ctx", "batch", "prompts", "step ms", "runner host / step"]
-    header += [name for name, _ in _HOST_COLUMNS] + ["round launches direct / JIT",
-                                                      "Python threads",
+    header += [name for name, _ in _HOST_COLUMNS] + ["Python threads",
                                                       "Python ms (fixed loop, before -> after)",
                                                       "machine steal % / busy % / MHz"]
     lines = ["## Host time per decode step by region (ms)", "",
@@ -568,21 +527,18 @@ def _host_table(rows: list[dict]) -> list[str]:
              "host time near the step time means the step is host-bound (the GPU waits "
              "for launches); the rest of a step's host time is vLLM's scheduler and "
              "output handling. GC pauses: Python garbage collections that ran inside a "
-             "step (in any region). Round launches: DDTree's per-round Triton launches "
-             "over the measured generate, per decode step, through the cached "
-             "CompiledKernel (`+direct` runs, `vllm_ddtree/direct_launch.py`) / through "
-             "Triton's JIT path. Python threads: live threads of the engine's process "
+             "step (in any region). Python threads: live threads of the engine's process "
              "(names in the JSON); Triton's launcher releases the GIL around each "
              "launch, so another thread may run inside a round. Python ms: one fixed "
              "pure-Python workload timed in "
              "the run's process just before the cell (`e2e_timing.python_speed_ms`), with "
-             "the CPU and NUMA node it ran on, and again just after it (on the lent H200 host it "
-             "changed up to 2x between two cells of one process); machine steal / busy / "
+             "the CPU and NUMA node it ran on, and again just after it (on a shared host it "
+             "can change up to 2x between two cells of one process); machine steal / busy / "
              "MHz: the whole machine's CPU time over the measured generate given to other "
              "guests (hypervisor steal) and not idle, and its clock (`e2e_timing."
              "host_cpu_delta`); "
-             "host-bound steps of two runs compare only where it agrees (on the lent "
-             "H200 host it was seen 1.8x apart between processes of one run).", "",
+             "host-bound steps of two runs compare only where it agrees (it can differ "
+             "by 1.8x between processes of one run).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in measured:
         regions = r["host_regions_ms"]
@@ -590,7 +546,6 @@ def _host_table(rows: list[dict]) -> list[str]:
         cells = [run_label(r), ctx_label(r["context"]), str(r["batch"]), r["kind"],
                  _f(r.get("step_ms")), _f(runner)]
         cells += [_f(regions.get(key)) if regions.get(key) else "—" for _, key in _HOST_COLUMNS]
-        cells.append(_round_launches(r))
         threads = r.get("engine_threads")
         cells.append(str(len(threads)) if threads else "—")
         speed = _f(r.get("python_ms")) if r.get("python_ms") else "—"

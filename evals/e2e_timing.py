@@ -491,8 +491,8 @@ def python_speed_ms(repeats: int = 5, n: int = 20000) -> float:
     """Median milliseconds of one fixed pure-Python workload in this process.
 
     Host-bound decode steps of two processes compare only when their interpreters run
-    at the same speed; on the lent H200 host this figure was seen to differ by up to
-    1.8x between processes of one benchmark run (same code, same configuration), so
+    at the same speed; on a shared host this figure can differ by up to 1.8x between
+    processes of one benchmark run (same code, same configuration), so
     ``bench_e2e`` records it beside every cell."""
     times = []
     for _ in range(repeats):

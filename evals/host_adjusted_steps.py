@@ -1,10 +1,10 @@
 """Host-bound ``bench_e2e`` cells compared at one host speed (CPU only).
 
-On the lent H200 host, batch-1 decode steps are host-bound, and the host's Python
+On a shared GPU host, batch-1 decode steps are host-bound, and the host's Python
 speed (``bench_e2e``'s fixed loop, the rows' ``python_ms`` / ``python_ms_after``) flips
 about 2x between cells measured seconds apart, so even ``--lockstep`` pairs rarely run
 at equal speed. Over repeats, a cell's step follows its Python ms closely (correlation
-0.8-1.0 in the twenty-second session's runs). This script pools the rows of one or more
+0.8-1.0 over repeated kimi8 runs). This script pools the rows of one or more
 bench JSONs of a setup and fits, per (prompts, batch, context), one line per run with a
 slope shared by all runs (least squares)::
 
@@ -19,8 +19,8 @@ not a measurement: read it beside the paired rounds, never instead of them.
 
 Usage::
 
-    python evals/host_adjusted_steps.py evals/results/e2e_kimi8_direct_a.json \\
-        evals/results/e2e_kimi8_direct_b.json --out evals/results/host_adjusted_kimi8
+    python evals/host_adjusted_steps.py /tmp/run_a/e2e_kimi8.json \\
+        /tmp/run_b/e2e_kimi8.json --out evals/results/host_adjusted_kimi8
 """
 
 from __future__ import annotations

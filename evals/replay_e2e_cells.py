@@ -5,13 +5,13 @@
 
 A vLLM cell's accept len and the CPU reference engine's on "the same prompt" differ
 as soon as the two greedy texts part at a bf16 argmax tie, and looping text makes that
-difference large (nineteenth session: vLLM 10.67 tokens per round for the chain on a
-prompt where the reference's own text gave 4.92). For each cell of a trained setup
-whose AR row kept its generated ids (``output_token_ids``, bench_e2e since
-2026-12-02), this forces the fp32 reference engine along vLLM AR's text
-(``vllm_ddtree.reference.replay``) with the chain and with each fixed DDTree budget of
-the run, and sets its tokens per round beside vLLM's: equal up to bf16 drafter noise
-when vLLM's drafter and tree see what the reference's do.
+difference large (vLLM 10.67 tokens per round for the chain on a prompt where the
+reference's own text gave 4.92). For each cell of a trained setup whose AR row kept
+its generated ids (``output_token_ids``; older bench_e2e rows lack them), this forces
+the fp32 reference engine along vLLM AR's text (``vllm_ddtree.reference.replay``) with
+the chain and with each fixed DDTree budget of the run, and sets its tokens per round
+beside vLLM's: equal up to bf16 drafter noise when vLLM's drafter and tree see what the
+reference's do.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def markdown(results: list[dict], source: str, command: str) -> str:
                  f"{ratio:.2f}" if ratio else "—", str(r["rounds"])]
         lines.append("| " + " | ".join(cells) + " |")
     if not results:
-        lines.append("| (no cell with AR's generated ids: rows from before 2026-12-02) "
+        lines.append("| (no cell with AR's generated ids: rows of an older bench_e2e) "
                      "| | | | | | | |")
     return "\n".join(lines) + "\n"
 

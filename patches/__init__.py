@@ -8,15 +8,14 @@ order of ``PATCH_MODULES``; the plugin entry point calls it in every process.
 from __future__ import annotations
 
 import importlib
-import os
 
 from vllm_ddtree.patches._guard import (
     SUPPORTED_VLLM_VERSION,
     VllmVersionError,
     require_vllm_version,
 )
-from vllm_ddtree.patches.dflash_context_kv import chain_graphs_requested
-from vllm_ddtree.patches.scheduler_common_prefix import skip_common_prefix_setting
+
+from vllm_ddtree import settings
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = [
@@ -42,46 +41,34 @@ RUNNER_PATCHES: list[str] = [
     "unify_kv_block_size",  # kv_cache_utils.unify_hybrid_kv_cache_specs (one KV group)
 ]
 
-RUNNER_ENV = "VLLM_DDTREE_RUNNER"
+RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # declared in vllm_ddtree.settings
 
 
 def runner_patches_requested() -> bool:
     """Whether this process must apply ``RUNNER_PATCHES`` (``VLLM_DDTREE_RUNNER=1``,
-    set by the front-end patch of a parent process that configured DDTree)."""
-    value = os.environ.get(RUNNER_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{RUNNER_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
+    set by the front-end patch of a parent process that configured DDTree; raises
+    ``settings.SettingError`` on a value other than ``0`` / ``1``)."""
+    return settings.get(RUNNER_ENV) == "1"
 
 
 def apply_all() -> list[str]:
     """Apply every patch in ``PATCH_MODULES`` (and ``RUNNER_PATCHES`` when
-    ``VLLM_DDTREE_RUNNER=1``, else ``scheduler_common_prefix`` alone when
-    ``VLLM_DDTREE_SKIP_COMMON_PREFIX=1``; and the chain's context K/V graphs when
-    ``VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1``); returns the names applied."""
+    ``VLLM_DDTREE_RUNNER=1``); returns the names applied."""
     applied = []
     for name in PATCH_MODULES:
-        importlib.import_module(f"patches.{name}").apply()
+        importlib.import_module(f"vllm_ddtree.patches.{name}").apply()
         applied.append(name)
     if runner_patches_requested():
         for name in RUNNER_PATCHES:
-            importlib.import_module(f"patches.{name}").apply()
+            importlib.import_module(f"vllm_ddtree.patches.{name}").apply()
             applied.append(name)
-    elif skip_common_prefix_setting():
-        # vLLM's own methods with DDTree's scheduler fix (VLLM_DDTREE_SKIP_COMMON_PREFIX=1)
-        importlib.import_module("vllm_ddtree.patches.scheduler_common_prefix").apply()
-        applied.append("scheduler_common_prefix")
-    if chain_graphs_requested():
-        # vLLM's chain with DDTree's context K/V graphs (VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1)
-        importlib.import_module("vllm_ddtree.patches.dflash_context_kv").apply_chain()
-        applied.append("dflash_context_kv (chain)")
     return applied
 
 
 def apply_runner_patches() -> list[str]:
     """Apply ``PATCH_MODULES`` and ``RUNNER_PATCHES`` in this process and set
     ``VLLM_DDTREE_RUNNER=1`` for the processes it starts. Returns the names applied."""
-    os.environ[RUNNER_ENV] = "1"
+    settings.set_for_children(RUNNER_ENV, "1")
     return apply_all()
 
 

@@ -6,7 +6,7 @@ expand_kv`` on the given model's attention *instances*, for the duration of a ``
 block. transformers 5.17 caches the compressed latent and re-expands the whole context
 through ``kv_b_proj`` at every decoding step: an ``[B * ctx, kv_lora_rank] x
 [kv_lora_rank, H * (dk + dv)]`` matmul per layer per token. At batch 256 and 1.6k
-tokens of context that made a decoding step 42 ms on an H200 (2026-12-01), so a timed
+tokens of context that made a decoding step 42 ms on an H200, so a timed
 greedy pool held 1.8k sequences instead of 12k. Inside the block each layer keeps the
 expanded keys/values of the positions it has seen and expands only the new ones.
 

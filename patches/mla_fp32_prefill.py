@@ -64,13 +64,13 @@ class NoMLAPrefillBackend:
 
 def uses_fp32_tree_mla(vllm_config: Any) -> bool:
     """Whether ``vllm_config`` runs an fp32 model on the ``CUSTOM`` MLA tree backend."""
-    from vllm_ddtree.attention_backends.registration import tree_backend_kind_from_env
+    from vllm_ddtree import settings
 
     model_config = getattr(vllm_config, "model_config", None)
     backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     name = str(getattr(backend, "name", backend)).upper()
     return (model_config is not None and model_config.dtype == torch.float32
-            and name == "CUSTOM" and tree_backend_kind_from_env() == "mla")
+            and name == "CUSTOM" and settings.get("VLLM_DDTREE_TREE_BACKEND") == "mla")
 
 
 def apply() -> None:

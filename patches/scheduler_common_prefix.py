@@ -12,44 +12,32 @@ V2 runner, the only one DDTree runs on, never does (its warm-up writes zeros). W
 this patch the scheduler of a V2-runner engine gets ``[0] * num_groups``, which is
 what cascade attention's "no common prefix" reads as anyway.
 
-``VLLM_DDTREE_SKIP_COMMON_PREFIX``: unset, it applies to DDTree engines (where the
-runner patches run); ``1`` applies it to every V2-runner engine of the process,
-vLLM's own methods included (so a benchmark can give vLLM's chain the same scheduler);
-``0`` turns it off everywhere.
+It applies to the engines of DDTree runs (the runner patches); vLLM's own methods keep
+vLLM's scheduler. (``evals/bench_e2e.py``'s ``+skipprefix`` runs give vLLM's chain the
+same scheduler by calling :func:`skip_common_prefix_scan` in the benchmark's process.)
 """
 
 from __future__ import annotations
-
-import os
 
 from vllm_ddtree.patches._guard import require_vllm_version
 
 PATCHED_FUNCTION = ("vllm.v1.core.sched.scheduler.Scheduler.__init__ "
                     "(kv_cache_manager.get_num_common_prefix_blocks)")
-SKIP_COMMON_PREFIX_ENV = "VLLM_DDTREE_SKIP_COMMON_PREFIX"
-
-
-def skip_common_prefix_setting() -> bool | None:
-    """``VLLM_DDTREE_SKIP_COMMON_PREFIX``: ``None`` unset (DDTree engines only),
-    ``True`` for ``1`` (every V2-runner engine), ``False`` for ``0`` (none).
-
-    Raises:
-        ValueError: any other value (names the variable and the choices).
-    """
-    raw = os.environ.get(SKIP_COMMON_PREFIX_ENV)
-    if raw is None:
-        return None
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(f"{SKIP_COMMON_PREFIX_ENV}={raw!r}: use 0 or 1 (or leave it unset "
-                         "to skip the scan in DDTree engines only)")
-    return raw.strip() == "1"
 
 
 def skips_common_prefix(use_v2_model_runner: bool, is_ddtree: bool) -> bool:
-    """Whether an engine's scheduler skips the common-prefix scan."""
-    setting = skip_common_prefix_setting()
-    wanted = is_ddtree if setting is None else setting
-    return bool(use_v2_model_runner and wanted)
+    """Whether an engine's scheduler skips the common-prefix scan: DDTree engines on the
+    V2 runner (the V1 runner reads the result, for cascade attention)."""
+    return bool(use_v2_model_runner and is_ddtree)
+
+
+def skip_common_prefix_scan(scheduler) -> None:
+    """Make ``scheduler``'s KV-cache manager answer "no common prefix" (``[0]`` per
+    KV-cache group) without walking any block. An instance attribute: this engine's
+    manager only."""
+    num_groups = len(scheduler.kv_cache_config.kv_cache_groups)
+    scheduler.kv_cache_manager.get_num_common_prefix_blocks = (
+        lambda running_request_id: [0] * num_groups)
 
 
 def apply() -> None:
@@ -69,10 +57,7 @@ def apply() -> None:
 
         is_ddtree = ddtree_config_of(vllm_config.speculative_config) is not None
         if skips_common_prefix(bool(getattr(self, "use_v2_model_runner", False)), is_ddtree):
-            num_groups = len(self.kv_cache_config.kv_cache_groups)
-            # An instance attribute: this engine's manager only.
-            self.kv_cache_manager.get_num_common_prefix_blocks = (
-                lambda running_request_id: [0] * num_groups)
+            skip_common_prefix_scan(self)
 
     # Not mark_patched: its _ddtree_patched flag is scheduler_lookahead's idempotency
     # check on Scheduler.__init__, which must still wrap this one.

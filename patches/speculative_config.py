@@ -65,10 +65,9 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
     (``arg_utils.py:2159``) before it turns ``engine_args.attention_backend`` into
     ``attention_config.backend`` (``arg_utils.py:2249-2259``).
     """
-    import os
+    from vllm_ddtree.attention_backends.registration import register_tree_backend
 
-    from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV, register_tree_backend
-
+    from vllm_ddtree import settings
     from vllm_ddtree.config import DDTreeConfigError
 
     chosen = engine_args.attention_backend
@@ -82,7 +81,7 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
                 f"--attention-backend {TREE_ATTENTION_BACKEND}"
             )
     kind = "mla" if target_model_config.use_mla else "gqa"
-    os.environ[TREE_BACKEND_ENV] = kind
+    settings.set_for_children("VLLM_DDTREE_TREE_BACKEND", kind)
     register_tree_backend(kind)
     if chosen is None and config_backend is None:
         engine_args.attention_backend = TREE_ATTENTION_BACKEND

@@ -8,7 +8,7 @@ the sliding layer chose for itself (``Attention.get_kv_cache_spec``: the backend
 smallest kernel block, 16 for FlashAttention, 1 for a backend that takes any size).
 Beside an MLA target on 64-token pages (our backend's preference) the block sizes
 differ and vLLM stops at start-up: "Hybrid KV cache manager is disabled but failed to
-convert the KV cache specs to one unified type" (H200, kimi8, seventeenth session).
+convert the KV cache specs to one unified type" (kimi8 setup).
 vLLM's own chain ran because FLASH_ATTN_MLA stays on 16-token pages.
 
 Before vLLM's conversion, each sliding spec whose block size divides the one block size

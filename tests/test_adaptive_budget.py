@@ -214,8 +214,8 @@ def test_near_ties_take_the_fewest_rows():
     """Where the model cannot tell budgets apart (a drafter whose nodes are all
     improbable, the dummy-weight case, over attention that costs the same for 2..9
     rows), the smallest wins: rows cost GEMM and sampling time the model does not see.
-    Before, the largest of the equal-cost budgets won (kimi64 with dummy weights chose
-    8.3 nodes on average at 1k in the tenth session's run)."""
+    Were the largest of the equal-cost budgets to win, kimi64 with dummy weights would
+    choose 8.3 nodes on average at 1k."""
     table = measure_attention_table(lambda c, q: 2e-5 if q <= 9 else 2e-5 * q / 9,
                                     [1024, 4096], candidate_budgets(64))
     policy = BudgetPolicy(table, num_layers=4)
@@ -641,9 +641,9 @@ def test_policy_at_tp2_takes_the_first_ranks_budget(monkeypatch):
 
 
 def test_in_graph_choice_reads_the_target_seq_lens_and_skips_the_profile_run():
-    """``VLLM_DDTREE_AUTO_IN_GRAPH=1``: the drafter step chooses from the target's
+    """``auto``'s choice in the graph: the drafter step chooses from the target's
     ``seq_lens`` buffer; vLLM's profile run drafts before ``set_attn`` hands that buffer
-    over (the s32 GPU run died there), so that step stores full trees and chooses
+    over (reading it there fails), so that step stores full trees and chooses
     nothing."""
     from test_ddtree_integration_units import fake_speculator, feed_drafter_step
 

@@ -80,8 +80,8 @@ def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
 
 def test_tokens_past_a_stop_string_are_not_a_mismatch():
     """vLLM keeps a multi-token step's tokens after a stop string in ``token_ids`` (it
-    cuts only the text); plain decoding stops at it. Seen on the H200 (2026-11-30):
-    DDTree committed "\\n" and one more token in the step that completed "\\n\\n"."""
+    cuts only the text); plain decoding stops at it. E.g. DDTree committed "\\n" and one
+    more token in the step that completed "\\n\\n"."""
     from vllm_ddtree.testing.compare import mismatch_problems, past_stop_string
 
     ref = {"tokens": [5, 200, 200], "text": "ab", "stop_reason": "\n\n",

@@ -51,22 +51,6 @@ def test_request_counts_come_from_the_drafters_full_graphs():
     assert ckv.decode_context_lengths([], 16, 8, [65], 10_000) == []
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("1", True), ("0", False),
-                                               (" 0 ", False)])
-def test_the_switch(monkeypatch, raw, expected):
-    if raw is None:
-        monkeypatch.delenv(ckv.CONTEXT_KV_GRAPH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, raw)
-    assert ckv.context_kv_graph_enabled() is expected
-
-
-def test_a_bad_switch_value_names_the_variable(monkeypatch):
-    monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "on")
-    with pytest.raises(ValueError, match=ckv.CONTEXT_KV_GRAPH_ENV):
-        ckv.context_kv_graph_enabled()
-
-
 def test_the_speculators_own_views_replay_one_slot_row():
     graphs, _ = _graphs()
     n = 17
@@ -166,7 +150,6 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
     from vllm_ddtree.patches import dflash_context_kv
 
-    from vllm_ddtree.draft.context_rows import COMPACT_CONTEXT_ENV
     from vllm_ddtree.draft.speculator import DDTreeSpeculator
 
     dflash_context_kv.apply()
@@ -215,46 +198,7 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     small_block.num_query_per_req = 4
     small_block.capture()
     assert captured[-1] == [8, 4, 2]
-    monkeypatch.setenv(COMPACT_CONTEXT_ENV, "0")  # every verify row
-    small_block.capture()
-    assert captured[-1] == [18, 10, 9, 5, 4, 2]
-    monkeypatch.setenv(ckv.CONTEXT_KV_GRAPH_ENV, "0")
-    speculator(drafter).capture()
-    assert len(captured) == 4
-
-
-def test_the_chain_switch_captures_for_vllms_dflash_only(monkeypatch):
-    """VLLM_DDTREE_CHAIN_CONTEXT_KV_GRAPH=1 (bench +ctxgraph): vLLM's DFlash chain
-    captures the context graphs for its 1 + N rows a request after its drafter graphs;
-    a DDTree speculator (which captures its own) is left alone; bad values are named."""
-    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-    from vllm_ddtree.patches import dflash_context_kv
-
-    import vllm_ddtree.draft.context_kv_graphs as module
-    import vllm_ddtree.draft.speculator as speculator
-    from vllm_ddtree.draft.speculator import DDTreeSpeculator
-
-    monkeypatch.delenv(dflash_context_kv.CHAIN_ENV, raising=False)
-    assert not dflash_context_kv.chain_graphs_requested()
-    monkeypatch.setenv(dflash_context_kv.CHAIN_ENV, "on")
-    with pytest.raises(ValueError, match=dflash_context_kv.CHAIN_ENV):
-        dflash_context_kv.chain_graphs_requested()
-    monkeypatch.setenv(dflash_context_kv.CHAIN_ENV, "1")
-    assert dflash_context_kv.chain_graphs_requested()
-
-    drafter_captures, context_captures = [], []
-    monkeypatch.setattr(DFlashSpeculator, "capture",
-                        lambda self: drafter_captures.append(type(self).__name__))
-    for where in (module, speculator):
-        monkeypatch.setattr(where, "capture_for_speculator",
-                            lambda spec, rows: context_captures.append(list(rows)))
-    dflash_context_kv.apply_chain()
-    dflash_context_kv.apply_chain()  # idempotent
-    chain = DFlashSpeculator.__new__(DFlashSpeculator)
-    chain.num_query_per_req = 16
-    chain.capture()
-    assert drafter_captures == ["DFlashSpeculator"] and context_captures == [[16]]
-    ddtree = DDTreeSpeculator.__new__(DDTreeSpeculator)
-    ddtree.budget, ddtree.verify_shape, ddtree.num_query_per_req = 64, None, 8
-    ddtree.capture()  # its own capture, once, with the 1 + L rows tree decodes draft from
-    assert drafter_captures[-1] == "DDTreeSpeculator" and context_captures == [[16], [8]]
+    on_cpu = speculator(drafter)
+    on_cpu.device = NS(type="cpu")
+    on_cpu.capture()
+    assert len(captured) == 3 and ckv.capture_for_speculator(on_cpu, [9]) is None  # no CUDA

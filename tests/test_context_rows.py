@@ -16,8 +16,6 @@ from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # n
 
 from vllm_ddtree.draft import hidden_rows_kernel  # noqa: E402
 from vllm_ddtree.draft.context_rows import (  # noqa: E402
-    COMPACT_CONTEXT_ENV,
-    compact_context_enabled,
     compact_path_rows_torch,
     compacted_batch,
     context_rows_per_request,
@@ -35,8 +33,7 @@ def tree_decode_batch(qlens, prefilling=None, drafts=None):
               else np.array(prefilling))
 
 
-def test_only_batches_of_tree_decodes_longer_than_the_block_compact(monkeypatch):
-    monkeypatch.delenv(COMPACT_CONTEXT_ENV, raising=False)
+def test_only_batches_of_tree_decodes_longer_than_the_block_compact():
     assert context_rows_per_request(tree_decode_batch([65, 65, 65]), DEPTHS) == 8
     assert context_rows_per_request(tree_decode_batch([65, 8, 17]), DEPTHS) == 8
     # a prefill chunk anywhere in the batch: every row of it is context
@@ -52,12 +49,6 @@ def test_only_batches_of_tree_decodes_longer_than_the_block_compact(monkeypatch)
     batch = tree_decode_batch([65])
     batch.num_draft_tokens_per_req = None
     assert context_rows_per_request(batch, DEPTHS) is None
-    monkeypatch.setenv(COMPACT_CONTEXT_ENV, "0")
-    assert not compact_context_enabled()
-    assert context_rows_per_request(tree_decode_batch([65, 65]), DEPTHS) is None
-    monkeypatch.setenv(COMPACT_CONTEXT_ENV, "yes")
-    with pytest.raises(ValueError, match=COMPACT_CONTEXT_ENV):
-        compact_context_enabled()
 
 
 def random_round(qlens, accepted, hidden=10, num_tensors=3, padding=5, seed=0):

@@ -406,8 +406,8 @@ def test_generate_draft_builds_trees_from_drafter_logits():
     assert torch.equal(spec.batch_scores[:num_reqs], want.scores)
 
 
-def test_generate_draft_stores_trees_in_the_step_with_tree_store_graph():
-    """VLLM_DDTREE_TREE_STORE=graph: the draft step itself scatters the trees to the
+def test_generate_draft_stores_trees_in_the_step():
+    """The in-graph tree store (CUDA): the draft step itself scatters the trees to the
     rows of DFlash's sample_idx_mapping (L entries per request; -1 = a CUDA-graph
     padding request, which writes nothing), as propose's eager store does for live
     rows; propose then stores nothing (Triton's interpreter on CPU)."""
@@ -465,7 +465,7 @@ def _auto_policy():
 
 
 def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
-    """VLLM_DDTREE_AUTO_IN_GRAPH=1: the draft step chooses the batch's budget from the
+    """``auto`` in the graph (CUDA, TP = 1): the draft step chooses the batch's budget from the
     live requests' trees and context lengths (a padding request, state row -1, does not
     count, however confident its tree), folds the host's pending wall sample, and
     stores each live tree with that budget; propose then only hands the choice to the
@@ -522,29 +522,9 @@ def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
     assert recorded == [int(want)] and torch.equal(state.active_nodes, stored)
 
 
-def test_auto_in_graph_switch(monkeypatch):
-    from vllm_ddtree.round_kernels import AUTO_IN_GRAPH_ENV, auto_in_graph
-
-    monkeypatch.delenv(AUTO_IN_GRAPH_ENV, raising=False)
-    assert auto_in_graph()  # the default
-    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "0")
-    assert not auto_in_graph()
-    monkeypatch.setenv(AUTO_IN_GRAPH_ENV, "yes")
-    with pytest.raises(ValueError, match=AUTO_IN_GRAPH_ENV):
-        auto_in_graph()
+def test_the_in_graph_choice_refuses_cpu_tensors():
     with pytest.raises(NotImplementedError, match="CUDA"):
         _auto_policy().enable_in_graph_()
-
-
-def test_tree_store_switch_is_checked(monkeypatch):
-    from vllm_ddtree.round_kernels import TREE_STORE_ENV, tree_store
-
-    assert tree_store() == "graph"
-    monkeypatch.setenv(TREE_STORE_ENV, "Eager")
-    assert tree_store() == "eager"
-    monkeypatch.setenv(TREE_STORE_ENV, "cuda_graph")
-    with pytest.raises(ValueError, match=f"{TREE_STORE_ENV}='cuda_graph': use one of eager, graph"):
-        tree_store()
 
 
 def test_propose_compacts_before_drafting_and_stores_trees(monkeypatch):
@@ -596,9 +576,6 @@ def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch)
     batch with a prefill chunk keeps every row (vllm_ddtree.draft.context_rows)."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-    from vllm_ddtree.draft.context_rows import COMPACT_CONTEXT_ENV
-
-    monkeypatch.delenv(COMPACT_CONTEXT_ENV, raising=False)
     state = new_state()
     spec = fake_speculator(state)
     rows = DEPTHS + 1
@@ -661,14 +638,14 @@ def test_propose_drafts_tree_decodes_from_one_block_of_context_rows(monkeypatch)
 
 
 def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
-    """VLLM_DDTREE_FUSED_PREPARE=1 (default): propose prepares every drafter KV-cache group in one
-    call (dflash_inputs_kernel) with the groups' rows, block tables and block sizes, and
+    """A CUDA round: propose prepares every drafter KV-cache group in one call
+    (draft.inputs_kernel) with the groups' rows, block tables and block sizes, and
     DFlash's per-group loop sees no group; the group ids come back afterwards, also
-    when drafting raises. A refused launch (False) leaves DFlash's loop in charge."""
+    when drafting raises. A refused launch (False) and rounds without CUDA tensors
+    leave DFlash's loop in charge."""
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
     import vllm_ddtree.draft.speculator as speculator_module
-    from vllm_ddtree.round_kernels import FUSED_PREPARE_ENV, fused_prepare, use_fused_prepare
 
     spec = fake_speculator(new_state())
     spec.draft_kv_cache_group_ids = [1, 3]
@@ -695,10 +672,6 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
         return self.draft_tokens[: input_batch.num_reqs]
 
     monkeypatch.setattr(speculator_module, "prepare_dflash_inputs_groups", fake_groups)
-    # CPU rounds keep DFlash's loop (use_fused_prepare needs a CUDA tensor): the test
-    # stands in for a CUDA round, the switch itself still read from the environment.
-    assert not use_fused_prepare(torch.ones(1)) and not use_fused_prepare(None)
-    monkeypatch.setattr(speculator_module, "use_fused_prepare", lambda t: fused_prepare())
     monkeypatch.setattr(DFlashSpeculator, "propose", fake_propose)
     batch = NS(num_reqs=1, idx_mapping=torch.tensor([0], dtype=torch.int32))
     ones = torch.ones(1, dtype=torch.int32)
@@ -706,10 +679,11 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
     def propose(**kwargs):
         spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None, **kwargs)
 
-    monkeypatch.setenv(FUSED_PREPARE_ENV, "0")
-    propose()
-    assert not calls and seen["ids"] == [1, 3]  # DFlash's per-group loop
-    monkeypatch.delenv(FUSED_PREPARE_ENV, raising=False)  # on by default
+    propose()  # CPU tensors: DFlash's per-group loop
+    assert not calls and seen["ids"] == [1, 3]
+    assert not spec._prepare_inputs_in_one_launch(batch, None, None, None, None)  # a fake
+    # The test stands in for a CUDA round.
+    monkeypatch.setattr(speculator_module, "use_triton", lambda t: True)
     propose()
     assert len(calls) == 1 and seen["ids"] == [] and spec.draft_kv_cache_group_ids == [1, 3]
     args = calls[0]
@@ -724,9 +698,6 @@ def test_fused_prepare_replaces_dflashs_per_group_loop(monkeypatch):
     assert seen["ids"] == [1, 3]
     propose(dummy_run=True)  # dummy runs keep DFlash's path
     assert len(calls) == 3
-    monkeypatch.setenv(FUSED_PREPARE_ENV, "yes")
-    with pytest.raises(ValueError, match=FUSED_PREPARE_ENV):
-        propose()
 
 
 def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeypatch):
@@ -788,11 +759,11 @@ def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
-    from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV
     from vllm_ddtree.patches.speculative_config import choose_target_attention_backend
 
     from vllm_ddtree.config import DDTreeConfigError
 
+    TREE_BACKEND_ENV = "VLLM_DDTREE_TREE_BACKEND"
     # setenv (not delenv, which records nothing for an unset variable) so that the
     # value choose_target_attention_backend writes is undone after the test
     monkeypatch.setenv(TREE_BACKEND_ENV, "")

@@ -209,7 +209,7 @@ def test_documented_vllm_command_line_parses(monkeypatch):
 def test_acceptance_per_task_is_formed_from_counter_differences():
     """Counters are cumulative over the engine's life: a task's acceptance lengths come
     from the differences of the raw counters, not from differences of ratios (which
-    made DDTree's figure negative in the 2026-11-30 GPU reports)."""
+    can make DDTree's figure negative)."""
     validate = _validate_module()
     before = {"vllm:spec_decode_num_drafts": 100, "vllm:spec_decode_num_accepted_tokens": 300,
               "vllm:spec_decode_num_accepted_tokens_per_pos": [90, 80],

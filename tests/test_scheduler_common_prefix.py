@@ -8,33 +8,18 @@ from types import SimpleNamespace as NS
 import pytest
 from vllm_ddtree.patches import scheduler_common_prefix as patch
 
-ENV = patch.SKIP_COMMON_PREFIX_ENV
-
 
 @pytest.mark.parametrize(
-    ("env", "v2", "ddtree", "expected"),
+    ("v2", "ddtree", "expected"),
     [
-        (None, True, True, True),  # default: DDTree engines on the V2 runner
-        (None, True, False, False),  # vLLM's own methods keep the scan
-        (None, False, True, False),  # the V1 runner reads the result (cascade attention)
-        ("1", True, False, True),  # the chain with DDTree's scheduler fix
-        ("1", False, False, False),
-        ("0", True, True, False),
-        (" 1 ", True, False, True),
+        (True, True, True),  # DDTree engines on the V2 runner
+        (True, False, False),  # vLLM's own methods keep the scan
+        (False, True, False),  # the V1 runner reads the result (cascade attention)
+        (False, False, False),
     ],
 )
-def test_which_engines_skip_the_scan(monkeypatch, env, v2, ddtree, expected):
-    if env is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, env)
+def test_which_engines_skip_the_scan(v2, ddtree, expected):
     assert patch.skips_common_prefix(v2, ddtree) is expected
-
-
-def test_a_bad_value_names_the_variable(monkeypatch):
-    monkeypatch.setenv(ENV, "yes")
-    with pytest.raises(ValueError, match=ENV):
-        patch.skips_common_prefix(True, True)
 
 
 class _Manager:
@@ -69,20 +54,14 @@ def _scheduler(monkeypatch, *, use_v2: bool, ddtree: bool):
 
 
 def test_a_ddtree_engine_gets_zeros_without_a_scan(monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
     scheduler = _scheduler(monkeypatch, use_v2=True, ddtree=True)
     manager = scheduler.kv_cache_manager
     assert manager.get_num_common_prefix_blocks("req-0") == [0, 0, 0]
     assert manager.scans == 0
 
 
-@pytest.mark.parametrize(("env", "use_v2", "ddtree"),
-                         [(None, True, False), ("0", True, True), ("1", False, True)])
-def test_other_engines_keep_vllms_scan(monkeypatch, env, use_v2, ddtree):
-    if env is None:
-        monkeypatch.delenv(ENV, raising=False)
-    else:
-        monkeypatch.setenv(ENV, env)
+@pytest.mark.parametrize(("use_v2", "ddtree"), [(True, False), (False, True)])
+def test_other_engines_keep_vllms_scan(monkeypatch, use_v2, ddtree):
     scheduler = _scheduler(monkeypatch, use_v2=use_v2, ddtree=ddtree)
     manager = scheduler.kv_cache_manager
     assert manager.get_num_common_prefix_blocks("req-0") == [7, 7, 7]
@@ -109,20 +88,24 @@ def test_the_lookahead_patch_still_wraps_it_once(monkeypatch):
     assert outer._ddtree_original._ddtree_original is _fake_init
 
 
-def test_the_env_alone_applies_it_in_a_process_without_ddtree(monkeypatch):
+def test_a_process_without_ddtree_keeps_vllms_scheduler(monkeypatch):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from vllm_ddtree import patches
 
     monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     monkeypatch.setenv(patches.RUNNER_ENV, "0")
-    monkeypatch.setenv(ENV, "1")
-    assert patches.apply_all() == [*patches.PATCH_MODULES, "scheduler_common_prefix"]
-    assert Scheduler.__init__._ddtree_common_prefix_patched
-    monkeypatch.setenv(ENV, "0")
-    monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     assert patches.apply_all() == patches.PATCH_MODULES
     assert Scheduler.__init__ is _fake_init
+
+
+def test_skip_common_prefix_scan_answers_zeros_per_group():
+    """The helper the patch (and bench_e2e's +skipprefix) applies to one scheduler."""
+    scheduler = NS(kv_cache_config=NS(kv_cache_groups=[object(), object()]),
+                   kv_cache_manager=_Manager())
+    patch.skip_common_prefix_scan(scheduler)
+    assert scheduler.kv_cache_manager.get_num_common_prefix_blocks("req-0") == [0, 0]
+    assert scheduler.kv_cache_manager.scans == 0
 
 
 def test_the_scan_benchmark_times_vllms_scan_over_the_whole_context():

@@ -45,7 +45,7 @@ def test_scatter_equals_index_put(active, budget, words):
 
 
 def test_strided_rows_and_padding_requests_write_only_live_rows():
-    """The in-graph store (``VLLM_DDTREE_TREE_STORE=graph``): request ``r``'s row is
+    """The in-graph store (the speculator on CUDA): request ``r``'s row is
     ``sample_idx_mapping[r * L]``, and CUDA-graph padding requests (-1) write nothing."""
     gen = torch.Generator().manual_seed(11)
     max_reqs, num_reqs, budget, words, depths = 6, 4, 9, 1, 3
@@ -104,7 +104,7 @@ def test_runtime_state_uses_the_kernel_and_matches_the_torch_path(monkeypatch):
         state = DDTreeRuntimeState()
         state.allocate(8, 64, 6, 4, 7, DEVICE)
         state.enable_adaptive_(8, DEVICE)
-        monkeypatch.setattr(runtime_state, "use_triton_round_kernels", lambda t, f=forced: f)
+        monkeypatch.setattr(runtime_state, "use_triton", lambda t, f=forced: f)
         state.store_trees_(idx, trees.parents.to(DEVICE), trees.depths.to(DEVICE), bits, active)
         states.append(state)
     for name in ("parents", "depths", "ancestor_bits", "active_nodes"):

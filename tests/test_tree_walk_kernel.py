@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Triton acceptance walk (vllm_ddtree.walk.walk_kernel) vs follow_tree and its
-per-request oracle follow_tree_reference, field by field and exactly.
+"""The verifier's Triton round (vllm_ddtree.walk.walk_kernel.verify_walk_triton) vs the
+PyTorch round it replaces (follow_tree and the finish), field by field and exactly.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 before triton's first import); with a GPU the same small cases run
-compiled. The oracles run on CPU either way.
+compiled. The PyTorch round runs on CPU either way.
 """
 
 import textwrap
@@ -15,35 +15,17 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import DEVICE, compiled_shared_memory  # noqa: E402
 
 from vllm_ddtree.budget.choice import mask_inactive_nodes  # noqa: E402
-from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree  # noqa: E402
+from vllm_ddtree.tree.draft_tree import DraftTree  # noqa: E402
 from vllm_ddtree.verify import verifier  # noqa: E402
 from vllm_ddtree.walk import walk_kernel as tree_walk_kernel  # noqa: E402
-from vllm_ddtree.walk.follow import WalkResult, follow_tree, follow_tree_reference  # noqa: E402
-from vllm_ddtree.walk.walk_kernel import follow_tree_triton  # noqa: E402
-
-needs_kernels = pytest.mark.skipif(
-    not kernels_run_here(tree_walk_kernel._follow_tree_kernel),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-)
+from vllm_ddtree.walk.follow import WalkResult, follow_tree  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 FIELDS = tuple(WalkResult.__dataclass_fields__)
-VOCAB = 6
-
-
-def on(tree: DraftTree, device) -> DraftTree:
-    return DraftTree(*(getattr(tree, n).to(device) for n in ("tokens", "parents", "depths",
-                                                              "scores")))
-
-
-def kernel_walk(tree: DraftTree, targets: torch.Tensor, max_depth: int, **kwargs) -> WalkResult:
-    """follow_tree_triton on DEVICE, results back on the CPU."""
-    out = follow_tree_triton(on(tree, DEVICE), targets.to(DEVICE), max_depth, **kwargs)
-    return WalkResult(**{n: getattr(out, n).cpu() for n in FIELDS})
 
 
 def assert_same_walk(got: WalkResult, want: WalkResult, label: str = "") -> None:
@@ -54,235 +36,12 @@ def assert_same_walk(got: WalkResult, want: WalkResult, label: str = "") -> None
         assert torch.equal(g, w), f"{label} {name}:\n got {g}\nwant {w}"
 
 
-def check(tree, targets, max_depth, block_sizes=(None,), reference=True, label=""):
-    """The kernel (at each block size) equals follow_tree, and the reference when
-    ``reference`` (it pads to max_depth but cannot cut a deeper path)."""
-    want = follow_tree(tree, targets, max_depth=max_depth)
-    if reference:
-        assert_same_walk(follow_tree_reference(tree, targets, max_depth), want, "oracles")
-    for block_b in block_sizes:
-        got = kernel_walk(tree, targets, max_depth, block_b=block_b)
-        assert_same_walk(got, want, f"{label} block_b={block_b}")
-    return want
-
-
-def peaked_logits(num_requests, depths, gen):
-    """Logits with one dominant token per depth: best-first trees grow a deep spine."""
-    logits = torch.randn(num_requests, depths, VOCAB, generator=gen)
-    best = torch.randint(0, VOCAB, (num_requests, depths, 1), generator=gen)
-    return logits.scatter_add(2, best, torch.full(best.shape, 6.0))
-
-
 def path_to(tree: DraftTree, r: int, node: int) -> list[int]:
     path = []
     while node >= 0:
         path.append(node)
         node = int(tree.parents[r, node])
     return path[::-1]
-
-
-def path_targets(tree: DraftTree, gen) -> tuple[torch.Tensor, list[int]]:
-    """Targets ``[R, 1 + B]`` that follow each request's path to its deepest node
-    (random tokens elsewhere); returns them and the path lengths."""
-    targets = torch.randint(0, VOCAB, (tree.num_requests, 1 + tree.budget), generator=gen)
-    lengths = []
-    for r in range(tree.num_requests):
-        path = path_to(tree, r, int(tree.depths[r].argmax()))
-        prev = -1
-        for node in path:
-            targets[r, prev + 1] = tree.tokens[r, node]
-            prev = node
-        lengths.append(len(path))
-    return targets, lengths
-
-
-# (R, B, L, top_k, block sizes): B = 130 also runs in 32-node blocks (5 blocks, last partial)
-CONFIGS = [
-    (3, 1, 3, None, (None,)),
-    (2, 7, 4, 2, (None, 4)),
-    (4, 32, 15, None, (None,)),
-    (2, 32, 6, 2, (None, 8)),
-    (2, 130, 8, 2, (None, 32)),
-]
-
-
-@needs_kernels
-@pytest.mark.parametrize("num_requests,budget,depths,top_k,block_sizes", CONFIGS)
-def test_random_trees_match_follow_tree(num_requests, budget, depths, top_k, block_sizes):
-    gen = torch.Generator().manual_seed(budget * 100 + depths)
-    for kind in ("randn", "peaked"):
-        logits = (torch.randn(num_requests, depths, VOCAB, generator=gen) * 2 if kind == "randn"
-                  else peaked_logits(num_requests, depths, gen))
-        tree = build_ddtree(logits, budget, top_k)
-        label = f"{kind} R={num_requests} B={budget} L={depths} top_k={top_k}"
-
-        # (a) random target tokens
-        targets = torch.randint(0, VOCAB, (num_requests, 1 + budget), generator=gen)
-        check(tree, targets, depths, block_sizes, label=label + " random")
-
-        # (b) targets along each request's path to its deepest node
-        targets, lengths = path_targets(tree, gen)
-        walk = check(tree, targets, depths, block_sizes, label=label + " path")
-        assert all(a >= n for a, n in zip(walk.accepted_depth.tolist(), lengths, strict=True))
-        if kind == "peaked" and budget >= 7:
-            assert min(walk.accepted_depth.tolist()) >= 3, walk.accepted_depth
-
-        # (c) nodes past an active budget b masked to -1, and the verifier's padding
-        # past n drafts (tokens and targets -1), with the path targets of (b)
-        active = torch.randint(0, budget + 1, (num_requests,), generator=gen)
-        masked = DraftTree(mask_inactive_nodes(tree.tokens, active), tree.parents,
-                           tree.depths, tree.scores)
-        walk = check(masked, targets, depths, block_sizes, label=label + " masked")
-        for r, b in enumerate(active.tolist()):
-            small = DraftTree(tree.tokens[r : r + 1, :b], tree.parents[r : r + 1, :b],
-                              tree.depths[r : r + 1, :b], tree.scores[r : r + 1, :b])
-            ref = follow_tree_reference(small, targets[r : r + 1, : 1 + b], depths)
-            assert torch.equal(walk.committed_tokens[r], ref.committed_tokens[0])
-        num_drafts = torch.randint(0, budget + 1, (num_requests, 1), generator=gen)
-        cols = torch.arange(1 + budget)[None, :]
-        padded = DraftTree(torch.where(cols[:, 1:] <= num_drafts, masked.tokens, -1),
-                           tree.parents, tree.depths, tree.scores)
-        check(padded, torch.where(cols <= num_drafts, targets, -1), depths, block_sizes,
-              label=label + " padded")
-
-
-def chain_tree(tokens: list[int]) -> DraftTree:
-    n = len(tokens)
-    return DraftTree(torch.tensor([tokens]), torch.arange(-1, n - 1)[None],
-                     torch.arange(1, n + 1)[None], torch.zeros(1, n))
-
-
-@needs_kernels
-def test_duplicate_child_tokens_take_the_lowest_index():
-    # node:      0   1   2   3   4   5   6
-    parents = [-1, -1, 0, 1, 1, 2, 2]
-    tokens = [5, 5, 3, 4, 3, 3, 3]
-    tree = DraftTree(torch.tensor([tokens] * 2), torch.tensor([parents] * 2),
-                     torch.tensor([[1, 1, 2, 2, 2, 3, 3]] * 2), torch.zeros(2, 7))
-    # request 0: 5 -> node 0 (not 1), 3 -> node 2, 3 -> node 5 (not 6)
-    # request 1: the root's target 4 has no child; the walk stops at once
-    targets = torch.tensor([[5, 3, 0, 3, 0, 0, 1, 2], [4, 3, 0, 3, 0, 0, 1, 2]])
-    walk = check(tree, targets, 3, block_sizes=(None, 1, 2, 4))
-    assert walk.accepted_nodes.tolist() == [[0, 2, 5], [-1, -1, -1]]
-    assert walk.committed_tokens.tolist() == [[5, 3, 3, 1], [4, -1, -1, -1]]
-
-    # across blocks: the root's children 3 and 37 share a token; only 37's subtree
-    # continues, yet 3 wins (lowest index, in an earlier block)
-    budget = 40
-    parents = [-1] * budget
-    parents[39] = 37
-    tokens = list(range(100, 100 + budget))
-    tokens[37] = tokens[3]
-    tree = DraftTree(torch.tensor([tokens]), torch.tensor([parents]),
-                     torch.tensor([[2 if p >= 0 else 1 for p in parents]]),
-                     torch.zeros(1, budget))
-    targets = torch.full((1, 1 + budget), 7)
-    targets[0, 0] = tokens[3]
-    targets[0, 1 + 37] = tokens[39]
-    walk = check(tree, targets, 2, block_sizes=(None, 8, 16))
-    assert walk.accepted_nodes.tolist() == [[3, -1]]
-    # a match only in a later block, and a malformed (non-topological) parent order
-    parents = [3, -1, 0, 1] + [-1] * 36
-    tokens = [7, 1, 8, 2] + list(range(200, 236))
-    tokens[33] = 9
-    parents[33] = 2
-    tree = DraftTree(torch.tensor([tokens]), torch.tensor([parents]),
-                     torch.ones(1, budget, dtype=torch.int64), torch.zeros(1, budget))
-    targets = torch.zeros(1, 1 + budget, dtype=torch.int64)
-    targets[0, [0, 1 + 1, 1 + 3, 1 + 0, 1 + 2]] = torch.tensor([1, 2, 7, 8, 9])
-    walk = check(tree, targets, 6, block_sizes=(None, 8))
-    assert walk.accepted_nodes.tolist() == [[1, 3, 0, 2, 33, -1]]
-
-
-@needs_kernels
-def test_masked_nodes_never_match():
-    tree = chain_tree([4, -1, 2])
-    walk = check(tree, torch.tensor([[4, 3, 2, 0]]), 3)
-    assert walk.accepted_nodes.tolist() == [[0, -1, -1]]
-    assert walk.bonus_tokens.tolist() == [3]
-
-
-@needs_kernels
-@pytest.mark.parametrize("max_depth", [0, 1, 2, 5, 9])
-def test_max_depth_cuts_and_pads_the_walk(max_depth):
-    """A 5-deep chain, fully accepted: max_depth < 5 stops the walk early (as
-    follow_tree does; the reference has no cut), max_depth > 5 pads."""
-    tree = chain_tree([3, 1, 4, 1, 5])
-    tree = DraftTree(torch.cat([tree.tokens, torch.tensor([[3, 1, 0, 0, 0]])]),
-                     tree.parents.repeat(2, 1), tree.depths.repeat(2, 1),
-                     tree.scores.repeat(2, 1))
-    targets = torch.tensor([[3, 1, 4, 1, 5, 9]] * 2)
-    walk = check(tree, targets, max_depth, reference=max_depth >= 5, block_sizes=(None, 2))
-    assert walk.accepted_depth.tolist() == [min(5, max_depth), min(2, max_depth)]
-    assert walk.committed_tokens.shape == (2, max_depth + 1)
-
-
-@needs_kernels
-def test_empty_batch_and_empty_trees():
-    """R = 0 (no launch) and B = 0 (the walk stops at the root). follow_tree fails on
-    B = 0 with R > 0 (a gather from an empty dim), so that case checks the reference."""
-    for num_requests, budget in ((0, 5), (0, 0), (3, 0)):
-        tree = DraftTree(*(torch.zeros(num_requests, budget, dtype=torch.int64)
-                           for _ in range(3)), torch.zeros(num_requests, budget))
-        targets = torch.arange(num_requests * (1 + budget)).view(num_requests, 1 + budget)
-        if num_requests and not budget:
-            walk = follow_tree_reference(tree, targets, 4)
-            assert_same_walk(kernel_walk(tree, targets, 4), walk, "B=0")
-        else:
-            walk = check(tree, targets, 4)
-        assert walk.bonus_tokens.tolist() == targets[:, 0].tolist()
-        assert walk.accepted_nodes.shape == (num_requests, 4)
-
-
-@needs_kernels
-def test_int32_and_strided_inputs():
-    gen = torch.Generator().manual_seed(3)
-    tree = build_ddtree(peaked_logits(3, 5, gen), 12, 3)
-    targets, _ = path_targets(tree, gen)
-    want = follow_tree(tree, targets, max_depth=5)
-    narrow = DraftTree(tree.tokens.int(), tree.parents.int(), tree.depths, tree.scores)
-    assert_same_walk(kernel_walk(narrow, targets.int(), 5), want, "int32")
-    assert_same_walk(kernel_walk(tree, targets.int(), 5), want, "mixed")
-    # strided: tokens / parents as transposed views, targets every other column
-    strided = DraftTree(tree.tokens.t().contiguous().t(), tree.parents.t().contiguous().t(),
-                        tree.depths, tree.scores)
-    wide = torch.stack([targets, -targets], dim=2).flatten(1)[:, ::2]
-    assert not strided.tokens.is_contiguous() and not wide.is_contiguous()
-    assert_same_walk(kernel_walk(strided, wide, 5, block_b=4), want, "strided")
-
-
-def test_validation():
-    tree = chain_tree([1, 2])
-    targets = torch.tensor([[1, 2, 3]])
-    with pytest.raises(ValueError, match="target_tokens"):
-        follow_tree_triton(tree, targets[:, :2], 2)
-    for bad in (-1, 2.0, None, True):
-        with pytest.raises(ValueError, match="max_depth"):
-            follow_tree_triton(tree, targets, bad)
-    with pytest.raises(ValueError, match="block_b"):
-        follow_tree_triton(tree, targets, 2, block_b=3)
-
-
-def test_launch_wrapper_has_no_host_sync(monkeypatch):
-    """Everything around the launch (checks, output allocation) stays off the device
-    data; the launch itself (a Python call) is stubbed: the detector cannot see into
-    Triton, and the interpreter copies tensors to the host."""
-    from vllm_ddtree.testing.sync_guard import assert_no_host_sync
-
-    launches = []
-
-    class FakeKernel:
-        def __getitem__(self, grid):
-            return lambda *args, **kwargs: launches.append((grid, kwargs))
-
-    monkeypatch.setattr(tree_walk_kernel, "_follow_tree_kernel", FakeKernel())
-    monkeypatch.setattr(tree_walk_kernel, "_interpreted", lambda: True)
-    tree = build_ddtree(torch.randn(3, 15, VOCAB), 32)
-    targets = torch.randint(0, VOCAB, (3, 33))
-    with assert_no_host_sync():
-        walk = follow_tree_triton(tree, targets, 15)
-    assert [(grid, kw["BLOCK_B"], kw["BLOCK_L"]) for grid, kw in launches] == [((3,), 32, 16)]
-    assert walk.committed_tokens.shape == (3, 16) and walk.accepted_depth.shape == (3,)
 
 
 @pytest.mark.skipif(not tree_walk_kernel._interpreted(),
@@ -322,11 +81,11 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
 
     calls = []
 
-    def forced(tensor):  # the kernels' switch, for the CPU tensors of the scenario
+    def forced(tensor):  # the kernels' path, for the CPU tensors of the scenario
         calls.append(1)
         return True
 
-    monkeypatch.setattr(verifier, "use_triton_round_kernels", forced)
+    monkeypatch.setattr(verifier, "use_triton", forced)
     assert int(want.accepted_depth[0]) >= (3 if not adaptive else 1)
     out_got = vf(sc.logits.clone(), sc.batch)
     assert len(calls) == 1  # __call__: the fused walk (verify_walk_triton)
@@ -435,23 +194,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import json, triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from vllm_ddtree.walk.walk_kernel import _follow_tree_kernel as fn
+    from vllm_ddtree.walk.walk_kernel import _verify_walk_kernel as fn
 
     result = []
-    for arch in (90, 120):
-        for dtype in ("i32", "i64"):
-            for block_b, num_warps in ((32, 1), (512, 4)):
-                consts = dict(BLOCK_B=block_b, BLOCK_L=16)
-                sig = {n: "constexpr" if n in consts else
-                       ("*" + dtype if n in ("tokens_ptr", "parents_ptr", "targets_ptr")
-                        else "*i64") if n.endswith("_ptr") else "i32"
-                       for n in fn.arg_names}
-                k = triton.compile(ASTSource(fn, sig, constexprs=consts),
-                                   target=GPUTarget("cuda", arch, 32),
-                                   options={"num_warps": num_warps})
-                result.append(k.metadata.shared)
-    from vllm_ddtree.walk.walk_kernel import _verify_walk_kernel as fused_fn
-
     ptrs = {"cu_ptr": "*i32", "idx_ptr": "*i32", "num_sampled_ptr": "*i32",
             "num_rejected_ptr": "*i32", "seq_lens_ptr": "*i32", "prefill_len_ptr": "*i32",
             "input_ids_ptr": "*i32", "logits_indices_ptr": "*i32"}
@@ -460,8 +205,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
             consts = dict(ADAPTIVE=adaptive, COUNT=count, BLOCK_B=block_b, BLOCK_L=32,
                           BLOCK_S=512, BLOCK_W=32)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64")
-                   if n.endswith("_ptr") else "i32" for n in fused_fn.arg_names}
-            k = triton.compile(ASTSource(fused_fn, sig, constexprs=consts),
+                   if n.endswith("_ptr") else "i32" for n in fn.arg_names}
+            k = triton.compile(ASTSource(fn, sig, constexprs=consts),
                                target=GPUTarget("cuda", arch, 32),
                                options={"num_warps": warps})
             result.append(k.metadata.shared)
@@ -471,10 +216,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
 
 
 def test_kernel_compiles_for_sm90_and_sm120():
-    """Compile (no GPU needed) for Hopper and Blackwell consumer parts: the walk and
-    the fused verify walk."""
+    """Compile (no GPU needed) for Hopper and Blackwell consumer parts."""
     shared = compiled_shared_memory(_COMPILE_SCRIPT)
-    assert len(shared) == 12 and max(shared) < 4096
+    assert len(shared) == 4 and max(shared) < 4096
 
 
 def test_fused_walk_host_side_has_no_sync(monkeypatch):

@@ -3,6 +3,8 @@ shape choice, the config key, and the two patch points (``execute_model`` cuts t
 drafts; the target's graph manager plans FULL graphs for every ``1 + s`` through
 vLLM's own ``_init_candidates``)."""
 
+import subprocess
+import sys
 from types import SimpleNamespace as NS
 
 import pytest
@@ -248,8 +250,9 @@ def test_shape_choice_has_no_host_sync():
 
 
 def test_forced_budget_hook(monkeypatch):
-    """The GPU tests' hook (``VLLM_DDTREE_TEST_FORCED_BUDGETS``): choose returns the
-    listed budgets in turn, capped at B; bad values name the variable."""
+    """The GPU tests' hook (``vllm_ddtree.testing.forced_budgets``, applied by the check
+    script itself): choose returns the listed budgets in turn, capped at B; bad lists
+    are refused."""
     from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
     from vllm_ddtree.testing import forced_budgets
 
@@ -257,9 +260,7 @@ def test_forced_budget_hook(monkeypatch):
     # The in-graph choice needs CUDA; a stand-in writes the policy's own pick (B).
     monkeypatch.setattr(BudgetPolicy, "choose_in_graph",
                         lambda self, *args: self.chosen.fill_(self.max_budget))
-    assert not forced_budgets.apply_from_env()  # unset: nothing happens
-    monkeypatch.setenv(forced_budgets.ENV, "1,4,99")
-    assert forced_budgets.apply_from_env()
+    forced_budgets.apply_in_worker(None, forced_budgets.parse_budgets("1,4,99"))
     table = measure_attention_table(lambda c, q: 1e-6 * q, [1024], [1, 2, 4, 8])
     policy = BudgetPolicy(table, num_layers=2)
     scores, ctx = torch.zeros(2, 8), torch.tensor([100, 200])
@@ -271,8 +272,17 @@ def test_forced_budget_hook(monkeypatch):
     assert picks == [1, 4, 8, 1]
     assert int(policy.chosen) == 1 and int(policy._forced_turn) == 4
     for bad in ("", "0,2", "a"):
-        with pytest.raises(ValueError, match=forced_budgets.ENV):
+        with pytest.raises(ValueError, match="forced budgets"):
             forced_budgets.parse_budgets(bad)
+
+
+def test_register_leaves_the_forced_budget_hook_out():
+    """The plugin entry point neither imports the test hook nor patches the policy."""
+    code = ("import sys, vllm_ddtree; vllm_ddtree.register(); "
+            "from vllm_ddtree.budget.policy import BudgetPolicy; "
+            "assert 'vllm_ddtree.testing.forced_budgets' not in sys.modules; "
+            "assert not hasattr(BudgetPolicy.choose, '_forced_original')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 class FakeGraph:

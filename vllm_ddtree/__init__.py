@@ -25,10 +25,6 @@ def register() -> None:
     require_vllm_version("vllm_ddtree.register")
     applied = apply_all()
     _register_attention_backends()
-    from vllm_ddtree.testing.forced_budgets import apply_from_env
-
-    if apply_from_env():  # a GPU-test hook; see its module
-        logger.warning("vllm-ddtree: auto budget choices forced by a test hook")
     _registered = True
     logger.debug("vllm-ddtree registered; patches applied: %s", applied)
 
@@ -36,9 +32,7 @@ def register() -> None:
 def _register_attention_backends() -> None:
     """Expose the tree-verify backend named by ``VLLM_DDTREE_TREE_BACKEND`` (``mla``
     default, ``gqa``) as ``--attention-backend CUSTOM``."""
-    from vllm_ddtree.attention_backends.registration import (
-        register_tree_backend,
-        tree_backend_kind_from_env,
-    )
+    from vllm_ddtree import settings
+    from vllm_ddtree.attention_backends.registration import register_tree_backend
 
-    register_tree_backend(tree_backend_kind_from_env())
+    register_tree_backend(settings.get("VLLM_DDTREE_TREE_BACKEND"))

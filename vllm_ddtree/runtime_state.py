@@ -32,9 +32,9 @@ import torch
 from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.config import DDTreeConfig
 from vllm_ddtree.draft.hidden_rows_kernel import hidden_row_gather_index_triton
-from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.tree.draft_tree import num_mask_words, pack_ancestor_mask
 from vllm_ddtree.tree.store_kernel import store_trees_triton
+from vllm_ddtree.triton_path import use_triton
 from vllm_ddtree.verify.batch import tree_verify_positions_and_bits
 from vllm_ddtree.verify.inputs_kernel import verify_inputs_triton
 
@@ -205,7 +205,7 @@ class DDTreeRuntimeState:
         assert self.ancestor_bits is not None
         if active_nodes is not None and self.active_nodes is None:
             raise RuntimeError("active_nodes given but enable_adaptive_ was not called")
-        if use_triton_round_kernels(parents) and store_trees_triton(
+        if use_triton(parents) and store_trees_triton(
                 idx_mapping, parents, depths, ancestor_bits, self.parents, self.depths,
                 self.ancestor_bits, active_nodes,
                 self.active_nodes if active_nodes is not None else None):
@@ -296,7 +296,7 @@ def verify_inputs_(
     """
     assert state.positions is not None and state.depths is not None
     assert state.ancestor_bits is not None and TREE_MASK_STATE.ancestor_bits is not None
-    if use_triton_round_kernels(linear_positions):
+    if use_triton(linear_positions):
         verify_inputs_triton(
             linear_positions, query_start_loc, cu_num_logits, idx_mapping, state.depths,
             state.ancestor_bits, state.positions, TREE_MASK_STATE.ancestor_bits, num_tokens,
@@ -398,9 +398,9 @@ def hidden_row_gather_index(
 
     Returns:
         int64 ``[num_rows]``. No host sync. On CUDA one Triton launch
-        (``hidden_rows_kernel``; ``VLLM_DDTREE_ROUND_KERNELS=torch``: the ops below).
+        (``hidden_rows_kernel``); CPU tensors: the ops below.
     """
-    if use_triton_round_kernels(kv_src_rows):
+    if use_triton(kv_src_rows):
         return hidden_row_gather_index_triton(query_start_loc, kv_src_rows, num_rows)
     num_reqs, width = kv_src_rows.shape
     device = kv_src_rows.device

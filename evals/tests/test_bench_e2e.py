@@ -120,76 +120,55 @@ def test_run_specs_parse_and_speculative_configs():
         RunSpec.parse("ddtree-auto-1000")
 
 
-def test_direct_suffix_parses_round_trips_and_keeps_the_config():
-    direct = RunSpec.parse("ddtree-64+direct")
-    assert direct.switches == ("+direct",) and direct.budget == 64
-    assert direct.name == "ddtree-64+direct"
-    assert RunSpec.parse(direct.name) == direct  # the child re-parses the name
-    assert direct != RunSpec.parse("ddtree-64")  # its own column in every table
-    trained = e2e_models.SETUPS["trained"]
-    assert direct.speculative_config(trained, "/d") == RunSpec.parse(
-        "ddtree-64").speculative_config(trained, "/d")
-    auto = RunSpec.parse("ddtree-auto+direct")
-    resolved = bench_e2e.resolve_auto_runs([auto], [], 32)[0]
-    assert resolved.switches == ("+direct",) and resolved.name == "ddtree-auto-32+direct"
-    assert RunSpec.parse(resolved.name) == resolved
-    with pytest.raises(ValueError, match="applies to ddtree runs only"):
-        RunSpec.parse("dflash@FLASH_ATTN_MLA+direct")
-    row = bench_e2e.base_row("trained", direct, (1024, 1, "code"), 16)
-    assert e2e_report.run_label(row) == "DDTree B=64, direct launch"
-    plain = bench_e2e.base_row("trained", RunSpec.parse("ddtree-64"), (1024, 1, "code"), 16)
-    assert bench_e2e.row_key(row) != bench_e2e.row_key(plain)
-    both = RunSpec.parse("ddtree-64+direct+graphstore")
-    assert both.switches == ("+direct", "+graphstore") and RunSpec.parse(both.name) == both
-    assert RunSpec.parse("ddtree-64+graphstore+direct") == both
-    assert RunSpec.parse("ddtree-64+graphstore").switches == ("+graphstore",)
-    labels = {e2e_report.run_label(bench_e2e.base_row("trained", RunSpec.parse(t),
-                                                      (1024, 1, "code"), 16))
-              for t in ("ddtree-64+graphstore", "ddtree-64+direct+graphstore")}
-    assert labels == {"DDTree B=64, tree store in graph",
-                      "DDTree B=64, direct launch, tree store in graph"}
-    with pytest.raises(ValueError, match="applies to ddtree runs only"):
-        RunSpec.parse("ar@FLASH_ATTN_MLA+graphstore")
-    with pytest.raises(ValueError, match="two suffixes set the same variable"):
-        RunSpec.parse("ddtree-64+graphstore+eagerstore")
-    environ = {}
-    bench_e2e.apply_run_switches(both, environ)
-    assert environ == {"VLLM_DDTREE_DIRECT_LAUNCH": "1", "VLLM_DDTREE_TREE_STORE": "graph"}
-    torch_ops = RunSpec.parse("ddtree-auto-32+torchround+direct")
-    assert torch_ops.name == "ddtree-auto-32+direct+torchround"
-    assert e2e_report.run_label(bench_e2e.base_row("trained", torch_ops, (1024, 1, "code"),
-                                                   16)) == (
-        "DDTree B=auto, direct launch, PyTorch round ops")
-    triton_mla = RunSpec.parse("ddtree-64+tritonmla")
-    environ = {}
-    bench_e2e.apply_run_switches(triton_mla, environ)
-    assert environ == {"VLLM_DDTREE_MLA_KERNEL": "triton"}
-    assert e2e_report.run_label(bench_e2e.base_row("trained", triton_mla, (1024, 1, "code"),
-                                                   16)) == "DDTree B=64, Triton MLA tree kernel"
-    assert RunSpec.parse("ddtree-auto+computerows").switches == ("+computerows",)
+def test_skipprefix_gives_vllms_methods_ddtrees_scheduler(monkeypatch, capsys):
+    """+skipprefix: vLLM's chain (and AR) without the scheduler's common-prefix scan, as
+    DDTree engines run, in its own column; the run's child patches the scheduler in its
+    own process (so not with --engine-process). The plain chain stays the x-chain
+    reference (it sorts first)."""
+    from types import SimpleNamespace as NS
 
+    from vllm.v1.core.sched.scheduler import Scheduler
 
-def test_skipprefix_applies_to_vllms_methods_too():
-    """+skipprefix gives vLLM's chain (and AR) DDTree's scheduler fix
-    (vllm_ddtree.patches.scheduler_common_prefix) in its own column; +scanprefix turns it off for
-    DDTree. The plain chain stays the x-chain reference (it sorts first)."""
     chain = RunSpec.parse("dflash@FLASH_ATTN_MLA+skipprefix")
-    assert chain.method == "dflash" and chain.switches == ("+skipprefix",)
+    assert chain.method == "dflash" and chain.variants == ("+skipprefix",)
     assert chain.name == "dflash@FLASH_ATTN_MLA+skipprefix"
-    assert RunSpec.parse(chain.name) == chain
+    assert RunSpec.parse(chain.name) == chain  # the child re-parses the name
     plain = RunSpec.parse("dflash@FLASH_ATTN_MLA")
+    kimi = e2e_models.SETUPS["kimi8"]
+    assert chain != plain
+    assert chain.speculative_config(kimi, "/d") == plain.speculative_config(kimi, "/d")
+    assert RunSpec.parse("ar@TRITON_MLA+skipprefix").variants == ("+skipprefix",)
     rows = [bench_e2e.base_row("kimi8", r, (1024, 1, "random"), 16) for r in (chain, plain)]
     assert e2e_report.run_label(rows[0]) == "DFlash chain, FA-MLA, no common-prefix scan"
     assert sorted(rows, key=e2e_report.run_sort_key)[0]["run"] == plain.name
-    environ = {}
-    bench_e2e.apply_run_switches(chain, environ)
-    assert environ == {"VLLM_DDTREE_SKIP_COMMON_PREFIX": "1"}
-    scan = RunSpec.parse("ddtree-64+scanprefix+eagerstore")
-    environ = {}
-    bench_e2e.apply_run_switches(scan, environ)
-    assert environ == {"VLLM_DDTREE_SKIP_COMMON_PREFIX": "0", "VLLM_DDTREE_TREE_STORE": "eager"}
-    with pytest.raises(ValueError, match="applies to ddtree runs only"):
-        RunSpec.parse("ar@FLASH_ATTN_MLA+scanprefix")
+    assert bench_e2e.row_key(rows[0]) != bench_e2e.row_key(rows[1])
+    with pytest.raises(ValueError, match="applies to ar / dflash runs only"):
+        RunSpec.parse("ddtree-64+skipprefix")  # DDTree engines always skip the scan
+
+    class Manager:
+        def get_num_common_prefix_blocks(self, running_request_id):
+            return [7, 7]
+
+    def fake_init(self, vllm_config, *args, **kwargs):
+        self.use_v2_model_runner = True
+        self.kv_cache_config = NS(kv_cache_groups=[object(), object()])
+        self.kv_cache_manager = Manager()
+
+    def scheduler_answer() -> list[int]:
+        scheduler = Scheduler.__new__(Scheduler)
+        Scheduler.__init__(scheduler, NS(speculative_config=None))
+        return scheduler.kv_cache_manager.get_num_common_prefix_blocks("req-0")
+
+    monkeypatch.setattr(Scheduler, "__init__", fake_init)
+    bench_e2e.apply_run_variants(plain, engine_process=False)
+    assert scheduler_answer() == [7, 7]
+    with pytest.raises(ValueError, match="--engine-process"):
+        bench_e2e.apply_run_variants(chain, engine_process=True)
+    bench_e2e.apply_run_variants(chain, engine_process=False)
+    assert scheduler_answer() == [0, 0]
+    with pytest.raises(SystemExit):
+        parse_args(["--runs", chain.name, "--engine-process"])
+    assert "drop --engine-process" in capsys.readouterr().err
 
 
 def test_parse_args_defaults_quick_and_errors(capsys):
@@ -919,9 +898,6 @@ def test_step_timer_host_regions_split_a_steps_host_time(tmp_path):
     # runner host = execute_model + sample_tokens; empty regions read "—"
     assert "| 3750 | 1000 | 2750 | 2500 | 2000 | — | 500 | — | — | — | — |" in lines[6]
     assert e2e_report._host_table([dict(row, host_regions_ms=None)]) == []
-    counted = e2e_report._host_table([dict(row, steps=40,
-                                           round_launches={"direct": 200, "jit": 4})])
-    assert "round launches direct / JIT" in counted[4] and "| 5.0 / 0.1 | — |" in counted[6]
     threaded = e2e_report._host_table([dict(row, engine_threads=["MainThread", "output"])])
     assert "Python threads" in threaded[4] and "| — | 2 |" in threaded[6]
     timed = e2e_report._host_table([dict(row, python_ms=1.234)])
@@ -1135,18 +1111,13 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     and (with BENCH_E2E_HOST_PROFILE) writes a profile of one more generate."""
     import e2e_engine
 
-    from vllm_ddtree.direct_launch import DirectLauncher
-
     max_tokens, batch = 6, 2
-    launcher = DirectLauncher(lambda: None)
 
     class FakeLLM:
         generates = 0
 
         def generate(self, inputs, params, use_tqdm=False):
             FakeLLM.generates += 1
-            launcher.direct_launches += 4  # as the round kernels of one generate would
-            launcher.jit_launches += 1
             return [SimpleOutput(params[i].max_tokens) for i in range(len(inputs))]
 
         def get_metrics(self):
@@ -1171,7 +1142,6 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert row["python_ms"] > 0 and row["python_ms_after"] > 0 and "engine_process" not in row
     assert "no runner events" in row["note"]  # the fake LLM ran no runner step
     assert row["output_token_ids"] == [list(range(max_tokens))] * batch
-    assert row["round_launches"] == {"direct": 4, "jit": 1}  # the measured generate only
     assert "MainThread" in row["engine_threads"]
     assert (tmp_path / "profiles" / "host_profile_ddtree-64_64x2_random.md").exists()
 

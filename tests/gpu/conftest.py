@@ -1,6 +1,6 @@
 """Shared GPU fixtures: AR references from ``evals/check_ddtree_vllm.py --method ar``
 (in-process engine, same V2 runner and CUSTOM attention backend as DDTree), made
-once per session and shared by test_ddtree_serve.py and test_ddtree_oracle_vllm.py.
+once per test run and shared by test_ddtree_serve.py and test_ddtree_oracle_vllm.py.
 """
 
 import json

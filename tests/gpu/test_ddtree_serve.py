@@ -289,7 +289,7 @@ def test_greedy_completions_equal_ar(server, client, ar_reference):
     the largest top-2 gap disagreement where both saw the same prefix, at least
     ``TIE_GAP``), as the in-process suites measure it; a disagreement above
     ``MAX_GAP_NOISE`` fails by itself. (A flip at a 0.125 gap, one bf16 step at logit
-    magnitude 16-32, failed the fixed 0.07 floor on the H200, seventeenth session.)"""
+    magnitude 16-32, fails a fixed 0.07 floor.)"""
     if ar_reference is None:
         pytest.skip("dry run: no AR reference")
     refs = ar_reference["outputs"]

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 # vLLM's start-up memory profiling fails when another engine on the same GPU allocates or
-# frees meanwhile (gpu_worker.py:529-545); device sessions run suites side by side.
+# frees meanwhile (gpu_worker.py:529-545), as when suites run side by side on one GPU.
 SHARED_GPU_RACE = ("Error in memory profiling", "on startup is less than desired GPU memory",
                    "No available memory for the cache blocks")
 

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""VLLM_DDTREE_TREE_STORE=graph on the GPU: the tree store captured in a CUDA graph
+"""The in-graph tree store on the GPU: the tree store captured in a CUDA graph
 (as inside the drafter's graph) reads each request's state row from a strided
 ``sample_idx_mapping`` at replay, so rows that change between replays, and -1 padding
 rows, are honoured (CPU side: tests/test_tree_store_kernel.py and

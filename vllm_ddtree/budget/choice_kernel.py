@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.budget.choice import RATE_TOLERANCE
-from vllm_ddtree.direct_launch import DirectLauncher
 
 __all__ = ["choose_budget_triton"]
 
@@ -168,9 +167,6 @@ def _choose_budget_kernel(
     tl.store(last_attention_ptr, tl.sum(tl.where(offs_k == best, attention, 0.0), axis=0))
 
 
-_CHOOSE_BUDGET_LAUNCH = DirectLauncher(lambda: _choose_budget_kernel)
-
-
 def choose_budget_triton(
     scores: torch.Tensor,
     context_lens: torch.Tensor,
@@ -225,7 +221,7 @@ def choose_budget_triton(
         raise ValueError("scores (last dim) and seconds must be contiguous")
     chosen = torch.empty(1, dtype=torch.int64, device=scores.device) if out is None else out
     block_b = triton.next_power_of_2(max(num_nodes, 1))
-    _CHOOSE_BUDGET_LAUNCH((1,),
+    _choose_budget_kernel[(1,)](
         scores, context_lens, contexts, seconds, budgets, base_seconds, chosen,
         last_attention, base_seconds if wall_seconds is None else wall_seconds,
         int(wall_seconds is not None), float(ema_weight),

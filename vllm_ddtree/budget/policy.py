@@ -53,7 +53,7 @@ from vllm_ddtree.budget.choice import (
     rows_seconds_for_batch,
 )
 from vllm_ddtree.budget.choice_kernel import choose_budget_triton
-from vllm_ddtree.round_kernels import use_triton_round_kernels
+from vllm_ddtree.triton_path import use_triton
 
 __all__ = [
     "BudgetPolicy",
@@ -252,11 +252,11 @@ class BudgetPolicy:
             int64 0-dim tensor ``b`` (one of the candidates). First folds the wall
             sample :meth:`observe_round` recorded, if any, into the base time; records
             the chosen round's modeled attention for the next sample. No host sync.
-            On CUDA one Triton launch for both (``budget_choice_kernel``;
-            ``VLLM_DDTREE_ROUND_KERNELS=torch``: the ops below).
+            On CUDA one Triton launch for both (``budget_choice_kernel``); CPU
+            tensors: the ops below.
         """
         pending, self._sample_pending = self._sample_pending, False
-        if use_triton_round_kernels(scores):
+        if use_triton(scores):
             table = self.table
             b = choose_budget_triton(
                 scores, context_lens, table.contexts, table.seconds, self.budgets,

@@ -54,11 +54,11 @@ Entry points:
   of (view address, its group's slot-mapping address); the slots are computed
   in-kernel from the walk, so no per-group device op runs at all.
 
-All run Triton for CUDA tensors unless ``VLLM_DDTREE_ROUND_KERNELS=torch``
-(``vllm_ddtree.round_kernels``) and the PyTorch reference otherwise (:func:`use_triton`;
-tests monkeypatch it to run the kernels in Triton's interpreter). Launches are host-sync
-free, with shapes fixed by the tensors' shapes (CUDA-graph safe once an address table
-exists: building it copies to the device once, see :func:`compact_kv_views_`).
+All run Triton for CUDA tensors and the PyTorch reference for CPU tensors
+(``use_triton``, from ``vllm_ddtree.triton_path``; tests monkeypatch it here to run the
+kernels in Triton's interpreter). Launches are host-sync free, with shapes fixed by
+the tensors' shapes (CUDA-graph safe once an address table exists: building it copies
+to the device once, see :func:`compact_kv_views_`).
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.compact.reference import compact_kv_cache_, compaction_slots
-from vllm_ddtree.direct_launch import DirectLauncher
-from vllm_ddtree.round_kernels import use_triton_round_kernels
+from vllm_ddtree.triton_path import use_triton
 
 __all__ = [
     "RowLayout",
@@ -80,7 +79,6 @@ __all__ = [
     "compact_kv_rows_",
     "compact_kv_views_",
     "row_layout",
-    "use_triton",
 ]
 
 # Elements of one program's [BLOCK_L, BLOCK_C] tile: 4096 x 8 bytes over 4 warps is
@@ -204,9 +202,6 @@ def _compact_paths_kernel(
                CONTIGUOUS)
 
 
-_COMPACT_PATHS_LAUNCH = DirectLauncher(lambda: _compact_paths_kernel)
-
-
 @dataclass(frozen=True)
 class RowLayout:
     """How one slot's row sits in memory, in elements of ``dtype`` (an integer dtype
@@ -229,13 +224,6 @@ class RowLayout:
     @property
     def contiguous(self) -> bool:
         return self.num_chunks == 1
-
-
-def use_triton(cache_rows: torch.Tensor) -> bool:
-    """Whether ``cache_rows`` is moved by the Triton kernels (CUDA tensors with
-    ``VLLM_DDTREE_ROUND_KERNELS=triton``, see ``vllm_ddtree.round_kernels``) or by the
-    PyTorch reference. Tests monkeypatch this to run the kernels on CPU."""
-    return use_triton_round_kernels(cache_rows)
 
 
 def _bit_view(pages: torch.Tensor) -> torch.Tensor | None:
@@ -636,7 +624,7 @@ def compact_kv_paths_(groups, query_start_loc: torch.Tensor,
     num_tokens = min(sm.shape[0] for sm, _ in groups)
     for layout, table, _ in plan.launches:
         grid, args, consts = _launch_args(layout, num_reqs * path_len, path_len)
-        _COMPACT_PATHS_LAUNCH((*grid, table.shape[0]),
+        _compact_paths_kernel[(*grid, table.shape[0])](
             table, query_start_loc, kv_src_rows, kv_src_rows.stride(0), kv_src_rows.stride(1),
             path_len, num_tokens, *args[1:], ELEM=_TL_DTYPES[layout.dtype], **consts,
             num_warps=NUM_WARPS)

@@ -12,44 +12,25 @@ CUDA graph instead: the inputs are the speculator's persistent buffers
 the outputs the drafter's KV caches, so a graph captured once reads each round's
 values. Any other call (a prefill chunk, a partial tree, a dummy run, other buffers)
 runs eagerly, as before.
-
-``VLLM_DDTREE_CONTEXT_KV_GRAPH``: ``1`` (default) or ``0`` (always eager).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 __all__ = [
-    "CONTEXT_KV_GRAPH_ENV",
     "ContextKVGraphs",
-    "context_kv_graph_enabled",
     "capture_for_speculator",
     "context_lengths_to_capture",
     "decode_context_lengths",
 ]
 
-CONTEXT_KV_GRAPH_ENV = "VLLM_DDTREE_CONTEXT_KV_GRAPH"
-
 # (context_states [n, H], context_positions int64 [n], slots: int64 [n] or one per layer)
 PrecomputeFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | list[torch.Tensor]"],
                         None]
-
-
-def context_kv_graph_enabled() -> bool:
-    """``VLLM_DDTREE_CONTEXT_KV_GRAPH`` is ``1`` or unset (raises ``ValueError`` naming
-    the variable on any other value)."""
-    raw = os.environ.get(CONTEXT_KV_GRAPH_ENV)
-    if raw is None:
-        return True
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(f"{CONTEXT_KV_GRAPH_ENV}={raw!r}: use 1 (capture the drafter's "
-                         "context K/V precompute in CUDA graphs) or 0 (run it eagerly)")
-    return raw.strip() == "1"
 
 
 # Graphs per speculator at most: R * (1 + s) for every request count R and verify shape
@@ -179,13 +160,12 @@ class ContextKVGraphs:
 
 
 def capture_for_speculator(spec, rows_per_request: Sequence[int]) -> ContextKVGraphs | None:
-    """Capture the context K/V graphs of a DFlash speculator (vLLM's
-    ``DFlashSpeculator`` or ``DDTreeSpeculator``, after its drafter graphs) for
-    ``rows_per_request`` verify rows a request, and hand them to its drafter (the
-    attribute ``vllm_ddtree.patches.dflash_context_kv`` reads). Returns them, or None when nothing
-    is captured: the switch is off, no CUDA, the drafter has no FULL graph, or its class
+    """Capture the context K/V graphs of a ``DDTreeSpeculator`` (after its drafter
+    graphs) for ``rows_per_request`` verify rows a request, and hand them to its drafter
+    (the attribute ``vllm_ddtree.patches.dflash_context_kv`` reads). Returns them, or
+    None when nothing is captured: no CUDA, the drafter has no FULL graph, or its class
     is not routed by the patch."""
-    if not context_kv_graph_enabled() or spec.device.type != "cuda":
+    if spec.device.type != "cuda":
         return None
     from vllm.config.compilation import CUDAGraphMode
 

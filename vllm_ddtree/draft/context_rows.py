@@ -6,9 +6,8 @@ and its per-layer K/V precompute, and the rows past ``valid_ctx_end = ctx_end -
 num_rejected`` are computed and then never read (``dflash/speculator.py:326-332,
 391-409, 502-503``). A chain verifies ``1 + N`` rows; a DDTree round verifies ``1 + B``
 (65 at B = 64) of which the accepted path holds at most ``1 + L`` (8 for a block-8
-drafter). The H200 profile of kimi8 at 16k (``evals/results/host_syncs_kimi8_draft_gap.md``)
-put DDTree's drafter at 0.24 ms more GPU time a round than the chain's, its ``fc`` GEMM
-on 72-row tiles among it.
+drafter). On an H200 profile of kimi8 at 16k, DDTree's drafter took 0.24 ms more GPU
+time a round than the chain's, its ``fc`` GEMM on 72-row tiles among it.
 
 When every request of the batch is a tree decode (no prefill chunk, root + drafts)
 with at least ``c = 1 + L`` rows, ``propose`` compacts each request's accepted path to
@@ -16,8 +15,6 @@ rows ``r * c .. r * c + a_r`` of the aux hidden states (in place, one launch) an
 drafts from a copy of the batch whose requests hold ``c`` rows each: positions of the
 first ``c`` rows, ``num_rejected = c - num_sampled``. Other batches keep the in-place
 move within each request's rows.
-
-``VLLM_DDTREE_COMPACT_CONTEXT``: ``1`` (default) or ``0`` (every row, as before).
 """
 
 from __future__ import annotations
@@ -28,33 +25,20 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ddtree.round_kernels import _choice, use_triton_round_kernels
+from vllm_ddtree.triton_path import use_triton
 
 __all__ = [
-    "COMPACT_CONTEXT_ENV",
-    "compact_context_enabled",
     "compact_path_rows_",
     "compact_path_rows_torch",
     "compacted_batch",
     "context_rows_per_request",
 ]
 
-COMPACT_CONTEXT_ENV = "VLLM_DDTREE_COMPACT_CONTEXT"
-
-
-def compact_context_enabled() -> bool:
-    """``VLLM_DDTREE_COMPACT_CONTEXT`` is ``1``, its default (raises ``ValueError``
-    naming it on a value other than ``0`` / ``1``)."""
-    return _choice(COMPACT_CONTEXT_ENV, "1", ("0", "1")) == "1"
-
-
 def context_rows_per_request(input_batch: Any, num_draft_depths: int) -> int | None:
     """``c = 1 + L`` when every request of ``input_batch`` is a tree decode of at least
     ``c`` rows (its scheduled tokens are the root and its drafts, no prefill chunk),
-    so its accepted path fits in its first ``c`` context rows; None otherwise (or with
-    the switch off). Host arrays only: no device work."""
-    if not compact_context_enabled():
-        return None
+    so its accepted path fits in its first ``c`` context rows; None otherwise. Host
+    arrays only: no device work."""
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
     if drafts is None or input_batch.num_reqs == 0:
         return None
@@ -110,7 +94,7 @@ def compact_path_rows_(
 ) -> None:
     """:func:`compact_path_rows_torch`; on CUDA one Triton launch per four tensors
     (``hidden_rows_kernel.compact_path_rows_triton``). No host sync."""
-    if use_triton_round_kernels(kv_src_rows):
+    if use_triton(kv_src_rows):
         from vllm_ddtree.draft.hidden_rows_kernel import compact_path_rows_triton
 
         if compact_path_rows_triton(hidden_states, query_start_loc, kv_src_rows, positions,

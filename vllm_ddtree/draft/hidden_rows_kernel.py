@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.direct_launch import DirectLauncher
-
 __all__ = ["compact_path_rows_triton", "hidden_row_gather_index_triton", "move_path_rows_triton"]
 
 BLOCK_ROWS = 128
@@ -119,9 +117,6 @@ def _move_path_rows_kernel(
         _move_tile(x3_ptr, src_offs, dst_offs, mask)
 
 
-_MOVE_PATH_ROWS_LAUNCH = DirectLauncher(lambda: _move_path_rows_kernel)
-
-
 def move_path_rows_triton(
     hidden_states: list[torch.Tensor], query_start_loc: torch.Tensor,
     kv_src_rows: torch.Tensor, *, block_h: int = 128,
@@ -162,7 +157,7 @@ def move_path_rows_triton(
     for i in range(0, len(hidden_states), MAX_MOVE_TENSORS):
         group = hidden_states[i:i + MAX_MOVE_TENSORS]
         ptrs = group + [group[0]] * (MAX_MOVE_TENSORS - len(group))
-        _MOVE_PATH_ROWS_LAUNCH(grid,
+        _move_path_rows_kernel[grid](
             *ptrs, query_start_loc, kv_src_rows, num_rows, width, hidden, first.stride(0),
             kv_src_rows.stride(0),
             NUM=len(group), BLOCK_L=triton.next_power_of_2(width), BLOCK_H=block_h,
@@ -220,9 +215,6 @@ def _compact_path_rows_kernel(
             tl.store(out_num_rejected_ptr + r, rows_per_req - sampled)
 
 
-_COMPACT_PATH_ROWS_LAUNCH = DirectLauncher(lambda: _compact_path_rows_kernel)
-
-
 def compact_path_rows_triton(
     hidden_states: list[torch.Tensor], query_start_loc: torch.Tensor,
     kv_src_rows: torch.Tensor, positions: torch.Tensor, num_sampled: torch.Tensor,
@@ -250,7 +242,7 @@ def compact_path_rows_triton(
     for i in range(0, len(hidden_states), MAX_MOVE_TENSORS):
         group = hidden_states[i:i + MAX_MOVE_TENSORS]
         ptrs = group + [group[0]] * (MAX_MOVE_TENSORS - len(group))
-        _COMPACT_PATH_ROWS_LAUNCH(grid,
+        _compact_path_rows_kernel[grid](
             *ptrs, query_start_loc, kv_src_rows, positions, num_sampled, out_positions,
             out_num_rejected, num_reqs, width, hidden, rows_per_req, first.stride(0),
             kv_src_rows.stride(0),

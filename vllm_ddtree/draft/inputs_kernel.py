@@ -14,7 +14,7 @@ program per request and block of its context + query span), the shared outputs
 written once, the slots once per group. vLLM's last request program also pads the
 query slots to ``max_num_tokens`` (and the per-request buffers to ``max_num_reqs``) in
 a serial loop; a launch per group repeats that loop (0.051 ms a round for 6 groups at
-1k on the H200, thirty-first session), and one program doing it for every group took
+1k on the H200), and one program doing it for every group took
 0.104 ms. Here an extra row of programs writes the padding in ``_PAD_BLOCK``-entry
 chunks, all groups at once.
 
@@ -32,8 +32,6 @@ import torch
 import triton
 import triton.language as tl
 from vllm.v1.attention.backends.utils import PAD_SLOT_ID
-
-from vllm_ddtree.direct_launch import DirectLauncher
 
 __all__ = ["MAX_GROUPS", "prepare_dflash_inputs_groups"]
 
@@ -254,9 +252,6 @@ def _prepare_dflash_inputs_groups_kernel(
             tl.store(out_seq_lens_ptr + req_idx, last_valid_pos + 1 + num_query_per_req)
 
 
-_LAUNCH = DirectLauncher(lambda: _prepare_dflash_inputs_groups_kernel)
-
-
 def prepare_dflash_inputs_groups(
     input_buffers: Any,
     query_slot_mappings: torch.Tensor,
@@ -340,7 +335,7 @@ def prepare_dflash_inputs_groups(
                       max_num_reqs + 1 - num_reqs, 1)
     pad_chunks = triton.cdiv(longest_pad, _PAD_BLOCK)
     # Rows 0..R-1: vLLM's programs; row R: the padding (see the kernel).
-    _LAUNCH((num_reqs + 1, max(num_blocks, pad_chunks)),
+    _prepare_dflash_inputs_groups_kernel[(num_reqs + 1, max(num_blocks, pad_chunks))](
         input_buffers.input_ids, input_buffers.positions, input_buffers.query_start_loc,
         input_buffers.seq_lens, query_slot_mappings, context_positions,
         context_slot_mappings, sample_indices, sample_pos, sample_idx_mapping,

@@ -21,10 +21,10 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   ``DFlashCudaGraphManager``, ``dflash/cudagraph.py:66-110``): drafter logits of
   depths 1..L -> ``build_ddtree_fast(logits.view(R, L, V), B, top_k, out=...)`` (on
   CUDA log-softmax + two ranking launches + one launch for the beams, merge and
-  ancestor bits, ``tree_build_kernel``; ``VLLM_DDTREE_TREE_BUILD=torch`` for the
-  PyTorch build), written straight into ``draft_tokens`` (the return value) and the
-  batch-ordered parents / depths / ancestor bits / scores buffers. Greedy drafting
-  only: no ``draft_logits [reqs, B, V]``.
+  ancestor bits, ``tree.build_kernel``; the PyTorch build on CPU), written straight
+  into ``draft_tokens`` (the return value) and the batch-ordered parents / depths /
+  ancestor bits / scores buffers. Greedy drafting only: no ``draft_logits [reqs, B,
+  V]``.
 * **``propose``**: (1) before DFlash's ``prepare_dflash_inputs`` overwrites the
   shared ``block_tables.slot_mappings`` (``:366-389``), move the KV of each request's
   accepted path into the slots of positions ``seq+1..seq+a`` in every target layer,
@@ -46,8 +46,8 @@ Deviations from ``DFlashSpeculator`` (``spec_decode/dflash/speculator.py``):
   ``b`` from them and the target's sequence lengths (``BudgetPolicy.choose_in_graph``),
   storing it with the trees (``DDTREE_STATE.active_nodes``), all inside the drafter's
   CUDA graph; the backends skip the inactive rows and the verifier ignores them. At
-  TP > 1, with ``VLLM_DDTREE_AUTO_IN_GRAPH=0`` or the PyTorch round ops, ``propose``
-  makes the same choice eagerly after the graph (no host sync either way). With
+  TP > 1 (the ranks' choices are broadcast) and on CPU, ``propose`` makes the same
+  choice eagerly after the graph (no host sync either way). With
   adaptive verify shapes (``vllm_ddtree.verify.shape``, the default at TP = 1) ``b``
   also goes to the host without a sync, and later steps verify ``1 + s`` rows
   (``s >= b`` of a recent round) instead of ``1 + B``. Without the key none of this
@@ -81,20 +81,12 @@ from vllm_ddtree.compact.kv_kernel import PathCompactor
 from vllm_ddtree.compact.reference import compaction_slots
 from vllm_ddtree.draft.context_kv_graphs import capture_for_speculator
 from vllm_ddtree.draft.context_rows import (
-    compact_context_enabled,
     compact_path_rows_,
     compacted_batch,
     context_rows_per_request,
 )
 from vllm_ddtree.draft.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.draft.inputs_kernel import prepare_dflash_inputs_groups
-from vllm_ddtree.round_kernels import (
-    auto_in_graph,
-    round_kernels,
-    tree_store,
-    use_fused_prepare,
-    use_triton_round_kernels,
-)
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -104,6 +96,7 @@ from vllm_ddtree.runtime_state import (
 from vllm_ddtree.tree.build_kernel import build_ddtree_fast
 from vllm_ddtree.tree.draft_tree import DraftTree, num_mask_words
 from vllm_ddtree.tree.store_kernel import store_trees_triton
+from vllm_ddtree.triton_path import use_triton
 
 __all__ = [
     "DDTreeSpeculator",
@@ -209,7 +202,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     adaptive = False
     budget_policy = None
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
-    store_trees_in_graph = False  # VLLM_DDTREE_TREE_STORE=graph, see __init__
+    store_trees_in_graph = False  # the trees are stored in the draft step, see __init__
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
     _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
@@ -257,8 +250,8 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         # Batch-ordered trees written inside the (captured) draft step; scattered to
         # request-state rows in the step by sample_idx_mapping, whose padded CUDA-graph
-        # rows are -1 (VLLM_DDTREE_TREE_STORE=graph, the default for fixed budgets), or
-        # eagerly in propose, so padded CUDA-graph rows never touch live requests.
+        # rows are -1 (store_trees_in_graph), or eagerly in propose, so padded
+        # CUDA-graph rows never touch live requests.
         words = num_mask_words(1 + self.budget)
         self.batch_parents = torch.zeros(
             self.max_num_reqs, self.budget, dtype=torch.int64, device=device
@@ -298,16 +291,13 @@ class DDTreeSpeculator(DFlashSpeculator):
                          self.budget, self.top_k, device)
         if ddtree.adaptive:
             self._init_adaptive(vllm_config, device)
-        # The trees reach the request-state rows inside the drafter's step (its CUDA
-        # graph) rather than in an eager launch after it; ``auto`` does so with its
-        # budget choice in the graph too (VLLM_DDTREE_AUTO_IN_GRAPH, default 1).
-        in_graph_ok = device.type == "cuda" and round_kernels() == "triton"
-        self.store_trees_in_graph = in_graph_ok and (
-            # at TP > 1 the ranks' choice is broadcast eagerly
-            auto_in_graph() and self.budget_policy.tp_group is None if self.adaptive
-            else tree_store() == "graph")
+        # On CUDA the trees reach the request-state rows inside the drafter's step (its
+        # CUDA graph) rather than in an eager launch after it; ``auto`` makes its budget
+        # choice in the graph too, except at TP > 1, where the ranks' choice is broadcast
+        # eagerly after the graph. CPU tensors store eagerly (PyTorch ops).
+        self.store_trees_in_graph = device.type == "cuda" and (
+            not self.adaptive or self.budget_policy.tp_group is None)
         if self.store_trees_in_graph and self.adaptive:
-            # VLLM_DDTREE_AUTO_IN_GRAPH=1: the choice runs in the graph too (TP = 1).
             self.budget_policy.enable_in_graph_()
         if self.store_trees_in_graph:
             # Compile the store (and auto's choice) before any capture: a -1 row writes
@@ -323,17 +313,16 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def capture(self) -> None:
         """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
-        batches (``vllm_ddtree.draft.context_kv_graphs``; ``VLLM_DDTREE_CONTEXT_KV_GRAPH=0``
-        keeps it eager): ``R * min(1 + B, 1 + L)`` context rows (and ``R * min(1 + s,
-        1 + L)`` for ``auto``'s verify shapes ``s``; ``1 + B`` and ``1 + s`` with
-        ``VLLM_DDTREE_COMPACT_CONTEXT=0``) for request counts ``R`` up to the largest the
-        drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
+        batches (``vllm_ddtree.draft.context_kv_graphs``): ``R * min(1 + B, 1 + L)``
+        context rows (and ``R * min(1 + s, 1 + L)`` for ``auto``'s verify shapes ``s``;
+        tree decodes draft from at most ``1 + L`` rows a request,
+        ``vllm_ddtree.draft.context_rows``) for request counts ``R`` up to the largest
+        the drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
         super().capture()
         rows = [1 + self.budget]
         if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
             rows += [1 + s for s in self.verify_shape.shapes]
-        if compact_context_enabled():  # tree decodes draft from 1 + L rows a request
-            rows = [min(q, self.num_query_per_req) for q in rows]
+        rows = [min(q, self.num_query_per_req) for q in rows]  # 1 + L at most
         capture_for_speculator(self, sorted(set(rows)))
 
     def _init_adaptive(self, vllm_config: VllmConfig, device: torch.device) -> None:
@@ -421,7 +410,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             # vLLM's profile run drafts before set_attn hands over the target's buffers:
             # that dummy step stores full trees (no choice, nothing to choose for).
             target_buffers = getattr(self, "target_input_buffers", None)
-            if self.adaptive and target_buffers is not None:  # VLLM_DDTREE_AUTO_IN_GRAPH=1
+            if self.adaptive and target_buffers is not None:  # auto's choice, in graph
                 active = self.budget_policy.choose_in_graph(
                     self.batch_scores[:num_reqs], target_buffers.seq_lens[:num_reqs],
                     self.sample_idx_mapping, self.num_draft_depths)
@@ -432,8 +421,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                              active: torch.Tensor | None = None) -> None:
         """Scatter the batch's trees (``batch_parents`` / ``batch_depths`` /
         ``batch_ancestor_bits[:num_reqs]``) to their request-state rows inside the
-        drafter's step (``VLLM_DDTREE_TREE_STORE=graph``), in one launch that a CUDA
-        graph captures. Request ``r``'s row is ``sample_idx_mapping[r * L]``, which
+        drafter's step (``store_trees_in_graph``), in one launch that a CUDA graph
+        captures. Request ``r``'s row is ``sample_idx_mapping[r * L]``, which
         vLLM's ``prepare_dflash_inputs`` writes before every step (the graph reads the
         buffer) and sets to -1 for CUDA-graph padding requests: they write nothing.
 
@@ -444,7 +433,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
         ``row_of_sample``: int32, the state row per sample (default
         ``sample_idx_mapping``, L per request). ``active``: int64 ``[1]``, ``auto``'s
-        chosen budget for every request (``VLLM_DDTREE_AUTO_IN_GRAPH=1``), or None.
+        chosen budget for every request (``auto``'s in-graph choice), or None.
         """
         if not store_trees_triton(
                 self.sample_idx_mapping if row_of_sample is None else row_of_sample,
@@ -453,8 +442,8 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.state.parents, self.state.depths, self.state.ancestor_bits,
                 active, None if active is None else self.state.active_nodes,
                 idx_stride=self.num_draft_depths):
-            raise RuntimeError("VLLM_DDTREE_TREE_STORE=graph: the tree store refused the "
-                               "speculator's buffers; unset it to store trees eagerly")
+            raise RuntimeError("the in-graph tree store refused the speculator's buffers "
+                               "(their rows must be contiguous)")
 
     def _compact_target_kv(
         self,
@@ -471,12 +460,10 @@ class DDTreeSpeculator(DFlashSpeculator):
         (KV sharing) are skipped, since a second pass over an overlapping path would
         read already-moved rows.
 
-        ``kv_compaction_kernel.compact_kv_paths_``: with
-        ``VLLM_DDTREE_ROUND_KERNELS=triton`` on CUDA it moves every group's views
-        in one Triton launch per distinct row layout (normally one launch a round,
-        however many groups: the slots are read from each group's slot mapping
-        in-kernel); otherwise each group runs ``path_compaction_slots`` +
-        ``compact_kv_cache_`` per view.
+        ``compact.kv_kernel.compact_kv_paths_``: on CUDA it moves every group's views in
+        one Triton launch per distinct row layout (normally one launch a round, however
+        many groups: the slots are read from each group's slot mapping in-kernel); on
+        CPU each group runs ``path_compaction_slots`` + ``compact_kv_cache_`` per view.
         """
         compactor = self._path_compactor()
         compactor([slot_mappings[layer_names[0]]
@@ -510,10 +497,10 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _prepare_inputs_in_one_launch(self, input_batch, num_sampled, num_rejected,
                                       last_sampled, next_prefill_tokens) -> bool:
-        """``VLLM_DDTREE_FUSED_PREPARE=1`` (default): DFlash's ``prepare_dflash_inputs``
-        for every drafter KV-cache group in one launch (``dflash_inputs_kernel``); returns
-        whether it ran (else DFlash's per-group loop runs, as with the switch at 0)."""
-        if not use_fused_prepare(num_sampled):
+        """DFlash's ``prepare_dflash_inputs`` for every drafter KV-cache group in one
+        launch (``draft.inputs_kernel``); returns whether it ran. Rounds without CUDA
+        tensors (CPU, test fakes) return False and keep DFlash's per-group loop."""
+        if not (isinstance(num_sampled, torch.Tensor) and use_triton(num_sampled)):
             return False
         ids = list(self.draft_kv_cache_group_ids)
         return prepare_dflash_inputs_groups(
@@ -577,7 +564,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             elif aux_hidden_states:
                 # The target's aux outputs are read only here until its next forward:
                 # move the path rows in place (one launch) rather than gather copies.
-                moved = use_triton_round_kernels(walk) and move_path_rows_triton(
+                moved = use_triton(walk) and move_path_rows_triton(
                     aux_hidden_states, query_start_loc, walk
                 )
                 if not moved:

@@ -1,23 +1,23 @@
 """Test hook: replace ``ddtree_budget: "auto"``'s per-round choice by given budgets.
 
-``VLLM_DDTREE_TEST_FORCED_BUDGETS=1,4,3,16`` makes ``BudgetPolicy.choose`` return
-those budgets in turn, and ``BudgetPolicy.choose_in_graph`` (the choice inside the
-drafter's CUDA graph, ``VLLM_DDTREE_AUTO_IN_GRAPH=1``) write them in turn from a device
-counter that every replay advances (the policy still runs, so its side effects stay). The plugin
-applies it in every process that loads it (``vllm_ddtree.register``), so it reaches
-tensor-parallel workers too; ``evals/check_ddtree_vllm.py --cycle-budgets`` sets it.
-It exists so the GPU tests can force verify shapes below B, shape changes and choices
-that differ from the (lagged) shape, which the policy itself rarely picks on the
-small embedded pair. Never set it in production.
+:func:`force_budget_choices` patches ``BudgetPolicy.choose`` (the eager choice: CPU,
+TP > 1) to return the budgets in turn, and ``BudgetPolicy.choose_in_graph`` (the choice
+inside the drafter's CUDA graph) to write them in turn from a device counter that
+every replay advances (the policy still runs, so its side effects stay). It exists so
+the GPU tests can force verify shapes below B, shape changes and choices that differ
+from the (lagged) shape, which the policy itself rarely picks on the small embedded
+pair.
+
+Nothing in the plugin imports it: a test or check script applies it itself, in the
+process that builds the engine before ``LLM()`` is created (``evals/check_ddtree_vllm.py
+--cycle-budgets`` runs the engine in its own process), and in tensor-parallel workers
+through ``LLM.collective_rpc(apply_in_worker, args=(budgets,))`` before the first
+generate. Never use it in production.
 """
 
 from __future__ import annotations
 
-import os
-
-ENV = "VLLM_DDTREE_TEST_FORCED_BUDGETS"
-
-__all__ = ["ENV", "apply_from_env", "force_budget_choices", "parse_budgets"]
+__all__ = ["apply_in_worker", "force_budget_choices", "parse_budgets"]
 
 
 def parse_budgets(text: str) -> list[int]:
@@ -25,9 +25,10 @@ def parse_budgets(text: str) -> list[int]:
     try:
         budgets = [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"{ENV} must be comma-separated integers, got {text!r}") from None
+        raise ValueError(f"forced budgets must be comma-separated integers, got {text!r}"
+                         ) from None
     if not budgets or min(budgets) < 1:
-        raise ValueError(f"{ENV} budgets must be >= 1, got {text!r}")
+        raise ValueError(f"forced budgets must be >= 1, got {text!r}")
     return budgets
 
 
@@ -78,10 +79,7 @@ def force_budget_choices(budgets: list[int]) -> None:
     BudgetPolicy.choose_in_graph = choose_in_graph
 
 
-def apply_from_env() -> bool:
-    """Apply :func:`force_budget_choices` when ``ENV`` is set; returns whether it did."""
-    text = os.environ.get(ENV)
-    if not text:
-        return False
-    force_budget_choices(parse_budgets(text))
-    return True
+def apply_in_worker(worker, budgets: list[int]) -> None:
+    """:func:`force_budget_choices` in a vLLM worker process, for
+    ``LLM.collective_rpc(apply_in_worker, args=(budgets,))`` (the worker is unused)."""
+    force_budget_choices(list(budgets))

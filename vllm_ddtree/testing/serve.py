@@ -1,6 +1,6 @@
 """Start and stop ``vllm serve`` for tests, and read its Prometheus ``/metrics``.
 
-The server runs in its own session (process group), so :meth:`Server.stop` can end
+The server runs in its own process group, so :meth:`Server.stop` can end
 the API server and every child it spawned (engine core, workers) by group id, and
 then any descendant that left the group, by pid. Its output goes to a log file whose
 tail is attached to every start-up failure.
@@ -236,7 +236,7 @@ def start_server(
     port: int | None = None,
     command: Sequence[str] | None = None,
 ) -> Server:
-    """Start the server in a new session and wait for ``/health``; on failure the
+    """Start the server in a new process group and wait for ``/health``; on failure the
     process group is killed and :class:`ServerDiedError` carries the log tail.
     ``command`` replaces :func:`serve_command`'s (tests of this harness; give ``port``)."""
     port = free_port() if port is None else port

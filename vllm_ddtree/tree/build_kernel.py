@@ -25,8 +25,7 @@ log-softmax):
 4. each kept node follows its parents (at most L steps) to set its row of the packed
    ancestor bits (``DraftTree.ancestor_bits``, ~30 small kernels in PyTorch).
 
-:func:`build_ddtree_fast` uses it on CUDA by default (``VLLM_DDTREE_TREE_BUILD=torch``
-goes back to ``build_ddtree``); the mixed-batch GPU suite passed with it on the H200.
+:func:`build_ddtree_fast` uses it for CUDA tensors and ``build_ddtree`` for CPU ones.
 The result equals ``build_ddtree`` bit for bit (same keys, same tie order), which
 ``tests/test_tree_build_kernel.py`` checks against it and against the heapq reference.
 Shapes depend only on (R, L, V, B, top_k): no host sync; the host tables are built on
@@ -43,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.round_kernels import use_triton_tree_build
 from vllm_ddtree.tree.draft_tree import (
     DraftTree,
     _beam_candidates,
@@ -58,6 +56,7 @@ from vllm_ddtree.tree.vocab_top_k_kernel import (
     ranked_top_k_fits,
     ranked_top_k_triton,
 )
+from vllm_ddtree.triton_path import use_triton
 
 __all__ = ["MAX_BLOCK", "build_ddtree_fast", "build_ddtree_triton", "beam_plan"]
 
@@ -288,13 +287,12 @@ def build_ddtree_triton(draft_logits: torch.Tensor, budget: int,
 def build_ddtree_fast(draft_logits: torch.Tensor, budget: int, top_k: int | None = None,
                       *, out: DraftTree | None = None, force_triton: bool = False
                       ) -> DraftTree:
-    """The tree build of the speculator: :func:`build_ddtree_triton` on CUDA tensors
-    (unless ``VLLM_DDTREE_TREE_BUILD=torch``, ``vllm_ddtree.round_kernels``) for a
+    """The tree build of the speculator: :func:`build_ddtree_triton` on CUDA tensors for a
     budget within the kernel's blocks, ``draft_tree.build_ddtree`` otherwise. Same
     arguments and result; with ``out`` (as :func:`build_ddtree_triton`'s) the tree and
     its ``packed_bits`` are written there and ``out`` is returned. ``force_triton`` runs
     the kernel on CPU tensors too (tests, with ``TRITON_INTERPRET=1``)."""
-    if force_triton or use_triton_tree_build(draft_logits):
+    if force_triton or use_triton(draft_logits):
         tree = build_ddtree_triton(draft_logits, budget, top_k, out=out)
         if tree is not None:
             return tree

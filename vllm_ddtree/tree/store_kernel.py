@@ -6,10 +6,11 @@ packed ancestor bits and, with ``ddtree_budget: "auto"``, the active budget) to 
 request-state rows ``idx_mapping``; the PyTorch path is an index conversion and three
 or four ``index_put_`` launches. Here one program per request copies its rows.
 
-With ``VLLM_DDTREE_TREE_STORE=graph`` the speculator launches it inside the drafter's
-step (its CUDA graph), reading each request's row from DFlash's ``sample_idx_mapping``
-(``idx_stride`` = L entries per request, -1 for CUDA-graph padding rows, which write
-nothing), so no eager launch is left after the graph.
+On CUDA the speculator launches it inside the drafter's step (its CUDA graph), reading
+each request's row from DFlash's ``sample_idx_mapping`` (``idx_stride`` = L entries per
+request, -1 for CUDA-graph padding rows, which write nothing), so no eager launch is
+left after the graph; only ``ddtree_budget: "auto"`` at TP > 1 (whose choice is
+broadcast between the ranks after the graph) stores eagerly in ``propose``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from vllm_ddtree.direct_launch import DirectLauncher
 
 __all__ = ["store_trees_triton"]
 
@@ -73,9 +72,6 @@ def _store_trees_kernel(
         else:
             active = tl.load(active_ptr)
         tl.store(state_active_ptr + slot, active.to(tl.int64), mask=live)
-
-
-_STORE_TREES_LAUNCH = DirectLauncher(lambda: _store_trees_kernel)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor | None:
@@ -136,7 +132,7 @@ def store_trees_triton(
     p, d, b, sp, sd, sb = rows
     per_request = (active_nodes is not None and active_nodes.dim() == 1
                    and active_nodes.numel() == num_reqs)
-    _STORE_TREES_LAUNCH((num_reqs,),
+    _store_trees_kernel[(num_reqs,)](
         idx_mapping, p, d, b, active_nodes if active_nodes is not None else p, sp, sd, sb,
         state_active if state_active is not None else sp,
         p.shape[1], b.shape[1], idx_stride, p.stride(0), d.stride(0), b.stride(0), sp.stride(0),

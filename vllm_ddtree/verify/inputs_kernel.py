@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE
-from vllm_ddtree.direct_launch import DirectLauncher
 
 __all__ = ["verify_inputs_triton"]
 
@@ -117,9 +116,6 @@ def _verify_inputs_kernel(
         tl.store(active_lens_ptr + r, tl.where(is_tree, tl.minimum(active, q_len), q_len))
 
 
-_VERIFY_INPUTS_LAUNCH = DirectLauncher(lambda: _verify_inputs_kernel)
-
-
 def verify_inputs_triton(
     linear_positions: torch.Tensor,
     query_start_loc: torch.Tensor,
@@ -162,7 +158,7 @@ def verify_inputs_triton(
     adaptive = active_nodes is not None
     if adaptive and active_lens_out is None:
         raise ValueError("active_nodes needs active_lens_out")
-    _VERIFY_INPUTS_LAUNCH((num_reqs + 1,),
+    _verify_inputs_kernel[(num_reqs + 1,)](
         linear_positions, query_start_loc, cu_num_logits, idx_mapping,
         depths, tree_bits, active_nodes if adaptive else depths,
         positions_out, bits_out, active_lens_out if adaptive else query_start_loc,

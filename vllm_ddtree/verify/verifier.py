@@ -16,11 +16,10 @@ parent structure instead:
    the row's RoPE position, which is what plain decoding uses for the same token
    ("sample and match": lossless at any temperature);
 3. walk the tree (on CUDA one Triton launch for steps 3 and 4,
-   ``tree_walk_kernel.verify_walk_triton``; ``VLLM_DDTREE_ROUND_KERNELS=torch`` or CPU
-   tensors: ``walk.follow.follow_tree``; fixed ``max_depth = L``: no host sync); with
-   ``ddtree_budget: "auto"`` the nodes past the request's active budget are masked out
-   first (``budget.mask_inactive_nodes``), so the walk is the
-   walk of the budget-``b`` tree;
+   ``walk_kernel.verify_walk_triton``; CPU tensors: ``walk.follow.follow_tree``; fixed
+   ``max_depth = L``: no host sync); with ``ddtree_budget: "auto"`` the nodes past the
+   request's active budget are masked out first (``budget.mask_inactive_nodes``), so the
+   walk is the walk of the budget-``b`` tree;
 4. return ``SamplerOutput(sampled [R, B+1], num_sampled = a+1, num_rejected =
    num_logits - num_sampled)`` via vLLM's ``get_num_sampled_and_rejected``
    (``input_batch.py:438``) so chunked prefills and truncated drafts count as vLLM
@@ -36,9 +35,9 @@ import numpy as np
 import torch
 
 from vllm_ddtree.budget.choice import mask_inactive_nodes
-from vllm_ddtree.round_kernels import use_triton_round_kernels
 from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_row_positions
 from vllm_ddtree.tree.draft_tree import DraftTree
+from vllm_ddtree.triton_path import use_triton
 from vllm_ddtree.verify.batch import sampled_rows_from_walk
 from vllm_ddtree.walk.follow import WalkResult, follow_tree
 from vllm_ddtree.walk.walk_kernel import verify_walk_triton
@@ -338,7 +337,7 @@ class DDTreeVerifier:
 
     def walk(self, drawn: torch.Tensor, input_batch: Any) -> WalkResult:
         """Walk each request's tree with the drawn tokens in PyTorch (no host sync):
-        the CPU and ``VLLM_DDTREE_ROUND_KERNELS=torch`` path of ``__call__``, whose CUDA
+        the CPU path of ``__call__``, whose CUDA
         path walks inside ``verify_walk_triton``."""
         assert self.state.parents is not None and self.state.depths is not None
         draft_row_tokens = input_batch.input_ids[input_batch.logits_indices]
@@ -380,7 +379,7 @@ class DDTreeVerifier:
             num_nans = get_num_nans(logits)
 
         drawn, processed, _ = self.draw_target_tokens(logits, input_batch, needs_history)
-        if use_triton_round_kernels(drawn):
+        if use_triton(drawn):
             walk, sampled, num_sampled, num_rejected = self._verify_walk_fused(
                 drawn, input_batch
             )

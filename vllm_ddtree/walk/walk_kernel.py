@@ -1,29 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The acceptance walk of :func:`vllm_ddtree.walk.follow.follow_tree` as one Triton kernel.
+"""The verifier's round after the draw as one Triton kernel: the acceptance walk of
+:func:`vllm_ddtree.walk.follow.follow_tree` and what follows it.
 
 ``follow_tree`` is batched PyTorch with a Python loop over the depths: about ten
 small ops per depth, ~150 kernel launches per verify step at ``L = 15``, all of them
-eager on the host path of every decoding round. :func:`follow_tree_triton` does the
-whole walk in one launch that writes every field of the :class:`WalkResult`.
-
-``_follow_tree_kernel``: grid ``(R,)``, one program per request. The program keeps
-its current node (``-1`` = the root) and, for each of the ``max_depth`` steps, loads
-the target's token at the current node, scans the request's ``B`` nodes in blocks
-of ``BLOCK_B`` for ``parent == current and token == target`` and takes the lowest
-matching index (``tl.min``), which is ``follow_tree``'s rule for duplicate child
-tokens. Tokens are compared as int64 exactly as ``follow_tree`` compares them, so
-a node masked to ``-1`` never matches a real (``>= 0``) target token. The path and
-its tokens accumulate in registers (``BLOCK_L`` columns); the outputs are stored
-once, after the loop. Launch shape depends only on tensor shapes: no host sync, and
-the launch can be captured in a CUDA graph.
-
-The verifier's round runs :func:`verify_walk_triton` on CUDA tensors unless
-``VLLM_DDTREE_ROUND_KERNELS=torch`` (``vllm_ddtree.round_kernels``): the walk's inputs
+eager on the host path of every decoding round, plus the walk's inputs and its
+finish. :func:`verify_walk_triton` does all of it in one launch: the walk's inputs
 read in place from the verify batch, the walk, and what follows it (vLLM's sampled
-rows and counts, the KV source rows for propose, the acceptance counters) in one
-launch. Both kernels walk with one ``@triton.jit`` helper, ``_walk_path``, so
-:func:`follow_tree_triton`'s tests against ``follow_tree`` cover the fused kernel's
-walk too (the kernels run on CPU only in Triton's interpreter, for tests).
+rows and counts, the KV source rows for propose, the acceptance counters).
+
+``_verify_walk_kernel``: grid ``(R,)``, one program per request. Its walk
+(``_walk_path``) keeps the current node (``-1`` = the root) and, for each of the
+``max_depth`` steps, loads the target's token at the current node, scans the
+request's ``B`` nodes in blocks of ``BLOCK_B`` for ``parent == current and token ==
+target`` and takes the lowest matching index (``tl.min``), which is ``follow_tree``'s
+rule for duplicate child tokens. Tokens are compared as int64 exactly as
+``follow_tree`` compares them, so a node masked to ``-1`` never matches a real
+(``>= 0``) target token. The path and its tokens accumulate in registers (``BLOCK_L``
+columns); the outputs are stored once, after the loop. Launch shape depends only on
+tensor shapes: no host sync, and the launch can be captured in a CUDA graph.
+
+The verifier runs it for CUDA tensors (``vllm_ddtree.triton_path``); CPU tensors take
+``follow_tree`` and the PyTorch finish, which the tests compare the kernel with (on CPU
+the kernel runs only in Triton's interpreter).
 """
 
 from __future__ import annotations
@@ -32,18 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_ddtree.direct_launch import DirectLauncher
-from vllm_ddtree.tree.draft_tree import DraftTree
-from vllm_ddtree.walk.follow import WalkResult, _check_walk_args
+from vllm_ddtree.walk.follow import WalkResult
 
-__all__ = [
-    "MAX_BLOCK_B",
-    "follow_tree_triton",
-    "verify_walk_triton",
-]
+__all__ = ["MAX_BLOCK_B", "verify_walk_triton"]
 
 MAX_BLOCK_B = 512
-_INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 @triton.jit
@@ -97,147 +89,6 @@ def _walk_path(
     return path, path_tokens, bonus
 
 
-@triton.jit(do_not_specialize=["num_nodes", "max_depth"])
-def _follow_tree_kernel(
-    tokens_ptr,
-    parents_ptr,
-    targets_ptr,
-    accepted_ptr,
-    depth_ptr,
-    committed_ptr,
-    num_committed_ptr,
-    bonus_ptr,
-    src_ptr,
-    num_nodes,
-    max_depth,
-    stride_tok_r,
-    stride_tok_b,
-    stride_par_r,
-    stride_par_b,
-    stride_tgt_r,
-    stride_tgt_b,
-    BLOCK_B: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-):
-    r = tl.program_id(0).to(tl.int64)
-    tok_row = tokens_ptr + r * stride_tok_r
-    path, path_tokens, bonus = _walk_path(
-        tok_row, stride_tok_b, tok_row, parents_ptr + r * stride_par_r, stride_par_b,
-        targets_ptr + r * stride_tgt_r, stride_tgt_b, num_nodes + 1, num_nodes, num_nodes,
-        max_depth, INDIRECT=False, BLOCK_B=BLOCK_B, BLOCK_L=BLOCK_L)
-    cols = tl.arange(0, BLOCK_L)
-    depth = tl.sum((path >= 0).to(tl.int64), axis=0)
-    committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
-    in_path = cols < max_depth
-    tl.store(accepted_ptr + r * max_depth + cols, path, mask=in_path)
-    tl.store(src_ptr + r * max_depth + cols, tl.where(path >= 0, path + 1, -1), mask=in_path)
-    tl.store(committed_ptr + r * (max_depth + 1) + cols, committed, mask=cols <= max_depth)
-    tl.store(depth_ptr + r, depth)
-    tl.store(num_committed_ptr + r, depth + 1)
-    tl.store(bonus_ptr + r, bonus)
-
-
-def _interpreted() -> bool:
-    return type(_follow_tree_kernel).__name__ == "InterpretedFunction"
-
-
-def _as_index(t: torch.Tensor) -> torch.Tensor:
-    # Other integer dtypes cost one conversion (a launch); the verifier passes int64.
-    return t if t.dtype in _INDEX_DTYPES else t.to(torch.int64)
-
-
-def follow_tree_triton(
-    tree: DraftTree,
-    target_tokens: torch.Tensor,
-    max_depth: int,
-    *,
-    block_b: int | None = None,
-) -> WalkResult:
-    """:func:`vllm_ddtree.walk.follow.follow_tree` in one Triton launch (same result, exactly).
-
-    Args:
-        tree: the draft trees, ``[R, B]``; ``tokens`` and ``parents`` int32 or int64
-            (other dtypes are converted to int64 first), any strides. ``depths`` and
-            ``scores`` are not read.
-        target_tokens: int32 or int64 ``[R, 1 + B]``, the target's token at the root
-            (column 0) and at node ``i`` (column ``i + 1``); any strides.
-        max_depth: ``L_max >= 0``, the number of walk steps and the pad width, as in
-            ``follow_tree`` (a deeper tree is cut at ``max_depth`` accepted nodes).
-        block_b: nodes scanned per block (a power of two); default
-            ``min(next_power_of_2(B), MAX_BLOCK_B)``. Tests pass a small value to
-            exercise the multi-block scan.
-
-    Returns:
-        A :class:`WalkResult` of int64 tensors on the trees' device:
-        ``accepted_nodes [R, L_max]``, ``accepted_depth [R]``, ``committed_tokens
-        [R, L_max + 1]``, ``num_committed [R]``, ``bonus_tokens [R]``, ``kv_src_rows
-        [R, L_max]``. They are contiguous views of one buffer, all written by the
-        kernel.
-
-    Raises:
-        ValueError: on a bad shape, ``max_depth``, ``block_b``, mixed devices, or CPU
-            tensors outside Triton's interpreter. Nothing is read from the device.
-    """
-    _check_walk_args(tree, target_tokens)
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
-        raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
-    device = tree.tokens.device
-    if tree.parents.device != device or target_tokens.device != device:
-        raise ValueError(
-            f"tree.tokens ({device}), tree.parents ({tree.parents.device}) and "
-            f"target_tokens ({target_tokens.device}) must be on one device"
-        )
-    num_requests, num_nodes = tree.num_requests, tree.budget
-    if block_b is None:
-        block_b = min(triton.next_power_of_2(max(num_nodes, 1)), MAX_BLOCK_B)
-    if block_b < 1 or block_b & (block_b - 1):
-        raise ValueError(f"block_b must be a power of two, got {block_b}")
-    if device.type == "cpu" and not _interpreted():
-        raise ValueError("the Triton walk needs GPU tensors (or TRITON_INTERPRET=1)")
-
-    tokens, parents = _as_index(tree.tokens), _as_index(tree.parents)
-    targets = _as_index(target_tokens)
-    # One allocation for the six outputs (host overhead), each a contiguous chunk.
-    shapes = [(max_depth,), (), (max_depth + 1,), (), (), (max_depth,)]
-    numels = [num_requests * (shape[0] if shape else 1) for shape in shapes]
-    buffer = torch.empty(sum(numels), dtype=torch.int64, device=device)
-    accepted, depth, committed, num_committed, bonus, src = (
-        chunk.view(num_requests, *shape)
-        for chunk, shape in zip(buffer.split(numels), shapes, strict=True)
-    )
-    if num_requests:
-        _follow_tree_kernel[(num_requests,)](
-            tokens,
-            parents,
-            targets,
-            accepted,
-            depth,
-            committed,
-            num_committed,
-            bonus,
-            src,
-            num_nodes,
-            max_depth,
-            tokens.stride(0),
-            tokens.stride(1),
-            parents.stride(0),
-            parents.stride(1),
-            targets.stride(0),
-            targets.stride(1),
-            BLOCK_B=block_b,
-            BLOCK_L=triton.next_power_of_2(max_depth + 1),
-            num_warps=4 if block_b >= 256 else 1,
-        )
-    return WalkResult(
-        accepted_nodes=accepted,
-        accepted_depth=depth,
-        committed_tokens=committed,
-        num_committed=num_committed,
-        bonus_tokens=bonus,
-        kv_src_rows=src,
-    )
-
-
 @triton.jit(do_not_specialize=["num_nodes", "max_depth", "budget", "walk_width"])
 def _verify_walk_kernel(
     input_ids_ptr,  # int [T]
@@ -279,8 +130,8 @@ def _verify_walk_kernel(
     limit = tl.minimum(num_drafts, num_nodes)
     if ADAPTIVE:
         limit = tl.minimum(limit, tl.load(active_nodes_ptr + slot))
-    # The walk of _follow_tree_kernel, reading node i's token in place
-    # (input_ids[logits_indices[start + 1 + i]]) and its parent from the state row.
+    # The walk, reading node i's token in place (input_ids[logits_indices[start + 1 +
+    # i]]) and its parent from the state row.
     path, path_tokens, bonus = _walk_path(
         input_ids_ptr, 1, logits_indices_ptr + start + 1,
         state_parents_ptr + slot * stride_state_r, 1, drawn_ptr + start, 1, num_logits,
@@ -290,7 +141,7 @@ def _verify_walk_kernel(
     committed = tl.where(cols < depth, path_tokens, tl.where(cols == depth, bonus, -1))
     src = tl.where(path >= 0, path + 1, -1)
     in_path = cols < max_depth
-    # WalkResult chunks, as follow_tree_triton lays them out in one buffer.
+    # WalkResult chunks, laid out in one buffer (see verify_walk_triton).
     accepted_base = walk_ptr
     depth_base = accepted_base + num_reqs * max_depth
     committed_base = depth_base + num_reqs
@@ -331,7 +182,8 @@ def _verify_walk_kernel(
     tl.store(num_rejected_ptr + r, tl.where(chunked, 0, num_logits - num_sampled).to(tl.int32))
 
 
-_VERIFY_WALK_LAUNCH = DirectLauncher(lambda: _verify_walk_kernel)
+def _interpreted() -> bool:
+    return type(_walk_path).__name__ == "InterpretedFunction"
 
 
 def verify_walk_triton(
@@ -354,7 +206,7 @@ def verify_walk_triton(
 ) -> tuple[WalkResult, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The verifier's whole round after the draw in one launch: the walk's inputs
     (``verifier.tree_inputs_from_rows``, the slot gathers, ``budget.mask_inactive_nodes``),
-    :func:`follow_tree_triton`, the finish (``verify_batch.sampled_rows_from_walk``,
+    ``walk.follow.follow_tree``, the finish (``verify_batch.sampled_rows_from_walk``,
     ``DDTreeVerifier._update_stats``, ``DDTreeRuntimeState.record_walk_``) and vLLM's
     ``get_num_sampled_and_rejected`` (four launches and their allocations before).
 
@@ -367,7 +219,8 @@ def verify_walk_triton(
         active_nodes: int64 ``[max_reqs]`` (``ddtree_budget: "auto"``): the walk ignores
             nodes from ``active_nodes[slot]`` on, and the counters add each tree's
             verified nodes to ``active_sum``.
-        max_depth: ``L_max >= 0``, as :func:`follow_tree_triton`.
+        max_depth: ``L_max >= 0``, the number of walk steps and the pad width, as in
+            ``follow_tree`` (a deeper tree is cut at ``max_depth`` accepted nodes).
         budget: B, the width of vLLM's sampled rows minus one.
         walk_rows_out: int64 ``[>= R, W >= L]``: row ``r`` gets the walk's
             ``kv_src_rows[r]``, -1 past ``L`` (for the next ``propose``).
@@ -382,7 +235,7 @@ def verify_walk_triton(
     Returns:
         ``(walk, sampled_token_ids int64 [R, B + 1], num_sampled int32 [R],
         num_rejected int32 [R])``, each equal to what the four-launch path returns;
-        ``walk`` is laid out as :func:`follow_tree_triton`'s. No host sync.
+        ``walk``'s six int64 fields are contiguous chunks of one buffer. No host sync.
     """
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {max_depth!r}")
@@ -413,7 +266,7 @@ def verify_walk_triton(
         if count and adaptive and active_sum is None:
             raise ValueError("active_sum is needed with counters and active_nodes")
         accepted_sum, num_drafts = counters if count else (buffer, buffer)
-        _VERIFY_WALK_LAUNCH((num_reqs,),
+        _verify_walk_kernel[(num_reqs,)](
             input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
             active_nodes if adaptive else buffer, seq_lens, prefill_len, buffer, sampled,
             num_sampled, num_rejected, walk_rows_out, accepted_sum, num_drafts,
