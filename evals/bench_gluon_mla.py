@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Triton vs Gluon (sm_90, v1 and v2) MLA tree-verify attention vs FlashMLA, side by side.
+"""Triton vs Gluon (sm_90) MLA tree-verify attention vs FlashMLA, side by side.
 
 One request per cell (bf16, kv_lora 512 + rope 64, a random DDTree-like tree mask for
 ours, FlashMLA causal), inputs from ``bench_verify_attention.make_inputs``; each method
 timed with ``triton.testing.do_bench_cudagraph`` (CUDA graph replay, no host launch
-overhead), all in one run. Columns: milliseconds (Gluon = kernel v1, Gluon v2 = the
-warp-specialized ``gluon_kernels_v2``), the MMA floor (QK^T + PV flops at
+overhead), all in one run. Columns: milliseconds, the MMA floor (QK^T + PV flops at
 ``bench_verify_attention.MMA_FLOPS_PER_S``), its fraction reached by Gluon, and the
-ratios Triton / Gluon, Gluon / FlashMLA and Gluon v2 / FlashMLA.
+ratios Triton / Gluon and Gluon / FlashMLA.
 
     python evals/bench_gluon_mla.py --out evals/results/gluon_mla.md
     python evals/bench_gluon_mla.py --heads 8 --ctx 131072 --qlen 65 --out /tmp/one.md
@@ -40,21 +39,18 @@ from bench_verify_attention import (  # noqa: E402
     make_inputs,
     ours,
 )
-from vllm_ddtree.attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
-    gluon_supported,
-    mla_tree_fwd_gluon,
-)
+from vllm_ddtree.attention_backends.mla_tree.gluon_kernel import gluon_supported  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon  # noqa: E402
 
-METHODS = ("triton", "gluon", "gluon_v2", "flashmla")
-# Markdown column of each method's time (read_table finds them by name, so tables
-# written before a method existed still read back, that method as None).
-COLUMNS = {"triton": "Triton ms", "gluon": "Gluon ms", "gluon_v2": "Gluon v2 ms",
-           "flashmla": "FlashMLA ms"}
+METHODS = ("triton", "gluon", "flashmla")
+# Markdown column of each method's time (read_table finds them by name; a table
+# without a method's column reads back that method as None).
+COLUMNS = {"triton": "Triton ms", "gluon": "Gluon ms", "flashmla": "FlashMLA ms"}
 
 
-def gluon(inp, version="v1"):
-    """Zero-argument callable of the Gluon path (kernel ``version``) on ``inp`` (tree
-    mask), or Unavailable."""
+def gluon(inp):
+    """Zero-argument callable of the Gluon kernel on ``inp`` (tree mask), or
+    Unavailable."""
     if not gluon_supported(inp.q, inp.kv_cache, KV_LORA):
         raise Unavailable("Gluon path unsupported here (needs sm_90, bf16/fp16)")
     kwargs = dict(validate_values=False, max_query_len=inp.cell.qlen,
@@ -63,18 +59,17 @@ def gluon(inp, version="v1"):
     def run():
         return mla_tree_fwd_gluon(inp.q, inp.kv_cache, inp.block_table, inp.seq_lens,
                                   inp.query_start_loc, inp.bits_tree, inp.scale, KV_LORA,
-                                  version=version, **kwargs)
+                                  **kwargs)
 
     return run
 
 
 def time_cell(cell: Cell, rep: int, methods=METHODS) -> tuple[dict, dict]:
     """``(times_ms, notes)`` of every method on one cell; a method that cannot run gets
-    None and a note. Also checks Gluon v1 and v2 against Triton (max abs difference)."""
+    None and a note. Also checks Gluon against Triton (max abs difference)."""
     inp = make_inputs(cell, torch.bfloat16)
     makers = {"triton": lambda: ours(inp, inp.bits_tree, kernel="triton"),
               "gluon": lambda: gluon(inp),
-              "gluon_v2": lambda: gluon(inp, "v2"),
               "flashmla": lambda: flashmla(inp)}
     times, notes = {}, {}
     for method in METHODS:
@@ -90,12 +85,10 @@ def time_cell(cell: Cell, rep: int, methods=METHODS) -> tuple[dict, dict]:
         except Exception as e:  # noqa: BLE001 - keep timing the other methods
             notes[method] = f"{type(e).__name__}: {e}"[:200]
         torch.cuda.synchronize()
-    if times["triton"] is not None:
+    if times["triton"] is not None and times["gluon"] is not None:
         triton_out = ours(inp, inp.bits_tree, kernel="triton")()[0]
-        for method, version in (("gluon", "v1"), ("gluon_v2", "v2")):
-            if times[method] is not None:
-                diff = (gluon(inp, version)()[0].float() - triton_out.float()).abs().max()
-                notes[f"{method} vs triton max abs diff"] = f"{diff.item():.2e}"
+        diff = (gluon(inp)()[0].float() - triton_out.float()).abs().max()
+        notes["gluon vs triton max abs diff"] = f"{diff.item():.2e}"
     return times, notes
 
 
@@ -163,7 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--page", type=int, default=64)
     p.add_argument("--rep", type=int, default=100, help="do_bench_cudagraph rep (ms)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="methods to time (e.g. leave out gluon_v2 until it is verified)")
+                   help="methods to time")
     p.add_argument("--out", help="markdown table path (the PNG beside it)")
     p.add_argument("--replot", metavar="MD", help="only redraw the PNG of a written table")
     args = p.parse_args(argv)
@@ -176,7 +169,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 1
     lines = [
-        "# MLA tree verify: Triton vs Gluon (sm_90, v1 / v2) vs FlashMLA",
+        "# MLA tree verify: Triton vs Gluon (sm_90) vs FlashMLA",
         "",
         f"command: `python evals/bench_gluon_mla.py {shlex.join(argv or sys.argv[1:])}`",
         f"({torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
@@ -185,9 +178,8 @@ def main(argv=None) -> int:
         "TFLOP/s)",
         "",
         "| heads | ctx | qlen | " + " | ".join(COLUMNS[m] for m in METHODS)
-        + " | MMA floor ms | Gluon % of floor | Triton / Gluon | Gluon / FlashMLA | "
-        "Gluon v2 / FlashMLA | notes |",
-        "|---" * (len(METHODS) + 9) + "|",
+        + " | MMA floor ms | Gluon % of floor | Triton / Gluon | Gluon / FlashMLA | notes |",
+        "|---" * (len(METHODS) + 8) + "|",
     ]
     for heads in args.heads:
         for ctx in args.ctx:
@@ -202,8 +194,7 @@ def main(argv=None) -> int:
                     + " | ".join(_ms(times[m]) for m in METHODS)
                     + f" | {floor:.3f} | {frac} | "
                     f"{_ratio(times['triton'], times['gluon'])} | "
-                    f"{_ratio(times['gluon'], times['flashmla'])} | "
-                    f"{_ratio(times['gluon_v2'], times['flashmla'])} | {note} |")
+                    f"{_ratio(times['gluon'], times['flashmla'])} | {note} |")
                 print(lines[-1], flush=True)
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
                 Path(args.out).write_text("\n".join(lines) + "\n")

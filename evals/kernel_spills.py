@@ -6,8 +6,8 @@ Triton's own ``ptxas -v`` reports registers per thread and local-memory spills.
 Spills in the KV loop cost memory traffic on every tile; the H200 measurements put
 the kernel at about 0.31 of the MMA floor's rate at 128k (``evals/results/README.md``).
 The compile models the JIT's specialization (aligned pointers and strides); without it
-Triton does not pipeline the KV loads and the report is wrong (it was until
-2026-11-30: 2,248 B of spills for the 64-row tile against 344 B as launched).
+Triton does not pipeline the KV loads and the report is wrong (e.g. 2,248 B of spills
+for the 64-row tile against 344 B as launched).
 
     python evals/kernel_spills.py                     # the default + sweep configs
     python evals/kernel_spills.py --heads 8 64 --out evals/results/mla_kernel_spills.md

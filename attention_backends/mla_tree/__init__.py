@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MLA tree-verify attention: Triton kernel and its PyTorch reference."""
+"""MLA tree-verify attention: Triton and Gluon (sm_90) kernels, their launcher and the PyTorch
+reference."""
 
 from .configs import (
     MLA_TILE_CONFIGS,

@@ -13,7 +13,6 @@ kernel also gets the speculator's per-request active query rows
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -27,16 +26,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
-from vllm_ddtree.attention_backends.mla_tree.ops import (
-    mla_tree_verify,
-    runtime_splits_enabled,
-    split_requested,
-)
-from vllm_ddtree.attention_backends.mla_tree.split import (
-    context_attention_flashmla,
-    mla_tree_verify_split,
-    split_ineligible_reason,
-)
+from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_verify
 from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
     causal_bits_,
@@ -44,11 +34,6 @@ from vllm_ddtree.attention_backends.tree_mask_state import (
 )
 
 PREFERRED_BLOCK_SIZE = 64
-logger = logging.getLogger(__name__)
-# Verify launches that took the split path (VLLM_DDTREE_MLA_KERNEL=split), and the
-# reasons the others did not (each logged once).
-SPLIT_LAUNCHES = {"split": 0, "fallback": 0}
-_SPLIT_REASONS_LOGGED: set[str] = set()
 
 
 @dataclass
@@ -122,8 +107,6 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
 
 class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
     can_return_lse_for_decode: bool = True
-    # the split path's context part (a test swaps in split.context_attention_reference)
-    split_context_fn = staticmethod(context_attention_flashmla)
 
     def __init__(
         self,
@@ -178,10 +161,6 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
         assert decode is not None
         if isinstance(q, tuple):
             q = torch.cat(q, dim=-1)
-        if split_requested():
-            split = self._forward_split(q, kv_c_and_k_pe_cache, decode)
-            if split is not None:
-                return split
         max_seq_len = decode.max_seq_len
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
@@ -203,29 +182,8 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             max_seq_len=max_seq_len,
             validate_values=False,
             active_query_lens=decode.active_query_lens,
-            runtime_kv_splits=capturing and runtime_splits_enabled(),
+            runtime_kv_splits=capturing,
         )
-
-
-    def _forward_split(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                       decode: TreeMLADecodeMetadata):
-        """``VLLM_DDTREE_MLA_KERNEL=split`` (experimental): FlashMLA over the cached
-        context and the fused tree tail (``split.mla_tree_verify_split``), or None when
-        this launch is not eligible (the reason is logged once)."""
-        num_reqs = decode.seq_lens.shape[0]
-        why = split_ineligible_reason(q, kv_cache, num_reqs, decode.max_query_len,
-                                      self.kv_lora_rank, decode.active_query_lens)
-        if why is not None:
-            SPLIT_LAUNCHES["fallback"] += 1
-            if why not in _SPLIT_REASONS_LOGGED:
-                _SPLIT_REASONS_LOGGED.add(why)
-                logger.warning("vllm-ddtree: split verify not used for a launch: %s", why)
-            return None
-        SPLIT_LAUNCHES["split"] += 1
-        return mla_tree_verify_split(
-            q, kv_cache, decode.block_table, decode.seq_lens, decode.max_query_len,
-            decode.ancestor_bits, self.scale, self.kv_lora_rank,
-            context_fn=self.split_context_fn, fused_tail=True)
 
 
 class TreeMLABackend(MLACommonBackend):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 
 import torch
 import triton
 
-from . import kernels
+from vllm_ddtree import settings
+
+from . import gluon_kernel, kernels
 from .configs import (
     MAX_KV_SPLITS,
     MIN_TILES_PER_SPLIT,
@@ -31,25 +32,15 @@ MAX_ROPE_DIM = 64
 logger = logging.getLogger(__name__)
 _LOGGED_LAUNCHES: set[tuple] = set()
 
-
-LOG_LAUNCHES_ENV = "VLLM_DDTREE_LOG_LAUNCHES"
-
-
-def _launch_logging_on() -> bool:
-    """DEBUG enabled on this module's logger, or ``VLLM_DDTREE_LOG_LAUNCHES=1`` (which
-    also gives the logger a stderr handler: vLLM configures only its own loggers)."""
-    if os.environ.get(LOG_LAUNCHES_ENV) == "1" and not logger.isEnabledFor(logging.DEBUG):
-        logger.setLevel(logging.DEBUG)
-        if not logger.handlers:
-            logger.addHandler(logging.StreamHandler())
-    return logger.isEnabledFor(logging.DEBUG)
+KERNEL_CHOICES = ("auto", "triton")
+KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"  # read through vllm_ddtree.settings
 
 
-def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **params) -> None:
-    """Debug log (see :func:`_launch_logging_on`) of a launch's shapes, strides and chosen
-    splits, once per distinct launch: what vLLM hands the kernel, to replay it in the
-    benchmark. Costs an environment lookup when off."""
-    if not _launch_logging_on():
+def _log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **params) -> None:
+    """Debug log of a launch's shapes, strides and chosen splits, once per distinct
+    launch (what vLLM hands the kernel, to time it alone in the benchmark). Costs one
+    level check when DEBUG is off."""
+    if not logger.isEnabledFor(logging.DEBUG):
         return
     key = (kernel, tuple(q.shape), q.stride(), tuple(kv_cache.shape), kv_cache.stride(),
            tuple(sorted(params.items())))
@@ -58,79 +49,6 @@ def log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **para
         logger.debug("mla_tree launch %s: q %s %s, kv_cache %s %s, %s", kernel,
                      tuple(q.shape), q.stride(), tuple(kv_cache.shape), kv_cache.stride(),
                      ", ".join(f"{k}={v}" for k, v in sorted(params.items())))
-
-
-KERNEL_CHOICES = ("auto", "triton")
-KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"
-# "split" (experimental): the backend sends eligible verify launches through
-# split.mla_tree_verify_split (FlashMLA context + tree tail), the rest as "auto".
-KERNEL_ENV_CHOICES = KERNEL_CHOICES + ("split",)
-
-
-RUNTIME_SPLITS_ENV = "VLLM_DDTREE_RUNTIME_SPLITS"
-
-# ``ddtree_budget: "auto"`` hands the kernel per-request active rows. "skip" (default):
-# the Triton kernel skips the inactive ones and re-splits the keys over the idle CTAs.
-# "compute" (experimental, not yet GPU-run): where the Gluon kernel applies it runs every
-# row, as for a fixed budget; the inactive rows' outputs are never read (the tree walk
-# stops at each request's active count, and no active row has an inactive ancestor), so
-# the verify stays lossless.
-INACTIVE_ROWS_ENV = "VLLM_DDTREE_MLA_INACTIVE_ROWS"
-INACTIVE_ROWS_CHOICES = ("skip", "compute")
-
-
-def _env_choice(env: str, default: str, choices: tuple[str, ...]) -> str:
-    """The value of ``env`` (lower-cased; ``default`` when unset or blank).
-
-    Raises:
-        ValueError: a value outside ``choices``, naming ``env``.
-    """
-    choice = os.environ.get(env, default).strip().lower() or default
-    if choice not in choices:
-        raise ValueError(f"{env} must be one of {choices}, got {choice!r}")
-    return choice
-
-
-def inactive_rows_choice() -> str:
-    """``VLLM_DDTREE_MLA_INACTIVE_ROWS`` (default ``skip``).
-
-    Raises:
-        ValueError: a value outside ``INACTIVE_ROWS_CHOICES``.
-    """
-    return _env_choice(INACTIVE_ROWS_ENV, "skip", INACTIVE_ROWS_CHOICES)
-
-
-def runtime_splits_enabled() -> bool:
-    """Whether CUDA-graph captures choose KV split counts per request at run time
-    (``runtime_kv_splits``); ``VLLM_DDTREE_RUNTIME_SPLITS=0`` freezes the capture-time
-    count instead (the behaviour before 2026-11-30, for side-by-side timing).
-
-    Raises:
-        ValueError: the variable is set to something other than 0 / 1.
-    """
-    value = os.environ.get(RUNTIME_SPLITS_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{RUNTIME_SPLITS_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def kernel_env_choice() -> str:
-    """``VLLM_DDTREE_MLA_KERNEL`` (default ``auto``).
-
-    Raises:
-        ValueError: a value outside ``KERNEL_ENV_CHOICES``.
-    """
-    return _env_choice(KERNEL_ENV, "auto", KERNEL_ENV_CHOICES)
-
-
-def _gluon_allowed() -> bool:
-    """False when ``VLLM_DDTREE_MLA_KERNEL=triton``."""
-    return kernel_env_choice() != "triton"
-
-
-def split_requested() -> bool:
-    """``VLLM_DDTREE_MLA_KERNEL=split``: the backend tries the split verify first."""
-    return kernel_env_choice() == "split"
 
 
 def _interpreted() -> bool:
@@ -189,7 +107,7 @@ def prepare_outputs(
     """The tree-batch checks of a launch (``check_tree_batch``: its stats, with the
     maxima) and its results' buffers: ``out [T, H, kv_lora_rank]`` in q's dtype (the
     caller's, checked, or new) and ``lse [T, H]`` fp32. Shared by the Triton and Gluon
-    launchers (``mla_tree_verify``, ``gluon_kernels.mla_tree_fwd_gluon``)."""
+    launchers (:func:`mla_tree_verify`, :func:`mla_tree_fwd_gluon`)."""
     num_tokens, num_heads, _ = q.shape
     num_blocks, page_size, _ = kv_cache.shape
     stats = check_tree_batch(
@@ -340,13 +258,12 @@ def mla_tree_verify(
             (they form a prefix-closed tree in topological order); their results are
             those without ``active_query_lens`` up to rounding (their keys are split
             over the idle CTAs too, so the splits differ). None: every row is active.
-        kernel: ``"auto"`` takes the Gluon kernel (``gluon_kernels``: v2 by default,
-            1.3-2.0x the Triton kernel's speed on the H200) where it applies (sm_90,
-            16-bit, 512 + 64 dims, no ``config`` or ``active_query_lens``), else the
-            Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
-            does the same globally. ``VLLM_DDTREE_MLA_INACTIVE_ROWS=compute`` lets
-            launches with ``active_query_lens`` take Gluon, which then computes every
-            row (the inactive ones get real values instead of ``0 / -inf``).
+        kernel: ``"auto"`` takes the Gluon kernel (``gluon_kernel``, 1.3-2.0x the Triton
+            kernel's speed on the H200) where it applies (sm_90, 16-bit, 512 + 64 dims, no
+            ``config``, no ``active_query_lens``: :func:`gluon_kernel.gluon_supported`),
+            else the Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
+            (``vllm_ddtree.settings``) does the same globally. A launch with active rows
+            always takes the Triton kernel, the only one that skips inactive rows.
         runtime_kv_splits: the split count resolved from ``num_kv_splits`` /
             ``max_seq_len`` only sizes the grid; each request splits its keys as the
             host would choose for its own ``seq_len`` (at most that many ways; the other
@@ -362,18 +279,13 @@ def mla_tree_verify(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
-    if kernel == "auto" and config is None and _gluon_allowed():
-        from .gluon_kernels import gluon_supported, mla_tree_fwd_gluon
-
-        gluon_active = active_query_lens
-        if active_query_lens is not None and inactive_rows_choice() == "compute":
-            gluon_active = None  # every row computed: see INACTIVE_ROWS_ENV
-        if gluon_supported(q, kv_cache, kv_lora_rank, gluon_active):
-            return mla_tree_fwd_gluon(
-                q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
-                kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
-                max_seq_len=max_seq_len, validate_values=validate_values, out=out,
-                runtime_kv_splits=runtime_kv_splits)
+    if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
+            and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank, active_query_lens)):
+        return mla_tree_fwd_gluon(
+            q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
+            kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
+            max_seq_len=max_seq_len, validate_values=validate_values, out=out,
+            runtime_kv_splits=runtime_kv_splits)
     num_tokens, num_heads, head_dim = q.shape
     page_size = kv_cache.shape[1]
     stats, out, lse = prepare_outputs(
@@ -424,7 +336,7 @@ def mla_tree_verify(
         lse_strides = (lse_buf.stride(0), lse_buf.stride(1), lse_buf.stride(2))
 
     grid = (row_blocks, num_kv_splits, num_reqs)
-    log_launch_once("triton", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
+    _log_launch_once("triton", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
                     row_blocks=row_blocks, splits=num_kv_splits,
                     max_query_len=stats.max_query_len,
                     max_seq_len=stats.max_seq_len, active=has_active,
@@ -456,4 +368,106 @@ def mla_tree_verify(
     if has_active or num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,
                      merge_count, config.block_m, block_l, has_active)
+    return out, lse
+
+
+def mla_tree_fwd_gluon(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    ancestor_bits: torch.Tensor,
+    scale: float,
+    kv_lora_rank: int,
+    *,
+    num_kv_splits: int | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    validate_values: bool = True,
+    out: torch.Tensor | None = None,
+    runtime_kv_splits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA tree-verify attention with the Gluon sm_90 kernel (``gluon_kernel``) and
+    :func:`merge_splits`; what :func:`mla_tree_verify` runs where
+    :func:`gluon_kernel.gluon_supported` accepts the launch.
+
+    Same contract as :func:`mla_tree_verify` (absorbed MLA against a latent paged
+    cache; every context key visible, new key ``j`` visible to new token ``t`` iff bit
+    ``j`` of ``ancestor_bits[t]`` is set and ``j <= t``), without active rows.
+
+    Args:
+        q: ``[T, H, 576]`` bf16/fp16.
+        kv_cache: ``[num_blocks, page_size, 576]``, q's dtype; any page size.
+        block_table: int32 ``[R, max_blocks]``.
+        seq_lens: int32 ``[R]``: context + new tokens of each request.
+        query_start_loc: int32 ``[R + 1]``.
+        ancestor_bits: int64 ``[>= T, W]``, ``W >= ceil(max_query_len / 64)``.
+        scale: softmax scale of ``q . k``.
+        kv_lora_rank: 512.
+        num_kv_splits: CTAs per request along the keys; None picks it from the
+            context length and the SM count (one 216 KiB CTA per SM).
+        max_query_len, max_seq_len: host-side maxima; required with
+            ``validate_values=False`` (CUDA-graph friendly).
+        validate_values: check the metadata values on the host (one sync).
+        out: optional ``[T, H, 512]`` output buffer in q's dtype.
+        runtime_kv_splits: ``num_kv_splits`` (or ``max_seq_len``'s choice) is only the
+            grid's split count; each request takes the count chosen for its own length
+            (as in :func:`mla_tree_verify`).
+
+    Returns:
+        ``out [T, H, 512]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of the
+        softmax denominator); a row that sees no key gets ``out = 0, lse = -inf``.
+
+    Raises:
+        ValueError: the launch is invalid or not supported (``gluon_supported``).
+    """
+    _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
+    if not gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank):
+        raise ValueError("mla_tree_fwd_gluon: unsupported launch (see gluon_supported)")
+    num_tokens, num_heads, _ = q.shape
+    block_m, block_n = gluon_kernel.BLOCK_M, gluon_kernel.BLOCK_N
+    stats, out, lse = prepare_outputs(
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, kv_lora_rank,
+        max_query_len, max_seq_len, validate_values, out)
+    num_reqs = seq_lens.shape[0]
+    if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
+        return out, lse
+
+    row_blocks = triton.cdiv(stats.max_query_len * num_heads, block_m)
+    num_kv_splits = resolve_num_kv_splits(
+        num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
+        max_keys=stats.max_seq_len, block_n=block_n, device=q.device, ctas_per_sm=1,
+        runtime=runtime_kv_splits,
+    )
+    if num_kv_splits == 1:
+        out_buf, lse_buf = out, lse
+        out_strides = (out.stride(0), out.stride(1), 0)
+        lse_strides = (lse.stride(0), lse.stride(1), 0)
+    else:
+        out_buf = torch.empty(num_tokens, num_heads, num_kv_splits, kv_lora_rank,
+                              dtype=torch.float32, device=q.device)
+        lse_buf = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32,
+                              device=q.device)
+        out_strides = out_buf.stride()[:3]
+        lse_strides = lse_buf.stride()
+
+    _log_launch_once("gluon", q, kv_cache, kv_lora_rank=kv_lora_rank, requests=num_reqs,
+                     row_blocks=row_blocks, splits=num_kv_splits,
+                     max_query_len=stats.max_query_len, max_seq_len=stats.max_seq_len,
+                     runtime_splits=runtime_kv_splits)
+    gluon_kernel._mla_tree_fwd_gluon_kernel[(row_blocks, num_kv_splits, num_reqs)](
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, out_buf, lse_buf,
+        scale * kernels.LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0), ancestor_bits.stride(0), ancestor_bits.shape[1],
+        *out_strides, *lse_strides, split_slots(q.device, ctas_per_sm=1),
+        NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=gluon_kernel.ROPE_DIM,
+        PAGE_SIZE=kv_cache.shape[1], BLOCK_M=block_m, BLOCK_N=block_n,
+        RUNTIME_SPLITS=runtime_kv_splits and num_kv_splits > 1,
+        num_warps=gluon_kernel.NUM_WARPS,  # + the kernel's 4-warp worker partition
+    )  # fmt: skip
+    if num_kv_splits > 1:
+        merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, seq_lens,
+                     seq_lens, block_m, kv_lora_rank, False)
     return out, lse

@@ -72,3 +72,48 @@ def test_a_method_that_cannot_be_captured_is_host_timed_and_says_so(monkeypatch)
     strict = bench_module.run_cell(cell, args, [], graph_bench, torch.bfloat16)
     assert strict.times["vllm_triton"] is None  # no fallback: reported, not timed
     assert "NotCapturable" in strict.notes["vllm_triton"]
+
+
+def test_inactive_rows_table_flag_defaults_off():
+    assert bench_module.parse_args([]).inactive_rows_table is None
+    args = bench_module.parse_args(["--inactive-rows-table", "out.md"])
+    assert args.inactive_rows_table == "out.md" and args.timer == "graph"
+
+
+def test_inactive_rows_table_times_triton_skipping_vs_gluon_computing_all(monkeypatch):
+    """Per (H, ctx): one Gluon timing on the whole 65-row tree; per b, the Triton kernel
+    (forced) with b + 1 active rows of the same inputs. CPU: the GPU calls are stubbed."""
+    from types import SimpleNamespace
+
+    cells, triton_calls = [], []
+    monkeypatch.setattr(bench_module, "make_inputs",
+                        lambda cell, dtype: cells.append(cell) or SimpleNamespace(bits_tree="T"))
+    monkeypatch.setattr(bench_module, "gluon_all_rows", lambda inp: "gluon")
+
+    def ours(inp, bits, active_rows=None, kernel="auto"):
+        triton_calls.append((bits, active_rows, kernel))
+        return ("triton", active_rows)
+
+    monkeypatch.setattr(bench_module, "ours", ours)
+
+    def bench(fn):
+        return 2.0 if fn == "gluon" else fn[1] / 65
+
+    lines = bench_module.inactive_rows_table(bench, torch.bfloat16)
+    assert [(c.heads, c.ctx, c.qlen, c.page) for c in cells] == [
+        (8, 8192, 65, 64), (8, 131072, 65, 64), (64, 8192, 65, 64), (64, 131072, 65, 64)]
+    assert triton_calls == [("T", b + 1, "triton") for b in (8, 32, 64)] * 4
+    assert "Triton, skips inactive rows" in lines[0] and "Gluon, all 65 rows" in lines[0]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:]]
+    assert len(rows) == 12
+    assert rows[0][:3] == ["8", "8k", "9"] and rows[-1][:3] == ["64", "128k", "65"]
+    assert rows[-1][4] == "2.000" and rows[-1][5] == "2.00"  # gluon 2.0 / triton 1.0
+
+
+def test_gluon_all_rows_is_unavailable_off_hopper():
+    from types import SimpleNamespace
+
+    inp = SimpleNamespace(q=torch.zeros(65, 8, 576, dtype=torch.bfloat16),
+                          kv_cache=torch.zeros(2, 64, 576, dtype=torch.bfloat16))
+    with pytest.raises(bench_module.Unavailable, match="sm_90"):
+        bench_module.gluon_all_rows(inp)

@@ -1,8 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon sm_90 MLA tree-verify kernels (``gluon_kernels.mla_tree_fwd_gluon``, v1 and the
-warp-specialized v2 of ``gluon_kernels_v2``: every test runs for both, chosen through
-``VLLM_DDTREE_MLA_GLUON``) against the fp32 reference and the Triton kernel, on a Hopper
-GPU (bf16, kv_lora 512 + rope 64)."""
+"""The Gluon sm_90 MLA tree-verify kernel (``ops.mla_tree_fwd_gluon``, the warp-specialized
+``gluon_kernel``) against the fp32 reference and the Triton kernel, and the ``auto``
+dispatch of ``mla_tree_verify`` to it, on a Hopper GPU (bf16, kv_lora 512 + rope 64)."""
 
 import os
 
@@ -25,23 +24,12 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify,
     mla_tree_verify_reference,
 )
-from vllm_ddtree.attention_backends.mla_tree.gluon_kernels import (  # noqa: E402
-    GLUON_VERSION_ENV,
-    GLUON_VERSIONS,
-    gluon_supported,
-    mla_tree_fwd_gluon,
-)
+from vllm_ddtree.attention_backends.mla_tree.gluon_kernel import gluon_supported  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon  # noqa: E402
 
 MAX_ABS_ERR = 2e-2
 # Same splits, both fp32 accumulation: only bf16 rounding of P and of the output apart.
 TRITON_TOL = dict(atol=8e-3, rtol=1.6e-2)
-
-
-@pytest.fixture(autouse=True, params=GLUON_VERSIONS)
-def gluon_version(request, monkeypatch):
-    """Runs each test with ``mla_tree_fwd_gluon`` on kernel v1, then v2."""
-    monkeypatch.setenv(GLUON_VERSION_ENV, request.param)
-    return request.param
 
 
 def check(batch, **kwargs):
@@ -127,3 +115,22 @@ def test_unsupported_launches_fall_back():
     with pytest.raises(ValueError):
         mla_tree_fwd_gluon(**{**batch, "q": q[..., :512].contiguous(),
                               "kv_cache": kv[..., :512].contiguous(), "kv_lora_rank": 448})
+
+
+def test_auto_dispatch(monkeypatch):
+    """``kernel="auto"`` runs the Gluon kernel (bitwise its output) unless
+    ``VLLM_DDTREE_MLA_KERNEL=triton``; a launch with active rows runs the Triton kernel,
+    which zeroes the inactive rows."""
+    monkeypatch.delenv("VLLM_DDTREE_MLA_KERNEL", raising=False)
+    batch = make_batch([(3000, "tree", 16), (700, "chain", 9)], heads=16, page_size=64)
+    gluon_out, gluon_lse = mla_tree_fwd_gluon(**batch)
+    auto_out, auto_lse = mla_tree_verify(**batch)
+    assert torch.equal(auto_out, gluon_out) and torch.equal(auto_lse, gluon_lse)
+    triton_out, _ = mla_tree_verify(**batch, kernel="triton")
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "triton")
+    assert torch.equal(mla_tree_verify(**batch)[0], triton_out)
+    monkeypatch.delenv("VLLM_DDTREE_MLA_KERNEL")
+    active = torch.tensor([5, 9], dtype=torch.int32, device="cuda")
+    out, lse = mla_tree_verify(**batch, active_query_lens=active)
+    assert bool((out[5:16] == 0).all()) and bool(torch.isneginf(lse[5:16]).all())
+    torch.testing.assert_close(out[:5].float(), triton_out[:5].float(), **TRITON_TOL)

@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Gluon (sm_90) MLA tree-verify kernel, v2: FlashMLA-style "seesaw" of two warpgroups.
+"""Gluon (sm_90) MLA tree-verify kernel: a FlashMLA-style "seesaw" of two warpgroups.
 
-Same contract, grid ``(row_blocks, num_kv_splits, num_reqs)``, tree mask and per-split
-``out``/``lse`` partials as ``gluon_kernels._mla_tree_fwd_gluon_kernel`` (v1); chosen by
-``gluon_kernels.mla_tree_fwd_gluon`` by default (``VLLM_DDTREE_MLA_GLUON=v1`` takes v1).
-H200, 2026-11-30 s16: the GPU tests pass (vs the fp32 reference and Triton, CUDA graphs,
-run-time split counts) and it runs at 0.79-1.15x FlashMLA's time where v1 ran at
-0.84-1.40x (``evals/results/gluon_mla.md``).
+Same work split, inputs and partial outputs as the Triton ``kernels._mla_tree_fwd_kernel``
+(grid ``(row_blocks, num_kv_splits, num_reqs)``, rows ``token * H + head``, a CTA loops
+over the 64-key tiles of its split; per-split ``out``/``lse`` partials finished by
+``ops.merge_splits``), restricted to Hopper, 16-bit dtypes, ``kv_lora_rank`` 512 + rope
+64 and no active rows (:func:`gluon_supported`). Launched by ``ops.mla_tree_fwd_gluon``.
 
-Why: v1 splits ``S = Q K^T`` of every tile by key columns over its two warpgroups (n=32
-wgmmas, each reading all of Q), so the row max needs CTA-wide barriers and both
-warpgroups run their softmax at the same time, with the tensor cores idle.
+Why a seesaw: splitting ``S = Q K^T`` of every tile by key columns over two warpgroups
+(n=32 wgmmas, each reading all of Q) needs CTA-wide barriers for the row max, and both
+warpgroups then run their softmax at the same time with the tensor cores idle. Here
+each warpgroup computes the full ``S`` of alternate tiles, and the softmax of one
+overlaps the other's wgmmas.
 
 Layout. ``gl.warp_specialize`` (it lowers for sm_90 in triton 3.6: named ``bar.sync``
 per partition, ``setmaxnreg``) runs the same code as two 4-warp partitions: warpgroup
@@ -44,12 +45,13 @@ wg1's softmax overlaps ``P0 V_L(a)``; wg0's rescale overlaps ``P1 V_R(b)``,
 ``P0 V_R(a)``; ``S`` of the next pair overlaps the other warpgroup's PV. The
 hand-offs are mbarriers (count 1, one elected arrive after a partition-local barrier):
 ``m``/``sc0`` ready, ``m``/``sc1`` ready, ``P0`` ready, ``P1`` ready; there is no
-CTA-wide barrier in the loop. KV tiles are gathered through the block table (any page
-size) with cp.async by both warpgroups (each refills what it was the last to read) and
-completed on a per-buffer mbarrier with ``cp.async.mbarrier.arrive.noinc`` (256
-arrivals a phase). A split with an odd number of tiles runs one fully masked tile
-(its keys clamped to the split's last key: valid addresses, ``P = 0``).
-``tests/test_gluon_v2_protocol.py`` models this schedule (every interleaving of the two
+CTA-wide barrier in the loop. KV tiles are gathered row by row through the block table
+(any page size) with cp.async (16-byte vectors, 128-byte-swizzled NVMMA shared layouts)
+by both warpgroups (each refills what it was the last to read) and completed on a
+per-buffer mbarrier with ``cp.async.mbarrier.arrive.noinc`` (256 arrivals a phase). Key
+indices past the split end are clamped to its last key (valid addresses, masked in
+``S``); a split with an odd number of tiles runs one such fully masked tile (``P = 0``).
+``tests/test_gluon_mla_protocol.py`` models this schedule (every interleaving of the two
 warpgroups: no deadlock, phase slip or early buffer refill) and its arithmetic: keep it
 in step with any change here.
 
@@ -59,6 +61,7 @@ relative to the same running max) is exchanged through shared memory at the end.
 
 from __future__ import annotations
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -69,14 +72,23 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_kernels import _mask_scores, _split_bounds, _tile_pages
+from . import configs
 
 LN2 = gl.constexpr(0.6931471805599453)
 
+# The only shape the kernel takes (gluon_supported).
+KV_LORA_RANK = 512
+ROPE_DIM = 64
+BLOCK_M = 64
+BLOCK_N = 64
 NUM_WARPS = 4  # launch num_warps: the default partition; + a 4-warp worker partition
 WORKER_NUM_REGS = 248  # setmaxnreg of the worker (default: 256; 240 spilled)
 _WARPS = gl.constexpr(NUM_WARPS)
 _WORKER_REGS = gl.constexpr(WORKER_NUM_REGS)
+# The split-count cost model of configs.select_num_kv_splits, for _runtime_num_splits.
+MIN_TILES_PER_SPLIT = gl.constexpr(configs.MIN_TILES_PER_SPLIT)
+MAX_KV_SPLITS = gl.constexpr(configs.MAX_KV_SPLITS)
+SPLIT_OVERHEAD_TILES = gl.constexpr(configs.SPLIT_OVERHEAD_TILES)
 
 # Rows (of BLOCK_M) of the fp32 [STAT_ROWS * BLOCK_M] statistics buffer.
 STAT_M = gl.constexpr(0)  # running max (log2 units)
@@ -94,8 +106,127 @@ BAR_FIN0 = gl.constexpr(6)
 NUM_BARS = gl.constexpr(8)
 
 
+def gluon_supported(
+    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
+    active_query_lens: torch.Tensor | None = None,
+) -> bool:
+    """Whether the Gluon kernel handles this launch (``ops.mla_tree_fwd_gluon``); else
+    the Triton kernel does.
+
+    Args:
+        q: ``[T, H, 576]`` query (bf16 or fp16 for the Gluon kernel).
+        kv_cache: ``[num_blocks, page_size, 576]`` latent cache, q's dtype.
+        kv_lora_rank: must be 512 (rope dim 64).
+        active_query_lens: must be None (the kernel has no active-row re-split).
+
+    Returns:
+        True on a CUDA device of compute capability 9.x (Hopper) with 16-bit q and
+        cache, ``kv_lora_rank == 512``, rope 64, contiguous last dims, 16-byte aligned
+        rows, no active rows.
+    """
+    if active_query_lens is not None or kv_lora_rank != KV_LORA_RANK:
+        return False
+    if not (isinstance(q, torch.Tensor) and isinstance(kv_cache, torch.Tensor)):
+        return False
+    if q.dim() != 3 or kv_cache.dim() != 3:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or kv_cache.dtype != q.dtype:
+        return False
+    if q.shape[2] != KV_LORA_RANK + ROPE_DIM or kv_cache.shape[2] != q.shape[2]:
+        return False
+    if not (q.is_cuda and kv_cache.device == q.device):
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1:
+        return False
+    # cp.async moves 16-byte vectors: row starts must be 8-element aligned.
+    aligned = all(s % 8 == 0 for s in (q.stride(0), q.stride(1), kv_cache.stride(0),
+                                       kv_cache.stride(1)))
+    return aligned and q.data_ptr() % 16 == 0 and kv_cache.data_ptr() % 16 == 0
+
+
 @gluon.jit
-def _load_v2(KV, BlockTable, bt_row, start_n, last_key, dst_v, dst_r, bar, stride_kvb,
+def _runtime_num_splits(key_tiles, base_ctas, split_slots, grid_splits,
+                        MIN_TILES: gl.constexpr, MAX_SPLITS: gl.constexpr,
+                        LAYOUT: gl.constexpr):
+    """``kernels._runtime_num_splits`` in Gluon (``LAYOUT``: any 1-D layout): the split
+    count the host would choose for ``key_tiles`` tiles, at most ``grid_splits``."""
+    tiles = gl.maximum(key_tiles, 1)
+    limit = gl.maximum(gl.minimum(gl.minimum(grid_splits, MAX_SPLITS), tiles // MIN_TILES), 1)
+    splits = gl.arange(0, MAX_SPLITS, LAYOUT) + 1
+    waves = gl.cdiv(base_ctas * splits, split_slots)
+    cost = gl.where(splits <= limit, waves * (gl.cdiv(tiles, splits) + SPLIT_OVERHEAD_TILES),
+                    2**30)
+    best_cost = gl.min(cost, axis=0)
+    return gl.min(gl.where(cost == best_cost, splits, MAX_SPLITS), axis=0)
+
+
+@gluon.jit
+def _split_bounds(seq_len, ctx_len, num_rows, pid_m, pid_s, split_slots,
+                  NUM_HEADS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  RUNTIME_SPLITS: gl.constexpr):
+    """``(split_start, split_end)``: the keys of split ``pid_s`` (an even split of the
+    request's keys in whole tiles, as the Triton kernel), cut after the last new token
+    row block ``pid_m`` may see (topological order: its last token sees no later one).
+    The request is split ``num_programs(1)`` ways, or with ``RUNTIME_SPLITS`` as
+    :func:`_runtime_num_splits` picks for its length (CUDA graphs)."""
+    num_splits = gl.num_programs(1)
+    if RUNTIME_SPLITS:
+        # The candidates, one per thread.
+        layout: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        num_splits = _runtime_num_splits(
+            gl.cdiv(seq_len, BLOCK_N), gl.num_programs(0) * gl.num_programs(2), split_slots,
+            num_splits, MIN_TILES_PER_SPLIT, MAX_KV_SPLITS, layout)
+    keys_per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_start = pid_s * keys_per_split
+    split_end = gl.minimum(split_start + keys_per_split, seq_len)
+    last_tok = gl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
+    return split_start, gl.minimum(split_end, ctx_len + last_tok + 1)
+
+
+@gluon.jit
+def _tile_pages(BlockTable, bt_row, start_n, last_key, PAGE_SIZE: gl.constexpr,
+                BLOCK_N: gl.constexpr, LD: gl.constexpr):
+    """Page ids of the keys ``start_n .. start_n + BLOCK_N`` (clamped to ``last_key``):
+    an int32 scalar when a tile lies in one page, else int32 ``[BLOCK_N]``."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        # The whole tile lies in one page (tiles start at multiples of BLOCK_N).
+        return gl.load(BlockTable + bt_row + gl.minimum(start_n, last_key) // PAGE_SIZE)
+    else:
+        keys = gl.minimum(start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(1, LD)), last_key)
+        return gl.load(BlockTable + bt_row + keys // PAGE_SIZE)
+
+
+@gluon.jit
+def _mask_scores(
+    s, start_n, split_end, ctx_len, q_start, row_tok, AncestorBits, stride_bits, num_words,
+    S_LAYOUT: gl.constexpr, BLOCK_N: gl.constexpr,
+):  # fmt: skip
+    """``s`` fp32 ``[BLOCK_M, BLOCK_N]`` (keys ``start_n ..``) with the keys a row may not
+    see set to -inf: past ``split_end``, new tokens outside the row's ancestor bits, and
+    new tokens after the row's own (topological order). Only a tile that reaches past
+    the context or past the split end (the dummy tile of an odd split) is masked."""
+    if start_n + BLOCK_N > gl.minimum(ctx_len, split_end):
+        offs_n = start_n + gl.arange(0, BLOCK_N, gl.SliceLayout(0, S_LAYOUT))
+        new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
+        bit_idx = gl.maximum(new_idx, 0)
+        # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
+        word_lo = gl.maximum(start_n - ctx_len, 0) // 64
+        bits_row = AncestorBits + (q_start + row_tok).to(gl.int64) * stride_bits
+        lo = gl.load(bits_row + word_lo, mask=(row_tok * 0 + word_lo) < num_words, other=0)
+        hi = gl.load(bits_row + word_lo + 1, mask=(row_tok * 0 + word_lo + 1) < num_words,
+                     other=0)
+        words = gl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
+        bit_set = ((words >> (bit_idx % 64).to(gl.int64)[None, :]) & 1) != 0
+        visible = (offs_n < split_end)[None, :] & ((new_idx < 0)[None, :] | bit_set)
+        visible = visible & (new_idx[None, :] <= row_tok[:, None])
+        s = gl.where(visible, s, float("-inf"))
+    return s
+
+
+@gluon.jit
+def _load_kv_part(KV, BlockTable, bt_row, start_n, last_key, dst_v, dst_r, bar, stride_kvb,
              stride_kvp, WG: gl.constexpr, WITH_ROPE: gl.constexpr, PAGE_SIZE: gl.constexpr,
              BLOCK_N: gl.constexpr, KV_LORA: gl.constexpr, ROPE: gl.constexpr,
              pred=None):
@@ -190,10 +321,10 @@ def _seesaw_partition(
 
     # Tiles 0 and 1: this warpgroup's V half of each, and the rope part of the buffer
     # it does not own (the one whose rope slot it reads P from).
-    _load_v2(KV, BlockTable, bt_row, split_start, last_key, v0.index(0), r0.index(0),
+    _load_kv_part(KV, BlockTable, bt_row, split_start, last_key, v0.index(0), r0.index(0),
              bars.index(BAR_KV0), stride_kvb, stride_kvp, WG, WG == 1, PAGE_SIZE,
              BLOCK_N, KV_LORA, ROPE)
-    _load_v2(KV, BlockTable, bt_row, split_start + BLOCK_N, last_key, v1.index(0),
+    _load_kv_part(KV, BlockTable, bt_row, split_start + BLOCK_N, last_key, v1.index(0),
              r1.index(0), bars.index(BAR_KV0 + 1), stride_kvb, stride_kvp, WG, WG == 0,
              PAGE_SIZE, BLOCK_N, KV_LORA, ROPE)
 
@@ -211,7 +342,7 @@ def _seesaw_partition(
         fence_async_shared()
         s = _qk(q_lo, q_hi, q_r, own_lo, own_hi, own_r, zero, S_LAYOUT, BLOCK_M, BLOCK_N)
         s = _mask_scores(s * qk_scale, start_own, split_end, ctx_len, q_start, tok_s,
-                         AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N, True)
+                         AncestorBits, stride_bits, num_words, S_LAYOUT, BLOCK_N)
         s_max = gl.max(s, axis=1)
         if WG == 1:
             mbarrier.wait(bars.index(BAR_SC0), phase)
@@ -238,7 +369,7 @@ def _seesaw_partition(
             fence_async_shared()
             mbarrier.arrive(bars.index(BAR_P0))
             if more:
-                _load_v2(KV, BlockTable, bt_row, start_a + 2 * BLOCK_N, last_key,
+                _load_kv_part(KV, BlockTable, bt_row, start_a + 2 * BLOCK_N, last_key,
                          v0.index(zero), r0.index(zero), bars.index(BAR_KV0), stride_kvb,
                          stride_kvp, 0, False, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE)
             l_i = l_i * sc1
@@ -252,7 +383,7 @@ def _seesaw_partition(
             acc = warpgroup_mma(r1.index(zero), v1.index(zero), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
             if more:
-                _load_v2(KV, BlockTable, bt_row, start_b + 2 * BLOCK_N, last_key,
+                _load_kv_part(KV, BlockTable, bt_row, start_b + 2 * BLOCK_N, last_key,
                          v1.index(zero), r1.index(zero), bars.index(BAR_KV0 + 1), stride_kvb,
                          stride_kvp, 0, True, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE)
         else:
@@ -275,7 +406,7 @@ def _seesaw_partition(
             # P1 V_R(b) retired (P0 V_R(a) still in flight): refill V_R of buffer 1,
             # predicated (no branch while a wgmma is in flight).
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-            _load_v2(KV, BlockTable, bt_row, start_b + 2 * BLOCK_N, last_key,
+            _load_kv_part(KV, BlockTable, bt_row, start_b + 2 * BLOCK_N, last_key,
                      v1.index(zero), r1.index(zero), bars.index(BAR_KV0 + 1), stride_kvb,
                      stride_kvp, 1, False, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE, pred=more)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
@@ -283,7 +414,7 @@ def _seesaw_partition(
                 # Buffer 1's V_R refill above completes on its barrier (noinc: tracks
                 # all of this thread's earlier cp.asyncs); none without a next pair.
                 async_copy.mbarrier_arrive(bars.index(BAR_KV0 + 1), increment_count=False)
-                _load_v2(KV, BlockTable, bt_row, start_a + 2 * BLOCK_N, last_key,
+                _load_kv_part(KV, BlockTable, bt_row, start_a + 2 * BLOCK_N, last_key,
                          v0.index(zero), r0.index(zero), bars.index(BAR_KV0), stride_kvb,
                          stride_kvp, 1, True, PAGE_SIZE, BLOCK_N, KV_LORA, ROPE)
 
@@ -313,7 +444,7 @@ def _seesaw_partition(
 
 
 @gluon.jit(do_not_specialize=("stride_lt", "stride_lh", "stride_ls"))
-def _mla_tree_fwd_gluon_v2_kernel(
+def _mla_tree_fwd_gluon_kernel(
     Q, KV, BlockTable, SeqLens, QueryStartLoc, AncestorBits, Out, Lse,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
@@ -324,9 +455,10 @@ def _mla_tree_fwd_gluon_v2_kernel(
     RUNTIME_SPLITS: gl.constexpr,
 ):  # fmt: skip
     """One CTA (launched with ``num_warps=4`` + a 4-warp worker): ``BLOCK_M`` rows of
-    request ``program_id(2)`` against split ``program_id(1)`` of its keys; same
-    arguments as v1. The 4 default warps load Q, the first two KV tiles' setup and the
-    mbarriers, then fork into the two warpgroups (module docstring)."""
+    request ``program_id(2)`` against split ``program_id(1)`` of its keys (the Triton
+    kernel's arguments, without its active-row ones). The 4 default warps load Q, the
+    first two KV tiles' setup and the mbarriers, then fork into the two warpgroups
+    (module docstring)."""
     gl.static_assert(BLOCK_M == 64)
     gl.static_assert(BLOCK_N == 64)
     gl.static_assert(KV_LORA == 512)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""CPU models of the Gluon v2 MLA kernel (``attention_backends/mla_tree/gluon_kernels_v2``,
+"""CPU models of the Gluon MLA kernel (``attention_backends/mla_tree/gluon_kernel.py``,
 the warp-specialized "seesaw"): its mbarrier protocol and its softmax arithmetic.
 
 THESE ARE HAND-WRITTEN MODELS OF THE KERNEL, NOT TESTS OF ITS CODE. :func:`schedule`
@@ -18,7 +18,7 @@ for the kernel, ``tests/test_mla_gluon_kernel_compile.py`` compiles it offline):
 * ``async_copy.mbarrier_arrive(bar, increment_count=False)`` is
   ``cp.async.mbarrier.arrive.noinc`` executed by EVERY thread of the partition: each of
   the 128 threads decrements the pending count by one once all of ITS earlier cp.asyncs
-  landed. So one ``_load_v2`` call of one warpgroup = 128 arrivals, and the KV barriers
+  landed. So one ``_load_kv_part`` call of one warpgroup = 128 arrivals, and the KV barriers
   (``count=256``) complete a phase when both warpgroups' shares of a tile have landed.
 * ``mbarrier.wait(bar, parity)`` is ``try_wait.parity``: it passes iff the phase with
   that parity completed, i.e. ``completed_phases % 2 != parity``; if the barrier ran two
@@ -70,7 +70,7 @@ def schedule(num_tiles: int, mutation: str | None = None) -> tuple[list, list]:
 
     ``("cp", ((slot, content), ...), bar)``: cp.async of a share of a tile, then the
     128 noinc arrivals on ``bar`` (asynchronous: when the group lands); ``bar`` None:
-    no arrive (``_load_v2(..., pred=...)``);
+    no arrive (``_load_kv_part(..., pred=...)``);
     ``("cparrive", bar)``: a separate ``async_copy.mbarrier_arrive`` (noinc: its 128
     arrivals come once all of the warpgroup's earlier cp.asyncs landed);
     ``("wait", bar, parity, k)``: ``mbarrier.wait(bar, parity)`` meant for phase ``k``;
