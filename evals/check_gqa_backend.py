@@ -6,9 +6,11 @@
 ``CUSTOM`` runs with ``VLLM_DDTREE_TREE_BACKEND=gqa`` (the plugin's ``register()``
 then puts the GQA tree backend in the CUSTOM slot in every vLLM process).
 ``--tree-threshold N`` also sends prompts of up to N tokens through the tree kernel
-(causal bits), as DDTree's 1 + 2B threshold does. ``--runner v2`` forces vLLM's V2
-model runner (DDTree's). Used by tests/gpu/test_gqa_backend_vllm.py to compare CUSTOM
-with FLASH_ATTN.
+(causal bits), as DDTree's 1 + 2B threshold does: it sets
+``TreeGQAMetadataBuilder.min_tree_query_len`` in this process and runs the engine here
+too (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and records the longest query the tree
+kernel saw (``max_tree_query_len``). ``--runner v2`` forces vLLM's V2 model runner
+(DDTree's). Used by tests/gpu/test_gqa_backend_vllm.py to compare CUSTOM with FLASH_ATTN.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import json
 import os
 
 from check_mla_backend import exit_now
+
+from vllm_ddtree import settings
 
 # Longer than the test models' sliding window (64), so the window matters.
 PROMPT_LENGTHS = (5, 17, 64, 130, 200, 700)
@@ -35,11 +39,22 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.backend == "CUSTOM":
-        os.environ["VLLM_DDTREE_TREE_BACKEND"] = "gqa"
-    if args.tree_threshold:
-        os.environ["VLLM_DDTREE_GQA_TREE_THRESHOLD"] = str(args.tree_threshold)
+        settings.set_for_children("VLLM_DDTREE_TREE_BACKEND", "gqa")
     if args.runner != "auto":
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if args.runner == "v2" else "0"
+    tree_query_lens: list[int] = []
+    if args.tree_threshold:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the builder below is this one
+        from vllm_ddtree.attention_backends.gqa_tree import backend as gqa_backend
+
+        gqa_backend.TreeGQAMetadataBuilder.min_tree_query_len = args.tree_threshold
+        tree_verify = gqa_backend.gqa_tree_verify
+
+        def recording_tree_verify(*call_args, **kwargs):
+            tree_query_lens.append(kwargs["max_query_len"])
+            return tree_verify(*call_args, **kwargs)
+
+        gqa_backend.gqa_tree_verify = recording_tree_verify
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -66,6 +81,7 @@ def main() -> None:
     with open(args.out, "w") as f:
         json.dump({"backend": args.backend, "backend_class": backend_cls, "graphs": args.graphs,
                    "tree_threshold": args.tree_threshold, "runner": args.runner,
+                   "max_tree_query_len": max(tree_query_lens, default=0),
                    "outputs": result}, f)
     exit_now()
 

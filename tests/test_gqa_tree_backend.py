@@ -28,7 +28,6 @@ from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
 from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify_reference, kernels  # noqa: E402
 from vllm_ddtree.attention_backends.gqa_tree.backend import (  # noqa: E402
-    TREE_THRESHOLD_ENV,
     TreeGQABackend,
     TreeGQAImpl,
     TreeGQAMetadataBuilder,
@@ -249,7 +248,7 @@ def test_all_prefill_and_threshold_override(monkeypatch, tree_state):
     batch = Batch([(0, chain(20)), (5, chain(33))], PREFILL_DTYPE, seed=2)
     meta = make_builder().build(0, batch.common_metadata())
     assert meta.decode is None and meta.prefill.num_actual_tokens == 53
-    monkeypatch.setenv(TREE_THRESHOLD_ENV, "24")
+    monkeypatch.setattr(TreeGQAMetadataBuilder, "min_tree_query_len", 24)
     builder = make_builder()
     assert builder.reorder_batch_threshold == 24
     meta = builder.build(0, batch.common_metadata())
@@ -257,9 +256,9 @@ def test_all_prefill_and_threshold_override(monkeypatch, tree_state):
     out = run_backend(batch, make_impl(None), meta)
     want = batch.reference(batch.causal_bits, None)
     torch.testing.assert_close(out.float(), want.float(), **TOLS[PREFILL_DTYPE])
-    monkeypatch.setenv(TREE_THRESHOLD_ENV, "lots")
-    with pytest.raises(ValueError, match=TREE_THRESHOLD_ENV):
-        make_builder()
+    # It only raises the threshold: below DDTree's 1 + 2B it changes nothing.
+    monkeypatch.setattr(TreeGQAMetadataBuilder, "min_tree_query_len", 3)
+    assert make_builder().reorder_batch_threshold == 1 + 2 * SPEC_TOKENS
 
 
 def test_backend_declarations_and_refusals():

@@ -7,6 +7,9 @@ from vllm_ddtree.attention_backends.registration import (
     tree_backend_kind_from_env,
 )
 
+from vllm_ddtree import settings
+from vllm_ddtree.settings import SettingError
+
 
 def test_register_switches_the_custom_class(custom_backend_slot):
     from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
@@ -22,15 +25,25 @@ def test_register_switches_the_custom_class(custom_backend_slot):
 
 
 def test_kind_from_env(monkeypatch):
+    """Read through vllm_ddtree.settings: unset or empty is ``mla``; anything but the
+    two kinds raises a SettingError naming the variable, the value and the choices."""
     monkeypatch.delenv(TREE_BACKEND_ENV, raising=False)
     assert tree_backend_kind_from_env() == "mla"
-    monkeypatch.setenv(TREE_BACKEND_ENV, " GQA ")
+    monkeypatch.setenv(TREE_BACKEND_ENV, " gqa ")
     assert tree_backend_kind_from_env() == "gqa"
     monkeypatch.setenv(TREE_BACKEND_ENV, "")
     assert tree_backend_kind_from_env() == "mla"
-    monkeypatch.setenv(TREE_BACKEND_ENV, "flashinfer")
-    with pytest.raises(ValueError, match=TREE_BACKEND_ENV):
-        tree_backend_kind_from_env()
+    for bad in ("flashinfer", "GQA"):
+        monkeypatch.setenv(TREE_BACKEND_ENV, bad)
+        with pytest.raises(SettingError, match=f"{TREE_BACKEND_ENV}='{bad}'.*mla, gqa"):
+            tree_backend_kind_from_env()
+
+
+def test_front_end_setting_reaches_the_reader(monkeypatch):
+    """The front end sets the kind with settings.set_for_children; the reader sees it."""
+    monkeypatch.setenv(TREE_BACKEND_ENV, "")  # restored after the test
+    settings.set_for_children(TREE_BACKEND_ENV, "gqa")
+    assert tree_backend_kind_from_env() == "gqa"
 
 
 def test_mla_backend_asks_vllm_for_64_token_pages():

@@ -22,7 +22,6 @@ kernel also gets the speculator's per-request active query rows
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
@@ -42,11 +41,6 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm_ddtree.attention_backends.gqa_tree.ops import gqa_tree_verify
 from vllm_ddtree.attention_backends.mla_tree.tree_mask import num_mask_words
 from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
-
-# Raises the query length up to which requests take the tree kernel (never lowers
-# it): lets a plain vLLM run (no speculation) push short prompts through the tree
-# kernel with causal bits, as DDTree's 1 + 2B threshold does.
-TREE_THRESHOLD_ENV = "VLLM_DDTREE_GQA_TREE_THRESHOLD"
 
 
 @dataclass
@@ -78,24 +72,15 @@ class TreeGQAMetadata(TritonAttentionMetadata):
     prefill: TritonAttentionMetadata | None = None
 
 
-def tree_threshold_override() -> int:
-    """``VLLM_DDTREE_GQA_TREE_THRESHOLD`` as an int (0 when unset)."""
-    value = os.environ.get(TREE_THRESHOLD_ENV, "").strip()
-    if not value:
-        return 0
-    try:
-        threshold = int(value)
-    except ValueError:
-        threshold = -1
-    if threshold < 1:
-        raise ValueError(f"{TREE_THRESHOLD_ENV}={value!r} must be a positive integer")
-    return threshold
-
-
 class TreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
     # Mixed decode/prefill batches split on the host, so FULL graphs only for
     # uniform decode/verify batches.
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
+    # Raises the query length up to which requests take the tree kernel (never lowers
+    # it). 0 in a served model; a test sets it in-process so that a plain vLLM run (no
+    # speculation) pushes short prompts through the tree kernel with causal bits, as
+    # DDTree's 1 + 2B threshold does (evals/check_gqa_backend.py --tree-threshold).
+    min_tree_query_len: ClassVar[int] = 0
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -110,9 +95,8 @@ class TreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
                 "(--decode-context-parallel-size > 1)"
             )
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
-        self.reorder_batch_threshold = max(
-            self.reorder_batch_threshold, tree_threshold_override()
-        )
+        self.reorder_batch_threshold = max(self.reorder_batch_threshold,
+                                           self.min_tree_query_len)
         # Causal bits live in our own persistent buffer (stable address under FULL
         # CUDA graphs); the DDTree speculator provides the tree's.
         self._causal_bits = torch.zeros(

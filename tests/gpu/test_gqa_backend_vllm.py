@@ -43,8 +43,10 @@ def test_custom_backend_matches_flash_attn(tiny_gqa, tmp_path):
     assert ours["backend_class"].endswith("TreeGQABackend")
     problems = {"CUSTOM vs FLASH_ATTN": compare(ours, ref)}
     # prompts of up to 64 tokens through the tree kernel (causal bits), the rest
-    # through vLLM's prefill kernel, in the same batch
+    # through vLLM's prefill kernel, in the same batch (engine in the check's process,
+    # where it raises TreeGQAMetadataBuilder.min_tree_query_len)
     short = run_backend(tiny_gqa, "CUSTOM", tmp_path, "--tree-threshold", "64")
+    assert 1 < short["max_tree_query_len"] <= 64, short["max_tree_query_len"]
     problems["CUSTOM (tree kernel up to 64 tokens) vs FLASH_ATTN"] = compare(short, ref)
     graphs = run_backend(tiny_gqa, "CUSTOM", tmp_path, "--graphs")
     problems["CUSTOM graphs vs eager"] = compare(graphs, ours)
