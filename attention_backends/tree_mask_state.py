@@ -52,6 +52,9 @@ class TreeMaskState:
             :meth:`allocate_active`, filled per verify step by the speculator.
         adaptive: the backends pass ``active_query_lens`` to the kernels (set once at
             engine init, ``ddtree_budget: "auto"``).
+        mostly_active: more than half of each request's verify rows are active (adaptive
+            verify shapes cut the rows to ``1 + s`` with ``s < 2 b``); the MLA backend
+            then lets the Gluon kernel compute every row (set once at engine init).
     """
 
     def __init__(self) -> None:
@@ -59,6 +62,7 @@ class TreeMaskState:
         self.active = False
         self.active_query_lens: torch.Tensor | None = None
         self.adaptive = False
+        self.mostly_active = False
 
     def allocate(self, max_num_tokens: int, max_query_len: int, device) -> torch.Tensor:
         words = max(1, -(-max_query_len // BITS_PER_WORD))

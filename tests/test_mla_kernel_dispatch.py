@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Which kernel ``mla_tree_verify`` launches: Gluon where ``gluon_supported`` says so
-(sm_90), Triton otherwise or when forced (``config``, active rows, ``kernel="triton"``,
-``VLLM_DDTREE_MLA_KERNEL=triton``). CPU: ``gluon_supported`` is stubbed."""
+(sm_90), with active rows only when most rows are active; Triton otherwise or when
+forced (``config``, ``kernel="triton"``, ``VLLM_DDTREE_MLA_KERNEL=triton``).
+CPU: ``gluon_supported`` is stubbed."""
 
 import logging
 
@@ -22,15 +23,14 @@ KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"
 
 @pytest.fixture
 def gluon_calls(monkeypatch):
-    """Pretend every launch without active rows is Gluon-eligible (the real rule
-    refuses active rows); record the launches routed to Gluon."""
+    """Pretend every launch is Gluon-eligible; record the launches routed to Gluon."""
     calls = []
 
     def fake_gluon(q, *args, **kwargs):
         calls.append(kwargs)
         return torch.full(q.shape[:2] + (args[6],), 7.0), torch.zeros(q.shape[:2])
 
-    monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda *a: a[3] is None)
+    monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda *a: True)
     monkeypatch.setattr(ops, "mla_tree_fwd_gluon", fake_gluon)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     return calls
@@ -48,26 +48,35 @@ def test_auto_takes_gluon_with_the_launch_arguments(gluon_calls):
     assert gluon_calls[0]["validate_values"] is False
 
 
-@pytest.mark.parametrize("how", ["kernel", "env", "config", "active"])
+@pytest.mark.parametrize("how", ["kernel", "env", "config"])
 def test_forcing_triton(gluon_calls, monkeypatch, how):
     batch, kwargs = _batch(), {}
     if how == "kernel":
         kwargs["kernel"] = "triton"
     elif how == "env":
         monkeypatch.setenv(KERNEL_ENV, "triton")
-    elif how == "config":
-        kwargs["config"] = MLA_TILE_CONFIGS[0]
     else:
-        kwargs["active_query_lens"] = torch.tensor([3, 1], dtype=torch.int32)
+        kwargs["config"] = MLA_TILE_CONFIGS[0]
     out, _ = mla_tree_verify(**batch, **kwargs)
     assert gluon_calls == [] and not bool((out == 7.0).all())
 
 
-def test_active_rows_are_skipped_by_the_triton_kernel(gluon_calls):
-    """With active rows (``ddtree_budget: "auto"``) the Triton kernel runs and the rows
-    past each request's active count get ``out = 0, lse = -inf``."""
+def test_mostly_active_rows_take_gluon(gluon_calls):
+    """With active rows (``ddtree_budget: "auto"``) and adaptive verify shapes (most rows
+    active) an eligible launch takes the Gluon kernel, which computes every row (the walk
+    reads only the active ones); without ``mostly_active`` the Triton kernel skips them."""
     active = torch.tensor([2, 1], dtype=torch.int32)
-    out, lse = mla_tree_verify(**_batch(), active_query_lens=active)
+    out, _ = mla_tree_verify(**_batch(), active_query_lens=active, mostly_active=True)
+    assert len(gluon_calls) == 1 and bool((out == 7.0).all())
+    out, _ = mla_tree_verify(**_batch(), active_query_lens=active)
+    assert len(gluon_calls) == 1 and not bool((out == 7.0).all())
+
+
+def test_active_rows_are_skipped_by_the_triton_kernel(gluon_calls):
+    """Where the Triton kernel runs, the rows past each request's active count get no
+    KV loads: ``out = 0, lse = -inf``."""
+    active = torch.tensor([2, 1], dtype=torch.int32)
+    out, lse = mla_tree_verify(**_batch(), active_query_lens=active, kernel="triton")
     assert gluon_calls == []
     assert bool((out[2] == 0).all()) and bool(torch.isneginf(lse[2]).all())
     assert bool(torch.isfinite(lse[:2]).all()) and bool(torch.isfinite(lse[3]).all())

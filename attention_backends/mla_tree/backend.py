@@ -8,7 +8,9 @@ path (in fp32, which vLLM's MLA prefill backends lack, every token takes the tre
 kernel). Without a DDTree tree the mask is causal, so the backend is a plain MLA
 backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
 kernel also gets the speculator's per-request active query rows
-(``vllm_ddtree.attention_backends.tree_mask_state``) and skips the inactive ones.
+(``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
+ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
+(faster on sm_90; nothing reads them).
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             max_seq_len=max_seq_len,
             validate_values=False,
             active_query_lens=decode.active_query_lens,
+            mostly_active=TREE_MASK_STATE.mostly_active,
             runtime_kv_splits=capturing,
         )
 

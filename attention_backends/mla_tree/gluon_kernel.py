@@ -106,10 +106,7 @@ BAR_FIN0 = gl.constexpr(6)
 NUM_BARS = gl.constexpr(8)
 
 
-def gluon_supported(
-    q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
-    active_query_lens: torch.Tensor | None = None,
-) -> bool:
+def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) -> bool:
     """Whether the Gluon kernel handles this launch (``ops.mla_tree_fwd_gluon``); else
     the Triton kernel does.
 
@@ -117,14 +114,13 @@ def gluon_supported(
         q: ``[T, H, 576]`` query (bf16 or fp16 for the Gluon kernel).
         kv_cache: ``[num_blocks, page_size, 576]`` latent cache, q's dtype.
         kv_lora_rank: must be 512 (rope dim 64).
-        active_query_lens: must be None (the kernel has no active-row re-split).
 
     Returns:
         True on a CUDA device of compute capability 9.x (Hopper) with 16-bit q and
         cache, ``kv_lora_rank == 512``, rope 64, contiguous last dims, 16-byte aligned
-        rows, no active rows.
+        rows.
     """
-    if active_query_lens is not None or kv_lora_rank != KV_LORA_RANK:
+    if kv_lora_rank != KV_LORA_RANK:
         return False
     if not (isinstance(q, torch.Tensor) and isinstance(kv_cache, torch.Tensor)):
         return False

@@ -221,6 +221,7 @@ def mla_tree_verify(
     config: MLATileConfig | None = None,
     out: torch.Tensor | None = None,
     active_query_lens: torch.Tensor | None = None,
+    mostly_active: bool = False,
     kernel: str = "auto",
     runtime_kv_splits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,17 +254,25 @@ def mla_tree_verify(
         out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
         active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
             (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
-            request ``r`` are real; the others (inactive rows) cost no KV loads and get
-            ``out = 0, lse = -inf``. The active tokens must not see an inactive one
+            request ``r`` are real; the Triton kernel gives the others (inactive rows) no KV
+            loads and ``out = 0, lse = -inf``, the Gluon kernel computes them as ordinary
+            rows; callers read only active rows. The active tokens must not see an
+            inactive one
             (they form a prefix-closed tree in topological order); their results are
             those without ``active_query_lens`` up to rounding (their keys are split
             over the idle CTAs too, so the splits differ). None: every row is active.
         kernel: ``"auto"`` takes the Gluon kernel (``gluon_kernel``, 1.3-2.0x the Triton
             kernel's speed on the H200) where it applies (sm_90, 16-bit, 512 + 64 dims, no
-            ``config``, no ``active_query_lens``: :func:`gluon_kernel.gluon_supported`),
-            else the Triton one; ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
-            (``vllm_ddtree.settings``) does the same globally. A launch with active rows
-            always takes the Triton kernel, the only one that skips inactive rows.
+            ``config``: :func:`gluon_kernel.gluon_supported`), else the Triton one;
+            ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
+            (``vllm_ddtree.settings``) does the same globally. A launch with
+            ``active_query_lens`` takes the Gluon kernel only when ``mostly_active``.
+        mostly_active: more than half of each request's rows are active (adaptive verify
+            shapes). The Gluon kernel then computes the inactive rows too (never read: the
+            walk stops at each request's active count): on the H200 that is about 2x
+            faster than the Triton kernel skipping them from 33 of 65 active rows up,
+            while at 9 of 65 with a long context or 64 heads skipping wins 1.5-3.3x
+            (``evals/results/inactive_rows.md``).
         runtime_kv_splits: the split count resolved from ``num_kv_splits`` /
             ``max_seq_len`` only sizes the grid; each request splits its keys as the
             host would choose for its own ``seq_len`` (at most that many ways; the other
@@ -273,14 +282,15 @@ def mla_tree_verify(
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
         log of the softmax denominator ``sum_k exp(scale * q.k)`` over visible keys. A row
-        that sees no key, or is inactive, gets ``out = 0, lse = -inf``. Rows not covered
-        by ``query_start_loc`` (padding) hold unspecified values.
+        that sees no key, or is inactive on the Triton kernel, gets ``out = 0, lse = -inf``.
+        Rows not covered by ``query_start_loc`` (padding) hold unspecified values.
     """
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
-            and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank, active_query_lens)):
+            and (active_query_lens is None or mostly_active)
+            and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):
         return mla_tree_fwd_gluon(
             q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
             kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,

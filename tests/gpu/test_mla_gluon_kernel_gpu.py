@@ -110,8 +110,6 @@ def test_unsupported_launches_fall_back():
     q, kv = batch["q"], batch["kv_cache"]
     assert not gluon_supported(q.float(), kv.float(), 512)
     assert not gluon_supported(q, kv, 448)
-    active = torch.ones(1, dtype=torch.int32, device="cuda")
-    assert not gluon_supported(q, kv, 512, active_query_lens=active)
     with pytest.raises(ValueError):
         mla_tree_fwd_gluon(**{**batch, "q": q[..., :512].contiguous(),
                               "kv_cache": kv[..., :512].contiguous(), "kv_lora_rank": 448})
@@ -119,8 +117,9 @@ def test_unsupported_launches_fall_back():
 
 def test_auto_dispatch(monkeypatch):
     """``kernel="auto"`` runs the Gluon kernel (bitwise its output) unless
-    ``VLLM_DDTREE_MLA_KERNEL=triton``; a launch with active rows runs the Triton kernel,
-    which zeroes the inactive rows."""
+    ``VLLM_DDTREE_MLA_KERNEL=triton``; with active rows and ``mostly_active`` the Gluon
+    kernel runs every row (its output without them); otherwise the Triton kernel runs and
+    zeroes the inactive rows."""
     monkeypatch.delenv("VLLM_DDTREE_MLA_KERNEL", raising=False)
     batch = make_batch([(3000, "tree", 16), (700, "chain", 9)], heads=8, page_size=64)
     gluon_out, gluon_lse = mla_tree_fwd_gluon(**batch)
@@ -131,6 +130,8 @@ def test_auto_dispatch(monkeypatch):
     assert torch.equal(mla_tree_verify(**batch)[0], triton_out)
     monkeypatch.delenv("VLLM_DDTREE_MLA_KERNEL")
     active = torch.tensor([5, 9], dtype=torch.int32, device="cuda")
+    out, lse = mla_tree_verify(**batch, active_query_lens=active, mostly_active=True)
+    assert torch.equal(out, gluon_out) and torch.equal(lse, gluon_lse)
     out, lse = mla_tree_verify(**batch, active_query_lens=active)
     assert bool((out[5:16] == 0).all()) and bool(torch.isneginf(lse[5:16]).all())
     torch.testing.assert_close(out[:5].float(), triton_out[:5].float(), **TRITON_TOL)
