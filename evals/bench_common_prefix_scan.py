@@ -7,8 +7,8 @@ group; vLLM's ``FullAttentionManager`` walks the first running request's blocks 
 every request holds them (``single_type_kv_cache_manager.py:795-802``): at batch 1 the
 whole context. This times that method itself (vLLM's code, real ``KVCacheBlock``
 objects at batch 1) per context and page size, times ``--groups`` (the kimi8 bench's
-target has 5 full-attention groups), on this machine's CPU. Not a GPU figure: the
-steps it enters were measured on the H200 host (see the record).
+target has 5 full-attention groups), on this machine's CPU. Not a GPU figure: it is
+host time added to every decoding step (``evals/bench_e2e.py`` measures the steps).
 
     python evals/bench_common_prefix_scan.py --out evals/results/common_prefix_scan
 """
@@ -66,7 +66,7 @@ def main() -> None:
         "",
         f"- command: `{command}`",
         f"- vllm {vllm.__version__}, Python {platform.python_version()}, CPU: "
-        f"{platform.processor() or platform.machine()} (this machine, not the H200 host)",
+        f"{platform.processor() or platform.machine()} (this machine, not the GPU host)",
         f"- {args.groups} full-attention KV-cache groups (the kimi8 bench's target), "
         f"median of {args.repeats} calls per group",
         "",

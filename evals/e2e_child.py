@@ -172,7 +172,7 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     counters = counter_delta(before, spec_counters(llm))
     profile_dir = os.environ.get("BENCH_E2E_HOST_PROFILE")
     if profile_dir:  # after the measured generate and its counters: they stay unprofiled
-        # no '@', '=' or '+': the device tool returns only plainly named files
+        # no '@', '=' or '+': plainly named files are the portable ones
         name = f"{run.name}_{context}x{batch}_{kind}"
         name = name.replace("@", "_").replace("=", "").replace("+", "_")
         name += "_engine" if engine.remote else ""

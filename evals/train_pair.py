@@ -168,7 +168,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--pack",
         default=None,
         help="also write <out>/target, <out>/drafter and the results as target.tar, "
-        "drafter.tar, results.tar into this folder (e.g. $OUT on the device machine)",
+        "drafter.tar, results.tar into this folder (e.g. a GPU job's output folder)",
     )
     return p.parse_args(argv)
 

@@ -49,8 +49,9 @@ def test_tp2_auto_budget_equals_tp1(tmp_path):
 def test_tp2_adaptive_verify_shapes_equal_tp1(tmp_path):
     """Adaptive verify shapes at TP=2 (explicit; the TP > 1 default is fixed): both
     ranks cut the drafts to the (broadcast) choice of two rounds before. The choice is
-    forced through 1, 4, 3, 16, 2, 32, 8 in every worker (the plugin's test hook), so
-    shapes below B occur; tokens equal the TP=1 fixed-budget run up to ties."""
+    forced through 1, 4, 3, 16, 2, 32, 8 in every worker (the test hook, which
+    check_ddtree_vllm.py applies there through collective_rpc), so shapes below B
+    occur; tokens equal the TP=1 fixed-budget run up to ties."""
     from test_ddtree_vllm import run_mixed_vs_ar, run_script
 
     common = ["--mixed", "--budget", "32", "--graphs"]
