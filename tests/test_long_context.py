@@ -16,8 +16,6 @@ from vllm_ddtree.long_context import (
     yarn_parameters,
 )
 
-EMBEDDED = (CHECKPOINTS / "target" / "config.json").exists()
-
 
 def test_yarn_parameters_and_max_positions():
     rope = yarn_parameters(4.0, 512)
@@ -132,7 +130,6 @@ def _code_prompt(tokenizer, length: int) -> list[int]:
     return code_prompts(tokenizer, 1, length)[0]
 
 
-@pytest.mark.skipif(not EMBEDDED, reason="embedded pair not trained yet")
 def test_yarn_copy_holds_the_embedded_target_past_its_window(tmp_path):
     """Loss over positions 640-1023 of standard-library code: the unscaled target falls
     apart there (about 4.5 nats), the YaRN copy stays near its short-range loss."""
@@ -155,7 +152,6 @@ def test_yarn_copy_holds_the_embedded_target_past_its_window(tmp_path):
     assert short_yarn < short_default + 0.3, losses
 
 
-@pytest.mark.skipif(not EMBEDDED, reason="embedded pair not trained yet")
 def test_ddtree_on_the_yarn_target_equals_ar_past_the_window(tmp_path):
     """Reference engine, fp32, a 900-token prompt: DDTree and the chain give AR's
     tokens with the YaRN target and the unchanged drafter."""
@@ -178,7 +174,6 @@ def test_ddtree_on_the_yarn_target_equals_ar_past_the_window(tmp_path):
     assert tree.rounds < len(ar.tokens)  # the drafter is still accepted
 
 
-@pytest.mark.skipif(not EMBEDDED, reason="embedded pair not trained yet")
 def test_rope_scaling_loss_report(tmp_path):
     """``evals/rope_scaling_loss.py`` on a short slice: one row per variant, buckets of
     the asked size, the default row equal to the checkpoint's own loss."""

@@ -76,7 +76,7 @@ from vllm.config import VllmConfig
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_ddtree.attention_backends.tree_mask_state import decode_query_limit
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, decode_query_limit
 from vllm_ddtree.compact.kv_kernel import PathCompactor
 from vllm_ddtree.compact.reference import compaction_slots
 from vllm_ddtree.draft.context_kv_graphs import capture_for_speculator
@@ -342,6 +342,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             # must cut alike: each reads the (broadcast) choice of two rounds before.
             self.verify_shape = VerifyShapeChooser(self.budget, device,
                                                    lag=2 if tp > 1 else None)
+            # 1 + s rows with s < 2 b: most rows active, so the MLA backend lets the
+            # Gluon kernel compute them all rather than Triton skip the inactive ones.
+            TREE_MASK_STATE.mostly_active = True
 
     def set_attn(self, model_state, kv_cache_config, block_tables, target_input_buffers,
                  target_attn_groups) -> None:
