@@ -80,7 +80,13 @@ MODEL_NAME = "target"
 BUDGET = 32  # tree nodes B (num_speculative_tokens)
 NUM_REQUESTS = int(os.environ.get("DDTREE_SERVE_REQUESTS", "200"))
 CONCURRENCY = 32
-SERVER_ARGS = ["--enforce-eager", "--gpu-memory-utilization", "0.3", "--max-model-len", "4096",
+# VLLM_DDTREE_TEST_KV_GIB fixes the KV cache (no start-up memory profiling), so the
+# suite can share a GPU with others (as evals/check_ddtree_vllm.gpu_memory_args).
+_KV_GIB = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
+MEMORY_ARGS = (["--gpu-memory-utilization", "0.05",
+                "--kv-cache-memory-bytes", str(int(float(_KV_GIB) * 2**30))] if _KV_GIB
+               else ["--gpu-memory-utilization", "0.3"])
+SERVER_ARGS = ["--enforce-eager", *MEMORY_ARGS, "--max-model-len", "4096",
                "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
                "--dtype", "bfloat16", "--seed", "0"]
 STARTUP_TIMEOUT = 900.0  # a first start on a fresh machine compiles Triton kernels
