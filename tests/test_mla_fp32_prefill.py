@@ -3,7 +3,7 @@
 bf16 / fp16 only, so the tree backend takes every query as a decode and
 ``vllm_ddtree.patches.mla_fp32_prefill`` gives the layer a prefill stand-in that refuses to run.
 CPU: the patch's decisions and the builder's decode limit; the fp32 engine itself
-runs on the GPU only (``scripts/device_session.sh lmeval32``)."""
+runs on the GPU only (``scripts/gpu_suites.sh lmeval32``)."""
 
 from types import SimpleNamespace as NS
 
