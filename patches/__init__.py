@@ -39,6 +39,7 @@ RUNNER_PATCHES: list[str] = [
     "tree_positions",  # DefaultModelState.prepare_inputs / prepare_dummy_inputs
     "verify_shapes",  # GPUModelRunner.execute_model, CudaGraphManager._init_candidates
     "unify_kv_block_size",  # kv_cache_utils.unify_hybrid_kv_cache_specs (one KV group)
+    "batch_defaults",  # EngineArgs._set_default_max_num_seqs_and_batched_tokens_args
 ]
 
 RUNNER_ENV = "VLLM_DDTREE_RUNNER"  # declared in vllm_ddtree.settings

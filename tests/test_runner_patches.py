@@ -154,6 +154,7 @@ def undo_runner_patches_after_test(monkeypatch) -> None:
     patches.apply_all()
     for owner, name in [(model_runner, "init_speculator"),
                         (EngineArgs, "create_speculative_config"),
+                        (EngineArgs, "_set_default_max_num_seqs_and_batched_tokens_args"),
                         (Scheduler, "__init__"),
                         (DefaultModelState, "custom_sampler"),
                         (DefaultModelState, "prepare_inputs"),
