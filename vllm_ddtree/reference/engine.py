@@ -9,14 +9,13 @@ from typing import Literal
 import torch
 
 from vllm_ddtree.budget.choice import mask_inactive_nodes
-from vllm_ddtree.drafter_config import check_drafter_target_pair
+from vllm_ddtree.reference.inputs import check_generate_args
 from vllm_ddtree.reference.sampling import choose_tokens
 from vllm_ddtree.reference.target import TargetRunner
 from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree
 from vllm_ddtree.walk.follow import WalkResult, follow_tree
 
 Method = Literal["ar", "dflash", "ddtree"]
-MAX_BUDGET = 512
 # budget_chooser(tree of B nodes [1, B], context length) -> active nodes b in 1..B
 BudgetChooser = Callable[[DraftTree, int], int]
 
@@ -44,26 +43,6 @@ class GenerationResult:
     def mean_committed(self) -> float:
         """Tokens committed per round (vLLM's "mean acceptance length")."""
         return sum(s.committed for s in self.stats) / max(1, len(self.stats))
-
-
-def _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed):
-    if method not in ("ar", "dflash", "ddtree"):
-        raise ValueError(f"method must be 'ar', 'dflash' or 'ddtree', got {method!r}")
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids must hold at least one token")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature > 0 and seed is None:
-        raise ValueError("temperature > 0 needs `seed` so that draws are reproducible")
-    if method == "ar":
-        return
-    if drafter is None:
-        raise ValueError(f"method {method!r} needs a DFlash `drafter`")
-    if method == "ddtree" and not 1 <= budget <= MAX_BUDGET:
-        raise ValueError(f"budget (tree nodes per round) must be in 1..{MAX_BUDGET}, got {budget}")
-    check_drafter_target_pair(drafter.config, target.config)
 
 
 @torch.no_grad()
@@ -99,10 +78,13 @@ def generate(
     each round the tree of ``budget`` nodes is built and verified as usual, then only
     its first ``b = budget_chooser(tree, context_len)`` nodes count in the walk, as in
     vLLM (``vllm_ddtree.budget.choice.mask_inactive_nodes``).
+
+    Every argument is checked before any model work
+    (:func:`vllm_ddtree.reference.inputs.check_generate_args`); a bad one raises
+    ``ValueError`` naming the field, the value and what is allowed.
     """
-    if budget_chooser is not None and method != "ddtree":
-        raise ValueError(f"budget_chooser needs method 'ddtree', got {method!r}")
-    _validate(target, drafter, prompt_ids, max_new_tokens, method, budget, temperature, seed)
+    check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, budget,
+                        temperature, seed, eos_token_id, top_k, stop, budget_chooser)
     device = next(target.parameters()).device
     aux_ids = drafter.target_layer_ids if method != "ar" else None
     runner = TargetRunner(target, aux_ids)

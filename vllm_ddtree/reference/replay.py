@@ -15,10 +15,15 @@ import torch
 
 from vllm_ddtree.reference.engine import (
     Method,
-    _validate,
     draft_and_verify,
     keep_accepted,
     prefill,
+)
+from vllm_ddtree.reference.inputs import (
+    check_generate_args,
+    check_token_ids,
+    refuse,
+    vocab_size_of,
 )
 from vllm_ddtree.reference.target import TargetRunner
 from vllm_ddtree.testing.compare import first_mismatch
@@ -73,9 +78,7 @@ def replay(
         ``list[int]``, tokens committed per round (every entry >= 1, summing to
         ``len(tokens) - 1``), what vLLM reports per request as ``committed_per_round``.
     """
-    if method == "ar":
-        raise ValueError("replay needs a speculative method ('ddtree' or 'dflash')")
-    _validate(target, drafter, prompt_ids, 1, method, budget, 0.0, None)
+    _check_replay_args(target, drafter, prompt_ids, tokens, method, budget, top_k)
     tokens = [int(t) for t in tokens]
     if len(tokens) <= 1:
         return []
@@ -104,6 +107,17 @@ def replay(
         return rounds
     finally:
         runner.close()
+
+
+def _check_replay_args(target, drafter, prompt_ids, tokens, method, budget, top_k) -> None:
+    """As :func:`generate`'s checks (method ``ddtree`` or ``dflash`` only); ``tokens``
+    is a list of token ids of the target's vocabulary (possibly empty)."""
+    if method not in ("ddtree", "dflash"):
+        raise refuse("replay", "method", method, "a speculative method, 'ddtree' or 'dflash'")
+    check_generate_args(target, drafter, prompt_ids, 1, method, budget, 0.0, None, None,
+                        top_k, None, None, where="replay")
+    if not isinstance(tokens, (list, tuple)) or tokens:
+        check_token_ids("replay", "tokens", tokens, vocab_size_of("replay", target))
 
 
 def clip_rounds(committed_per_round: Sequence[int], num_tokens: int) -> list[int]:

@@ -1,0 +1,134 @@
+"""Argument checks of the reference engine, run before any model work.
+
+Every refusal is a ``ValueError`` of the form ``"<where>: <field>=<value> is not
+allowed: <what is allowed>"``, e.g. ``generate: temperature=nan is not allowed: a
+finite number >= 0``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from numbers import Integral, Real
+from typing import Any
+
+from vllm_ddtree.config import MAX_BUDGET
+
+METHODS = ("ar", "dflash", "ddtree")
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def refuse(where: str, field: str, value: Any, allowed: str) -> ValueError:
+    """The error for ``field=value`` at ``where``, saying what is allowed."""
+    return ValueError(f"{where}: {field}={value!r} is not allowed: {allowed}")
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def int_range(lo: int, hi: int | None = None) -> str:
+    """``"an int in lo..hi"`` / ``"an int >= lo"``."""
+    return f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
+
+
+def check_int(where: str, field: str, value: Any, lo: int, hi: int | None = None,
+              note: str = "") -> int:
+    """``value`` is an int in ``lo..hi`` (``hi`` None: no upper bound)."""
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
+        raise refuse(where, field, value, int_range(lo, hi) + (f" ({note})" if note else ""))
+    return int(value)
+
+
+def check_optional_int(where: str, field: str, value: Any, lo: int,
+                       hi: int | None = None) -> int | None:
+    """None, or an int in ``lo..hi``."""
+    if value is None:
+        return None
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
+        raise refuse(where, field, value, f"None or {int_range(lo, hi)}")
+    return int(value)
+
+
+def check_real(where: str, field: str, value: Any, lo: float = 0.0) -> float:
+    """``value`` is a finite real number ``>= lo`` (a bool is not a number here)."""
+    if (not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value)
+            or value < lo):
+        raise refuse(where, field, value, f"a finite number >= {lo:g}")
+    return float(value)
+
+
+def check_choice(where: str, field: str, value: Any, allowed: Iterable[str]) -> str:
+    """``value`` is one of ``allowed`` (strings)."""
+    allowed = tuple(allowed)
+    if not isinstance(value, str) or value not in allowed:
+        raise refuse(where, field, value, "one of " + ", ".join(repr(a) for a in allowed))
+    return value
+
+
+def check_token_ids(where: str, field: str, ids: Any, vocab_size: int) -> None:
+    """``ids`` is a non-empty list or tuple of ints in ``0..vocab_size - 1``."""
+    if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+        shown = ids if isinstance(ids, (list, tuple)) else type(ids).__name__
+        raise refuse(where, field, shown, "a non-empty list of int token ids")
+    for i, token in enumerate(ids):
+        if not is_int(token) or not 0 <= token < vocab_size:
+            raise refuse(where, f"{field}[{i}]", token,
+                         f"a token id in 0..{vocab_size - 1} (the target's vocabulary)")
+
+
+def vocab_size_of(where: str, target) -> int:
+    """The target's vocabulary size (``config.vocab_size``)."""
+    size = getattr(getattr(target, "config", None), "vocab_size", None)
+    if not is_int(size) or size < 1:
+        raise refuse(where, "target", type(target).__name__,
+                     "a transformers causal LM whose config has a vocab_size")
+    return int(size)
+
+
+def check_callable(where: str, field: str, value: Any) -> None:
+    """None or a callable."""
+    if value is not None and not callable(value):
+        raise refuse(where, field, value, "None or a callable")
+
+
+def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, budget,
+                        temperature, seed, eos_token_id, top_k, stop,
+                        budget_chooser, where: str = "generate") -> None:
+    """Check every argument of :func:`vllm_ddtree.reference.generate`: method,
+    prompt ids (non-empty, ints inside the target's vocabulary), ``max_new_tokens``
+    (an int >= 1), ``budget`` (an int in ``1..MAX_BUDGET``), ``temperature`` (finite,
+    >= 0; > 0 needs an int64 ``seed``), ``eos_token_id`` (None or inside the
+    vocabulary), ``top_k`` (None or >= 1), ``stop`` and ``budget_chooser`` (None or
+    callables; a chooser only with ``ddtree``) and, for speculative methods, the
+    drafter and its fit to the target. ``where`` starts the messages."""
+    check_choice(where, "method", method, METHODS)
+    vocab = vocab_size_of(where, target)
+    check_token_ids(where, "prompt_ids", prompt_ids, vocab)
+    check_int(where, "max_new_tokens", max_new_tokens, 1)
+    check_int(where, "budget", budget, 1, MAX_BUDGET, "tree nodes per round")
+    temperature = check_real(where, "temperature", temperature)
+    if temperature > 0 and seed is None:
+        raise refuse(where, "seed", seed, "an int when temperature > 0 (draws are keyed "
+                     "by seed and position)")
+    check_optional_int(where, "seed", seed, *INT64)
+    check_optional_int(where, "eos_token_id", eos_token_id, 0, vocab - 1)
+    check_optional_int(where, "top_k", top_k, 1)
+    check_callable(where, "stop", stop)
+    check_callable(where, "budget_chooser", budget_chooser)
+    if budget_chooser is not None and method != "ddtree":
+        raise refuse(where, "method", method, "'ddtree' when a budget_chooser is given")
+    if method != "ar":
+        _check_drafter(where, drafter, target, method)
+
+
+def _check_drafter(where: str, drafter, target, method: str) -> None:
+    """A DFlash drafter made for ``target`` (speculative methods only)."""
+    from vllm_ddtree.drafter_config import check_drafter_target_pair
+    from vllm_ddtree.reference.drafter import DFlashDraftModel
+
+    if not isinstance(drafter, DFlashDraftModel):
+        shown = drafter if drafter is None else type(drafter).__name__
+        raise refuse(where, "drafter", shown, f"a DFlashDraftModel (method {method!r})")
+    check_drafter_target_pair(drafter.config, target.config)
