@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_ddtree.demo import check_demo_args
 from vllm_ddtree.reference import DFlashDraftModel, generate
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -76,7 +77,9 @@ def humaneval_prompts(n: int) -> list[str]:
 
 def run_demo(num_prompts: int = 3, max_new_tokens: int = 64, budget: int = 32) -> str:
     """Run AR, DFlash and DDTree on ``num_prompts`` prompts on the reference engine (CPU,
-    PyTorch); returns the printed report."""
+    PyTorch); returns the printed report. Arguments are checked first
+    (:func:`vllm_ddtree.demo.check_demo_args`)."""
+    check_demo_args(num_prompts, max_new_tokens, budget)
     pair = load_embedded_pair()
     lines = [f"models: {pair.label}"]
     if pair.tokenizer is not None:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_ddtree.cli import add_demo_args
+from vllm_ddtree.demo import check_demo_args
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.metrics import read_spec_decode_counters
 
@@ -89,9 +91,11 @@ def run_method(method: str, budget: int, num_prompts: int, max_new_tokens: int,
 
 
 def run_demo_vllm(num_prompts: int = 3, max_new_tokens: int = 64, budget: int = 32) -> str:
-    """Parent: run AR, DFlash and DDTree in child processes; returns the report."""
+    """Parent: run AR, DFlash and DDTree in child processes; returns the report.
+    Arguments are checked first (:func:`vllm_ddtree.demo.check_demo_args`)."""
     import torch
 
+    check_demo_args(num_prompts, max_new_tokens, budget)
     if not torch.cuda.is_available():
         raise RuntimeError(
             "--engine vllm needs a CUDA GPU with the vllm wheel; on this machine use the "
@@ -138,9 +142,7 @@ def format_report(results: dict[str, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--method", required=True, choices=["ar", "dflash", "ddtree"])
-    parser.add_argument("--budget", type=int, default=32)
-    parser.add_argument("--prompts", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_demo_args(parser)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     run_method(args.method, args.budget, args.prompts, args.max_new_tokens, args.out)
