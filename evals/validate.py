@@ -35,9 +35,33 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+if str(REPO / "evals") not in sys.path:
+    sys.path.insert(0, str(REPO / "evals"))
+
+from cli_args import (  # noqa: E402
+    device_arg,
+    fraction,
+    int_arg,
+    json_object,
+    non_negative_float,
+    positive_int,
+)
+
+from vllm_ddtree.config import MAX_BUDGET  # noqa: E402
+
 TASKS_DIR = REPO / "evals" / "tasks"
+TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
 DEFAULT_TASKS = ["ddtree_humaneval", "ddtree_stdlib_completion", "ddtree_long_context"]
 DEFAULT_OUT_DIR = REPO / "evals" / "results"
+DEFAULT_BUDGET = 32
+DTYPES = ("float32", "bfloat16", "float16")  # vllm_ddtree.evaluation.ref_args.DTYPES
+METADATA_KEYS = {
+    "long_context_tokens": "prompt length(s) of ddtree_long_context: an int, a list of "
+    "ints or a comma-separated string of them",
+    "long_context_docs": "documents per length of ddtree_long_context: an int >= 1",
+    "tokenizer": "the tokenizer that sizes long prompts (default: the target's)",
+    "pretrained": "the target model (the vllm backend sets it from --model-args)",
+}
 
 
 @dataclass
@@ -234,12 +258,13 @@ def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     spec_label = args.method if args.method != "ddtree" else f"ddtree B={args.budget}"
     runs = {"baseline": {}, "speculative": {}}
     for task in tasks:
+        # Both models first: a bad speculative setting fails before the baseline runs.
         base_lm = DDTreeRefLM(method="ar", **common)
+        spec_lm = DDTreeRefLM(method=args.method, budget=args.budget, top_k=args.top_k,
+                              **common)
         run = run_task(base_lm, task, args.limit, metadata, gen_kwargs, "ar (no speculation)")
         run.acceptance = acceptance_summary(base_lm.records)
         runs["baseline"][task] = run
-        spec_lm = DDTreeRefLM(method=args.method, budget=args.budget, top_k=args.top_k,
-                              **common)
         run = run_task(spec_lm, task, args.limit, metadata, gen_kwargs, spec_label)
         run.acceptance = acceptance_summary(spec_lm.records)
         runs["speculative"][task] = run
@@ -257,11 +282,8 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     from vllm_ddtree.patches import apply_all
 
     applied = apply_all()
-    model_args = {"disable_log_stats": False, **json.loads(args.model_args)}
-    if not args.speculative_config and not args.drafter:
-        raise ValueError("vllm backend: give --speculative-config or --drafter")
-    spec = json.loads(args.speculative_config) if args.speculative_config else {
-        "method": "ddtree", "model": args.drafter, "num_speculative_tokens": args.budget}
+    model_args = {"disable_log_stats": False, **args.model_args}
+    spec = speculative_config_of(args)
     runs = {"baseline": {}, "speculative": {}}
     for key, extra, label in (("baseline", {}, "no speculation"),
                               ("speculative", {"speculative_config": spec},
@@ -373,19 +395,21 @@ def report_markdown(report: TaskReport, command: str) -> str:
 
 def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
              out_dir: Path | None = DEFAULT_OUT_DIR, command: str = "") -> list[TaskReport]:
-    """Run, compare and (with ``out_dir``) write the reports; returns them."""
+    """Check the arguments (:func:`check_args`), then run, compare and (with
+    ``out_dir``) write the reports; returns them."""
     args = args or parse_args([])
-    metadata = json.loads(args.metadata) if args.metadata else {}
+    args = argparse.Namespace(**{**vars(args), "tasks": tasks, "backend": backend,
+                                 "out_dir": args.out_dir if out_dir is None else out_dir})
+    check_args(args)
+    metadata = dict(args.metadata or {})
     gen_kwargs = {"max_gen_toks": args.max_gen_toks} if args.max_gen_toks else None
     if backend == "ddtree-ref":
         if args.pretrained:
             metadata.setdefault("tokenizer", args.pretrained)
         runs, settings = _run_ref(args, tasks, metadata, gen_kwargs)
     elif backend == "vllm":
-        metadata.setdefault("pretrained", json.loads(args.model_args).get("pretrained"))
+        metadata.setdefault("pretrained", args.model_args.get("pretrained"))
         runs, settings = _run_vllm(args, tasks, metadata, gen_kwargs)
-    else:
-        raise ValueError(f"backend must be 'ddtree-ref' or 'vllm', got {backend!r}")
     settings.update(limit=args.limit, max_gen_toks=args.max_gen_toks, metadata=metadata)
     if backend == "vllm":
         settings["tie_gap"] = args.tie_gap
@@ -400,37 +424,189 @@ def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
     return reports
 
 
+def _bad(option: str, value, allowed: str) -> ValueError:
+    """The error for ``option value``, saying what is allowed."""
+    return ValueError(f"argument {option}: {value!r} is not allowed: {allowed}")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """What argparse types cannot see: the tasks (local task YAMLs), ``--metadata``,
+    the output folder, and per backend the models and their fit (ddtree-ref: the
+    reference model's arguments; vllm: ``--model-args`` and the speculative config,
+    DDTree keys included). Fills the ``--budget`` default. Raises ``ValueError``
+    naming the option and the value; reads config files only."""
+    for task in args.tasks:
+        if task not in TASKS:
+            raise _bad("--tasks", task, "one of " + ", ".join(TASKS))
+    _check_metadata(args.metadata or {})
+    _check_out_dir(Path(args.out_dir))
+    if args.backend == "ddtree-ref":
+        _check_ref_backend(args)
+    elif args.backend == "vllm":
+        _check_vllm_backend(args)
+    else:
+        raise _bad("--backend", args.backend, "'ddtree-ref' or 'vllm'")
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_metadata(metadata: dict) -> None:
+    """Known keys only (``METADATA_KEYS``); long-context lengths and counts >= 1."""
+    for key in metadata:
+        if key not in METADATA_KEYS:
+            raise _bad("--metadata", key, "keys " + ", ".join(METADATA_KEYS))
+    lengths = metadata.get("long_context_tokens")
+    if lengths is not None:
+        items = lengths.replace(" ", "").split(",") if isinstance(lengths, str) else (
+            lengths if isinstance(lengths, list) else [lengths])
+        items = [int(v) if isinstance(v, str) and v.isdigit() else v for v in items]
+        if not items or not all(_is_count(v) for v in items):
+            raise _bad("--metadata", {"long_context_tokens": lengths},
+                       METADATA_KEYS["long_context_tokens"] + ", each >= 1")
+    docs = metadata.get("long_context_docs")
+    if docs is not None and not _is_count(docs):
+        raise _bad("--metadata", {"long_context_docs": docs}, "an int >= 1")
+
+
+def _check_out_dir(path: Path) -> None:
+    """A directory, or a path that can become one, where files can be written."""
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        raise _bad("--out-dir", str(path), f"a directory ({existing} is a file)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise _bad("--out-dir", str(path), f"a writable directory ({existing} is not)")
+
+
+def _check_ref_backend(args: argparse.Namespace) -> None:
+    """No vllm-only options; the reference model's arguments
+    (:func:`vllm_ddtree.evaluation.ref_args.check_ref_lm_args`); a CUDA device that
+    exists."""
+    for option, value in (("--model-args", args.model_args),
+                          ("--speculative-config", args.speculative_config)):
+        if value:
+            raise _bad(option, value, "only with --backend vllm (ddtree-ref takes "
+                       "--pretrained, --drafter, --method, --budget, --top-k)")
+    if args.budget is None:
+        args.budget = DEFAULT_BUDGET
+    if args.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(args.device.partition(":")[2] or 0)
+        if index >= count:
+            raise _bad("--device", args.device, f"'cpu' (this machine has {count} CUDA "
+                       "devices)" if not count else f"cpu or cuda:0..{count - 1}")
+    from vllm_ddtree.evaluation.ref_args import check_ref_lm_args
+
+    check_ref_lm_args({"pretrained": args.pretrained, "drafter": args.drafter,
+                       "method": args.method, "budget": args.budget, "top_k": args.top_k,
+                       "seed": args.seed, "dtype": args.dtype, "device": args.device,
+                       "threads": args.threads})
+
+
+def _check_vllm_backend(args: argparse.Namespace) -> None:
+    """``--model-args`` with ``pretrained`` and without ``speculative_config``; no
+    ddtree-ref options; the speculative config (:func:`speculative_config_of`)
+    parsed as vLLM's front end will (:func:`vllm_ddtree.config.split_ddtree_spec`)
+    and its drafter checked against the target's config.json when both are local."""
+    pretrained = args.model_args.get("pretrained")
+    if not isinstance(pretrained, str) or not pretrained:
+        raise _bad("--model-args", args.model_args,
+                   'a JSON object with "pretrained" (the target model)')
+    if "speculative_config" in args.model_args:
+        raise _bad("--model-args", args.model_args, "no speculative_config: give it as "
+                   "--speculative-config (the baseline runs without it)")
+    for option, value, instead in (("--pretrained", args.pretrained, '"pretrained" in '
+                                    "--model-args"),
+                                   ("--top-k", args.top_k, '"ddtree_top_k" in '
+                                    "--speculative-config")):
+        if value is not None:
+            raise _bad(option, value, f"left out with --backend vllm: give {instead}")
+    _check_speculative_config(speculative_config_of(args), pretrained)
+
+
+def speculative_config_of(args: argparse.Namespace) -> dict:
+    """The speculative run's ``speculative_config``: ``--speculative-config``, else
+    DDTree with ``--drafter`` and ``--budget``."""
+    if args.speculative_config is not None:
+        for option, value in (("--drafter", args.drafter), ("--budget", args.budget)):
+            if value is not None:
+                raise _bad(option, value, "left out when --speculative-config is given "
+                           "(its `model` and `num_speculative_tokens`)")
+        return dict(args.speculative_config)
+    if not args.drafter:
+        raise ValueError("argument --speculative-config: required with --backend vllm "
+                         "unless --drafter is given")
+    budget = DEFAULT_BUDGET if args.budget is None else args.budget
+    return {"method": "ddtree", "model": args.drafter, "num_speculative_tokens": budget}
+
+
+def _check_speculative_config(spec: dict, pretrained: str) -> None:
+    """A ``method``; DDTree keys as the plugin's front end parses them; for DFlash and
+    DDTree a drafter whose config.json fits the target's (both local directories)."""
+    from vllm_ddtree.config import DDTreeConfigError, check_drafter_for_target, split_ddtree_spec
+    from vllm_ddtree.drafter_config import DrafterConfigError
+
+    method = spec.get("method")
+    if not isinstance(method, str) or not method:
+        raise _bad("--speculative-config", spec, 'a JSON object with a "method" string')
+    try:
+        split_ddtree_spec(spec)
+        model = spec.get("model")
+        local = isinstance(model, str) and (method == "ddtree" or Path(model).is_dir())
+        if method in ("ddtree", "dflash") and local and Path(pretrained, "config.json").is_file():
+            from transformers import AutoConfig
+
+            check_drafter_for_target(model, AutoConfig.from_pretrained(pretrained))
+    except (DDTreeConfigError, DrafterConfigError) as err:
+        raise ValueError(f"argument --speculative-config: {err}") from None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """Command-line options (also the defaults of ``validate``)."""
+    """Command-line options (also the defaults of ``validate``), every one checked here
+    (:func:`check_args`): a bad value exits with status 2 before any model loads."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tasks", nargs="+", default=DEFAULT_TASKS)
+    p.add_argument("--tasks", nargs="+", choices=TASKS, default=DEFAULT_TASKS)
     p.add_argument("--backend", choices=["ddtree-ref", "vllm"], default="ddtree-ref")
-    p.add_argument("--limit", type=int, default=None, help="first N documents per task")
-    p.add_argument("--max-gen-toks", type=int, default=None, help="override the tasks' value")
-    p.add_argument("--metadata", default=None,
-                   help='task metadata as JSON, e.g. \'{"long_context_tokens": 16384}\'')
+    p.add_argument("--limit", type=positive_int, default=None,
+                   help="first N documents per task")
+    p.add_argument("--max-gen-toks", type=positive_int, default=None,
+                   help="override the tasks' value")
+    p.add_argument("--metadata", type=json_object, default=None,
+                   help='task metadata as JSON, e.g. \'{"long_context_tokens": 16384}\'; '
+                   "keys: " + ", ".join(METADATA_KEYS))
     p.add_argument("--method", choices=["ddtree", "dflash"], default="ddtree",
                    help="speculative method of the ddtree-ref run")
-    p.add_argument("--budget", type=int, default=32, help="DDTree tree nodes per round")
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--budget", type=int_arg(1, MAX_BUDGET), default=None,
+                   help=f"DDTree tree nodes per round, 1..{MAX_BUDGET} (default "
+                   f"{DEFAULT_BUDGET}; vllm backend: only with --drafter)")
+    p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--pretrained", default=None, help="target dir (default: embedded pair)")
     p.add_argument("--drafter", default=None, help="DFlash drafter dir (default: embedded)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
+    p.add_argument("--device", type=device_arg, default="cpu")
+    p.add_argument("--threads", type=positive_int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model-args", default="{}", help="vllm backend: lm-eval model args, JSON")
-    p.add_argument("--speculative-config", default=None,
+    p.add_argument("--model-args", type=json_object, default={},
+                   help="vllm backend: lm-eval model args, a JSON object with `pretrained`")
+    p.add_argument("--speculative-config", type=json_object, default=None,
                    help="vllm backend: JSON (default: ddtree with --drafter and --budget)")
-    p.add_argument("--min-identical", type=float, default=1.0,
+    p.add_argument("--min-identical", type=fraction, default=1.0,
                    help="fraction of identical generations required (1.0 for fp32 ref)")
-    p.add_argument("--metric-tolerance", type=float, default=0.0)
-    p.add_argument("--tie-gap", type=float, default=0.1,
+    p.add_argument("--metric-tolerance", type=non_negative_float, default=0.0)
+    p.add_argument("--tie-gap", type=non_negative_float, default=0.1,
                    help="vllm backend: a differing generation whose first differing token "
                         "had a target top-2 log-prob gap <= this (nats) is a bf16 tie")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--verbose", action="store_true", help="lm-eval's warnings and info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as err:
+        p.error(str(err))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:

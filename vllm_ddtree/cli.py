@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
 
 from vllm_ddtree.demo import LIMITS
+
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def _allowed(kind: str, lo: float, hi: float | None, lo_open: bool, note: str) -> str:
@@ -55,6 +58,14 @@ def float_arg(lo: float, hi: float | None = None, lo_open: bool = False,
         return value
 
     return parse
+
+
+def device_arg(text: str) -> str:
+    """argparse ``type``: a torch device, ``cpu``, ``cuda`` or ``cuda:<index>``."""
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not allowed: 'cpu', 'cuda' or 'cuda:<index>'")
+    return text
 
 
 def demo_arg(field: str) -> Callable[[str], int]:

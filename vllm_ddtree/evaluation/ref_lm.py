@@ -10,7 +10,8 @@ pair), ``drafter`` (DFlash drafter directory; default the embedded one when
 ``ddtree``), ``budget`` (tree nodes per round, 32), ``top_k``, ``temperature``
 (used when a task samples; tasks here are greedy), ``seed``, ``dtype``
 (``float32``), ``device`` (``cpu``), ``max_length`` (default: the target's
-``max_position_embeddings``), ``threads`` (torch CPU threads).
+``max_position_embeddings``), ``threads`` (torch CPU threads). They are checked
+before any model loads (``vllm_ddtree.evaluation.ref_args``).
 
 Only ``generate_until`` is implemented: log-likelihood tasks involve no decoding,
 so there is nothing for speculation to change (use lm-eval's ``hf`` model).
@@ -31,12 +32,13 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS, Pair
+from vllm_ddtree.evaluation.ref_args import DTYPES, check_ref_lm_args
 from vllm_ddtree.reference import DFlashDraftModel, generate
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "ddtree-ref"
 DEFAULT_MAX_GEN_TOKS = 256
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: getattr(torch, name) for name in DTYPES}
 
 
 def load_pair(pretrained: str | None, drafter: str | None, dtype: str = "float32",
@@ -120,8 +122,11 @@ class DDTreeRefLM(LM):
                  threads: int | None = None, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
                  pair: Pair | None = None, batch_size=None, max_batch_size=None) -> None:
         super().__init__()
-        if method not in ("ar", "dflash", "ddtree"):
-            raise ValueError(f"method must be 'ar', 'dflash' or 'ddtree', got {method!r}")
+        check_ref_lm_args({
+            "pretrained": pretrained, "drafter": drafter, "method": method, "budget": budget,
+            "top_k": top_k, "temperature": temperature, "seed": seed, "dtype": dtype,
+            "device": device, "max_length": max_length, "threads": threads,
+            "max_gen_toks": max_gen_toks, "pair": pair})
         if threads:
             torch.set_num_threads(int(threads))
         self.method, self.budget = method, int(budget)
