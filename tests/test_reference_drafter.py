@@ -137,6 +137,16 @@ def test_sliding_window_keeps_bounded_cache():
         (lambda c: c.dflash_config.update(mask_token_id=96), "mask_token_id"),
         (lambda c: setattr(c, "architectures", ["Qwen3ForCausalLM"]), "architectures"),
         (lambda c: setattr(c, "dflash_config", None), "dflash_config"),
+        (lambda c: setattr(c, "dflash_config", [0, 2]), r"dflash_config=\[0, 2\]"),
+        (lambda c: c.dflash_config.update(target_layer_ids=["0", 2]),
+         r"target_layer_ids=\['0', 2\]"),
+        (lambda c: c.dflash_config.update(target_layer_ids=[0.5, 2]),
+         r"target_layer_ids=\[0.5, 2\]"),
+        (lambda c: c.dflash_config.update(target_layer_ids=[2, 2]), "distinct"),
+        (lambda c: c.dflash_config.update(mask_token_id="95"), "mask_token_id='95'"),
+        (lambda c: setattr(c, "block_size", "8"), "block_size='8'"),
+        (lambda c: setattr(c, "block_size", True), "block_size=True"),
+        (lambda c: setattr(c, "sliding_window", None), "sliding_window=None"),
     ],
 )
 def test_pair_mismatch_errors_name_the_field(mutate, field):

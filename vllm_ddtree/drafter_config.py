@@ -1,30 +1,210 @@
-"""Reading and checking a DFlash drafter config (no model code, cheap to import)."""
+"""Reading and checking a DFlash drafter config (no model code, cheap to import).
+
+The checks cover every field that vLLM 0.26's DFlash drafter
+(``vllm/model_executor/models/qwen3_dflash.py``) and DDTree read, by type and range.
+A config is either a transformers config or the dict of a ``config.json`` (a
+``Mapping``: then also the rules that only the file can break, such as
+``use_sliding_window``). Every refusal is a ``DrafterConfigError`` of the form
+``"drafter config.json: <field>=<value> is not allowed: <what is allowed>"``.
+"""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+WHERE = "drafter config.json"
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# Integer shape fields (None: transformers' default, or the target's for
+# ``target_hidden_size``).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "head_dim",
+               "max_position_embeddings", "target_hidden_size")
+TARGET_LAYER_IDS_ALLOWED = ("a non-empty list of distinct ints >= 0 (the target layers "
+                            "whose outputs the drafter reads)")
 
 
 class DrafterConfigError(ValueError):
     """A drafter config that cannot describe a DFlash drafter."""
 
 
-def dflash_config_of(config) -> dict:
-    """Return ``config.dflash_config`` or raise a clear error when it is missing."""
-    dflash_config = getattr(config, "dflash_config", None)
-    if not dflash_config:
+def refuse(field: str, value: Any, allowed: str) -> DrafterConfigError:
+    """The error for ``field=value``, saying what is allowed."""
+    return DrafterConfigError(f"{WHERE}: {field}={value!r} is not allowed: {allowed}")
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python or NumPy), not a bool."""
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def field_of(config: Any, name: str) -> Any:
+    """Field ``name`` of a transformers config or of a config.json dict (None: absent)."""
+    if isinstance(config, Mapping):
+        return config.get(name)
+    return getattr(config, name, None)
+
+
+def _check_int(field: str, value: Any, lo: int, hi: int | None = None,
+               note: str = "") -> int:
+    """``value`` is an int in ``lo..hi`` (``hi`` None: no upper bound)."""
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
+        allowed = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
+        raise refuse(field, value, allowed + (f" ({note})" if note else ""))
+    return int(value)
+
+
+def _check_optional_bool(field: str, value: Any) -> None:
+    """``value`` is absent (None) or a bool."""
+    if value is not None and not isinstance(value, bool):
+        raise refuse(field, value, "true or false (or left out)")
+
+
+def check_architectures(architectures: Any) -> None:
+    """``architectures`` is a list naming ``DFlashDraftModel`` (what vLLM loads as its
+    DFlash drafter)."""
+    if not isinstance(architectures, list) or DFLASH_ARCHITECTURE not in architectures:
+        raise refuse("architectures", architectures,
+                     f'["{DFLASH_ARCHITECTURE}"]: DDTree drafts with a DFlash drafter')
+
+
+def check_sizes(config: Any) -> None:
+    """Every field of ``SIZE_FIELDS`` is absent (None) or an int >= 1."""
+    for name in SIZE_FIELDS:
+        value = field_of(config, name)
+        if value is not None:
+            _check_int(name, value, 1)
+
+
+def block_size_of(config: Any) -> int:
+    """``block_size``: an int >= 2, the drafter's query block (one bonus token and
+    ``block_size - 1`` masks, i.e. tree depths ``1..block_size - 1``)."""
+    return _check_int("block_size", field_of(config, "block_size"), 2,
+                      note="the drafter's training block: a bonus token and "
+                      "block_size - 1 mask tokens")
+
+
+def dflash_config_of(config: Any) -> dict:
+    """``config.dflash_config`` after checking it: an object whose
+    ``target_layer_ids`` is a non-empty list of distinct ints >= 0 and whose
+    ``mask_token_id`` is an int >= 0; ``use_swa`` and ``causal`` are absent or bools,
+    ``swa_window_size`` absent or an int >= 1. The upper bounds (the target's layers
+    and vocabulary) are checked by :func:`check_drafter_target_pair`."""
+    dflash_config = field_of(config, "dflash_config")
+    if not isinstance(dflash_config, Mapping):
+        raise refuse("dflash_config", dflash_config,
+                     'an object {"target_layer_ids": [...], "mask_token_id": <id>}')
+    ids = dflash_config.get("target_layer_ids")
+    if (not isinstance(ids, (list, tuple)) or not ids or not all(map(is_int, ids))
+            or min(ids) < 0 or len(set(ids)) != len(ids)):
+        raise refuse("dflash_config.target_layer_ids", ids, TARGET_LAYER_IDS_ALLOWED)
+    mask_token_id = dflash_config.get("mask_token_id")
+    if not is_int(mask_token_id) or mask_token_id < 0:
+        vocab_size = field_of(config, "vocab_size")
+        _check_int("dflash_config.mask_token_id", mask_token_id, 0,
+                   vocab_size - 1 if is_int(vocab_size) else None,
+                   "the token id fed at the masked positions of a block")
+    for name in ("use_swa", "causal"):
+        _check_optional_bool(f"dflash_config.{name}", dflash_config.get(name))
+    if dflash_config.get("swa_window_size") is not None:
+        _check_int("dflash_config.swa_window_size", dflash_config["swa_window_size"], 1)
+    return dict(dflash_config)
+
+
+def check_layer_types(config: Any) -> list | None:
+    """``layer_types`` is absent or one of ``LAYER_TYPES`` per drafter layer; returns it."""
+    layer_types = field_of(config, "layer_types")
+    if layer_types is None:
+        return None
+    num_layers = field_of(config, "num_hidden_layers")
+    if (not isinstance(layer_types, (list, tuple))
+            or any(t not in LAYER_TYPES for t in layer_types)
+            or (is_int(num_layers) and len(layer_types) != num_layers)):
+        raise refuse("layer_types", layer_types,
+                     f"a list of {FULL_ATTENTION!r} or {SLIDING_ATTENTION!r}, one entry per "
+                     f"layer (num_hidden_layers={num_layers})")
+    return list(layer_types)
+
+
+def check_sliding_window(config: Any, dflash_config: Mapping) -> None:
+    """``use_sliding_window`` is absent or a bool, ``sliding_window`` absent or an
+    int >= 1, and every sliding layer (``layer_types``, or all layers with
+    ``dflash_config.use_swa``; ``dflash_config`` checked by :func:`dflash_config_of`)
+    has a window: ``dflash_config.swa_window_size`` or
+    ``sliding_window``. In a config.json, ``sliding_window`` counts only with
+    ``"use_sliding_window": true`` (Qwen3Config drops it otherwise, in transformers
+    and in vLLM alike)."""
+    use_sliding = field_of(config, "use_sliding_window")
+    _check_optional_bool("use_sliding_window", use_sliding)
+    window = field_of(config, "sliding_window")
+    if window is not None:
+        _check_int("sliding_window", window, 1)
+    layer_types = check_layer_types(config) or []
+    if dflash_config.get("use_swa"):
+        why = "dflash_config.use_swa makes every layer sliding"
+    elif SLIDING_ATTENTION in layer_types:
+        why = f"layer {layer_types.index(SLIDING_ATTENTION)} is {SLIDING_ATTENTION!r}"
+    else:
+        return
+    if dflash_config.get("swa_window_size") is not None:
+        return
+    if isinstance(config, Mapping) and window is not None and use_sliding is not True:
+        raise refuse("use_sliding_window", use_sliding,
+                     f"true: {why}, and Qwen3Config drops sliding_window={window} unless "
+                     "use_sliding_window is true (in transformers and in vLLM alike)")
+    if window is None:
+        raise refuse("sliding_window", window,
+                     f'an int >= 1 (with "use_sliding_window": true): {why}; or set '
+                     "dflash_config.swa_window_size")
+
+
+def check_drafter_config(config: Any) -> None:
+    """Types and ranges of the drafter's own fields: ``SIZE_FIELDS``, ``block_size``,
+    ``dflash_config``, ``layer_types`` and the sliding window
+    (:func:`check_sizes`, :func:`block_size_of`, :func:`dflash_config_of`,
+    :func:`check_sliding_window`). The fit to a target is
+    :func:`check_drafter_target_pair`."""
+    check_sizes(config)
+    block_size_of(config)
+    check_sliding_window(config, dflash_config_of(config))
+
+
+def read_drafter_config_json(directory: str | Path) -> dict:
+    """The checked text of ``directory/config.json``: a JSON object naming
+    ``DFlashDraftModel`` in ``architectures`` whose fields pass
+    :func:`check_drafter_config`."""
+    path = Path(directory) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DrafterConfigError(f"{WHERE} ({path}) is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
         raise DrafterConfigError(
-            "drafter config has no `dflash_config`: a DFlash drafter needs "
-            '`"dflash_config": {"target_layer_ids": [...], "mask_token_id": <id>}` '
-            "in its config.json"
-        )
-    for key in ("target_layer_ids", "mask_token_id"):
-        if dflash_config.get(key) is None:
-            raise DrafterConfigError(
-                f"drafter config `dflash_config.{key}` is missing; add it to config.json"
-            )
-    return dflash_config
+            f"{WHERE} ({path}) holds a {type(raw).__name__}: it must be a JSON object")
+    check_architectures(raw.get("architectures"))
+    check_drafter_config(raw)
+    return raw
+
+
+def load_drafter_config(directory: str | Path):
+    """The transformers config of the drafter in ``directory``, after
+    :func:`read_drafter_config_json`; transformers' own refusals come back as a
+    ``DrafterConfigError`` naming the file."""
+    from transformers import AutoConfig
+
+    read_drafter_config_json(directory)
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except Exception as error:  # transformers raises several types for a bad file
+        raise DrafterConfigError(
+            f"{WHERE} ({Path(directory) / 'config.json'}): transformers cannot read it: "
+            f"{error}") from error
 
 
 def resolve_layer_attention(config, layer_idx: int) -> tuple[int | None, bool]:
@@ -54,46 +234,36 @@ def resolve_layer_attention(config, layer_idx: int) -> tuple[int | None, bool]:
 def check_drafter_target_pair(drafter_config, target_config) -> None:
     """Raise ``DrafterConfigError`` naming the field and the fix when the pair mismatches.
 
-    Both arguments are transformers configs (or objects with the same fields).
-    The drafter shares the target's embeddings and LM head, so hidden size and
-    vocabulary must agree; ``target_layer_ids`` must name existing target layers.
+    Both arguments are transformers configs (or objects with the same fields). The
+    drafter's own fields pass :func:`check_drafter_config` and, where present,
+    ``architectures`` names ``DFlashDraftModel``. The drafter shares the target's
+    embeddings and LM head, so hidden size and vocabulary must agree;
+    ``target_layer_ids`` must name existing target layers.
     """
+    check_drafter_config(drafter_config)
     dflash_config = dflash_config_of(drafter_config)
-    archs = getattr(drafter_config, "architectures", None) or []
-    if archs and "DFlashDraftModel" not in archs:
-        raise DrafterConfigError(
-            f"drafter `architectures` is {archs}: DDTree needs a DFlash drafter "
-            '(`"architectures": ["DFlashDraftModel"]`)'
-        )
+    if field_of(drafter_config, "architectures") is not None:
+        check_architectures(field_of(drafter_config, "architectures"))
     target_hidden = target_config.hidden_size
-    drafter_target_hidden = getattr(drafter_config, "target_hidden_size", None) or target_hidden
+    drafter_target_hidden = field_of(drafter_config, "target_hidden_size") or target_hidden
     if drafter_target_hidden != target_hidden:
-        raise DrafterConfigError(
-            f"drafter `target_hidden_size` ({drafter_target_hidden}) != target `hidden_size` "
-            f"({target_hidden}): the drafter was trained for another target"
-        )
+        raise refuse("target_hidden_size", drafter_target_hidden,
+                     f"{target_hidden} (the target's hidden_size): the drafter was "
+                     "trained for another target")
     if drafter_config.hidden_size != target_hidden:
-        raise DrafterConfigError(
-            f"drafter `hidden_size` ({drafter_config.hidden_size}) != target `hidden_size` "
-            f"({target_hidden}): DFlash shares the target's embeddings and LM head, "
-            "use a drafter made for this target"
-        )
-    if drafter_config.vocab_size != target_config.vocab_size:
-        raise DrafterConfigError(
-            f"drafter `vocab_size` ({drafter_config.vocab_size}) != target `vocab_size` "
-            f"({target_config.vocab_size}): use a drafter trained with the target's tokenizer"
-        )
+        raise refuse("hidden_size", drafter_config.hidden_size,
+                     f"{target_hidden} (the target's hidden_size): DFlash shares the "
+                     "target's embeddings and LM head, use a drafter made for this target")
+    vocab_size = target_config.vocab_size
+    if drafter_config.vocab_size != vocab_size:
+        raise refuse("vocab_size", drafter_config.vocab_size,
+                     f"{vocab_size} (the target's vocab_size): use a drafter trained with "
+                     "the target's tokenizer")
     num_layers = target_config.num_hidden_layers
-    bad = [i for i in dflash_config["target_layer_ids"] if not 0 <= int(i) < num_layers]
-    if bad or not dflash_config["target_layer_ids"]:
-        raise DrafterConfigError(
-            f"drafter `dflash_config.target_layer_ids` {dflash_config['target_layer_ids']} "
-            f"must be non-empty and within 0..{num_layers - 1} (the target has {num_layers} "
-            "layers)"
-        )
-    mask_id = int(dflash_config["mask_token_id"])
-    if not 0 <= mask_id < target_config.vocab_size:
-        raise DrafterConfigError(
-            f"drafter `dflash_config.mask_token_id` ({mask_id}) is outside the vocabulary "
-            f"(0..{target_config.vocab_size - 1})"
-        )
+    ids = dflash_config["target_layer_ids"]
+    if max(ids) >= num_layers:
+        raise refuse("dflash_config.target_layer_ids", ids,
+                     f"layer ids in 0..{num_layers - 1} (the target has {num_layers} "
+                     "layers)")
+    _check_int("dflash_config.mask_token_id", dflash_config["mask_token_id"], 0,
+               vocab_size - 1, "the target's vocabulary")
