@@ -1,9 +1,13 @@
 """Patch ``vllm.engine.arg_utils.EngineArgs.create_speculative_config`` (vLLM 0.26.0).
 
 Accepts ``method: ddtree`` (which vLLM's ``SpeculativeMethod`` Literal rejects) from
-``vllm serve --speculative-config``, ``LLM(speculative_config=...)`` and lm-eval's
-``--model_args``: validates the DDTree keys and the drafter against the target
-before any GPU work, with errors that name the field and the fix.
+``vllm serve --speculative-config``, the shorthand arguments (``--spec-method ddtree
+--spec-model <drafter> --spec-tokens B``), ``LLM(speculative_config=...)`` and
+lm-eval's ``--model_args``: checks the speculative config, the drafter's
+``config.json`` and its fit to the target before vLLM builds the drafter's model
+config, with errors that name the field, the value and what is allowed. Also adds
+``ddtree`` to the choices of ``--spec-method`` (``EngineArgs.add_cli_args``, which
+``AsyncEngineArgs.add_cli_args`` calls after loading the plugins).
 """
 
 from __future__ import annotations
@@ -11,12 +15,37 @@ from __future__ import annotations
 from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.engine.arg_utils.EngineArgs.create_speculative_config"
+PATCHED_CLI = "vllm.engine.arg_utils.EngineArgs.add_cli_args"
+
+
+def checked_spec(engine_args):
+    """``engine_args.speculative_config`` with dashed keys normalised, after checking
+    the method names (:func:`vllm_ddtree.config.check_method`) of it and of the
+    ``--spec-method`` shorthand. A DDTree config has the shorthands merged in
+    (:func:`vllm_ddtree.config.merge_shorthands`), which are then cleared so that
+    vLLM does not merge them again."""
+    from vllm_ddtree.config import check_method, merge_shorthands, uses_ddtree
+
+    spec = engine_args.speculative_config
+    if isinstance(spec, dict):
+        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        check_method(spec.get("method"))
+    check_method(engine_args.spec_method, "--spec-method")
+    shorthands = {"spec_method": engine_args.spec_method,
+                  "spec_model": engine_args.spec_model,
+                  "spec_tokens": engine_args.spec_tokens}
+    if not uses_ddtree(spec if isinstance(spec, dict) else None, shorthands):
+        return spec
+    spec = merge_shorthands(spec, shorthands)
+    engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
+    return spec
 
 
 def apply() -> None:
     require_vllm_version(PATCHED_FUNCTION)
     from vllm.engine.arg_utils import EngineArgs
 
+    apply_cli_choice(EngineArgs)
     original = EngineArgs.create_speculative_config
     if getattr(original, "_ddtree_patched", False):
         return
@@ -24,15 +53,12 @@ def apply() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         from vllm_ddtree.config import check_drafter_for_target, split_ddtree_spec
 
-        spec = self.speculative_config
-        if self.spec_method == "ddtree":
-            spec = {**(spec or {}), "method": "ddtree"}
-            self.spec_method = None
+        spec = checked_spec(self)
         if isinstance(spec, dict):
-            spec = {k.replace("-", "_"): v for k, v in spec.items()}
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
-                check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config)
+                check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config,
+                                         ddtree)
                 return create_ddtree_speculative_config(
                     self, original, vllm_spec, ddtree, target_model_config,
                     target_parallel_config,
@@ -42,6 +68,26 @@ def apply() -> None:
 
     mark_patched(create_speculative_config, original)
     EngineArgs.create_speculative_config = create_speculative_config
+
+
+def apply_cli_choice(engine_args_class) -> None:
+    """Add ``ddtree`` to the choices of ``--spec-method`` (vLLM lists its
+    ``SpeculativeMethod`` values there)."""
+    require_vllm_version(PATCHED_CLI)
+    original = engine_args_class.add_cli_args
+    if getattr(original, "_ddtree_patched", False):
+        return
+
+    def add_cli_args(parser):
+        parser = original(parser)
+        for action in parser._actions:
+            if action.dest == "spec_method" and action.choices is not None:
+                if "ddtree" not in action.choices:
+                    action.choices = sorted([*action.choices, "ddtree"], key=str)
+        return parser
+
+    mark_patched(add_cli_args, original)
+    engine_args_class.add_cli_args = staticmethod(add_cli_args)
 
 
 # --------------------------------------------------------------------------------

@@ -31,6 +31,16 @@ UNSUPPORTED_KEYS = {
     "draft_sample_method": "DDTree drafts greedily (its tree covers the alternatives)",
     "rejection_sample_method": "DDTree verifies by walking the tree",
 }
+MODEL_ALLOWED = ('the local directory of a DFlash drafter (config.json with '
+                 '"architectures": ["DFlashDraftModel"])')
+BUDGET_ALLOWED = (f"an int in 1..{MAX_BUDGET} (the tree's node budget B per round; 64 is a "
+                  "good start)")
+# vLLM's shorthand arguments: EngineArgs field -> (command-line flag, speculative-config key)
+SHORTHANDS = {
+    "spec_method": ("--spec-method", "method"),
+    "spec_model": ("--spec-model", "model"),
+    "spec_tokens": ("--spec-tokens", "num_speculative_tokens"),
+}
 
 
 class DDTreeConfigError(ValueError):
@@ -70,53 +80,110 @@ class DDTreeConfig:
         return asdict(self)
 
 
-def _positive_int(value: Any, field: str, upper: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise DDTreeConfigError(f"`{field}` must be an integer, got {value!r}")
-    if value < 1 or (upper is not None and value > upper):
-        bound = f"1..{upper}" if upper is not None else ">= 1"
-        raise DDTreeConfigError(f"`{field}` must be in {bound}, got {value}")
+def refuse(field: str, value: Any, allowed: str) -> DDTreeConfigError:
+    """The error for ``field=value`` in the speculative config, saying what is allowed."""
+    return DDTreeConfigError(f"speculative config: {field}={value!r} is not allowed: {allowed}")
+
+
+def _check_int(field: str, value: Any, lo: int, hi: int | None, allowed: str) -> int:
+    """``value`` is an int (not a bool) in ``lo..hi`` (``hi`` None: no upper bound)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < lo
+            or (hi is not None and value > hi)):
+        raise refuse(field, value, allowed)
     return value
+
+
+def is_ddtree_key(key: str) -> bool:
+    """A key in DDTree's namespace (``ddtree...``, any case)."""
+    return isinstance(key, str) and key.lower().startswith(DDTREE_METHOD)
+
+
+def vllm_methods() -> tuple[str, ...]:
+    """vLLM's speculative methods (the values of its ``SpeculativeMethod`` Literal)."""
+    from typing import get_args
+
+    from vllm.config.speculative import SpeculativeMethod
+
+    def values(literal) -> list[str]:
+        return [v for arg in get_args(literal)
+                for v in ([arg] if isinstance(arg, str) else values(arg))]
+
+    return tuple(values(SpeculativeMethod))
+
+
+def check_method(method: Any, field: str = "method") -> None:
+    """``method`` is None, ``ddtree`` or one of vLLM's methods; otherwise refuse it
+    with the closest name and every method, ``ddtree`` included."""
+    known = (DDTREE_METHOD, *sorted(vllm_methods()))
+    if method is None or method in known:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(str(method).lower(), known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise refuse(field, method, f"{hint}method names are case-sensitive; known methods: "
+                 + ", ".join(repr(m) for m in known))
+
+
+def uses_ddtree(spec: dict[str, Any] | None, shorthands: dict[str, Any]) -> bool:
+    """Whether the speculative config or the ``--spec-method`` shorthand asks for DDTree."""
+    return DDTREE_METHOD in (shorthands.get("spec_method"), (spec or {}).get("method"))
+
+
+def merge_shorthands(spec: dict[str, Any] | None, shorthands: dict[str, Any]) -> dict[str, Any]:
+    """The speculative config with vLLM's shorthand arguments (``SHORTHANDS``, the
+    EngineArgs fields ``spec_method``, ``spec_model``, ``spec_tokens``) merged in, as
+    vLLM's ``create_speculative_config`` merges them (``arg_utils.py:1749-1762``).
+    A shorthand and a config key that give different values are refused, naming both."""
+    merged = dict(spec or {})
+    for name, (flag, key) in SHORTHANDS.items():
+        value = shorthands.get(name)
+        if value is None:
+            continue
+        if merged.get(key) is not None and merged[key] != value:
+            raise DDTreeConfigError(
+                f"speculative config: {flag}={value!r} and --speculative-config "
+                f"{key}={merged[key]!r} disagree: give {key} once")
+        merged[key] = value
+    return merged
 
 
 def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfig | None]:
     """Split a raw speculative-config dict into vLLM's part and DDTree's part.
 
     Returns ``(spec, None)`` unchanged unless ``spec["method"] == "ddtree"``; then
-    the vLLM part has ``method: dflash`` and no ``ddtree_*`` keys. Raises
-    ``DDTreeConfigError`` naming the field and the fix for bad input.
+    the vLLM part has ``method: dflash`` and no ``ddtree_*`` keys. Checks the type and
+    range of ``model``, ``num_speculative_tokens`` and every ``ddtree_*`` key, refuses
+    unknown ``ddtree*`` keys and vLLM keys that assume a chain; raises
+    ``DDTreeConfigError`` naming the field, the value and what is allowed.
     """
     if spec.get("method") != DDTREE_METHOD:
-        stray = sorted(k for k in spec if k.startswith("ddtree_"))
+        stray = sorted(k for k in spec if is_ddtree_key(k))
         if stray:
             raise DDTreeConfigError(
                 f"{stray} are DDTree keys: set `\"method\": \"ddtree\"` or remove them"
             )
         return spec, None
-    unknown = sorted(k for k in spec if k.startswith("ddtree_") and k not in DDTREE_KEYS)
+    unknown = sorted(k for k in spec if is_ddtree_key(k) and k not in DDTREE_KEYS)
     if unknown:
         known = ", ".join(f"`{k}` ({doc})" for k, doc in DDTREE_KEYS.items())
-        raise DDTreeConfigError(f"unknown DDTree key(s) {unknown}; known keys: {known}")
+        raise DDTreeConfigError(
+            f"speculative config: unknown DDTree key(s) {unknown} (keys are case-sensitive); "
+            f"known keys: {known}")
     for key, why in UNSUPPORTED_KEYS.items():
         if spec.get(key) is not None:
-            raise DDTreeConfigError(f"`{key}` is not supported with method ddtree: {why}")
-    if not spec.get("model"):
-        raise DDTreeConfigError(
-            '`model` is required with method ddtree: the path of a DFlash drafter '
-            '(config.json with "architectures": ["DFlashDraftModel"])'
-        )
-    if spec.get("num_speculative_tokens") is None:
-        raise DDTreeConfigError(
-            f"`num_speculative_tokens` is required with method ddtree: the tree's node "
-            f"budget B per round, 1..{MAX_BUDGET} (64 is a good start)"
-        )
-    budget = _positive_int(spec["num_speculative_tokens"], "num_speculative_tokens", MAX_BUDGET)
+            raise refuse(key, spec[key], f"left out with method ddtree: {why}")
+    if not isinstance(spec.get("model"), str) or not spec["model"]:
+        raise refuse("model", spec.get("model"), MODEL_ALLOWED)
+    budget = _check_int("num_speculative_tokens", spec.get("num_speculative_tokens"), 1,
+                        MAX_BUDGET, BUDGET_ALLOWED)
     top_k = spec.get("ddtree_top_k")
     if top_k is not None:
-        top_k = _positive_int(top_k, "ddtree_top_k")
+        top_k = _check_int("ddtree_top_k", top_k, 1, None,
+                           "an int >= 1, or left out (children kept per node; default: B)")
     adaptive = _adaptive_budget(spec.get("ddtree_budget"))
     verify_shape = _verify_shape(spec.get("ddtree_verify_shape"), adaptive)
-    vllm_spec = {k: v for k, v in spec.items() if not k.startswith("ddtree_")}
+    vllm_spec = {k: v for k, v in spec.items() if not is_ddtree_key(k)}
     vllm_spec["method"] = "dflash"
     return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k, adaptive=adaptive,
                                    verify_shape=verify_shape)
@@ -127,11 +194,9 @@ def _verify_shape(value: Any, adaptive: bool) -> str | None:
     meaningful with ``ddtree_budget: "auto"``."""
     if value is None:
         return None
-    if value not in VERIFY_SHAPES:
-        raise DDTreeConfigError(
-            f"`ddtree_verify_shape` must be one of {list(VERIFY_SHAPES)} (or left out), "
-            f"got {value!r}"
-        )
+    if not isinstance(value, str) or value not in VERIFY_SHAPES:
+        raise refuse("ddtree_verify_shape", value, "one of " + ", ".join(
+            repr(v) for v in VERIFY_SHAPES) + ", or left out")
     if not adaptive:
         raise DDTreeConfigError(
             '`ddtree_verify_shape` needs `"ddtree_budget": "auto"`: a fixed budget always '
@@ -144,28 +209,71 @@ def _adaptive_budget(value: Any) -> bool:
     """``ddtree_budget``: absent (None) = fixed budget B, ``"auto"`` = adaptive."""
     if value is None:
         return False
-    if value != AUTO_BUDGET:
-        raise DDTreeConfigError(
-            f'`ddtree_budget` must be "auto" (or left out), got {value!r}: the fixed node '
-            'budget is `num_speculative_tokens`; with "auto" it is the maximum B'
-        )
+    if not isinstance(value, str) or value != AUTO_BUDGET:
+        raise refuse("ddtree_budget", value, '"auto", or left out: the fixed node budget is '
+                     '`num_speculative_tokens`; with "auto" it is the maximum B')
     return True
 
 
-def check_drafter_for_target(drafter: str, target_hf_config) -> None:
-    """Check the DFlash drafter at ``drafter`` (a local directory) against the target.
+def tree_capacity(top_k: int, depth: int) -> int:
+    """Nodes of a tree of ``depth`` levels whose nodes have at most ``top_k`` children:
+    ``top_k + top_k**2 + ... + top_k**depth``."""
+    return sum(top_k**d for d in range(1, depth + 1))
 
-    Reads only ``config.json``; raises ``DDTreeConfigError`` / ``DrafterConfigError``
-    with the field and the fix (not DFlash, hidden size, vocabulary, layer ids).
+
+def _series(k: int, depth: int) -> str:
+    """``"k + k^2 + ... + k^depth"`` with ``k`` written out."""
+    terms = [str(k)] + [f"{k}^{d}" for d in range(2, depth + 1)]
+    return " + ".join(terms) if depth <= 3 else f"{terms[0]} + {terms[1]} + ... + {terms[-1]}"
+
+
+def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: int) -> None:
+    """The budget B fits a tree of depth ``block_size - 1`` (the drafter's mask
+    queries) whose nodes have at most ``k`` children, ``k = min(ddtree_top_k or B, V)``:
+    ``B <= k + k^2 + ... + k^(block_size - 1)``."""
+    depth = block_size - 1
+    k = min(ddtree.top_k or ddtree.budget, vocab_size)
+    most = tree_capacity(k, depth)
+    if ddtree.budget <= most:
+        return
+    if ddtree.top_k is None:
+        why = f"the vocabulary size {vocab_size}"
+    elif ddtree.top_k > vocab_size:
+        why = f"ddtree_top_k={ddtree.top_k} capped at the vocabulary size {vocab_size}"
+    else:
+        why = f"ddtree_top_k={ddtree.top_k}"
+    fix = " or raise ddtree_top_k" if ddtree.top_k is not None and k < vocab_size else ""
+    raise refuse("num_speculative_tokens", ddtree.budget,
+                 f"an int in 1..{most}: a tree of depth {depth} (the drafter's block_size "
+                 f"{block_size} - 1) with at most {k} {'child' if k == 1 else 'children'} "
+                 f"per node ({why}) holds at most {most} nodes ({_series(k, depth)}); lower "
+                 f"num_speculative_tokens{fix}")
+
+
+def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfig | None = None):
+    """Check the DFlash drafter at ``drafter`` (a local directory) against the target,
+    and, given ``ddtree``, that its budget fits the drafter's tree depth
+    (:func:`check_budget_fits_tree`).
+
+    Reads only ``config.json`` (``drafter_config.load_drafter_config``: every field's
+    type and range, then the fit to the target: hidden size, vocabulary, layer ids).
+    Returns the drafter's transformers config; raises ``DDTreeConfigError`` /
+    ``DrafterConfigError`` naming the field, the value and what is allowed.
     """
-    from transformers import AutoConfig
-
-    from vllm_ddtree.drafter_config import check_drafter_target_pair
+    from vllm_ddtree.drafter_config import (
+        block_size_of,
+        check_drafter_target_pair,
+        load_drafter_config,
+    )
 
     if not (Path(drafter) / "config.json").exists():
         raise DDTreeConfigError(
             f"`model` {drafter!r}: no config.json there; pass the local directory of a "
             "DFlash drafter (download it first: vLLM workers cannot check a hub name here)"
         )
-    drafter_config = AutoConfig.from_pretrained(drafter)
+    drafter_config = load_drafter_config(drafter)
     check_drafter_target_pair(drafter_config, target_hf_config)
+    if ddtree is not None:
+        check_budget_fits_tree(ddtree, block_size_of(drafter_config),
+                               target_hf_config.vocab_size)
+    return drafter_config
