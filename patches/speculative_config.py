@@ -51,14 +51,19 @@ def apply() -> None:
         return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
+        from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
+
         from vllm_ddtree.config import check_drafter_for_target, split_ddtree_spec
+        from vllm_ddtree.drafter_config import block_size_of
 
         spec = checked_spec(self)
         if isinstance(spec, dict):
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
-                check_drafter_for_target(vllm_spec["model"], target_model_config.hf_config,
-                                         ddtree)
+                drafter = check_drafter_for_target(
+                    vllm_spec["model"], target_model_config.hf_config, ddtree)
+                # read by patches/batch_defaults.py when vLLM picks the batch limits
+                setattr(self, TREE_SHAPE_ATTR, (ddtree.budget, block_size_of(drafter)))
                 return create_ddtree_speculative_config(
                     self, original, vllm_spec, ddtree, target_model_config,
                     target_parallel_config,

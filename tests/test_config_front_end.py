@@ -72,6 +72,7 @@ def front_end(pair_dirs, tmp_path, monkeypatch, custom_backend_slot):
             spec = {key: fill(value) for key, value in spec.items()}
         engine_args = {key: fill(value) for key, value in engine_args.items()}
         args = EngineArgs(model=str(target_dir), speculative_config=spec, **engine_args)
+        build.engine_args = args
         return args.create_speculative_config(target_config, ParallelConfig())
 
     build.good_json = good_json
@@ -90,10 +91,14 @@ SPEC = {"method": "ddtree", "model": DRAFTER, "num_speculative_tokens": 8}
 
 
 def test_a_valid_spec_reaches_vllm(front_end):
-    """The control: a good spec does reach the drafter's ModelConfig."""
+    """The control: a good spec does reach the drafter's ModelConfig, and leaves the
+    tree's shape (B, drafter block_size) for the batch limits (patches/batch_defaults)."""
+    from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
+
     with pytest.raises(DrafterModelConfigReached) as info:
         front_end(SPEC)
     assert info.value.args[0]["model"] == str(front_end.drafter_dir)
+    assert getattr(front_end.engine_args, TREE_SHAPE_ATTR) == (8, 8)
 
 
 # -- the tree budget against ddtree_top_k and the drafter's depth ------------------------
