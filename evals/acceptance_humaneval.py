@@ -18,6 +18,10 @@ import sys
 import time
 from pathlib import Path
 
+from cli_args import int_arg, non_negative_float, positive_int
+
+from vllm_ddtree.demo import HUMANEVAL_PROBLEMS
+
 METHODS = [("dflash", 0), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64), ("ddtree", 128)]
 
 
@@ -116,19 +120,19 @@ def report(args) -> None:
     print("\n".join(lines))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
-    r.add_argument("--temperature", type=float, default=0.0)
-    r.add_argument("--prompts", type=int, default=164)
-    r.add_argument("--max-new-tokens", type=int, default=128)
-    r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--temperature", type=non_negative_float, default=0.0)
+    r.add_argument("--prompts", type=int_arg(1, HUMANEVAL_PROBLEMS), default=HUMANEVAL_PROBLEMS)
+    r.add_argument("--max-new-tokens", type=positive_int, default=128)
+    r.add_argument("--threads", type=positive_int, default=1)
     r.add_argument("--out", required=True)
     p = sub.add_parser("report")
     p.add_argument("inputs", nargs="+")
     p.add_argument("--out-dir", default="evals/results")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     run(args) if args.cmd == "run" else report(args)
 
 

@@ -70,6 +70,12 @@ for _p in (str(EVALS), str(REPO_ROOT)):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from cli_args import (  # noqa: E402
+    float_arg,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
 from e2e_children import (  # noqa: E402
     LOCKSTEP_KV_FACTOR,
     child_spec,
@@ -290,18 +296,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    f"the largest numeric B of the runs, else {DEFAULT_AUTO_MAX})")
     p.add_argument("--contexts", nargs="+", type=parse_context,
                    help="prompt lengths, e.g. 1k 16k 64k 128k (default)")
-    p.add_argument("--batches", nargs="+", type=int, help="default 1 8")
+    p.add_argument("--batches", nargs="+", type=positive_int, help="default 1 8")
     p.add_argument("--prompts", nargs="+", type=prompt_kind_arg,
                    help="prompt kinds (default per setup: trained code+random, kimi "
                    "random); code@k / random@k: the k-th disjoint prompt set, e.g. "
                    "--prompts code code@1 code@2 at batch 1")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=1,
                    help="start every run this many times, interleaved (A B C C B A ...); "
                    "the tables show each cell's median-step repeat and the spread")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
-    p.add_argument("--gpu-mem", type=float, default=0.85, help="gpu_memory_utilization")
+    p.add_argument("--gpu-mem", type=float_arg(0.0, 1.0, lo_open=True), default=0.85,
+                   help="gpu_memory_utilization")
     p.add_argument("--prime", choices=["cache", "none"], default="cache",
                    help="cache: prefill each cell's prompts into the prefix cache first "
                    "(default); none: no prefix caching, one generate (batch > 1 then decodes "
@@ -310,14 +317,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON merged into LLM(...) kwargs (compilation_config is merged)")
     p.add_argument("--quick", action="store_true",
                    help="kimi64, contexts 1k/32k, batch 1, AR and DFlash on FA-MLA, DDTree 32/64")
-    p.add_argument("--max-minutes", type=float, default=0.0,
-                   help="stop starting runs and cells after this many minutes")
-    p.add_argument("--grace-minutes", type=float, default=2.0,
+    p.add_argument("--max-minutes", type=non_negative_float, default=0.0,
+                   help="stop starting runs and cells after this many minutes (0: no limit)")
+    p.add_argument("--grace-minutes", type=non_negative_float, default=2.0,
                    help="with --max-minutes: kill a child this long after the limit")
-    p.add_argument("--min-child-minutes", type=float, default=1.5,
+    p.add_argument("--min-child-minutes", type=non_negative_float, default=1.5,
                    help="with --max-minutes: start no run with less time than this left "
                    "(an LLM takes about a minute to start)")
-    p.add_argument("--child-timeout-min", type=float, default=45.0)
+    p.add_argument("--child-timeout-min", type=positive_float, default=45.0)
     p.add_argument("--engine-process", action="store_true",
                    help="run vLLM's engine core in its own process, as vllm serve does "
                    "(the timer reads the runner there through collective_rpc); default: "
@@ -327,7 +334,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "--lockstep-kv-gib) and measure each cell by every run in turn, one "
                    "engine working at a time, alternate rounds reversed: the runs of a "
                    "cell are measured seconds apart (default: one run after another)")
-    p.add_argument("--lockstep-kv-gib", type=float,
+    p.add_argument("--lockstep-kv-gib", type=positive_float,
                    help="with --lockstep: kv_cache_memory_bytes of every engine in GiB "
                    f"(default: {LOCKSTEP_KV_FACTOR} x the largest cell's KV cache + 1 GiB)")
     p.add_argument("--pin-cpus", help="run every child on these CPUs (e.g. 0-7), so that "

@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from cli_args import non_negative_float, positive_float, positive_int
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -465,7 +466,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="a small grid (H 8/64, 8k/32k, 16/65)")
     for grid_axis in ("--heads", "--ctx", "--qlen", "--page"):
-        p.add_argument(grid_axis, type=int, nargs="+")
+        p.add_argument(grid_axis, type=positive_int, nargs="+")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--sweep-configs", action="store_true",
                    help="also time every MLA tile config (incl. Hopper-only extras) for ours")
@@ -473,10 +474,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--timer", choices=tuple(TIMER_TITLES), default="graph",
         help="graph: GPU time of calls replayed in a CUDA graph (how vLLM runs verify "
         "steps); events: host launches timed by do_bench (adds launch overhead)")
-    p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
-    p.add_argument("--rep", type=int, default=100, help="repetition time per method (ms)")
-    p.add_argument("--prefill-mem-gb", type=float, default=48.0)
-    p.add_argument("--max-minutes", type=float, default=0.0, help="stop starting cells after")
+    p.add_argument("--warmup", type=positive_int, default=25, help="do_bench warmup (ms)")
+    p.add_argument("--rep", type=positive_int, default=100, help="repetition time per method (ms)")
+    p.add_argument("--prefill-mem-gb", type=positive_float, default=48.0)
+    p.add_argument("--max-minutes", type=non_negative_float, help="stop starting cells after")
     p.add_argument("--out-md", default=os.path.join(REPO_ROOT, "evals/results/verify_attention.md"))
     p.add_argument("--out-png",
                    default=os.path.join(REPO_ROOT, "evals/results/verify_attention.png"))

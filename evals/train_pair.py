@@ -42,8 +42,16 @@ import transformers
 from transformers import DeepseekV3ForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _path in (str(REPO), str(REPO / "evals")):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
+
+from cli_args import (  # noqa: E402
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 from vllm_ddtree.reference import DFlashDraftModel, generate  # noqa: E402
 from vllm_ddtree.training import configs  # noqa: E402
@@ -111,24 +119,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny models, few steps (CPU smoke)")
     p.add_argument("--device", default=None, help="default: cuda if available")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--target-minutes", type=float, default=3.0)
-    p.add_argument("--drafter-minutes", type=float, default=3.0)
-    p.add_argument("--target-steps", type=int, default=None, help="fixed steps (reproduce)")
-    p.add_argument("--drafter-steps", type=int, default=None, help="fixed steps (reproduce)")
-    p.add_argument("--target-max-steps", type=int, default=None)
-    p.add_argument("--drafter-max-steps", type=int, default=None)
-    p.add_argument("--target-max-epochs", type=float, default=None, help="default 30")
-    p.add_argument("--target-batch", type=int, default=None)
-    p.add_argument("--drafter-batch", type=int, default=None)
-    p.add_argument("--target-lr", type=float, default=None)
-    p.add_argument("--drafter-lr", type=float, default=None)
-    p.add_argument("--gen-sequences", type=int, default=None, help="greedy pool size")
-    p.add_argument("--text-sequences", type=int, default=None,
+    p.add_argument("--target-minutes", type=positive_float, default=3.0)
+    p.add_argument("--drafter-minutes", type=positive_float, default=3.0)
+    p.add_argument("--target-steps", type=positive_int, default=None,
+                   help="fixed steps (reproduce)")
+    p.add_argument("--drafter-steps", type=positive_int, default=None,
+                   help="fixed steps (reproduce)")
+    p.add_argument("--target-max-steps", type=positive_int, default=None)
+    p.add_argument("--drafter-max-steps", type=positive_int, default=None)
+    p.add_argument("--target-max-epochs", type=positive_float, default=None, help="default 30")
+    p.add_argument("--target-batch", type=positive_int, default=None)
+    p.add_argument("--drafter-batch", type=positive_int, default=None)
+    p.add_argument("--target-lr", type=positive_float, default=None)
+    p.add_argument("--drafter-lr", type=positive_float, default=None)
+    p.add_argument("--gen-sequences", type=positive_int, default=None, help="greedy pool size")
+    p.add_argument("--text-sequences", type=non_negative_int, default=None,
                    help="corpus-text rows added to the drafter's train pool (no decoding; "
                    "labels are the text: see train_drafter.text_pool); default 0")
     p.add_argument(
         "--gen-minutes",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="no new generation batch after this long (default 1.5; 0 = no limit)",
     )
@@ -142,21 +152,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         "static_decode; one prefix length per batch) or transformers (one prefix "
         "length per batch); auto = vllm on CUDA, hf elsewhere",
     )
-    p.add_argument("--target-seq-len", type=int, default=2048,
+    p.add_argument("--target-seq-len", type=positive_int, default=2048,
                    help="target training window (full size)")
-    p.add_argument("--drafter-seq-len", type=int, default=1536,
+    p.add_argument("--drafter-seq-len", type=positive_int, default=1536,
                    help="drafter training sequence: corpus prefix + greedy continuation")
-    p.add_argument("--drafter-prefix-max", type=int, default=1280,
+    p.add_argument("--drafter-prefix-max", type=positive_int, default=1280,
                    help="longest corpus prefix of a drafter training sequence")
-    p.add_argument("--drafter-continuation", type=int, default=384,
+    p.add_argument("--drafter-continuation", type=non_negative_int, default=384,
                    help="greedy tokens after each corpus prefix (0: up to the sequence end)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
     p.add_argument("--drafter-init", default=None,
                    help="start the drafter from this checkpoint (fine-tune; e.g. the "
                    "embedded drafter on a YaRN copy of its target, long_context.py) "
                    "instead of random weights; its shape must match the drafter config")
-    p.add_argument("--accept-prompts", type=int, default=None)
-    p.add_argument("--accept-new-tokens", type=int, default=None)
+    p.add_argument("--accept-prompts", type=positive_int, default=None)
+    p.add_argument("--accept-new-tokens", type=positive_int, default=None)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument(
         "--deterministic",
