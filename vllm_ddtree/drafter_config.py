@@ -84,10 +84,20 @@ def check_sizes(config: Any) -> None:
 
 def block_size_of(config: Any) -> int:
     """``block_size``: an int >= 2, the drafter's query block (one bonus token and
-    ``block_size - 1`` masks, i.e. tree depths ``1..block_size - 1``)."""
-    return _check_int("block_size", field_of(config, "block_size"), 2,
-                      note="the drafter's training block: a bonus token and "
-                      "block_size - 1 mask tokens")
+    ``block_size - 1`` masks, i.e. tree depths ``1..block_size - 1``). Published
+    drafters carry it at the top level or, in newer releases, as
+    ``dflash_config.block_size``; both present must agree."""
+    note = "the drafter's training block: a bonus token and block_size - 1 mask tokens"
+    top = field_of(config, "block_size")
+    dflash_config = field_of(config, "dflash_config")
+    inner = dflash_config.get("block_size") if isinstance(dflash_config, Mapping) else None
+    if top is None and inner is not None:
+        return _check_int("dflash_config.block_size", inner, 2, note=note)
+    block_size = _check_int("block_size", top, 2, note=note)
+    if inner is not None and inner != block_size:
+        raise refuse("dflash_config.block_size", inner,
+                     f"absent or equal to block_size={block_size}")
+    return block_size
 
 
 def dflash_config_of(config: Any) -> dict:

@@ -62,20 +62,18 @@ def ddtree_config_of(speculative_config: Any) -> DDTreeConfig | None:
 
 
 def drafter_block_size(speculative_config: Any) -> int:
-    """The DFlash drafter's block size (``block_size`` of its HF config): one bonus
-    query plus ``block_size - 1`` mask queries, i.e. draft depths ``1..block_size-1``."""
+    """The DFlash drafter's block size (``drafter_config.block_size_of`` its HF config:
+    ``block_size`` or ``dflash_config.block_size``): one bonus query plus
+    ``block_size - 1`` mask queries, i.e. draft depths ``1..block_size-1``."""
+    from vllm_ddtree.drafter_config import block_size_of, field_of
+
     hf_config = speculative_config.draft_model_config.hf_config
-    block_size = getattr(hf_config, "block_size", None)
-    if block_size is None:
+    if field_of(hf_config, "block_size") is None and field_of(
+            field_of(hf_config, "dflash_config") or {}, "block_size") is None:
         # vLLM wraps DFlash drafter configs in EAGLEConfig (speculative.py:914-932),
         # which copies the inner config's keys; fall back to the inner config.
-        block_size = getattr(getattr(hf_config, "model", None), "block_size", None)
-    if not isinstance(block_size, int) or block_size < 2:
-        raise ValueError(
-            f"the DFlash drafter's config.json has block_size={block_size!r}; DDTree needs "
-            "the drafter's training block size (an int >= 2)"
-        )
-    return block_size
+        hf_config = getattr(hf_config, "model", None) or hf_config
+    return block_size_of(hf_config)
 
 
 def ddtree_lookahead_tokens(block_size: int) -> int:

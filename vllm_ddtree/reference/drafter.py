@@ -33,8 +33,9 @@ from transformers import PreTrainedModel, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
-from vllm_ddtree.drafter_config import (
-    DrafterConfigError,
+from vllm_ddtree.drafter_config import (  # DrafterConfigError: re-exported for callers
+    DrafterConfigError,  # noqa: F401
+    block_size_of,
     dflash_config_of,
     resolve_layer_attention,
 )
@@ -224,11 +225,9 @@ class DFlashDraftModel(PreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
         dflash_config = dflash_config_of(config)
-        if getattr(config, "block_size", None) is None or config.block_size < 2:
-            raise DrafterConfigError("drafter config `block_size` must be an int >= 2")
+        self.block_size = block_size_of(config)
         if getattr(config, "head_dim", None) is None:
             config.head_dim = config.hidden_size // config.num_attention_heads
-        self.block_size = int(config.block_size)
         self.target_layer_ids = list(dflash_config["target_layer_ids"])
         self.mask_token_id = int(dflash_config["mask_token_id"])
         target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
