@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from vllm_ddtree.cli import device_arg, float_arg, int_arg  # noqa: E402
+from vllm_ddtree.cli_args import device_arg, float_arg, int_arg  # noqa: E402
 
 __all__ = ["device_arg", "float_arg", "fraction", "int_arg", "json_object", "non_negative_float",
            "non_negative_int", "positive_float", "positive_int"]

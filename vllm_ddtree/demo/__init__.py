@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
+
+from vllm_ddtree.cli_args import int_arg
 from vllm_ddtree.config import MAX_BUDGET
 
 HUMANEVAL_PROBLEMS = 164
@@ -23,3 +27,17 @@ def check_demo_args(num_prompts, max_new_tokens, budget, where: str = "demo") ->
     for field, value in values.items():
         lo, hi, note = LIMITS[field]
         check_int(where, field, value, lo, hi, note)
+
+
+def demo_arg(field: str) -> Callable[[str], int]:
+    """argparse ``type`` of a demo argument, bounded as ``LIMITS``."""
+    return int_arg(*LIMITS[field])
+
+
+def add_demo_args(parser: argparse.ArgumentParser) -> None:
+    """``--prompts``, ``--max-new-tokens`` and ``--budget``, with their ranges."""
+    parser.add_argument("--prompts", type=demo_arg("num_prompts"), default=3,
+                        help="HumanEval prompts, 1..164")
+    parser.add_argument("--max-new-tokens", type=demo_arg("max_new_tokens"), default=64)
+    parser.add_argument("--budget", type=demo_arg("budget"), default=32,
+                        help="DDTree nodes per round, 1..512")

@@ -19,8 +19,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from vllm_ddtree.cli import add_demo_args
-from vllm_ddtree.demo import check_demo_args
+from vllm_ddtree.demo import add_demo_args, check_demo_args
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.metrics import read_spec_decode_counters
 

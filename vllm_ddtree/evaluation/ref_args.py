@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vllm_ddtree.cli import DEVICE
+from vllm_ddtree.cli_args import DEVICE
 from vllm_ddtree.reference.inputs import (
     INT64,
     MAX_BUDGET,
