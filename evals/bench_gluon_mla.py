@@ -39,6 +39,7 @@ from bench_verify_attention import (  # noqa: E402
     make_inputs,
     ours,
 )
+
 from vllm_ddtree.attention_backends.mla_tree.gluon_kernel import gluon_supported  # noqa: E402
 from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon  # noqa: E402
 

@@ -129,9 +129,8 @@ def main() -> None:
     parser.add_argument("--min-depth", type=int, default=3)
     args = parser.parse_args()
 
-    from vllm_ddtree.patches import apply_all
-
     import vllm_ddtree
+    from vllm_ddtree.patches import apply_all
 
     vllm_ddtree.register()
 

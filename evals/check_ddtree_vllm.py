@@ -90,7 +90,6 @@ def install_trace(max_steps: int) -> list:
     walk, and what the MLA backend saw (decode/prefill split, whose bits)."""
     from vllm_ddtree.attention_backends.mla_tree import backend as mla_backend
     from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE
-
     from vllm_ddtree.runtime_state import DDTREE_STATE
     from vllm_ddtree.verify import verifier as verifier_mod
 
@@ -259,9 +258,8 @@ def main() -> None:
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
 
-    from vllm_ddtree.patches import apply_all
-
     import vllm_ddtree
+    from vllm_ddtree.patches import apply_all
 
     vllm_ddtree.register()
 
@@ -320,9 +318,8 @@ def main() -> None:
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         extra["attention_backend"] = "CUSTOM"
         if args.pair == "qwen3":  # CUSTOM = the GQA tree backend (set before register)
-            from vllm_ddtree.attention_backends.registration import register_tree_backend
-
             from vllm_ddtree import settings
+            from vllm_ddtree.attention_backends.registration import register_tree_backend
 
             settings.set_for_children("VLLM_DDTREE_TREE_BACKEND", "gqa")
             register_tree_backend("gqa")

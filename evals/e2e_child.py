@@ -290,6 +290,7 @@ def skip_common_prefix_in_every_engine() -> None:
     (``vllm_ddtree.patches.scheduler_common_prefix.skip_common_prefix_scan``). The
     engine must run in this process (no ``--engine-process``)."""
     from vllm.v1.core.sched.scheduler import Scheduler
+
     from vllm_ddtree.patches.scheduler_common_prefix import skip_common_prefix_scan
 
     original = Scheduler.__init__

@@ -33,6 +33,7 @@ if str(REPO) not in sys.path:
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
 from vllm_ddtree.attention_backends.mla_tree import MLATileConfig  # noqa: E402
 from vllm_ddtree.attention_backends.mla_tree import kernels as mla_kernels  # noqa: E402
 

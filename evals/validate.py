@@ -279,6 +279,7 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from lm_eval.api.registry import get_model
     from vllm.compilation.monitor import set_cudagraph_capturing_enabled
+
     from vllm_ddtree.patches import apply_all
 
     applied = apply_all()

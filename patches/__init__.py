@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib
 
+from vllm_ddtree import settings
 from vllm_ddtree.patches._guard import (
     SUPPORTED_VLLM_VERSION,
     VllmVersionError,
     require_vllm_version,
 )
-
-from vllm_ddtree import settings
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = [

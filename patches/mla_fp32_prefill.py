@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from vllm_ddtree.patches._guard import mark_patched, require_vllm_version
 
 PATCHED_FUNCTION = "vllm.model_executor.layers.attention.mla_attention.get_mla_prefill_backend"

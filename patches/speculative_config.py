@@ -51,10 +51,9 @@ def apply() -> None:
         return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
-
         from vllm_ddtree.config import check_drafter_for_target, split_ddtree_spec
         from vllm_ddtree.drafter_config import block_size_of
+        from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
 
         spec = checked_spec(self)
         if isinstance(spec, dict):
@@ -116,9 +115,8 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
     (``arg_utils.py:2159``) before it turns ``engine_args.attention_backend`` into
     ``attention_config.backend`` (``arg_utils.py:2249-2259``).
     """
-    from vllm_ddtree.attention_backends.registration import register_tree_backend
-
     from vllm_ddtree import settings
+    from vllm_ddtree.attention_backends.registration import register_tree_backend
     from vllm_ddtree.config import DDTreeConfigError
 
     chosen = engine_args.attention_backend

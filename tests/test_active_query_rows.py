@@ -19,6 +19,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, TOLS, chain, kernels_run_here, random_tree  # noqa: E402
+
 from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQATileConfig,
     gqa_tree_verify,
@@ -532,6 +533,7 @@ def _fake_vllm_config():
 def test_gqa_backend_passes_active_lens(adaptive, tree_state):
     """A verify-only batch (no prefill part, no KV write: the cache is random)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
+
     from vllm_ddtree.attention_backends.gqa_tree.backend import (
         TreeGQABackend,
         TreeGQAImpl,

@@ -16,8 +16,8 @@ from test_ddtree_integration_units import (
     new_state,
 )
 from tiny_models import drafter_config, tiny_drafter, tiny_target
-from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 
+from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
 from vllm_ddtree.budget.choice import (
     RATE_TOLERANCE,
     BudgetCostTable,

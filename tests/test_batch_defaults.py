@@ -4,10 +4,10 @@ did not set them, refused with the budget and the fix where the user's cannot wo
 from types import SimpleNamespace as NS
 
 import pytest
-from vllm_ddtree.patches import batch_defaults
-from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR, fit_batch_to_tree
 
 from vllm_ddtree.config import DDTreeConfigError
+from vllm_ddtree.patches import batch_defaults
+from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR, fit_batch_to_tree
 
 # vLLM 0.26's defaults on a GPU with >= 70 GiB (arg_utils.py:2460-2469).
 SERVE_SEQS, SERVE_TOKENS = 1024, 8192

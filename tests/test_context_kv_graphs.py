@@ -102,6 +102,7 @@ def test_mismatched_slot_length_runs_eagerly():
 
 def test_the_patch_routes_only_drafters_that_carry_graphs():
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
+
     from vllm_ddtree.patches import dflash_context_kv
 
     dflash_context_kv.apply()
@@ -148,9 +149,9 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
     from vllm.config.compilation import CUDAGraphMode
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
     from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
-    from vllm_ddtree.patches import dflash_context_kv
 
     from vllm_ddtree.draft.speculator import DDTreeSpeculator
+    from vllm_ddtree.patches import dflash_context_kv
 
     dflash_context_kv.apply()
     captured = []

@@ -90,10 +90,9 @@ def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backen
     """A valid DDTree spec becomes vLLM's DFlash config plus a picklable ``ddtree``
     dict, on the V2 runner, with the tree backend for the target and the runner
     patches applied; the V1 runner is refused by name."""
-    from vllm_ddtree.patches.speculative_config import create_ddtree_speculative_config
-
     from vllm_ddtree import patches
     from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError
+    from vllm_ddtree.patches.speculative_config import create_ddtree_speculative_config
 
     runner_patches = []  # the real ones would leak into later tests of this process
     monkeypatch.setattr(patches, "apply_runner_patches", lambda: runner_patches.append(1))
@@ -132,9 +131,9 @@ def test_chain_only_sampling_features_refused_per_request():
     the field at request validation (HTTP 400 in vllm serve), not an engine crash."""
     from vllm.sampling_params import SamplingParams, StructuredOutputsParams
     from vllm.v1.engine.input_processor import InputProcessor
-    from vllm_ddtree.patches.request_validation import check_request_for_ddtree
 
     from vllm_ddtree import patches
+    from vllm_ddtree.patches.request_validation import check_request_for_ddtree
 
     patches.apply_all()
     assert InputProcessor._validate_params._ddtree_patched

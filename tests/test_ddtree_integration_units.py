@@ -7,8 +7,8 @@ from types import SimpleNamespace as NS
 import numpy as np
 import pytest
 import torch
-from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE
 
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE
 from vllm_ddtree.reference.sampling import keyed_uniform
 from vllm_ddtree.runtime_state import (
     DDTreeRuntimeState,

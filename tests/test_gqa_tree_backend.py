@@ -26,6 +26,7 @@ from kernel_testing import (  # noqa: E402
 )
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
+
 from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify_reference, kernels  # noqa: E402
 from vllm_ddtree.attention_backends.gqa_tree.backend import (  # noqa: E402
     TreeGQABackend,

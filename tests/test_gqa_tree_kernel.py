@@ -21,6 +21,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
+
 from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQA_TILE_CONFIGS,
     estimate_shared_memory_bytes,

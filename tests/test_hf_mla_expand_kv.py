@@ -4,12 +4,12 @@ values gives the logits and tokens of transformers' own full re-expansion (CPU, 
 import pytest
 import torch
 from transformers import DeepseekV3ForCausalLM, DynamicCache
+
 from vllm_ddtree.patches.hf_mla_expand_kv import (
     _ExpandedKVMemo,
     incremental_expand_kv,
     require_transformers_version,
 )
-
 from vllm_ddtree.training import configs
 from vllm_ddtree.training.train_drafter import greedy_continue
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+
 from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 from vllm_ddtree.attention_backends.registration import TREE_BACKEND_ENV
 from vllm_ddtree.attention_backends.tree_mask_state import decode_query_limit

@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 from test_mla_tree_kernel import make_batch
+
 from vllm_ddtree.attention_backends.mla_tree import (
     MLA_TILE_CONFIGS,
     gluon_kernel,
     mla_tree_verify,
     ops,
 )
-
 from vllm_ddtree.settings import SettingError
 
 KERNEL_ENV = "VLLM_DDTREE_MLA_KERNEL"

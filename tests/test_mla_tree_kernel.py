@@ -23,6 +23,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
+
 from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     MLA_TILE_CONFIGS,
     SM120_SHARED_MEMORY_BYTES,
@@ -138,6 +139,7 @@ def test_backend_lets_vllm_pad_its_pages():
     start ("page size is not divisible by the maximum page size")."""
     from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
     assert TreeMLABackend.indexes_kv_by_block_stride()
@@ -497,6 +499,7 @@ def test_compiled_sm120_shared_memory_within_estimate():
 
 def test_large_tiles_only_where_shared_memory_allows():
     import torch
+
     from vllm_ddtree.attention_backends.mla_tree.configs import (
         LARGE_SMEM_TILE_CONFIGS,
         MLA_TILE_CONFIGS,

@@ -26,8 +26,8 @@ import numpy as np
 import pytest
 import torch
 from test_ddtree_integration_units import FakeSampler  # noqa: E402
-from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
 
+from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_
 from vllm_ddtree.compact.reference import compact_kv_cache_, compaction_slots
 from vllm_ddtree.runtime_state import (
     DDTreeRuntimeState,

@@ -3,9 +3,9 @@
 from importlib.metadata import entry_points
 
 import pytest
-from vllm_ddtree.patches import VllmVersionError, require_vllm_version
 
 import vllm_ddtree
+from vllm_ddtree.patches import VllmVersionError, require_vllm_version
 
 
 def test_entry_point_is_installed():
@@ -40,6 +40,7 @@ def test_mla_tree_backend_registered_as_custom():
     from vllm.model_executor.layers.attention.mla_attention import QueryLenSupport
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     from vllm_ddtree.attention_backends.mla_tree.backend import (
         TreeMLABackend,
         TreeMLAMetadataBuilder,
@@ -54,8 +55,8 @@ def test_mla_tree_backend_registered_as_custom():
 
 def test_causal_bits_match_dense_causal_mask():
     import torch
-    from vllm_ddtree.attention_backends.tree_mask_state import causal_bits_
 
+    from vllm_ddtree.attention_backends.tree_mask_state import causal_bits_
     from vllm_ddtree.tree.draft_tree import pack_ancestor_mask
 
     qlens = [1, 70, 3, 130, 64]

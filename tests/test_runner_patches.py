@@ -71,11 +71,11 @@ def test_runner_env_applies_runner_patches(monkeypatch):
 
 def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
     from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
-    from vllm_ddtree.patches.speculative_config import choose_target_attention_backend
-
     from vllm_ddtree.config import DDTreeConfigError
+    from vllm_ddtree.patches.speculative_config import choose_target_attention_backend
 
     TREE_BACKEND_ENV = "VLLM_DDTREE_TREE_BACKEND"
     # setenv (not delenv, which records nothing for an unset variable) so that the
@@ -110,9 +110,9 @@ def test_config_helpers_read_the_attached_ddtree_dict():
 
 
 def test_tree_positions_patch_only_acts_for_ddtree_configs(monkeypatch):
-    import vllm_ddtree.patches.tree_positions as tree_positions
     from vllm.v1.worker.gpu.model_states.default import DefaultModelState
 
+    import vllm_ddtree.patches.tree_positions as tree_positions
     from vllm_ddtree import runtime_state
 
     for name in ("prepare_inputs", "prepare_dummy_inputs"):

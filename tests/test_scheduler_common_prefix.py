@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace as NS
 
 import pytest
+
 from vllm_ddtree.patches import scheduler_common_prefix as patch
 
 
@@ -72,9 +73,9 @@ def test_the_lookahead_patch_still_wraps_it_once(monkeypatch):
     """Applied before scheduler_lookahead (RUNNER_PATCHES order): both stay idempotent
     and the lookahead wrapper is the outer one, carrying _ddtree_patched."""
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm_ddtree.patches import scheduler_lookahead
 
     from vllm_ddtree import patches
+    from vllm_ddtree.patches import scheduler_lookahead
 
     monkeypatch.setattr(Scheduler, "__init__", _fake_init)
     order = patches.RUNNER_PATCHES

@@ -1,13 +1,13 @@
 """Which tree backend fills vLLM's CUSTOM slot (``vllm_ddtree.attention_backends.registration``)."""
 
 import pytest
+
+from vllm_ddtree import settings
 from vllm_ddtree.attention_backends.registration import (
     TREE_BACKEND_ENV,
     register_tree_backend,
     tree_backend_kind_from_env,
 )
-
-from vllm_ddtree import settings
 from vllm_ddtree.settings import SettingError
 
 
@@ -50,6 +50,7 @@ def test_mla_backend_asks_vllm_for_64_token_pages():
     """vLLM keeps its default 16-token page for a backend that accepts any size unless the
     backend names another (``Platform.update_block_size_for_backend``)."""
     from vllm.config.cache import CacheConfig
+
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
     assert CacheConfig.DEFAULT_BLOCK_SIZE != 64  # else the override is moot

@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("triton")
 
 from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
-from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
 
+from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
 from vllm_ddtree.runtime_state import verify_inputs_  # noqa: E402
 from vllm_ddtree.tree.draft_tree import num_mask_words  # noqa: E402
 from vllm_ddtree.verify import inputs_kernel as verify_inputs_kernel  # noqa: E402

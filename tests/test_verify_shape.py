@@ -160,9 +160,10 @@ def full_decode_lengths(manager) -> set[int]:
 def shape_patch(monkeypatch):
     """``vllm_ddtree.patches.verify_shapes`` applied over this test's own copies of the two vLLM
     functions (monkeypatch restores vLLM's afterwards)."""
-    import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    import vllm_ddtree.patches.verify_shapes as verify_shapes
 
     calls = []
     def vllms(fn):
@@ -308,11 +309,11 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
     """The capture patch replays every one-request verify graph right after its capture,
     before the next shape's inputs are prepared, and capture_model hands the times to
     the auto policy as row costs; other graphs (more requests) are not timed."""
-    import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
+    import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm_ddtree.budget import verify_costs as verify_shape_costs
     from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
 

@@ -38,6 +38,7 @@ from vllm.v1.attention.backends.triton_attn import (
     TritonAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
 from vllm_ddtree.attention_backends.gqa_tree.ops import gqa_tree_verify
 from vllm_ddtree.attention_backends.mla_tree.tree_mask import num_mask_words
 from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, causal_bits_

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
+
 from vllm_ddtree.attention_backends.mla_tree.configs import SM120_SHARED_MEMORY_BYTES
 
 

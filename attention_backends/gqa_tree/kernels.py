@@ -18,6 +18,7 @@ split index that the merge reads; inactive rows get ``out = 0``. Without it
 
 import triton
 import triton.language as tl
+
 from vllm_ddtree.attention_backends.mla_tree.kernels import (
     _SPLIT_DEPENDENT,
     LN2,

@@ -7,6 +7,7 @@ import math
 
 import torch
 import triton
+
 from vllm_ddtree.attention_backends.mla_tree.configs import (
     resolve_num_kv_splits,
 )

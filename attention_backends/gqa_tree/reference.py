@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import torch
+
 from vllm_ddtree.attention_backends.mla_tree.reference import gather_request_kv, request_visibility
 
 

@@ -28,6 +28,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
     QueryLenSupport,
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
+
 from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_verify
 from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,

@@ -43,6 +43,7 @@ def test_one_group_needs_the_sliding_block_size_aligned():
 def test_sliding_block_alignment_rules():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
     from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
 
     def specs(full_blocks, sliding_block):
@@ -69,6 +70,7 @@ def test_unify_patch_applies_and_forms_one_group():
     from types import SimpleNamespace
 
     from vllm.v1.core import kv_cache_utils
+
     from vllm_ddtree.patches import unify_kv_block_size
 
     unify_kv_block_size.apply()

@@ -20,6 +20,7 @@ from test_mla_tree_kernel_gpu import (  # noqa: E402
     check_runtime_splits_graph,
     make_batch,
 )
+
 from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify,
     mla_tree_verify_reference,
