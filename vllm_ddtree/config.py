@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_ddtree.checks import is_int, not_allowed
+
 DDTREE_METHOD = "ddtree"
 MAX_BUDGET = 512
 DDTREE_KEYS = {
@@ -82,13 +84,12 @@ class DDTreeConfig:
 
 def refuse(field: str, value: Any, allowed: str) -> DDTreeConfigError:
     """The error for ``field=value`` in the speculative config, saying what is allowed."""
-    return DDTreeConfigError(f"speculative config: {field}={value!r} is not allowed: {allowed}")
+    return DDTreeConfigError(not_allowed("speculative config", field, value, allowed))
 
 
 def _check_int(field: str, value: Any, lo: int, hi: int | None, allowed: str) -> int:
     """``value`` is an int (not a bool) in ``lo..hi`` (``hi`` None: no upper bound)."""
-    if (isinstance(value, bool) or not isinstance(value, int) or value < lo
-            or (hi is not None and value > hi)):
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
         raise refuse(field, value, allowed)
     return value
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from numbers import Integral
 from pathlib import Path
 from typing import Any
+
+from vllm_ddtree.checks import check_int, is_int, not_allowed
 
 WHERE = "drafter config.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -36,12 +37,7 @@ class DrafterConfigError(ValueError):
 
 def refuse(field: str, value: Any, allowed: str) -> DrafterConfigError:
     """The error for ``field=value``, saying what is allowed."""
-    return DrafterConfigError(f"{WHERE}: {field}={value!r} is not allowed: {allowed}")
-
-
-def is_int(value: Any) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
+    return DrafterConfigError(not_allowed(WHERE, field, value, allowed))
 
 
 def field_of(config: Any, name: str) -> Any:
@@ -54,10 +50,7 @@ def field_of(config: Any, name: str) -> Any:
 def _check_int(field: str, value: Any, lo: int, hi: int | None = None,
                note: str = "") -> int:
     """``value`` is an int in ``lo..hi`` (``hi`` None: no upper bound)."""
-    if not is_int(value) or value < lo or (hi is not None and value > hi):
-        allowed = f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
-        raise refuse(field, value, allowed + (f" ({note})" if note else ""))
-    return int(value)
+    return check_int(WHERE, field, value, lo, hi, note, error=DrafterConfigError)
 
 
 def _check_optional_bool(field: str, value: Any) -> None:

@@ -21,7 +21,7 @@ LIMITS = {  # argument -> (lowest, highest, what the bound is)
 
 def check_demo_args(num_prompts, max_new_tokens, budget, where: str = "demo") -> None:
     """Each argument is an int within ``LIMITS``; raises ``ValueError`` naming it."""
-    from vllm_ddtree.reference.inputs import check_int
+    from vllm_ddtree.checks import check_int
 
     values = {"num_prompts": num_prompts, "max_new_tokens": max_new_tokens, "budget": budget}
     for field, value in values.items():

@@ -9,13 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from vllm_ddtree.checks import check_int
 from vllm_ddtree.cli_args import DEVICE
 from vllm_ddtree.reference.inputs import (
     INT64,
     MAX_BUDGET,
     METHODS,
     check_choice,
-    check_int,
     check_optional_int,
     check_real,
     refuse,

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from numbers import Integral, Real
+from numbers import Real
 from typing import Any
 
+from vllm_ddtree.checks import check_int, int_range, is_int, not_allowed
 from vllm_ddtree.config import MAX_BUDGET
 
 METHODS = ("ar", "dflash", "ddtree")
@@ -20,25 +21,7 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 
 def refuse(where: str, field: str, value: Any, allowed: str) -> ValueError:
     """The error for ``field=value`` at ``where``, saying what is allowed."""
-    return ValueError(f"{where}: {field}={value!r} is not allowed: {allowed}")
-
-
-def is_int(value: Any) -> bool:
-    """An integer (Python or NumPy), not a bool."""
-    return isinstance(value, Integral) and not isinstance(value, bool)
-
-
-def int_range(lo: int, hi: int | None = None) -> str:
-    """``"an int in lo..hi"`` / ``"an int >= lo"``."""
-    return f"an int in {lo}..{hi}" if hi is not None else f"an int >= {lo}"
-
-
-def check_int(where: str, field: str, value: Any, lo: int, hi: int | None = None,
-              note: str = "") -> int:
-    """``value`` is an int in ``lo..hi`` (``hi`` None: no upper bound)."""
-    if not is_int(value) or value < lo or (hi is not None and value > hi):
-        raise refuse(where, field, value, int_range(lo, hi) + (f" ({note})" if note else ""))
-    return int(value)
+    return ValueError(not_allowed(where, field, value, allowed))
 
 
 def check_optional_int(where: str, field: str, value: Any, lo: int,
