@@ -127,3 +127,9 @@ def test_replay_checks_its_arguments(pair, kwargs, field, value):
     with pytest.raises(ValueError) as info:
         replay(target, drafter, **call)
     assert str(info.value).startswith(f"replay: {field}={value!r} is not allowed: ")
+
+
+def test_prompt_plus_new_tokens_must_fit_the_target_positions(pair):
+    limit = pair[0].config.max_position_embeddings
+    text = refused(pair, "max_new_tokens", limit, max_new_tokens=limit)
+    assert f"at most {limit - len(PROMPT)}" in text and "max_position_embeddings" in text

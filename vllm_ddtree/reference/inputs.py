@@ -81,7 +81,8 @@ def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, bud
                         budget_chooser, where: str = "generate") -> None:
     """Check every argument of :func:`vllm_ddtree.reference.generate`: method,
     prompt ids (non-empty, ints inside the target's vocabulary), ``max_new_tokens``
-    (an int >= 1), ``budget`` (an int in ``1..MAX_BUDGET``), ``temperature`` (finite,
+    (an int >= 1; prompt plus new tokens within the target's
+    ``max_position_embeddings``), ``budget`` (an int in ``1..MAX_BUDGET``), ``temperature`` (finite,
     >= 0; > 0 needs an int64 ``seed``), ``eos_token_id`` (None or inside the
     vocabulary), ``top_k`` (None or >= 1), ``stop`` and ``budget_chooser`` (None or
     callables; a chooser only with ``ddtree``) and, for speculative methods, the
@@ -90,6 +91,7 @@ def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, bud
     vocab = vocab_size_of(where, target)
     check_token_ids(where, "prompt_ids", prompt_ids, vocab)
     check_int(where, "max_new_tokens", max_new_tokens, 1)
+    _check_positions_fit(where, target, len(prompt_ids), max_new_tokens)
     check_int(where, "budget", budget, 1, MAX_BUDGET, "tree nodes per round")
     temperature = check_real(where, "temperature", temperature)
     if temperature > 0 and seed is None:
@@ -104,6 +106,18 @@ def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, bud
         raise refuse(where, "method", method, "'ddtree' when a budget_chooser is given")
     if method != "ar":
         _check_drafter(where, drafter, target, method)
+
+
+def _check_positions_fit(where: str, target, prompt_len: int, max_new_tokens: int) -> None:
+    """``prompt_len + max_new_tokens`` positions fit the target's
+    ``max_position_embeddings`` (vLLM's ``max_model_len`` default), when its config has
+    one."""
+    limit = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if is_int(limit) and prompt_len + max_new_tokens > limit:
+        raise refuse(where, "max_new_tokens", max_new_tokens,
+                     f"at most {max(limit - prompt_len, 0)}: the prompt's {prompt_len} "
+                     f"tokens plus the new ones must fit the target's "
+                     f"max_position_embeddings={limit}")
 
 
 def _check_drafter(where: str, drafter, target, method: str) -> None:
