@@ -53,6 +53,7 @@ import pytest
 import torch
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+from vllm_ddtree.testing import serve_client
 from vllm_ddtree.testing.compare import (
     mismatch_problem,
     mismatch_problems,
@@ -191,80 +192,9 @@ def code_prompts(ar_reference, tokenizer) -> list[list[int]]:
 # -- requests ------------------------------------------------------------------------
 
 
-def _extra(obj, name):
-    """A vLLM field the OpenAI models do not declare (kept as a pydantic extra)."""
-    value = getattr(obj, name, None)
-    if value is None:
-        value = (getattr(obj, "model_extra", None) or {}).get(name)
-    return value
-
-
-def complete(client, prompt: list[int], max_tokens: int, *, temperature: float = 0.0,
-             seed: int | None = None, ignore_eos: bool = True, logprobs: int | None = None,
-             stream: bool = False, n: int = 1, stop: list[str] | None = None) -> list[dict]:
-    """One completion request with a token-id prompt; per choice: ``token_ids``,
-    ``text``, ``finish_reason``, (non-streamed with logprobs) ``token_logprobs`` and
-    ``top_logprobs``, (streamed) ``chunks`` and ``usage_tokens`` (whole request)."""
-    extra = {"ignore_eos": ignore_eos, "return_token_ids": True}
-    if logprobs is not None:
-        extra["return_tokens_as_token_ids"] = True
-    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=max_tokens,
-                  temperature=temperature, n=n, extra_body=extra)
-    if seed is not None:
-        kwargs["seed"] = seed
-    if logprobs is not None:
-        kwargs["logprobs"] = logprobs
-    if stop:
-        kwargs["stop"] = stop
-    if not stream:
-        resp = client.completions.create(**kwargs)
-        out = []
-        for choice in sorted(resp.choices, key=lambda c: c.index):
-            item = {"token_ids": list(_extra(choice, "token_ids") or []), "text": choice.text,
-                    "finish_reason": choice.finish_reason}
-            if logprobs is not None:
-                item["token_logprobs"] = list(choice.logprobs.token_logprobs)
-                item["top_logprobs"] = list(choice.logprobs.top_logprobs)
-                item["tokens"] = list(choice.logprobs.tokens)
-            out.append(item)
-        return out
-    chunks = client.completions.create(stream=True, stream_options={"include_usage": True},
-                                       **kwargs)
-    choices: dict[int, dict] = {}
-    usage_tokens = None
-    for chunk in chunks:
-        if chunk.usage is not None:
-            usage_tokens = chunk.usage.completion_tokens
-        for choice in chunk.choices:
-            item = choices.setdefault(choice.index, {"token_ids": [], "text": "",
-                                                     "finish_reason": None, "chunks": 0,
-                                                     "max_chunk_tokens": 0})
-            ids = list(_extra(choice, "token_ids") or [])
-            item["token_ids"] += ids
-            item["text"] += choice.text or ""
-            item["chunks"] += 1
-            item["max_chunk_tokens"] = max(item["max_chunk_tokens"], len(ids))
-            if choice.finish_reason is not None:
-                item["finish_reason"] = choice.finish_reason
-    out = [choices[i] for i in sorted(choices)]
-    for item in out:
-        item["usage_tokens"] = usage_tokens
-    return out
-
-
-def logprob_problems(item: dict) -> list[str]:
-    """Greedy: each committed token is the argmax of the logit row that drew it, so its
-    logprob must be the largest of that position's top logprobs (DDTree maps each
-    committed token to its tree row, ``verifier.committed_logit_rows``)."""
-    problems = []
-    for pos, (tok, lp, top) in enumerate(zip(item["token_ids"], item["token_logprobs"],
-                                             item["top_logprobs"], strict=True)):
-        best = max(top.values())
-        if lp < best - 1e-3:
-            problems.append(f"pos {pos}: token {tok} logprob {lp:.4f} < row max {best:.4f}")
-        if item["tokens"][pos] != f"token_id:{tok}":
-            problems.append(f"pos {pos}: logprobs token {item['tokens'][pos]} != {tok}")
-    return problems
+def complete(client, prompt: list[int], max_tokens: int, **kwargs) -> list[dict]:
+    """:func:`vllm_ddtree.testing.serve_client.complete` for this module's server."""
+    return serve_client.complete(client, MODEL_NAME, prompt, max_tokens, **kwargs)
 
 
 def check(server, problems: list[str], limit: int = 30) -> None:
@@ -310,7 +240,7 @@ def test_greedy_completions_equal_ar(server, client, ar_reference):
     print(f"greedy vs AR: measured top-2 gap noise {noise:.3f}, tie gap {tie_gap:.3f}")
     problems = mismatch_problems(got_runs, refs)
     for i, got in enumerate(results):
-        problems += [f"prompt {i}: {p}" for p in logprob_problems(got)]
+        problems += [f"prompt {i}: {p}" for p in serve_client.logprob_problems(got)]
     check(server, problems)
 
 
@@ -469,7 +399,7 @@ def test_concurrent_load_frees_kv_cache_and_reports_spec_metrics(server, client,
             # (dry run: vLLM-CPU's V1 ngram path returns non-argmax greedy tokens when
             # greedy and sampled requests share a batch, so the check is GPU-only)
             if req.get("logprobs") and not req.get("temperature") and not DRY_RUN:
-                problems += [f"{label}: {p}" for p in logprob_problems(item)]
+                problems += [f"{label}: {p}" for p in serve_client.logprob_problems(item)]
         q = req.get("code_prompt")
         if q is not None and ar_reference is not None:
             problem = ar_problem(res[0]["token_ids"], ar_reference["outputs"][q])

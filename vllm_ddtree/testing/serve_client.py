@@ -1,0 +1,97 @@
+"""OpenAI-client requests of the ``vllm serve`` GPU suites (tests/gpu/test_ddtree_serve.py,
+tests/gpu/test_serve_faults.py): one completion with a token-id prompt, read back as
+token ids, text, finish reason and (optionally) logprobs, streamed or not."""
+
+from __future__ import annotations
+
+__all__ = ["complete", "extra_field", "logprob_problems"]
+
+
+def extra_field(obj, name):
+    """A vLLM field the OpenAI models do not declare (kept as a pydantic extra)."""
+    value = getattr(obj, name, None)
+    if value is None:
+        value = (getattr(obj, "model_extra", None) or {}).get(name)
+    return value
+
+
+def complete(client, model: str, prompt: list[int], max_tokens: int, *,
+             temperature: float = 0.0, seed: int | None = None, ignore_eos: bool = True,
+             logprobs: int | None = None, stream: bool = False, n: int = 1,
+             stop: list[str] | None = None, top_p: float | None = None,
+             top_k: int | None = None, extra: dict | None = None,
+             max_chunks: int | None = None) -> list[dict]:
+    """One completion request to ``model`` with a token-id prompt; per choice:
+    ``token_ids``, ``text``, ``finish_reason``, (non-streamed with logprobs)
+    ``token_logprobs``, ``top_logprobs`` and ``tokens``, (streamed) ``chunks``,
+    ``max_chunk_tokens`` and ``usage_tokens`` (whole request). ``extra`` adds vLLM
+    request fields. ``max_chunks`` (streamed only): close the stream after that many
+    chunks, which makes vLLM abort the request; the choices read so far are returned."""
+    body = {"ignore_eos": ignore_eos, "return_token_ids": True, **(extra or {})}
+    if top_k is not None:
+        body["top_k"] = top_k
+    if logprobs is not None:
+        body["return_tokens_as_token_ids"] = True
+    kwargs = dict(model=model, prompt=prompt, max_tokens=max_tokens,
+                  temperature=temperature, n=n, extra_body=body)
+    for name, value in (("seed", seed), ("logprobs", logprobs), ("stop", stop),
+                        ("top_p", top_p)):
+        if value is not None:
+            kwargs[name] = value
+    if not stream:
+        resp = client.completions.create(**kwargs)
+        out = []
+        for choice in sorted(resp.choices, key=lambda c: c.index):
+            item = {"token_ids": list(extra_field(choice, "token_ids") or []),
+                    "text": choice.text, "finish_reason": choice.finish_reason}
+            if logprobs is not None:
+                item["token_logprobs"] = list(choice.logprobs.token_logprobs)
+                item["top_logprobs"] = list(choice.logprobs.top_logprobs)
+                item["tokens"] = list(choice.logprobs.tokens)
+            out.append(item)
+        return out
+    chunks = client.completions.create(stream=True, stream_options={"include_usage": True},
+                                       **kwargs)
+    choices: dict[int, dict] = {}
+    usage_tokens = None
+    received = 0
+    try:
+        for chunk in chunks:
+            received += 1
+            if chunk.usage is not None:
+                usage_tokens = chunk.usage.completion_tokens
+            for choice in chunk.choices:
+                item = choices.setdefault(choice.index, {"token_ids": [], "text": "",
+                                                         "finish_reason": None, "chunks": 0,
+                                                         "max_chunk_tokens": 0})
+                ids = list(extra_field(choice, "token_ids") or [])
+                item["token_ids"] += ids
+                item["text"] += choice.text or ""
+                item["chunks"] += 1
+                item["max_chunk_tokens"] = max(item["max_chunk_tokens"], len(ids))
+                if choice.finish_reason is not None:
+                    item["finish_reason"] = choice.finish_reason
+            if max_chunks is not None and received >= max_chunks:
+                break
+    finally:
+        if max_chunks is not None:
+            chunks.close()
+    out = [choices[i] for i in sorted(choices)]
+    for item in out:
+        item["usage_tokens"] = usage_tokens
+    return out
+
+
+def logprob_problems(item: dict) -> list[str]:
+    """Greedy: each committed token is the argmax of the logit row that drew it, so its
+    logprob must be the largest of that position's top logprobs (DDTree maps each
+    committed token to its tree row, ``verifier.committed_logit_rows``)."""
+    problems = []
+    for pos, (tok, lp, top) in enumerate(zip(item["token_ids"], item["token_logprobs"],
+                                             item["top_logprobs"], strict=True)):
+        best = max(top.values())
+        if lp < best - 1e-3:
+            problems.append(f"pos {pos}: token {tok} logprob {lp:.4f} < row max {best:.4f}")
+        if item["tokens"][pos] != f"token_id:{tok}":
+            problems.append(f"pos {pos}: logprobs token {item['tokens'][pos]} != {tok}")
+    return problems
