@@ -24,7 +24,8 @@ PATCHED_FUNCTION = (
 # (tree budget B, drafter block_size).
 TREE_SHAPE_ATTR = "_ddtree_tree_shape"
 
-logger = logging.getLogger(__name__)
+# a child of vLLM's "vllm" logger, so the note shows in `vllm serve`'s log
+logger = logging.getLogger("vllm.ddtree.batch_defaults")
 
 
 def fit_batch_to_tree(budget: int, block_size: int, max_num_seqs: int,

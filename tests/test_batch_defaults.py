@@ -84,8 +84,15 @@ def test_the_patched_engine_args_apply_it_to_ddtree_runs_only(monkeypatch, caplo
 
     ddtree = _engine_args(monkeypatch)
     setattr(ddtree, TREE_SHAPE_ATTR, (32, 16))
-    with caplog.at_level("INFO", logger=batch_defaults.__name__):
-        ddtree._set_default_max_num_seqs_and_batched_tokens_args(None, model, parallel)
+    # the note goes to a child of vLLM's "vllm" logger (shown by `vllm serve`), which
+    # need not propagate to the root logger where caplog listens
+    batch_defaults.logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("INFO", logger=batch_defaults.logger.name):
+            ddtree._set_default_max_num_seqs_and_batched_tokens_args(None, model, parallel)
+    finally:
+        batch_defaults.logger.removeHandler(caplog.handler)
+    assert batch_defaults.logger.name.startswith("vllm.")
     assert ddtree.max_num_seqs == SERVE_TOKENS // (33 + 14)
     assert "so that every running request verifies its 33 tree tokens" in caplog.text
 
