@@ -28,6 +28,14 @@ that length (``configs.select_num_kv_splits``), capped by ``S``. Splits past it 
 keys. Without it a 16k-token request replayed in a graph captured for 160k ran in 4x
 the waves of 4x shorter splits the host would give it.
 
+``KV_FP8`` (constexpr): the cache holds fp8 (e4m3) latent rows, vLLM's ``--kv-cache-dtype
+fp8`` layout for MLA (``concat_and_cache_mla``: ``row = fp8(x / k_scale)``, one fp32 scale
+per layer, for the latent and rope parts alike). Tiles are widened to q's dtype in
+registers (exact: every e4m3 value is a bf16 / fp16 value) and the scale is applied
+once, not per key: ``q . (s k) = s (q . k)`` folds into the softmax scale and
+``sum p (s v) = s sum p v`` into the output, so the MMAs and the fp32 accumulation are
+those of the 16-bit cache.
+
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
 gets ``out = 0, lse = -inf``. With ``HAS_ACTIVE`` it reads a row's ``MergeCount``
@@ -227,6 +235,8 @@ def _mla_tree_fwd_kernel(
     MAX_SPLITS: tl.constexpr,
     split_slots=0,  # resident CTA slots; read only with RUNTIME_SPLITS
     RUNTIME_SPLITS: tl.constexpr = False,
+    KVScale=None,  # fp32 [1]: the fp8 cache's dequantization scale; read only with KV_FP8
+    KV_FP8: tl.constexpr = False,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
@@ -287,6 +297,10 @@ def _mla_tree_fwd_kernel(
         last_tok = tl.minimum(last_tok, num_active - 1)
     split_end = tl.minimum(split_end, ctx_len + last_tok + 1)
 
+    if KV_FP8:
+        kv_scale = tl.load(KVScale)
+        qk_scale = qk_scale * kv_scale
+
     if split_start >= split_end:
         # Nothing to attend in this split; the merge kernel skips it.
         tl.store(Lse + offs_lse, tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_valid)
@@ -324,6 +338,8 @@ def _mla_tree_fwd_kernel(
             KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
             KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
         )  # fmt: skip
+        if KV_FP8:
+            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
         if ROPE > 0:
             qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
@@ -346,6 +362,8 @@ def _mla_tree_fwd_kernel(
             KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
             KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
         )  # fmt: skip
+        if KV_FP8:
+            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
         qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
         if ROPE > 0:
             qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
@@ -376,6 +394,8 @@ def _mla_tree_fwd_kernel(
         m_i = m_new
 
     seen = l_i > 0.0
+    if KV_FP8:
+        acc = acc * kv_scale
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     if HAS_ACTIVE:

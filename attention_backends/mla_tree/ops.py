@@ -26,6 +26,9 @@ from .configs import (
 from .tree_mask import check_tree_batch
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# vLLM's MLA cache under --kv-cache-dtype fp8 / fp8_e4m3 (allocated uint8, viewed as
+# this dtype by MLAAttention.forward_impl before forward_mqa).
+FP8_KV_DTYPE = torch.float8_e4m3fn
 MAX_ROPE_DIM = 64
 
 
@@ -63,7 +66,8 @@ def _max_shared_memory(device: torch.device) -> int:
 
 
 def _check_mla_inputs(
-    q: torch.Tensor, kv_cache: torch.Tensor, scale: float, kv_lora_rank: int
+    q: torch.Tensor, kv_cache: torch.Tensor, scale: float, kv_lora_rank: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [T, H, D], got {getattr(q, 'shape', q)}")
@@ -74,8 +78,9 @@ def _check_mla_inputs(
             "kv_cache must be a 3-D latent cache [num_blocks, page_size, D], "
             f"got {getattr(kv_cache, 'shape', kv_cache)}"
         )
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype}")
+    if kv_cache.dtype != q.dtype and kv_cache.dtype != FP8_KV_DTYPE:
+        raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype} "
+                         f"or be {FP8_KV_DTYPE} (an fp8 cache, with kv_scale)")
     if kv_cache.device != q.device:
         raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
     head_dim = q.shape[2]
@@ -95,6 +100,21 @@ def _check_mla_inputs(
         raise ValueError("q and kv_cache must be contiguous along the head dim")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
+    if kv_cache.dtype == FP8_KV_DTYPE:
+        if (not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1
+                or kv_scale.dtype != torch.float32 or kv_scale.device != q.device):
+            raise ValueError(
+                "kv_scale must be a one-element float32 tensor on q's device (the fp8 "
+                f"cache's per-layer scale, vLLM's layer._k_scale), got {_describe(kv_scale)}")
+    elif kv_scale is not None:
+        raise ValueError(f"kv_scale applies to an {FP8_KV_DTYPE} kv_cache only; kv_cache is "
+                         f"{kv_cache.dtype}")
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return repr(value)
 
 
 def prepare_outputs(
@@ -224,6 +244,7 @@ def mla_tree_verify(
     mostly_active: bool = False,
     kernel: str = "auto",
     runtime_kv_splits: bool = False,
+    kv_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of tree-verify query tokens against a latent paged cache.
 
@@ -236,7 +257,9 @@ def mla_tree_verify(
 
     Args:
         q: ``[T, H, kv_lora_rank + rope_dim]`` bf16/fp16/fp32, rope_dim in 0..64.
-        kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype.
+        kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype, or
+            ``torch.float8_e4m3fn`` (vLLM's ``--kv-cache-dtype fp8`` MLA cache: a
+            row holds ``x / kv_scale``; always the Triton kernel).
         block_table: int32 ``[R, max_blocks]``.
         seq_lens: int32 ``[R]``: context + new tokens of each request.
         query_start_loc: int32 ``[R + 1]``.
@@ -278,6 +301,9 @@ def mla_tree_verify(
             host would choose for its own ``seq_len`` (at most that many ways; the other
             CTAs exit at once). For CUDA graphs, whose grid is frozen at capture for the
             longest context. Ignored with ``active_query_lens`` (its re-split is its own).
+        kv_scale: fp32 one-element tensor on q's device, required with an fp8 cache and
+            refused otherwise: keys and values are ``kv_scale * row`` (read on the device
+            at each launch, so a CUDA graph follows later updates of the scale).
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
@@ -285,7 +311,7 @@ def mla_tree_verify(
         that sees no key, or is inactive on the Triton kernel, gets ``out = 0, lse = -inf``.
         Rows not covered by ``query_start_loc`` (padding) hold unspecified values.
     """
-    _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
+    _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
@@ -374,6 +400,8 @@ def mla_tree_verify(
                               merge_count, num_heads),
         split_slots=split_slots(q.device, config.ctas_per_sm),
         RUNTIME_SPLITS=runtime_kv_splits and not has_active and num_kv_splits > 1,
+        KVScale=kv_scale if kv_scale is not None else seq_lens,  # dummy: unread in 16 bits
+        KV_FP8=kv_scale is not None,
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,

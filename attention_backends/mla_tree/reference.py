@@ -51,13 +51,15 @@ def mla_tree_verify_reference(
     *,
     num_kv_splits: int | None = None,
     active_query_lens: torch.Tensor | None = None,
+    kv_scale: torch.Tensor | None = None,
     **_unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`mla_tree_verify`: fp32 math, one dense softmax per request.
 
     Args:
         q: ``[T, H, kv_lora_rank + rope_dim]``.
-        kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``.
+        kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype or
+            fp8 (``kv_scale`` then required).
         block_table: int32 ``[R, max_blocks]``.
         seq_lens: int32 ``[R]``, context + new tokens.
         query_start_loc: int32 ``[R + 1]``.
@@ -68,6 +70,8 @@ def mla_tree_verify_reference(
         active_query_lens: optional int32 ``[R]``: request ``r`` is computed as if it had
             only its first ``active_query_lens[r]`` new tokens (the tree's active prefix);
             its other rows are zero / ``-inf``.
+        kv_scale: fp32 one-element tensor: the cache is dequantized as
+            ``kv_scale * row`` in fp32 (vLLM's fp8 MLA cache); None: rows as stored.
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of
@@ -90,6 +94,8 @@ def mla_tree_verify_reference(
         if end <= start:
             continue
         kv = gather_request_kv(kv_cache, block_table[r], seq_len).float()  # [S, D]
+        if kv_scale is not None:
+            kv = kv * kv_scale.float().reshape(())
         visible = request_visibility(ancestor_bits[start:end], end - start, seq_len)
         scores = torch.einsum("thd,sd->ths", q[start:end].float(), kv) * scale
         scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
