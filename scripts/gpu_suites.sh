@@ -32,6 +32,11 @@
 #   pairyarn   the same with the target served with YaRN x4, 1,024-token prompts
 #   serve      `vllm serve` + OpenAI client: AR tokens, streaming, abort, 200 requests at
 #              concurrency 32, a refused chain-only feature
+#   faults     `vllm serve` under faults: 1,000 requests at concurrency 64 with CUDA graphs and
+#              `auto`, 20 % cancelled, a KV cache that forces preemption, prompts at and
+#              over the context limit, out-of-vocabulary ids and refused sampling parameters
+#   readme     the README's GPU commands as printed (serve, offline LLM(), lm-eval); alone
+#              on its GPU (they take vLLM's default memory share)
 #   tp2        TP = 2 against TP = 1 with CUDA graphs (needs two GPUs)
 #   demo       `vllm-ddtree demo --engine vllm`: AR / DFlash / DDTree through vLLM
 #   syncs      evals/count_host_syncs.py: host syncs per decode step (SYNCS_ARGS adds
@@ -208,6 +213,8 @@ for stage in "$@"; do
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
     pairyarn) stage_pytest pairyarn 420 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;
     serve) stage_pytest serve 420 tests/gpu/test_ddtree_serve.py ;;
+    faults) stage_pytest faults 560 tests/gpu/test_serve_faults.py ;;
+    readme) stage_pytest readme 560 tests/gpu/test_readme_commands.py ;;
     tp2)  # vLLM's symmetric-memory all-reduce and FlashInfer's fused all-reduce + RMSNorm
       # need NVLink multicast; VLLM_DDTREE_TP_NCCL_ONLY (evals/check_ddtree_vllm.py) keeps
       # TP = 2 on plain NCCL all-reduces
