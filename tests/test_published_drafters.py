@@ -12,6 +12,8 @@ from vllm_ddtree.drafter_config import (
     DrafterConfigError,
     block_size_of,
     check_drafter_target_pair,
+    dflash2_config_of,
+    is_dflash2,
     load_drafter_config,
     read_drafter_config_json,
 )
@@ -55,11 +57,45 @@ def test_a_published_drafter_for_another_target_is_refused_by_field(tmp_path, na
         check_drafter_target_pair(config, other_width)
 
 
+# z-lab/Qwen3.8-27B-DFlash2 (Hugging Face, 2026), the fields its config.json publishes;
+# its target Qwen3.8-27B: hidden 5120, vocabulary 248320, 64 layers.
+DFLASH2 = "qwen3.8-27b-dflash2.json"
+DFLASH2_TARGET = NS(hidden_size=5120, vocab_size=248320, num_hidden_layers=64)
+
+
+def test_published_dflash2_config_loads_and_pairs_with_its_target(tmp_path):
+    shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
+    raw = read_drafter_config_json(tmp_path)
+    config = load_drafter_config(tmp_path)
+    assert block_size_of(raw) == block_size_of(config) == 8  # dflash_config.block_size
+    check_drafter_target_pair(config, DFLASH2_TARGET)
+    assert is_dflash2(config) and is_dflash2(raw)
+    draft = dflash2_config_of(config)
+    assert (draft["conv_kernel_size"], draft["conv_group_size"], draft["selector_rank"],
+            draft["selector_top_k"]) == (2, 16, 256, 16)
+    with pytest.raises(DrafterConfigError, match="hidden_size=.*4096"):
+        check_drafter_target_pair(config, NS(hidden_size=4096, vocab_size=248320,
+                                             num_hidden_layers=64))
+
+
 def test_unsupported_published_fields_are_named(tmp_path):
+    # A DFlash config relabelled DFlash2 lacks the convolution and selector keys.
     dflash2 = drafter_dir(tmp_path, "qwen3.5-122b-a10b-dflash.json",
                           architectures=["DFlash2DraftModel"])
-    with pytest.raises(DrafterConfigError, match="architectures=.*DFlash2DraftModel"):
+    with pytest.raises(DrafterConfigError, match=r"dflash_config\.conv_kernel_size=None"):
         read_drafter_config_json(dflash2)
+    other = drafter_dir(tmp_path, "qwen3.5-122b-a10b-dflash.json",
+                        architectures=["EagleDraftModel"])
+    with pytest.raises(DrafterConfigError, match="architectures=.*DFlash2DraftModel"):
+        read_drafter_config_json(other)
     both = drafter_dir(tmp_path, "qwen3.5-122b-a10b-dflash.json", block_size=8)
     with pytest.raises(DrafterConfigError, match=r"dflash_config\.block_size=16 .*block_size=8"):
         read_drafter_config_json(both)
+
+
+def test_vllm_front_end_refuses_a_dflash2_drafter_by_name(tmp_path):
+    from vllm_ddtree.config import DDTreeConfigError, check_drafter_for_target
+
+    shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
+    with pytest.raises(DDTreeConfigError, match="DFlash2DraftModel.*reference engine"):
+        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET)

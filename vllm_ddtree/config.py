@@ -262,9 +262,12 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
     ``DrafterConfigError`` naming the field, the value and what is allowed.
     """
     from vllm_ddtree.drafter_config import (
+        DFLASH_ARCHITECTURE,
         block_size_of,
         check_drafter_target_pair,
+        is_dflash2,
         load_drafter_config,
+        read_drafter_config_json,
     )
 
     if not (Path(drafter) / "config.json").exists():
@@ -272,6 +275,11 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
             f"`model` {drafter!r}: no config.json there; pass the local directory of a "
             "DFlash drafter (download it first: vLLM workers cannot check a hub name here)"
         )
+    if is_dflash2(read_drafter_config_json(drafter)):
+        raise DDTreeConfigError(
+            f"`model` {drafter!r}: architectures=['DFlash2DraftModel'] is not allowed in "
+            f"vLLM yet: ['{DFLASH_ARCHITECTURE}'] (DFlash2 drafters run in the reference "
+            "engine, vllm_ddtree.reference, only)")
     drafter_config = load_drafter_config(drafter)
     check_drafter_target_pair(drafter_config, target_hf_config)
     if ddtree is not None:

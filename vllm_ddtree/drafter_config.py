@@ -19,6 +19,8 @@ from vllm_ddtree.checks import check_int, is_int, not_allowed
 
 WHERE = "drafter config.json"
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+DRAFTER_ARCHITECTURES = (DFLASH_ARCHITECTURE, DFLASH2_ARCHITECTURE)
 SLIDING_ATTENTION = "sliding_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
@@ -60,11 +62,62 @@ def _check_optional_bool(field: str, value: Any) -> None:
 
 
 def check_architectures(architectures: Any) -> None:
-    """``architectures`` is a list naming ``DFlashDraftModel`` (what vLLM loads as its
-    DFlash drafter)."""
-    if not isinstance(architectures, list) or DFLASH_ARCHITECTURE not in architectures:
+    """``architectures`` is a list naming ``DFlashDraftModel`` or ``DFlash2DraftModel``
+    (the DFlash and DFlash2 drafters DDTree drafts with)."""
+    if (not isinstance(architectures, list)
+            or not any(a in DRAFTER_ARCHITECTURES for a in architectures)):
         raise refuse("architectures", architectures,
-                     f'["{DFLASH_ARCHITECTURE}"]: DDTree drafts with a DFlash drafter')
+                     f'["{DFLASH_ARCHITECTURE}"] or ["{DFLASH2_ARCHITECTURE}"]: DDTree '
+                     "drafts with a DFlash or DFlash2 drafter")
+
+
+def is_dflash2(config: Any) -> bool:
+    """Whether the config's ``architectures`` names ``DFlash2DraftModel``."""
+    architectures = field_of(config, "architectures")
+    return isinstance(architectures, (list, tuple)) and DFLASH2_ARCHITECTURE in architectures
+
+
+def _check_number(field: str, value: Any, allowed: str, positive: bool) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok and value == value and abs(value) != float("inf"):  # finite
+        if not positive or value > 0:
+            return
+    raise refuse(field, value, allowed)
+
+
+def dflash2_config_of(config: Any) -> dict:
+    """``config.dflash_config`` of a DFlash2 drafter after checking its DFlash2 keys
+    (besides :func:`dflash_config_of`): ``conv_kernel_size`` an int >= 1,
+    ``conv_group_size`` an int >= 1 dividing ``hidden_size``, ``selector_rank`` an int
+    >= 1, ``selector_top_k`` an int in 1..vocab_size; ``input_embedding_scale`` and
+    ``output_multiplier`` absent or finite numbers > 0, ``final_logit_softcapping``
+    absent, null or a finite number >= 0."""
+    draft = dflash_config_of(config)
+    _check_int("dflash_config.conv_kernel_size", draft.get("conv_kernel_size"), 1,
+               note="taps of the grouped convolution around each sublayer")
+    group = _check_int("dflash_config.conv_group_size", draft.get("conv_group_size"), 1,
+                       note="channels per convolution group")
+    hidden = field_of(config, "hidden_size")
+    if is_int(hidden) and hidden % group:
+        raise refuse("dflash_config.conv_group_size", group,
+                     f"a divisor of hidden_size={hidden}")
+    _check_int("dflash_config.selector_rank", draft.get("selector_rank"), 1,
+               note="rank of the selector's edge term")
+    vocab = field_of(config, "vocab_size")
+    _check_int("dflash_config.selector_top_k", draft.get("selector_top_k"), 1,
+               vocab if is_int(vocab) else None, "candidates per block position")
+    for name in ("input_embedding_scale", "output_multiplier"):
+        if draft.get(name) is not None:
+            _check_number(f"dflash_config.{name}", draft[name],
+                          "a finite number > 0 (or left out: 1)", positive=True)
+    cap = draft.get("final_logit_softcapping")
+    if cap is not None:
+        _check_number("dflash_config.final_logit_softcapping", cap,
+                      "a finite number >= 0 (0, null or left out: no softcap)", positive=False)
+        if cap < 0:
+            raise refuse("dflash_config.final_logit_softcapping", cap,
+                          "a finite number >= 0 (0, null or left out: no softcap)")
+    return draft
 
 
 def check_sizes(config: Any) -> None:
@@ -176,11 +229,13 @@ def check_drafter_config(config: Any) -> None:
     check_sizes(config)
     block_size_of(config)
     check_sliding_window(config, dflash_config_of(config))
+    if is_dflash2(config):
+        dflash2_config_of(config)
 
 
 def read_drafter_config_json(directory: str | Path) -> dict:
     """The checked text of ``directory/config.json``: a JSON object naming
-    ``DFlashDraftModel`` in ``architectures`` whose fields pass
+    ``DFlashDraftModel`` or ``DFlash2DraftModel`` in ``architectures`` whose fields pass
     :func:`check_drafter_config`."""
     path = Path(directory) / "config.json"
     try:
@@ -239,7 +294,8 @@ def check_drafter_target_pair(drafter_config, target_config) -> None:
 
     Both arguments are transformers configs (or objects with the same fields). The
     drafter's own fields pass :func:`check_drafter_config` and, where present,
-    ``architectures`` names ``DFlashDraftModel``. The drafter shares the target's
+    ``architectures`` names ``DFlashDraftModel`` or ``DFlash2DraftModel``. The drafter
+    shares the target's
     embeddings and LM head, so hidden size and vocabulary must agree;
     ``target_layer_ids`` must name existing target layers.
     """

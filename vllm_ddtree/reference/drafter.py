@@ -221,6 +221,7 @@ class DFlashDraftModel(PreTrainedModel):
     config_class = Qwen3Config
     base_model_prefix = ""
     _no_split_modules = ["DFlashDecoderLayer"]
+    decoder_layer_cls = DFlashDecoderLayer
 
     def __init__(self, config):
         super().__init__(config)
@@ -236,11 +237,15 @@ class DFlashDraftModel(PreTrainedModel):
         )
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            self.decoder_layer_cls(config, i) for i in range(config.num_hidden_layers)
         )
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary = DrafterRotary(config)
+        self.add_modules(config)
         self.post_init()
+
+    def add_modules(self, config) -> None:
+        """Modules a subclass adds before the weights are initialised (none here)."""
 
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
