@@ -150,6 +150,8 @@ def random_physical(shape, dtype, gen):
     values = torch.randn(shape, generator=gen)
     if dtype == torch.float8_e4m3fn:
         values = values.clamp(-200, 200)
+    if dtype == torch.uint8:  # every byte value, NaN bit patterns of e4m3 included
+        return torch.randint(0, 256, shape, generator=gen, dtype=dtype).to(DEVICE)
     return values.to(dtype).to(DEVICE)
 
 

@@ -96,6 +96,8 @@ CASES = [
     ("mla", torch.bfloat16), ("mla", torch.float32), ("mla", torch.float8_e4m3fn),
     ("mla_padded", torch.bfloat16), ("mla_page_padded", torch.bfloat16),
     ("mla_page_padded", torch.float8_e4m3fn), ("flash", torch.bfloat16), ("flash", torch.float32),
+    # vLLM allocates --kv-cache-dtype fp8 caches as uint8 (viewed as e4m3 for attention)
+    ("mla", torch.uint8), ("flash", torch.uint8),
     ("gqa", torch.bfloat16), ("gqa_padded", torch.float32), ("gqa_padded", torch.bfloat16),
 ]
 

@@ -221,3 +221,54 @@ def test_fp8_variant_compiles_within_the_16_bit_estimate():
             assert used <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16)
         else:  # wgmma keeps num_stages tiles, outside the (mma.sync) estimate
             assert used <= 227 * 1024, (config, used)
+
+
+# ---------------------------------------------------------------------------------------
+# The vLLM backend: accepts vLLM's fp8 MLA cache and hands the layer's scale to the kernel.
+
+
+def _impl(kv_cache_dtype):
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLAImpl
+
+    with set_current_vllm_config(VllmConfig()):
+        return TreeMLAImpl(2, 80, 0.1, 1, None, None, kv_cache_dtype, None, "decoder", None,
+                           q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=16,
+                           qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=16,
+                           kv_b_proj=None, indexer=None)
+
+
+def test_backend_accepts_vllm_fp8_cache_and_keeps_q_unquantized():
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
+
+    for name in ("fp8", "fp8_e4m3"):
+        assert name in TreeMLABackend.supported_kv_cache_dtypes
+        impl = _impl(name)
+        # MLACommonImpl would quantize q to fp8 before forward_mqa otherwise.
+        assert impl._fp8_cache and not impl.supports_quant_query_input
+    assert not _impl("auto")._fp8_cache and _impl("auto").supports_quant_query_input
+    for name in ("fp8_e5m2", "fp8_ds_mla"):
+        with pytest.raises(NotImplementedError, match=f"no '{name}' KV cache.*'fp8_e4m3'"):
+            _impl(name)
+
+
+def test_backend_forward_reads_the_layer_scale():
+    """``forward_mqa`` on the e4m3 view vLLM hands it, with ``layer._k_scale``: the
+    fp32 reference on the dequantized cache."""
+    from types import SimpleNamespace as NS
+
+    from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLADecodeMetadata
+
+    batch = fp8_batch(MIXED, page_size=4, scale_value=0.03)
+    impl = _impl("fp8")
+    impl.scale = batch["scale"]
+    decode = TreeMLADecodeMetadata(
+        block_table=batch["block_table"], seq_lens=batch["seq_lens"], dcp_tot_seq_lens=None,
+        query_start_loc=batch["query_start_loc"], ancestor_bits=batch["ancestor_bits"],
+        max_query_len=9, max_seq_len=int(batch["seq_lens"].max()), max_model_len=4096)
+    layer = NS(_k_scale=batch["kv_scale"].reshape(()))  # vLLM's: a 0-d fp32 buffer
+    out, lse = impl.forward_mqa(batch["q"], batch["kv_cache"], NS(decode=decode), layer)
+    ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLS[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])

@@ -10,7 +10,9 @@ backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget
 kernel also gets the speculator's per-request active query rows
 (``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
 ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
-(faster on sm_90; nothing reads them).
+(faster on sm_90; nothing reads them). ``--kv-cache-dtype fp8`` (``fp8_e4m3``): vLLM's
+e4m3 latent cache with the layer's ``_k_scale``, verified by the Triton kernel (the Gluon
+kernel is 16-bit only).
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from vllm_ddtree.attention_backends.tree_mask_state import (
 )
 
 PREFERRED_BLOCK_SIZE = 64
+# vLLM's per-tensor-scaled e4m3 MLA cache ([num_blocks, page, 576] uint8, one fp32 scale
+# per layer); not FlashMLA's packed "fp8_ds_mla" (656-byte rows with per-tile scales).
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -110,6 +115,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
 
 class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
     can_return_lse_for_decode: bool = True
+    _fp8_cache: bool = False  # set from kv_cache_dtype in __init__
 
     def __init__(
         self,
@@ -145,11 +151,16 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             )
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError("the DDTree MLA backend supports decoder attention only")
-        if kv_cache_dtype not in ("auto", "bfloat16", "float16"):
+        if kv_cache_dtype not in TreeMLABackend.supported_kv_cache_dtypes:
             raise NotImplementedError(
-                f"the DDTree MLA backend has no {kv_cache_dtype} KV cache yet; "
-                "use --kv-cache-dtype auto"
+                f"the DDTree MLA backend has no {kv_cache_dtype!r} KV cache; "
+                f"--kv-cache-dtype must be one of {TreeMLABackend.supported_kv_cache_dtypes}"
             )
+        self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
+        if self._fp8_cache:
+            # The kernel widens the fp8 cache to q's 16-bit dtype: keep q unquantized
+            # (MLACommonImpl would otherwise hand forward_mqa an fp8 q), as TRITON_MLA.
+            self.supports_quant_query_input = False
 
     def forward_mqa(
         self,
@@ -187,6 +198,9 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             active_query_lens=decode.active_query_lens,
             mostly_active=TREE_MASK_STATE.mostly_active,
             runtime_kv_splits=capturing,
+            # MLAAttention.forward_impl hands us the uint8 cache viewed as e4m3; rows are
+            # fp8(x / layer._k_scale) (concat_and_cache_mla).
+            kv_scale=layer._k_scale if self._fp8_cache else None,
         )
 
 
@@ -194,7 +208,8 @@ class TreeMLABackend(MLACommonBackend):
     # fp32: exactness checks only; every token takes the tree kernel (builder above).
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
                                                      torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16",
+                                                      *FP8_KV_CACHE_DTYPES]
 
     @staticmethod
     def get_name() -> str:
