@@ -254,6 +254,8 @@ def main() -> None:
     parser.add_argument("--one-kv-group", action="store_true",
                         help="disable_hybrid_kv_cache_manager: all layers in one KV-cache "
                         "group (patches/unify_kv_block_size.py)")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's --kv-cache-dtype for target and drafter (fp8: e4m3)")
     parser.add_argument("--trace", type=int, default=0,
                         help="record the first N verify steps (rows, positions, bits, draws)")
     args = parser.parse_args()
@@ -306,6 +308,8 @@ def main() -> None:
     max_tokens = [n + args.extra_tokens for n in max_tokens]
     if args.one_kv_group:
         extra["disable_hybrid_kv_cache_manager"] = True
+    if args.kv_cache_dtype != "auto":
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k

@@ -1,9 +1,10 @@
 """Greedy tokens of a model under one vLLM attention backend (GPU), as JSON.
 
     python evals/check_mla_backend.py MODEL_DIR --backend CUSTOM --out tokens.json [--graphs]
+        [--kv-cache-dtype fp8]
 
-Used by tests/gpu/test_mla_backend_vllm.py to compare our backend (CUSTOM) with
-vLLM's own MLA backends on the same prompts.
+Used by tests/gpu/test_mla_backend_vllm.py and tests/gpu/test_fp8_kv_vllm.py to compare
+our backend (CUSTOM) with vLLM's own MLA backends on the same prompts.
 """
 
 from __future__ import annotations
@@ -20,16 +21,19 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="vLLM's --kv-cache-dtype (fp8: e4m3 latent cache, scale 1.0)")
     args = parser.parse_args()
 
+    from check_ddtree_vllm import gpu_memory_args  # VLLM_DDTREE_TEST_KV_GIB: fixed KV
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from vllm_ddtree.testing.compare import vllm_top2_gaps
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
-              enforce_eager=not args.graphs, gpu_memory_utilization=0.3, max_model_len=4096,
-              dtype="bfloat16", max_num_seqs=8, seed=0)
+              enforce_eager=not args.graphs, **gpu_memory_args(), max_model_len=4096,
+              dtype="bfloat16", max_num_seqs=8, seed=0, kv_cache_dtype=args.kv_cache_dtype)
     prompts = [
         [3 + (7 * i) % 900 for i in range(n)] for n in (5, 17, 64, 130, 700)
     ]
@@ -42,7 +46,8 @@ def main() -> None:
         gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"tokens": list(completion.token_ids), "top2_gap": gaps})
     with open(args.out, "w") as f:
-        json.dump({"backend": args.backend, "graphs": args.graphs, "outputs": result}, f)
+        json.dump({"backend": args.backend, "graphs": args.graphs,
+                   "kv_cache_dtype": args.kv_cache_dtype, "outputs": result}, f)
     exit_now()
 
 

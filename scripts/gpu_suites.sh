@@ -19,6 +19,11 @@
 #              the round's Triton kernels of tests/ compiled for this GPU
 #   backend    the CUSTOM attention backends in vLLM: MLA against TRITON_MLA /
 #              FLASH_ATTN_MLA, GQA against FLASH_ATTN (tiny models, 4 engines each)
+#   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference
+#   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
+#   fp8backend --kv-cache-dtype fp8: CUSTOM against TRITON_MLA on the embedded target
+#              (eager, and CUSTOM with CUDA graphs; 3 engines)
+#   fp8ddtree  --kv-cache-dtype fp8: DDTree with CUDA graphs against AR (2 engines)
 #   ddtree     DDTree on the embedded pair against AR and the reference engine (mixed
 #              batch, greedy and seeded sampling, B = 32 and 8), eager
 #   graphs     the same with CUDA graphs (also one KV-cache group), after the graph-capture
@@ -191,7 +196,8 @@ for stage in "$@"; do
       python3 -c "import vllm, vllm_ddtree; print('vllm', vllm.__version__)"
       summary install $? "$start" ;;
     kernels)
-      stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py tests/gpu/test_gqa_tree_kernel_gpu.py
+      stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py tests/gpu/test_gqa_tree_kernel_gpu.py \
+        -k "not fp8 and not sm120"
       stage_pytest kernels_gluon 150 -x tests/gpu/test_mla_gluon_kernel_gpu.py
       stage_pytest kernels_round 300 tests/test_tree_build_kernel.py tests/test_tree_store_kernel.py \
         tests/test_vocab_top_k_kernel.py tests/test_tree_walk_kernel.py tests/test_active_query_rows.py \
@@ -200,6 +206,10 @@ for stage in "$@"; do
     backend)
       stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
       stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;
+    fp8) stage_pytest fp8 240 tests/gpu/test_mla_tree_kernel_gpu.py -k "fp8 and not sm120" ;;
+    sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
+    fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k triton_mla ;;
+    fp8ddtree) stage_pytest fp8ddtree 240 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;
     graphs)

@@ -15,10 +15,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False) -> dict:
-    out = tmp_path / f"{backend}-{graphs}.json"
+def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
+                kv_cache_dtype: str = "auto") -> dict:
+    out = tmp_path / f"{backend}-{graphs}-{kv_cache_dtype}.json"
     cmd = [sys.executable, str(ROOT / "evals/check_mla_backend.py"), str(model),
-           "--backend", backend, "--out", str(out)] + (["--graphs"] if graphs else [])
+           "--backend", backend, "--out", str(out), "--kv-cache-dtype", kv_cache_dtype]
+    cmd += ["--graphs"] if graphs else []
     subprocess.run(cmd, check=True, timeout=900)
     return json.loads(out.read_text())
 

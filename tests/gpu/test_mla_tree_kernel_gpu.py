@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""MLA tree-verify kernel vs its reference on CUDA at DeepSeek/Kimi shapes (bf16)."""
+"""MLA tree-verify kernel vs its reference on CUDA at DeepSeek/Kimi shapes: bf16, the fp8
+(e4m3) latent cache, and sm_120's tile configs forced on this GPU."""
 
 import os
 import random
@@ -208,3 +209,122 @@ def test_active_rows_resplit_at_long_context(heads, page_size):
     torch.testing.assert_close(out[rows].float(), full_out[rows].float(), **OUT_TOL)
     torch.testing.assert_close(lse[rows], full_lse[rows], **LSE_TOL)
     assert torch.all(out[~rows] == 0) and torch.all(lse[~rows] == float("-inf"))
+
+
+# ---------------------------------------------------------------------------------------
+# fp8 (e4m3) latent cache, vLLM's --kv-cache-dtype fp8 layout: rows fp8(x / k_scale), one
+# fp32 scale per layer. Reference: fp32 on the dequantized cache.
+
+FP8_SCALE = 0.02  # randn / 0.02 spans e4m3's range (|x| <= 448) without saturating much
+
+
+def to_fp8(batch, scale=FP8_SCALE):
+    """``batch`` with its cache quantized as ``concat_and_cache_mla`` does (saturating)."""
+    kv_scale = torch.tensor([scale], dtype=torch.float32, device="cuda")
+    cache = (batch["kv_cache"].float() / kv_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {**batch, "kv_cache": cache, "kv_scale": kv_scale}
+
+
+def fp8_reference(batch):
+    deq = batch["kv_cache"].float() * batch["kv_scale"]
+    return mla_tree_verify_reference(**{**batch, "kv_cache": deq, "kv_scale": None})
+
+
+def check_fp8(batch, **kwargs):
+    out, lse = mla_tree_verify(**batch, **kwargs)
+    ref_out, ref_lse = fp8_reference(batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+    return out, lse
+
+
+FP8_SHAPES = [
+    (8, 1024, 1, 64, "decode"),
+    (16, 8192, 16, 64, "tree"),
+    (32, 8192, 33, 64, "tree"),
+    (64, 4096, 65, 1, "tree"),
+    (128, 2048, 16, 64, "chain"),
+    (8, 32768, 65, 64, "tree"),
+    (16, 32768, 16, 1, "chain"),
+    (128, 32768, 1, 64, "decode"),
+    (64, 32768, 65, 64, "tree"),
+    (8, 8192, 16, 16, "tree"),
+    (64, 32768, 65, 16, "tree"),
+    (16, 4096, 129, 16, "tree"),
+]
+
+
+@pytest.mark.parametrize("heads,ctx,qlen,page_size,kind", FP8_SHAPES)
+def test_fp8_realistic_shapes(heads, ctx, qlen, page_size, kind):
+    specs = [(ctx, kind, qlen), (ctx // 3 + 5, kind, qlen)]
+    check_fp8(to_fp8(make_batch(specs, heads=heads, page_size=page_size)))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_fp8_mixed_batch(page_size):
+    specs = [(5000, "decode", 1), (0, "chain", 7), (1200, "tree", 65), (31, "tree", 16),
+             (20000, "chain", 16), (3, "decode", 1)]
+    check_fp8(to_fp8(make_batch(specs, heads=16, page_size=page_size, seed=page_size)))
+
+
+def test_fp8_fp16_queries_and_forced_splits():
+    batch = make_batch([(9000, "tree", 65), (100, "decode", 1)], heads=8, page_size=64,
+                       dtype=torch.float16)
+    for splits in (1, 32):
+        check_fp8(to_fp8(batch), num_kv_splits=splits)
+
+
+def test_fp8_cuda_graph_runtime_splits_and_scale_update():
+    """The backend's graph launch on an fp8 cache: grid sized for 128k keys, run-time
+    split counts; a replay after the scale tensor changes in place follows it."""
+    batch = to_fp8(make_batch([(30000, "tree", 16), (100, "chain", 16)], heads=16,
+                              page_size=64))
+    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=131072,
+                  runtime_kv_splits=True)
+    mla_tree_verify(**batch, **kwargs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mla_tree_verify(**batch, **kwargs)
+    for scale in (None, 2 * FP8_SCALE):
+        if scale is not None:
+            batch["kv_scale"].fill_(scale)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = fp8_reference(batch)
+        torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+        torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
+def test_fp8_active_rows():
+    specs = [(30000, "tree", 65), (12000, "tree", 65), (40000, "decode", 1)]
+    batch = to_fp8(make_batch(specs, heads=64, page_size=64, seed=3))
+    active = torch.tensor([5, 1, 1], dtype=torch.int32, device="cuda")
+    out, lse = mla_tree_verify(**batch, validate_values=False, max_query_len=65,
+                               max_seq_len=40001, active_query_lens=active)
+    ref_out, ref_lse = fp8_reference(batch)
+    rows = torch.zeros(131, dtype=torch.bool, device="cuda")
+    rows[0:5], rows[65:66], rows[130:131] = True, True, True
+    torch.testing.assert_close(out[rows].float(), ref_out[rows].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[rows], ref_lse[rows], **LSE_TOL)
+
+
+# ---------------------------------------------------------------------------------------
+# sm_120's tile choice (99 KB of shared memory per block, mma.sync) forced on this GPU:
+# the configs select_config picks there, at every head count and row class, bf16 and fp8.
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [8, 16, 32, 64, 128])
+@pytest.mark.parametrize("qlen", [1, 9, 33, 129])
+def test_sm120_configs_forced(heads, qlen, fp8):
+    from vllm_ddtree.attention_backends.mla_tree import SM120_SHARED_MEMORY_BYTES, select_config
+
+    config = select_config(qlen * heads, HEAD_DIM, KV_LORA, torch.bfloat16,
+                           SM120_SHARED_MEMORY_BYTES)
+    assert config in MLA_TILE_CONFIGS
+    specs = [(6000, "tree", qlen), (700, "chain", qlen)]
+    batch = make_batch(specs, heads=heads, page_size=16 if heads % 16 else 64, seed=qlen)
+    if fp8:
+        check_fp8(to_fp8(batch), config=config)
+    else:
+        check(batch, config=config)

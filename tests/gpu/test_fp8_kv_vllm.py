@@ -1,0 +1,49 @@
+"""``--kv-cache-dtype fp8`` in vLLM (GPU): vLLM's e4m3 MLA latent cache with the per-layer
+scale (1.0 here: the checkpoint carries no KV scales).
+
+1. Our MLA backend (CUSTOM) gives the greedy tokens of vLLM's TRITON_MLA on the same fp8
+   cache (TRITON_MLA is vLLM 0.26's dense MLA backend with an fp8 cache and bf16 queries,
+   as ours; FLASH_ATTN_MLA has no fp8 cache, FlashMLA's fp8 path also quantizes q), eager
+   and with CUDA graphs. Target: the embedded DeepSeek-V3-architecture target (trained
+   weights, 4 heads, kv_lora_rank 512 + rope 64).
+2. DDTree with the fp8 cache and CUDA graphs gives plain decoding's tokens (AR on the same
+   fp8 cache and backend) on the embedded pair's mixed batch, its verify steps in FULL
+   graphs.
+
+A mismatch is allowed only at a measured tie (``vllm_ddtree.testing.compare``).
+"""
+
+import pytest
+import torch
+from test_ddtree_vllm import run_mixed_vs_ar, run_script
+from test_mla_backend_vllm import compare, run_backend
+
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
+                       reason="embedded pair not trained yet"),
+]
+FP8 = ["--kv-cache-dtype", "fp8"]
+
+
+def test_custom_backend_fp8_matches_triton_mla_fp8(tmp_path):
+    target = CHECKPOINTS / "target"
+    ours = run_backend(target, "CUSTOM", tmp_path, kv_cache_dtype="fp8")
+    ref = run_backend(target, "TRITON_MLA", tmp_path, kv_cache_dtype="fp8")
+    graphs = run_backend(target, "CUSTOM", tmp_path, graphs=True, kv_cache_dtype="fp8")
+    problems = {"CUSTOM fp8 vs TRITON_MLA fp8": compare(ours, ref),
+                "CUSTOM fp8 graphs vs eager": compare(graphs, ours)}
+    for name, found in problems.items():  # printed at once: a time limit may cut pytest
+        print(f"{name}: {found or 'equal up to ties'}", flush=True)
+    assert not any(problems.values()), problems
+
+
+def test_ddtree_fp8_cache_with_cuda_graphs_equals_ar(tmp_path):
+    ar = run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar", "--graphs", *FP8],
+                    tmp_path / "ar.json")
+    got = run_mixed_vs_ar(ar, ["--mixed", "--budget", "32", "--graphs", *FP8],
+                          tmp_path / "ddtree.json", "graphs B=32, fp8 KV cache")
+    # Trees are accepted beyond the root (bf16 eager B=32 on this batch: 1.93 per round).
+    assert got["ddtree_mean_acceptance_length"] > 1.5
