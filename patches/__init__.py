@@ -18,7 +18,8 @@ from vllm_ddtree.patches._guard import (
 
 # Patch modules, applied in this order (each is ``patches.<name>``).
 PATCH_MODULES: list[str] = [
-    "speculative_config", "spec_decode_metrics", "request_validation", "mla_fp32_prefill",
+    "speculative_config", "spec_decode_metrics", "request_validation", "prompt_token_ids",
+    "mla_fp32_prefill",
 ]
 
 # The V2-runner integration of DDTree: applied only in processes that run DDTree, so

@@ -26,7 +26,8 @@ def test_runner_patches_apply_idempotently_and_stay_out_of_patch_modules(monkeyp
     undo_runner_patches_after_test(monkeypatch)
 
     assert patches.PATCH_MODULES == ["speculative_config", "spec_decode_metrics",
-                                     "request_validation", "mla_fp32_prefill"]
+                                     "request_validation", "prompt_token_ids",
+                                     "mla_fp32_prefill"]
     assert set(patches.RUNNER_PATCHES).isdisjoint(patches.PATCH_MODULES)
     applied = patches.apply_runner_patches()
     assert applied == patches.PATCH_MODULES + patches.RUNNER_PATCHES
