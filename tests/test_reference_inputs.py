@@ -85,7 +85,7 @@ def test_budget_must_be_an_int_in_range(pair, budget):
 @pytest.mark.parametrize("method", ["beam", "DDTree", "", None])
 def test_method_must_be_known(pair, method):
     text = refused(pair, "method", method, method=method)
-    assert "'ar', 'dflash', 'ddtree'" in text
+    assert "'ar', 'dflash', 'dflash2', 'ddtree'" in text
 
 
 @pytest.mark.parametrize("max_new", [0, -5, 2.5, "8", True])

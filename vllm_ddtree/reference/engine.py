@@ -9,13 +9,14 @@ from typing import Literal
 import torch
 
 from vllm_ddtree.budget.choice import mask_inactive_nodes
+from vllm_ddtree.reference.draft_trees import draft_tree
 from vllm_ddtree.reference.inputs import check_generate_args
 from vllm_ddtree.reference.sampling import choose_tokens
 from vllm_ddtree.reference.target import TargetRunner
-from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree
+from vllm_ddtree.tree.draft_tree import DraftTree
 from vllm_ddtree.walk.follow import WalkResult, follow_tree
 
-Method = Literal["ar", "dflash", "ddtree"]
+Method = Literal["ar", "dflash", "dflash2", "ddtree"]
 # budget_chooser(tree of B nodes [1, B], context length) -> active nodes b in 1..B
 BudgetChooser = Callable[[DraftTree, int], int]
 
@@ -59,6 +60,7 @@ def generate(
     top_k: int | None = None,
     stop: Callable[[list[int]], bool] | None = None,
     budget_chooser: BudgetChooser | None = None,
+    draft_scores: str | None = None,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
@@ -79,12 +81,17 @@ def generate(
     its first ``b = budget_chooser(tree, context_len)`` nodes count in the walk, as in
     vLLM (``vllm_ddtree.budget.choice.mask_inactive_nodes``).
 
+    DFlash2 drafters (:mod:`vllm_ddtree.reference.draft_trees`): ``"dflash2"`` drafts
+    the selector's chain walk; ``"ddtree"`` builds its tree over the selector's path
+    scores, or over the marginals with ``draft_scores="marginals"``.
+
     Every argument is checked before any model work
     (:func:`vllm_ddtree.reference.inputs.check_generate_args`); a bad one raises
     ``ValueError`` naming the field, the value and what is allowed.
     """
     check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, budget,
-                        temperature, seed, eos_token_id, top_k, stop, budget_chooser)
+                        temperature, seed, eos_token_id, top_k, stop, budget_chooser,
+                        draft_scores=draft_scores)
     device = next(target.parameters()).device
     aux_ids = drafter.target_layer_ids if method != "ar" else None
     runner = TargetRunner(target, aux_ids)
@@ -118,6 +125,7 @@ def generate(
                     temperature,
                     seed,
                     budget_chooser,
+                    draft_scores,
                 )
                 result.stats.append(stats)
             for tok in committed:
@@ -180,17 +188,14 @@ def draft_and_verify(
     method: Method,
     budget: int,
     top_k: int | None,
+    draft_scores: str | None = None,
 ) -> Verified:
-    """Draft a tree (``"ddtree"``) or chain (``"dflash"``) after ``bonus`` (at
-    ``position``) and run the target over ``[bonus, nodes...]`` with the tree mask."""
+    """Draft a tree (``"ddtree"``) or chain (``"dflash"``, ``"dflash2"``) after ``bonus``
+    (at ``position``; :func:`vllm_ddtree.reference.draft_trees.draft_tree`) and run the
+    target over ``[bonus, nodes...]`` with the tree mask."""
     device = next(runner.model.parameters()).device
-    draft_logits = drafter.block_logits(
-        bonus, position, context, runner.embed, runner.lm_head_logits
-    )[None]  # [1, L, V]
-    if method == "dflash":
-        tree = build_ddtree(draft_logits, budget=drafter.block_size - 1, top_k=1)
-    else:
-        tree = build_ddtree(draft_logits, budget=budget, top_k=top_k)
+    tree = draft_tree(drafter, runner, context, bonus, position, method, budget, top_k,
+                      draft_scores)
 
     verify_ids = torch.cat([torch.tensor([bonus], device=device), tree.tokens[0]])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long, device=device), tree.depths[0]])
@@ -228,8 +233,10 @@ def _speculative_round(
     temperature: float,
     seed: int | None,
     budget_chooser: BudgetChooser | None = None,
+    draft_scores: str | None = None,
 ) -> tuple[list[int], RoundStats]:
-    verified = draft_and_verify(runner, drafter, context, bonus, position, method, budget, top_k)
+    verified = draft_and_verify(runner, drafter, context, bonus, position, method, budget, top_k,
+                                draft_scores)
     # The token chosen at a row sits at that row's position + 1.
     positions = (position + verified.offsets + 1).cpu()
     target_tokens = choose_tokens(verified.logits, positions, temperature, seed)

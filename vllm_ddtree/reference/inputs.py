@@ -15,7 +15,7 @@ from typing import Any
 from vllm_ddtree.checks import check_int, int_range, is_int, not_allowed
 from vllm_ddtree.config import MAX_BUDGET
 
-METHODS = ("ar", "dflash", "ddtree")
+METHODS = ("ar", "dflash", "dflash2", "ddtree")
 INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
@@ -78,15 +78,18 @@ def check_callable(where: str, field: str, value: Any) -> None:
 
 def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, budget,
                         temperature, seed, eos_token_id, top_k, stop,
-                        budget_chooser, where: str = "generate") -> None:
+                        budget_chooser, where: str = "generate",
+                        draft_scores: str | None = None) -> None:
     """Check every argument of :func:`vllm_ddtree.reference.generate`: method,
     prompt ids (non-empty, ints inside the target's vocabulary), ``max_new_tokens``
     (an int >= 1; prompt plus new tokens within the target's
     ``max_position_embeddings``), ``budget`` (an int in ``1..MAX_BUDGET``), ``temperature`` (finite,
     >= 0; > 0 needs an int64 ``seed``), ``eos_token_id`` (None or inside the
     vocabulary), ``top_k`` (None or >= 1), ``stop`` and ``budget_chooser`` (None or
-    callables; a chooser only with ``ddtree``) and, for speculative methods, the
-    drafter and its fit to the target. ``where`` starts the messages."""
+    callables; a chooser only with ``ddtree``), ``draft_scores`` (None, or
+    ``"selector"`` / ``"marginals"`` with a DFlash2 drafter and ``ddtree``; ``dflash2``
+    needs a DFlash2 drafter) and, for speculative methods, the drafter and its fit to the
+    target. ``where`` starts the messages."""
     check_choice(where, "method", method, METHODS)
     vocab = vocab_size_of(where, target)
     check_token_ids(where, "prompt_ids", prompt_ids, vocab)
@@ -106,6 +109,33 @@ def check_generate_args(target, drafter, prompt_ids, max_new_tokens, method, bud
         raise refuse(where, "method", method, "'ddtree' when a budget_chooser is given")
     if method != "ar":
         _check_drafter(where, drafter, target, method)
+    _check_dflash2(where, drafter, method, budget, top_k, draft_scores)
+
+
+def _check_dflash2(where: str, drafter, method: str, budget: int, top_k: int | None,
+                   draft_scores: str | None) -> None:
+    """``dflash2`` and ``draft_scores`` need a DFlash2 drafter; a selector tree of
+    ``budget`` nodes fits its ``selector_top_k`` candidates per position."""
+    from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
+    from vllm_ddtree.reference.draft_trees import DRAFT_SCORES, uses_selector
+
+    is_dflash2 = isinstance(drafter, DFlash2DraftModel)
+    if method == "dflash2" and not is_dflash2:
+        shown = drafter if drafter is None else type(drafter).__name__
+        raise refuse(where, "drafter", shown, "a DFlash2DraftModel (method 'dflash2')")
+    if draft_scores is not None:
+        check_choice(where, "draft_scores", draft_scores, DRAFT_SCORES)
+        if not is_dflash2 or method != "ddtree":
+            raise refuse(where, "draft_scores", draft_scores,
+                         "None unless method is 'ddtree' with a DFlash2DraftModel drafter")
+    if uses_selector(drafter, method, draft_scores) and method == "ddtree":
+        k = min(top_k or drafter.selector_top_k, drafter.selector_top_k)
+        depth = drafter.block_size - 1
+        most = sum(k**d for d in range(1, depth + 1))
+        if budget > most:
+            raise refuse(where, "budget", budget,
+                         f"at most {most}: a selector tree of depth {depth} with {k} "
+                         "candidates per position")
 
 
 def _check_positions_fit(where: str, target, prompt_len: int, max_new_tokens: int) -> None:
