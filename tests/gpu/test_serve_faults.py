@@ -78,7 +78,7 @@ NUM_REQUESTS = int(os.environ.get("DDTREE_FAULTS_REQUESTS", "1000"))
 CANCEL_FRACTION = 0.2
 # 64-token pages (the MLA tree backend's): 160 pages hold 10,240 tokens, a quarter of
 # what 64 running requests of this load reach at their longest.
-NUM_BLOCKS = 160 if not DRY_RUN else 640  # the CPU backend pages 16 tokens
+NUM_BLOCKS = 160 if not DRY_RUN else 80  # the CPU backend pages 128 tokens
 _KV_GIB = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
 MEMORY_ARGS = (["--gpu-memory-utilization", "0.05",
                 "--kv-cache-memory-bytes", str(int(float(_KV_GIB) * 2**30))] if _KV_GIB
