@@ -11,7 +11,7 @@ import triton
 
 from vllm_ddtree import settings
 
-from . import gluon_kernel, kernels
+from . import dispatch, gluon_kernel, kernels
 from .configs import (
     MAX_KV_SPLITS,
     MIN_TILES_PER_SPLIT,
@@ -284,8 +284,11 @@ def mla_tree_verify(
             (they form a prefix-closed tree in topological order); their results are
             those without ``active_query_lens`` up to rounding (their keys are split
             over the idle CTAs too, so the splits differ). None: every row is active.
-        kernel: ``"auto"`` takes the Gluon kernel (``gluon_kernel``, 1.3-2.0x the Triton
-            kernel's speed on the H200) where it applies (sm_90, 16-bit, 512 + 64 dims, no
+        kernel: ``"auto"``: the kernel and tile config measured fastest for the launch's
+            architecture, cache dtype, heads, rows and context (``dispatch``: a table
+            generated from the H200 grid; consulted when ``max_query_len`` and
+            ``max_seq_len`` are given, as the backend does); without an entry the Gluon
+            kernel (``gluon_kernel``) where it applies (sm_90, 16-bit, 512 + 64 dims, no
             ``config``: :func:`gluon_kernel.gluon_supported`), else the Triton one;
             ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
             (``vllm_ddtree.settings``) does the same globally. A launch with
@@ -314,6 +317,14 @@ def mla_tree_verify(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    choice = None
+    if kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto":
+        if max_query_len is not None and max_seq_len is not None:
+            choice = dispatch.lookup(dispatch.device_arch(q.device),
+                                     dispatch.cache_class(kv_cache.dtype), q.shape[1],
+                                     max_query_len, max_seq_len)
+        if choice in dispatch.TRITON_CONFIGS:
+            config = dispatch.TRITON_CONFIGS[choice]
     if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
             and (active_query_lens is None or mostly_active)
             and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):
