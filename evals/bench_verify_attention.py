@@ -15,15 +15,13 @@ every method:
   H * (128 + 128)]`` and run torch SDPA (bottom-right causal) over all keys.
 - floors: HBM (latent KV read once at 4.8 TB/s) and MMA (QK^T + PV flops at 790 TFLOP/s).
 
-Usage (on the GPU machine):
-    python evals/bench_verify_attention.py            # full grid
-    python evals/bench_verify_attention.py --quick    # 8 cells
+Usage (on the GPU machine; writes evals/results/verify_attention.md / .png after every cell):
+    python evals/bench_verify_attention.py            # full grid (--quick: 8 cells)
     python evals/bench_verify_attention.py --heads 8 64 --ctx 8192 32768 --qlen 65 --page 64
     # inactive rows of `ddtree_budget: "auto"` (sm_90; only this table, about a minute):
     python evals/bench_verify_attention.py --inactive-rows-table evals/results/inactive_rows.md
-
-Writes evals/results/verify_attention.md and evals/results/verify_attention.png
-(rewritten after every cell, so an interrupted run keeps what it measured).
+    # every kernel and tile config vs FlashMLA, bf16 and fp8 caches (bench_verify_grid.py):
+    python evals/bench_verify_attention.py --grid [--force-sm120-configs]
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 from cli_args import non_negative_float, positive_float, positive_int
+from graph_timing import TIMER_TITLES, NotCapturable, graph_time_ms
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -485,6 +484,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--inactive-rows-table", metavar="OUT_MD",
                    help="only time the inactive-rows comparison (H 8/64, 8k/128k, B = 64, "
                    "b + 1 = 9/33/65 active rows; sm_90) and write its table to OUT_MD")
+    p.add_argument("--grid", action="store_true", help="the kernel grid (bench_verify_grid.py)")
+    p.add_argument("--force-sm120-configs", action="store_true",
+                   help="--grid: time sm_120's Triton tile choice instead (a proxy)")
+    for axis in ("heads", "rows", "ctx"):
+        p.add_argument(f"--grid-{axis}", type=positive_int, nargs="+", help="--grid: narrow")
+    p.add_argument("--grid-dtype", nargs="+", choices=("bf16", "fp8"), help="--grid: narrow")
+    p.add_argument("--grid-out", default=os.path.join(REPO_ROOT,
+                                                      "evals/results/verify_attention_grid"))
     return p.parse_args(argv)
 
 
@@ -502,64 +509,6 @@ def sweep_configs():
     keys = dict.fromkeys((c.block_m, c.block_n, c.num_warps, c.num_stages)
                          for c in list(MLA_TILE_CONFIGS) + extras)  # ordered, no repeats
     return [MLATileConfig(*key) for key in keys]
-
-
-TIMER_TITLES = {
-    "graph": "GPU time per call, calls replayed in a CUDA graph with an L2 flush before "
-    "each (the flush's own time subtracted), median of 5 replays",
-    "events": "triton.testing.do_bench (host launches, so launch overhead included), "
-    "median, L2 flushed between runs",
-}
-GRAPH_MAX_CALLS = 100
-
-
-def graph_time_ms(fn, rep_ms: float) -> float:
-    """GPU milliseconds per ``fn()`` call: ``n`` calls, each after an L2 flush, captured in
-    one CUDA graph, minus a graph of the ``n`` flushes alone. Host launch overhead, which
-    the verify step's CUDA graph removes in vLLM, is not counted."""
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # warm-up: JIT compiles and first-call planning outside the capture
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(3):
-            flush.zero_()
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        calls = max(1, min(GRAPH_MAX_CALLS, int(rep_ms / max(start.elapsed_time(end) / 3, 1e-3))))
-        graphs = []
-        for with_fn in (True, False):
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph, stream=stream):
-                    for _ in range(calls):
-                        flush.zero_()
-                        if with_fn:
-                            fn()
-            except RuntimeError as e:
-                if "captur" not in str(e):
-                    raise
-                raise NotCapturable(str(e).splitlines()[0][:120]) from e
-            graphs.append(graph)
-        medians = []
-        for graph in graphs:
-            times = []
-            for _ in range(5):
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(end))
-            medians.append(sorted(times)[2])
-    del graphs, flush
-    return max(medians[0] - medians[1], 0.0) / calls
-
-
-class NotCapturable(RuntimeError):
-    """A method that cannot run inside a CUDA graph capture (e.g. a host-to-device copy)."""
 
 
 class ContextLost(RuntimeError):
@@ -650,6 +599,10 @@ def main(argv=None) -> int:
     def bench(fn):
         return graph_time_ms(fn, args.rep) if args.timer == "graph" else host_bench(fn)
 
+    if args.grid:
+        from bench_verify_grid import REP_MS, run_grid
+
+        return run_grid(args, lambda fn: graph_time_ms(fn, REP_MS), gpu, command)
     if args.inactive_rows_table:
         title = f"Inactive rows: Triton skipping them vs Gluon computing all {INACTIVE_BUDGET + 1}"
         try:

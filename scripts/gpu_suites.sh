@@ -49,6 +49,10 @@
 #   lmeval     evals/validate.py --backend vllm, the three lm-eval tasks, bf16
 #   lmeval32   the same in fp32 on the CUSTOM MLA backend, eager (exact equality)
 #   bench      evals/bench_verify_attention.py (BENCH_ARGS replaces the grid)
+#   grid       evals/bench_verify_attention.py --grid: every MLA kernel and tile config vs
+#              FlashMLA, H 8-128, 2-257 rows, 8k-128k, bf16 and fp8 caches (about 8 minutes;
+#              the GPU to itself); verify_attention_grid.md / .png / .json in the log folder
+#   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   e2e_trained / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
@@ -255,6 +259,11 @@ for stage in "$@"; do
       stage_cmd bench 400 python3 evals/bench_verify_attention.py "${bargs[@]}" \
         --out-md "$LOG_DIR/verify_attention.md" --out-png "$LOG_DIR/verify_attention.png"
       tail -12 "$LOG_DIR/verify_attention.md" 2>/dev/null ;;
+    grid|grid120)
+      gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")
+      [ "$stage" = grid120 ] && gargs+=(--force-sm120-configs)
+      stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
+      tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096

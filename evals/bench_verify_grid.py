@@ -1,0 +1,188 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The verify-attention grid (``bench_verify_attention.py --grid``): every MLA tree-verify
+kernel and tile config of ours against FlashMLA over H 8/16/32/64/128, query rows
+2/5/9/17/33/65/129/257 and contexts 8k/32k/128k, with a bf16 and an fp8 (e4m3) latent
+cache; one request, page 64, each method timed in a CUDA graph
+(``graph_timing.graph_time_ms``: captured calls with an L2 flush before each,
+replayed, median of 5 replays).
+
+Methods per cell: the Gluon kernel (bf16 only), the Triton kernel forced to each tile
+config that fits the rows (``triton_m16`` / ``m32`` / ``m64``: the configs of
+``configs.MLA_TILE_CONFIGS`` and ``LARGE_SMEM_TILE_CONFIGS``), FlashMLA causal (bf16; fp8
+through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). Ours use the DDTree-like
+tree mask, FlashMLA a causal chain. ``--force-sm120-configs`` times instead the Triton
+config sm_120 would pick (``select_config`` at 99 KB of shared memory), a proxy.
+
+Writes ``<out>.md`` (a table per cache dtype), ``<out>.png`` (heatmaps of ours / FlashMLA
+per context) and ``<out>.json`` (every time: ``evals/make_dispatch_table.py`` turns it
+into ``attention_backends/mla_tree/dispatch_table.py``), after every context, so an
+interrupted run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+GRID = dict(heads=(8, 16, 32, 64, 128), rows=(2, 5, 9, 17, 33, 65, 129, 257),
+            ctx=(8192, 32768, 131072), dtype=("bf16", "fp8"))
+PAGE = 64
+REP_MS = 8.0  # GPU time captured per graph: sized so the grid fits in about 8 minutes
+FP8_KV_SCALE = 0.02  # randn / 0.02 spans e4m3's range
+FP8_Q_SCALE = 0.02  # FlashMLA's fp8 path quantizes q as well (vLLM's _q_scale)
+
+
+def config_name(config) -> str:
+    return f"triton_m{config.block_m}"
+
+
+def candidate_configs(rows: int, heads: int, sm120: bool):
+    """Our Triton tile configs worth timing for ``rows * heads`` rows per request: the
+    table's configs whose row tile is at most the rows (m16 always); with ``sm120`` only
+    the one ``select_config`` picks at sm_120's 99 KB."""
+    from bench_verify_attention import HEAD_DIM, KV_LORA
+
+    from vllm_ddtree.attention_backends.mla_tree.configs import (
+        LARGE_SMEM_TILE_CONFIGS,
+        MLA_TILE_CONFIGS,
+        SM120_SHARED_MEMORY_BYTES,
+        select_config,
+    )
+
+    if sm120:
+        return [select_config(rows * heads, HEAD_DIM, KV_LORA, torch.bfloat16,
+                              SM120_SHARED_MEMORY_BYTES)]
+    configs = list(MLA_TILE_CONFIGS) + list(LARGE_SMEM_TILE_CONFIGS)
+    return [c for c in configs if c.block_m <= max(16, rows * heads)]
+
+
+def fp8_inputs(inp):
+    """``inp`` with its cache quantized as vLLM's ``concat_and_cache_mla`` (saturating)."""
+    kv_scale = torch.tensor([FP8_KV_SCALE], dtype=torch.float32, device="cuda")
+    cache = (inp.kv_cache.float() / kv_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return cache, kv_scale
+
+
+def triton_method(inp, kv_cache, kv_scale, config):
+    from bench_verify_attention import KV_LORA
+
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
+
+    kwargs = dict(validate_values=False, max_query_len=inp.cell.qlen,
+                  max_seq_len=inp.cell.ctx + inp.cell.qlen, config=config, kernel="triton",
+                  kv_scale=kv_scale)
+
+    def run():
+        return mla_tree_verify(inp.q, kv_cache, inp.block_table, inp.seq_lens,
+                               inp.query_start_loc, inp.bits_tree, inp.scale, KV_LORA,
+                               **kwargs)
+
+    return run
+
+
+def flashmla_fp8(inp, kv_cache, kv_scale):
+    """vLLM 0.26's dense fp8 FlashMLA (``FlashMLAImpl.forward_mqa`` with an fp8 cache):
+    fp8 q and cache, descale factors, causal."""
+    from bench_verify_attention import HEAD_DIM, KV_LORA, Unavailable
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        raise Unavailable("FlashMLA is Hopper-only")
+    try:
+        from vllm.v1.attention.ops import flashmla as fm
+    except Exception as e:  # noqa: BLE001 - any import failure means "not available"
+        raise Unavailable(f"import vllm.v1.attention.ops.flashmla failed: {e}") from e
+    cell = inp.cell
+    q_scale = torch.tensor([FP8_Q_SCALE], dtype=torch.float32, device="cuda")
+    q = (inp.q.float() / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = q.view(1, cell.qlen, cell.heads, HEAD_DIM)
+    meta, num_splits = fm.get_mla_metadata_dense_fp8(inp.seq_lens, cell.qlen * cell.heads, 1)
+
+    def run():
+        return fm.flash_mla_with_kvcache_fp8(
+            q, kv_cache.unsqueeze(2), inp.block_table, inp.seq_lens, KV_LORA, meta,
+            num_splits, softmax_scale=inp.scale, causal=True, descale_q=q_scale,
+            descale_k=kv_scale)
+
+    run()
+    return run
+
+
+def cell_methods(inp, dtype: str, sm120: bool) -> dict:
+    """``{method: maker}`` of one cell; a maker returns the callable to time."""
+    from bench_verify_attention import flashmla, gluon_all_rows
+
+    if dtype == "fp8":
+        kv_cache, kv_scale = fp8_inputs(inp)
+    else:
+        kv_cache, kv_scale = inp.kv_cache, None
+    makers = {}
+    if dtype == "bf16" and not sm120:
+        makers["gluon"] = lambda: gluon_all_rows(inp)
+    for config in candidate_configs(inp.cell.qlen, inp.cell.heads, sm120):
+        makers["triton_sm120" if sm120 else config_name(config)] = (
+            lambda c=config: triton_method(inp, kv_cache, kv_scale, c))
+    makers["flashmla"] = ((lambda: flashmla(inp)) if dtype == "bf16"
+                          else (lambda: flashmla_fp8(inp, kv_cache, kv_scale)))
+    return makers
+
+
+def run_grid(args, bench, gpu: str, command: str) -> int:
+    """Time the grid (``args.grid_*`` narrow it), writing results as it goes."""
+    from bench_verify_attention import Cell, Unavailable, make_inputs
+    from tqdm import tqdm
+
+    sm120 = args.force_sm120_configs
+    axes = {k: getattr(args, f"grid_{k}") or v for k, v in GRID.items()}
+    cells = [(d, c, h, r) for d in axes["dtype"] for c in axes["ctx"] for h in axes["heads"]
+             for r in axes["rows"]]
+    out = args.grid_out + ("_sm120" if sm120 else "")
+    report = dict(gpu=gpu, command=command, arch=_arch(), force_sm120_configs=sm120,
+                  page=PAGE, rep_ms=REP_MS, cells=[])
+    start = time.time()
+    last_ctx = None
+    for dtype, ctx, heads, rows in tqdm(cells, desc="grid cells"):
+        if args.max_minutes and time.time() - start > 60 * args.max_minutes:
+            print(f"--max-minutes reached: stopping before {dtype} H{heads} {ctx} {rows}")
+            break
+        if last_ctx is not None and (dtype, ctx) != last_ctx:
+            write_outputs(report, out)
+        last_ctx = (dtype, ctx)
+        inp = make_inputs(Cell(heads, ctx, rows, PAGE), torch.bfloat16)
+        entry = dict(dtype=dtype, heads=heads, rows=rows, ctx=ctx, times={}, notes={})
+        for method, maker in cell_methods(inp, dtype, sm120).items():
+            try:
+                entry["times"][method] = bench(maker())
+            except Unavailable as e:
+                entry["notes"][method] = str(e)
+            except Exception as e:  # noqa: BLE001 - keep timing the other methods
+                entry["notes"][method] = f"{type(e).__name__}: {e}"[:200]
+            try:
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 - a sticky fault: no later cell can run
+                entry["notes"][method] = f"CUDA context lost after this method: {e}"[:200]
+                report["cells"].append(entry)
+                write_outputs(report, out)
+                print(f"CUDA context lost in {entry}; wrote the cells so far to {out}.md")
+                return 1
+        report["cells"].append(entry)
+        del inp
+        torch.cuda.empty_cache()
+    write_outputs(report, out)
+    print(f"wrote {out}.md, {out}.png and {out}.json ({time.time() - start:.0f} s)")
+    return 0
+
+
+def _arch() -> str:
+    major, minor = torch.cuda.get_device_capability()
+    return f"sm_{major}{minor}"
+
+
+def write_outputs(report: dict, out: str) -> None:
+    from verify_grid_report import write_heatmaps, write_markdown
+
+    with open(out + ".json", "w") as f:
+        json.dump(report, f, indent=1)
+    write_markdown(report, out + ".md")
+    write_heatmaps(report, out + ".png")

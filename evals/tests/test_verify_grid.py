@@ -1,0 +1,97 @@
+"""The verify-attention grid's outputs on the CPU: the dispatch table generated from its
+JSON (``make_dispatch_table.py``) and its markdown / heatmap (``verify_grid_report.py``),
+from a synthetic grid."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
+import make_dispatch_table as gen  # noqa: E402
+import verify_grid_report as report_module  # noqa: E402
+
+from vllm_ddtree.attention_backends.mla_tree import dispatch  # noqa: E402
+
+
+def cell(dtype, heads, rows, ctx, **times):
+    return dict(dtype=dtype, heads=heads, rows=rows, ctx=ctx, times=times, notes={})
+
+
+def grid(**overrides):
+    cells = [
+        # The issue's slow case: Triton 0.17 ms against Gluon 0.29 ms.
+        cell("bf16", 16, 33, 32768, gluon=0.29, triton_m16=0.30, triton_m32=0.2,
+             triton_m64=0.17, flashmla=0.09),
+        cell("bf16", 8, 2, 8192, gluon=0.0300, triton_m16=0.0295, flashmla=0.02),  # in margin
+        cell("bf16", 8, 5, 131072, gluon=0.5, triton_m16=0.4, triton_m32=0.41, flashmla=0.3),
+        cell("fp8", 16, 33, 32768, triton_m16=0.2, triton_m32=0.12, triton_m64=0.123,
+             flashmla=None),
+        cell("fp8", 8, 2, 8192),  # nothing of ours timed: no entry
+    ]
+    cells[-2]["notes"]["flashmla"] = "RuntimeError: unsupported"
+    return {**dict(gpu="NVIDIA H200", command="python evals/bench_verify_attention.py --grid",
+                   arch="sm_90", force_sm120_configs=False, page=64, rep_ms=8.0, cells=cells),
+            **overrides}
+
+
+def test_table_takes_the_fastest_unless_the_rule_is_within_the_margin():
+    table = gen.build_table(grid(), margin=0.03)
+    assert table["bf16"] == {(16, 33, 32768): "triton_m64", (8, 2, 8192): "gluon",
+                             (8, 5, 131072): "triton_m16"}
+    # fp8's rule at 33 x 16 rows on sm_90 is the 64-row tile: within 3 % of m32, kept.
+    assert dispatch.rule_method("sm_90", "fp8", 16, 33) == "triton_m64"
+    assert table["fp8"] == {(16, 33, 32768): "triton_m64"}
+    assert gen.build_table(grid(), margin=0.0)["fp8"] == {(16, 33, 32768): "triton_m32"}
+
+
+def test_rendered_module_is_the_table_and_lint_clean(tmp_path):
+    table = gen.build_table(grid(), margin=0.03)
+    source = "verify_attention_grid.json: NVIDIA H200, " + "x" * 250
+    text = gen.render(table, source)
+    namespace = _run(text)
+    assert namespace["TABLE"] == {"sm_90": table} and namespace["SOURCE"] == source
+    assert max(len(line) for line in text.splitlines()) <= 100
+    src, out = tmp_path / "grid.json", tmp_path / "dispatch_table.py"
+    src.write_text(json.dumps(grid()))
+    assert gen.main([str(src), "--out", str(out)]) == 0
+    assert _run(out.read_text())["TABLE"] == {"sm_90": table}
+
+
+def _run(text: str) -> dict:
+    namespace: dict = {}
+    exec(compile(text, "dispatch_table.py", "exec"), namespace)  # noqa: S102
+    return namespace
+
+
+@pytest.mark.parametrize("overrides", [dict(arch="sm_120"), dict(force_sm120_configs=True)])
+def test_only_an_sm90_grid_of_the_real_configs_makes_a_table(overrides):
+    with pytest.raises(ValueError, match="must be measured on sm_90"):
+        gen.build_table(grid(**overrides), margin=0.03)
+
+
+def test_cells_outside_the_buckets_are_refused():
+    bad = grid()
+    bad["cells"][0]["rows"] = 16
+    with pytest.raises(ValueError, match="outside the dispatch buckets"):
+        gen.build_table(bad, margin=0.03)
+
+
+def test_report_markdown_and_heatmap(tmp_path):
+    pytest.importorskip("matplotlib")
+    data = grid()
+    md, png = tmp_path / "grid.md", tmp_path / "grid.png"
+    report_module.write_markdown(data, str(md))
+    report_module.write_heatmaps(data, str(png))
+    text = md.read_text()
+    assert "## bf16 cache" in text and "## fp8 cache" in text
+    # H16 33 rows 32k: best 0.17 / FlashMLA 0.09; dispatched today (empty table): gluon.
+    row = next(line for line in text.splitlines() if line.startswith("| 16 | 33 | 32k | 0.290"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    # ours best, FlashMLA, best / FlashMLA, dispatched, dispatched / FlashMLA, fp8 / bf16
+    assert cols[-6:] == ["0.170", "0.0900", "1.89", "gluon", "3.22", "n/a"]
+    fp8_row = next(line for line in text.splitlines() if "| 16 | 33 | 32k | n/a" in line)
+    assert fp8_row.rstrip(" |").endswith("0.71")  # fp8 best 0.12 / bf16 best 0.17
+    assert "RuntimeError: unsupported" in text
+    assert png.stat().st_size > 10_000
