@@ -39,7 +39,8 @@ from vllm_ddtree.attention_backends.mla_tree import kernels as mla_kernels  # no
 
 POINTERS = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*bf16", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32"}
+            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32",
+            "KVScale": "*fp32"}
 # Integer arguments that are multiples of 16 at every launch (576-wide latent rows, 512-wide
 # output rows); Triton specializes on that.
 ALIGNED_INTS = ("stride_qt", "stride_qh", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
@@ -67,7 +68,7 @@ def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
     consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                   PAGE_SIZE=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
-                  MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=False)
+                  MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=False, KV_FP8=False)
     sig, attrs = launch_signature(fn, consts, POINTERS, ALIGNED_INTS)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),

@@ -461,7 +461,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
     fn = kernels._mla_tree_fwd_kernel
     ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
             "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32"}
+            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32",
+            "KVScale": "*fp32"}
     aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
     result = []
     for cfg in MLA_TILE_CONFIGS:
@@ -473,7 +474,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
             consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                           PAGE_SIZE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
-                          MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=runtime)
+                          MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=runtime,
+                          KV_FP8=False)
             sig = {n: ptrs.get(n, "constexpr" if n in consts else
                                "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
             attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
