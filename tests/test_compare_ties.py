@@ -1,15 +1,20 @@
-"""The bf16 tie allowance of vllm_ddtree.testing.compare: measured noise, not a constant."""
+"""The tie rule of vllm_ddtree.testing.compare: a fixed bf16 gap, first divergences
+only, a cap on excused outputs, nothing excused in fp32."""
+
+import math
 
 import pytest
 
 from vllm_ddtree.testing.compare import (
-    MAX_GAP_NOISE,
-    NOISE_FACTOR,
+    MAX_EXCUSED_FRACTION,
+    MAX_LOGIT,
     TIE_GAP,
-    gap_noise,
+    max_excused,
+    mismatch_problem,
     mismatch_problems,
     non_full_verify_steps,
-    tie_gap_for,
+    tie_gap_of,
+    top2_gaps,
 )
 
 
@@ -17,32 +22,66 @@ def out(tokens, gaps):
     return {"tokens": tokens, "top2_gap": gaps}
 
 
-def test_gap_noise_counts_only_matched_positions():
-    got = [out([1, 2, 3, 4], [0.50, 0.30, 0.90, 5.0]), out([7, 8], [1.0, 1.0])]
-    want = [out([1, 2, 9, 4], [0.52, 0.25, 0.10, 0.0]), out([7, 8], [1.01, float("inf")])]
-    # request 0 matches up to position 2 (|0.30 - 0.25| = 0.05); later positions and
-    # infinite gaps are ignored
-    assert gap_noise(got, want) == pytest.approx(0.05)
-    assert tie_gap_for(got, want) == (pytest.approx(max(TIE_GAP, NOISE_FACTOR * 0.05)),
-                                      pytest.approx(0.05))
+def test_tie_gap_is_two_bf16_steps_below_the_logit_bound():
+    """Derived independently: bf16 values in [16, 32) are multiples of 2**(4 - 7);
+    a flip between two runs may span one rounding step of each."""
+    assert MAX_LOGIT == 32.0
+    step = 2.0 ** (4 - 7)
+    assert TIE_GAP == 2 * step == 0.25
+    assert tie_gap_of("bfloat16") == TIE_GAP == tie_gap_of("torch.bfloat16")
+    assert tie_gap_of("float16") == 2 * 2.0 ** (4 - 10)
+    assert tie_gap_of("float32") == 0.0 == tie_gap_of("fp32")
+    with pytest.raises(ValueError, match="dtype='int8' is not allowed"):
+        tie_gap_of("int8")
 
 
-def test_measured_noise_widens_the_tie_gap_and_flags_large_noise():
-    # a flip at reference gap 0.094 with 0.06 of observed noise on matched positions
-    want = [out([1, 2, 3], [0.70, 0.40, 0.094]), out([5, 6], [0.3, 0.3])]
-    got = [out([1, 2, 9], [0.76, 0.40, 0.20]), out([5, 6], [0.3, 0.3])]
-    tie_gap, noise = tie_gap_for(got, want)
-    assert noise == pytest.approx(0.06) and tie_gap == pytest.approx(NOISE_FACTOR * 0.06)
+def test_the_gap_bar_does_not_move_with_the_runs_judged():
+    """The same flip is judged the same whatever the runs' gaps elsewhere (the old rule
+    widened the bar to twice the gap disagreement at matched positions)."""
+    want = [out([1, 2, 3], [0.70, 0.40, 0.30])] + [out([5, 6], [1.0, 1.0])] * 3
+    for noise in (0.0, 0.2, 0.5):
+        got = [out([1, 2, 9], [0.70 + noise, 0.40 - noise, 0.1])] + want[1:]
+        problems = mismatch_problems(got, want)
+        assert len(problems) == 1 and "pos 2" in problems[0]
+    at_bar = [out([1, 2, 3], [0.70, 0.40, TIE_GAP])] + want[1:]
+    assert mismatch_problems([out([1, 2, 9], [0.7, 0.4, 0.0])] + want[1:], at_bar) == []
+
+
+def test_only_the_first_divergence_is_excused():
+    gaps = [1.0, 0.05, 0.05, 0.05]
+    assert mismatch_problem([1, 9, 9, 9], [1, 2, 3, 4], gaps) is None
+    # a second tie later in the same output is never looked at: after the first
+    # divergence nothing is compared, and a first divergence at a wide gap is a bug
+    assert "pos 0" in mismatch_problem([9, 2, 3, 4], [1, 2, 3, 4], [1.0, 0.05, 0.05, 0.05])
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 8, 20, 44])
+def test_at_most_a_fixed_fraction_of_outputs_is_excused(n):
+    allowed = max_excused(n)
+    assert allowed == max(1, math.floor(MAX_EXCUSED_FRACTION * n))
+    want = [out([1, 2, 3], [1.0, 0.1, 1.0]) for _ in range(n)]
+    tied = out([1, 7, 8], [1.0, 0.1, 1.0])
+    got = [tied] * allowed + want[allowed:]
     assert mismatch_problems(got, want) == []
-    # the same flip with runs that agree to 1e-3 elsewhere is not a tie
-    got[0]["top2_gap"][0] = 0.701
-    problems = mismatch_problems(got, want)
-    assert len(problems) == 1 and "pos 2" in problems[0]
-    # runs whose gaps disagree by more than rounding are a failure even without flips
-    noisy = [out([1, 2, 3], [0.70 + 2 * MAX_GAP_NOISE, 0.40, 0.094]), want[1]]
-    assert any("more than bf16" in p for p in mismatch_problems(noisy, want))
-    # an explicit tie gap keeps the old fixed rule
-    assert len(mismatch_problems(got, want, tie_gap=TIE_GAP)) == 1
+    if allowed < n:
+        got = [tied] * (allowed + 1) + want[allowed + 1:]
+        problems = mismatch_problems(got, want)
+        assert len(problems) == 1 and f"{allowed + 1} of {n} outputs part at a tie" in problems[0]
+
+
+def test_fp32_excuses_nothing():
+    want = [out([1, 2, 3], [1.0, 0.0, 1.0])] + [out([4], [1.0])] * 7
+    got = [out([1, 9, 3], [1.0, 0.0, 1.0])] + want[1:]
+    assert mismatch_problems(got, want) == []  # bf16: a tie (gap 0)
+    problems = mismatch_problems(got, want, tie_gap_of("float32"))
+    assert len(problems) == 1 and "pos 1" in problems[0]
+    assert mismatch_problem([1, 9], [1, 2], [1.0, 0.0], tie_gap_of("float32")) is not None
+
+
+def test_lengths_and_gaps_of_top_logprobs():
+    assert "lengths differ" in mismatch_problem([1, 2], [1, 2, 3], [1.0] * 3)
+    assert top2_gaps([{"a": -0.1, "b": -0.5}, {"a": -0.2}, None]) == pytest.approx(
+        [0.4, float("inf"), float("inf")])
 
 
 def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
