@@ -93,9 +93,19 @@ def test_unsupported_published_fields_are_named(tmp_path):
         read_drafter_config_json(both)
 
 
-def test_vllm_front_end_refuses_a_dflash2_drafter_by_name(tmp_path):
-    from vllm_ddtree.config import DDTreeConfigError, check_drafter_for_target
+def test_vllm_front_end_takes_a_dflash2_drafter_with_a_budget_its_selector_holds(tmp_path):
+    from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, check_drafter_for_target
 
     shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
-    with pytest.raises(DDTreeConfigError, match="DFlash2DraftModel.*reference engine"):
-        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET)
+    config = check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=64))
+    assert is_dflash2(config)
+    # Depth 7, at most 2 children a node: 2 + 4 + ... + 128 = 254 nodes.
+    check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=254, top_k=2))
+    with pytest.raises(DDTreeConfigError, match=r"num_speculative_tokens=255 .*1\.\.254"):
+        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET,
+                                 DDTreeConfig(budget=255, top_k=2))
+    narrow = json.loads((PUBLISHED / DFLASH2).read_text())
+    narrow["dflash_config"]["selector_top_k"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(narrow))
+    with pytest.raises(DDTreeConfigError, match=r"=255 .*1\.\.254.*selector_top_k 2"):
+        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=255))

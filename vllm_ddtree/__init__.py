@@ -25,8 +25,19 @@ def register() -> None:
     require_vllm_version("vllm_ddtree.register")
     applied = apply_all()
     _register_attention_backends()
+    _register_models()
     _registered = True
     logger.debug("vllm-ddtree registered; patches applied: %s", applied)
+
+
+def _register_models() -> None:
+    """DFlash2 drafters (``"architectures": ["DFlash2DraftModel"]``) load through vLLM's
+    model registry as :class:`vllm_ddtree.draft.dflash2_model.DFlash2Qwen3ForCausalLM`
+    (imported when vLLM first builds one)."""
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(
+        "DFlash2DraftModel", "vllm_ddtree.draft.dflash2_model:DFlash2Qwen3ForCausalLM")
 
 
 def _register_attention_backends() -> None:

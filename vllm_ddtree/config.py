@@ -34,7 +34,7 @@ UNSUPPORTED_KEYS = {
     "rejection_sample_method": "DDTree verifies by walking the tree",
 }
 MODEL_ALLOWED = ('the local directory of a DFlash drafter (config.json with '
-                 '"architectures": ["DFlashDraftModel"])')
+                 '"architectures": ["DFlashDraftModel"] or ["DFlash2DraftModel"])')
 BUDGET_ALLOWED = (f"an int in 1..{MAX_BUDGET} (the tree's node budget B per round; 64 is a "
                   "good start)")
 # vLLM's shorthand arguments: EngineArgs field -> (command-line flag, speculative-config key)
@@ -228,19 +228,21 @@ def _series(k: int, depth: int) -> str:
     return " + ".join(terms) if depth <= 3 else f"{terms[0]} + {terms[1]} + ... + {terms[-1]}"
 
 
-def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: int) -> None:
+def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: int,
+                           cap_name: str = "the vocabulary size") -> None:
     """The budget B fits a tree of depth ``block_size - 1`` (the drafter's mask
     queries) whose nodes have at most ``k`` children, ``k = min(ddtree_top_k or B, V)``:
-    ``B <= k + k^2 + ... + k^(block_size - 1)``."""
+    ``B <= k + k^2 + ... + k^(block_size - 1)``. ``vocab_size`` is the children's cap,
+    named ``cap_name`` (a DFlash2 drafter's: its ``selector_top_k`` candidates)."""
     depth = block_size - 1
     k = min(ddtree.top_k or ddtree.budget, vocab_size)
     most = tree_capacity(k, depth)
     if ddtree.budget <= most:
         return
     if ddtree.top_k is None:
-        why = f"the vocabulary size {vocab_size}"
+        why = f"{cap_name} {vocab_size}"
     elif ddtree.top_k > vocab_size:
-        why = f"ddtree_top_k={ddtree.top_k} capped at the vocabulary size {vocab_size}"
+        why = f"ddtree_top_k={ddtree.top_k} capped at {cap_name} {vocab_size}"
     else:
         why = f"ddtree_top_k={ddtree.top_k}"
     fix = " or raise ddtree_top_k" if ddtree.top_k is not None and k < vocab_size else ""
@@ -262,12 +264,11 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
     ``DrafterConfigError`` naming the field, the value and what is allowed.
     """
     from vllm_ddtree.drafter_config import (
-        DFLASH_ARCHITECTURE,
         block_size_of,
         check_drafter_target_pair,
+        dflash2_config_of,
         is_dflash2,
         load_drafter_config,
-        read_drafter_config_json,
     )
 
     if not (Path(drafter) / "config.json").exists():
@@ -275,14 +276,14 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
             f"`model` {drafter!r}: no config.json there; pass the local directory of a "
             "DFlash drafter (download it first: vLLM workers cannot check a hub name here)"
         )
-    if is_dflash2(read_drafter_config_json(drafter)):
-        raise DDTreeConfigError(
-            f"`model` {drafter!r}: architectures=['DFlash2DraftModel'] is not allowed in "
-            f"vLLM yet: ['{DFLASH_ARCHITECTURE}'] (DFlash2 drafters run in the reference "
-            "engine, vllm_ddtree.reference, only)")
     drafter_config = load_drafter_config(drafter)
     check_drafter_target_pair(drafter_config, target_hf_config)
-    if ddtree is not None:
+    if ddtree is not None and is_dflash2(drafter_config):
+        # A DFlash2 tree's children are the selector's candidates of the next position.
+        check_budget_fits_tree(ddtree, block_size_of(drafter_config),
+                               dflash2_config_of(drafter_config)["selector_top_k"],
+                               "the drafter's selector_top_k")
+    elif ddtree is not None:
         check_budget_fits_tree(ddtree, block_size_of(drafter_config),
                                target_hf_config.vocab_size)
     return drafter_config

@@ -85,6 +85,7 @@ from vllm_ddtree.draft.context_rows import (
     compacted_batch,
     context_rows_per_request,
 )
+from vllm_ddtree.draft.dflash2_draft import selector_drafting_for
 from vllm_ddtree.draft.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.draft.inputs_kernel import prepare_dflash_inputs_groups
 from vllm_ddtree.runtime_state import (
@@ -206,6 +207,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
     _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
+    selector_drafting = None  # DFlash2 drafters: vllm_ddtree.draft.dflash2_draft
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device):
         spec = vllm_config.speculative_config
@@ -289,6 +291,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                                                 device=device)
         warm_tree_caches(self.num_draft_depths, vllm_config.model_config.get_vocab_size(),
                          self.budget, self.top_k, device)
+        self.selector_drafting = selector_drafting_for(vllm_config, self, device)
         if ddtree.adaptive:
             self._init_adaptive(vllm_config, device)
         # On CUDA the trees reach the request-state rows inside the drafter's step (its
@@ -401,13 +404,19 @@ class DDTreeSpeculator(DFlashSpeculator):
         )
         depths = self.num_draft_depths
         num_sample = num_reqs * depths
-        logits = self.model.compute_logits(hidden[self.sample_indices[:num_sample]])
+        rows = hidden[self.sample_indices[:num_sample]]
         out = DraftTree(tokens=self.draft_tokens[:num_reqs],
                         parents=self.batch_parents[:num_reqs],
                         depths=self.batch_depths[:num_reqs],
                         scores=self.batch_scores[:num_reqs],
                         packed_bits=self.batch_ancestor_bits[:num_reqs])
-        build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k, out=out)
+        if self.selector_drafting is not None:  # DFlash2: trees over selector scores
+            self.selector_drafting.draft(self.model, rows, self.input_buffers.input_ids,
+                                         num_reqs, out)
+        else:
+            logits = self.model.compute_logits(rows)
+            build_ddtree_fast(logits.view(num_reqs, depths, -1), self.budget, self.top_k,
+                              out=out)
         if self.store_trees_in_graph:
             active = None
             # vLLM's profile run drafts before set_attn hands over the target's buffers:

@@ -1,0 +1,209 @@
+"""The DFlash2 drafter as a vLLM 0.26 model (``DFlash2DraftModel``, registered by the plugin).
+
+vLLM 0.26 loads DFlash drafters as ``DFlashQwen3ForCausalLM``
+(``vllm/model_executor/models/qwen3_dflash.py``); DFlash2 checkpoints (layout in
+:mod:`vllm_ddtree.reference.dflash2`) add per-layer grouped dynamic convolutions
+(``layers.{i}.attention_conv`` / ``mlp_conv``: ``base_kernel [2, T, H]``,
+``kernel_projection [2 T G, H]``) and a ``candidate_selector`` (``hidden_projection
+[R, H]``, ``predecessor_codebook`` / ``successor_codebook [V, R]``). The classes here
+subclass vLLM's DFlash ones: the DFlash layers are built by vLLM's own constructor and
+then become :class:`DFlash2DecoderLayer` (their class is swapped for the subclass and
+the two convolutions added), so the attention layers register once, under vLLM's
+names. Weight loading is vLLM's (the new tensors go through ``AutoWeightsLoader``
+under ``model.``).
+
+The convolution runs along each request's query block: the drafter's rows are
+``block_size`` consecutive rows a request (DDTree's query block, one bonus and
+``block_size - 1`` masks), so a row's offset in its block is its index modulo
+``block_size``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+from vllm.model_executor.models.qwen3_dflash import (
+    DFlashQwen3DecoderLayer,
+    DFlashQwen3ForCausalLM,
+    DFlashQwen3Model,
+)
+from vllm.model_executor.models.utils import maybe_prefix
+
+from vllm_ddtree.drafter_config import block_size_of, dflash2_config_of
+
+__all__ = ["DFlash2DecoderLayer", "DFlash2Qwen3ForCausalLM", "DFlash2Qwen3Model",
+           "GroupedDynamicConv", "SelectorScores"]
+
+
+def _linear(in_size: int, out_size: int, dtype: torch.dtype, prefix: str) -> ReplicatedLinear:
+    return ReplicatedLinear(in_size, out_size, bias=False, params_dtype=dtype,
+                            quant_config=None, prefix=prefix, return_bias=False)
+
+
+class GroupedDynamicConv(nn.Module):
+    """Grouped dynamic depthwise convolution along the query block, both sides.
+
+    ``base_kernel`` ``[2, taps, H]``; ``kernel_projection``: H -> ``2 * taps * groups``.
+    """
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int, block_size: int,
+                 dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.taps = taps
+        self.group_size = group_size
+        self.num_groups = hidden_size // group_size
+        self.block_size = block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size, dtype=dtype),
+                                        requires_grad=False)
+        self.kernel_projection = _linear(hidden_size, 2 * taps * self.num_groups, dtype,
+                                         maybe_prefix(prefix, "kernel_projection"))
+
+    def deltas(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-row kernel deltas ``[N, 2, taps, groups]`` of ``x [N, H]``."""
+        return self.kernel_projection(x).view(x.shape[0], 2, self.taps, self.num_groups)
+
+    def convolve(self, x: torch.Tensor, deltas: torch.Tensor, side: int) -> torch.Tensor:
+        """Side ``side`` of the convolution of ``x [N, H]`` (N a multiple of the block)."""
+        n = x.shape[0]
+        blocks = x.view(n, self.num_groups, self.group_size)
+        kernel = (self.base_kernel[side].view(1, self.taps, self.num_groups, self.group_size)
+                  + deltas[:, side].unsqueeze(-1))
+        out = kernel[:, 0] * blocks
+        offsets = torch.arange(n, device=x.device) % self.block_size
+        for tap in range(1, self.taps):
+            shifted = torch.nn.functional.pad(blocks[:-tap], (0, 0, 0, 0, tap, 0))
+            out = out + kernel[:, tap] * shifted * (offsets >= tap).to(x.dtype).view(n, 1, 1)
+        return out.reshape(n, -1)
+
+
+class DFlash2DecoderLayer(DFlashQwen3DecoderLayer):
+    """vLLM's DFlash decoder layer with the attention and the MLP inside convolutions.
+    Made from a built ``DFlashQwen3DecoderLayer`` by :meth:`upgrade`."""
+
+    attention_conv: GroupedDynamicConv
+    mlp_conv: GroupedDynamicConv
+
+    @classmethod
+    def upgrade(cls, layer: DFlashQwen3DecoderLayer, config, dtype: torch.dtype,
+                prefix: str) -> DFlash2DecoderLayer:
+        draft = dflash2_config_of(config)
+        args = (config.hidden_size, draft["conv_kernel_size"], draft["conv_group_size"],
+                block_size_of(config), dtype)
+        layer.__class__ = cls
+        layer.attention_conv = GroupedDynamicConv(*args, prefix=f"{prefix}.attention_conv")
+        layer.mlp_conv = GroupedDynamicConv(*args, prefix=f"{prefix}.mlp_conv")
+        return layer
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        deltas = self.attention_conv.deltas(hidden_states)
+        hidden_states = self.attention_conv.convolve(hidden_states, deltas, 0)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states = self.attention_conv.convolve(hidden_states, deltas, 1)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        deltas = self.mlp_conv.deltas(hidden_states)
+        hidden_states = self.mlp(self.mlp_conv.convolve(hidden_states, deltas, 0))
+        return self.mlp_conv.convolve(hidden_states, deltas, 1), residual
+
+
+class SelectorScores(nn.Module):
+    """The candidate selector's parameters and its edge scores (eager PyTorch)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int,
+                 dtype: torch.dtype, prefix: str):
+        super().__init__()
+        self.top_k = top_k
+        self.vocab_size = vocab_size
+        self.hidden_projection = _linear(hidden_size, rank, dtype,
+                                         maybe_prefix(prefix, "hidden_projection"))
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank, dtype=dtype),
+                                                 requires_grad=False)
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank, dtype=dtype),
+                                               requires_grad=False)
+
+    def forward(self, candidate_ids: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+                anchor_ids: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[R, L, K, K]`` edge scores (as
+        :class:`vllm_ddtree.reference.dflash2.CandidateSelector`): ``candidate_ids``
+        int64 ``[R, L, K]``, ``unary`` fp32 ``[R, L, K]``, ``hidden`` ``[R, L, H]``,
+        ``anchor_ids`` int64 ``[R]`` (clamped into the vocabulary: CUDA-graph padding
+        rows carry stale ids)."""
+        gate = self.hidden_projection(hidden.flatten(0, 1)).view(*hidden.shape[:2], -1)
+        anchors = anchor_ids.clamp(0, self.vocab_size - 1)
+        previous = torch.cat([anchors.view(-1, 1, 1).expand(-1, 1, candidate_ids.shape[-1]),
+                              candidate_ids[:, :-1]], dim=1)
+        pred = self.predecessor_codebook[previous].float() * gate.float()[:, :, None]
+        succ = self.successor_codebook[candidate_ids].float()
+        return unary.float()[:, :, None, :] + torch.einsum("rlpk,rlck->rlpc", pred, succ)
+
+
+class DFlash2Qwen3Model(DFlashQwen3Model):
+    """vLLM's DFlash model with DFlash2 layers, the embedding scale and the selector."""
+
+    def __init__(self, *, vllm_config, start_layer_id: int = 0, prefix: str = "") -> None:
+        super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
+                         prefix=prefix)
+        config = self.config
+        dtype = vllm_config.model_config.dtype
+        draft = dflash2_config_of(config)
+        for i, layer in enumerate(self.layers):
+            DFlash2DecoderLayer.upgrade(
+                layer, config, dtype, maybe_prefix(prefix, f"layers.{i + start_layer_id}"))
+        self.input_embedding_scale = float(draft.get("input_embedding_scale") or 1.0)
+        self.candidate_selector = SelectorScores(
+            config.hidden_size, config.vocab_size, draft["selector_rank"],
+            draft["selector_top_k"], dtype, maybe_prefix(prefix, "candidate_selector"))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed_input_ids(input_ids) * self.input_embedding_scale
+
+
+class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
+    """``DFlash2DraftModel`` in vLLM 0.26: vLLM's DFlash drafter with the DFlash2 model,
+    plus :meth:`compute_candidates` (the selector's top-K and unary terms)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        # vLLM's DFlashQwen3ForCausalLM.__init__ builds its own DFlashQwen3Model; this one
+        # builds the same parts around DFlash2Qwen3Model.
+        nn.Module.__init__(self)
+        self.draft_model_config = vllm_config.speculative_config.draft_model_config
+        self.config = self.draft_model_config.hf_config
+        vocab = self.config.vocab_size
+        if getattr(self.config, "draft_vocab_size", None) not in (None, vocab):
+            raise ValueError(
+                f"drafter config.json: draft_vocab_size={self.config.draft_vocab_size} is "
+                f"not allowed: absent or the vocab_size {vocab} (DFlash2 drafts over the "
+                "target's vocabulary)")
+        self.config.draft_vocab_size = vocab
+        num_target_layers = vllm_config.model_config.get_num_layers(
+            vllm_config.parallel_config)
+        self.model = DFlash2Qwen3Model(vllm_config=vllm_config,
+                                       prefix=maybe_prefix(prefix, "model"),
+                                       start_layer_id=num_target_layers)
+        self.lm_head = ParallelLMHead(vocab, self.config.hidden_size,
+                                      prefix=maybe_prefix(prefix, "lm_head"))
+        self.logits_processor = LogitsProcessor(
+            vocab, scale=getattr(self.config, "logit_scale", 1.0))
+        self.draft_id_to_target_id = None
+        draft = dflash2_config_of(self.config)
+        self.output_multiplier = float(draft.get("output_multiplier") or 1.0)
+        self.softcap = float(draft.get("final_logit_softcapping") or 0.0)
+
+    def compute_candidates(self, hidden_states: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For final-normed ``hidden_states [N, H]``: (candidate ids int64 ``[N, K]``,
+        unary fp32 ``[N, K]``, best first) and the marginal logits fp32 ``[N, V]``,
+        all after ``output_multiplier`` and ``final_logit_softcapping``."""
+        logits = self.compute_logits(hidden_states).float() * self.output_multiplier
+        if self.softcap > 0:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        unary, ids = torch.topk(logits, self.model.candidate_selector.top_k, dim=-1)
+        return ids, unary, logits
