@@ -1,0 +1,230 @@
+"""The vLLM DFlash2 model's pieces (vllm_ddtree.draft.dflash2_model) on the CPU against the
+fp32 reference (vllm_ddtree.reference.dflash2): convolutions over a batch of query blocks,
+a decoder layer's wiring with vLLM's fused residual norms, the selector's scores, the
+candidates and the selector-scored trees the speculator writes. The whole model in vLLM,
+with CUDA graphs, is the GPU test tests/gpu/test_dflash2_vllm.py."""
+
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tiny_models import tiny_target
+from torch import nn
+
+from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
+from vllm_ddtree.tree.draft_tree import DraftTree
+from vllm_ddtree.tree.selector_tree import build_selector_tree
+
+BLOCK, TAPS, K = 6, 3, 4
+
+
+@pytest.fixture(scope="module")
+def vllm_ctx():
+    """A current vLLM config and a one-process tensor-parallel group (vLLM's linear
+    layers ask for their rank when built)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+        model_parallel_is_initialized,
+    )
+
+    with set_current_vllm_config(VllmConfig()):
+        if not model_parallel_is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
+            ensure_model_parallel_initialized(1, 1)
+        yield
+
+
+def reference_drafter(seed: int = 0) -> DFlash2DraftModel:
+    from tiny_models import drafter_config
+
+    target = tiny_target("qwen3")
+    config = drafter_config(target.config, architectures=["DFlash2DraftModel"],
+                            block_size=BLOCK)
+    config.dflash_config = {**config.dflash_config, "conv_kernel_size": TAPS,
+                            "conv_group_size": 16, "selector_rank": 8, "selector_top_k": K,
+                            "output_multiplier": 0.7, "final_logit_softcapping": 3.0}
+    torch.manual_seed(seed)
+    drafter = DFlash2DraftModel(config).eval()
+    with torch.no_grad():  # kernel deltas and edge terms large enough to matter
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return drafter
+
+
+def ready(module: nn.Module) -> nn.Module:
+    """vLLM's post-load step of every quantisable layer (on the CPU it binds the GEMM)."""
+    for sub in module.modules():
+        method = getattr(sub, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(sub)
+    return module
+
+
+def vllm_conv(ref_conv, dtype=torch.float32):
+    from vllm_ddtree.draft.dflash2_model import GroupedDynamicConv
+
+    hidden = ref_conv.base_kernel.shape[-1]
+    conv = GroupedDynamicConv(hidden, ref_conv.taps, ref_conv.group_size, BLOCK, dtype, "c")
+    with torch.no_grad():
+        conv.base_kernel.copy_(ref_conv.base_kernel)
+        conv.kernel_projection.weight.copy_(ref_conv.kernel_projection.weight)
+    return ready(conv)
+
+
+def test_convolution_over_a_batch_of_blocks_matches_the_reference(vllm_ctx):
+    ref = reference_drafter().layers[0].attention_conv
+    conv = vllm_conv(ref)
+    x = torch.randn(3 * BLOCK, 64)
+    offsets = torch.arange(3 * BLOCK) % BLOCK
+    with torch.no_grad():
+        for side in (0, 1):
+            got = conv.convolve(x, conv.deltas(x), side)
+            want = ref.convolve(x, ref.deltas(x), side, offsets)
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        # A block never sees the one before it: changing block 0 leaves block 1 as is.
+        y = x.clone()
+        y[:BLOCK] += 1.0
+        assert torch.equal(conv.convolve(y, conv.deltas(y), 0)[BLOCK:],
+                           conv.convolve(x, conv.deltas(x), 0)[BLOCK:])
+
+
+class FusedNorm(nn.Module):
+    """vLLM's RMSNorm call convention over a reference norm: ``norm(x)`` or
+    ``norm(x, residual) -> (norm(x + residual), x + residual)``."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return self.norm(x)
+        total = x + residual
+        return self.norm(total), total
+
+
+def test_decoder_layers_wire_like_the_reference(vllm_ctx):
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3DecoderLayer
+
+    from vllm_ddtree.draft.dflash2_model import DFlash2DecoderLayer
+
+    drafter = reference_drafter(1)
+    positions = torch.arange(20, 20 + BLOCK)
+    empty_k = torch.zeros(0, 2, 16)
+    empty_pos = torch.zeros(0, dtype=torch.long)
+    layers = []
+    for i, ref in enumerate(drafter.layers):
+        # A vLLM DFlash layer's parts, the attention and MLP being the reference's own.
+        base = DFlashQwen3DecoderLayer.__new__(DFlashQwen3DecoderLayer)
+        nn.Module.__init__(base)
+        base.input_layernorm = FusedNorm(ref.input_layernorm)
+        base.post_attention_layernorm = FusedNorm(ref.post_attention_layernorm)
+        base.self_attn = SimpleNamespace(__call__=None)
+        base.mlp = ref.mlp
+        layer = DFlash2DecoderLayer.upgrade(base, drafter.config, torch.float32, f"layers.{i}")
+        for name in ("attention_conv", "mlp_conv"):
+            getattr(layer, name).load_state_dict(getattr(ref, name).state_dict())
+            ready(getattr(layer, name))
+
+        def attention(*, positions, hidden_states, ref=ref):
+            return ref.self_attn(hidden_states, positions, empty_k, empty_k, empty_pos,
+                                 drafter.rotary)
+
+        layer.self_attn = attention
+        layers.append(layer)
+    names = {n for n, _ in layers[0].named_parameters() if "conv" in n}
+    assert names == {"attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
+                     "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight"}
+    x = torch.randn(BLOCK, 64)
+    with torch.no_grad():
+        hidden, residual = x, None
+        for layer in layers:
+            hidden, residual = layer(positions, hidden, residual)
+        want = x
+        for ref in drafter.layers:
+            want = ref(want, positions, empty_k, empty_k, empty_pos, drafter.rotary)
+    scale = want.abs().max()  # the perturbed random weights grow the states
+    torch.testing.assert_close(hidden + residual, want, atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_published_names_pass_vllms_weight_mapper_unchanged():
+    from vllm.model_executor.models.qwen3_dflash import DFlashQwen3Model
+
+    names = ["layers.0.attention_conv.base_kernel",
+             "layers.0.attention_conv.kernel_projection.weight",
+             "layers.1.mlp_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
+             "candidate_selector.hidden_projection.weight",
+             "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"]
+    mapped = DFlashQwen3Model.hf_to_vllm_mapper.apply_list(names)
+    assert mapped == names
+
+
+def selector_pieces(drafter):
+    from vllm_ddtree.draft.dflash2_model import DFlash2Qwen3ForCausalLM, SelectorScores
+
+    ref = drafter.candidate_selector
+    selector = SelectorScores(64, ref.predecessor_codebook.shape[0],
+                              ref.predecessor_codebook.shape[1], K, torch.float32, "cs")
+    selector.load_state_dict(ref.state_dict())
+    ready(selector)
+    lm_head = torch.randn(ref.predecessor_codebook.shape[0], 64)
+    model = DFlash2Qwen3ForCausalLM.__new__(DFlash2Qwen3ForCausalLM)
+    nn.Module.__init__(model)
+    model.compute_logits = lambda h: h @ lm_head.T
+    model.output_multiplier, model.softcap = drafter.output_multiplier, drafter.softcap
+    model.model = nn.Module()
+    model.model.candidate_selector = selector
+    return model, lm_head
+
+
+def test_candidates_and_selector_scores_match_the_reference(vllm_ctx):
+    drafter = reference_drafter(2)
+    model, lm_head = selector_pieces(drafter)
+    hidden = torch.randn(2, BLOCK - 1, 64)
+    anchors = torch.tensor([3, 40])
+    with torch.no_grad():
+        ids, unary, logits = model.compute_candidates(hidden.flatten(0, 1))
+        want_logits = drafter.output_logits(hidden.flatten(0, 1) @ lm_head.T)
+        torch.testing.assert_close(logits, want_logits)
+        want_unary, want_ids = torch.topk(want_logits, K, dim=-1)
+        assert torch.equal(ids, want_ids)
+        ids, unary = ids.view(2, BLOCK - 1, K), unary.view(2, BLOCK - 1, K)
+        got = model.model.candidate_selector(ids, unary, hidden, anchors)
+        want = drafter.candidate_selector(ids, unary, hidden, anchors)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
+    from vllm_ddtree.draft.dflash2_draft import SelectorDrafting
+
+    drafter = reference_drafter(3)
+    model, _ = selector_pieces(drafter)
+    reqs, depths, budget = 3, BLOCK - 1, 12
+    drafting = SelectorDrafting(num_depths=depths, budget=budget, top_k=None,
+                                block_size=BLOCK, selector_top_k=K, max_num_reqs=8,
+                                device=torch.device("cpu"))
+    hidden = torch.randn(reqs * depths, 64)
+    input_ids = torch.randint(0, 90, (8 * BLOCK,))
+    out = DraftTree(tokens=torch.zeros(reqs, budget, dtype=torch.long),
+                    parents=torch.zeros(reqs, budget, dtype=torch.long),
+                    depths=torch.zeros(reqs, budget, dtype=torch.long),
+                    scores=torch.zeros(reqs, budget),
+                    packed_bits=torch.zeros(reqs, 1 + budget, 1, dtype=torch.long))
+    with torch.no_grad():
+        drafting.draft(model, hidden, input_ids, reqs, out)
+        for r in range(reqs):
+            rows = hidden.view(reqs, depths, 64)[r]
+            logits = drafter.output_logits(model.compute_logits(rows))
+            unary, ids = torch.topk(logits, K, dim=-1)
+            anchor = input_ids[r * BLOCK : r * BLOCK + 1]
+            scores = drafter.candidate_selector(ids[None], unary[None], rows[None], anchor)
+            want = build_selector_tree(ids[None], scores, budget)
+            assert torch.equal(out.tokens[r], want.tokens[0])
+            assert torch.equal(out.parents[r], want.parents[0])
+            assert torch.equal(out.packed_bits[r], want.ancestor_bits()[0])
