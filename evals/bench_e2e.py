@@ -107,6 +107,7 @@ from e2e_runs import (  # noqa: E402
     sequence_margin,
     write_json_atomic,
 )
+from e2e_sweep import SWEEP_BATCHES  # noqa: E402
 
 DEFAULT_SETUPS = ("trained", "kimi64", "kimi8")
 
@@ -127,9 +128,27 @@ QUICK = {
 # Plan, spawn children, merge, render
 
 
-def results_paths(out_dir: Path, setup: str) -> dict[str, Path]:
-    stem = out_dir / f"e2e_{setup}"
+def results_paths(out_dir: Path, setup: str, sweep: bool = False) -> dict[str, Path]:
+    """``e2e_<setup>.*``, or with ``--sweep`` ``e2e_batch_sweep[_<setup>].*``
+    (:func:`sweep_stem`)."""
+    stem = out_dir / (sweep_stem(setup) if sweep else f"e2e_{setup}")
     return {k: stem.with_suffix(f".{k}") for k in ("json", "md", "png", "log")}
+
+
+def sweep_stem(setup: str) -> str:
+    """The sweep's result name: ``e2e_batch_sweep`` for the embedded pair served with
+    YaRN (the trained sweep), ``e2e_batch_sweep_<setup>`` for the others."""
+    return "e2e_batch_sweep" if setup == "trained_yarn" else f"e2e_batch_sweep_{setup}"
+
+
+def setup_contexts(setup: Setup, args: argparse.Namespace) -> list[int]:
+    """``--contexts``, else (``--sweep``) the contexts the setup serves
+    (``e2e_sweep.SWEEP_CONTEXTS``)."""
+    if args.contexts:
+        return args.contexts
+    from e2e_sweep import SWEEP_CONTEXTS
+
+    return list(SWEEP_CONTEXTS.get(setup.name, ([1024],))[0])
 
 
 def load_store(path: Path, setup: Setup) -> dict:
@@ -143,8 +162,12 @@ def load_store(path: Path, setup: Setup) -> dict:
 
 
 def render(data: dict, md_path: Path, png_path: Path | None) -> None:
-    from e2e_plot import write_plot
-    from e2e_report import write_markdown
+    if data.get("sweep"):
+        from e2e_sweep_report import write_sweep_markdown as write_markdown
+        from e2e_sweep_report import write_sweep_plot as write_plot
+    else:
+        from e2e_plot import write_plot
+        from e2e_report import write_markdown
 
     write_markdown(data, str(md_path))
     if png_path is None:
@@ -168,13 +191,20 @@ def default_runs(args: argparse.Namespace) -> list[RunSpec]:
 
 def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progress,
               deadline: float | None, invocation: dict) -> None:
-    paths = results_paths(Path(args.out_dir), setup.name)
+    paths = results_paths(Path(args.out_dir), setup.name, args.sweep)
     kinds = args.prompts or list(setup.default_kinds)
     margin = sequence_margin(runs, setup)
-    longest = max(args.contexts) + args.max_tokens + margin
+    contexts = setup_contexts(setup, args)
+    longest = max(contexts) + args.max_tokens + margin
     models = prepare_setup(setup, Path(args.model_dir), min_positions=longest)
-    cells, skipped = plan_cells(setup, args.contexts, args.batches, kinds, args.max_tokens,
+    cells, skipped = plan_cells(setup, contexts, args.batches, kinds, args.max_tokens,
                                 margin, models.max_positions)
+    if cells and args.sweep and args.lockstep and args.lockstep_kv_gib is None:
+        from e2e_sweep import sweep_kv_bytes
+
+        kv = sweep_kv_bytes(models, max(c[0] for c in cells), max(c[1] for c in cells),
+                            args.pool_spec, margin)
+        args.lockstep_kv_gib = kv / 2**30  # every engine of this setup
     if cells:
         from e2e_models import kv_cache_bytes, read_config
 
@@ -189,6 +219,11 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
                                                     f"gpu_memory_utilization {args.gpu_mem}"))
     data = load_store(paths["json"], setup)
     data["setup_title"], data["setup_description"] = setup.title, setup.description
+    if args.sweep:
+        from e2e_sweep import SWEEP_CONTEXTS
+
+        data["sweep"] = dict(args.pool_spec.to_json(),
+                             contexts_note=SWEEP_CONTEXTS.get(setup.name, ([], ""))[1])
     data["invocations"].append(invocation)
     rows = []
     for run in runs:
@@ -346,6 +381,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the dummy setups' config.json files are written")
     p.add_argument("--from-json", nargs="+", metavar="JSON",
                    help="re-render markdown + PNG from saved results (no GPU)")
+    p.add_argument("--sweep", action="store_true",
+                   help="batch sweep (evals/e2e_sweep.py): continuous batching at each "
+                   "batch's concurrency, requests of mixed lengths; batches default "
+                   "1 4 8 16 32 64, contexts default per setup; writes "
+                   "e2e_batch_sweep[_<setup>].md / .png / .json")
+    p.add_argument("--pool-factor", type=positive_int, default=3,
+                   help="with --sweep: requests per cell = this x the batch")
+    p.add_argument("--prompt-tails", nargs=2, type=positive_int, metavar=("LO", "HI"),
+                   help="with --sweep: each prompt's own tail after the shared prefix, "
+                   "uniform in LO..HI tokens (default 64 256)")
+    p.add_argument("--output-lengths", nargs=2, type=positive_int, metavar=("LO", "HI"),
+                   help="with --sweep: new tokens per request, uniform in LO..HI "
+                   "(default 32 256)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -359,8 +407,16 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.runs = list(QUICK["runs"])
     args.out_dir = args.out_dir or str(EVALS / "results")
     args.setups = args.setups or list(DEFAULT_SETUPS)
-    args.contexts = sorted(set(args.contexts or DEFAULT_CONTEXTS))
-    args.batches = sorted(set(args.batches or DEFAULT_BATCHES))
+    if args.sweep:
+        check_sweep_args(p, args)
+    else:
+        for flag in ("prompt_tails", "output_lengths"):
+            if getattr(args, flag) is not None:
+                p.error(f"--{flag.replace('_', '-')} needs --sweep")
+    if args.contexts or not args.sweep:
+        args.contexts = sorted(set(args.contexts or DEFAULT_CONTEXTS))
+    args.batches = sorted(set(args.batches or (SWEEP_BATCHES if args.sweep
+                                               else DEFAULT_BATCHES)))
     args.budgets = args.budgets or list(DEFAULT_BUDGETS)
     try:
         for b in args.budgets:
@@ -392,7 +448,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         if missing:
             p.error(f"--pin-cpus: CPUs {sorted(missing)} are not available here")
     args.run_specs = list(dict.fromkeys(runs))
+    args.lockstep_kv_gib_given = args.lockstep_kv_gib
+    if not args.sweep:
+        args.pool_spec = None
     return args
+
+
+def check_sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """``--sweep``'s arguments (before any model work): ranges, prefix caching, the
+    oracle setups' in-process engine, contexts longer than the tails."""
+    from e2e_sweep import DEFAULT_OUTPUTS, DEFAULT_TAILS, PoolSpec, check_range
+
+    try:
+        tails = check_range("--prompt-tails", list(args.prompt_tails or DEFAULT_TAILS))
+        outputs = check_range("--output-lengths", list(args.output_lengths
+                                                       or DEFAULT_OUTPUTS), lo_min=2)
+    except ValueError as e:
+        p.error(str(e))
+    if args.prime != "cache":
+        p.error(f"--prime {args.prime} is not allowed with --sweep: the shared prefix and "
+                "the pool's prompts live in the prefix cache (--prime cache)")
+    if args.engine_process and any(SETUPS[s].oracle for s in args.setups):
+        p.error("--engine-process is not allowed with the rank-oracle setups "
+                f"({', '.join(s for s in args.setups if SETUPS[s].oracle)}): the oracle "
+                "wraps the loader in the run's own process")
+    short = [c for c in (args.contexts or []) if c <= tails[1]]
+    if short:
+        p.error(f"--contexts {short} are not allowed with --prompt-tails {tails[0]} "
+                f"{tails[1]}: each context must be longer than the longest tail")
+    args.pool_spec = PoolSpec(args.pool_factor, tails, outputs)
+    args.max_tokens = outputs[1]
 
 
 def from_json(paths: list[str], out_dir: str | None) -> int:
@@ -425,8 +510,8 @@ def main(argv=None) -> int:
         setup = SETUPS[name]
         margin = sequence_margin(args.run_specs, setup)
         kinds = args.prompts or list(setup.default_kinds)
-        cells, _ = plan_cells(setup, args.contexts, args.batches, kinds, args.max_tokens,
-                              margin)
+        cells, _ = plan_cells(setup, setup_contexts(setup, args), args.batches, kinds,
+                              args.max_tokens, margin)
         total += len(cells) * len(args.run_specs) * args.repeats
     with tqdm(total=total, desc="cells", unit="cell") as progress:
         for name in args.setups:
@@ -437,6 +522,9 @@ def main(argv=None) -> int:
                           "engine_process": args.engine_process}
             if args.lockstep:
                 invocation["lockstep"] = True
+            if args.sweep:
+                invocation["sweep"] = args.pool_spec.to_json()
+                args.lockstep_kv_gib = args.lockstep_kv_gib_given  # per setup
             run_setup(SETUPS[name], args, args.run_specs, progress, deadline, invocation)
     print(f"done in {(time.time() - start) / 60:.1f} min")
     return 0

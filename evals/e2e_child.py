@@ -21,6 +21,7 @@ from e2e_models import SETUPS, cell_seed
 from e2e_runs import (
     STATUS_FAILED,
     STATUS_NOT_RUN,
+    STATUS_SKIPPED,
     RunSpec,
     cell_row,
     counter_delta,
@@ -312,6 +313,34 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         skip_common_prefix_in_every_engine()
 
 
+# Keys whose refusal by the front end makes a run's cells "skipped" (a configuration
+# this vLLM / vllm-ddtree does not accept yet), not "failed".
+REFUSABLE_KEYS = ("num_speculative_tokens_per_batch_size", "ddtree_budget")
+
+
+def refused_config(e: Exception, run: RunSpec) -> bool:
+    """Whether an engine-start error is the front end refusing an optional key of
+    ``run`` (``+perbatch`` schedules, ``ddtree_budget: "auto"``)."""
+    optional = run.budget == "auto" or "+perbatch" in run.variants
+    return optional and isinstance(e, ValueError | TypeError | NotImplementedError) and any(
+        key in str(e) for key in REFUSABLE_KEYS)
+
+
+def install_setup_hooks(setup, spec: dict) -> None:
+    """Before the run's ``LLM`` starts: the rank oracle of oracle setups
+    (``evals/e2e_oracle.py``: structured target, drafter logits from the measured rank
+    table), in this process (the engine runs here)."""
+    if not setup.oracle:
+        return
+    if spec.get("engine_process"):
+        raise ValueError(f"setup {setup.name}: the rank oracle needs the engine in the "
+                         "run's process (drop --engine-process)")
+    from drafter_ranks import load_table
+    from e2e_oracle import install_rank_oracle
+
+    install_rank_oracle(load_table(), seed=int(spec.get("oracle_seed", 0)))
+
+
 def child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
@@ -328,19 +357,36 @@ def child_main(spec_path: str) -> None:
         write_json_atomic(out, result)
         exit_now(code)
 
+    def start_failed(e: Exception) -> None:
+        status = STATUS_FAILED
+        note = f"engine start failed: {type(e).__name__}: {e}"[:400]
+        if refused_config(e, run):
+            status = STATUS_SKIPPED
+            note = f"refused by the front end: {type(e).__name__}: {e}"[:400]
+            result["meta"]["error_status"] = status
+        result["meta"]["error"] = note
+        result["rows"] = [dict(base(c), status=status, note=note) for c in cells]
+        finish(1)
+
     if spec.get("fake"):
         result["meta"].update(gpu="fake", versions={"vllm": "fake"})
         crash_after = fake_crash_after(run)
+        if os.environ.get("BENCH_E2E_FAKE_REFUSE") == run.name:  # tests: a refused config
+            start_failed(ValueError(f"{REFUSABLE_KEYS[0]} is not supported (fake)"))
+        if spec.get("sweep"):
+            from e2e_sweep import fake_sweep_row as fake
+        else:
+            fake = fake_row
         if spec.get("lockstep"):
             result["meta"]["ready"] = True
             write_json_atomic(out, result)
-            serve_commands(spec, result, lambda s, cell: fake_row(
+            serve_commands(spec, result, lambda s, cell: fake(
                 spec_base_row(s, cell), run.num_spec_tokens(setup)), crash_after)
             finish(0)
         for i, cell in enumerate(cells):
             if i == crash_after:  # tests: a child that dies mid-run
                 raise RuntimeError("fake crash")
-            result["rows"].append(fake_row(base(cell), run.num_spec_tokens(setup)))
+            result["rows"].append(fake(base(cell), run.num_spec_tokens(setup)))
             write_json_atomic(out, result)
         finish(0)
 
@@ -356,7 +402,12 @@ def child_main(spec_path: str) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine in this process
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")  # the runner the timer wraps
     apply_run_variants(run, remote)  # before the engine starts
+    if spec.get("sweep"):
+        from e2e_sweep import measure_sweep_cell as measure
+    else:
+        measure = measure_cell
     try:
+        install_setup_hooks(setup, spec)
         import torch
 
         import vllm_ddtree
@@ -382,15 +433,11 @@ def child_main(spec_path: str) -> None:
         tokenizer = load_tokenizer(spec["tokenizer_file"]) if spec["tokenizer_file"] else None
     except Exception as e:  # noqa: BLE001 - report the failure in every cell
         traceback.print_exc()
-        note = f"engine start failed: {type(e).__name__}: {e}"[:400]
-        result["meta"]["error"] = note
-        result["rows"] = [dict(base(c), status=STATUS_FAILED, note=note) for c in cells]
-        finish(1)
+        start_failed(e)
     result["meta"]["ready"] = True
     write_json_atomic(out, result)
     if spec.get("lockstep"):
-        serve_commands(spec, result, lambda s, cell: measure_cell(llm, engine, s, cell,
-                                                                   tokenizer),
+        serve_commands(spec, result, lambda s, cell: measure(llm, engine, s, cell, tokenizer),
                        after_cell=torch.cuda.empty_cache)
         finish(0)
     failed = None
@@ -404,7 +451,7 @@ def child_main(spec_path: str) -> None:
         else:
             print(f"[bench_e2e] {run.name}: cell {cell}", flush=True)
             try:
-                result["rows"].append(measure_cell(llm, engine, spec, cell, tokenizer))
+                result["rows"].append(measure(llm, engine, spec, cell, tokenizer))
             except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
                 traceback.print_exc()
                 failed = failure_note(e)

@@ -163,6 +163,9 @@ def child_spec(setup: Setup, args: argparse.Namespace, run: RunSpec,
         "llm_kwargs": args.llm_kwargs, "deadline": deadline, "fake": args.fake,
         "repeat": repeat, "pin_cpus": args.pin_cpus, "engine_process": args.engine_process,
     }
+    pool = getattr(args, "pool_spec", None)
+    if pool is not None:  # --sweep: the child measures sweep cells (e2e_sweep)
+        spec["sweep"] = pool.to_json()
     if kv_bytes:
         spec.update(lockstep=True, kv_cache_memory_bytes=int(kv_bytes),
                     gpu_mem=LOCKSTEP_GPU_MEM)
@@ -261,6 +264,8 @@ def wait_lockstep_ready(children: list[LockstepChild], limit: float, poll: float
                 pending.remove(child)
             elif child.proc.poll() is not None:
                 child.why = meta.get("error") or _exit_note(child)
+                # a configuration the front end refused: skipped, not failed
+                child.status = meta.get("error_status") or STATUS_FAILED
                 pending.remove(child)
         if pending and time.time() > limit:
             for child in pending:

@@ -89,6 +89,11 @@ class Setup:
     max_positions: int  # the target's max_position_embeddings (default)
     # the embedded target with YaRN (long_context.yarn_parameters()), written per run
     target_rope: bool = False
+    family: str = "kimi"  # dummy setups: "kimi" or "v2lite" (config writer)
+    moe: bool = False  # v2lite: the MoE target (else its dense-MLP variant)
+    # the rank oracle (evals/e2e_oracle.py): structured target, drafter logits from the
+    # embedded drafter's measured ranks
+    oracle: bool = False
 
 
 SETUPS: dict[str, Setup] = {
@@ -156,6 +161,46 @@ SETUPS: dict[str, Setup] = {
         max_positions=KIMI_MAX_POSITIONS,
     ),
 }
+
+
+def _v2lite_setup(name: str, moe: bool) -> Setup:
+    from e2e_v2lite import (
+        V2LITE_DRAFTER_BLOCK,
+        V2LITE_FIRST_SPECIAL,
+        V2LITE_MAX_POSITIONS,
+    )
+
+    mlp = ("MoE: 64 routed experts of 1408 + 2 shared, 6 routed active, first layer dense "
+           "(needs vLLM's fused-MoE ops)" if moe else
+           "every layer a dense MLP of intermediate 11264 = (6 active + 2 shared) x 1408: "
+           "the MoE's active parameters per token (evals/e2e_v2lite.py)")
+    return Setup(
+        name=name,
+        title=("DeepSeek-V2-Lite-shaped MLA target" + (" (MoE)" if moe else
+                                                       " (dense-MLP variant)")
+               + ", rank-oracle drafter, dummy weights"),
+        description=(
+            "27 layers, hidden 2048, 16 heads, kv_lora 512, qk_rope 64, qk_nope 128, v_head "
+            f"128, vocab 102400; {mlp}. DFlash drafter shaped like Qwen3-4B-DFlash-b16 at "
+            "hidden 2048 (3 layers, block 16). Dummy weights made into a known greedy "
+            "output, and drafter logits that rank the true token as the embedded drafter "
+            "did on code (evals/e2e_oracle.py, evals/data/drafter_ranks.json): "
+            "acceptance is the embedded drafter's, cost is V2-Lite's."
+        ),
+        dummy=True,
+        heads=16,
+        default_kinds=("random",),
+        random_ids=(1000, V2LITE_FIRST_SPECIAL),
+        block_size=V2LITE_DRAFTER_BLOCK,
+        max_positions=V2LITE_MAX_POSITIONS,
+        family="v2lite",
+        moe=moe,
+        oracle=True,
+    )
+
+
+SETUPS["v2lite"] = _v2lite_setup("v2lite", moe=False)
+SETUPS["v2lite_moe"] = _v2lite_setup("v2lite_moe", moe=True)
 
 
 @dataclass(frozen=True)
@@ -284,6 +329,13 @@ def prepare_setup(setup: Setup, model_root: Path, min_positions: int = 0) -> Mod
     positions = setup.max_positions
     while positions < min_positions:
         positions *= 2
+    if setup.family == "v2lite":
+        from e2e_v2lite import v2lite_drafter_config, v2lite_target_config
+
+        root = Path(model_root) / setup.name
+        target = _write_config(v2lite_target_config(setup.moe, positions), root / "target")
+        drafter = _write_config(v2lite_drafter_config(positions), root / "drafter")
+        return ModelPaths(target, drafter, None, positions)
     target, drafter = write_kimi_pair(Path(model_root) / setup.name, setup.heads, positions)
     return ModelPaths(target, drafter, None, positions)
 

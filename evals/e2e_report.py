@@ -23,6 +23,8 @@ from vllm_ddtree.testing.compare import first_mismatch
 # engines always run (vllm_ddtree.patches.scheduler_common_prefix).
 RUN_VARIANTS = (
     ("+skipprefix", "no common-prefix scan", ("ar", "dflash")),
+    # vLLM's num_speculative_tokens_per_batch_size (evals/e2e_sweep.py schedules)
+    ("+perbatch", "per-batch schedule", ("dflash", "ddtree")),
 )
 
 

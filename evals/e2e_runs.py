@@ -27,6 +27,21 @@ SPEC_COUNTERS = SPEC_DECODE_COUNTERS
 STATUS_OK, STATUS_SKIPPED, STATUS_FAILED, STATUS_NOT_RUN = "ok", "skipped", "failed", "not run"
 
 
+def chain_schedule(block_size: int) -> list[list[int]]:
+    """``num_speculative_tokens_per_batch_size`` of ``dflash@...+perbatch``: the whole
+    block (block_size - 1) at batch <= 4, fewer above, 0 (plain decoding) from 32."""
+    full = block_size - 1
+    return [[1, 4, full], [5, 8, max(1, full // 2)], [9, 16, max(1, full // 4)],
+            [17, 31, 1], [32, 4096, 0]]
+
+
+def ddtree_schedule(budget: int) -> list[list[int]]:
+    """The same for ``ddtree-B+perbatch``: B at batch <= 4, B/2, B/4, B/16 (>= 1), then
+    0 from 32."""
+    return [[1, 4, budget], [5, 8, max(1, budget // 2)], [9, 16, max(1, budget // 4)],
+            [17, 31, max(1, budget // 16)], [32, 4096, 0]]
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One method: ``ar@BACKEND``, ``dflash@BACKEND``, ``ddtree-B`` or
@@ -101,15 +116,29 @@ class RunSpec:
         if self.method == "ar":
             return None
         if self.method == "dflash":
-            return {"method": "dflash", "model": drafter,
-                    "num_speculative_tokens": self.num_spec_tokens(setup)}
+            config = {"method": "dflash", "model": drafter,
+                      "num_speculative_tokens": self.num_spec_tokens(setup)}
+            if "+perbatch" in self.variants:
+                config["num_speculative_tokens_per_batch_size"] = self.batch_schedule(setup)
+            return config
         config = {"method": "ddtree", "model": drafter,
                   "num_speculative_tokens": self.num_spec_tokens(setup)}
         if self.budget == "auto":
             config["ddtree_budget"] = "auto"
             if self.fixed_shape:
                 config["ddtree_verify_shape"] = "fixed"
+        if "+perbatch" in self.variants:
+            config["num_speculative_tokens_per_batch_size"] = self.batch_schedule(setup)
         return config
+
+    def batch_schedule(self, setup: Setup) -> list[list[int]] | None:
+        """``num_speculative_tokens_per_batch_size`` of a ``+perbatch`` run
+        (``e2e_sweep.chain_schedule`` / ``ddtree_schedule``), else None."""
+        if "+perbatch" not in self.variants:
+            return None
+        if self.method == "dflash":
+            return chain_schedule(setup.block_size)
+        return ddtree_schedule(self.num_spec_tokens(setup))
 
 
 def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],

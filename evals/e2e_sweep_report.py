@@ -1,0 +1,217 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Markdown and PNG of ``evals/bench_e2e.py --sweep`` (CPU: re-render with ``--from-json``).
+
+Per (context, prompt kind) panel: tokens/s of every run against the batch (the median
+over ``--repeats``), ``auto``'s ratio to the best other run and to AR (the issue's
+0.97 bar), tokens per round, the lossless checks (the oracle setups: requests that left
+the target's own greedy chain; the others: requests whose first tokens differ from AR's
+in the same cell) and the cells not measured with their reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from e2e_report import ctx_label, run_label, run_sort_key
+
+AUTO_BAR = 0.97  # issue 42: auto >= 0.97 x the best other run, at every batch
+
+
+def panels(rows: list[dict]) -> list[tuple[int, str]]:
+    """The (context, kind) pairs with any row, in order."""
+    return sorted({(r["context"], r["kind"]) for r in rows})
+
+
+def runs_in_order(rows: list[dict]) -> list[str]:
+    """Run names ordered as the e2e report orders them (AR, chain, DDTree by B)."""
+    first = {}
+    for r in rows:
+        first.setdefault(r["run"], r)
+    return [name for name, _ in sorted(first.items(), key=lambda kv: run_sort_key(kv[1]))]
+
+
+def median_by_cell(rows: list[dict], value: str) -> dict[tuple, float]:
+    """``{(run, context, kind, batch): median of value}`` over the measured rows."""
+    got: dict[tuple, list[float]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get(value) is not None:
+            got.setdefault((r["run"], r["context"], r["kind"], r["batch"]), []).append(
+                float(r[value]))
+    return {k: statistics.median(v) for k, v in got.items()}
+
+
+def labels(rows: list[dict]) -> dict[str, str]:
+    first = {}
+    for r in rows:
+        first.setdefault(r["run"], r)
+    return {name: run_label(row) for name, row in first.items()}
+
+
+def auto_ratios(speed: dict[tuple, float], runs: list[str], context: int, kind: str,
+                batch: int) -> list[tuple[str, float | None, float | None]]:
+    """``(auto run, auto / best other run, auto / AR)`` of one cell, for every
+    ``ddtree-auto`` run."""
+    out = []
+    ar = [speed.get((r, context, kind, batch)) for r in runs if r.startswith("ar@")]
+    ar_best = max((v for v in ar if v), default=None)
+    for auto in (r for r in runs if r.startswith("ddtree-auto")):
+        mine = speed.get((auto, context, kind, batch))
+        others = [speed.get((r, context, kind, batch)) for r in runs if r != auto]
+        best = max((v for v in others if v), default=None)
+        out.append((auto, mine / best if mine and best else None,
+                    mine / ar_best if mine and ar_best else None))
+    return out
+
+
+def _fmt(v, digits: int = 0) -> str:
+    return "—" if v is None else f"{v:,.{digits}f}"
+
+
+def _speed_table(rows, speed, runs, names, context, kind) -> list[str]:
+    batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
+    autos = [r for r in runs if r.startswith("ddtree-auto")]
+    head = ["batch"] + [names[r] for r in runs]
+    for a in autos:
+        head += [f"{names[a]} / best other", f"{names[a]} / AR"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in batches:
+        cells = [str(b)] + [_fmt(speed.get((r, context, kind, b))) for r in runs]
+        for _, best, ar in auto_ratios(speed, runs, context, kind, b):
+            mark = "" if best is None or best >= AUTO_BAR else " (below 0.97)"
+            cells += [_fmt(best, 2) + mark, _fmt(ar, 2)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _value_table(rows, values, runs, names, context, kind, digits=2) -> list[str]:
+    batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
+    used = [r for r in runs if any((r, context, kind, b) in values for b in batches)]
+    if not used:
+        return []
+    lines = ["| batch | " + " | ".join(names[r] for r in used) + " |",
+             "|" + "---|" * (len(used) + 1)]
+    for b in batches:
+        lines.append(f"| {b} | " + " | ".join(_fmt(values.get((r, context, kind, b)), digits)
+                                            for r in used) + " |")
+    return lines
+
+
+def lossless_lines(rows: list[dict]) -> list[str]:
+    """The checks of every measured row: off-chain requests (oracle setups) or requests
+    whose first tokens' CRC differs from AR's in the same cell (repeat 0)."""
+    ar = {(r["context"], r["kind"], r["batch"], r.get("repeat", 0)): r["output_crc"]
+          for r in rows if r.get("status") == "ok" and r["run"].startswith("ar@")
+          and r.get("output_crc") is not None}
+    out = []
+    for r in sorted(rows, key=lambda r: (r["context"], r["kind"], r["batch"], r["run"])):
+        if r.get("status") != "ok":
+            continue
+        where = f"{r['run']}, {ctx_label(r['context'])}, batch {r['batch']}"
+        if r.get("requests_off_chain") is not None:
+            if r["requests_off_chain"]:
+                out.append(f"- {where}: {r['requests_off_chain']} of {r['pool']} requests "
+                           "left the target's own greedy chain (from output index "
+                           f"{r.get('first_off_chain_index')})")
+            continue
+        ref = ar.get((r["context"], r["kind"], r["batch"], r.get("repeat", 0)))
+        mine = r.get("output_crc")
+        if ref is None or mine is None or r["run"].startswith("ar@"):
+            continue
+        both = [(a, b) for a, b in zip(mine, ref, strict=False) if a is not None and b is not None]
+        diff = sum(a != b for a, b in both)
+        if diff:
+            out.append(f"- {where}: {diff} of {len(both)} requests differ from AR in their "
+                       "first 16 tokens (bf16: batch shapes differ, ties can flip)")
+    return out
+
+
+def write_sweep_markdown(data: dict, path: str) -> None:
+    rows = data["rows"]
+    runs = runs_in_order(rows)
+    names = labels(rows)
+    speed = median_by_cell(rows, "tokens_per_s")
+    accept = median_by_cell(rows, "acceptance_length")
+    active = median_by_cell(rows, "active_nodes_per_round")
+    sweep = data.get("sweep") or {}
+    inv = (data.get("invocations") or [{}])[-1]
+    lines = [f"# Batch sweep: {data.get('setup_title', data.get('setup'))}", "",
+             data.get("setup_description", ""), "",
+             "Continuous batching through vLLM's engine API (`LLM.llm_engine`): at batch b, "
+             f"a pool of {sweep.get('pool_factor')} x b requests, each prompt a shared "
+             "prefix (prefix-cached) plus its own tail of "
+             f"{'..'.join(map(str, sweep.get('tails', [])))} tokens, each request "
+             f"{'..'.join(map(str, sweep.get('outputs', [])))} new tokens (uniform, "
+             "seeded); the pool's prompts are prefilled first, then b requests stay in "
+             "flight, the next one added as one finishes, and tokens/s is taken over the "
+             "window that ends when the pool is spent (concurrency b throughout). Greedy, "
+             "bf16, CUDA graphs" + (", every engine alive at once (`--lockstep`), each cell "
+                                    "measured by every run seconds apart" if inv.get(
+                                        "lockstep") else "") + ".", ""]
+    if sweep.get("contexts_note"):
+        lines += [f"Contexts: {sweep['contexts_note']}.", ""]
+    lines += [f"Date {inv.get('date', '?')}, GPU {inv.get('gpu', '?')}, "
+              f"versions {inv.get('versions', '?')}.", "", "Command:", "```"]
+    lines += [i.get("command", "?") for i in data.get("invocations", [])] + ["```", ""]
+    for context, kind in panels(rows):
+        title = f"{ctx_label(context)} context, {kind} prompts"
+        lines += [f"## Tokens per second, {title}", ""]
+        lines += _speed_table(rows, speed, runs, names, context, kind) + [""]
+        table = _value_table(rows, accept, runs, names, context, kind)
+        if table:
+            lines += [f"Tokens per round (1 + accepted drafts per draft), {title}:", ""]
+            lines += table + [""]
+        table = _value_table(rows, active, runs, names, context, kind, 1)
+        if table:
+            lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]
+    checks = lossless_lines(rows)
+    lines += ["## Lossless checks", ""]
+    lines += checks or ["Every measured request matched (the oracle setups: the target's "
+                        "own greedy chain, token for token; the others: AR's first 16 "
+                        "tokens, by CRC)."]
+    lines += [""]
+    missing = [r for r in rows if r.get("status") != "ok"]
+    if missing:
+        lines += ["## Cells not measured", "", "| run | context | batch | status | why |",
+                  "|---|---|---|---|---|"]
+        for r in sorted(missing, key=lambda r: (r["run"], r["context"], r["batch"])):
+            lines.append(f"| {r['run']} | {ctx_label(r['context'])} | {r['batch']} | "
+                         f"{r.get('status')} | {str(r.get('note', '')).replace('|', '/')} |")
+        lines += [""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def write_sweep_plot(data: dict, path: str) -> bool:
+    """Tokens/s against the batch, one line per run, one panel per (context, kind)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = data["rows"]
+    speed = median_by_cell(rows, "tokens_per_s")
+    if not speed:
+        return False
+    runs, names, keys = runs_in_order(rows), labels(rows), panels(rows)
+    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4.5), squeeze=False)
+    for ax, (context, kind) in zip(axes[0], keys, strict=True):
+        for run in runs:
+            pts = sorted((b, v) for (r, c, k, b), v in speed.items()
+                         if (r, c, k) == (run, context, kind))
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                        label=names[run])
+        ax.set_xscale("log", base=2)
+        batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context,
+                                                                                   kind)})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch (requests in flight)")
+        ax.set_ylabel("tokens / s")
+        ax.set_title(f"{ctx_label(context)} context, {kind} prompts")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(data.get("setup_title", data.get("setup", "")), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,307 @@
+"""The batch sweep's tooling on CPU: the load generator, the request pool, the rank
+table, the rank oracle, the v2lite configs, ``--sweep``'s argument checks and the
+report (``--fake`` children end to end, a refused configuration as skipped cells)."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import bench_e2e
+import pytest
+import torch
+from drafter_ranks import (
+    RANK_CAP,
+    chain_accepted,
+    decode_ranks,
+    encode_ranks,
+    load_table,
+    summarize,
+)
+from e2e_child import refused_config
+from e2e_models import SETUPS
+from e2e_oracle import (
+    RankOracle,
+    chain_of,
+    next_token_permutation,
+    structure_target_,
+    vector_index,
+)
+from e2e_runs import RunSpec, chain_schedule, ddtree_schedule
+from e2e_sweep import (
+    PoolSpec,
+    chain_mismatches,
+    check_range,
+    drive,
+    output_crcs,
+    request_pool,
+)
+from e2e_v2lite import active_params_per_token, v2lite_target_config
+
+# -- the load generator ----------------------------------------------------------------
+
+
+class FakeEngine:
+    """vLLM's engine API as ``drive`` uses it: each step gives every running request
+    one token (``token = 1000 * pool index + k``), a request finishes at its
+    ``max_tokens``; records the requests running at each step."""
+
+    def __init__(self):
+        self.running: dict[str, list] = {}
+        self.per_step: list[int] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, name, prompt, params):
+        self.running[name] = [params, 0]
+        return name + "-internal"
+
+    def step(self):
+        self.per_step.append(len(self.running))
+        outs = []
+        for name, state in list(self.running.items()):
+            state[1] += 1
+            done = state[1] >= state[0]
+            index = int(name.rsplit("-", 1)[1])
+            outs.append(SimpleNamespace(request_id=name + "-internal", finished=done,
+                                        outputs=[SimpleNamespace(
+                                            token_ids=[1000 * index + state[1]])]))
+            if done:
+                del self.running[name]
+        return outs
+
+    def abort_request(self, names):
+        self.aborted += names
+        for n in names:
+            self.running.pop(n, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.running)
+
+
+def test_drive_keeps_the_batch_in_flight_until_the_pool_is_spent():
+    lengths = [3, 5, 2, 4, 6, 1, 3, 2, 5]
+    pool = [SimpleNamespace(prompt=[1, 2], max_tokens=n) for n in lengths]
+    engine = FakeEngine()
+    ticks = iter(range(100))
+    got = drive(engine, pool, 3, params_of=lambda r: r.max_tokens, tag="t-",
+                clock=lambda: float(next(ticks)))
+    window = engine.per_step[:got["steps"]]
+    assert window == [3] * got["steps"]  # concurrency 3 at every step of the window
+    # every request was added, the window ended with the first finish it could not refill
+    assert all(got["outputs"][i] for i in range(len(pool)))
+    assert got["tokens"] == sum(len(o) for o in got["outputs"])
+    assert got["finished"] + len(engine.aborted) == len(pool)
+    assert engine.aborted and not engine.running
+    for i, out in enumerate(got["outputs"]):  # outputs mapped by the internal ids
+        assert out == [1000 * i + k for k in range(1, len(out) + 1)]
+        assert len(out) <= lengths[i]
+    assert got["mean_in_flight"] == 3.0 and got["wall_s"] == 1.0
+
+
+def test_drive_refuses_a_pool_smaller_than_the_batch():
+    with pytest.raises(ValueError, match="batch=4 is not allowed with a pool of 2"):
+        drive(FakeEngine(), [SimpleNamespace(prompt=[1], max_tokens=2)] * 2, 4, lambda r: 2)
+
+
+def test_request_pool_shares_a_prefix_and_draws_seeded_lengths():
+    setup = SETUPS["v2lite"]
+    spec = PoolSpec(3, (8, 32), (4, 40), seed=5)
+    pool = request_pool(setup, 128, 4, "random", spec)
+    assert len(pool) == 12
+    prefix = pool[0].prompt[:96]
+    for r in pool:
+        assert r.prompt[:96] == prefix and 8 <= len(r.prompt) - 96 <= 32
+        assert 4 <= r.max_tokens <= 40
+        assert all(setup.random_ids[0] <= t < setup.random_ids[1] for t in r.prompt)
+    assert len({tuple(r.prompt[96:]) for r in pool}) == 12  # tails differ
+    assert pool == request_pool(setup, 128, 4, "random", spec)  # seeded
+    assert pool != request_pool(setup, 128, 4, "random", PoolSpec(3, (8, 32), (4, 40), 6))
+    with pytest.raises(ValueError, match="context=32 is not allowed"):
+        request_pool(setup, 32, 4, "random", spec)
+    with pytest.raises(ValueError, match="'code' prompts need one"):
+        request_pool(setup, 128, 4, "code", spec)
+    with pytest.raises(ValueError, match=r"--prompt-tails=\(9, 3\) is not allowed"):
+        check_range("--prompt-tails", (9, 3))
+
+
+def test_lossless_checks_of_the_oracle_chain_and_the_crcs():
+    perm = next_token_permutation(50, seed=1)
+    pool = [SimpleNamespace(prompt=[3, 7]), SimpleNamespace(prompt=[9])]
+    good = [chain_of(perm, 7, 5), chain_of(perm, 9, 3)]
+    assert chain_mismatches(pool, good, perm)["requests_off_chain"] == 0
+    bad = [good[0][:2] + [int(perm[good[0][1]]) ^ 1], good[1]]
+    assert chain_mismatches(pool, bad, perm) == {"requests_off_chain": 1,
+                                                 "first_off_chain_index": 2}
+    crcs = output_crcs([list(range(20)), list(range(5))])
+    assert crcs[0] is not None and crcs[1] is None
+
+
+# -- the rank table and the oracle -----------------------------------------------------
+
+
+def test_rank_vectors_encode_decode_and_refuse_bad_input():
+    assert decode_ranks(encode_ranks([0, 5, 31, 32, 900])) == [0, 5, 31, RANK_CAP, RANK_CAP]
+    with pytest.raises(ValueError, match="ranks\\[1\\]=-1 is not allowed"):
+        encode_ranks([0, -1])
+    with pytest.raises(ValueError, match="characters \\['!'\\] are not allowed"):
+        decode_ranks("0!")
+    assert chain_accepted([0, 0, 3, 0]) == 2 and chain_accepted([1, 0]) == 0
+
+
+def test_stored_rank_table_is_consistent():
+    table = load_table()
+    assert table["depths"] == 15 and table["rank_cap"] == RANK_CAP
+    assert table["rounds"] == len(table["vectors"]) >= 100
+    assert table["command"].startswith("python evals/drafter_ranks.py")
+    vectors = [decode_ranks(v) for v in table["vectors"]]
+    for d in range(15):  # histograms and rank-0 shares are the vectors'
+        assert sum(table["rank_hist"][d]) == len(vectors)
+        assert table["rank_hist"][d][0] == sum(v[d] == 0 for v in vectors)
+    chain = sum(chain_accepted(v) + 1 for v in vectors) / len(vectors)
+    assert table["tokens_per_round"]["chain (leading rank-0 depths + 1)"] == round(chain, 3)
+    again = summarize({"vectors": vectors, "probs": [[0.5] * 15] * len(vectors),
+                       "committed": [2]}, "cmd", 256, 128, 64)
+    assert again["vectors"] == table["vectors"]
+
+
+def test_oracle_logits_put_the_true_token_at_the_drawn_rank():
+    table = load_table()
+    vocab, n_req = 3000, 24
+    oracle = RankOracle(next_token_permutation(vocab), table, vocab, seed=3)
+    depths = oracle.depths
+    gen = torch.Generator().manual_seed(0)
+    bonus = torch.randint(0, vocab, (n_req,), generator=gen)
+    pos = torch.randint(0, 5000, (n_req,), generator=gen)
+    logits = 0.01 * torch.randn(n_req * depths, vocab, generator=gen)
+    oracle.apply_(logits, bonus.repeat_interleave(depths), pos.repeat_interleave(depths),
+                  torch.arange(depths).repeat(n_req))
+    logits = logits.view(n_req, depths, vocab)
+    perm = next_token_permutation(vocab)
+    for r in range(n_req):
+        which = vector_index(bonus[r:r + 1], pos[r:r + 1], 3, oracle.vectors.shape[0])
+        ranks = oracle.vectors[int(which)].tolist()
+        truth = chain_of(perm, int(bonus[r]), depths)
+        for d in range(depths):
+            rank = int((logits[r, d] > logits[r, d, truth[d]]).sum())
+            if ranks[d] < RANK_CAP:
+                assert rank == ranks[d]
+            else:
+                assert rank >= RANK_CAP
+        argmax = logits[r].argmax(-1).tolist()
+        greedy = next((d for d in range(depths) if argmax[d] != truth[d]), depths)
+        assert greedy == chain_accepted(ranks)  # the chain accepts the leading rank-0s
+    # the same (bonus, position) draws the same vector in every run
+    assert torch.equal(vector_index(bonus, pos, 3, 200), vector_index(bonus, pos, 3, 200))
+
+
+def test_structured_target_greedy_output_is_the_permutation():
+    vocab, hidden = 700, 256
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = torch.nn.Embedding(vocab, hidden)
+    model.model.norm = torch.nn.Module()
+    model.model.norm.weight = torch.nn.Parameter(torch.full((hidden,), 1e-3))
+    model.model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.model.layers[0].o_proj = torch.nn.Linear(hidden, hidden, bias=False)
+    model.model.layers[0].down_proj = torch.nn.Linear(hidden, hidden, bias=False)
+    model.lm_head = torch.nn.Linear(hidden, vocab, bias=False)
+    perm = next_token_permutation(vocab)
+    assert structure_target_(model, perm) == 2
+    assert not model.model.layers[0].o_proj.weight.any()
+    with torch.no_grad():  # residual = embedding; final RMSNorm; LM head, in bf16
+        x = model.model.embed_tokens.weight
+        x = x / x.pow(2).mean(-1, keepdim=True).sqrt() * model.model.norm.weight
+        greedy = (x.bfloat16() @ model.lm_head.weight.bfloat16().T).argmax(-1)
+    assert torch.equal(greedy, perm)
+
+
+def test_v2lite_dense_variant_keeps_the_active_parameters():
+    moe = json.loads(v2lite_target_config(True).to_json_string(use_diff=False))
+    dense = json.loads(v2lite_target_config(False).to_json_string(use_diff=False))
+    assert (moe["num_hidden_layers"], moe["hidden_size"], moe["kv_lora_rank"],
+            moe["n_routed_experts"], moe["num_experts_per_tok"]) == (27, 2048, 512, 64, 6)
+    assert dense["first_k_dense_replace"] == 27 and dense["intermediate_size"] == 11264
+    a, b = active_params_per_token(moe), active_params_per_token(dense)
+    assert abs(a - b) / a < 0.002
+
+
+# -- runs, arguments, refusals ---------------------------------------------------------
+
+
+def test_perbatch_runs_carry_vllms_schedule():
+    setup = SETUPS["trained_yarn"]
+    chain = RunSpec.parse("dflash@FLASH_ATTN_MLA+perbatch")
+    config = chain.speculative_config(setup, "d")
+    assert config["num_speculative_tokens_per_batch_size"] == chain_schedule(16)
+    assert chain_schedule(16)[0] == [1, 4, 15] and chain_schedule(16)[-1][2] == 0
+    tree = RunSpec.parse("ddtree-auto-64+perbatch")
+    config = tree.speculative_config(setup, "d")
+    assert config["ddtree_budget"] == "auto"
+    assert config["num_speculative_tokens_per_batch_size"] == ddtree_schedule(64)
+    assert "num_speculative_tokens_per_batch_size" not in RunSpec.parse(
+        "ddtree-64").speculative_config(setup, "d")
+    with pytest.raises(ValueError, match="applies to dflash / ddtree runs only"):
+        RunSpec.parse("ar@FLASH_ATTN_MLA+perbatch")
+
+
+def test_refusals_of_optional_keys_are_skips_other_errors_fail():
+    auto = RunSpec.parse("ddtree-auto-64")
+    assert refused_config(ValueError("ddtree_budget 'auto' is not allowed"), auto)
+    assert refused_config(ValueError("num_speculative_tokens_per_batch_size: no"),
+                          RunSpec.parse("ddtree-64+perbatch"))
+    assert not refused_config(RuntimeError("ddtree_budget: CUDA error"), auto)
+    assert not refused_config(ValueError("ddtree_budget"), RunSpec.parse("ddtree-64"))
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--prime", "none"], "--prime none is not allowed with --sweep"),
+    (["--engine-process"], "--engine-process is not allowed with the rank-oracle setups"),
+    (["--contexts", "200"], "--contexts \\[200\\] are not allowed"),
+    (["--prompt-tails", "9", "3"], "--prompt-tails=\\[9, 3\\] is not allowed"),
+    (["--output-lengths", "1", "3"], "--output-lengths=\\[1, 3\\] is not allowed"),
+])
+def test_sweep_arguments_are_checked(extra, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ddtree-64"] + extra)
+    assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_sweep_only_flags_need_sweep(capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--setup", "kimi8", "--prompt-tails", "8", "16"])
+    assert "--prompt-tails needs --sweep" in capsys.readouterr().err
+    args = bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ar@FLASH_ATTN_MLA"])
+    assert args.batches == [1, 4, 8, 16, 32, 64] and args.contexts is None
+    assert args.max_tokens == 256 and args.pool_spec.tails == (64, 256)
+    assert bench_e2e.setup_contexts(SETUPS["v2lite"], args) == [1024, 32768]
+
+
+# -- end to end with fake children -----------------------------------------------------
+
+
+def test_fake_sweep_end_to_end_with_a_refused_run(tmp_path, monkeypatch):
+    """``--sweep --lockstep --fake``: every run's child at once; the refused ddtree
+    schedule becomes skipped cells naming the refusal; markdown (auto's ratios, the
+    command), PNG and JSON; --from-json re-renders the same markdown."""
+    monkeypatch.setenv("BENCH_E2E_FAKE_REFUSE", "ddtree-64+perbatch")
+    runs = ["ar@FLASH_ATTN_MLA", "dflash@FLASH_ATTN_MLA+perbatch", "ddtree-64",
+            "ddtree-64+perbatch", "ddtree-auto"]
+    assert bench_e2e.main(["--fake", "--sweep", "--lockstep", "--setup", "v2lite",
+                           "--batches", "1", "64", "--contexts", "1k", "--runs", *runs,
+                           "--out-dir", str(tmp_path), "--model-dir",
+                           str(tmp_path / "m")]) == 0
+    data = json.loads((tmp_path / "e2e_batch_sweep_v2lite.json").read_text())
+    assert data["sweep"]["pool_factor"] == 3
+    status = {(r["run"], r["batch"]): (r["status"], r.get("note", "")) for r in data["rows"]}
+    assert status[("ddtree-64+perbatch", 64)][0] == "skipped"
+    assert "refused by the front end" in status[("ddtree-64+perbatch", 64)][1]
+    assert status[("ddtree-auto-64", 1)][0] == "ok"
+    md = (tmp_path / "e2e_batch_sweep_v2lite.md").read_text()
+    assert "## Tokens per second, 1k context" in md and "/ best other" in md
+    assert "--sweep --lockstep" in md and "refused by the front end" in md
+    assert (tmp_path / "e2e_batch_sweep_v2lite.png").stat().st_size > 1000
+    out = tmp_path / "again"
+    out.mkdir()
+    assert bench_e2e.main(["--from-json", str(tmp_path / "e2e_batch_sweep_v2lite.json"),
+                           "--out-dir", str(out)]) == 0
+    assert (out / "e2e_batch_sweep_v2lite.md").read_text() == md
