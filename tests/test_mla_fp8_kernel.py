@@ -149,6 +149,15 @@ def test_fp8_never_takes_the_gluon_kernel(monkeypatch):
     assert not calls
 
 
+def test_gluon_launcher_names_the_fp8_cache():
+    from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon
+
+    batch = fp8_batch(MIXED[:2], page_size=4)
+    del batch["kv_scale"]
+    with pytest.raises(ValueError, match="16-bit caches only"):
+        mla_tree_fwd_gluon(**batch)
+
+
 def test_bad_scales_name_the_field():
     batch = fp8_batch(MIXED[:2], page_size=4)
     cases = [

@@ -471,6 +471,9 @@ def mla_tree_fwd_gluon(
     Raises:
         ValueError: the launch is invalid or not supported (``gluon_supported``).
     """
+    if getattr(kv_cache, "dtype", None) == FP8_KV_DTYPE:
+        raise ValueError("mla_tree_fwd_gluon: the Gluon kernel reads 16-bit caches only; "
+                         "mla_tree_verify runs an fp8 kv_cache on the Triton kernel")
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     if not gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank):
         raise ValueError("mla_tree_fwd_gluon: unsupported launch (see gluon_supported)")
