@@ -205,7 +205,10 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
         kv = sweep_kv_bytes(models, max(c[0] for c in cells), max(c[1] for c in cells),
                             args.pool_spec, margin)
         args.lockstep_kv_gib = kv / 2**30  # every engine of this setup
-    if cells:
+        invocation["kv_cache_gib"] = {"total": round(kv / 2**30, 2)}
+        print(f"{setup.name}: sweep KV cache {kv / 2**30:.2f} GiB per engine (shared "
+              f"prefix + {max(c[1] for c in cells)} requests' tails and outputs)")
+    if cells and not args.sweep:  # the sweep's requests share their prefix (e2e_sweep)
         from e2e_models import kv_cache_bytes, read_config
 
         ctx, batch = max(c[0] for c in cells), max(c[1] for c in cells)

@@ -407,12 +407,12 @@ def child_main(spec_path: str) -> None:
     else:
         measure = measure_cell
     try:
-        install_setup_hooks(setup, spec)
         import torch
 
         import vllm_ddtree
 
         vllm_ddtree.register()  # front-end patch; LLM() applies DDTree's runner patches
+        install_setup_hooks(setup, spec)
         from e2e_engine import LocalEngine, RemoteEngine
         from e2e_models import load_tokenizer
         from vllm import LLM

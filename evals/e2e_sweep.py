@@ -7,9 +7,10 @@ A cell (context C, batch b, prompt kind) has a pool of ``pool_factor x b`` reque
 tokens (a document many requests read: vLLM's prefix cache holds it once, so 64 requests
 at 32k fit beside five other engines on one GPU) followed by the request's own tail of
 ``tail_min..tail_max`` tokens; each request asks for ``out_min..out_max`` new tokens
-(uniform, seeded). The pool's prompts are prefilled into the prefix cache first (one
-``max_tokens=1`` generate), then :func:`drive` keeps b requests in flight through vLLM's
-engine API (``LLM.llm_engine``: ``add_request`` / ``step``), adding the next request of
+(uniform, seeded). The pool's prompts are prefilled into the prefix cache first
+(``max_tokens=1`` generates, the shared prefix first), then :func:`drive` keeps b
+requests in flight through vLLM's engine API (``LLM.llm_engine``: ``add_request`` /
+``step``), adding the next request of
 the pool whenever one finishes, and stops the clock at the first step after which it
 cannot refill (the pool is spent): tokens/s is over that steady window, at concurrency
 b throughout. Attention still reads each request's whole context every step.
@@ -196,7 +197,7 @@ def chain_mismatches(pool: list[Request], outputs: list[list[int]], perm) -> dic
 
 
 def sweep_kv_bytes(models, max_context: int, batch: int, pool: PoolSpec, margin: int,
-                   factor: float = 2.0) -> int:
+                   factor: float = 1.5) -> int:
     """``kv_cache_memory_bytes`` of each ``--lockstep`` sweep engine: ``factor x`` the
     KV cache of the shared prefix + ``batch`` requests' tails, outputs and ``margin``
     (the prefix cache keeps the primed pool's tails while it has room), + 1 GiB."""
@@ -263,8 +264,11 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
                               output_kind=RequestOutputKind.DELTA)
 
     t0 = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=r.prompt) for r in pool],
-                 [params(r, 1) for r in pool], use_tqdm=False)
+    # The shared prefix alone first: requests prefilled side by side would each compute
+    # the blocks none of them has cached yet.
+    for group in ([pool[0]], pool):
+        llm.generate([TokensPrompt(prompt_token_ids=r.prompt) for r in group],
+                     [params(r, 1) for r in group], use_tqdm=False)
     prime_s = time.perf_counter() - t0
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None

@@ -60,6 +60,15 @@
 #              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON), E2E_PIN_CPUS pass on.
 #              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
 #              other work mean nothing.
+#   sweep_trained / sweep_v2lite
+#              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
+#              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
+#              auto): the embedded pair with YaRN x4 at 512 and 1k (about 6 min), the
+#              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
+#              9 min; cells past --max-minutes are listed as not run); one 10-minute
+#              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
+#              SWEEP_BATCHES replace the defaults; E2E_OUT_DIR receives
+#              e2e_batch_sweep[_v2lite].md / .png / .json.
 #   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
 #              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
 #              corpus into data/ unless present, CORPUS_ARGS); packs target/ and drafter/ as
@@ -164,6 +173,27 @@ run_e2e() {  # e2e_<setup>
   grep -A14 "^## Step latency" "$e2e_dir/e2e_$setup.md" 2>/dev/null | head -30
 }
 
+run_sweep() {  # sweep_trained / sweep_v2lite
+  local stage="$1" limit="${STAGE_LIMIT:-570}" setup contexts prompts pool stem start
+  local runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA+perbatch ddtree-16 ddtree-64 ddtree-64+perbatch ddtree-auto"
+  case "$stage" in
+    sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=3 stem=e2e_batch_sweep ;;
+    sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 stem=e2e_batch_sweep_v2lite ;;
+  esac
+  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b
+  mkdir -p "$e2e_dir"
+  read -ra r <<< "${SWEEP_RUNS:-$runs}"
+  read -ra c <<< "${SWEEP_CONTEXTS:-$contexts}"
+  read -ra b <<< "${SWEEP_BATCHES:-1 4 8 16 32 64}"
+  start=$(date +%s)
+  timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
+    --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
+    --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --out-dir "$e2e_dir" \
+    > "$LOG_DIR/$stage.log" 2>&1
+  summary "$stage" $? "$start"
+  grep -A9 "^## Tokens per second" "$e2e_dir/$stem.md" 2>/dev/null | head -24
+}
+
 build_corpus() {  # data/ for training, unless present; extra corpus arguments...
   [ -f data/manifest.json ] && return 0
   python3 -m vllm_ddtree.training.corpus --out data "$@" > "$LOG_DIR/corpus.log" 2>&1
@@ -265,6 +295,7 @@ for stage in "$@"; do
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
+    sweep_trained|sweep_v2lite) run_sweep "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096
       run_trainpair trainpair "--stage all --target-minutes 1.75 --drafter-minutes 2 --gen-sequences 6144" ;;
