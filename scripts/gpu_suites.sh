@@ -32,6 +32,9 @@
 #              and the cycled adaptive shapes
 #   cycled     only the cycled adaptive-shape test (budgets forced through 1..32)
 #   tiny       tiny random Qwen3 (GQA) and DeepSeek-V3 (MLA) pairs against AR
+#   dflash2    DDTree over a DFlash2 drafter (published layout, the embedded target, fp32):
+#              greedy tokens equal AR (selector tree with CUDA graphs, selector chain)
+#              and tokens per round equal the reference engine's (3 engines, ~3 min)
 #   oracle     deep acceptance with an oracle drafter, tokens equal AR's
 #   pair       vLLM AR / DFlash / DDTree on the embedded pair against the reference engine
 #   pairyarn   the same with the target served with YaRN x4, 1,024-token prompts
@@ -253,6 +256,7 @@ for stage in "$@"; do
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
+    dflash2) stage_pytest dflash2 240 tests/gpu/test_dflash2_vllm.py ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
     pairyarn) stage_pytest pairyarn 420 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;

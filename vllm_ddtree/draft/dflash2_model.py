@@ -38,6 +38,12 @@ __all__ = ["DFlash2DecoderLayer", "DFlash2Qwen3ForCausalLM", "DFlash2Qwen3Model"
            "GroupedDynamicConv", "SelectorScores"]
 
 
+def drafter_config_of(config):
+    """The drafter's own config: vLLM wraps a DFlash drafter's config in an
+    ``EAGLEConfig`` whose ``model`` is the original (it may lack ``block_size``)."""
+    return getattr(config, "model", None) or config
+
+
 def _linear(in_size: int, out_size: int, dtype: torch.dtype, prefix: str) -> ReplicatedLinear:
     return ReplicatedLinear(in_size, out_size, bias=False, params_dtype=dtype,
                             quant_config=None, prefix=prefix, return_bias=False)
@@ -89,6 +95,7 @@ class DFlash2DecoderLayer(DFlashQwen3DecoderLayer):
     @classmethod
     def upgrade(cls, layer: DFlashQwen3DecoderLayer, config, dtype: torch.dtype,
                 prefix: str) -> DFlash2DecoderLayer:
+        config = drafter_config_of(config)
         draft = dflash2_config_of(config)
         args = (config.hidden_size, draft["conv_kernel_size"], draft["conv_group_size"],
                 block_size_of(config), dtype)
@@ -151,7 +158,7 @@ class DFlash2Qwen3Model(DFlashQwen3Model):
     def __init__(self, *, vllm_config, start_layer_id: int = 0, prefix: str = "") -> None:
         super().__init__(vllm_config=vllm_config, start_layer_id=start_layer_id,
                          prefix=prefix)
-        config = self.config
+        config = drafter_config_of(self.config)
         dtype = vllm_config.model_config.dtype
         draft = dflash2_config_of(config)
         for i, layer in enumerate(self.layers):
@@ -193,7 +200,7 @@ class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self.logits_processor = LogitsProcessor(
             vocab, scale=getattr(self.config, "logit_scale", 1.0))
         self.draft_id_to_target_id = None
-        draft = dflash2_config_of(self.config)
+        draft = dflash2_config_of(drafter_config_of(self.config))
         self.output_multiplier = float(draft.get("output_multiplier") or 1.0)
         self.softcap = float(draft.get("final_logit_softcapping") or 0.0)
 

@@ -1,0 +1,94 @@
+"""DDTree over a DFlash2 drafter in vLLM 0.26 (GPU, fp32): the published checkpoint layout
+loads through the plugin's DFlash2DraftModel, greedy tokens equal AR token for token
+(selector-scored tree B = 16 with CUDA graphs; the selector's chain walk, B = L with
+ddtree_top_k 1, eager), and vLLM's tokens per round equal the fp32 reference engine's
+(replayed along vLLM's output) within 3 %. The drafter is the embedded DFlash drafter with
+near-identity convolutions and a random selector (evals/check_dflash2_vllm.py)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not (CHECKPOINTS / "target" / "config.json").exists(),
+                       reason="embedded pair missing"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "evals" / "check_dflash2_vllm.py"
+
+
+def run(args: list[str], out: Path | None = None) -> dict | None:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'evals'}:{ROOT}:" +
+           os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, str(SCRIPT), *args] + (["--out", str(out)] if out else [])
+    proc = subprocess.run(cmd, timeout=600, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout[-15000:])
+    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}"
+    return json.loads(out.read_text()) if out else None
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dflash2") / "drafter"
+    run(["--make-drafter", str(path)])
+    return path
+
+
+@pytest.fixture(scope="module")
+def ar(tmp_path_factory) -> dict:
+    return run(["--method", "ar"], tmp_path_factory.mktemp("ar") / "ar.json")
+
+
+def check_against_ar(got: dict, ar: dict) -> None:
+    for a, b in zip(got["outputs"], ar["outputs"], strict=True):
+        assert a["prompt"] == b["prompt"]
+        assert a["tokens"] == b["tokens"], "greedy fp32 tokens differ from AR"
+
+
+def replayed_rounds(drafter_dir: Path, got: dict, budget: int, top_k) -> tuple[float, float]:
+    """(vLLM's mean committed per round, the reference engine's on the same tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.reference import clip_rounds, replay
+    from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
+
+    target = AutoModelForCausalLM.from_pretrained(CHECKPOINTS / "target",
+                                                  dtype=torch.float32).cuda().eval()
+    drafter = DFlash2DraftModel.from_pretrained(drafter_dir, dtype=torch.float32).cuda().eval()
+    vllm_rounds, ref_rounds = [], []
+    for out in got["outputs"]:
+        vllm_rounds += clip_rounds(out["committed_per_round"], len(out["tokens"]))
+        ref_rounds += replay(target, drafter, out["prompt"], out["tokens"], "ddtree",
+                             budget=budget, top_k=top_k)
+    assert vllm_rounds and ref_rounds
+    return sum(vllm_rounds) / len(vllm_rounds), sum(ref_rounds) / len(ref_rounds)
+
+
+def test_selector_tree_with_cuda_graphs_equals_ar(drafter, ar, tmp_path):
+    got = run(["--drafter", str(drafter), "--budget", "16", "--graphs"], tmp_path / "t.json")
+    check_against_ar(got, ar)
+    mal = got["ddtree_mean_acceptance_length"]
+    ours, ref = replayed_rounds(drafter, got, 16, None)
+    print(f"DFlash2 selector tree B=16, graphs: mean acceptance length {mal:.3f}; committed "
+          f"per round vLLM {ours:.3f}, reference replay {ref:.3f}")
+    assert mal > 1.0
+    assert ours == pytest.approx(ref, rel=0.03)
+
+
+def test_selector_chain_walk_equals_ar(drafter, ar, tmp_path):
+    got = run(["--drafter", str(drafter), "--budget", "15", "--top-k", "1"],
+              tmp_path / "c.json")
+    check_against_ar(got, ar)
+    ours, ref = replayed_rounds(drafter, got, 15, 1)
+    print(f"DFlash2 selector chain (B=15, top-k 1), eager: committed per round vLLM "
+          f"{ours:.3f}, reference replay {ref:.3f}")
+    assert ours == pytest.approx(ref, rel=0.03)
