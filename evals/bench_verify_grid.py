@@ -132,6 +132,103 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     return makers
 
 
+SWEEP_MIN_TILES = (8, 4, 2)  # 8: configs.MIN_TILES_PER_SPLIT, the shipped heuristic
+
+
+def split_choices(method: str, rows: int, heads: int, ctx: int) -> dict[int, int]:
+    """``{min tiles per split: KV split count}`` the heuristic would pick for ``method``'s
+    launch (one request on 132 SMs) with each of :data:`SWEEP_MIN_TILES`."""
+    from vllm_ddtree.attention_backends.mla_tree import gluon_kernel
+    from vllm_ddtree.attention_backends.mla_tree.configs import select_num_kv_splits
+    from vllm_ddtree.attention_backends.mla_tree.dispatch import TRITON_CONFIGS
+
+    if method == "gluon":
+        block_m, block_n, per_sm = gluon_kernel.BLOCK_M, gluon_kernel.BLOCK_N, 1
+    else:
+        c = TRITON_CONFIGS[method]
+        block_m, block_n, per_sm = c.block_m, c.block_n, c.ctas_per_sm
+    row_blocks = -(-rows * heads // block_m)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return {m: select_num_kv_splits(num_requests=1, row_blocks=row_blocks,
+                                    max_seq_len=ctx + rows, block_n=block_n, num_sms=sms,
+                                    ctas_per_sm=per_sm, min_tiles_per_split=m)
+            for m in SWEEP_MIN_TILES}
+
+
+def split_sweep(args, bench, gpu: str, command: str) -> int:
+    """``--split-sweep``: the rule's kernel of each grid cell (Gluon in bf16, the rule's
+    Triton tile in fp8) timed at the split counts of a smaller minimum of KV tiles per
+    split, where that changes the count (few row blocks: idle SMs). Writes
+    ``<grid-out>_splits.md`` / ``.json``: the data for lowering MIN_TILES_PER_SPLIT."""
+    from bench_verify_attention import Cell, Unavailable, make_inputs
+    from tqdm import tqdm
+
+    from vllm_ddtree.attention_backends.mla_tree.dispatch import rule_method
+
+    axes = {k: getattr(args, f"grid_{k}") or v for k, v in GRID.items()}
+    cells = []
+    for d in axes["dtype"]:
+        for c in axes["ctx"]:
+            for h in axes["heads"]:
+                for r in axes["rows"]:
+                    method = rule_method(_arch(), d, h, r)
+                    choices = split_choices(method, r, h, c)
+                    if len(set(choices.values())) > 1:
+                        cells.append((d, c, h, r, method, choices))
+    rows_md = ["| cache | H | rows | ctx | kernel | "
+               + " | ".join(f"min {m} tiles: splits, ms" for m in SWEEP_MIN_TILES) + " |",
+               "|" + "---|" * (5 + len(SWEEP_MIN_TILES))]
+    records = []
+    for dtype, ctx, heads, rows, method, choices in tqdm(cells, desc="split sweep"):
+        inp = make_inputs(Cell(heads, ctx, rows, PAGE), torch.bfloat16)
+        kv_cache, kv_scale = fp8_inputs(inp) if dtype == "fp8" else (inp.kv_cache, None)
+        times = {}
+        for min_tiles, splits in choices.items():
+            try:
+                times[min_tiles] = bench(split_method(inp, method, kv_cache, kv_scale, splits))
+            except (Unavailable, RuntimeError, ValueError) as e:
+                print(f"{dtype} H{heads} {rows} {ctx} {method} s{splits}: {e}"[:300])
+                times[min_tiles] = None
+        records.append(dict(dtype=dtype, heads=heads, rows=rows, ctx=ctx, method=method,
+                            splits={str(k): v for k, v in choices.items()},
+                            times={str(k): v for k, v in times.items()}))
+        rows_md.append(f"| {dtype} | {heads} | {rows} | {ctx // 1024}k | {method} | " + " | ".join(
+            f"{choices[m]}, {'n/a' if times[m] is None else f'{times[m]:.4f}'}"
+            for m in SWEEP_MIN_TILES) + " |")
+        del inp
+        torch.cuda.empty_cache()
+    out = args.grid_out + "_splits"
+    with open(out + ".json", "w") as f:
+        json.dump(dict(gpu=gpu, command=command, arch=_arch(), cells=records), f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join([
+            "# KV split count at fewer tiles per split (the rule's kernel per cell)", "",
+            f"- GPU: {gpu}", f"- command: `{command}`",
+            "- ms per call in CUDA graphs as in the grid; cells where the minimum of KV tiles "
+            "per split changes the split count only", "", *rows_md]) + "\n")
+    print(f"wrote {out}.md and {out}.json")
+    return 0
+
+
+def split_method(inp, method: str, kv_cache, kv_scale, splits: int):
+    """``method`` (``"gluon"`` or a ``triton_m*`` tile) forced to ``splits`` KV splits."""
+    from bench_verify_attention import KV_LORA
+
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
+    from vllm_ddtree.attention_backends.mla_tree.dispatch import TRITON_CONFIGS
+    from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon
+
+    lens = dict(validate_values=False, max_query_len=inp.cell.qlen,
+                max_seq_len=inp.cell.ctx + inp.cell.qlen, num_kv_splits=splits)
+    args = (inp.q, kv_cache, inp.block_table, inp.seq_lens, inp.query_start_loc,
+            inp.bits_tree, inp.scale, KV_LORA)
+    if method == "gluon":
+        return lambda: mla_tree_fwd_gluon(*args, **lens)
+    config = TRITON_CONFIGS[method]
+    return lambda: mla_tree_verify(*args, **lens, kernel="triton", config=config,
+                                   kv_scale=kv_scale)
+
+
 def run_grid(args, bench, gpu: str, command: str) -> int:
     """Time the grid (``args.grid_*`` narrow it), writing results as it goes."""
     from bench_verify_attention import Cell, Unavailable, make_inputs

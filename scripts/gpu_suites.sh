@@ -30,7 +30,11 @@
 #              unit tests (drafter context K/V graphs, tree store)
 #   auto       ddtree_budget "auto" (B <= 32) against AR: eager, CUDA graphs, fixed shape
 #              and the cycled adaptive shapes
-#   cycled     only the cycled adaptive-shape test (budgets forced through 1..32)
+#   cycled     only the cycled adaptive-shape test (budgets forced through 0..32, 0 = plain
+#              decoding steps)
+#   schedule   num_speculative_tokens_per_batch_size with method ddtree (budget per batch
+#              size, 0 included, CUDA graphs) and auto's plain steps in fp32 (tokens equal
+#              AR's exactly)
 #   tiny       tiny random Qwen3 (GQA) and DeepSeek-V3 (MLA) pairs against AR
 #   dflash2    DDTree over a DFlash2 drafter (published layout, the embedded target, fp32):
 #              greedy tokens equal AR (selector tree with CUDA graphs, selector chain)
@@ -56,6 +60,8 @@
 #              FlashMLA, H 8-128, 2-257 rows, 8k-128k, bf16 and fp8 caches (about 8 minutes;
 #              the GPU to itself); verify_attention_grid.md / .png / .json in the log folder
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
+#   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
+#              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
 #   e2e_trained / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
@@ -255,6 +261,7 @@ for stage in "$@"; do
       stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
+    schedule) stage_pytest schedule 540 tests/gpu/test_ddtree_plain_steps_vllm.py ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     dflash2) stage_pytest dflash2 240 tests/gpu/test_dflash2_vllm.py ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;
@@ -293,9 +300,10 @@ for stage in "$@"; do
       stage_cmd bench 400 python3 evals/bench_verify_attention.py "${bargs[@]}" \
         --out-md "$LOG_DIR/verify_attention.md" --out-png "$LOG_DIR/verify_attention.png"
       tail -12 "$LOG_DIR/verify_attention.md" 2>/dev/null ;;
-    grid|grid120)
+    grid|grid120|gridsplits)
       gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")
       [ "$stage" = grid120 ] && gargs+=(--force-sm120-configs)
+      [ "$stage" = gridsplits ] && gargs+=(--split-sweep)
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;

@@ -95,3 +95,17 @@ def test_report_markdown_and_heatmap(tmp_path):
     assert fp8_row.rstrip(" |").endswith("0.71")  # fp8 best 0.12 / bf16 best 0.17
     assert "RuntimeError: unsupported" in text
     assert png.stat().st_size > 10_000
+
+
+def test_split_sweep_choices(monkeypatch):
+    """The sweep's split counts are the heuristic's at each minimum of tiles per split:
+    H8, 5 rows at 8k on 132 SMs leaves the Gluon grid at 15 CTAs with the shipped 8."""
+    from types import SimpleNamespace
+
+    import bench_verify_grid as grid_module
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(multi_processor_count=132))
+    assert grid_module.split_choices("gluon", 5, 8, 8192) == {8: 15, 4: 26, 2: 43}
+    assert grid_module.split_choices("triton_m64", 65, 64, 32768) == {8: 2, 4: 2, 2: 2}
