@@ -227,6 +227,13 @@ def run_setup(setup: Setup, args: argparse.Namespace, runs: list[RunSpec], progr
 
         data["sweep"] = dict(args.pool_spec.to_json(),
                              contexts_note=SWEEP_CONTEXTS.get(setup.name, ([], ""))[1])
+    if setup.oracle:  # what the rank oracle was built from (evals/data/drafter_ranks.json)
+        from drafter_ranks import load_table
+
+        table = load_table()
+        data["oracle"] = {k: table.get(k) for k in ("command", "prompts", "rounds",
+                                                    "tokens_per_round",
+                                                    "oracle_tokens_per_round")}
     data["invocations"].append(invocation)
     rows = []
     for run in runs:

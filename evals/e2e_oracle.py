@@ -228,3 +228,66 @@ def install_rank_oracle(table: dict, seed: int = 0) -> None:
 
     DummyModelLoader.load_weights = structured_load_weights
     DFlashSpeculator.load_draft_model = oracle_load_draft_model
+
+
+def oracle_tokens_per_round(table: dict, vocab_size: int, budgets: list[int],
+                            seed: int = 0) -> dict[str, float]:
+    """Tokens per round the oracle gives each method over every vector of ``table``
+    (CPU, ``build_ddtree`` on the oracle logits of a random truth; noise 0): ``chain``
+    (argmax per depth) and ``ddtree-B``. What a sweep's acceptance should come near."""
+    from vllm_ddtree.testing.oracle import true_path_depth
+    from vllm_ddtree.tree.draft_tree import build_ddtree
+
+    perm = next_token_permutation(vocab_size)
+    oracle = RankOracle(perm, table, vocab_size, seed)
+    depths, n = oracle.depths, oracle.vectors.shape[0]
+    sums = {"chain": 0.0} | {f"ddtree-{b}": 0.0 for b in budgets}
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n):
+        bonus = torch.randint(0, vocab_size, (1,), generator=gen)
+        truth = oracle.truth[:, bonus[0]].tolist()
+        # a position whose hash picks vector i: search the first few
+        pos = next(p for p in range(100 * n)
+                   if int(vector_index(bonus, torch.tensor([p]), seed, n)) == i)
+        logits = torch.zeros(depths, vocab_size)
+        oracle.apply_(logits, bonus.repeat(depths), torch.full((depths,), pos),
+                      torch.arange(depths))
+        argmax = logits.argmax(-1).tolist()
+        sums["chain"] += 1 + next((d for d in range(depths) if argmax[d] != truth[d]), depths)
+        for b in budgets:
+            tree = build_ddtree(logits[None], b)
+            sums[f"ddtree-{b}"] += 1 + true_path_depth(tree.tokens[0].tolist(),
+                                                       tree.parents[0].tolist(), truth)
+    return {k: round(v / n, 3) for k, v in sums.items()}
+
+
+def main(argv=None) -> int:
+    """``python evals/e2e_oracle.py``: store :func:`oracle_tokens_per_round` (V of
+    DeepSeek-V2-Lite, B = 16 and 64) in the rank table, beside the measured figures."""
+    import argparse
+    import json
+    import sys
+    from pathlib import Path
+
+    from drafter_ranks import TABLE_PATH, load_table
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--table", default=str(TABLE_PATH))
+    p.add_argument("--vocab", type=int, default=102400)
+    args = p.parse_args(argv)
+    table = load_table(Path(args.table))
+    figures = oracle_tokens_per_round(table, args.vocab, [16, 64])
+    text = Path(args.table).read_text()
+    data = json.loads(text)
+    data["oracle_tokens_per_round"] = dict(
+        figures, vocab=args.vocab,
+        command="python " + " ".join(["evals/e2e_oracle.py"] + (argv or sys.argv[1:])))
+    vectors = data.pop("vectors")
+    body = json.dumps(data, indent=1)
+    Path(args.table).write_text(body[:-2] + ',\n "vectors": ' + json.dumps(vectors) + "\n}\n")
+    print(json.dumps(data["oracle_tokens_per_round"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -147,6 +147,15 @@ def write_sweep_markdown(data: dict, path: str) -> None:
              "bf16, CUDA graphs" + (", every engine alive at once (`--lockstep`), each cell "
                                     "measured by every run seconds apart" if inv.get(
                                         "lockstep") else "") + ".", ""]
+    oracle = data.get("oracle")
+    if oracle:
+        measured, given = oracle.get("tokens_per_round") or {}, dict(
+            oracle.get("oracle_tokens_per_round") or {})
+        given.pop("command", None)
+        lines += [f"Rank oracle: {oracle.get('rounds')} rounds of the embedded pair "
+                  f"({oracle.get('prompts')}; `{oracle.get('command')}`). Tokens per round "
+                  f"measured there: {measured}; what the oracle gives over the same "
+                  f"rank vectors (CPU, `python evals/e2e_oracle.py`): {given}.", ""]
     if sweep.get("contexts_note"):
         lines += [f"Contexts: {sweep['contexts_note']}.", ""]
     lines += [f"Date {inv.get('date', '?')}, GPU {inv.get('gpu', '?')}, "

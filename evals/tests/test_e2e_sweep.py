@@ -305,3 +305,20 @@ def test_fake_sweep_end_to_end_with_a_refused_run(tmp_path, monkeypatch):
     assert bench_e2e.main(["--from-json", str(tmp_path / "e2e_batch_sweep_v2lite.json"),
                            "--out-dir", str(out)]) == 0
     assert (out / "e2e_batch_sweep_v2lite.md").read_text() == md
+
+
+def test_oracle_tokens_per_round_chain_matches_the_table_and_trees_go_deeper():
+    """The chain's figure is the table's (leading rank-0 depths, exactly); a tree of 64
+    nodes accepts at least what one of 16 does; the stored figures came from the
+    stored vectors."""
+    from e2e_oracle import oracle_tokens_per_round
+
+    table = load_table()
+    small = dict(table, vectors=table["vectors"][:12])
+    got = oracle_tokens_per_round(small, 2048, [16, 64])
+    vectors = [decode_ranks(v) for v in small["vectors"]]
+    assert got["chain"] == round(sum(chain_accepted(v) + 1 for v in vectors) / 12, 3)
+    assert got["ddtree-64"] >= got["ddtree-16"] >= got["chain"]
+    stored = table["oracle_tokens_per_round"]
+    assert stored["chain"] == table["tokens_per_round"]["chain (leading rank-0 depths + 1)"]
+    assert stored["command"].startswith("python evals/e2e_oracle.py")
