@@ -52,7 +52,8 @@ def next_token_permutation(vocab_size: int, seed: int = TARGET_SEED) -> torch.Te
     """``f``: int64 ``[V]``, a seeded permutation; the structured target's greedy token
     after ``t`` is ``f[t]``."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randperm(vocab_size, generator=gen)
+    # device="cpu": vLLM loads models under a CUDA default device
+    return torch.randperm(vocab_size, generator=gen, device="cpu")
 
 
 def truth_table(perm: torch.Tensor, depths: int) -> torch.Tensor:
@@ -81,14 +82,15 @@ def confident_logits(top1_prob: list[float], vocab_size: int) -> torch.Tensor:
     for p in top1_prob:
         p = min(max(float(p), 0.02), 0.995)
         out.append(math.log(vocab_size * p / (1 - p)))
-    return torch.tensor(out, dtype=torch.float32)
+    return torch.tensor(out, dtype=torch.float32, device="cpu")
 
 
 def rank_vectors(table: dict) -> torch.Tensor:
     """int64 ``[N, L]`` of the table's vectors (``RANK_CAP`` = beyond)."""
     from drafter_ranks import decode_ranks
 
-    return torch.tensor([decode_ranks(v) for v in table["vectors"]], dtype=torch.int64)
+    return torch.tensor([decode_ranks(v) for v in table["vectors"]], dtype=torch.int64,
+                        device="cpu")
 
 
 def vector_index(bonus: torch.Tensor, bonus_pos: torch.Tensor, seed: int,
@@ -177,7 +179,8 @@ def structure_target_(model: torch.nn.Module, perm: torch.Tensor,
         embed = inner.embed_tokens.weight
         vocab, hidden = perm.numel(), embed.shape[1]
         gen = torch.Generator().manual_seed(seed)
-        rows = torch.randn(vocab, hidden, generator=gen).to(embed.device, embed.dtype)
+        rows = torch.randn(vocab, hidden, generator=gen, device="cpu").to(embed.device,
+                                                                          embed.dtype)
         embed[:vocab].copy_(rows)
         head = model.lm_head.weight
         head[:vocab].index_copy_(0, perm.to(head.device), rows.to(head.dtype))
