@@ -21,7 +21,17 @@ Methods ("runs"), each in its own child process with a fresh ``LLM``:
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
 with 64 / 8 heads and a Kimi-K2.6-shaped DFlash drafter, dummy weights: step latency,
-compared with ``shared/docs/anchors.md``).
+compared with ``shared/docs/anchors.md``), ``v2lite`` / ``v2lite_moe``
+(DeepSeek-V2-Lite-shaped MLA target, dense-MLP variant / MoE, dummy weights with the
+rank oracle: the embedded drafter's measured acceptance at V2-Lite's cost;
+``evals/e2e_v2lite.py``, ``evals/e2e_oracle.py``).
+
+``--sweep`` (``evals/e2e_sweep.py``): the batch sweep. Each cell keeps its batch of
+requests in flight with continuous batching (a pool of mixed-length requests refilled as
+they finish, through ``LLM.llm_engine``), batches 1 4 8 16 32 64 by default, and writes
+``e2e_batch_sweep[_<setup>].md / .png / .json`` (tokens/s against the batch). Runs take
+``+perbatch`` for vLLM's ``num_speculative_tokens_per_batch_size``; a configuration the
+front end refuses becomes skipped cells naming the refusal.
 
 Per (context, batch, prompt kind) cell: a ``max_tokens=1`` generate prefills the prompts
 into the prefix cache, then the measured generate (``max_tokens=N``, ``ignore_eos``)
@@ -36,6 +46,9 @@ Usage (GPU machine, project root; device-time estimates in evals/results/README.
     python evals/bench_e2e.py --setup kimi64 --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA
     python evals/bench_e2e.py --setup kimi8 --lockstep --repeats 2  # all engines at once
     python evals/bench_e2e.py --from-json evals/results/e2e_kimi64.json   # re-render (CPU)
+    python evals/bench_e2e.py --sweep --lockstep --setup v2lite --pool-factor 2 \
+        --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA+perbatch \
+        ddtree-16 ddtree-64 ddtree-64+perbatch ddtree-auto    # (scripts/gpu_suites.sh)
 
 ``--lockstep``: every run's child starts at once (one ``LLM`` each on the one GPU, its KV
 cache fixed by ``kv_cache_memory_bytes``), then the parent has each cell measured by every

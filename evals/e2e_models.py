@@ -17,6 +17,11 @@ Setups:
 - ``trained_yarn``: the same pair with the target's RoPE stretched by YaRN x4 over
   its 512-token window (``vllm_ddtree/long_context.py``), how a short-window model is
   served at long context; max_position_embeddings 2048.
+- ``v2lite`` / ``v2lite_moe``: a DeepSeek-V2-Lite-shaped MLA target (dense-MLP variant
+  with the MoE's active parameters / the MoE itself) and a DFlash drafter, config files
+  only (``evals/e2e_v2lite.py``); the rank oracle (``evals/e2e_oracle.py``) gives the
+  dummy target a known greedy output and the drafter the embedded drafter's measured
+  ranks.
 
 Prompts: ``code`` (standard-library source tokenized with the target's tokenizer: text
 the trained pair knows) and ``random`` (uniform token ids, unpredictable). Every prompt

@@ -3,9 +3,10 @@
 concurrency, requests of mixed lengths (the load generator and one cell's measurement).
 
 A cell (context C, batch b, prompt kind) has a pool of ``pool_factor x b`` requests
-(:func:`request_pool`, seeded): every prompt is one shared prefix of ``C - tail_max``
-tokens (a document many requests read: vLLM's prefix cache holds it once, so 64 requests
-at 32k fit beside five other engines on one GPU) followed by the request's own tail of
+(at least :data:`MIN_POOL`; :func:`request_pool`, seeded): every prompt is one shared
+prefix of ``C - tail_max`` tokens (a document many requests read: vLLM's prefix cache
+holds it once, so 64 requests at 32k fit beside the other runs' engines on one GPU)
+followed by the request's own tail of
 ``tail_min..tail_max`` tokens; each request asks for ``out_min..out_max`` new tokens
 (uniform, seeded). The pool's prompts are prefilled into the prefix cache first
 (``max_tokens=1`` generates, the shared prefix first), then :func:`drive` keeps b
@@ -32,6 +33,7 @@ SWEEP_BATCHES = [1, 4, 8, 16, 32, 64]
 DEFAULT_POOL_FACTOR = 3
 DEFAULT_TAILS = (64, 256)
 DEFAULT_OUTPUTS = (32, 256)
+MIN_POOL = 6  # requests per cell at least (batch 1: a few requests decide the figure)
 CRC_TOKENS = 16  # the report compares each request's first tokens with AR's by CRC
 # Contexts a setup serves honestly (and why), used when --contexts is not given.
 SWEEP_CONTEXTS: dict[str, tuple[list[int], str]] = {
@@ -87,7 +89,8 @@ class Request:
 
 def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
                  tokenizer=None) -> list[Request]:
-    """The seeded pool of one cell (module docstring): ``pool_factor x batch`` requests,
+    """The seeded pool of one cell (module docstring): ``pool_factor x batch`` requests
+    (at least :data:`MIN_POOL`),
     one shared prefix of ``context - tails[1]`` tokens, tails and outputs uniform in
     their ranges. ``code`` prompts need ``tokenizer`` (``e2e_models.code_prompts``)."""
     import numpy as np
@@ -99,7 +102,7 @@ def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
         raise ValueError(f"context={context} is not allowed with --prompt-tails {lo} {hi}: "
                          f"a context longer than the longest tail ({hi})")
     base, index = parse_prompt_kind(kind)
-    n = pool.pool_factor * batch
+    n = max(pool.pool_factor * batch, MIN_POOL)
     rng = np.random.default_rng([pool.seed, context, batch, index])
     tails = rng.integers(lo, hi + 1, n).tolist()
     outputs = rng.integers(out_lo, out_hi + 1, n).tolist()
