@@ -54,6 +54,7 @@ from cli_args import (  # noqa: E402
 )
 
 from vllm_ddtree.reference import DFlashDraftModel, generate  # noqa: E402
+from vllm_ddtree.reference.dflash2 import DFlash2DraftModel  # noqa: E402
 from vllm_ddtree.training import configs  # noqa: E402
 from vllm_ddtree.training.common import (  # noqa: E402
     dir_size,
@@ -165,6 +166,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start the drafter from this checkpoint (fine-tune; e.g. the "
                    "embedded drafter on a YaRN copy of its target, long_context.py) "
                    "instead of random weights; its shape must match the drafter config")
+    p.add_argument("--drafter-kind", choices=["dflash", "dflash2"], default="dflash",
+                   help="dflash2: a DFlash2 drafter (grouped convolutions, candidate "
+                   "selector) that starts as the DFlash one (random or --drafter-init) and "
+                   "trains its new parts with the rest")
     p.add_argument("--accept-prompts", type=positive_int, default=None)
     p.add_argument("--accept-new-tokens", type=positive_int, default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -465,9 +470,11 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     if args.drafter_init:
         init_from_checkpoint(drafter, Path(args.drafter_init))
         print(f"[drafter] initialised from {args.drafter_init}")
+    if args.drafter_kind == "dflash2":
+        drafter = DFlash2DraftModel.from_dflash(drafter, seed=args.seed)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
-        f"[drafter] DFlashDraftModel {n_params / 1e6:.2f} M params, block "
+        f"[drafter] {type(drafter).__name__} {n_params / 1e6:.2f} M params, block "
         f"{drafter.block_size}, target_layer_ids {layer_ids}, batch {dc.batch_size} seqs x "
         f"{dc.anchors_per_seq} anchors"
     )
@@ -492,6 +499,7 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         extra_axis="eval_tau",
     )
     summary["drafter"] = {
+        "kind": args.drafter_kind,
         "params": n_params,
         "config": {
             "target_layer_ids": layer_ids,

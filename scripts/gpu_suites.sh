@@ -84,6 +84,9 @@
 #              ckpt.tar.part-* in the log folder (scripts/unpack_pair.sh installs them)
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
+#   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
+#              drafter (identity convolutions, zero edge term), trains all of it with the
+#              selector loss for 2 minutes (~4 min in all); packs like trainpair
 #   savecache  the Triton cache as compile-cache.part-* in the log folder (15 MiB parts);
 #              put them in .devkit/ and `install` restores them on a fresh machine
 #
@@ -323,6 +326,14 @@ for stage in "$@"; do
       python3 -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target \
         --out "$ckpt/target" --copy | tee -a "$LOG_DIR/summary.txt"
       run_trainpair trainyarn "--stage drafter --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 3 --gen-sequences 6144" ;;
+    traindflash2)  # the embedded target as is; the corpus uses its tokenizer
+      build_corpus --tokenizer vllm_ddtree/checkpoints/target
+      cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
+        echo "data/ was built with another tokenizer than the embedded target's: remove it"
+        summary traindflash2 3; continue; }
+      ckpt="${TRAIN_OUT:-/tmp/ckpt}"
+      rm -rf "$ckpt" && mkdir -p "$ckpt" && cp -r vllm_ddtree/checkpoints/target "$ckpt/target"
+      run_trainpair traindflash2 "--stage drafter --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 2 --gen-sequences 3072" ;;
     savecache)
       start=$(date +%s)
       du -sh "$TRITON_CACHE_DIR" 2>/dev/null

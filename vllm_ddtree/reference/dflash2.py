@@ -43,13 +43,14 @@ the previous pick; its sampled walk draws from ``softmax(s[l, p, :] / T)``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from vllm_ddtree.drafter_config import dflash2_config_of
+from vllm_ddtree.drafter_config import DFLASH2_ARCHITECTURE, dflash2_config_of
 from vllm_ddtree.reference.drafter import (
     DFlashContextCache,
     DFlashDecoderLayer,
@@ -94,6 +95,18 @@ class GroupedDynamicConv(nn.Module):
             out = out + kernel[:, tap] * shifted * keep
         return out.reshape(n, hidden)
 
+    def around(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+               offsets: torch.Tensor) -> torch.Tensor:
+        """``fn`` (a sublayer) between the two sides of the convolution, both made with
+        the deltas of ``x``; ``x [..., S, H]`` (rows of a block consecutive),
+        ``offsets`` int64 ``[S]``: each row's index in its block."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        offsets = offsets.repeat(rows.shape[0] // offsets.shape[0])
+        deltas = self.deltas(rows)
+        y = fn(self.convolve(rows, deltas, 0, offsets).view(shape))
+        return self.convolve(y.reshape(-1, shape[-1]), deltas, 1, offsets).view(shape)
+
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
     """A DFlash decoder layer whose attention and MLP sit inside grouped convolutions."""
@@ -110,15 +123,11 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
         each row's index in its block (default ``0..S-1``: one block)."""
         if offsets is None:
             offsets = torch.arange(hidden.shape[0], device=hidden.device)
-        x = self.input_layernorm(hidden)
-        deltas = self.attention_conv.deltas(x)
-        x = self.attention_conv.convolve(x, deltas, 0, offsets)
-        x = self.self_attn(x, positions, ctx_k, ctx_v, ctx_pos, rotary)
-        hidden = hidden + self.attention_conv.convolve(x, deltas, 1, offsets)
-        x = self.post_attention_layernorm(hidden)
-        deltas = self.mlp_conv.deltas(x)
-        x = self.mlp(self.mlp_conv.convolve(x, deltas, 0, offsets))
-        return hidden + self.mlp_conv.convolve(x, deltas, 1, offsets)
+        hidden = hidden + self.attention_conv.around(
+            lambda x: self.self_attn(x, positions, ctx_k, ctx_v, ctx_pos, rotary),
+            self.input_layernorm(hidden), offsets)
+        return hidden + self.mlp_conv.around(
+            self.mlp, self.post_attention_layernorm(hidden), offsets)
 
 
 class CandidateSelector(nn.Module):
@@ -147,6 +156,16 @@ class CandidateSelector(nn.Module):
         succ = self.successor_codebook[candidate_ids]  # [R, L, K, rank]
         edges = torch.einsum("rlpk,rlck->rlpc", pred, succ)
         return unary.float()[:, :, None, :] + edges.float()
+
+    def given(self, candidate_ids: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+              predecessor_ids: torch.Tensor) -> torch.Tensor:
+        """Scores fp32 ``[..., K]`` of the candidates ``candidate_ids [..., K]`` (unary
+        ``[..., K]``, drafter states ``hidden [..., H]``) after one known predecessor
+        token each, ``predecessor_ids [...]`` (training: the true previous token)."""
+        gate = self.hidden_projection(hidden)  # [..., rank]
+        pred = self.predecessor_codebook[predecessor_ids] * gate
+        edges = (self.successor_codebook[candidate_ids] * pred[..., None, :]).sum(-1)
+        return unary.float() + edges.float()
 
 
 @dataclass
@@ -197,6 +216,37 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def new_context_cache(self) -> DFlashContextCache:
         return DFlashContextCache(self)
+
+    @classmethod
+    def from_dflash(cls, drafter: DFlashDraftModel, conv_kernel_size: int = 2,
+                    conv_group_size: int = 16, selector_rank: int = 32,
+                    selector_top_k: int = 8, seed: int = 0) -> DFlash2DraftModel:
+        """A DFlash2 drafter that starts as ``drafter`` exactly: its weights, identity
+        convolutions (first tap 1, the rest and the kernel deltas 0) and a selector whose
+        edge term is 0 (successor codebook 0; the predecessor codebook and hidden
+        projection random, seeded, so the edge term can learn)."""
+        config = copy.deepcopy(drafter.config)
+        config.architectures = [DFLASH2_ARCHITECTURE]
+        config.dflash_config = {**config.dflash_config, "conv_kernel_size": conv_kernel_size,
+                                "conv_group_size": conv_group_size,
+                                "selector_rank": selector_rank,
+                                "selector_top_k": selector_top_k}
+        model = cls(config)
+        missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
+        assert not unexpected, unexpected
+        g = torch.Generator().manual_seed(seed)
+        std = getattr(config, "initializer_range", 0.02)
+        with torch.no_grad():
+            for layer in model.layers:
+                for conv in (layer.attention_conv, layer.mlp_conv):
+                    conv.base_kernel.zero_()
+                    conv.base_kernel[:, 0] = 1.0
+                    conv.kernel_projection.weight.zero_()
+            selector = model.candidate_selector
+            for p in (selector.hidden_projection.weight, selector.predecessor_codebook):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+            selector.successor_codebook.zero_()
+        return model.to(next(drafter.parameters()).device)
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 logits after ``output_multiplier`` and ``final_logit_softcapping``."""

@@ -255,10 +255,14 @@ def save_checkpoint(
 
 
 def load_drafter(path: str | Path, dtype=torch.float32, device="cpu"):
-    """``DFlashDraftModel.from_pretrained(path)`` in ``dtype`` on ``device``, eval mode."""
+    """The drafter at ``path`` (``DFlashDraftModel``, or ``DFlash2DraftModel`` when its
+    config.json names it) in ``dtype`` on ``device``, eval mode."""
+    from vllm_ddtree.drafter_config import is_dflash2, read_drafter_config_json
+    from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
     from vllm_ddtree.reference.drafter import DFlashDraftModel
 
-    return DFlashDraftModel.from_pretrained(str(path), dtype=dtype).to(device).eval()
+    cls = DFlash2DraftModel if is_dflash2(read_drafter_config_json(path)) else DFlashDraftModel
+    return cls.from_pretrained(str(path), dtype=dtype).to(device).eval()
 
 
 def dir_size(path: str | Path) -> int:

@@ -154,13 +154,22 @@ def drafter_block_hidden(
     ctx_hidden = drafter.hidden_norm(drafter.fc(target_hidden))
     masks: dict[tuple, torch.Tensor] = {}
     h = block_embeds.reshape(bsz, n * bs, hidden)
+    offsets = torch.arange(n * bs, device=h.device) % bs  # DFlash2: row index in its block
     for layer in drafter.layers:
         attn = layer.self_attn
         key = (attn.sliding_window, attn.causal)
         if key not in masks:
             masks[key] = attention_mask(attn, anchors, bs, ctx_len)
-        x = layer.input_layernorm(h)
-        h = h + _layer_attention(attn, x, q_pos, ctx_hidden, masks[key], drafter.rotary)
+
+        def attention(x, attn=attn, mask=masks[key]):
+            return _layer_attention(attn, x, q_pos, ctx_hidden, mask, drafter.rotary)
+
+        if hasattr(layer, "attention_conv"):  # DFlash2: sublayers inside convolutions
+            h = h + layer.attention_conv.around(attention, layer.input_layernorm(h), offsets)
+            h = h + layer.mlp_conv.around(layer.mlp, layer.post_attention_layernorm(h),
+                                          offsets)
+            continue
+        h = h + attention(layer.input_layernorm(h))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
     return drafter.norm(h).view(bsz, n, bs, hidden)
 
@@ -185,6 +194,29 @@ def block_labels(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int) -
     return torch.gather(tokens, 1, idx).view(*anchors.shape, block_size - 1)
 
 
+def drafter_block_outputs(
+    drafter: DFlashDraftModel,
+    tokens: torch.Tensor,
+    target_hidden: torch.Tensor,
+    anchors: torch.Tensor,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    lm_head: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final-normed drafter states ``[B, N, block_size - 1, H]``, draft logits
+    ``[B, N, block_size - 1, V]``) of depths ``1..block_size-1``, as
+    :func:`drafter_block_logits`. A DFlash2 drafter scales the embeddings by its
+    ``input_embedding_scale`` and its logits by ``output_logits`` (fp32 then)."""
+    bs = drafter.block_size
+    ids = block_input_ids(tokens, anchors, bs, drafter.mask_token_id)
+    embeds = embed(ids).to(drafter.fc.weight.dtype)  # fp32 residual stream under autocast
+    embeds = embeds * getattr(drafter, "input_embedding_scale", 1.0)
+    hidden = drafter_block_hidden(drafter, embeds, anchors, target_hidden)[:, :, 1:]
+    logits = lm_head(hidden)
+    if hasattr(drafter, "output_logits"):
+        logits = drafter.output_logits(logits)
+    return hidden, logits
+
+
 def drafter_block_logits(
     drafter: DFlashDraftModel,
     tokens: torch.Tensor,
@@ -201,8 +233,4 @@ def drafter_block_logits(
     ``drafter.block_logits(tokens[b, a], a, ctx, embed, lm_head)`` with ``ctx`` filled
     from ``target_hidden[b, :a]``.
     """
-    bs = drafter.block_size
-    ids = block_input_ids(tokens, anchors, bs, drafter.mask_token_id)
-    embeds = embed(ids).to(drafter.fc.weight.dtype)  # fp32 residual stream under autocast
-    hidden = drafter_block_hidden(drafter, embeds, anchors, target_hidden)
-    return lm_head(hidden[:, :, 1:])
+    return drafter_block_outputs(drafter, tokens, target_hidden, anchors, embed, lm_head)[1]

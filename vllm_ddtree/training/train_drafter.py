@@ -53,9 +53,10 @@ from vllm_ddtree.training.common import (
 )
 from vllm_ddtree.training.drafter_forward import (
     block_labels,
-    drafter_block_logits,
+    drafter_block_outputs,
     target_aux_hidden,
 )
+from vllm_ddtree.training.selector_loss import selector_loss
 from vllm_ddtree.training.train_target import autocast_for
 
 
@@ -294,9 +295,13 @@ def dflash_loss(
     return loss, stats
 
 
-def _batch_logits(drafter, target, pool: GreedyPool, idx, anchors):
+def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """:func:`dflash_loss` of the blocks anchored at ``anchors`` in rows ``idx`` of
+    ``pool``; a DFlash2 drafter adds its selector's loss and stats
+    (:func:`vllm_ddtree.training.selector_loss.selector_loss`)."""
     tokens = pool.tokens[idx]
-    logits = drafter_block_logits(
+    hidden, logits = drafter_block_outputs(
         drafter,
         tokens,
         pool.aux[idx],
@@ -304,7 +309,14 @@ def _batch_logits(drafter, target, pool: GreedyPool, idx, anchors):
         target.get_input_embeddings(),
         target.get_output_embeddings(),
     )
-    return logits, block_labels(tokens, anchors, drafter.block_size)
+    labels = block_labels(tokens, anchors, drafter.block_size)
+    loss, stats = dflash_loss(logits, labels, gamma)
+    if hasattr(drafter, "candidate_selector"):
+        extra, extra_stats = selector_loss(drafter, hidden, logits,
+                                           torch.gather(tokens, 1, anchors), labels)
+        loss = loss + extra
+        stats.update(extra_stats)
+    return loss, stats
 
 
 @torch.no_grad()
@@ -326,8 +338,7 @@ def evaluate_drafter(
         )
         idx, anchors = idx.to(device), anchors.to(device)
         with autocast_for(device):
-            logits, labels = _batch_logits(drafter, target, pool, idx, anchors)
-            loss, stats = dflash_loss(logits, labels, cfg.loss_gamma)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
         tot_loss += float(loss)
         tot_tau += float(stats["tau"])
         acc = stats["acc"] if acc is None else acc + stats["acc"]
@@ -358,8 +369,11 @@ def train_drafter(
     for p in target.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(cfg.seed)
-    decay = [p for p in drafter.parameters() if p.dim() >= 2]
-    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    # No decay on vectors, nor on DFlash2's base kernels (decay would pull their
+    # identity tap towards 0).
+    named = list(drafter.named_parameters())
+    decay = [p for n, p in named if p.dim() >= 2 and not n.endswith("base_kernel")]
+    no_decay = [p for n, p in named if p.dim() < 2 or n.endswith("base_kernel")]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": cfg.weight_decay},
@@ -408,12 +422,11 @@ def train_drafter(
         )
         idx, anchors = host_to_device(idx, device), host_to_device(anchors, device)
         with autocast_for(device):
-            logits, labels = _batch_logits(drafter, target, pool, idx, anchors)
-            loss, stats = dflash_loss(logits, labels, cfg.loss_gamma)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
         taus.append(stats["tau"])
         return loss
 
-    step = run_step_loop(plan, cfg, opt, drafter.parameters(), compute_loss, pending, bar,
+    step = run_step_loop(plan, cfg, opt, list(drafter.parameters()), compute_loss, pending, bar,
                          flush, evaluate, log)
     log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
     log.extra["kept_step"] = best.step if best.restore(drafter) else step
