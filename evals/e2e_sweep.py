@@ -108,8 +108,10 @@ def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
     outputs = rng.integers(out_lo, out_hi + 1, n).tolist()
     prefix_len = context - hi
     total = prefix_len + n * hi
-    if base == "random":
-        stream = rng.integers(*setup.random_ids, size=total).tolist()
+    if base == "random":  # the prefix depends on the context only: cached across batches
+        prefix_rng = np.random.default_rng([pool.seed, context, index, 1])
+        stream = (prefix_rng.integers(*setup.random_ids, size=prefix_len).tolist()
+                  + rng.integers(*setup.random_ids, size=total - prefix_len).tolist())
     else:
         if tokenizer is None:
             raise ValueError(f"setup {setup.name} has no tokenizer: 'code' prompts need one")

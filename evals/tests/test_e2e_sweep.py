@@ -115,6 +115,9 @@ def test_request_pool_shares_a_prefix_and_draws_seeded_lengths():
         assert all(setup.random_ids[0] <= t < setup.random_ids[1] for t in r.prompt)
     assert len({tuple(r.prompt[96:]) for r in pool}) == 12  # tails differ
     assert pool == request_pool(setup, 128, 4, "random", spec)  # seeded
+    other = request_pool(setup, 128, 2, "random", spec)  # another batch: same prefix
+    assert len(other) == 6 and other[0].prompt[:96] == prefix  # at least MIN_POOL
+    assert other[0].prompt[96:] != pool[0].prompt[96:]
     assert pool != request_pool(setup, 128, 4, "random", PoolSpec(3, (8, 32), (4, 40), 6))
     with pytest.raises(ValueError, match="context=32 is not allowed"):
         request_pool(setup, 32, 4, "random", spec)
