@@ -202,7 +202,7 @@ def chain_mismatches(pool: list[Request], outputs: list[list[int]], perm) -> dic
 
 
 def sweep_kv_bytes(models, max_context: int, batch: int, pool: PoolSpec, margin: int,
-                   factor: float = 1.5) -> int:
+                   factor: float = 2.0) -> int:
     """``kv_cache_memory_bytes`` of each ``--lockstep`` sweep engine: ``factor x`` the
     KV cache of the shared prefix + ``batch`` requests' tails, outputs and ``margin``
     (the prefix cache keeps the primed pool's tails while it has room), + 1 GiB."""
