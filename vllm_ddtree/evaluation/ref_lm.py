@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS, Pair
 from vllm_ddtree.evaluation.ref_args import DTYPES, check_ref_lm_args
-from vllm_ddtree.reference import DFlashDraftModel, generate
+from vllm_ddtree.reference import generate
+from vllm_ddtree.training.common import load_drafter
 
 logger = logging.getLogger(__name__)
 MODEL_NAME = "ddtree-ref"
@@ -58,7 +59,7 @@ def load_pair(pretrained: str | None, drafter: str | None, dtype: str = "float32
     target = target.to(device).eval()
     draft = None
     if need_drafter:
-        draft = DFlashDraftModel.from_pretrained(drafter, dtype=torch_dtype).to(device).eval()
+        draft = load_drafter(drafter, torch_dtype, device)  # DFlash or DFlash2
     tokenizer = AutoTokenizer.from_pretrained(pretrained)
     return Pair(target, draft, tokenizer, f"{pretrained} + {drafter}")
 
