@@ -95,6 +95,7 @@ def main() -> None:
 
     from vllm_ddtree.demo.reference_engine import CHECKPOINTS
     from vllm_ddtree.runtime_state import DDTREE_STATE
+    from vllm_ddtree.testing.compare import vllm_top2_gaps
 
     target = CHECKPOINTS / "target"
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -113,13 +114,15 @@ def main() -> None:
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="float32", max_model_len=2048, **gpu_memory_args(), max_num_seqs=4,
               seed=0, disable_log_stats=False, **extra)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=2)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
         committed = [n for rid, rounds in rounds_by_req.items()
                      if rid.rsplit("-", 1)[0] == out.request_id for n in rounds]
         result.append({"prompt": prompt, "tokens": list(out.outputs[0].token_ids),
+                       "top2_gap": vllm_top2_gaps(out.outputs[0].logprobs),
                        "committed_per_round": committed})
     with open(args.out, "w") as f:
         json.dump({"method": args.method, "budget": args.budget, "top_k": args.top_k,
