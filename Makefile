@@ -19,4 +19,4 @@ test: lint
 # On a CUDA machine with vLLM 0.26.0 and this package installed (CONTRIBUTING.md): the GPU
 # suites, each in its own pytest process with a time limit (logs in /tmp/gpu-suites).
 gpu-test:
-	bash scripts/gpu_suites.sh kernels backend ddtree graphs auto tiny oracle pair pairyarn serve
+	bash scripts/gpu_suites.sh kernels backend ddtree graphs auto schedule tiny oracle pair pairyarn serve

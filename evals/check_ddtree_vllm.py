@@ -184,6 +184,32 @@ def install_trace(max_steps: int) -> list:
     return steps
 
 
+def record_step_plan() -> dict[str, list]:
+    """From now on, record the host's step plan (``vllm_ddtree.verify.shape.StepPlan``):
+    per verify step ``{num_reqs, drafted_before, cap, shape, uniform}`` (``shape``: the
+    drafts each request verifies, 0 after a propose without the drafter's pass) and per
+    propose ``{num_reqs, draft}``, in order."""
+    from vllm_ddtree.verify.shape import StepPlan
+
+    seen: dict[str, list] = {"steps": [], "drafts": []}
+    step_shape, draft_next = StepPlan.step_shape, StepPlan.draft_next
+
+    def recording_step_shape(self, num_reqs, uniform=False):
+        before = self.drafted
+        shape = step_shape(self, num_reqs, uniform)
+        seen["steps"].append({"num_reqs": num_reqs, "drafted_before": before,
+                              "cap": self.cap(num_reqs), "shape": shape, "uniform": uniform})
+        return shape
+
+    def recording_draft_next(self, num_reqs, contexts=None):
+        draft = draft_next(self, num_reqs, contexts)
+        seen["drafts"].append({"num_reqs": num_reqs, "draft": draft})
+        return draft
+
+    StepPlan.step_shape, StepPlan.draft_next = recording_step_shape, recording_draft_next
+    return seen
+
+
 def gpu_memory_args() -> dict:
     """0.3 of the GPU by default. ``VLLM_DDTREE_TEST_KV_GIB`` fixes the KV cache size
     instead, which skips vLLM's start-up memory profiling: that profiling counts what
@@ -228,8 +254,15 @@ def main() -> None:
     parser.add_argument("--cycle-budgets", default=None,
                         help="with --auto, a test of the adaptive machinery: the device "
                         "choice is replaced by these budgets in turn (comma-separated, "
-                        "e.g. 1,4,3,16), so verify shapes below B, shape changes and "
-                        "choices that differ from the lagged shape all occur")
+                        "e.g. 1,4,0,3,16; 0: a plain decoding step), so verify shapes "
+                        "below B, plain steps, shape changes and choices that differ "
+                        "from the lagged shape all occur")
+    parser.add_argument("--schedule", default=None,
+                        help="num_speculative_tokens_per_batch_size as JSON, e.g. "
+                        "'[[1, 2, 32], [3, 8, 0]]' (the tree budget per batch size)")
+    parser.add_argument("--record-steps", action="store_true",
+                        help="record the step plan: drafts verified per step, and whether "
+                        "each propose drafted (the JSON's step_plan)")
     parser.add_argument("--verify-shape", choices=["adaptive", "fixed"], default=None,
                         help="with --auto: ddtree_verify_shape (default: vLLM-ddtree's, "
                         "adaptive at TP = 1)")
@@ -254,6 +287,9 @@ def main() -> None:
     parser.add_argument("--one-kv-group", action="store_true",
                         help="disable_hybrid_kv_cache_manager: all layers in one KV-cache "
                         "group (patches/unify_kv_block_size.py)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                        help="the models' dtype (float32: with the CUSTOM backend, eager; "
+                        "greedy and seeded tokens then equal AR's exactly)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="vLLM's --kv-cache-dtype for target and drafter (fp8: e4m3)")
     parser.add_argument("--trace", type=int, default=0,
@@ -276,6 +312,7 @@ def main() -> None:
 
     trace = install_trace(args.trace) if args.trace else None
     rounds_by_req = record_rounds() if args.method == "ddtree" else {}
+    step_plan = record_step_plan() if args.record_steps else None
     forced_budgets = None
     if args.cycle_budgets:
         # The test hook, applied here before LLM() builds the engine in this process
@@ -313,6 +350,8 @@ def main() -> None:
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
     if args.top_k is not None:
         spec["ddtree_top_k"] = args.top_k
+    if args.schedule is not None:
+        spec["num_speculative_tokens_per_batch_size"] = json.loads(args.schedule)
     if args.auto:
         spec["ddtree_budget"] = "auto"
         if args.verify_shape is not None:
@@ -338,7 +377,7 @@ def main() -> None:
         # too (the first op of the compiled forward).
         extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
-              dtype="bfloat16", max_model_len=4096, **gpu_memory_args(),
+              dtype=args.dtype, max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
               tensor_parallel_size=args.tp, **extra)
     if forced_budgets is not None and args.tp > 1:
@@ -382,6 +421,7 @@ def main() -> None:
                        "logprobs_len": len(completion.logprobs or [])})
     with open(args.out, "w") as f:
         json.dump({"mode": args.method, "budget": args.budget, "graphs": args.graphs,
+                   "dtype": args.dtype,
                    "tp": args.tp,
                    "mixed": args.mixed, "max_num_seqs": max_num_seqs,
                    "extra_tokens": args.extra_tokens, "patches": applied, "outputs": result,
@@ -391,7 +431,8 @@ def main() -> None:
                    "mean_active_nodes": (
                        DDTREE_STATE.mean_active_nodes() if args.auto and DDTREE_STATE.enabled
                        else None),
-                   "verify_dispatches": verify_dispatches,
+                   "verify_dispatches": verify_dispatches, "step_plan": step_plan,
+                   "schedule": json.loads(args.schedule) if args.schedule else None,
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
     from check_mla_backend import exit_now
 

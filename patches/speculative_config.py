@@ -51,7 +51,11 @@ def apply() -> None:
         return
 
     def create_speculative_config(self, target_model_config, target_parallel_config):
-        from vllm_ddtree.config import check_drafter_for_target, split_ddtree_spec
+        from vllm_ddtree.config import (
+            check_drafter_for_target,
+            check_parallel_setup,
+            split_ddtree_spec,
+        )
         from vllm_ddtree.drafter_config import block_size_of
         from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
 
@@ -59,6 +63,8 @@ def apply() -> None:
         if isinstance(spec, dict):
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
+                check_parallel_setup(
+                    ddtree, getattr(target_parallel_config, "data_parallel_size", 1))
                 drafter = check_drafter_for_target(
                     vllm_spec["model"], target_model_config.hf_config, ddtree)
                 # read by patches/batch_defaults.py when vLLM picks the batch limits

@@ -1,20 +1,25 @@
 """Patch ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model`` /
 ``.capture_model`` and ``vllm.v1.worker.gpu.cudagraph_utils.CudaGraphManager.
-_init_candidates`` / ``.dispatch`` / ``.capture`` (vLLM 0.26.0): DDTree's adaptive verify
-shapes (``vllm_ddtree.verify.shape``).
+_init_candidates`` / ``.dispatch`` / ``.capture`` (vLLM 0.26.0): steps that verify fewer
+than B drafts a request: ``ddtree_budget: "auto"``'s adaptive verify shapes and plain
+decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batch_size``
+(``vllm_ddtree.verify.shape``, ``vllm_ddtree.budget.schedule``).
 
 * ``execute_model``: before the runner builds the batch, cut each request's
-  scheduled drafts to the shape the speculator's ``VerifyShapeChooser`` gives
-  (``truncate_drafts`` copies the ``SchedulerOutput``; the scheduler's own object is
-  untouched). Everything the runner derives from the batch (``num_tokens``, the
-  uniform query length its graph dispatch keys on, ``cu_num_logits``) follows.
+  scheduled drafts to the speculator's ``StepPlan.step_shape`` (``truncate_drafts``
+  copies the ``SchedulerOutput``; the scheduler's own object is untouched; 0 drafts:
+  a plain decoding step, sampled without the verifier). Everything the runner derives
+  from the batch (``num_tokens``, the uniform query length its graph dispatch keys on,
+  ``cu_num_logits``) follows.
 * ``_init_candidates`` of the target's ``ModelCudaGraphManager``: capture FULL decode
-  graphs for every uniform query length ``1 + s``. vLLM captures one length per
-  entry of ``num_speculative_tokens_per_batch_size`` (dynamic speculative decoding,
+  graphs for every uniform query length ``1 + s`` (``verify.shape.step_shapes``, s = 0
+  included where plain steps occur). vLLM captures one length per entry of
+  ``num_speculative_tokens_per_batch_size`` (dynamic speculative decoding,
   ``cudagraph_utils.py:196-220``); the patch sets that list to the shapes for the
   duration of the call only, so the scheduler (which reads it to change the number
-  of drafts it schedules, ``scheduler.py:243-248``) never sees it. The drafter's graph
-  managers are other classes and keep their one shape.
+  of drafts it schedules, ``scheduler.py:243-248``; DDTree keeps the user's schedule
+  out of vLLM's config) never sees it. The drafter's graph managers are other classes
+  and keep their one shape.
 * ``dispatch`` of that manager: vLLM looks for a graph only among the descriptors of
   the smallest captured token count >= the batch's (``cudagraph_utils.py:270-280``).
   With several query lengths that size often belongs to another length (3 requests
@@ -22,14 +27,17 @@ shapes (``vllm_ddtree.verify.shape``).
   piecewise. When that happens the patch takes the smallest FULL graph of the same
   query length that holds the batch (the runner pads requests and tokens, as for
   any FULL graph).
-* ``capture`` of that manager: each one-request verify graph is replayed right after
-  its capture (``vllm_ddtree.budget.verify_costs``), and ``capture_model`` hands the
-  times to ``ddtree_budget: "auto"``'s policy (``BudgetPolicy.set_row_costs``): what a
-  verified row costs beside attention. Not at TP > 1: vLLM's custom all-reduce
+* ``capture`` of that manager: each verify graph of one request, and with auto's
+  b = 0 gate of 1, 2, 4, ... requests, is replayed right after its capture
+  (``vllm_ddtree.budget.verify_costs``); with the gate, the drafter's graphs too. Then
+  ``capture_model`` hands the times to auto: one request's verify forward per shape to
+  the device choice (``BudgetPolicy.set_row_costs``), the verify forward by total rows
+  and the drafter's block pass by requests to the gate's cost model
+  (``StepCostModel.set_graph_costs``). Not at TP > 1: vLLM's custom all-reduce
   registers the graphs' buffers only when the capture context exits.
 
-Both are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` and an
-adaptive verify shape.
+All are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` (adaptive
+verify shapes) or a batch schedule.
 """
 
 from __future__ import annotations
@@ -43,20 +51,62 @@ PATCHED_FUNCTION = (
 )
 
 
-def adaptive_verify_shapes(vllm_config) -> list[int] | None:
-    """The candidate verify shapes (drafts per request) when ``vllm_config`` runs
-    DDTree with adaptive verify shapes, else None."""
-    from vllm_ddtree.budget.policy import candidate_budgets
+def verify_shapes(vllm_config, max_num_reqs: int) -> list[int] | None:
+    """Every drafts-per-request count a step of this run may verify
+    (``vllm_ddtree.verify.shape.step_shapes``), or None when every step verifies B."""
+    from vllm_ddtree.runtime_state import ddtree_config_of
+    from vllm_ddtree.verify.shape import step_shapes
+
+    parallel = vllm_config.parallel_config
+    return step_shapes(ddtree_config_of(vllm_config.speculative_config),
+                       parallel.tensor_parallel_size, max_num_reqs,
+                       getattr(parallel, "data_parallel_size", 1))
+
+
+def gate_timings(vllm_config) -> bool:
+    """Whether the run has auto's b = 0 gate, which times graphs of several batch
+    sizes (``vllm_ddtree.verify.shape.auto_plain_steps``)."""
+    from vllm_ddtree.runtime_state import ddtree_config_of
+    from vllm_ddtree.verify.shape import auto_plain_steps
+
+    parallel = vllm_config.parallel_config
+    return auto_plain_steps(ddtree_config_of(vllm_config.speculative_config),
+                            parallel.tensor_parallel_size,
+                            getattr(parallel, "data_parallel_size", 1))
+
+
+def _is_dummy(args, kwargs) -> bool:
+    """``execute_model(scheduler_output, intermediate_tensors, dummy_run, ...)``."""
+    if "dummy_run" in kwargs:
+        return bool(kwargs["dummy_run"])
+    return bool(args[1]) if len(args) > 1 else False
+
+
+def _shape_timer(manager):
+    """The ``ShapeGraphTimer`` for a graph manager's capture, or None (no timing):
+    the target's verify graphs (one request for auto's row costs; with the b = 0 gate
+    also 2, 4, ... requests) and, with the gate, the DDTree drafter's block-pass
+    graphs. Not at TP > 1 (no replays inside vLLM's capture context there)."""
+    config = manager.vllm_config
+    if config.parallel_config.tensor_parallel_size > 1:
+        return None
+    from vllm_ddtree.budget.verify_costs import ShapeGraphTimer, timing_request_counts
+
     from vllm_ddtree.runtime_state import ddtree_config_of
 
-    spec = vllm_config.speculative_config
-    ddtree = ddtree_config_of(spec)
-    if ddtree is None:
-        return None
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if ddtree.resolved_verify_shape(tp) != "adaptive":
-        return None
-    return candidate_budgets(ddtree.budget)
+    ddtree = ddtree_config_of(config.speculative_config)
+    shapes = getattr(manager, "_ddtree_shapes", None)
+    gate = gate_timings(config)
+    counts = timing_request_counts(manager.max_num_reqs) if gate else [1]
+    if shapes and ddtree is not None and ddtree.adaptive:
+        return ShapeGraphTimer(manager.graphs, shapes, request_counts=counts)
+    if gate:
+        from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
+
+        if isinstance(manager, DFlashCudaGraphManager):
+            return ShapeGraphTimer(manager.graphs, [manager.decode_query_len - 1],
+                                   request_counts=counts)
+    return None
 
 
 def apply() -> None:
@@ -78,17 +128,20 @@ def apply() -> None:
         return
 
     def execute_model(self, scheduler_output, *args, **kwargs):
-        chooser = getattr(getattr(self, "speculator", None), "verify_shape", None)
-        if chooser is not None:
-            from vllm_ddtree.verify.shape import truncate_drafts
+        plan = getattr(getattr(self, "speculator", None), "step_plan", None)
+        if (plan is not None and not _is_dummy(args, kwargs)
+                and scheduler_output.total_num_scheduled_tokens > 0):
+            from vllm_ddtree.verify.shape import truncate_drafts, uniform_decode
 
-            scheduler_output = truncate_drafts(scheduler_output, chooser.next_shape())
+            shape = plan.step_shape(len(scheduler_output.num_scheduled_tokens),
+                                    uniform_decode(scheduler_output))
+            scheduler_output = truncate_drafts(scheduler_output, shape)
         return original_execute(self, scheduler_output, *args, **kwargs)
 
     def _init_candidates(self):
         shapes = None
         if isinstance(self, ModelCudaGraphManager):
-            shapes = adaptive_verify_shapes(self.vllm_config)
+            shapes = verify_shapes(self.vllm_config, self.max_num_reqs)
         self._ddtree_shapes = shapes
         if shapes is None:
             return original_candidates(self)
@@ -115,14 +168,9 @@ def apply() -> None:
         return min(fits, key=lambda d: d.num_tokens) if fits else desc
 
     def capture(self, create_forward_fn, *args, **kwargs):
-        shapes = getattr(self, "_ddtree_shapes", None)
-        # At TP > 1 the graphs hold vLLM's custom all-reduce, whose buffers are only
-        # registered when the capture context exits: no replay inside it.
-        if not shapes or self.vllm_config.parallel_config.tensor_parallel_size > 1:
+        timer = _shape_timer(self)
+        if timer is None:
             return original_capture(self, create_forward_fn, *args, **kwargs)
-        from vllm_ddtree.budget.verify_costs import ShapeGraphTimer
-
-        timer = ShapeGraphTimer(self.graphs, shapes)
 
         def timed_create_forward_fn(desc, warmup):
             # The graph captured last still has its dummy inputs in the buffers.
@@ -131,21 +179,28 @@ def apply() -> None:
 
         result = original_capture(self, timed_create_forward_fn, *args, **kwargs)
         timer.time_new_graphs()
-        self._ddtree_shape_seconds = None if timer.failed else timer.seconds
+        self._ddtree_shape_timer = None if timer.failed else timer
         return result
 
     def capture_model(self):
         result = original_capture_model(self)
-        seconds = getattr(self.cudagraph_manager, "_ddtree_shape_seconds", None)
-        policy = getattr(self.speculator, "budget_policy", None)
-        if seconds and policy is not None:
+        speculator = getattr(self, "speculator", None)
+        target = getattr(self.cudagraph_manager, "_ddtree_shape_timer", None)
+        policy = getattr(speculator, "budget_policy", None)
+        if target is not None and target.seconds and policy is not None:
             try:
-                policy.set_row_costs(seconds)
+                policy.set_row_costs(target.seconds)
             except ValueError as e:  # e.g. B beyond the largest captured size
                 import logging
 
                 logging.getLogger("vllm.ddtree.verify_shapes").warning(
                     "DDTree auto budget runs without row costs: %s", e)
+        gate = getattr(getattr(speculator, "step_plan", None), "gate", None)
+        if gate is not None:
+            drafter = getattr(getattr(speculator, "query_cudagraph_manager", None),
+                              "_ddtree_shape_timer", None)
+            gate.set_graph_costs(target.by_tokens() if target is not None else {},
+                                 drafter.by_reqs() if drafter is not None else {})
         return result
 
     mark_patched(execute_model, original_execute)

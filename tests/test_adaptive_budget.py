@@ -62,7 +62,8 @@ def test_config_accepts_auto_and_carries_it_to_the_engine():
     assert "ddtree_budget" not in spec and spec["num_speculative_tokens"] == 64
     assert split_ddtree_spec(BASE_SPEC)[1].adaptive is False
     raw = cfg.to_dict()
-    assert raw == {"budget": 64, "top_k": 4, "adaptive": True, "verify_shape": None}
+    assert raw == {"budget": 64, "top_k": 4, "adaptive": True, "verify_shape": None,
+                   "batch_schedule": None}
     assert ddtree_config_of(NS(ddtree=raw)) == cfg
     # dicts written before the key existed still read as a fixed budget
     assert ddtree_config_of(NS(ddtree={"budget": 8, "top_k": None})).adaptive is False

@@ -140,8 +140,9 @@ def test_the_patch_routes_only_drafters_that_carry_graphs():
 def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_drafter(
         monkeypatch):
     """DDTreeSpeculator.capture after DFlash's: lengths R * (1 + B) and, with auto's
-    verify shapes, R * (1 + s), for R up to the drafter's largest FULL graph; the
-    graphs go to the drafter only when its class is routed by the patch."""
+    verify shapes or a batch schedule, R * (1 + s) (s = 0: plain steps), for R up to
+    the drafter's largest FULL graph; the graphs go to the drafter only when its class
+    is routed by the patch."""
     import contextlib
     from types import SimpleNamespace as NS
 
@@ -165,7 +166,7 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
         spec.device = NS(type="cuda")
         spec.budget, spec.num_query_per_req, spec.max_num_reqs = 8, 16, 4
         spec.max_num_tokens = 1024
-        spec.verify_shape = None if shapes is None else NS(shapes=shapes)
+        spec.step_plan = None if shapes is None else NS(shapes=shapes)
         spec.query_cudagraph_manager = NS(_capture_descs={CUDAGraphMode.FULL: [
             NS(num_reqs=2, num_tokens=32), NS(num_reqs=1, num_tokens=16)]})
         spec.model = model
@@ -186,6 +187,8 @@ def test_the_speculator_captures_full_tree_lengths_and_hands_the_graphs_to_the_d
 
     speculator(drafter, shapes=[1, 4, 8]).capture()  # auto: every verify shape
     assert captured[-1] == [18, 10, 9, 5, 4, 2]
+    speculator(drafter, shapes=[0, 1, 4, 8]).capture()  # and plain steps: 1 row each
+    assert captured.pop() == [18, 10, 9, 5, 4, 2, 1]
 
     class OtherDrafter:  # a DFlash drafter class the patch does not route
         def precompute_and_store_context_kv(self, *args):

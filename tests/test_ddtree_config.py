@@ -38,7 +38,7 @@ def test_other_methods_pass_through():
     ({"ddtree_top_k": 0}, "ddtree_top_k"),
     ({"model": None}, "model"),
     ({"draft_sample_method": "probabilistic"}, "draft_sample_method"),
-    ({"num_speculative_tokens_per_batch_size": [(1, 8, 4)]}, "num_speculative_tokens_per_batch"),
+    ({"num_speculative_tokens_per_batch_size": [(2, 8, 4)]}, "num_speculative_tokens_per_batch"),
 ])
 def test_bad_specs_name_the_field(patch, field):
     with pytest.raises(DDTreeConfigError, match=field):
@@ -116,7 +116,8 @@ def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backen
         args, original, vllm_spec, DDTreeConfig(budget=32, top_k=4),
         SimpleNamespace(use_mla=True), None)
     assert config.method == "dflash" and seen["spec"] is vllm_spec
-    assert config.ddtree == {"budget": 32, "top_k": 4, "adaptive": False, "verify_shape": None}
+    assert config.ddtree == {"budget": 32, "top_k": 4, "adaptive": False, "verify_shape": None,
+                             "batch_schedule": None}
     assert args.attention_backend == "CUSTOM"
     assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
     assert runner_patches == [1]

@@ -43,7 +43,7 @@ def test_truncate_drafts_without_excess_is_the_same_object():
     original = scheduler_output()
     assert truncate_drafts(original, 8) is original
     with pytest.raises(ValueError, match="num_drafts"):
-        truncate_drafts(original, 0)
+        truncate_drafts(original, -1)
 
 
 def test_chooser_follows_the_newest_choice_rounded_up_to_a_shape():
@@ -182,7 +182,7 @@ def test_graph_manager_plans_every_verify_shape(shape_patch):
     auto = DDTreeConfig(budget=8, adaptive=True)
     manager, spec = graph_manager(auto)
     manager._init_candidates()
-    assert full_decode_lengths(manager) == {2, 3, 5, 9}
+    assert full_decode_lengths(manager) == {1, 2, 3, 5, 9}  # 1: plain steps (b = 0)
     # The scheduler must never see vLLM's dynamic-SD list.
     assert spec.num_speculative_tokens_per_batch_size is None
     # Every 1 + s shape dispatches to a FULL graph of its own query length, also where
@@ -221,15 +221,17 @@ def test_graph_manager_keeps_one_shape_otherwise(shape_patch, ddtree):
 
 
 def test_execute_model_cuts_drafts_to_the_chosen_shape(shape_patch):
+    from vllm_ddtree.verify.shape import StepPlan
+
     runner_cls, calls = shape_patch
     chooser = VerifyShapeChooser(8, "cpu")
     chooser.record_(torch.tensor(2))
-    runner = NS(speculator=NS(verify_shape=chooser))
+    runner = NS(speculator=NS(step_plan=StepPlan(8, chooser.shapes, chooser=chooser)))
     original = scheduler_output()
     assert runner_cls.execute_model(runner, original) == "ran"
     assert calls[-1].num_scheduled_tokens == {"tree": 3, "short": 3, "prefill": 100}
     assert calls[-1].total_num_scheduled_tokens == 106
-    # Without a chooser (fixed shapes, other methods) the runner gets the object as is.
+    # Without a plan (fixed shapes, other methods) the runner gets the object as is.
     runner_cls.execute_model(NS(speculator=NS()), original)
     assert calls[-1] is original
 
@@ -252,16 +254,18 @@ def test_shape_choice_has_no_host_sync():
 
 def test_forced_budget_hook(monkeypatch):
     """The GPU tests' hook (``vllm_ddtree.testing.forced_budgets``, applied by the check
-    script itself): choose returns the listed budgets in turn, capped at B; bad lists
-    are refused."""
+    script itself): choose returns the listed non-zero budgets in turn, capped at B; the
+    b = 0 gate takes a plain step for each 0 in turn; bad lists are refused."""
+    from vllm_ddtree.budget.gate import SpeculationGate
     from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
     from vllm_ddtree.testing import forced_budgets
 
     monkeypatch.setattr(BudgetPolicy, "choose", BudgetPolicy.choose)  # restored after
+    monkeypatch.setattr(SpeculationGate, "_choose", SpeculationGate._choose)
     # The in-graph choice needs CUDA; a stand-in writes the policy's own pick (B).
     monkeypatch.setattr(BudgetPolicy, "choose_in_graph",
                         lambda self, *args: self.chosen.fill_(self.max_budget))
-    forced_budgets.apply_in_worker(None, forced_budgets.parse_budgets("1,4,99"))
+    forced_budgets.apply_in_worker(None, forced_budgets.parse_budgets("1,4,0,99"))
     table = measure_attention_table(lambda c, q: 1e-6 * q, [1024], [1, 2, 4, 8])
     policy = BudgetPolicy(table, num_layers=2)
     scores, ctx = torch.zeros(2, 8), torch.tensor([100, 200])
@@ -272,7 +276,14 @@ def test_forced_budget_hook(monkeypatch):
     picks = [int(policy.choose_in_graph(scores, ctx, rows, 1)) for _ in range(4)]
     assert picks == [1, 4, 8, 1]
     assert int(policy.chosen) == 1 and int(policy._forced_turn) == 4
-    for bad in ("", "0,2", "a"):
+    # The host's b = 0 choice follows the whole list (a zero budget cap stays 0).
+    gate = SpeculationGate(policy.cost_model(), "cpu")
+    import numpy as np
+
+    drafts = [gate._choose(2, np.array([100, 200]), 8, 8) for _ in range(5)]
+    assert drafts == [True, True, False, True, True]
+    assert gate._choose(2, np.array([100, 200]), 0, 8) is False
+    for bad in ("", "-1,2", "0,0", "a"):
         with pytest.raises(ValueError, match="forced budgets"):
             forced_budgets.parse_budgets(bad)
 
@@ -305,16 +316,22 @@ def fake_vllm_capture(self, create_forward_fn, progress_bar_desc="x"):
         self.graphs[desc] = FakeGraph(desc, self.buffers)
 
 
-def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
-    """The capture patch replays every one-request verify graph right after its capture,
-    before the next shape's inputs are prepared, and capture_model hands the times to
-    the auto policy as row costs; other graphs (more requests) are not timed."""
+@pytest.mark.parametrize("verify_shape", ["adaptive", "fixed"])
+def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch, verify_shape):
+    """The capture patch replays verify graphs right after their capture, before the
+    next shape's inputs are prepared, and capture_model hands the one-request times to
+    the auto policy as row costs. With auto's b = 0 gate (adaptive shapes at TP = 1)
+    graphs of 2, 4, ... requests are timed too and go to the gate's cost model by total
+    rows, with the drafter's block-pass graphs by requests. Fixed verify shapes time
+    nothing."""
     from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
     from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 
     import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm_ddtree.budget import verify_costs as verify_shape_costs
+    from vllm_ddtree.budget.gate import SpeculationGate
     from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
 
     for cls, name in ((CudaGraphManager, "capture"), (GPUModelRunner, "capture_model"),
@@ -322,50 +339,81 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch):
         fn = getattr(cls, name)
         monkeypatch.setattr(cls, name, getattr(fn, "_ddtree_original", fn))
     monkeypatch.setattr(CudaGraphManager, "capture", fake_vllm_capture)
-    monkeypatch.setattr(GPUModelRunner, "capture_model",
-                        lambda self: self.cudagraph_manager.capture(lambda d, w: None) or 7)
+    monkeypatch.setattr(GPUModelRunner, "capture_model", lambda self: (
+        self.cudagraph_manager.capture(lambda d, w: None),
+        self.speculator.query_cudagraph_manager.capture(lambda d, w: None), 7)[-1])
     verify_shapes.apply()
 
     timed = []
 
     def time_fn(run):
         run()
-        timed.append(run.__self__.desc)
-        return 1e-3 + 1e-5 * (run.__self__.desc.uniform_token_count - 1)
+        desc = run.__self__.desc
+        timed.append(desc)
+        return 1e-3 * desc.num_reqs + 1e-5 * desc.num_tokens
 
     real_timer = verify_shape_costs.ShapeGraphTimer
     monkeypatch.setattr(verify_shape_costs, "ShapeGraphTimer",
-                        lambda graphs, shapes: real_timer(graphs, shapes, time_fn))
+                        lambda graphs, shapes, request_counts=(1,): real_timer(
+                            graphs, shapes, time_fn, request_counts))
 
-    manager = object.__new__(CudaGraphManager)
-    manager.vllm_config = NS(parallel_config=NS(tensor_parallel_size=1))
-    manager.graphs, manager.buffers = {}, {"inputs_of": None}
-    manager._ddtree_shapes = [1, 2, 4, 8]
-    descs = [Desc("FULL", 9 * r, r, 9) for r in (2, 1)] + [
-        Desc("FULL", 1 + s, 1, 1 + s) for s in (4, 2, 1)]
-    manager._capture_descs_for_test = descs
+    # B = 8, max_num_seqs 4, the adaptive shapes with b = 0 (auto at TP = 1) or fixed
+    ddtree = DDTreeConfig(budget=8, adaptive=True, verify_shape=verify_shape)
+    config = NS(parallel_config=NS(tensor_parallel_size=1),
+                speculative_config=FakeSpecConfig(ddtree))
+    gate = verify_shape == "adaptive"
 
-    def create(desc, warmup):
-        manager.buffers["inputs_of"] = desc
-        return lambda: None
+    def manager_of(cls, shapes, descs, query_len):
+        manager = object.__new__(cls)
+        manager.vllm_config, manager.max_num_reqs = config, 4
+        manager.decode_query_len = query_len
+        manager.graphs, manager.buffers = {}, {"inputs_of": None}
+        manager._ddtree_shapes = shapes
+        manager._capture_descs_for_test = descs
 
+        def create(desc, warmup):
+            manager.buffers["inputs_of"] = desc
+            return lambda: None
+
+        manager.capture = lambda fn: CudaGraphManager.capture(manager, create)
+        manager.create = create
+        return manager
+
+    target_descs = [Desc("FULL", 9 * r, r, 9) for r in (3, 2, 1)] + [
+        Desc("FULL", 1 + s, 1, 1 + s) for s in (4, 2, 1, 0)] + [Desc("FULL", 4, 4, 1)]
+    target = manager_of(CudaGraphManager, [0, 1, 2, 4, 8] if gate else None, target_descs, 9)
+    drafter_descs = [Desc("FULL", 16 * r, r, 16) for r in (4, 3, 1)]
+    drafter = manager_of(DFlashCudaGraphManager, None, drafter_descs, 16)
     table = measure_attention_table(lambda c, q: 1e-6, [1024], [1, 2, 4, 8])
-    runner = NS(cudagraph_manager=manager, speculator=NS(budget_policy=BudgetPolicy(table, 2)))
-    manager.capture = lambda fn: CudaGraphManager.capture(manager, create)
+    policy = BudgetPolicy(table, 2)
+    plan = NS(gate=SpeculationGate(policy.cost_model(), "cpu") if gate else None)
+    runner = NS(cudagraph_manager=target,
+                speculator=NS(budget_policy=policy, step_plan=plan,
+                              query_cudagraph_manager=drafter))
     assert GPUModelRunner.capture_model(runner) == 7
-    assert [d.uniform_token_count for d in timed] == [9, 5, 3, 2]  # 2-request graph: not
-    for desc in descs:  # each replay saw the inputs its graph was captured with
-        assert set(manager.graphs[desc].replays) <= {desc}
-    assert manager._ddtree_shape_seconds == pytest.approx(
-        {8: 1.08e-3, 4: 1.04e-3, 2: 1.02e-3, 1: 1.01e-3})
-    rows = runner.speculator.budget_policy.row_seconds.tolist()
+    for manager in (target, drafter):  # each replay saw its graph's own inputs
+        for desc, graph in manager.graphs.items():
+            assert set(graph.replays) <= {desc}
+    if not gate:  # fixed shapes: nothing to time (no row costs, no gate)
+        assert timed == [] and policy.row_seconds is None
+        return
+    # one request of every shape, and 2 and 4 requests (3 is no power of two)
+    assert sorted((d.num_reqs, d.uniform_token_count) for d in timed) == [
+        (1, 1), (1, 2), (1, 3), (1, 5), (1, 9), (1, 16), (2, 9), (4, 1), (4, 16)]
+    assert target._ddtree_shape_timer.seconds == pytest.approx(
+        {s: 1e-3 + 1e-5 * (1 + s) for s in (0, 1, 2, 4, 8)})
+    rows = policy.row_seconds.tolist()  # one request, over the smallest candidate (b = 1)
     assert rows == pytest.approx([0.0, 1e-5, 3e-5, 7e-5], abs=1e-9)
+    model = plan.gate.model
+    assert model.verify_rows.tolist() == [1, 2, 3, 4, 5, 9, 18]
+    assert model.draft_reqs.tolist() == [1, 4]
+    assert model.draft_seconds.tolist() == pytest.approx([1e-3 + 16e-5, 4e-3 + 64e-5])
     # TP > 1: no replays inside vLLM's capture context (custom all-reduce buffers)
     timed.clear()
-    manager.graphs, manager._ddtree_shape_seconds = {}, None
-    manager.vllm_config = NS(parallel_config=NS(tensor_parallel_size=2))
-    CudaGraphManager.capture(manager, create)
-    assert timed == [] and manager._ddtree_shape_seconds is None
+    target.graphs, target._ddtree_shape_timer = {}, None
+    config.parallel_config = NS(tensor_parallel_size=2)
+    CudaGraphManager.capture(target, target.create)
+    assert timed == [] and target._ddtree_shape_timer is None
 
 
 def test_shape_timer_failure_leaves_auto_without_row_costs():

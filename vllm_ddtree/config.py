@@ -19,7 +19,8 @@ MAX_BUDGET = 512
 DDTREE_KEYS = {
     "ddtree_top_k": "children kept per node: the top-k tokens of each depth (default: B)",
     "ddtree_budget": '"auto": verify 1..B nodes per round, picked to maximise expected '
-    "tokens per second (default: always B)",
+    "tokens per second, or decode plainly (b = 0) where speculation does not pay "
+    "(default: always B)",
     "ddtree_verify_shape": 'with ddtree_budget "auto": "adaptive" verifies 1 + b rows per '
     'request (b rounded up to a power of two; default at tensor-parallel size 1), "fixed" '
     "verifies 1 + B and skips the inactive rows in attention only (default at tensor-"
@@ -27,9 +28,16 @@ DDTREE_KEYS = {
 }
 AUTO_BUDGET = "auto"
 VERIFY_SHAPES = ("adaptive", "fixed")
+# vLLM's dynamic speculative decoding key; with DDTree: the tree budget per batch size.
+BATCH_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
+BATCH_SCHEDULE_ALLOWED = (
+    "a non-empty list of [range_start, range_end, k] entries (vLLM's dynamic speculative "
+    "decoding schedule): inclusive batch-size ranges of ints >= 1, sorted without overlap, "
+    "the first starting at 1; k an int >= 0, the tree nodes each request verifies at those "
+    "batch sizes (capped at num_speculative_tokens; 0 = plain decoding, no drafter pass; "
+    'with ddtree_budget "auto" the largest budget auto may pick there)')
 # vLLM speculative-config keys that assume a chain or another drafter kind.
 UNSUPPORTED_KEYS = {
-    "num_speculative_tokens_per_batch_size": "dynamic speculative decoding assumes a chain",
     "draft_sample_method": "DDTree drafts greedily (its tree covers the alternatives)",
     "rejection_sample_method": "DDTree verifies by walking the tree",
 }
@@ -60,12 +68,22 @@ class DDTreeConfig:
     ``vllm_ddtree.budget.policy``. ``verify_shape`` (``"adaptive"`` / ``"fixed"``,
     None = the default for the parallel setup, :meth:`resolved_verify_shape`): whether
     the target verifies ``1 + b`` or ``1 + B`` rows (``vllm_ddtree.verify.shape``).
+    ``batch_schedule`` (``num_speculative_tokens_per_batch_size``, normalised by vLLM's
+    own check: sorted ``(range_start, range_end, k)`` tuples, None = no schedule): the
+    tree budget per batch size, a cap on ``auto``'s choice; ``k = 0`` is a plain decoding
+    step (``vllm_ddtree.budget.schedule``).
     """
 
     budget: int
     top_k: int | None = None
     adaptive: bool = False
     verify_shape: str | None = None
+    batch_schedule: tuple[tuple[int, int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_schedule is not None:  # lists after a JSON round trip
+            object.__setattr__(self, "batch_schedule",
+                               tuple(tuple(int(x) for x in e) for e in self.batch_schedule))
 
     def resolved_verify_shape(self, tensor_parallel_size: int) -> str | None:
         """``"adaptive"`` / ``"fixed"`` for ``auto`` (None without it). The default is
@@ -153,10 +171,13 @@ def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfi
     """Split a raw speculative-config dict into vLLM's part and DDTree's part.
 
     Returns ``(spec, None)`` unchanged unless ``spec["method"] == "ddtree"``; then
-    the vLLM part has ``method: dflash`` and no ``ddtree_*`` keys. Checks the type and
-    range of ``model``, ``num_speculative_tokens`` and every ``ddtree_*`` key, refuses
-    unknown ``ddtree*`` keys and vLLM keys that assume a chain; raises
-    ``DDTreeConfigError`` naming the field, the value and what is allowed.
+    the vLLM part has ``method: dflash`` and neither the ``ddtree_*`` keys nor
+    ``num_speculative_tokens_per_batch_size`` (DDTree's worker applies the schedule:
+    vLLM's scheduler would apply the budget of the previous step's batch size and stop
+    padding new decodes to one verify length, ``scheduler.py:847, 1134``). Checks the
+    type and range of ``model``, ``num_speculative_tokens``, the schedule and every
+    ``ddtree_*`` key, refuses unknown ``ddtree*`` keys and vLLM keys that assume a
+    chain; raises ``DDTreeConfigError`` naming the field, the value and what is allowed.
     """
     if spec.get("method") != DDTREE_METHOD:
         stray = sorted(k for k in spec if is_ddtree_key(k))
@@ -184,10 +205,45 @@ def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfi
                            "an int >= 1, or left out (children kept per node; default: B)")
     adaptive = _adaptive_budget(spec.get("ddtree_budget"))
     verify_shape = _verify_shape(spec.get("ddtree_verify_shape"), adaptive)
-    vllm_spec = {k: v for k, v in spec.items() if not is_ddtree_key(k)}
+    schedule = batch_schedule(spec.get(BATCH_SCHEDULE_KEY))
+    vllm_spec = {k: v for k, v in spec.items()
+                 if not is_ddtree_key(k) and k != BATCH_SCHEDULE_KEY}
     vllm_spec["method"] = "dflash"
     return vllm_spec, DDTreeConfig(budget=budget, top_k=top_k, adaptive=adaptive,
-                                   verify_shape=verify_shape)
+                                   verify_shape=verify_shape, batch_schedule=schedule)
+
+
+def batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...] | None:
+    """``num_speculative_tokens_per_batch_size``: None, or the schedule as vLLM's own
+    check normalises it (``validate_and_normalize_dynamic_sd_schedule``: sorted
+    ``(range_start, range_end, k)`` tuples). Every number must be an int (vLLM would
+    take ``"4"`` or ``4.5`` through ``int()``); vLLM's reason is kept in the error."""
+    if value is None:
+        return None
+    entries = value if isinstance(value, (list, tuple)) else None
+    if not entries or not all(
+            isinstance(e, (list, tuple)) and len(e) == 3 and all(is_int(x) for x in e)
+            for e in entries):
+        raise refuse(BATCH_SCHEDULE_KEY, value, BATCH_SCHEDULE_ALLOWED)
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    try:
+        normalised = validate_and_normalize_dynamic_sd_schedule(
+            [[int(x) for x in e] for e in entries])
+    except ValueError as e:
+        raise refuse(BATCH_SCHEDULE_KEY, value, f"{e} Allowed: {BATCH_SCHEDULE_ALLOWED}"
+                     ) from None
+    return tuple(tuple(int(x) for x in e) for e in normalised)
+
+
+def check_parallel_setup(ddtree: DDTreeConfig, data_parallel_size: int) -> None:
+    """Refuse a batch schedule with data parallelism: the ranks' batch sizes differ, so
+    they would run different budgets and plain steps (vLLM drops its own dynamic
+    speculative decoding there for the same reason, ``config/vllm.py:838-855``)."""
+    if ddtree.batch_schedule is not None and data_parallel_size > 1:
+        raise refuse(BATCH_SCHEDULE_KEY, [list(e) for e in ddtree.batch_schedule],
+                     f"left out with data parallelism (data_parallel_size="
+                     f"{data_parallel_size}): each rank would pick its own budget")
 
 
 def _verify_shape(value: Any, adaptive: bool) -> str | None:

@@ -175,8 +175,8 @@ def test_ddtree_sampling_draws_what_ar_draws(ar_mixed, ddtree_mixed):
     assert sum(f is None for f in firsts) >= len(firsts) - 1
 
 
-# 1 + s rows per request for the verify shapes of B = 32
-ADAPTIVE_QUERY_LENS = tuple(1 + s for s in candidate_budgets(32))
+# 1 + s rows per request for the verify shapes of B = 32, and 1 for auto's plain steps
+ADAPTIVE_QUERY_LENS = tuple(1 + s for s in [0, *candidate_budgets(32)])
 
 
 def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str,
@@ -225,23 +225,31 @@ def test_ddtree_auto_budget_equals_ar(ar_mixed, graphs, shape, tmp_path):
 
 
 def test_ddtree_auto_cycled_verify_shapes_equal_ar(ar_mixed, tmp_path):
-    """Adaptive verify shapes below B: the budget choice is forced through 1, 4, 3, 16,
-    2, 32, 8 in turn (``--cycle-budgets``), so steps verify 2 .. 33 rows per request in
-    FULL graphs of each shape, trees are cut to the (lagged) shape, and the active
-    budget differs from the shape (3 in a 4-node shape; 32 in a smaller one). Tokens
-    must still equal AR up to measured ties. (On this pair the policy itself picks
-    b = 32 every round, which never cuts a tree.)"""
+    """Adaptive verify shapes below B and plain steps: the budget choice is forced
+    through 1, 4, 0, 3, 16, 2, 0, 32, 8 in turn (``--cycle-budgets``), so steps verify
+    1 .. 33 rows per request in FULL graphs of each shape, trees are cut to the (lagged)
+    shape, the active budget differs from the shape (3 in a 4-node shape; 32 in a
+    smaller one), and b = 0 makes plain decoding steps (the propose before them runs no
+    drafter pass) while the batch grows and drains. Tokens must still equal AR up to
+    measured ties. (On this pair the policy itself picks b = 32 every round, which
+    never cuts a tree.)"""
     args = ["--mixed", "--budget", "32", "--auto", "--verify-shape", "adaptive",
-            "--graphs", "--cycle-budgets", "1,4,3,16,2,32,8"]
+            "--graphs", "--cycle-budgets", "1,4,0,3,16,2,0,32,8", "--record-steps"]
     got = run_mixed_vs_ar(ar_mixed, args, tmp_path / "cycled.json", "auto, cycled shapes",
                           ADAPTIVE_QUERY_LENS)
     nodes = got["mean_active_nodes"]
     print(f"mean active nodes {nodes:.2f}")
-    assert nodes < 16  # the cycle's mean is 9.4 (the last round of a request may cut it)
-    # Several verify shapes ran, each in its own FULL graph (run_mixed_vs_ar checks FULL).
+    assert nodes < 16  # the trees' mean is 9.4 (the last round of a request may cut it)
+    # Several verify shapes ran, each in its own FULL graph (run_mixed_vs_ar checks FULL),
+    # one of them the plain steps' single row.
     shapes = {d["uniform_token_count"] for d in got["verify_dispatches"]
               if d["mode"] == "FULL"}
-    assert len(shapes) >= 3, f"verify shapes seen: {sorted(shapes)}"
+    assert len(shapes) >= 4 and 1 in shapes, f"verify shapes seen: {sorted(shapes)}"
+    steps = got["step_plan"]["steps"]
+    assert all(s["shape"] == 0 for s in steps if not s["drafted_before"])
+    plain = [s for s in steps if s["uniform"] and s["shape"] == 0]
+    print(f"{len(plain)} plain steps at batch sizes {sorted({s['num_reqs'] for s in plain})}")
+    assert len(plain) >= 10 and len({s["num_reqs"] for s in plain}) >= 3
     assert got["ddtree_mean_acceptance_length"] > 1.0
 
 

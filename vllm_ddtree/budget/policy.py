@@ -35,6 +35,47 @@ per batch:
 
 Every per-round operation stays on the device (no ``.item()``, no host sync); only
 the start-up measurement synchronizes.
+
+**b = 0: plain decoding steps** (``vllm_ddtree.budget.gate``; TP = 1 with adaptive
+verify shapes). At a large batch, or with a drafter that is rarely right, a step that
+drafts and verifies even a one-node tree is slower per token than plain decoding: the
+drafter's block pass and the wider verify cost more than the trees commit. The choice
+above cannot express "no tree": it is made on the device *after* the block pass, from
+the drafter's confidence, which exists only once the pass ran. So b = 0 is decided
+separately, on the host, at each ``propose`` *before* the pass, for the next step:
+
+* **what it compares**: tokens per second of a plain step, ``R / T_plain``, against a
+  speculative one, ``R * E / T_spec``, for this batch of ``R`` requests and their
+  contexts. ``T`` = the start-up model (``StepCostModel``: the target's verify forward
+  by total rows, timed on its own FULL CUDA graphs of every verify shape at 1, 2, 4, ...
+  requests; the drafter's block pass by requests, timed on its graphs; the verify
+  attention per request, layer and context at 1 and ``1 + b`` rows, the table above
+  plus a one-row column) plus a measured residual per kind of step and batch-size
+  bucket (powers of two): what steps of that kind actually took beyond the model
+  (host work, sampling, the context K/V precompute), from CUDA timing events at each
+  step's start, read only once completed (``Event.query``). ``E`` = tokens committed
+  per tree over recent trees at this batch size (DDTree's device counters, copied to
+  pinned memory each step and read once their copy completed). ``T_spec`` uses the
+  verify shape the device chose last near this batch size. So the model carries the
+  batch-size dependence of the GPU work, and the measured residuals what no start-up
+  measurement sees; neither needs a host sync.
+* **hysteresis**: the gate switches only when the other kind is predicted 5 % faster.
+* **coming back**: in plain mode no trees are verified, so ``E`` and the speculative
+  residual at this batch size go stale. The gate probes: three steps of the other kind
+  (the middle ones are clean intervals of that kind) the first time a bucket has
+  measured only the current kind, then every 32 steps in that bucket, the interval
+  doubling up to 1,024 after each probe; a probe runs only where the other kind is
+  predicted within 20 % of the current one (or was never measured), so clear cases
+  cost nothing. When the batch shrinks, the model (smaller ``R``) and the bucket's own
+  figures bring speculation back without a probe. A speculative step after plain ones
+  loses nothing: a plain step's ``propose`` still writes the drafter's context K/V of
+  the tokens it committed (``DDTreeSpeculator._store_context_kv``), only the block pass
+  is skipped, so the drafter's cache is the one it would have had.
+* **the batch schedule** (``num_speculative_tokens_per_batch_size``,
+  ``vllm_ddtree.budget.schedule``) caps the choice per batch size; a cap of 0 is a
+  plain step without the gate, and then no probe runs.
+* Not at TP > 1: each rank would time its own steps and could decide differently,
+  while the ranks must cut the same drafts; auto's smallest budget stays 1 there.
 """
 
 from __future__ import annotations
@@ -42,7 +83,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -54,6 +95,9 @@ from vllm_ddtree.budget.choice import (
 )
 from vllm_ddtree.budget.choice_kernel import choose_budget_triton
 from vllm_ddtree.triton_path import use_triton
+
+if TYPE_CHECKING:
+    from vllm_ddtree.budget.gate import StepCostModel
 
 __all__ = [
     "BudgetPolicy",
@@ -155,16 +199,21 @@ class BudgetPolicy:
         tp_group: vLLM's tensor-parallel ``GroupCoordinator`` when it has more than one
             rank: every rank then takes the first rank's choice (each rank times its
             own table and wall clock, and the ranks' walks must agree).
+        plain_attention: one request's attention seconds per layer at one row (a plain
+            decoding step), per context of ``table`` (host floats), for the b = 0 gate's
+            cost model (:meth:`cost_model`); None: the ``b = 1`` column stands in.
     """
 
     def __init__(self, table: BudgetCostTable, num_layers: int,
-                 ema_weight: float = EMA_WEIGHT, tp_group: Any = None) -> None:
+                 ema_weight: float = EMA_WEIGHT, tp_group: Any = None,
+                 plain_attention: Sequence[float] | None = None) -> None:
         budgets = table.budgets.tolist()
         if budgets != sorted(set(budgets)) or budgets[0] < 1:
             raise ValueError(f"candidate budgets must be increasing and >= 1, got {budgets}")
         if num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {num_layers}")
         self.table = table
+        self.plain_attention = None if plain_attention is None else list(plain_attention)
         self.budgets = table.budgets
         self.max_budget = budgets[-1]
         self.num_layers = num_layers
@@ -307,6 +356,17 @@ class BudgetPolicy:
             raise NotImplementedError("the in-graph budget choice needs CUDA")
         self.in_graph = True
 
+    def cost_model(self) -> StepCostModel:
+        """The b = 0 gate's start-up cost model (``vllm_ddtree.budget.gate``): this
+        policy's attention tables on the host, plus the plain step's column. Reads the
+        device table once (start-up)."""
+        from vllm_ddtree.budget.gate import StepCostModel
+
+        tree = self.table.seconds.cpu().double().numpy()
+        plain = self.plain_attention if self.plain_attention is not None else tree[:, 0]
+        return StepCostModel(self.num_layers, self.table.contexts.cpu().tolist(), plain,
+                             tree, self.budgets.cpu().tolist())
+
     # -- the base time ---------------------------------------------------------------
 
     def update_base_(self, wall_seconds: torch.Tensor) -> None:
@@ -369,12 +429,14 @@ class BudgetPolicy:
             with torch.cuda.device(device):
                 timer = target_attention_timer(vllm_config, 1 + max_budget, device)
                 table = measure_attention_table(timer, contexts, budgets, device)
+                plain = [float(timer(int(c), 1)) for c in contexts]
                 del timer
                 torch.cuda.empty_cache()
         else:
             measure_fn = measure_fn or target_attention_timer(vllm_config, 1 + max_budget,
                                                               device)
             table = measure_attention_table(measure_fn, contexts, budgets, device)
+            plain = [float(measure_fn(int(c), 1)) for c in contexts]
         num_layers = model_config.get_num_layers(parallel)
         tp_group = None
         if parallel.tensor_parallel_size > 1:
@@ -386,7 +448,7 @@ class BudgetPolicy:
             "request and layer (us), measured in %.2f s:\n%s",
             budgets, num_layers, time.perf_counter() - start, format_table(table),
         )
-        return cls(table, num_layers, tp_group=tp_group)
+        return cls(table, num_layers, tp_group=tp_group, plain_attention=plain)
 
 
 # ---------------------------------------------------------------------------------------

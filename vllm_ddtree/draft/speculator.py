@@ -78,7 +78,6 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_ddtree.attention_backends.tree_mask_state import TREE_MASK_STATE, decode_query_limit
 from vllm_ddtree.compact.kv_kernel import PathCompactor
-from vllm_ddtree.compact.reference import compaction_slots
 from vllm_ddtree.draft.context_kv_graphs import capture_for_speculator
 from vllm_ddtree.draft.context_rows import (
     compact_path_rows_,
@@ -88,6 +87,11 @@ from vllm_ddtree.draft.context_rows import (
 from vllm_ddtree.draft.dflash2_draft import selector_drafting_for
 from vllm_ddtree.draft.hidden_rows_kernel import move_path_rows_triton
 from vllm_ddtree.draft.inputs_kernel import prepare_dflash_inputs_groups
+from vllm_ddtree.draft.target_kv import (
+    kv_page_views,
+    path_compaction_slots,
+    target_layers_by_group,
+)
 from vllm_ddtree.runtime_state import (
     DDTREE_STATE,
     ddtree_config_of,
@@ -106,78 +110,6 @@ __all__ = [
     "target_layers_by_group",
     "warm_tree_caches",
 ]
-
-
-def path_compaction_slots(
-    slot_mapping: torch.Tensor, query_start_loc: torch.Tensor, kv_src_rows: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``compact.reference.compaction_slots`` on a slot mapping padded by ``L + 1`` entries.
-
-    ``compaction_slots`` reads ``slot_mapping[start_r + k]`` for every depth column k,
-    valid or not; for a short last request (a prefill chunk, a truncated tree) that
-    index passes the end of the ``[num_tokens_padded]`` view (a device-side assert
-    on CUDA). The padding entries are only ever read for masked columns.
-    """
-    pad = slot_mapping.new_full((kv_src_rows.shape[1] + 1,), -1)
-    return compaction_slots(torch.cat([slot_mapping, pad]), query_start_loc, kv_src_rows)
-
-
-def kv_page_views(kv_cache: torch.Tensor) -> list[torch.Tensor]:
-    """``[num_blocks, page, *row]`` views of one layer's paged KV cache (no copies):
-    slot ``s`` is row ``s % page`` of block ``s // page``; block strides are kept as
-    they are, so pages that vLLM padded to the model's largest page (an MLA target
-    beside a GQA drafter, ``kv_cache_utils.unify_kv_cache_spec_page_size``) work.
-
-    Supported logical layouts (``backend.get_kv_cache_shape``):
-
-    * MLA ``[num_blocks, block_size, head_size]`` -> itself;
-    * FlashAttention ``[2, num_blocks, block_size, H, D]`` -> K and V
-      ``[num_blocks, block_size, H, D]``;
-    * vLLM Triton / DDTree GQA ``[num_blocks, H, block_size, 2 * D]`` (K and V side by
-      side) -> ``[num_blocks, block_size, H, 2 * D]`` (a transpose).
-
-    Raises ``NotImplementedError`` for other layouts.
-    """
-    if kv_cache.dim() == 3:
-        return [kv_cache]
-    if kv_cache.dim() == 5 and kv_cache.shape[0] == 2:
-        return [kv_cache[0], kv_cache[1]]
-    if kv_cache.dim() == 4:  # vLLM Triton / DDTree GQA: logical [nb, H, page, 2*D]
-        return [kv_cache.transpose(1, 2)]
-    raise NotImplementedError(
-        f"DDTree KV compaction does not know the KV cache layout {tuple(kv_cache.shape)}"
-    )
-
-
-def target_layers_by_group(kv_cache_config, draft_layer_names) -> dict[int, list[str]]:
-    """Target attention layers of each KV-cache group (the layers whose accepted-path KV
-    DDTree compacts), ``{group id: [layer names]}``.
-
-    A group's spec may be one ``AttentionSpec`` or a ``UniformTypeKVCacheSpecs`` (vLLM
-    merges same-type layers of different shapes into one group, e.g. an MLA target with
-    a GQA drafter's full-attention layers, ``kv_cache_interface.py:817``); drafter
-    layers are skipped (the context precompute rewrites them). Raises
-    ``NotImplementedError`` for a target layer without a slot-addressed KV cache
-    (Mamba / linear attention): its state cannot be rolled back to the accepted path.
-    """
-    from vllm.v1.kv_cache_interface import AttentionSpec, UniformTypeKVCacheSpecs
-
-    groups: dict[int, list[str]] = {}
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        names = [n for n in group.layer_names if n not in draft_layer_names]
-        for name in names:
-            layer_spec = (
-                spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-            )
-            if not isinstance(layer_spec, AttentionSpec):
-                raise NotImplementedError(
-                    f"DDTree cannot compact target layer {name!r} with KV spec "
-                    f"{type(layer_spec).__name__}: only attention layers are supported"
-                )
-        if names:
-            groups[gid] = names
-    return groups
 
 
 def warm_tree_caches(num_depths: int, vocab_size: int, budget: int, top_k: int | None,
@@ -203,6 +135,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     adaptive = False
     budget_policy = None
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
+    step_plan = None  # StepPlan: auto's shapes and b = 0, a batch schedule
     store_trees_in_graph = False  # the trees are stored in the draft step, see __init__
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
@@ -313,6 +246,30 @@ class DDTreeSpeculator(DFlashSpeculator):
                 policy.chosen.fill_(self.budget)
                 policy.last_attention.zero_()
             self._store_trees_in_step(1, padding, active=active)
+        self.step_plan = self._make_step_plan(vllm_config, ddtree, device)
+
+    def _make_step_plan(self, vllm_config: VllmConfig, ddtree, device: torch.device):
+        """The host's per-step plan (``vllm_ddtree.verify.shape.StepPlan``) when steps
+        may verify fewer than B drafts: auto's adaptive verify shapes, its b = 0 gate,
+        or a batch schedule; None otherwise (every step verifies B)."""
+        from vllm_ddtree.budget.schedule import BatchSchedule
+        from vllm_ddtree.verify.shape import StepPlan, auto_plain_steps, step_shapes
+
+        parallel = vllm_config.parallel_config
+        tp = parallel.tensor_parallel_size
+        dp = getattr(parallel, "data_parallel_size", 1)
+        shapes = step_shapes(ddtree, tp, self.max_num_reqs, dp)
+        if shapes is None:
+            return None
+        schedule = None
+        if ddtree.batch_schedule is not None:
+            schedule = BatchSchedule(ddtree.batch_schedule, self.max_num_reqs, self.budget)
+        gate = None
+        if auto_plain_steps(ddtree, tp, dp):
+            from vllm_ddtree.budget.gate import SpeculationGate
+
+            gate = SpeculationGate(self.budget_policy.cost_model(), device)
+        return StepPlan(self.budget, shapes, schedule, self.verify_shape, gate)
 
     def capture(self) -> None:
         """DFlash's drafter graphs, then the context K/V precompute of full-tree decode
@@ -323,8 +280,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         the drafter's graphs take (``context_kv_graphs.MAX_CONTEXT_GRAPHS`` lengths)."""
         super().capture()
         rows = [1 + self.budget]
-        if self.verify_shape is not None:  # ddtree_budget "auto": 1 + s rows a request
-            rows += [1 + s for s in self.verify_shape.shapes]
+        if self.step_plan is not None:  # auto / a batch schedule: 1 + s rows a request
+            rows += [1 + s for s in self.step_plan.shapes]  # s = 0: a plain step's 1 row
         rows = [min(q, self.num_query_per_req) for q in rows]  # 1 + L at most
         capture_for_speculator(self, sorted(set(rows)))
 
@@ -525,6 +482,67 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.num_speculative_steps, self.max_num_reqs, self.max_num_tokens,
             self.max_model_len, self.sample_from_anchor)
 
+    def _draft_next(self, input_batch, walk: torch.Tensor | None) -> bool:
+        """Whether this ``propose`` runs the drafter's block pass (the next step verifies
+        trees): the step plan's choice (a batch schedule's budget 0, auto's b = 0), yes
+        without a plan and for V2 warm-up batches (their trees warm the verifier). Feeds
+        auto's gate the acceptance counters after a verified step. Host only."""
+        plan = self.step_plan
+        if plan is None:
+            return True
+        req_ids = getattr(input_batch, "req_ids", None)
+        if req_ids and str(req_ids[0]).startswith("_warmup_"):
+            plan.drafted = True
+            return True
+        num_reqs = input_batch.num_reqs
+        if plan.gate is not None and walk is not None and self.state.accepted_sum is not None:
+            plan.gate.record_acceptance_(self.state.accepted_sum, self.state.num_drafts,
+                                         num_reqs)
+        computed = getattr(input_batch, "num_computed_tokens_np", None)
+        contexts = None if computed is None else computed[:num_reqs]
+        return plan.draft_next(num_reqs, contexts)
+
+    def _store_context_kv(self, input_batch, aux_hidden_states, last_hidden_states,
+                          num_sampled, num_rejected, last_sampled,
+                          next_prefill_tokens) -> None:
+        """A ``propose`` without the block pass (the next step is a plain decoding step,
+        b = 0): only what ``DFlashSpeculator.propose`` does before its block pass
+        (``dflash/speculator.py:326-409``): the target hidden states of this step's rows
+        through the drafter's ``fc``, the context positions and slots
+        (``prepare_dflash_inputs``), and the drafter's context K/V written into its
+        cache. The drafter's context is then complete at every committed position, as
+        if it had drafted: when speculation resumes, its block pass sees the same cache
+        (its own query rows of earlier passes are always overwritten by context rows
+        before a query reads them). On the context K/V CUDA graphs when the length
+        matches one (``R`` rows of a plain decoding batch are captured)."""
+        num_tokens = input_batch.num_tokens
+        if aux_hidden_states:
+            hidden = self.model.combine_hidden_states(torch.cat(aux_hidden_states, dim=-1))
+        else:
+            hidden = last_hidden_states
+        self.hidden_states[:num_tokens].copy_(hidden[:num_tokens])
+        if not self._prepare_inputs_in_one_launch(input_batch, num_sampled, num_rejected,
+                                                  last_sampled, next_prefill_tokens):
+            from vllm.v1.worker.gpu.spec_decode.dflash.speculator import prepare_dflash_inputs
+
+            for i, gid in enumerate(self.draft_kv_cache_group_ids):
+                prepare_dflash_inputs(
+                    self.input_buffers, self.block_tables.slot_mappings[gid],
+                    self.context_positions, self._context_slot_mappings[i],
+                    self.sample_indices, self.sample_pos, self.sample_idx_mapping,
+                    input_batch, num_sampled, num_rejected, last_sampled,
+                    next_prefill_tokens, self.block_tables.input_block_tables[gid],
+                    self.block_tables.kernel_block_sizes[gid],
+                    self.parallel_drafting_token_id, self.num_query_per_req,
+                    self.num_speculative_steps, self.max_num_reqs, self.max_num_tokens,
+                    self.max_model_len, self.sample_from_anchor)
+        if self._layer_group_idx is not None:
+            slots = [self._context_slot_mappings[g][:num_tokens] for g in self._layer_group_idx]
+        else:
+            slots = self._context_slot_mappings[0][:num_tokens]
+        self.model.precompute_and_store_context_kv(
+            self.hidden_states[:num_tokens], self.context_positions[:num_tokens], slots)
+
     @torch.inference_mode()
     def propose(
         self,
@@ -554,6 +572,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.budget_policy.reset_round_clock()
             else:
                 self.budget_policy.observe_round(time.perf_counter(), verified=walk is not None)
+        draft = dummy_run or self._draft_next(input_batch, walk)
         if walk is not None:
             query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
             # Must precede super().propose: prepare_dflash_inputs rewrites the shared
@@ -590,6 +609,11 @@ class DDTreeSpeculator(DFlashSpeculator):
                 )
                 last_hidden_states = last_hidden_states[index]
 
+        if not draft:  # b = 0: the next step decodes plainly
+            self._store_context_kv(input_batch, aux_hidden_states, last_hidden_states,
+                                   num_sampled, num_rejected, last_sampled,
+                                   next_prefill_tokens)
+            return self.draft_tokens[:num_reqs]
         fused = not dummy_run and self._prepare_inputs_in_one_launch(
             input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens)
         group_ids = self.draft_kv_cache_group_ids if fused else None

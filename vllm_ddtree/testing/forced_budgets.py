@@ -3,10 +3,13 @@
 :func:`force_budget_choices` patches ``BudgetPolicy.choose`` (the eager choice: CPU,
 TP > 1) to return the budgets in turn, and ``BudgetPolicy.choose_in_graph`` (the choice
 inside the drafter's CUDA graph) to write them in turn from a device counter that
-every replay advances (the policy still runs, so its side effects stay). It exists so
-the GPU tests can force verify shapes below B, shape changes and choices that differ
-from the (lagged) shape, which the policy itself rarely picks on the small embedded
-pair.
+every replay advances (the policy still runs, so its side effects stay). A budget 0 is
+a plain decoding step: the b = 0 gate's choice (``SpeculationGate._choose``, on the
+host, before the drafter's pass) follows the list in turn, and only the drafted
+rounds take the device budgets (the list's non-zero entries in turn); without a gate
+(TP > 1, fixed verify shapes) the zeros are left out. It exists so the GPU tests can
+force verify shapes below B, plain steps, shape changes and choices that differ from
+the (lagged) shape, which the policy itself rarely picks on the small embedded pair.
 
 Nothing in the plugin imports it: a test or check script applies it itself, in the
 process that builds the engine before ``LLM()`` is created (``evals/check_ddtree_vllm.py
@@ -21,23 +24,40 @@ __all__ = ["apply_in_worker", "force_budget_choices", "parse_budgets"]
 
 
 def parse_budgets(text: str) -> list[int]:
-    """``"1,4,3"`` -> ``[1, 4, 3]``; each must be >= 1."""
+    """``"1,4,0,3"`` -> ``[1, 4, 0, 3]``; each must be >= 0 (0: a plain decoding
+    step), at least one >= 1."""
     try:
         budgets = [int(part) for part in text.split(",")]
     except ValueError:
         raise ValueError(f"forced budgets must be comma-separated integers, got {text!r}"
                          ) from None
-    if not budgets or min(budgets) < 1:
-        raise ValueError(f"forced budgets must be >= 1, got {text!r}")
+    if not budgets or min(budgets) < 0 or max(budgets) < 1:
+        raise ValueError(f"forced budgets must be >= 0, at least one >= 1, got {text!r}")
     return budgets
 
 
 def force_budget_choices(budgets: list[int]) -> None:
-    """Patch ``BudgetPolicy.choose`` to return ``budgets`` in turn (capped at B), as
-    an int64 0-dim tensor on the scores' device. Idempotent per process."""
+    """Patch ``BudgetPolicy.choose`` to return the non-zero ``budgets`` in turn (capped
+    at B), as an int64 0-dim tensor on the scores' device, and the b = 0 gate to choose
+    a plain step for each 0 in turn. Idempotent per process."""
     import torch
 
+    from vllm_ddtree.budget.gate import SpeculationGate
     from vllm_ddtree.budget.policy import BudgetPolicy
+
+    all_budgets = list(budgets)
+    budgets = [b for b in all_budgets if b > 0]
+    original_gate = getattr(SpeculationGate._choose, "_forced_original",
+                            SpeculationGate._choose)
+    host_turn = iter(range(10**12))
+
+    def gate_choose(self, num_reqs, contexts, cap, max_budget):
+        if cap <= 0:
+            return False
+        return all_budgets[next(host_turn) % len(all_budgets)] > 0
+
+    gate_choose._forced_original = original_gate
+    SpeculationGate._choose = gate_choose
 
     original = getattr(BudgetPolicy.choose, "_forced_original", BudgetPolicy.choose)
     turn = iter(range(10**12))

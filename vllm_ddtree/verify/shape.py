@@ -45,10 +45,49 @@ import torch
 
 from vllm_ddtree.budget.policy import candidate_budgets
 
-__all__ = ["VerifyShapeChooser", "truncate_drafts"]
+__all__ = [
+    "StepPlan",
+    "VerifyShapeChooser",
+    "auto_plain_steps",
+    "step_shapes",
+    "truncate_drafts",
+    "uniform_decode",
+]
 
 # Pinned slots in flight; the host runs at most a step or two ahead of the GPU.
 _SLOTS = 8
+
+
+def auto_plain_steps(ddtree: Any, tensor_parallel_size: int,
+                     data_parallel_size: int = 1) -> bool:
+    """Whether ``ddtree_budget: "auto"`` may choose b = 0 (plain decoding steps): with
+    adaptive verify shapes on one GPU (no data parallelism). Ranks of a parallel group
+    would each time their own steps and could decide differently; there auto's smallest
+    budget stays 1."""
+    return (ddtree is not None and ddtree.adaptive and tensor_parallel_size == 1
+            and data_parallel_size == 1
+            and ddtree.resolved_verify_shape(tensor_parallel_size) == "adaptive")
+
+
+def step_shapes(ddtree: Any, tensor_parallel_size: int, max_num_reqs: int,
+                data_parallel_size: int = 1) -> list[int] | None:
+    """Every drafts-per-request count a step of this run may verify (a FULL CUDA graph
+    of ``1 + s`` rows each), or None when every step verifies B (no cut): auto's
+    candidates with adaptive verify shapes (and 0 where auto may decode plainly), the
+    batch schedule's budgets, and B."""
+    from vllm_ddtree.budget.schedule import schedule_budgets
+
+    if ddtree is None:
+        return None
+    shapes: set[int] = set()
+    if ddtree.resolved_verify_shape(tensor_parallel_size) == "adaptive":
+        shapes.update(candidate_budgets(ddtree.budget))
+        if auto_plain_steps(ddtree, tensor_parallel_size, data_parallel_size):
+            shapes.add(0)
+    if ddtree.batch_schedule is not None:
+        shapes.update(schedule_budgets(ddtree.batch_schedule, max_num_reqs, ddtree.budget))
+        shapes.add(ddtree.budget)
+    return sorted(shapes) or None
 
 
 def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
@@ -58,7 +97,9 @@ def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
         scheduler_output: vLLM's ``SchedulerOutput`` (not modified: with the
             in-process executor the scheduler reads the same object afterwards and
             must see what it scheduled).
-        num_drafts: drafts to keep per request (>= 1).
+        num_drafts: drafts to keep per request (>= 0; 0: a plain decoding step, the
+            requests leave ``scheduled_spec_decode_tokens``, so the runner samples
+            without the verifier).
 
     Returns:
         The same object when no request holds more drafts, else a shallow copy whose
@@ -66,8 +107,8 @@ def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
         ``total_num_scheduled_tokens`` drop the cut drafts (prefill chunks and
         requests without drafts are unchanged).
     """
-    if num_drafts < 1:
-        raise ValueError(f"num_drafts must be >= 1, got {num_drafts}")
+    if num_drafts < 0:
+        raise ValueError(f"num_drafts must be >= 0, got {num_drafts}")
     drafts = scheduler_output.scheduled_spec_decode_tokens
     if not drafts or all(len(tokens) <= num_drafts for tokens in drafts.values()):
         return scheduler_output
@@ -77,11 +118,10 @@ def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
     for req_id, tokens in drafts.items():
         cut = len(tokens) - num_drafts
         if cut > 0:
-            kept_drafts[req_id] = tokens[:num_drafts]
             num_scheduled[req_id] -= cut
             total -= cut
-        else:
-            kept_drafts[req_id] = tokens
+        if num_drafts > 0:
+            kept_drafts[req_id] = tokens[:num_drafts] if cut > 0 else tokens
     return dataclasses.replace(
         scheduler_output,
         scheduled_spec_decode_tokens=kept_drafts,
@@ -166,3 +206,82 @@ class VerifyShapeChooser:
         >= :meth:`latest_budget`."""
         budget = self.latest_budget()
         return next((s for s in self.shapes if s >= budget), self.max_budget)
+
+
+def uniform_decode(scheduler_output: Any) -> bool:
+    """Whether every scheduled request is a decode (its root and its drafts, no new
+    request): the steps whose time the auto gate learns from. Host dicts only."""
+    if scheduler_output.scheduled_new_reqs:
+        return False
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    return all(n == 1 + len(drafts.get(req_id, ()))
+               for req_id, n in scheduler_output.num_scheduled_tokens.items())
+
+
+class StepPlan:
+    """How many drafts each request verifies in the next step, and whether ``propose``
+    runs the drafter's block pass: the host side of the batch schedule
+    (``num_speculative_tokens_per_batch_size``, ``vllm_ddtree.budget.schedule``) and
+    of ``ddtree_budget: "auto"`` (device choice through ``chooser``, b = 0 through
+    ``gate``).
+
+    ``patches/verify_shapes.py`` cuts every request's drafts to :meth:`step_shape` in
+    ``execute_model``; ``DDTreeSpeculator.propose`` asks :meth:`draft_next`. A step
+    after a propose without the block pass verifies no drafts (its trees were not
+    drafted): a plain decoding step, one row a request.
+
+    Args:
+        max_budget: B.
+        shapes: every drafts-per-request count a step may take (CUDA graphs of ``1 + s``
+            rows each are captured); :meth:`step_shape` returns one of them.
+        schedule: the batch schedule (``BatchSchedule``) or None.
+        chooser: auto's ``VerifyShapeChooser`` (adaptive verify shapes) or None: then
+            a drafted step verifies the schedule's budget (B without one).
+        gate: auto's ``SpeculationGate`` (b = 0) or None: then a propose drafts
+            whenever the schedule's budget for its batch is above 0.
+    """
+
+    def __init__(self, max_budget: int, shapes: list[int], schedule: Any = None,
+                 chooser: VerifyShapeChooser | None = None, gate: Any = None) -> None:
+        self.max_budget = max_budget
+        self.shapes = sorted(set(shapes))
+        self.schedule = schedule
+        self.chooser = chooser
+        self.gate = gate
+        self.drafted = True  # the last propose ran the block pass
+        self.last_shape = max_budget
+
+    def cap(self, num_reqs: int) -> int:
+        """The schedule's budget for a batch of ``num_reqs`` (B without a schedule)."""
+        return self.max_budget if self.schedule is None else self.schedule.budget_for(num_reqs)
+
+    def step_shape(self, num_reqs: int, uniform: bool = False) -> int:
+        """Drafts per request this step verifies: 0 after a propose without the block
+        pass, else ``min(chooser's shape, cap)`` (a member of ``shapes``). ``uniform``:
+        every request is a decode (for the gate's timing). Host only, no sync."""
+        if not self.drafted:
+            shape = 0
+        else:
+            shape = self.cap(num_reqs)
+            if self.chooser is not None:
+                shape = min(shape, self.chooser.next_shape())
+        self.last_shape = shape
+        if self.gate is not None:
+            self.gate.step_started(num_reqs, shape, uniform)
+        return shape
+
+    def draft_next(self, num_reqs: int, contexts: Any = None) -> bool:
+        """At ``propose`` (after this step's verify): whether to run the drafter's block
+        pass, i.e. whether the next step verifies trees. No when the schedule's budget
+        for this batch is 0; else the gate's choice (yes without a gate). ``contexts``:
+        the requests' context lengths (host array; for the gate)."""
+        cap = self.cap(num_reqs)
+        if self.gate is None:
+            draft = cap > 0
+        else:
+            import numpy as np
+
+            ctx = np.zeros(0) if contexts is None else np.asarray(contexts)
+            draft = self.gate.decide(num_reqs, ctx, cap, self.max_budget, self.last_shape)
+        self.drafted = draft
+        return draft

@@ -1,0 +1,394 @@
+"""``ddtree_budget: "auto"``'s b = 0: speculate in the next step, or decode plainly?
+
+The host decides at each ``propose``, before the drafter's block pass, whether the next
+step verifies trees (b >= 1, chosen on the device after the pass) or runs as plain
+decoding (b = 0: one verify row a request, no block pass). The design and its reasons
+are in ``vllm_ddtree.budget.policy``'s docstring; this module holds the pieces:
+
+* :class:`StepCostModel`: a step's GPU time by batch size, measured at start-up on the
+  target's own kernels and graphs: the verify forward by total rows (the target's FULL
+  graphs of every verify shape at several request counts), the drafter's block pass by
+  requests (its FULL graphs), and the tree / plain verify attention per request, layer
+  and context (the tree kernel at 1 and ``1 + b`` active rows).
+* :class:`SpeculationGate`: the decision. It compares the modeled tokens per second of
+  the two kinds of step at this batch size and context, each corrected by what steps of
+  that kind actually took (GPU-timeline intervals between steps, read from CUDA events
+  only once they completed: no host sync), with the acceptance measured on recent trees
+  (DDTree's device counters, copied to pinned memory without a sync). Hysteresis keeps
+  it from flapping; short probes of the other kind measure what it has not seen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["GateStats", "SpeculationGate", "StepCostModel", "batch_bucket"]
+
+# Rate margin before the gate switches between speculative and plain steps.
+HYSTERESIS = 0.05
+# Steps of the other kind a probe runs: the middle ones are intervals of that kind alone.
+PROBE_STEPS = 3
+# A probe runs only where the other kind is predicted within this fraction of the
+# current one (or where it was never measured at all).
+PROBE_RATIO = 0.8
+# Steps between probes of one batch-size bucket: doubles after each probe up to the max.
+PROBE_INTERVAL = 32
+MAX_PROBE_INTERVAL = 1024
+# Samples of the current kind in a bucket before the other kind is first probed there.
+CALIBRATION_SAMPLES = 2
+EMA_WEIGHT = 0.2
+# Intervals longer than this are an idle engine, not a step.
+MAX_STEP_SECONDS = 2.0
+# Committed tokens per tree before any tree was measured (neutral: the gate then keeps
+# speculating until it has seen trees).
+PRIOR_COMMITTED = 2.0
+# Timing marks kept at most (the host runs a step or two ahead of the GPU).
+_MARKS = 64
+_ACCEPT_SLOTS = 8
+
+
+def batch_bucket(num_reqs: int) -> int:
+    """``ceil(log2(num_reqs))``: batches of 1, 2, 3-4, 5-8, ... share statistics."""
+    return max(0, math.ceil(math.log2(max(1, num_reqs))))
+
+
+def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Piecewise linear in ``xs`` (increasing), clamped below the first point and
+    continued past the last with the last segment's slope (one point: proportional)."""
+    if xs.size == 0:
+        return 0.0
+    if xs.size == 1:
+        return float(ys[0] * max(x, xs[0]) / xs[0])
+    if x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+def _monotone_points(points: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(x, seconds)`` arrays, seconds made non-decreasing in x (timing noise)."""
+    xs = np.array(sorted(points), dtype=np.float64)
+    ys = np.maximum.accumulate(np.array([points[int(x)] for x in xs], dtype=np.float64))
+    return xs, ys
+
+
+class StepCostModel:
+    """Modeled GPU seconds of one step, from start-up measurements (host numbers).
+
+    Args:
+        num_layers: target attention layers on this GPU.
+        contexts: increasing context lengths the attention was timed at.
+        plain_attention: ``[C]`` seconds of one request's verify attention, one layer,
+            one row (a plain step).
+        tree_attention: ``[C, K]`` the same at ``1 + b_k`` rows.
+        budgets: the ``K`` candidate budgets ``b_k`` (increasing).
+    """
+
+    def __init__(self, num_layers: int, contexts: Sequence[int],
+                 plain_attention: Sequence[float], tree_attention: Any,
+                 budgets: Sequence[int]) -> None:
+        self.num_layers = num_layers
+        self.contexts = np.asarray(contexts, dtype=np.float64)
+        attention = np.asarray(tree_attention, dtype=np.float64).reshape(len(contexts), -1)
+        # column 0: b = 0 (one row), then the candidates
+        self.attention = np.concatenate(
+            [np.asarray(plain_attention, dtype=np.float64).reshape(-1, 1), attention], axis=1)
+        self.budgets = np.asarray([0, *budgets], dtype=np.float64)
+        self.verify_rows = np.zeros(0)
+        self.verify_seconds = np.zeros(0)
+        self.draft_reqs = np.zeros(0)
+        self.draft_seconds = np.zeros(0)
+
+    def set_graph_costs(self, verify_by_rows: dict[int, float],
+                        draft_by_reqs: dict[int, float]) -> None:
+        """Take the start-up graph timings: the target's verify forward by total rows
+        (``{num_tokens: seconds}``) and the drafter's block pass by requests
+        (``{num_reqs: seconds}``); either may be empty (no graphs: not modeled)."""
+        if verify_by_rows:
+            self.verify_rows, self.verify_seconds = _monotone_points(verify_by_rows)
+        if draft_by_reqs:
+            self.draft_reqs, self.draft_seconds = _monotone_points(draft_by_reqs)
+
+    @property
+    def has_graph_costs(self) -> bool:
+        return self.verify_rows.size > 0
+
+    def attention_seconds(self, contexts: np.ndarray, num_drafts: int) -> float:
+        """``num_layers * sum_r attn(ctx_r, 1 + num_drafts)``: linear in the context
+        between the timed ones (past the last: the last segment continued), linear in
+        the row count between the timed budgets."""
+        if contexts.size == 0:
+            return 0.0
+        ctx = np.asarray(contexts, dtype=np.float64)
+        cols = []
+        for k in range(self.attention.shape[1]):
+            ys = self.attention[:, k]
+            per = np.interp(ctx, self.contexts, ys)
+            if self.contexts.size > 1:
+                slope = (ys[-1] - ys[-2]) / (self.contexts[-1] - self.contexts[-2])
+                per = np.where(ctx > self.contexts[-1],
+                               ys[-1] + slope * (ctx - self.contexts[-1]), per)
+            cols.append(float(per.sum()))
+        total = float(np.interp(min(num_drafts, self.budgets[-1]), self.budgets, cols))
+        return self.num_layers * total
+
+    def step_seconds(self, num_reqs: int, contexts: np.ndarray, num_drafts: int,
+                     drafted: bool) -> float:
+        """A step of ``num_reqs`` requests verifying ``1 + num_drafts`` rows each, plus
+        the drafter's block pass when ``drafted``."""
+        rows = num_reqs * (1 + num_drafts)
+        seconds = _interp(rows, self.verify_rows, self.verify_seconds)
+        seconds += self.attention_seconds(contexts, num_drafts)
+        if drafted:
+            seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        return seconds
+
+
+@dataclass
+class _Ema:
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float, weight: float = EMA_WEIGHT) -> None:
+        self.value = sample if self.count == 0 else (1 - weight) * self.value + weight * sample
+        self.count += 1
+
+
+@dataclass
+class GateStats:
+    """What the gate measured in one batch-size bucket."""
+
+    plain: _Ema = field(default_factory=_Ema)  # residual seconds of plain steps
+    spec: _Ema = field(default_factory=_Ema)  # residual seconds of speculative steps
+    committed: _Ema = field(default_factory=_Ema)  # tokens committed per tree
+    shape: int = 0  # drafts per request of the last speculative step (0: none yet)
+    steps: int = 0  # decisions since the last probe
+    interval: int = PROBE_INTERVAL
+
+    def residual(self, spec: bool) -> _Ema:
+        return self.spec if spec else self.plain
+
+
+@dataclass
+class _Mark:
+    """One step's start on the GPU timeline and what the step was."""
+
+    event: Any
+    num_reqs: int
+    shape: int
+    uniform: bool
+    drafted: bool | None = None
+    model: float | None = None
+
+
+class _HostEvent:
+    """A host-clock stand-in for a CUDA event (CPU runs): complete at once."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return 1e3 * (end.t - self.t)
+
+
+class SpeculationGate:
+    """The host's per-step choice between a speculative and a plain step.
+
+    Args:
+        model: the start-up cost model.
+        device: the runner's device (CUDA: timing events and pinned copies).
+        make_event: ``() -> event`` with ``record()`` (optional), ``query()`` and
+            ``elapsed_time(end) -> ms``; default CUDA timing events on CUDA, the host
+            clock elsewhere. Tests pass a fake clock.
+    """
+
+    def __init__(self, model: StepCostModel, device: torch.device | str,
+                 make_event: Callable[[], Any] | None = None) -> None:
+        self.model = model
+        self.device = torch.device(device)
+        cuda = self.device.type == "cuda"
+        if make_event is None:
+            make_event = ((lambda: torch.cuda.Event(enable_timing=True)) if cuda
+                          else _HostEvent)
+        self.make_event = make_event
+        self.stats: dict[int, GateStats] = {}
+        self.speculating = True
+        self.probe_left = 0
+        self.marks: deque[_Mark] = deque()
+        # accepted-depth counters, copied each propose: (accepted_sum, trees) per slot
+        self._accept_host = torch.zeros(_ACCEPT_SLOTS, 2, dtype=torch.int64, pin_memory=cuda)
+        self._accept_events: list[Any] = [None] * _ACCEPT_SLOTS
+        self._accept_reqs = [0] * _ACCEPT_SLOTS
+        self._accept_pending: deque[int] = deque()
+        self._accept_slot = 0
+        self._accept_last: tuple[int, int] | None = None
+
+    # -- feeds --------------------------------------------------------------------------
+
+    def set_graph_costs(self, verify_by_rows: dict[int, float],
+                        draft_by_reqs: dict[int, float]) -> None:
+        """The start-up graph timings (``StepCostModel.set_graph_costs``), logged."""
+        import logging
+
+        self.model.set_graph_costs(verify_by_rows, draft_by_reqs)
+        logging.getLogger("vllm.ddtree.budget_gate").info(
+            "DDTree auto budget, b = 0 gate: verify forward by rows (us) %s; drafter block "
+            "pass by requests (us) %s",
+            {n: round(1e6 * t, 1) for n, t in sorted(verify_by_rows.items())},
+            {r: round(1e6 * t, 1) for r, t in sorted(draft_by_reqs.items())})
+
+    def bucket(self, num_reqs: int) -> GateStats:
+        return self.stats.setdefault(batch_bucket(num_reqs), GateStats())
+
+    def step_started(self, num_reqs: int, shape: int, uniform: bool) -> None:
+        """At ``execute_model``: mark the step's start on the stream (a timing event)."""
+        event = self.make_event()
+        record = getattr(event, "record", None)
+        if record is not None:
+            record()
+        self.marks.append(_Mark(event, num_reqs, shape, uniform))
+        if shape > 0:
+            self.bucket(num_reqs).shape = shape
+        while len(self.marks) > _MARKS:
+            self.marks.popleft()
+
+    def record_acceptance_(self, accepted_sum: torch.Tensor, num_trees: torch.Tensor,
+                           num_reqs: int) -> None:
+        """At ``propose``, after the step's walk: start the copy of DDTree's cumulative
+        counters (int64 ``[1]`` each, on the device) to pinned memory. No host sync."""
+        slot = self._accept_slot
+        self._accept_slot = (slot + 1) % _ACCEPT_SLOTS
+        if slot in self._accept_pending:  # the host ran _ACCEPT_SLOTS steps ahead
+            self._accept_pending.remove(slot)
+        row = self._accept_host[slot]
+        row[0:1].copy_(accepted_sum.reshape(1), non_blocking=True)
+        row[1:2].copy_(num_trees.reshape(1), non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._accept_events[slot] = event
+        self._accept_reqs[slot] = num_reqs
+        self._accept_pending.append(slot)
+
+    def _drain_acceptance(self) -> None:
+        """Fold every completed counter copy into its bucket's committed-tokens EMA."""
+        while self._accept_pending:
+            slot = self._accept_pending[0]
+            event = self._accept_events[slot]
+            if event is not None and not event.query():
+                break
+            self._accept_pending.popleft()
+            accepted, trees = (int(x) for x in self._accept_host[slot].tolist())
+            last, self._accept_last = self._accept_last, (accepted, trees)
+            if last is None or trees <= last[1]:
+                continue
+            new_trees = trees - last[1]
+            self.bucket(self._accept_reqs[slot]).committed.add(
+                1.0 + (accepted - last[0]) / new_trees)
+
+    def _drain_marks(self) -> None:
+        """Fold every step whose end (the next step's start) completed into its bucket's
+        residual: measured interval minus the modeled GPU time of what it ran. Steps
+        that mix kinds (a tree verified without a new draft, or the reverse), hold a
+        prefill, or span an idle engine are left out."""
+        while len(self.marks) >= 2:
+            first, second = self.marks[0], self.marks[1]
+            if first.drafted is None or not second.event.query():
+                break
+            self.marks.popleft()
+            seconds = first.event.elapsed_time(second.event) / 1e3
+            spec = first.shape > 0
+            if (first.model is None or not first.uniform or spec != first.drafted
+                    or not 0 < seconds <= MAX_STEP_SECONDS):
+                continue
+            self.bucket(first.num_reqs).residual(spec).add(seconds - first.model)
+
+    # -- the decision -------------------------------------------------------------------
+
+    def _nearest(self, num_reqs: int, pick: Callable[[GateStats], _Ema | int]):
+        """``pick`` of this bucket's stats if measured there, else of the nearest bucket
+        that has it (None: nowhere)."""
+        home = batch_bucket(num_reqs)
+        for b in sorted(self.stats, key=lambda b: (abs(b - home), b)):
+            value = pick(self.stats[b])
+            if (value.count if isinstance(value, _Ema) else value) > 0:
+                return value
+        return None
+
+    def rates(self, num_reqs: int, contexts: np.ndarray, cap: int,
+              max_budget: int) -> tuple[float, float]:
+        """Predicted tokens per second a request of ``(plain, speculative)`` steps at
+        this batch size and these contexts, the speculative one at the verify shape last
+        used near this batch size (at most ``cap``)."""
+        shape = self._nearest(num_reqs, lambda s: s.shape) or max_budget
+        shape = min(shape, cap)
+        plain_res = self._nearest(num_reqs, lambda s: s.plain)
+        spec_res = self._nearest(num_reqs, lambda s: s.spec)
+        committed = self._nearest(num_reqs, lambda s: s.committed)
+        t_plain = self.model.step_seconds(num_reqs, contexts, 0, False)
+        t_plain += plain_res.value if plain_res else 0.0
+        t_spec = self.model.step_seconds(num_reqs, contexts, shape, True)
+        t_spec += spec_res.value if spec_res else 0.0
+        e = committed.value if committed else PRIOR_COMMITTED
+        return 1.0 / max(t_plain, 1e-6), e / max(t_spec, 1e-6)
+
+    def decide(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
+               this_shape: int) -> bool:
+        """At ``propose``: whether the next step speculates (the drafter's block pass
+        runs now). ``this_shape``: the drafts this step verified (its mark's shape).
+        Records the step's modeled time for its interval. No host sync."""
+        self._drain_acceptance()
+        mark = None
+        for m in self.marks:  # steps that reached no propose (no forward): left out
+            if m.drafted is None:
+                m.drafted, mark = False, m
+        if mark is not None:
+            mark.drafted = None
+        draft = self._choose(num_reqs, contexts, cap, max_budget)
+        if mark is not None:
+            mark.drafted = draft
+            mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape, draft)
+        self._drain_marks()
+        return draft
+
+    def _choose(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int) -> bool:
+        if cap <= 0:
+            return False
+        if self.probe_left > 0:
+            self.probe_left -= 1
+            return not self.speculating
+        stats = self.bucket(num_reqs)
+        plain, spec = self.rates(num_reqs, contexts, cap, max_budget)
+        if self.speculating:
+            self.speculating = spec * (1 + HYSTERESIS) >= plain
+        else:
+            self.speculating = spec > plain * (1 + HYSTERESIS)
+        current, other = (spec, plain) if self.speculating else (plain, spec)
+        ratio = other / current
+        stats.steps += 1
+        measured_here = stats.residual(self.speculating).count >= CALIBRATION_SAMPLES
+        other_here = stats.residual(not self.speculating).count > 0
+        other_anywhere = self._nearest(num_reqs, lambda s: s.residual(not self.speculating))
+        probe = False
+        if measured_here and not other_here:
+            probe = other_anywhere is None or ratio >= PROBE_RATIO
+        elif measured_here and stats.steps >= stats.interval and ratio >= PROBE_RATIO:
+            probe = True
+            stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
+        if probe:
+            stats.steps = 0
+            self.probe_left = PROBE_STEPS - 1
+            return not self.speculating
+        return self.speculating
