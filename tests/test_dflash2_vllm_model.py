@@ -318,3 +318,40 @@ def test_vllm_loads_the_published_layout_and_matches_the_reference(vllm_ctx, tmp
         got_scores = model.model.candidate_selector(ids[None], unary[None], rows[None], anchor)
         want_scores = ref.candidate_selector(ids[None], unary[None], rows[None], anchor)
         torch.testing.assert_close(got_scores, want_scores, atol=1e-4, rtol=1e-4)
+
+
+def test_the_speculators_draft_step_writes_selector_trees(vllm_ctx):
+    """``DDTreeSpeculator._generate_draft`` with a DFlash2 drafter (its selector_drafting
+    set, the drafter forward stubbed) writes each request's selector tree, anchored at
+    row 0 of its query block, into the batch buffers."""
+    from test_ddtree_integration_units import BUDGET, DEPTHS, MAX_REQS, fake_speculator, new_state
+
+    from vllm_ddtree.draft.dflash2_draft import SelectorDrafting
+
+    drafter = reference_drafter(4)
+    model, _ = selector_pieces(drafter)
+    spec = fake_speculator(new_state())
+    block, reqs = DEPTHS + 1, 3
+    spec.selector_drafting = SelectorDrafting(
+        num_depths=DEPTHS, budget=BUDGET, top_k=None, block_size=block, selector_top_k=K,
+        max_num_reqs=MAX_REQS, device=torch.device("cpu"))
+    hidden = torch.randn(reqs * block, 64, generator=torch.Generator().manual_seed(2))
+    spec._run_model = lambda *args: hidden
+    spec.model = model
+    spec.input_buffers = SimpleNamespace(input_ids=torch.randint(0, 90, (MAX_REQS * block,),
+                                                                 dtype=torch.int32))
+    spec.sample_indices[: reqs * DEPTHS] = torch.tensor(
+        [r * block + k for r in range(reqs) for k in range(1, block)])
+    with torch.no_grad():
+        spec._generate_draft(reqs, reqs * block, None, None, None)
+        rows = hidden.view(reqs, block, 64)[:, 1:]
+        ids, unary, _ = model.compute_candidates(rows.flatten(0, 1))
+        ids, unary = ids.view(reqs, DEPTHS, K), unary.view(reqs, DEPTHS, K)
+        anchors = spec.input_buffers.input_ids[::block][:reqs].long()
+        scores = drafter.candidate_selector(ids, unary, rows, anchors)
+    want = build_selector_tree(ids, scores, BUDGET)
+    assert torch.equal(spec.draft_tokens[:reqs], want.tokens)
+    assert torch.equal(spec.batch_parents[:reqs], want.parents)
+    assert torch.equal(spec.batch_depths[:reqs], want.depths)
+    torch.testing.assert_close(spec.batch_scores[:reqs], want.scores)  # fp32 op order
+    assert torch.equal(spec.batch_ancestor_bits[:reqs], want.ancestor_bits())
