@@ -355,3 +355,28 @@ def test_the_speculators_draft_step_writes_selector_trees(vllm_ctx):
     assert torch.equal(spec.batch_depths[:reqs], want.depths)
     torch.testing.assert_close(spec.batch_scores[:reqs], want.scores)  # fp32 op order
     assert torch.equal(spec.batch_ancestor_bits[:reqs], want.ancestor_bits())
+
+
+def test_selector_drafting_makes_no_host_sync(vllm_ctx):
+    """The DFlash2 draft step (candidates, selector scores, tree, ancestor bits) reads
+    nothing back to the host: ``HostSyncDetector`` treats the CPU tensors as device ones."""
+    from vllm_ddtree.draft.dflash2_draft import SelectorDrafting
+    from vllm_ddtree.testing.sync_guard import HostSyncDetector
+
+    drafter = reference_drafter(5)
+    model, _ = selector_pieces(drafter)
+    reqs, depths, budget = 4, BLOCK - 1, 32
+    drafting = SelectorDrafting(num_depths=depths, budget=budget, top_k=3, block_size=BLOCK,
+                                selector_top_k=K, max_num_reqs=8, device=torch.device("cpu"))
+    out = DraftTree(tokens=torch.zeros(reqs, budget, dtype=torch.long),
+                    parents=torch.zeros(reqs, budget, dtype=torch.long),
+                    depths=torch.zeros(reqs, budget, dtype=torch.long),
+                    scores=torch.zeros(reqs, budget),
+                    packed_bits=torch.zeros(reqs, 1 + budget, 1, dtype=torch.long))
+    hidden = torch.randn(reqs * depths, 64)
+    input_ids = torch.randint(0, 90, (8 * BLOCK,), dtype=torch.int32)
+    with torch.no_grad():
+        drafting.draft(model, hidden, input_ids, reqs, out)  # warm host-made tables
+        with HostSyncDetector() as detector:
+            drafting.draft(model, hidden, input_ids, reqs, out)
+    assert detector.count() == 0, detector.report()
