@@ -1,5 +1,7 @@
-"""Reference DFlash + DDTree in plain PyTorch: the losslessness oracle and CPU engine."""
+"""Reference DFlash / DFlash2 + DDTree in plain PyTorch: the losslessness oracle and CPU
+engine."""
 
+from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
 from vllm_ddtree.reference.drafter import (
     DFlashContextCache,
     DFlashDraftModel,
@@ -9,6 +11,7 @@ from vllm_ddtree.reference.engine import GenerationResult, RoundStats, generate
 from vllm_ddtree.reference.replay import clip_rounds, compare_rounds, replay
 
 __all__ = [
+    "DFlash2DraftModel",
     "DFlashContextCache",
     "DFlashDraftModel",
     "DrafterConfigError",
