@@ -91,7 +91,6 @@ def _shape_timer(manager):
     if config.parallel_config.tensor_parallel_size > 1:
         return None
     from vllm_ddtree.budget.verify_costs import ShapeGraphTimer, timing_request_counts
-
     from vllm_ddtree.runtime_state import ddtree_config_of
 
     ddtree = ddtree_config_of(config.speculative_config)
