@@ -37,8 +37,10 @@
 #              AR's exactly)
 #   tiny       tiny random Qwen3 (GQA) and DeepSeek-V3 (MLA) pairs against AR
 #   dflash2    DDTree over a DFlash2 drafter (published layout, the embedded target, fp32):
-#              greedy tokens equal AR (selector tree with CUDA graphs, selector chain)
-#              and tokens per round equal the reference engine's (3 engines, ~3 min)
+#              the selector tree (B = 16) with CUDA graphs gives AR's greedy tokens and the
+#              reference engine's tokens per round (2 engines, ~3 min)
+#   dflash2chain  the same for the selector's chain walk (B = 15, ddtree_top_k 1), eager
+#              (2 engines, ~2 min)
 #   oracle     deep acceptance with an oracle drafter, tokens equal AR's
 #   pair       vLLM AR / DFlash / DDTree on the embedded pair against the reference engine
 #   pairyarn   the same with the target served with YaRN x4, 1,024-token prompts
@@ -270,7 +272,8 @@ for stage in "$@"; do
     cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
     schedule) stage_pytest schedule 540 tests/gpu/test_ddtree_plain_steps_vllm.py ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
-    dflash2) stage_pytest dflash2 240 tests/gpu/test_dflash2_vllm.py ;;
+    dflash2) stage_pytest dflash2 240 tests/gpu/test_dflash2_vllm.py -k cuda_graphs ;;
+    dflash2chain) stage_pytest dflash2chain 240 tests/gpu/test_dflash2_vllm.py -k chain ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
     pairyarn) stage_pytest pairyarn 420 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;
