@@ -64,7 +64,6 @@ from vllm_ddtree.testing.serve import (
     ddtree_counter_problems,
     spec_decode_counters,
     spec_decode_problems,
-    start_server,
     write_dry_run_model,
 )
 
@@ -83,11 +82,7 @@ NUM_REQUESTS = int(os.environ.get("DDTREE_SERVE_REQUESTS", "200"))
 CONCURRENCY = 32
 # VLLM_DDTREE_TEST_KV_GIB fixes the KV cache (no start-up memory profiling), so the
 # suite can share a GPU with others (as evals/check_ddtree_vllm.gpu_memory_args).
-_KV_GIB = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
-MEMORY_ARGS = (["--gpu-memory-utilization", "0.05",
-                "--kv-cache-memory-bytes", str(int(float(_KV_GIB) * 2**30))] if _KV_GIB
-               else ["--gpu-memory-utilization", "0.3"])
-SERVER_ARGS = ["--enforce-eager", *MEMORY_ARGS, "--max-model-len", "4096",
+SERVER_ARGS = ["--enforce-eager", *serve_client.memory_args(0.3), "--max-model-len", "4096",
                "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
                "--dtype", "bfloat16", "--seed", "0"]
 STARTUP_TIMEOUT = 900.0  # a first start on a fresh machine compiles Triton kernels
@@ -144,32 +139,19 @@ def server(setup, ar_reference, tmp_path_factory):
     if not DRY_RUN and not plugin_installed():
         pytest.fail("the vllm-ddtree plugin entry point is not installed: run "
                     "`python3 -m pip install --no-deps --no-build-isolation --no-index -e .`")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": f"{ROOT}:" + os.environ.get("PYTHONPATH", "")}
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    srv = start_server(setup.model, log, speculative_config=setup.spec,
-                       served_model_name=MODEL_NAME, extra_args=SERVER_ARGS, env=env,
-                       startup_timeout=STARTUP_TIMEOUT)
-    print(f"server up on {srv.base_url}; log {log}")
-    try:
+    with serve_client.serving(setup.model, log, ROOT, speculative_config=setup.spec,
+                              served_model_name=MODEL_NAME, extra_args=SERVER_ARGS,
+                              startup_timeout=STARTUP_TIMEOUT) as srv:
         yield srv
-    finally:
-        srv.stop()
-        print(f"--- server log tail ---\n{srv.log_tail(40)}")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import httpx
-
-    # trust_env=False: no HTTP(S)_PROXY between us and 127.0.0.1; enough connections
-    # for CONCURRENCY threads plus the metrics watcher.
-    http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT,
-                        limits=httpx.Limits(max_connections=4 * CONCURRENCY,
-                                            max_keepalive_connections=CONCURRENCY))
-    with http:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
-                            max_retries=0, timeout=REQUEST_TIMEOUT, http_client=http)
+    # enough connections for CONCURRENCY threads plus the metrics watcher
+    with serve_client.openai_client(server.base_url + "/v1", CONCURRENCY,
+                                    REQUEST_TIMEOUT) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")

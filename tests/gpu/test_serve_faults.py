@@ -57,7 +57,6 @@ from vllm_ddtree.testing.serve import (
     ddtree_counter_problems,
     spec_decode_counters,
     spec_decode_problems,
-    start_server,
     write_dry_run_model,
 )
 
@@ -79,11 +78,7 @@ CANCEL_FRACTION = 0.2
 # 64-token pages (the MLA tree backend's): 160 pages hold 10,240 tokens, a quarter of
 # what 64 running requests of this load reach at their longest.
 NUM_BLOCKS = 160 if not DRY_RUN else 80  # the CPU backend pages 128 tokens
-_KV_GIB = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
-MEMORY_ARGS = (["--gpu-memory-utilization", "0.05",
-                "--kv-cache-memory-bytes", str(int(float(_KV_GIB) * 2**30))] if _KV_GIB
-               else ["--gpu-memory-utilization", "0.3"])
-SERVER_ARGS = [*MEMORY_ARGS, "--max-model-len", str(MAX_MODEL_LEN),
+SERVER_ARGS = [*serve_client.memory_args(0.3), "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", str(CONCURRENCY), "--max-num-batched-tokens", "4096",
                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "bfloat16",
                "--seed", "0"] + (["--enforce-eager"] if DRY_RUN else [])
@@ -108,29 +103,18 @@ def server(ar_reference, tmp_path_factory):
         model = CHECKPOINTS / "target"
         spec = {"method": "ddtree", "model": str(CHECKPOINTS / "drafter"),
                 "num_speculative_tokens": BUDGET, "ddtree_budget": "auto"}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": f"{ROOT}:" + os.environ.get("PYTHONPATH", "")}
     log = tmp_path_factory.mktemp("serve-faults") / "server.log"
-    srv = start_server(model, log, speculative_config=spec, served_model_name=MODEL_NAME,
-                       extra_args=SERVER_ARGS, env=env, startup_timeout=STARTUP_TIMEOUT)
-    print(f"server up on {srv.base_url}; log {log}")
-    try:
+    with serve_client.serving(model, log, ROOT, speculative_config=spec,
+                              served_model_name=MODEL_NAME, extra_args=SERVER_ARGS,
+                              startup_timeout=STARTUP_TIMEOUT) as srv:
         yield srv
-    finally:
-        srv.stop()
-        print(f"--- server log tail ---\n{srv.log_tail(40)}")
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    import httpx
-
-    http = httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT,
-                        limits=httpx.Limits(max_connections=4 * CONCURRENCY,
-                                            max_keepalive_connections=CONCURRENCY))
-    with http:
-        yield openai.OpenAI(base_url=server.base_url + "/v1", api_key="EMPTY",
-                            max_retries=0, timeout=REQUEST_TIMEOUT, http_client=http)
+    with serve_client.openai_client(server.base_url + "/v1", CONCURRENCY,
+                                    REQUEST_TIMEOUT) as c:
+        yield c
 
 
 # -- the load -----------------------------------------------------------------------

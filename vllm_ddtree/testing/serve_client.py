@@ -4,7 +4,61 @@ token ids, text, finish reason and (optionally) logprobs, streamed or not."""
 
 from __future__ import annotations
 
-__all__ = ["complete", "extra_field", "logprob_problems"]
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+__all__ = ["complete", "extra_field", "logprob_problems", "memory_args", "openai_client",
+           "serving"]
+
+
+def memory_args(default_utilization: float) -> list[str]:
+    """``vllm serve`` memory arguments: a fixed KV cache of ``VLLM_DDTREE_TEST_KV_GIB``
+    GiB when set (no start-up memory profiling, so suites can share a GPU), else
+    ``--gpu-memory-utilization default_utilization``."""
+    kv_gib = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
+    if kv_gib:
+        return ["--gpu-memory-utilization", "0.05",
+                "--kv-cache-memory-bytes", str(int(float(kv_gib) * 2**30))]
+    return ["--gpu-memory-utilization", str(default_utilization)]
+
+
+@contextmanager
+def serving(model: str | Path, log: Path, root: Path, *, speculative_config: dict | None,
+            served_model_name: str, extra_args: Sequence[str],
+            startup_timeout: float = 900.0) -> Iterator:
+    """A started ``vllm serve`` (:func:`vllm_ddtree.testing.serve.start_server`) with
+    ``root`` on ``PYTHONPATH``; stopped on exit, its log tail printed."""
+    from vllm_ddtree.testing.serve import start_server
+
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": f"{root}:" + os.environ.get("PYTHONPATH", "")}
+    srv = start_server(model, log, speculative_config=speculative_config,
+                       served_model_name=served_model_name, extra_args=extra_args, env=env,
+                       startup_timeout=startup_timeout)
+    print(f"server up on {srv.base_url}; log {log}")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        print(f"--- server log tail ---\n{srv.log_tail(40)}")
+
+
+@contextmanager
+def openai_client(base_url: str, concurrency: int, timeout: float) -> Iterator:
+    """An ``openai.OpenAI`` client of ``base_url`` (``.../v1``) with no retries, no
+    HTTP(S)_PROXY between it and 127.0.0.1, and connections for ``concurrency`` threads
+    plus a metrics watcher."""
+    import httpx
+    import openai
+
+    http = httpx.Client(trust_env=False, timeout=timeout,
+                        limits=httpx.Limits(max_connections=4 * concurrency,
+                                            max_keepalive_connections=concurrency))
+    with http:
+        yield openai.OpenAI(base_url=base_url, api_key="EMPTY", max_retries=0,
+                            timeout=timeout, http_client=http)
 
 
 def extra_field(obj, name):
