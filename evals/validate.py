@@ -17,9 +17,15 @@ Per task: metrics of both runs, how many generations are identical, acceptance o
 the speculative run (reference engine: mean committed tokens per round, mean
 accepted depth, accepted-depth histogram from its ``RoundStats``; vLLM: its
 spec-decode counters, see ``vllm_spec_decode_stats``), written to
-``<out-dir>/lm_eval_<task>.md``; one ``PASS``/``FAIL`` line per task on stdout
-(PASS: at least ``--min-identical`` of the generations identical and every metric
-within ``--metric-tolerance``). Exit status 1 when a task fails.
+``<out-dir>/lm_eval_<task>.md``; one ``PASS``/``FAIL`` line per task on stdout.
+The verdict is a paired statistic (``evals/lm_eval_verdict.py``): the bootstrap
+interval of the per-document metric difference, speculative minus baseline, on the
+task's decision metric; PASS when its lower bound is above ``-margin``. Exit status 1
+when a task fails.
+
+``--inject-lossy-rate R`` (fault injection, evals only): the speculative run's verifier
+commits the drafter's token instead of the target's in a fraction R of its rounds
+(``vllm_ddtree.testing.lossy_verifier``); a correct validation FAILS it at 0.02.
 """
 
 from __future__ import annotations
@@ -43,15 +49,22 @@ from cli_args import (  # noqa: E402
     fraction,
     int_arg,
     json_object,
-    non_negative_float,
     positive_int,
+)
+from lm_eval_verdict import (  # noqa: E402
+    DEFAULT_CONFIDENCE,
+    DEFAULT_MARGIN,
+    DEFAULT_RESAMPLES,
+    PairedVerdict,
+    paired_verdict,
 )
 
 from vllm_ddtree.config import MAX_BUDGET  # noqa: E402
 
 TASKS_DIR = REPO / "evals" / "tasks"
 TASKS = tuple(sorted(p.stem for p in TASKS_DIR.glob("*.yaml")))
-DEFAULT_TASKS = ["ddtree_humaneval", "ddtree_stdlib_completion", "ddtree_long_context"]
+DEFAULT_TASKS = ["ddtree_humaneval", "ddtree_stdlib_completion", "ddtree_long_context",
+                 "ddtree_target_agreement"]
 DEFAULT_OUT_DIR = REPO / "evals" / "results"
 DEFAULT_BUDGET = 32
 DTYPES = ("float32", "bfloat16", "float16")  # vllm_ddtree.evaluation.ref_args.DTYPES
@@ -76,6 +89,8 @@ class TaskRun:
     contexts: dict[int, str] = field(default_factory=dict)
     # vllm backend: per differing doc, the target's top-2 gap where the texts part
     divergences: list[dict] = field(default_factory=list)
+    # per doc id: the task's metrics of that document
+    items: dict[int, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,9 +102,12 @@ class TaskReport:
     baseline: TaskRun
     speculative: TaskRun
     identical: int
-    metrics_equal: bool
-    passed: bool
+    verdict: PairedVerdict
     settings: dict = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict.passed
 
     @property
     def docs(self) -> int:
@@ -97,21 +115,12 @@ class TaskReport:
 
     def line(self) -> str:
         """The one-line verdict printed per task."""
-        metrics = ", ".join(
-            f"{k} {self.baseline.metrics[k]:.4f}{'==' if self._eq(k) else '!='}"
-            f"{self.speculative.metrics.get(k, float('nan')):.4f}"
-            for k in self.baseline.metrics
-        )
         acc = self.speculative.acceptance or {}
         mean = acc.get("mean_committed_per_round") or acc.get("mean_acceptance_length")
         acc_text = f", {mean:.2f} tokens/round" if mean else ""
         return (f"{'PASS' if self.passed else 'FAIL'} {self.task} [{self.backend}]: "
-                f"{self.identical}/{self.docs} identical generations, {metrics}{acc_text}")
-
-    def _eq(self, key: str) -> bool:
-        tol = self.settings.get("metric_tolerance", 0.0)
-        other = self.speculative.metrics.get(key)
-        return other is not None and abs(self.baseline.metrics[key] - other) <= tol
+                f"{self.verdict.text()}; {self.identical}/{self.docs} identical "
+                f"generations{acc_text}")
 
 
 def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict | None,
@@ -132,7 +141,9 @@ def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict 
                and isinstance(v, (int, float))}
     generations = {s["doc_id"]: s["resps"][0][0] for s in out["samples"][task]}
     contexts = {s["doc_id"]: s["arguments"][0][0] for s in out["samples"][task]}
-    return TaskRun(label, metrics, generations, seconds, contexts=contexts)
+    items = {s["doc_id"]: {m: float(s[m]) for m in metrics if m in s}
+             for s in out["samples"][task]}
+    return TaskRun(label, metrics, generations, seconds, contexts=contexts, items=items)
 
 
 def first_divergence(tokenizer, context: str, ours: str, theirs: str
@@ -184,7 +195,8 @@ def probe_divergences(llm, tokenizer, baseline: TaskRun, speculative: TaskRun,
                      reverse=True)
         gap = top[0] - top[1] if len(top) > 1 else float("inf")
         probes.append({"doc": doc, "position": position, "baseline_token": base_token,
-                       "speculative_token": spec_token, "gap": gap, "tie": gap <= tie_gap})
+                       "speculative_token": spec_token, "gap": gap,
+                       "tie": tie_gap > 0 and gap <= tie_gap})
     return probes
 
 
@@ -252,6 +264,7 @@ def _free(lm) -> None:
 
 def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
+    from vllm_ddtree.testing.lossy_verifier import lossy_reference
 
     pair = load_pair(args.pretrained, args.drafter, args.dtype, args.device)
     common = {"pair": pair, "seed": args.seed, "threads": args.threads}
@@ -265,8 +278,11 @@ def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
         run = run_task(base_lm, task, args.limit, metadata, gen_kwargs, "ar (no speculation)")
         run.acceptance = acceptance_summary(base_lm.records)
         runs["baseline"][task] = run
-        run = run_task(spec_lm, task, args.limit, metadata, gen_kwargs, spec_label)
+        with lossy_reference(args.inject_lossy_rate, args.lossy_seed) as lossy:
+            run = run_task(spec_lm, task, args.limit, metadata, gen_kwargs, spec_label)
         run.acceptance = acceptance_summary(spec_lm.records)
+        if args.inject_lossy_rate:
+            run.acceptance["lossy_rounds_corrupted"] = lossy["corrupted"]
         runs["speculative"][task] = run
     return runs, {"pair": pair.label.replace(f"{REPO}/", ""), "method": args.method,
                   "budget": args.budget, "top_k": args.top_k, "dtype": args.dtype,
@@ -281,10 +297,16 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     from vllm.compilation.monitor import set_cudagraph_capturing_enabled
 
     from vllm_ddtree.patches import apply_all
+    from vllm_ddtree.testing.compare import tie_gap_of
+    from vllm_ddtree.testing.lossy_verifier import apply_in_worker, apply_lossy_verifier
 
     applied = apply_all()
     model_args = {"disable_log_stats": False, **args.model_args}
     spec = speculative_config_of(args)
+    dtype = model_args.get("dtype", "auto")
+    tie_gap = tie_gap_of("bfloat16" if dtype == "auto" else dtype)
+    # Only DDTree's verifier is patched: the baseline engine does not use it.
+    apply_lossy_verifier(args.inject_lossy_rate, args.lossy_seed)
     runs = {"baseline": {}, "speculative": {}}
     for key, extra, label in (("baseline", {}, "no speculation"),
                               ("speculative", {"speculative_config": spec},
@@ -295,33 +317,35 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
         # (Two `lm_eval` commands, as users run them, are two processes.)
         set_cudagraph_capturing_enabled(True)
         lm = get_model("vllm").create_from_arg_obj({**model_args, **extra})
+        if extra and args.inject_lossy_rate:  # an engine core in its own process too
+            lm.model.collective_rpc(apply_in_worker,
+                                    args=(args.inject_lossy_rate, args.lossy_seed))
         for task in tasks:
             before = vllm_spec_decode_stats(lm) if extra else {}
             run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
             if extra:
                 run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
                 run.divergences = probe_divergences(lm.model, lm.tokenizer,
-                                                    runs["baseline"][task], run, args.tie_gap)
+                                                    runs["baseline"][task], run, tie_gap)
             runs[key][task] = run
         _free(lm)
     return runs, {"model_args": model_args, "speculative_config": spec,
-                  "patches_applied": applied}
+                  "patches_applied": applied, "tie_gap": tie_gap}
 
 
 def compare(task: str, backend: str, baseline: TaskRun, speculative: TaskRun,
-            min_identical: float, metric_tolerance: float, settings: dict) -> TaskReport:
-    """Identical generations (per doc id) and equal metrics -> verdict."""
+            settings: dict, margin: float = DEFAULT_MARGIN,
+            confidence: float = DEFAULT_CONFIDENCE,
+            resamples: int = DEFAULT_RESAMPLES) -> TaskReport:
+    """The paired verdict (:func:`lm_eval_verdict.paired_verdict`) on the documents'
+    metrics; identical generations (per doc id) are counted for the report."""
     identical = sum(baseline.generations[d] == speculative.generations.get(d)
                     for d in baseline.generations)
-    metrics_equal = set(baseline.metrics) == set(speculative.metrics) and all(
-        abs(baseline.metrics[k] - speculative.metrics[k]) <= metric_tolerance
-        for k in baseline.metrics)
-    docs = len(baseline.generations)
-    passed = (docs > 0 and identical >= min_identical * docs and metrics_equal
-              and set(baseline.generations) == set(speculative.generations))
-    settings = {**settings, "min_identical": min_identical, "metric_tolerance": metric_tolerance}
-    return TaskReport(task, backend, baseline, speculative, identical, metrics_equal, passed,
-                      settings)
+    verdict = paired_verdict(task, baseline.items, speculative.items, margin, confidence,
+                             resamples)
+    settings = {**settings, "margin": margin, "confidence": confidence,
+                "resamples": resamples}
+    return TaskReport(task, backend, baseline, speculative, identical, verdict, settings)
 
 
 def _short(text: str, limit: int = 300) -> str:
@@ -332,10 +356,9 @@ def report_markdown(report: TaskReport, command: str) -> str:
     """The ``lm_eval_<task>.md`` text of one task."""
     b, s = report.baseline, report.speculative
     lines = [f"# lm-eval validation: `{report.task}` ({report.backend})", "",
-             f"**{'PASS' if report.passed else 'FAIL'}**: {report.identical}/{report.docs} "
-             f"generations identical, metrics {'equal' if report.metrics_equal else 'DIFFER'} "
-             f"(required: at least {report.settings['min_identical']:.0%} identical, metrics "
-             f"within {report.settings['metric_tolerance']}).", "",
+             f"**{'PASS' if report.passed else 'FAIL'}**: {report.verdict.text()}. "
+             f"{report.identical}/{report.docs} generations identical. Baseline "
+             f"{report.verdict.metric}: {report.verdict.baseline:.4f}.", "",
              f"command: `{command}`", "",
              "settings: `" + json.dumps(report.settings, default=str) + "`", "",
              "| run | " + " | ".join(b.metrics) + " | seconds |",
@@ -411,13 +434,12 @@ def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
     elif backend == "vllm":
         metadata.setdefault("pretrained", args.model_args.get("pretrained"))
         runs, settings = _run_vllm(args, tasks, metadata, gen_kwargs)
-    settings.update(limit=args.limit, max_gen_toks=args.max_gen_toks, metadata=metadata)
-    if backend == "vllm":
-        settings["tie_gap"] = args.tie_gap
+    settings.update(limit=args.limit, max_gen_toks=args.max_gen_toks, metadata=metadata,
+                    inject_lossy_rate=args.inject_lossy_rate)
     reports = []
     for task in tasks:
         report = compare(task, backend, runs["baseline"][task], runs["speculative"][task],
-                         args.min_identical, args.metric_tolerance, settings)
+                         settings, args.margin, args.confidence, args.resamples)
         reports.append(report)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
@@ -525,7 +547,11 @@ def _check_vllm_backend(args: argparse.Namespace) -> None:
                                     "--speculative-config")):
         if value is not None:
             raise _bad(option, value, f"left out with --backend vllm: give {instead}")
-    _check_speculative_config(speculative_config_of(args), pretrained)
+    spec = speculative_config_of(args)
+    _check_speculative_config(spec, pretrained)
+    if args.inject_lossy_rate and spec.get("method") != "ddtree":
+        raise _bad("--inject-lossy-rate", args.inject_lossy_rate, "0 unless the speculative "
+                   "method is 'ddtree' (the lossy hook patches DDTree's verifier)")
 
 
 def speculative_config_of(args: argparse.Namespace) -> dict:
@@ -594,12 +620,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vllm backend: lm-eval model args, a JSON object with `pretrained`")
     p.add_argument("--speculative-config", type=json_object, default=None,
                    help="vllm backend: JSON (default: ddtree with --drafter and --budget)")
-    p.add_argument("--min-identical", type=fraction, default=1.0,
-                   help="fraction of identical generations required (1.0 for fp32 ref)")
-    p.add_argument("--metric-tolerance", type=non_negative_float, default=0.0)
-    p.add_argument("--tie-gap", type=non_negative_float, default=0.1,
-                   help="vllm backend: a differing generation whose first differing token "
-                        "had a target top-2 log-prob gap <= this (nats) is a bf16 tie")
+    p.add_argument("--margin", type=fraction, default=DEFAULT_MARGIN,
+                   help="equivalence margin on the decision metric (0..1): PASS when the "
+                   "bootstrap interval of speculative minus baseline lies above -margin")
+    p.add_argument("--confidence", type=fraction, default=DEFAULT_CONFIDENCE,
+                   help="two-sided level of the bootstrap interval")
+    p.add_argument("--resamples", type=positive_int, default=DEFAULT_RESAMPLES,
+                   help="bootstrap resamples")
+    p.add_argument("--inject-lossy-rate", type=fraction, default=0.0,
+                   help="fault injection: fraction of the speculative run's rounds whose "
+                   "verifier commits the drafter's token (validation must FAIL at 0.02)")
+    p.add_argument("--lossy-seed", type=int, default=0,
+                   help="seed of the rounds --inject-lossy-rate corrupts")
     p.add_argument("--out-dir", type=Path, default=DEFAULT_OUT_DIR)
     p.add_argument("--verbose", action="store_true", help="lm-eval's warnings and info")
     args = p.parse_args(argv)

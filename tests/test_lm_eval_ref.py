@@ -53,10 +53,15 @@ def test_next_lines_match():
     assert next_lines_match("\n    x = 1\n    return x\n    more", target)["exact_match"] == 1.0
     assert next_lines_match("\n    x = 1  \n    return x", target)["exact_match"] == 1.0
     got = next_lines_match("\n    x = 1\n    return y", target)
-    assert got == {"exact_match": 0.0, "first_line_match": 1.0}
+    assert (got["exact_match"], got["first_line_match"]) == (0.0, 1.0)
+    # graded: one character of 24 differs
+    assert got["edit_similarity"] == pytest.approx(1 - 1 / 22, abs=0.01)
+    assert 0.5 < got["chrf"] < 1.0
+    assert next_lines_match(target, target)["chrf"] == 1.0
     assert next_lines_match("    x = 1\n    return x", target)["exact_match"] == 0.0
     assert next_lines_match("\n    x = 1", target)["exact_match"] == 0.0
-    assert next_lines_match("", target) == {"exact_match": 0.0, "first_line_match": 0.0}
+    assert next_lines_match("", target) == {"exact_match": 0.0, "first_line_match": 0.0,
+                                            "edit_similarity": 0.0, "chrf": 0.0}
 
 
 def test_completion_docs_come_from_heldout_files_only():
@@ -115,7 +120,10 @@ def test_validate_ref_ar_vs_ddtree_identical(tmp_path):
     for report in reports:
         assert report.docs == 3
         assert report.identical == report.docs, report.line()
-        assert report.metrics_equal and report.baseline.metrics == report.speculative.metrics
+        assert report.baseline.metrics == report.speculative.metrics
+        assert report.baseline.items == report.speculative.items and len(report.baseline.items) == 3
+        verdict = report.verdict
+        assert (verdict.low, verdict.high, verdict.changed) == (0.0, 0.0, 0)
         assert report.passed and report.line().startswith("PASS")
         acc = report.speculative.acceptance
         assert acc["rounds"] > 0 and acc["mean_committed_per_round"] > 1.5
@@ -124,7 +132,10 @@ def test_validate_ref_ar_vs_ddtree_identical(tmp_path):
         text = (tmp_path / f"lm_eval_{report.task}.md").read_text()
         assert "**PASS**" in text and "accepted depth" in text
     assert set(reports[0].baseline.metrics) == {"pass@1"}
-    assert set(reports[1].baseline.metrics) == {"exact_match", "first_line_match"}
+    assert set(reports[1].baseline.metrics) == {"exact_match", "first_line_match",
+                                                "edit_similarity", "chrf"}
+    assert reports[0].verdict.metric == "pass@1"
+    assert reports[1].verdict.metric == "edit_similarity"
 
 
 class CharTokenizer:
@@ -157,9 +168,11 @@ def test_divergence_probes_measure_the_gap_where_texts_part():
     the engine and the top-2 gap there decides whether the texts part at a tie."""
     validate = _validate_module()
     run = validate.TaskRun
+    items = {d: {"m": 0.0} for d in range(4)}
     base = run("base", {"m": 0.0}, {0: "abcX", 1: "same", 2: "ab", 3: "xyzQ"}, 1.0,
-               contexts={0: "p0", 1: "p1", 2: "p2", 3: "p3"})
-    spec = run("spec", {"m": 0.0}, {0: "abcY", 1: "same", 2: "abc", 3: "xyRR"}, 1.0)
+               contexts={0: "p0", 1: "p1", 2: "p2", 3: "p3"}, items=items)
+    spec = run("spec", {"m": 0.0}, {0: "abcY", 1: "same", 2: "abc", 3: "xyRR"}, 1.0,
+               items=items)
     llm = GapLLM({1 + 2 + 3: 0.02, 1 + 2 + 2: 0.7})
     probes = validate.probe_divergences(llm, CharTokenizer(), base, spec, tie_gap=0.1)
     # doc 2: the baseline stopped after "ab" (a stop sequence, cut from the text), the
@@ -173,7 +186,7 @@ def test_divergence_probes_measure_the_gap_where_texts_part():
     assert probes[0]["gap"] == pytest.approx(0.02)
     assert probes[0]["baseline_token"] == ord("X") and probes[0]["speculative_token"] == ord("Y")
     spec.divergences = probes
-    report = validate.compare("t", "vllm", base, spec, 1.0, 0.0, {"tie_gap": 0.1})
+    report = validate.compare("t", "vllm", base, spec, {"tie_gap": 0.1})
     text = validate.report_markdown(report, "cmd")
     assert "1 of 3 within the tie gap 0.1 nats" in text
     assert "| 2 | 2 | stop / 99 | 0.7000 | False |" in text

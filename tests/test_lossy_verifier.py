@@ -41,10 +41,15 @@ def test_the_first_child_of_the_stopping_node_replaces_the_targets_token():
     # stopping at the root: its first child is node0 (the drafter's best)
     out, _ = corrupt_targets(tree, torch.tensor([[3, 4, 5, 6]]), torch.tensor([True]))
     assert out[0, 0] == 7
-    # a leaf has no child: nothing to commit instead
+    # stopping at a leaf: the deepest path node with another child is the root
     leaf = torch.tensor([[7, 9, 5, 6]])  # walks root -> node0 -> node2 (a leaf)
     out, changed = corrupt_targets(tree, leaf, torch.tensor([True]))
-    assert torch.equal(out, leaf) and changed.tolist() == [False]
+    assert out.tolist() == [[8, 9, 5, 6]] and changed.tolist() == [True]
+    # a chain the target accepts whole has no other token to commit
+    chain = tree_of([7, 9], [-1, 0])
+    whole = torch.tensor([[7, 9, 5]])
+    out, changed = corrupt_targets(chain, whole, torch.tensor([True]))
+    assert torch.equal(out, whole) and changed.tolist() == [False]
 
 
 def test_masked_nodes_are_never_committed():

@@ -6,7 +6,11 @@ command line, ``--model_args``) as keyword arguments.
 """
 
 from vllm_ddtree.evaluation import task_data
-from vllm_ddtree.evaluation.metrics import completion_results, humaneval_results
+from vllm_ddtree.evaluation.metrics import (
+    agreement_results,
+    completion_results,
+    humaneval_results,
+)
 
 __all__ = [
     "completion_results",
@@ -14,6 +18,8 @@ __all__ = [
     "humaneval_results",
     "long_context_dataset",
     "stdlib_completion_dataset",
+    "target_agreement_dataset",
+    "agreement_results",
 ]
 
 
@@ -25,6 +31,12 @@ def humaneval_dataset(**metadata):
 def stdlib_completion_dataset(**metadata):
     """Next-lines completion at cut points of held-out standard-library files."""
     return task_data.as_dataset(task_data.stdlib_completion_docs())
+
+
+def target_agreement_dataset(**metadata):
+    """Held-out contexts and the shipped target's greedy continuations
+    (data/target_agreement.json)."""
+    return task_data.as_dataset(task_data.target_agreement_docs())
 
 
 def long_context_dataset(**metadata):

@@ -5,6 +5,9 @@
   (``vllm_ddtree.training.corpus.is_heldout``: never trained on); the context ends
   at the end of a line (no trailing newline: the BPE tokenizer merges a newline
   with the next line's indent), the target is ``"\\n"`` + the next lines.
+- Target agreement: stored held-out contexts and the shipped target's own greedy
+  continuations (``evals/tasks/data/target_agreement.json``,
+  ``evals/make_target_agreement.py``).
 - Long context: whole held-out files concatenated up to a token budget, then one
   file cut at a line; the target is the next lines after the cut.
 
@@ -93,6 +96,21 @@ def stdlib_completion_docs(per_file: int = COMPLETION_PER_FILE,
             docs.append(_completion_doc(path, lines, i, max(0, i - context_lines),
                                         target_lines))
     return docs
+
+
+TARGET_AGREEMENT = (Path(__file__).resolve().parents[2] / "evals" / "tasks" / "data"
+                    / "target_agreement.json")
+
+
+def target_agreement_docs(path: Path = TARGET_AGREEMENT) -> list[dict]:
+    """The stored documents of ``ddtree_target_agreement``
+    (``evals/make_target_agreement.py``): ``context``, ``target`` (the shipped target's
+    greedy continuation, text), ``file``, ``line``, ``target_tokens``."""
+    import json
+
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: run python evals/make_target_agreement.py")
+    return json.loads(path.read_text())["docs"]
 
 
 def _token_count(tokenizer, text: str) -> int:

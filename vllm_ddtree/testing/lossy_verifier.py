@@ -1,12 +1,14 @@
 """Fault injection for tests and evals: a lossy verifier that commits the drafter's token
 instead of the target's in a chosen fraction of rounds. Never use it in production.
 
-In a corrupted round the walk goes as usual until the target's token at the deepest
-accepted node (the root when none) matches none of that node's children; there the
-target's token is replaced by the node's first child's token (the drafter's most likely
-child: nodes are in best-first order), so the round commits one token the target did
-not choose and then goes on walking with the target's tokens. A node without children
-(a leaf at the tree's depth, or a chain that is fully accepted) leaves the round intact.
+In a corrupted round the walk goes as usual; then, at the deepest node of the accepted
+path (the root included) that has a child whose token is not the target's token there,
+the target's token is replaced by that child's token (the first such child: nodes are
+in best-first order, so the drafter's most likely other token). The round then commits
+a token the target did not choose and walks on with the target's tokens below it. The
+stopping node is often a leaf of a budget-limited tree, so walking back up the path
+matters: otherwise most chosen rounds would change nothing. A round whose path has no
+such child (a chain the target accepts whole) stays intact.
 
 - :func:`corrupt_targets`: the rule on one batch of trees (PyTorch, CPU or CUDA).
 - :func:`lossy_reference`: the reference engine's rounds through the rule (a context
@@ -49,22 +51,26 @@ def corrupt_targets(tree: DraftTree, targets: torch.Tensor, corrupt: torch.Tenso
     ``tree`` ``[R, B]`` (masked nodes have token -1), ``targets`` int64 ``[R, 1 + B]``
     (column 0: the root, column ``i + 1``: node ``i``), ``corrupt`` bool ``[R]``.
     Returns ``(targets' [R, 1 + B], changed bool [R])``: ``changed`` where a token was
-    replaced (the round commits a token the target did not choose).
+    replaced (the round commits a token the target did not choose). Runs on host copies
+    (a test hook: one device sync).
     """
     from vllm_ddtree.walk.follow import follow_tree
 
     walk = follow_tree(tree, targets)
-    depth = walk.accepted_depth
-    rows = torch.arange(targets.shape[0], device=targets.device)
-    last = torch.where(depth > 0, walk.accepted_nodes[rows, (depth - 1).clamp(min=0)], -1)
-    children = (tree.parents == last[:, None]) & (tree.tokens >= 0)
-    has_child = children.any(dim=1)
-    first_child = children.to(torch.int8).argmax(dim=1)  # lowest index: best first
-    changed = corrupt & has_child
-    out = targets.clone()
-    col = (last + 1).clamp(min=0)
-    out[rows[changed], col[changed]] = tree.tokens[rows[changed], first_child[changed]]
-    return out, changed
+    tokens, parents = tree.tokens.cpu(), tree.parents.cpu()
+    out = targets.cpu().clone()
+    depth, nodes = walk.accepted_depth.cpu(), walk.accepted_nodes.cpu()
+    changed = torch.zeros(targets.shape[0], dtype=torch.bool)
+    for r in torch.nonzero(corrupt.cpu()).flatten().tolist():
+        path = [-1] + nodes[r, :int(depth[r])].tolist()  # root, then the accepted nodes
+        for v in reversed(path):
+            want = int(out[r, v + 1])
+            others = ((parents[r] == v) & (tokens[r] >= 0) & (tokens[r] != want)).nonzero()
+            if others.numel():
+                out[r, v + 1] = tokens[r, int(others[0, 0])]  # lowest index: best first
+                changed[r] = True
+                break
+    return out.to(targets.device), changed
 
 
 @contextlib.contextmanager

@@ -1,0 +1,107 @@
+"""The verdict of ``evals/validate.py``: a paired bootstrap of the per-document metric
+difference, DDTree minus plain decoding, against an equivalence margin.
+
+Per task, the decision metric is ``PRIMARY_METRIC[task]`` (a task's first metric when
+absent). For every document both runs scored, ``d_i = m_spec_i - m_base_i``; the
+two-sided ``confidence`` bootstrap interval of their mean (``scipy.stats.bootstrap``,
+percentile method, ``resamples`` resamples of the documents, fixed seed) is computed and
+the task **PASSES** when its lower bound is above ``-margin`` (non-inferiority: DDTree
+loses less than ``margin`` of the metric's 0..1 scale, at the one-sided level
+``(1 + confidence) / 2``). Identical runs give ``d_i = 0``, an interval ``[0, 0]`` and a
+PASS; a verifier that commits wrong tokens lowers exact answers and FAILS once the loss
+is clearly above the margin. The margin absorbs legitimate bf16 ties, which move a
+document's metric either way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_MARGIN = 0.05
+DEFAULT_CONFIDENCE = 0.95
+DEFAULT_RESAMPLES = 2000
+# The metric each task is judged on: exact answers where the pair scores well, a graded
+# one (edit similarity) where exact matches are rare.
+PRIMARY_METRIC = {
+    "ddtree_humaneval": "pass@1",
+    "ddtree_stdlib_completion": "edit_similarity",
+    "ddtree_long_context": "edit_similarity",
+    "ddtree_target_agreement": "exact_match",
+}
+
+
+@dataclass
+class PairedVerdict:
+    """``metric``; ``docs`` paired; mean baseline / speculative metric; the mean
+    difference and its bootstrap interval ``[low, high]``; ``changed`` documents
+    whose metric differs; ``passed``."""
+
+    metric: str
+    docs: int
+    baseline: float
+    speculative: float
+    mean_difference: float
+    low: float
+    high: float
+    changed: int
+    margin: float
+    confidence: float
+    passed: bool
+
+    def text(self) -> str:
+        return (f"{self.metric} {self.baseline:.4f} -> {self.speculative:.4f}, difference "
+                f"{self.mean_difference:+.4f} [{self.low:+.4f}, {self.high:+.4f}] "
+                f"({self.confidence:.0%} bootstrap, {self.docs} docs, {self.changed} changed; "
+                f"PASS needs the lower bound > -{self.margin})")
+
+
+def bootstrap_interval(differences: np.ndarray, confidence: float = DEFAULT_CONFIDENCE,
+                       resamples: int = DEFAULT_RESAMPLES, seed: int = 0
+                       ) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``differences`` (float ``[n]``, n >= 1).
+    All-equal differences have no spread: the interval is that value."""
+    differences = np.asarray(differences, dtype=np.float64)
+    if differences.size == 0:
+        raise ValueError("bootstrap_interval: no paired documents")
+    if np.all(differences == differences[0]):
+        return float(differences[0]), float(differences[0])
+    from scipy.stats import bootstrap
+
+    result = bootstrap((differences,), np.mean, confidence_level=confidence,
+                       n_resamples=resamples, method="percentile",
+                       rng=np.random.default_rng(seed))
+    ci = result.confidence_interval
+    return float(ci.low), float(ci.high)
+
+
+def primary_metric(task: str, metrics: list[str]) -> str:
+    """The metric ``task`` is judged on."""
+    metric = PRIMARY_METRIC.get(task, metrics[0] if metrics else None)
+    if metric not in metrics:
+        raise ValueError(f"task {task}: metric {metric!r} not among its metrics {metrics}")
+    return metric
+
+
+def paired_verdict(task: str, baseline: dict[int, dict[str, float]],
+                   speculative: dict[int, dict[str, float]], margin: float = DEFAULT_MARGIN,
+                   confidence: float = DEFAULT_CONFIDENCE,
+                   resamples: int = DEFAULT_RESAMPLES) -> PairedVerdict:
+    """The verdict from per-document metrics ``{doc_id: {metric: value}}`` of both runs.
+    Documents missing from either run FAIL the task (they cannot be paired)."""
+    metrics = sorted({m for values in baseline.values() for m in values})
+    metric = primary_metric(task, metrics)
+    docs = sorted(baseline)
+    missing = set(docs) ^ set(speculative)
+    base = np.array([baseline[d][metric] for d in docs], dtype=np.float64)
+    spec = np.array([speculative.get(d, {}).get(metric, np.nan) for d in docs], np.float64)
+    if missing or not docs or np.isnan(spec).any():
+        return PairedVerdict(metric, len(docs), float(np.mean(base)) if docs else np.nan,
+                             np.nan, np.nan, np.nan, np.nan, len(missing), margin,
+                             confidence, False)
+    diff = spec - base
+    low, high = bootstrap_interval(diff, confidence, resamples)
+    return PairedVerdict(metric, len(docs), float(base.mean()), float(spec.mean()),
+                         float(diff.mean()), low, high, int(np.count_nonzero(diff)), margin,
+                         confidence, low > -margin)

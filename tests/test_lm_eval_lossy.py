@@ -1,0 +1,70 @@
+"""``evals/validate.py`` catches a lossy verifier on the CPU reference engine: PASS with
+the exact verifier, FAIL when 2 % of the rounds commit the drafter's token instead of
+the target's (``--inject-lossy-rate 0.02``), on ``ddtree_target_agreement``.
+
+Detection at 2 %: a 128-token continuation takes about 40 DDTree rounds of the embedded
+pair, so a document is hit with probability 1 - 0.98**40 = 0.55 and loses its exact
+match (1.0 for plain decoding in fp32); over the documents the expected difference is
+about -0.55 against the 0.05 margin (6 documents: 4 hit with the fixed seed, -0.67).
+The rounds hit are drawn from a fixed seed, so the outcome is deterministic.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+REPO = Path(__file__).resolve().parent.parent
+TASK = "ddtree_target_agreement"
+
+
+def _validate_module():
+    spec = importlib.util.spec_from_file_location("ddtree_validate", REPO / "evals" / "validate.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ddtree_validate"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_validate_passes_the_exact_verifier_and_fails_a_lossy_one(tmp_path):
+    """One plain-decoding run, then DDTree exact and DDTree with 2 % lossy rounds, judged
+    by ``validate.compare`` (the verdict ``validate.py`` prints); ``validate.py
+    --inject-lossy-rate`` runs the same wrapper (``_run_ref``)."""
+    validate = _validate_module()
+    from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
+    from vllm_ddtree.testing.lossy_verifier import lossy_reference
+
+    pair = load_pair(None, None)
+    limit, metadata = 6, {}
+    base = validate.run_task(DDTreeRefLM(method="ar", pair=pair, threads=1), TASK, limit,
+                             metadata, None, "ar")
+    reports = {}
+    for rate in (0.0, 0.02):
+        lm = DDTreeRefLM(method="ddtree", budget=32, pair=pair, threads=1)
+        with lossy_reference(rate, seed=0) as lossy:
+            run = validate.run_task(lm, TASK, limit, metadata, None, f"ddtree lossy {rate}")
+        run.acceptance = {**acceptance_summary(lm.records), "corrupted": lossy["corrupted"]}
+        reports[rate] = validate.compare(TASK, "ddtree-ref", base, run, {})
+    exact, lossy = reports[0.0], reports[0.02]
+    for report in (exact, lossy):
+        assert report.verdict.metric == "exact_match" and report.verdict.docs == limit
+    assert exact.verdict.baseline == 1.0, "the stored continuations are no longer the " \
+        "target's: rebuild them (python evals/make_target_agreement.py)"
+    assert exact.passed, exact.line()
+    assert (exact.verdict.low, exact.verdict.high) == (0.0, 0.0) and exact.identical == limit
+    assert not lossy.passed, lossy.line()
+    assert lossy.speculative.acceptance["corrupted"] > 0
+    assert lossy.verdict.mean_difference <= -0.3 and lossy.verdict.low < -lossy.verdict.margin
+    text = validate.report_markdown(lossy, "pytest")
+    assert "**FAIL**" in text and "Baseline exact_match: 1.0000" in text
+
+
+def test_validate_command_line_takes_the_rate():
+    validate = _validate_module()
+    args = validate.parse_args(["--tasks", TASK, "--inject-lossy-rate", "0.02"])
+    assert args.inject_lossy_rate == 0.02 and args.margin == 0.05
+    with pytest.raises(SystemExit):
+        validate.parse_args(["--inject-lossy-rate", "1.5"])
