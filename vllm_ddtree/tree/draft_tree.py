@@ -370,8 +370,19 @@ def build_ddtree(draft_logits: torch.Tensor, budget: int, top_k: int | None = No
         beam_parents.append(parents)
         width = new_width
 
-    # Merge the beams: depth-major concatenation makes the index tie-break
-    # (depth, position in the depth) = (depth, parent, rank).
+    return merge_beams(beam_scores, beam_tokens, beam_parents, budget)
+
+
+def merge_beams(beam_scores: list[torch.Tensor], beam_tokens: list[torch.Tensor],
+                beam_parents: list[torch.Tensor], budget: int) -> DraftTree:
+    """The best ``budget`` nodes of per-depth beams, as a :class:`DraftTree`.
+
+    Beam ``d`` (depth ``d + 1``) holds ``[num_requests, width_d]`` float32 path scores,
+    int64 tokens and int64 parents (indices into beam ``d - 1``; -1 at depth 1). Ties
+    break on the index of the depth-major concatenation, i.e. (depth, parent, rank).
+    A parent scores at least its children, so every chosen node's parent is chosen."""
+    num_requests = beam_scores[0].shape[0]
+    device = beam_scores[0].device
     widths = [s.shape[1] for s in beam_scores]
     offsets = [0]
     for w in widths[:-1]:

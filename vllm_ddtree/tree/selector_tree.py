@@ -28,6 +28,7 @@ from vllm_ddtree.tree.draft_tree import (
     _draft_logprobs,
     _ranked_top_k,
     _sort_keys,
+    merge_beams,
 )
 
 __all__ = ["build_selector_tree", "build_selector_tree_reference", "top_k_candidates"]
@@ -96,7 +97,6 @@ def build_selector_tree(candidate_ids: torch.Tensor, edge_scores: torch.Tensor, 
     """
     k = _check_args(candidate_ids, edge_scores, budget, top_k)
     num_requests, num_depths, _ = candidate_ids.shape
-    device = candidate_ids.device
     child_lp, child_slot = _ranked_children(edge_scores, k)
     ids = candidate_ids.to(torch.int64)
 
@@ -125,25 +125,7 @@ def build_selector_tree(candidate_ids: torch.Tensor, edge_scores: torch.Tensor, 
         beam_tokens.append(torch.gather(ids[:, d], 1, slots))
         beam_parents.append(parents)
 
-    widths = [s.shape[1] for s in beam_scores]
-    offsets = [0]
-    for w in widths[:-1]:
-        offsets.append(offsets[-1] + w)
-    all_scores = torch.cat(beam_scores, dim=1)
-    all_tokens = torch.cat(beam_tokens, dim=1)
-    all_parents = torch.cat(
-        [p if d == 0 else p + offsets[d - 1] for d, p in enumerate(beam_parents)], dim=1)
-    all_depths = torch.cat(
-        [torch.full((w,), d + 1, dtype=torch.int64, device=device) for d, w in enumerate(widths)])
-    chosen = torch.topk(_sort_keys(all_scores), budget, dim=-1, sorted=True).indices
-    node_index = torch.full_like(all_tokens, -1)
-    node_ids = torch.arange(budget, dtype=torch.int64, device=device)
-    node_index.scatter_(1, chosen, node_ids.expand(num_requests, -1))
-    parent_flat = torch.gather(all_parents, 1, chosen)
-    parents = torch.where(parent_flat >= 0,
-                          torch.gather(node_index, 1, parent_flat.clamp(min=0)), -1)
-    return DraftTree(tokens=torch.gather(all_tokens, 1, chosen), parents=parents,
-                     depths=all_depths[chosen], scores=torch.gather(all_scores, 1, chosen))
+    return merge_beams(beam_scores, beam_tokens, beam_parents, budget)
 
 
 def build_selector_tree_reference(candidate_ids: torch.Tensor, edge_scores: torch.Tensor,
