@@ -64,7 +64,10 @@ def measure(pair) -> dict[tuple[str, int], float]:
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_embedded_pair()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small forwards: more threads only contend on shared CPUs
+    yield load_embedded_pair()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
