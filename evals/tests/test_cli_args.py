@@ -4,6 +4,8 @@ option, the value and what is allowed."""
 
 import argparse
 import re
+import shlex
+from pathlib import Path
 
 # evals/ is on sys.path (conftest)
 import acceptance_humaneval
@@ -49,6 +51,8 @@ BAD = [
     ("acceptance_humaneval", "--max-new-tokens", "0", ">= 1"),
     ("acceptance_humaneval", "--threads", "0", ">= 1"),
     ("acceptance_humaneval", "--temperature", "-1", ">= 0"),
+    ("acceptance_humaneval", "--budgets", "0", ">= 1"),
+    ("acceptance_humaneval", "--device", "gpu", "'cuda:<index>'"),
     ("train_pair", "--target-minutes", "0", "> 0"),
     ("train_pair", "--drafter-minutes", "-3", "> 0"),
     ("train_pair", "--gen-minutes", "-1", ">= 0"),
@@ -95,3 +99,17 @@ def test_good_arguments_still_parse():
                                               "0"])
     assert args.heads == [8] and args.max_minutes == 0.0
     assert train_pair.parse_args(["--gen-minutes", "0", "--text-sequences", "0"]).gen_minutes == 0
+
+
+def test_the_acceptance_result_commands_still_parse(monkeypatch):
+    """Each ``command:`` line of ``evals/results/acceptance_humaneval.md`` reproduces it."""
+    text = (Path(acceptance_humaneval.__file__).parent / "results"
+            / "acceptance_humaneval.md").read_text()
+    commands = re.findall(r"command: `evals/acceptance_humaneval.py (.*)`", text)
+    assert commands
+    parsed = []
+    monkeypatch.setattr(acceptance_humaneval, "run", parsed.append)
+    for command in commands:
+        acceptance_humaneval.main(shlex.split(command))
+    assert [a.budgets for a in parsed] == [list(acceptance_humaneval.BUDGETS)] * len(commands)
+    assert not any(a.dflash2 for a in parsed)
