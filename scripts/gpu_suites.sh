@@ -90,7 +90,9 @@
 #   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
 #              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
 #              corpus into data/ unless present, CORPUS_ARGS); packs target/ and drafter/ as
-#              ckpt.tar.part-* in the log folder (scripts/unpack_pair.sh installs them)
+#              ckpt.tar.part-* in the log folder (scripts/unpack_pair.sh installs them);
+#              SYNTHETIC_DOCS=N adds N exact-answer snippets (copy, lookup, brackets,
+#              sort: training/synthetic.py) to a new corpus (remove data/ first)
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -349,7 +351,7 @@ for stage in "$@"; do
     e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
     sweep_trained|sweep_v2lite) run_sweep "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
-      build_corpus --vocab-size 4096
+      build_corpus --vocab-size 4096 ${SYNTHETIC_DOCS:+--synthetic-docs "$SYNTHETIC_DOCS"}
       run_trainpair trainpair "--stage all --target-minutes 1.75 --drafter-minutes 2 --gen-sequences 6144" ;;
     trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
       # embedded one. The corpus reuses the target's tokenizer (another Python's standard

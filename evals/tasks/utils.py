@@ -10,6 +10,7 @@ from vllm_ddtree.evaluation.metrics import (
     agreement_results,
     completion_results,
     humaneval_results,
+    synthetic_results,
 )
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "stdlib_completion_dataset",
     "target_agreement_dataset",
     "agreement_results",
+    "synthetic_dataset",
+    "synthetic_results",
 ]
 
 
@@ -37,6 +40,14 @@ def target_agreement_dataset(**metadata):
     """Held-out contexts and the shipped target's greedy continuations
     (data/target_agreement.json)."""
     return task_data.as_dataset(task_data.target_agreement_docs())
+
+
+def synthetic_dataset(**metadata):
+    """Exact-answer snippets (copy, lookup, brackets, sort) of
+    ``vllm_ddtree.training.synthetic``, seeds never trained on."""
+    from vllm_ddtree.training.synthetic import eval_docs
+
+    return task_data.as_dataset(eval_docs())
 
 
 def long_context_dataset(**metadata):

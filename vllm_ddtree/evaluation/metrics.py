@@ -57,6 +57,18 @@ def agreement_results(doc: dict, results: list[str]) -> dict[str, float]:
     return {"exact_match": float(got == want), **graded_similarity(got, want)}
 
 
+def synthetic_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """lm-eval ``process_results`` of ``ddtree_synthetic``: ``exact_match`` when the
+    completion starts with the answer and does not go on with the same token (no
+    further digit, letter or closing bracket right after it); ``edit_similarity`` of
+    the answer and the completion's first ``len(answer)`` characters."""
+    got, want = results[0], doc["target"]
+    after = got[len(want):len(want) + 1]
+    exact = got.startswith(want) and not (after.isalnum() or (after and after in ")]}_"))
+    return {"exact_match": float(exact),
+            "edit_similarity": graded_similarity(got[:len(want)], want)["edit_similarity"]}
+
+
 def completion_results(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval ``process_results`` of the completion and long-context tasks."""
     return next_lines_match(results[0], doc["target"])

@@ -255,6 +255,7 @@ def build_corpus(
     valid_fraction: float = DEFAULT_VALID_FRACTION,
     extra_packages: Sequence[str] = (),
     tokenizer_dir: str | Path | None = None,
+    synthetic_docs: int = 0,
 ) -> dict:
     """Write ``{train,valid,heldout}.npy``, ``tokenizer/`` and ``manifest.json``
     under ``out_dir``; return the manifest (a JSON-able dict).
@@ -269,7 +270,10 @@ def build_corpus(
     ``extra_packages``: installed packages whose Python sources (``tests`` and the like
     skipped) are added to the *train* split only, as ``site-packages/<name>/<path>``:
     more training text, while the tokenizer (trained on the standard library's train
-    files) and the valid / held-out splits stay what they are without them."""
+    files) and the valid / held-out splits stay what they are without them.
+    ``synthetic_docs``: that many exact-answer snippets (``training.synthetic``: copy,
+    lookup, brackets, sort) added to the *train* split as ``synthetic/<kind>_<i>.py``,
+    after the tokenizer is trained."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     root = Path(root) if root is not None else stdlib_root()
@@ -287,6 +291,12 @@ def build_corpus(
         kept.update(pkg_kept)
         skipped.update(pkg_skipped)
         files["train"].extend(pkg_kept)
+    if synthetic_docs:
+        from vllm_ddtree.training.synthetic import training_texts
+
+        synthetic = training_texts(synthetic_docs)
+        kept.update(synthetic)
+        files["train"].extend(synthetic)
     tok_dir = out_dir / TOKENIZER_SUBDIR
     if tokenizer_dir is None:
         save_tokenizer(tok, tok_dir)
@@ -346,6 +356,7 @@ def build_corpus(
         **{f"{name}_files": file_entries(files[name]) for name in SPLITS},
         "skipped_files": skipped,
         "extra_packages": extras,
+        "synthetic_docs": synthetic_docs,
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -370,7 +381,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", default=None, metavar="DIR",
                         help="reuse the tokenizer.json in DIR (e.g. a checkpoint's) instead "
                         "of training one")
+    parser.add_argument("--synthetic-docs", type=int, default=0, metavar="N",
+                        help="add N exact-answer snippets (training/synthetic.py) to the "
+                        "train split")
     args = parser.parse_args(argv)
+    if args.synthetic_docs < 0:
+        parser.error(f"argument --synthetic-docs: {args.synthetic_docs} is not allowed: >= 0")
     m = build_corpus(
         args.out,
         args.vocab_size,
@@ -380,6 +396,7 @@ def main(argv: list[str] | None = None) -> None:
         args.valid_fraction,
         args.extra_package,
         args.tokenizer,
+        args.synthetic_docs,
     )
     out = Path(args.out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

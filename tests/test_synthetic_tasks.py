@@ -1,0 +1,44 @@
+"""Exact-answer snippets (vllm_ddtree.training.synthetic): answers right by construction,
+training and evaluation documents disjoint, and the task's metric."""
+
+import ast
+
+import pytest
+
+from vllm_ddtree.evaluation.metrics import synthetic_results
+from vllm_ddtree.training.synthetic import KINDS, eval_docs, make_doc, training_texts
+
+
+def test_every_answer_is_right():
+    for doc in eval_docs(25):
+        code = doc["context"] + doc["target"]
+        tree = ast.parse(code)  # brackets closed, copies indented: valid Python
+        if doc["kind"] in ("lookup", "sort"):
+            exec(compile(tree, "<doc>", "exec"), {})  # the assert holds
+        if doc["kind"] == "copy":
+            first, second = (n for n in tree.body if isinstance(n, ast.FunctionDef))
+            assert ast.dump(first.args) == ast.dump(second.args)
+            assert [ast.dump(s) for s in first.body] == [ast.dump(s) for s in second.body]
+        if doc["kind"] == "brackets":
+            with pytest.raises(SyntaxError):
+                ast.parse(doc["context"] + doc["target"][:-1])
+
+
+def test_documents_are_deterministic_and_disjoint_from_training():
+    assert eval_docs(3) == eval_docs(3) and make_doc("sort", 5) == make_doc("sort", 5)
+    train = set(training_texts(400).values())
+    assert not train & {d["context"] + d["target"] + "\n" for d in eval_docs(25)}
+    assert {k.split("/")[1].split("_")[0] for k in training_texts(8)} == set(KINDS)
+    with pytest.raises(ValueError, match="kind='nope' is not allowed"):
+        make_doc("nope", 0)
+
+
+def test_exact_match_needs_the_whole_answer_and_nothing_glued_to_it():
+    doc = {"target": " 302"}
+    assert synthetic_results(doc, [" 302"])["exact_match"] == 1.0
+    assert synthetic_results(doc, [" 302\nassert x"])["exact_match"] == 1.0
+    assert synthetic_results(doc, [" 3021"])["exact_match"] == 0.0
+    assert synthetic_results(doc, [" 30"])["exact_match"] == 0.0
+    closing = {"target": ")}]"}
+    assert synthetic_results(closing, [")}]]"])["exact_match"] == 0.0
+    assert synthetic_results(closing, [")}]"])["edit_similarity"] == 1.0

@@ -1,0 +1,109 @@
+"""Exact-answer Python snippets: training text that teaches in-context copying and simple
+algorithms, and the documents of the ``ddtree_synthetic`` lm-eval task.
+
+Four kinds, each a short module (well inside the target's 512-token training windows)
+whose last line is completed by a unique answer:
+
+- ``copy``: a function is defined, then redefined under a new name with the same
+  signature; the answer is its body, copied line for line.
+- ``lookup``: a dict literal of identifiers to ints, then ``assert TABLE[key] == ``;
+  the answer is the value.
+- ``brackets``: a nested literal of lists, tuples and dicts cut after its last atom; the
+  answer closes every bracket.
+- ``sort``: ``assert sorted([...]) == ``; the answer is the sorted list.
+
+Training (``python -m vllm_ddtree.training.corpus --synthetic-docs N``) draws documents
+with seeds ``0..N-1``; the task draws with seeds from ``EVAL_SEED_BASE`` on, which the
+training never uses. Identifiers come from a fixed word list, so both sides share the
+vocabulary but not the documents.
+"""
+
+from __future__ import annotations
+
+import random
+
+__all__ = ["EVAL_SEED_BASE", "KINDS", "eval_docs", "make_doc", "training_texts"]
+
+KINDS = ("copy", "lookup", "brackets", "sort")
+EVAL_SEED_BASE = 10**9
+WORDS = ("name", "value", "path", "mode", "size", "timeout", "encoding", "errors", "buffer",
+         "parent", "level", "flags", "prefix", "suffix", "data", "count", "offset", "limit",
+         "stream", "handler", "key", "default", "callback", "context", "options", "host",
+         "port", "user", "index", "result", "state", "owner", "line", "start", "end", "text",
+         "items", "total", "width", "height", "depth", "weight", "label", "token", "chunk")
+_CLOSE = {"[": "]", "(": ")", "{": "}"}
+
+
+def _ident(rng: random.Random, n: int) -> list[str]:
+    return rng.sample(WORDS, n)
+
+
+def _copy(rng: random.Random) -> tuple[str, str]:
+    args = _ident(rng, rng.randint(2, 4))
+    acc = rng.choice([w for w in WORDS if w not in args])
+    body = [f"    {acc} = {args[0]}"]
+    for a in args[1:]:
+        op = rng.choice(["+", "-", "*"])
+        body.append(f"    {acc} = {acc} {op} {a}")
+    body.append(f"    return {acc}")
+    name, copy = rng.sample([f"{w}_{v}" for w in ("get", "make", "compute", "read")
+                             for v in WORDS], 2)
+    header = f"({', '.join(args)}):"
+    prompt = (f"def {name}{header}\n" + "\n".join(body) + "\n\n\n"
+              f"# {copy} is {name} under another name\ndef {copy}{header}")
+    return prompt, "\n" + "\n".join(body)
+
+
+def _lookup(rng: random.Random) -> tuple[str, str]:
+    keys = _ident(rng, rng.randint(4, 8))
+    values = [rng.randint(0, 999) for _ in keys]
+    table = ",\n".join(f'    "{k}": {v}' for k, v in zip(keys, values, strict=True))
+    k = rng.randrange(len(keys))
+    return f'TABLE = {{\n{table},\n}}\nassert TABLE["{keys[k]}"] ==', f" {values[k]}"
+
+
+def _brackets(rng: random.Random) -> tuple[str, str]:
+    text, stack = "x = ", []
+    for _ in range(rng.randint(3, 6)):
+        if stack and stack[-1] == "{":  # a value inside a dict needs its key
+            text += f'"{rng.choice(WORDS)}": '
+        opener = rng.choice("[({")
+        stack.append(opener)
+        text += opener + (f'"{rng.choice(WORDS)}": ' if opener == "{" else "")
+        text += f"{rng.randint(0, 99)}, "
+    text = text[:-2]
+    return text, "".join(_CLOSE[o] for o in reversed(stack))
+
+
+def _sort(rng: random.Random) -> tuple[str, str]:
+    values = [rng.randint(0, 99) for _ in range(rng.randint(4, 8))]
+    return f"assert sorted({values}) ==", f" {sorted(values)}"
+
+
+_MAKERS = {"copy": _copy, "lookup": _lookup, "brackets": _brackets, "sort": _sort}
+
+
+def make_doc(kind: str, seed: int) -> tuple[str, str]:
+    """``(prompt, answer)`` of one document of ``kind`` drawn with ``seed``."""
+    if kind not in _MAKERS:
+        raise ValueError(f"kind={kind!r} is not allowed: one of {', '.join(KINDS)}")
+    return _MAKERS[kind](random.Random(f"{kind}:{seed}"))
+
+
+def training_texts(n: int, seed: int = 0) -> dict[str, str]:
+    """``n`` documents (kinds in turn) as training files ``{"synthetic/<kind>_<i>.py":
+    prompt + answer + "\\n"}``, seeds ``seed..seed + n - 1``."""
+    out = {}
+    for i in range(n):
+        kind = KINDS[i % len(KINDS)]
+        prompt, answer = make_doc(kind, seed + i)
+        out[f"synthetic/{kind}_{i}.py"] = prompt + answer + "\n"
+    return out
+
+
+def eval_docs(per_kind: int = 25) -> list[dict]:
+    """The task's documents: ``{"kind", "context", "target"}``, ``per_kind`` of each kind,
+    seeds from ``EVAL_SEED_BASE``."""
+    return [{"kind": kind, "context": prompt, "target": answer}
+            for kind in KINDS for i in range(per_kind)
+            for prompt, answer in [make_doc(kind, EVAL_SEED_BASE + i)]]
