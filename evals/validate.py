@@ -17,7 +17,8 @@ Per task: metrics of both runs, how many generations are identical, acceptance o
 the speculative run (reference engine: mean committed tokens per round, mean
 accepted depth, accepted-depth histogram from its ``RoundStats``; vLLM: its
 spec-decode counters, see ``vllm_spec_decode_stats``), written to
-``<out-dir>/lm_eval_<task>.md``; one ``PASS``/``FAIL`` line per task on stdout.
+``<out-dir>/lm_eval_<task>.md`` (``lm_eval_<task>_lossy<R>.md`` with
+``--inject-lossy-rate R``); one ``PASS``/``FAIL`` line per task on stdout.
 The verdict is a paired statistic (``evals/lm_eval_verdict.py``): the bootstrap
 interval of the per-document metric difference, speculative minus baseline, on the
 task's decision metric; PASS when its lower bound is above ``-margin``. Exit status 1
@@ -443,7 +444,10 @@ def validate(tasks: list[str], backend: str = "ddtree-ref", args=None,
         reports.append(report)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / f"lm_eval_{task}.md").write_text(report_markdown(report, command))
+            # A fault-injection run keeps the exact run's report beside its own.
+            suffix = f"_lossy{args.inject_lossy_rate:g}" if args.inject_lossy_rate else ""
+            (out_dir / f"lm_eval_{task}{suffix}.md").write_text(
+                report_markdown(report, command))
     return reports
 
 
