@@ -42,3 +42,17 @@ def test_exact_match_needs_the_whole_answer_and_nothing_glued_to_it():
     closing = {"target": ")}]"}
     assert synthetic_results(closing, [")}]]"])["exact_match"] == 0.0
     assert synthetic_results(closing, [")}]"])["edit_similarity"] == 1.0
+
+
+def test_corpus_puts_synthetic_documents_in_train_only(tmp_path):
+    from vllm_ddtree.training import corpus
+
+    kwargs = dict(vocab_size=300, max_files=3)
+    plain = corpus.build_corpus(tmp_path / "plain", **kwargs)
+    mixed = corpus.build_corpus(tmp_path / "mixed", synthetic_docs=8, **kwargs)
+    assert mixed["synthetic_docs"] == 8
+    assert mixed["splits"]["train"]["files"] == plain["splits"]["train"]["files"] + 8
+    assert mixed["splits"]["train"]["tokens"] > plain["splits"]["train"]["tokens"]
+    for split in ("valid", "heldout"):
+        assert mixed["splits"][split] == plain["splits"][split]
+    assert sum(p["path"].startswith("synthetic/") for p in mixed["train_files"]) == 8
