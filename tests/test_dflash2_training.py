@@ -2,15 +2,20 @@
 drafter block by block, a DFlash2 drafter made from a DFlash one starts as it, and
 training lowers the DFlash and the selector losses; train_pair writes a DFlash2 drafter."""
 
-import importlib.util
 import json
 
 import torch
-from test_training import REPO, VOCAB, tiny_drafter, tiny_target
+from training_testing import (
+    VOCAB,
+    anchor_contexts,
+    load_train_pair,
+    tiny_corpus,
+    tiny_drafter,
+    tiny_target,
+)
 
 from vllm_ddtree.reference import generate
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
-from vllm_ddtree.training import corpus
 from vllm_ddtree.training.common import load_drafter, save_checkpoint
 from vllm_ddtree.training.drafter_forward import drafter_block_outputs, target_aux_hidden
 from vllm_ddtree.training.train_drafter import (
@@ -42,15 +47,11 @@ def test_training_forward_equals_the_reference_blocks():
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
         hidden, logits = drafter_block_outputs(drafter, tokens, aux, anchors, embed, head)
-        for b in range(2):
-            for n in range(anchors.shape[1]):
-                a = int(anchors[b, n])
-                ctx = drafter.new_context_cache()
-                ctx.append(aux[b, :a], torch.arange(a))
-                block = drafter.draft_block(int(tokens[b, a]), a, ctx, embed, head)
-                torch.testing.assert_close(logits[b, n], block.logits, rtol=1e-4, atol=5e-5)
-                want = drafter.block_hidden(int(tokens[b, a]), a, ctx, embed)[1:]
-                torch.testing.assert_close(hidden[b, n], want, rtol=1e-4, atol=5e-5)
+        for b, n, a, ctx in anchor_contexts(drafter, aux, anchors):
+            block = drafter.draft_block(int(tokens[b, a]), a, ctx, embed, head)
+            torch.testing.assert_close(logits[b, n], block.logits, rtol=1e-4, atol=5e-5)
+            want = drafter.block_hidden(int(tokens[b, a]), a, ctx, embed)[1:]
+            torch.testing.assert_close(hidden[b, n], want, rtol=1e-4, atol=5e-5)
 
 
 def test_a_dflash2_drafter_made_from_dflash_starts_as_it():
@@ -112,11 +113,8 @@ def test_a_trained_dflash2_drafter_saves_loads_and_decodes_losslessly(tmp_path):
 
 def test_train_pair_writes_a_dflash2_drafter(tmp_path):
     data = tmp_path / "data"
-    corpus.build_corpus(data, vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30,
-                        valid_fraction=0.3)
-    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    tiny_corpus(data)
+    mod = load_train_pair()
     out = tmp_path / "ckpt"
     flags = ("--tiny --no-progress --target-steps 4 --drafter-steps 4 --accept-new-tokens 8 "
              "--drafter-kind dflash2")

@@ -24,6 +24,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
+from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
 from test_mla_tree_kernel import MIXED, make_batch  # noqa: E402
 
 from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
@@ -174,37 +175,11 @@ def test_bad_scales_name_the_field():
             mla_tree_verify(**{**batch, **override})
 
 
-_COMPILE_FP8 = textwrap.dedent(
+_COMPILE_FP8 = MLA_COMPILE_PRELUDE + textwrap.dedent(
     """
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from vllm_ddtree.attention_backends.mla_tree import MLA_TILE_CONFIGS, kernels
-    from vllm_ddtree.attention_backends.mla_tree.configs import LARGE_SMEM_TILE_CONFIGS
-
-    fn = kernels._mla_tree_fwd_kernel
-    ptrs = {"Q": "*bf16", "KV": "*fp8e4nv", "BlockTable": "*i32", "SeqLens": "*i32",
-            "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32",
-            "KVScale": "*fp32"}
-    aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
-    result = []
-    for arch, configs in ((120, MLA_TILE_CONFIGS), (90, LARGE_SMEM_TILE_CONFIGS)):
-        for cfg in configs:
-            consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                          PAGE_SIZE=16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
-                          MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=True, KV_FP8=True)
-            sig = {n: ptrs.get(n, "constexpr" if n in consts else
-                               "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if n in ptrs or n in aligned}
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", arch, 32),
-                               options={"num_warps": cfg.num_warps,
-                                        "num_stages": cfg.num_stages})
-            result.append([arch, k.metadata.shared])
-    print(json.dumps(result))
+    print(json.dumps([[arch, shared_bytes(cfg, arch, page=16, runtime=True, kv_fp8=True)]
+                      for arch, configs in ((120, MLA_TILE_CONFIGS), (90, LARGE_SMEM_TILE_CONFIGS))
+                      for cfg in configs]))
     """
 )
 

@@ -23,6 +23,7 @@ from kernel_testing import (  # noqa: E402
     kernels_run_here,
     random_tree,
 )
+from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
 
 from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     MLA_TILE_CONFIGS,
@@ -451,42 +452,14 @@ def test_selected_config_fits(dtype, dims):
     assert fit_config(MLA_TILE_CONFIGS[0], 576, 512, torch.bfloat16) == MLA_TILE_CONFIGS[0]
 
 
-_COMPILE_SCRIPT = textwrap.dedent(
+_COMPILE_SCRIPT = MLA_COMPILE_PRELUDE + textwrap.dedent(
     """
-    import json, triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from vllm_ddtree.attention_backends.mla_tree import MLA_TILE_CONFIGS, kernels
-
-    fn = kernels._mla_tree_fwd_kernel
-    ptrs = {"Q": "*bf16", "KV": "*bf16", "BlockTable": "*i32", "SeqLens": "*i32",
-            "QueryStartLoc": "*i32", "AncestorBits": "*i64", "Out": "*fp32", "Lse": "*fp32",
-            "ActiveQueryLens": "*i32", "MergeBase": "*i32", "MergeCount": "*i32",
-            "KVScale": "*fp32"}
-    aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
-    result = []
-    for cfg in MLA_TILE_CONFIGS:
-        used = 0
-        # the active-row variant (re-split) compiles too; page 16 (vLLM's default block
-        # size) takes the multi-page tile path; CUDA graphs capture the run-time splits
-        for has_active, page, runtime in ((False, 64, False), (True, 64, False),
-                                          (False, 16, False), (False, 64, True)):
-            consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
-                          PAGE_SIZE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                          DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,
-                          MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=runtime,
-                          KV_FP8=False)
-            sig = {n: ptrs.get(n, "constexpr" if n in consts else
-                               "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                     if n in ptrs or n in aligned}
-            k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                               target=GPUTarget("cuda", 120, 32),
-                               options={"num_warps": cfg.num_warps,
-                                        "num_stages": cfg.num_stages})
-            used = max(used, k.metadata.shared)
-        result.append(used)
-    print(json.dumps(result))
+    # the active-row variant (re-split) compiles too; page 16 (vLLM's default block
+    # size) takes the multi-page tile path; CUDA graphs capture the run-time splits
+    variants = ((False, 64, False), (True, 64, False), (False, 16, False), (False, 64, True))
+    print(json.dumps([max(shared_bytes(cfg, page=page, has_active=has_active, runtime=runtime)
+                          for has_active, page, runtime in variants)
+                      for cfg in MLA_TILE_CONFIGS]))
     """
 )
 

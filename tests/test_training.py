@@ -2,13 +2,20 @@
 training steps, checkpoints (CPU, fp32, tiny shapes)."""
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from training_testing import (
+    MASK_ID,
+    VOCAB,
+    anchor_contexts,
+    load_train_pair,
+    tiny_corpus,
+    tiny_drafter,
+    tiny_target,
+)
 from transformers import AutoTokenizer, DeepseekV3ForCausalLM
 
 from vllm_ddtree.drafter_config import check_drafter_target_pair
@@ -31,33 +38,10 @@ from vllm_ddtree.training.train_drafter import (
 )
 from vllm_ddtree.training.train_target import TargetTrainConfig, evaluate_nll, train_target
 
-REPO = Path(__file__).resolve().parents[1]
-VOCAB = 96
-MASK_ID = 1
-
 
 @pytest.fixture(scope="module")
 def stdlib_files():
     return corpus.list_stdlib_files()
-
-
-def tiny_target(seed=0, std=0.2):
-    torch.manual_seed(seed)
-    cfg = configs.target_config(VOCAB, 0, tiny=True)
-    cfg.initializer_range = std  # larger than default: non-degenerate greedy text
-    return DeepseekV3ForCausalLM(cfg).eval()
-
-
-def tiny_drafter(target, seed=0, std=0.2, **overrides):
-    cfg = configs.drafter_config(target.config, MASK_ID, tiny=True)
-    cfg.initializer_range = std
-    for key, value in overrides.items():
-        if key in ("causal", "swa_window_size"):
-            cfg.dflash_config[key] = value
-        else:
-            setattr(cfg, key, value)
-    torch.manual_seed(1000 + seed)
-    return DFlashDraftModel(cfg).eval()
 
 
 # ---------------------------------------------------------------- corpus / tokenizer
@@ -151,13 +135,9 @@ def test_training_forward_equals_reference_block_logits(overrides):
     with torch.no_grad():
         batched = drafter_block_logits(drafter, tokens, aux, anchors, embed, head)
         assert batched.shape == (2, 5, drafter.block_size - 1, VOCAB)
-        for b in range(2):
-            for n in range(anchors.shape[1]):
-                a = int(anchors[b, n])
-                ctx = drafter.new_context_cache()
-                ctx.append(aux[b, :a], torch.arange(a))
-                ref = drafter.block_logits(int(tokens[b, a]), a, ctx, embed, head)
-                torch.testing.assert_close(batched[b, n], ref, rtol=1e-5, atol=1e-5)
+        for b, n, a, ctx in anchor_contexts(drafter, aux, anchors):
+            ref = drafter.block_logits(int(tokens[b, a]), a, ctx, embed, head)
+            torch.testing.assert_close(batched[b, n], ref, rtol=1e-5, atol=1e-5)
     # The check has teeth: a context shifted by one position changes the logits.
     with torch.no_grad():
         shifted = drafter_block_logits(drafter, tokens, aux.roll(1, dims=1), anchors, embed, head)
@@ -322,13 +302,9 @@ def test_full_size_configs_fit():
 
 def test_train_pair_tiny_end_to_end(tmp_path):
     data = tmp_path / "data"
-    manifest = corpus.build_corpus(
-        data, vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30, valid_fraction=0.3
-    )
+    manifest = tiny_corpus(data)
     assert all(manifest["splits"][k]["files"] > 0 for k in corpus.SPLITS)
-    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_train_pair()
     out = tmp_path / "ckpt"
     flags = "--tiny --no-progress --target-steps 6 --drafter-steps 6 --accept-new-tokens 8"
     mod.main([*flags.split(), "--data", str(data), "--out", str(out)])
@@ -462,11 +438,8 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
     """``--stage pool`` decodes and saves the pools only; ``--stage drafter`` with the
     same ``--pool-cache`` trains on them without decoding again (two device calls)."""
     data = tmp_path / "data"
-    corpus.build_corpus(data, vocab_size=VOCAB * 4, heldout_fraction=0.3, max_files=30,
-                        valid_fraction=0.3)
-    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    tiny_corpus(data)
+    mod = load_train_pair()
     out, cache = tmp_path / "ckpt", tmp_path / "pool"
     flags = ["--tiny", "--no-progress", "--target-steps", "4", "--drafter-steps", "4",
              "--accept-new-tokens", "8", "--data", str(data), "--out", str(out)]
