@@ -82,7 +82,8 @@ NUM_REQUESTS = int(os.environ.get("DDTREE_SERVE_REQUESTS", "200"))
 CONCURRENCY = 32
 # VLLM_DDTREE_TEST_KV_GIB fixes the KV cache (no start-up memory profiling), so the
 # suite can share a GPU with others (as evals/check_ddtree_vllm.gpu_memory_args).
-SERVER_ARGS = ["--enforce-eager", *serve_client.memory_args(0.3), "--max-model-len", "4096",
+SERVER_ARGS = ["--enforce-eager", *serve_client.memory_args(
+    0.3, os.environ.get("VLLM_DDTREE_TEST_KV_GIB")), "--max-model-len", "4096",
                "--max-num-seqs", "32", "--max-num-batched-tokens", "2048",
                "--dtype", "bfloat16", "--seed", "0"]
 STARTUP_TIMEOUT = 900.0  # a first start on a fresh machine compiles Triton kernels

@@ -78,7 +78,8 @@ CANCEL_FRACTION = 0.2
 # 64-token pages (the MLA tree backend's): 160 pages hold 10,240 tokens, a quarter of
 # what 64 running requests of this load reach at their longest.
 NUM_BLOCKS = 160 if not DRY_RUN else 80  # the CPU backend pages 128 tokens
-SERVER_ARGS = [*serve_client.memory_args(0.3), "--max-model-len", str(MAX_MODEL_LEN),
+SERVER_ARGS = [*serve_client.memory_args(
+    0.3, os.environ.get("VLLM_DDTREE_TEST_KV_GIB")), "--max-model-len", str(MAX_MODEL_LEN),
                "--max-num-seqs", str(CONCURRENCY), "--max-num-batched-tokens", "4096",
                "--num-gpu-blocks-override", str(NUM_BLOCKS), "--dtype", "bfloat16",
                "--seed", "0"] + (["--enforce-eager"] if DRY_RUN else [])

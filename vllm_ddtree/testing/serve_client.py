@@ -13,11 +13,10 @@ __all__ = ["complete", "extra_field", "logprob_problems", "memory_args", "openai
            "serving"]
 
 
-def memory_args(default_utilization: float) -> list[str]:
-    """``vllm serve`` memory arguments: a fixed KV cache of ``VLLM_DDTREE_TEST_KV_GIB``
-    GiB when set (no start-up memory profiling, so suites can share a GPU), else
-    ``--gpu-memory-utilization default_utilization``."""
-    kv_gib = os.environ.get("VLLM_DDTREE_TEST_KV_GIB")
+def memory_args(default_utilization: float, kv_gib: str | None) -> list[str]:
+    """``vllm serve`` memory arguments: a fixed KV cache of ``kv_gib`` GiB when given
+    (the GPU suites pass their fixed-KV-cache size: no start-up memory profiling, so suites
+    can share a GPU), else ``--gpu-memory-utilization default_utilization``."""
     if kv_gib:
         return ["--gpu-memory-utilization", "0.05",
                 "--kv-cache-memory-bytes", str(int(float(kv_gib) * 2**30))]
