@@ -5,10 +5,10 @@ training lowers the DFlash and the selector losses; train_pair writes a DFlash2 
 import json
 
 import torch
+from evals_scripts import load_evals_script
 from training_testing import (
     VOCAB,
     anchor_contexts,
-    load_train_pair,
     tiny_corpus,
     tiny_drafter,
     tiny_target,
@@ -114,7 +114,7 @@ def test_a_trained_dflash2_drafter_saves_loads_and_decodes_losslessly(tmp_path):
 def test_train_pair_writes_a_dflash2_drafter(tmp_path):
     data = tmp_path / "data"
     tiny_corpus(data)
-    mod = load_train_pair()
+    mod = load_evals_script("train_pair")
     out = tmp_path / "ckpt"
     flags = ("--tiny --no-progress --target-steps 4 --drafter-steps 4 --accept-new-tokens 8 "
              "--drafter-kind dflash2")

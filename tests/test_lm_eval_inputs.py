@@ -2,12 +2,11 @@
 runs: ``evals/validate.py`` (at parse time, exit status 2), ``evals/run_lm_eval.py``
 and the ``ddtree-ref`` model's arguments. Each message names the field and the value."""
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from evals_scripts import REPO, load_evals_script
 from tiny_models import drafter_config, tiny_target
 
 pytest.importorskip("lm_eval")
@@ -15,19 +14,8 @@ pytest.importorskip("lm_eval")
 from vllm_ddtree.evaluation import ref_lm  # noqa: E402
 from vllm_ddtree.evaluation.ref_args import DTYPES  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"ddtree_{name}", REPO / "evals" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-validate = _load("validate")
-run_lm_eval = _load("run_lm_eval")
+validate = load_evals_script("validate")
+run_lm_eval = load_evals_script("run_lm_eval")
 
 
 def _fail(*args, **kwargs):

@@ -9,31 +9,19 @@ about -0.55 against the 0.05 margin (6 documents: 4 hit with the fixed seed, -0.
 The rounds hit are drawn from a fixed seed, so the outcome is deterministic.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from evals_scripts import load_evals_script
 
 pytest.importorskip("lm_eval")
 
-REPO = Path(__file__).resolve().parent.parent
 TASK = "ddtree_target_agreement"
-
-
-def _validate_module():
-    spec = importlib.util.spec_from_file_location("ddtree_validate", REPO / "evals" / "validate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ddtree_validate"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_validate_passes_the_exact_verifier_and_fails_a_lossy_one(tmp_path):
     """One plain-decoding run, then DDTree exact and DDTree with 2 % lossy rounds, judged
     by ``validate.compare`` (the verdict ``validate.py`` prints); ``validate.py
     --inject-lossy-rate`` runs the same wrapper (``_run_ref``)."""
-    validate = _validate_module()
+    validate = load_evals_script("validate")
     from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
     from vllm_ddtree.testing.lossy_verifier import lossy_reference
 
@@ -63,7 +51,7 @@ def test_validate_passes_the_exact_verifier_and_fails_a_lossy_one(tmp_path):
 
 
 def test_validate_command_line_takes_the_rate():
-    validate = _validate_module()
+    validate = load_evals_script("validate")
     args = validate.parse_args(["--tasks", TASK, "--inject-lossy-rate", "0.02"])
     assert args.inject_lossy_rate == 0.02 and args.margin == 0.05
     with pytest.raises(SystemExit):

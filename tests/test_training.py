@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
+from evals_scripts import load_evals_script
 from training_testing import (
     MASK_ID,
     VOCAB,
     anchor_contexts,
-    load_train_pair,
     tiny_corpus,
     tiny_drafter,
     tiny_target,
@@ -304,7 +304,7 @@ def test_train_pair_tiny_end_to_end(tmp_path):
     data = tmp_path / "data"
     manifest = tiny_corpus(data)
     assert all(manifest["splits"][k]["files"] > 0 for k in corpus.SPLITS)
-    mod = load_train_pair()
+    mod = load_evals_script("train_pair")
     out = tmp_path / "ckpt"
     flags = "--tiny --no-progress --target-steps 6 --drafter-steps 6 --accept-new-tokens 8"
     mod.main([*flags.split(), "--data", str(data), "--out", str(out)])
@@ -439,7 +439,7 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
     same ``--pool-cache`` trains on them without decoding again (two device calls)."""
     data = tmp_path / "data"
     tiny_corpus(data)
-    mod = load_train_pair()
+    mod = load_evals_script("train_pair")
     out, cache = tmp_path / "ckpt", tmp_path / "pool"
     flags = ["--tiny", "--no-progress", "--target-steps", "4", "--drafter-steps", "4",
              "--accept-new-tokens", "8", "--data", str(data), "--out", str(out)]

@@ -6,6 +6,7 @@ finished sequences."""
 import numpy as np
 import pytest
 import torch
+from evals_scripts import load_evals_script
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from vllm_ddtree.training.drafter_forward import target_aux_hidden
@@ -81,24 +82,13 @@ def test_vllm_failure_names_the_fallback(tmp_path):
                                   max_model_len=16, dtype="float32")
 
 
-def _train_pair_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "evals" / "train_pair.py"
-    spec = importlib.util.spec_from_file_location("train_pair_for_pool_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("choice", ["auto", "vllm"])
 def test_train_pair_pool_engine_fallback(monkeypatch, capsys, tmp_path, choice):
     """``auto`` falls back to transformers when the vLLM child fails and says so;
     an explicit ``vllm`` raises."""
     import argparse
 
-    mod = _train_pair_module()
+    mod = load_evals_script("train_pair")
     calls = []
 
     def failing_vllm(*args, **kwargs):

@@ -1,10 +1,8 @@
 """Shared helpers of the training tests: the tiny embedded-pair architecture (fp32, CPU),
-a tiny corpus, ``evals/train_pair.py`` as a module, and the reference drafter's context
-per training anchor."""
+a tiny corpus, and the reference drafter's context per training anchor."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +12,6 @@ from transformers import DeepseekV3ForCausalLM
 from vllm_ddtree.reference import DFlashDraftModel
 from vllm_ddtree.training import configs, corpus
 
-REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96
 MASK_ID = 1
 
@@ -43,14 +40,6 @@ def tiny_corpus(data: Path) -> dict:
     its manifest."""
     return corpus.build_corpus(data, vocab_size=VOCAB * 4, heldout_fraction=0.3,
                                max_files=30, valid_fraction=0.3)
-
-
-def load_train_pair():
-    """``evals/train_pair.py`` as a fresh module (call its ``main(argv)``)."""
-    spec = importlib.util.spec_from_file_location("train_pair", REPO / "evals" / "train_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def anchor_contexts(drafter, aux: torch.Tensor, anchors: torch.Tensor) -> Iterator[tuple]:
