@@ -8,7 +8,7 @@ greedy, CPU) for the chain (method ``dflash``) and DDTree at B = 8 / 32 / 64 and
 on a 5 % drop, and compare the rows the drafter is fed with the target's hidden states
 along the committed sequence, computed by one plain causal forward of the target.
 
-Run-to-run spread: none. In fp32 on the CPU the engine is deterministic; ten repeated
+Run-to-run spread: none. In fp32 on the CPU the engine is deterministic; four repeated
 runs of ``measure()`` (two processes, 1 and 2 torch threads) gave the same committed
 token counts and rounds to the last token, so the observed spread is 0 %, against the
 5 % bar. Feeding the drafter verify rows ``0..depth`` instead of the accepted path
