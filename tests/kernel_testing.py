@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +35,14 @@ def kernels_run_here(*jit_functions) -> bool:
     )
 
 
+def skip_unless_kernels_run_here(*jit_functions) -> pytest.MarkDecorator:
+    """pytest mark: skip unless ``kernels_run_here(*jit_functions)``."""
+    return pytest.mark.skipif(
+        not kernels_run_here(*jit_functions),
+        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+    )
+
+
 def compiled_shared_memory(script: str) -> list[int]:
     """Run ``script`` (compiles kernels for sm_120 with Triton's ptxas, no GPU needed,
     prints a JSON list) outside the interpreter; returns the shared bytes per config.
@@ -42,8 +51,6 @@ def compiled_shared_memory(script: str) -> list[int]:
     import os
     import subprocess
     import sys
-
-    import pytest
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -18,7 +18,14 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, TOLS, chain, kernels_run_here, random_tree  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    TOLS,
+    chain,
+    kernels_run_here,
+    random_tree,
+    skip_unless_kernels_run_here,
+)
 
 from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
     GQATileConfig,
@@ -50,13 +57,8 @@ pytestmark = [
 INTERPRETED = DEVICE == "cpu" and kernels_run_here(
     mla_kernels._mla_tree_fwd_kernel, gqa_kernels._gqa_tree_fwd_kernel
 )
-needs_kernels = pytest.mark.skipif(
-    not kernels_run_here(
-        triton.language.max,
-        mla_kernels._mla_tree_fwd_kernel,
-        gqa_kernels._gqa_tree_fwd_kernel,
-    ),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+needs_kernels = skip_unless_kernels_run_here(
+    triton.language.max, mla_kernels._mla_tree_fwd_kernel, gqa_kernels._gqa_tree_fwd_kernel
 )
 
 _rng = random.Random(5)

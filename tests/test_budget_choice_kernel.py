@@ -10,17 +10,18 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,
+    skip_unless_kernels_run_here,
+)
 
 from vllm_ddtree.budget import choice_kernel as budget_choice_kernel  # noqa: E402
 from vllm_ddtree.budget.choice import BudgetCostTable  # noqa: E402
 from vllm_ddtree.budget.choice_kernel import choose_budget_triton  # noqa: E402
 from vllm_ddtree.budget.policy import BudgetPolicy, candidate_budgets  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not kernels_run_here(budget_choice_kernel._choose_budget_kernel),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-)
+pytestmark = skip_unless_kernels_run_here(budget_choice_kernel._choose_budget_kernel)
 
 
 def make_policy(budget, contexts, extrapolate, base, gen):

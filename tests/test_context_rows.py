@@ -12,7 +12,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,
+    skip_unless_kernels_run_here,
+)
 
 from vllm_ddtree.draft import hidden_rows_kernel  # noqa: E402
 from vllm_ddtree.draft.context_rows import (  # noqa: E402
@@ -110,10 +114,7 @@ def test_pytorch_compaction_equals_the_row_loop(qlens, accepted):
     assert torch.equal(xs[0][count:], want[0][count:])
 
 
-needs_kernel = pytest.mark.skipif(
-    not kernels_run_here(hidden_rows_kernel._compact_path_rows_kernel),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-)
+needs_kernel = skip_unless_kernels_run_here(hidden_rows_kernel._compact_path_rows_kernel)
 
 
 @needs_kernel

@@ -18,7 +18,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,
+    skip_unless_kernels_run_here,
+)
 
 from vllm_ddtree.draft import inputs_kernel as dflash_inputs_kernel  # noqa: E402
 from vllm_ddtree.draft.inputs_kernel import (  # noqa: E402
@@ -26,9 +30,8 @@ from vllm_ddtree.draft.inputs_kernel import (  # noqa: E402
     prepare_dflash_inputs_groups,
 )
 
-pytestmark = pytest.mark.skipif(
-    not kernels_run_here(dflash_inputs_kernel._prepare_dflash_inputs_groups_kernel),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+pytestmark = skip_unless_kernels_run_here(
+    dflash_inputs_kernel._prepare_dflash_inputs_groups_kernel
 )
 
 GARBAGE = -12345

@@ -21,8 +21,8 @@ from kernel_testing import (  # noqa: E402
     TOLS,
     chain,
     interpreted_vllm_triton_ops,
-    kernels_run_here,
     random_tree,
+    skip_unless_kernels_run_here,
 )
 from vllm.config import CUDAGraphMode  # noqa: E402
 from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata  # noqa: E402
@@ -40,10 +40,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
     # vLLM's prefill kernel divides masked-out rows by zero (discarded) in the interpreter
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
-    pytest.mark.skipif(
-        not kernels_run_here(kernels._gqa_tree_fwd_kernel),
-        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-    ),
+    skip_unless_kernels_run_here(kernels._gqa_tree_fwd_kernel),
 ]
 
 HQ, HKV, DIM, PAGE = 4, 2, 32, 16

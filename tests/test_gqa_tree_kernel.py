@@ -18,8 +18,8 @@ from kernel_testing import (  # noqa: E402
     TOLS,
     chain,
     compiled_shared_memory,
-    kernels_run_here,
     random_tree,
+    skip_unless_kernels_run_here,
 )
 
 from vllm_ddtree.attention_backends.gqa_tree import (  # noqa: E402
@@ -38,10 +38,8 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-KERNELS_RUN_HERE = kernels_run_here(triton.language.max, kernels._gqa_tree_fwd_kernel, kernels._dot)
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE,
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
+needs_kernels = skip_unless_kernels_run_here(
+    triton.language.max, kernels._gqa_tree_fwd_kernel, kernels._dot
 )
 
 

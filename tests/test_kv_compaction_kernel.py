@@ -22,7 +22,7 @@ triton = pytest.importorskip("triton")
 from kernel_testing import (  # noqa: E402
     DEVICE,
     compiled_shared_memory,  # runs a compile script, returns its JSON line
-    kernels_run_here,
+    skip_unless_kernels_run_here,
 )
 from kv_compaction_testing import (  # noqa: E402
     BUDGET,
@@ -51,11 +51,8 @@ from vllm_ddtree.walk.follow import follow_tree  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.skipif(
-        not kernels_run_here(kck._compact_rows_kernel, kck._compact_rows_table_kernel,
-                             kck._compact_paths_kernel),
-        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-    ),
+    skip_unless_kernels_run_here(kck._compact_rows_kernel, kck._compact_rows_table_kernel,
+                                 kck._compact_paths_kernel),
 ]
 
 

@@ -21,8 +21,8 @@ from kernel_testing import (  # noqa: E402
     TOLS,
     chain,
     compiled_shared_memory,
-    kernels_run_here,
     random_tree,
+    skip_unless_kernels_run_here,
 )
 from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
 from test_mla_tree_kernel import MIXED, make_batch  # noqa: E402
@@ -35,10 +35,7 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.skipif(
-        not kernels_run_here(kernels._mla_tree_fwd_kernel),
-        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-    ),
+    skip_unless_kernels_run_here(kernels._mla_tree_fwd_kernel),
 ]
 
 FP8 = torch.float8_e4m3fn

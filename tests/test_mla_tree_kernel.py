@@ -20,8 +20,8 @@ from kernel_testing import (  # noqa: E402
     TOLS,
     chain,
     compiled_shared_memory,
-    kernels_run_here,
     random_tree,
+    skip_unless_kernels_run_here,
 )
 from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
 
@@ -40,11 +40,7 @@ from vllm_ddtree.attention_backends.mla_tree.configs import fit_config  # noqa: 
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-KERNELS_RUN_HERE = kernels_run_here(triton.language.max, kernels._page_ids)
-needs_kernels = pytest.mark.skipif(
-    not KERNELS_RUN_HERE,
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-)
+needs_kernels = skip_unless_kernels_run_here(triton.language.max, kernels._page_ids)
 
 
 def make_batch(

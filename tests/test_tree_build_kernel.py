@@ -15,7 +15,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,
+    skip_unless_kernels_run_here,
+)
 from test_tree import make_logits  # noqa: E402
 
 from vllm_ddtree.tree import build_kernel as tree_build_kernel  # noqa: E402
@@ -30,10 +34,7 @@ from vllm_ddtree.tree.draft_tree import build_ddtree, build_ddtree_reference  # 
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.skipif(
-        not kernels_run_here(tree_build_kernel._build_tree_kernel),
-        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-    ),
+    skip_unless_kernels_run_here(tree_build_kernel._build_tree_kernel),
 ]
 
 FIELDS = ("tokens", "parents", "depths", "scores")

@@ -18,7 +18,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, compiled_shared_memory, kernels_run_here  # noqa: E402
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    compiled_shared_memory,
+    skip_unless_kernels_run_here,
+)
 
 from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE  # noqa: E402
 from vllm_ddtree.runtime_state import verify_inputs_  # noqa: E402
@@ -26,10 +30,7 @@ from vllm_ddtree.tree.draft_tree import num_mask_words  # noqa: E402
 from vllm_ddtree.verify import inputs_kernel as verify_inputs_kernel  # noqa: E402
 from vllm_ddtree.verify.inputs_kernel import verify_inputs_triton  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not kernels_run_here(verify_inputs_kernel._verify_inputs_kernel),
-    reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-)
+pytestmark = skip_unless_kernels_run_here(verify_inputs_kernel._verify_inputs_kernel)
 
 BUDGET, MAX_REQS, GARBAGE = 7, 8, -12345
 # Mask words of the output: 3 (past a 150-token chunk's) or 11 (more than one block of

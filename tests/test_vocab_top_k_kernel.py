@@ -12,7 +12,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from kernel_testing import DEVICE, kernels_run_here  # noqa: E402
+from kernel_testing import DEVICE, skip_unless_kernels_run_here  # noqa: E402
 from test_tree import make_logits  # noqa: E402
 
 from vllm_ddtree.tree import vocab_top_k_kernel  # noqa: E402
@@ -21,10 +21,7 @@ from vllm_ddtree.tree.vocab_top_k_kernel import ranked_top_k_triton  # noqa: E40
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-    pytest.mark.skipif(
-        not kernels_run_here(vocab_top_k_kernel._chunk_top_k_kernel),
-        reason="triton was imported before TRITON_INTERPRET was set (see tests/conftest.py)",
-    ),
+    skip_unless_kernels_run_here(vocab_top_k_kernel._chunk_top_k_kernel),
 ]
 
 
