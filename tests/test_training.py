@@ -26,7 +26,7 @@ from vllm_ddtree.training.common import cosine_lr, load_drafter, save_checkpoint
 from vllm_ddtree.training.drafter_forward import (
     attention_mask,
     block_labels,
-    drafter_block_logits,
+    drafter_block_outputs,
     target_aux_hidden,
 )
 from vllm_ddtree.training.train_drafter import (
@@ -133,14 +133,15 @@ def test_training_forward_equals_reference_block_logits(overrides):
     anchors = torch.tensor([[0, 5, 17, 30, 32], [1, 13, 20, 25, 31]])
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     with torch.no_grad():
-        batched = drafter_block_logits(drafter, tokens, aux, anchors, embed, head)
+        batched = drafter_block_outputs(drafter, tokens, aux, anchors, embed, head)[1]
         assert batched.shape == (2, 5, drafter.block_size - 1, VOCAB)
         for b, n, a, ctx in anchor_contexts(drafter, aux, anchors):
             ref = drafter.block_logits(int(tokens[b, a]), a, ctx, embed, head)
             torch.testing.assert_close(batched[b, n], ref, rtol=1e-5, atol=1e-5)
     # The check has teeth: a context shifted by one position changes the logits.
     with torch.no_grad():
-        shifted = drafter_block_logits(drafter, tokens, aux.roll(1, dims=1), anchors, embed, head)
+        shifted = drafter_block_outputs(drafter, tokens, aux.roll(1, dims=1), anchors, embed,
+                                        head)[1]
     assert (shifted - batched).abs().max() > 1e-3
 
 
@@ -274,12 +275,9 @@ def test_checkpoint_round_trip(tmp_path):
         assert torch.equal(t2(input_ids=ids).logits, t_ref(input_ids=ids).logits)
         aux = target_aux_hidden(t2, ids, d2.target_layer_ids)
         anchors = torch.tensor([[4, 12]])
-        got = drafter_block_logits(
-            d2, ids, aux, anchors, t2.get_input_embeddings(), t2.get_output_embeddings()
-        )
-        want = drafter_block_logits(
-            d_ref, ids, aux, anchors, t2.get_input_embeddings(), t2.get_output_embeddings()
-        )
+        embed, head = t2.get_input_embeddings(), t2.get_output_embeddings()
+        got = drafter_block_outputs(d2, ids, aux, anchors, embed, head)[1]
+        want = drafter_block_outputs(d_ref, ids, aux, anchors, embed, head)[1]
     assert torch.equal(got, want)
 
 

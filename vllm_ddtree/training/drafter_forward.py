@@ -203,8 +203,13 @@ def drafter_block_outputs(
     lm_head: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(final-normed drafter states ``[B, N, block_size - 1, H]``, draft logits
-    ``[B, N, block_size - 1, V]``) of depths ``1..block_size-1``, as
-    :func:`drafter_block_logits`. A DFlash2 drafter scales the embeddings by its
+    ``[B, N, block_size - 1, V]`` (LM head dtype)) for depths ``1..block_size-1`` of the
+    blocks anchored at ``anchors [B, N]``.
+
+    ``tokens [B, S]`` int64, ``target_hidden [B, S, A]``; ``embed``/``lm_head`` are
+    the target's. Block ``(b, n)``'s logits equal the reference
+    ``drafter.block_logits(tokens[b, a], a, ctx, embed, lm_head)`` with ``ctx`` filled
+    from ``target_hidden[b, :a]``. A DFlash2 drafter scales the embeddings by its
     ``input_embedding_scale`` and its logits by ``output_logits`` (fp32 then)."""
     bs = drafter.block_size
     ids = block_input_ids(tokens, anchors, bs, drafter.mask_token_id)
@@ -215,22 +220,3 @@ def drafter_block_outputs(
     if hasattr(drafter, "output_logits"):
         logits = drafter.output_logits(logits)
     return hidden, logits
-
-
-def drafter_block_logits(
-    drafter: DFlashDraftModel,
-    tokens: torch.Tensor,
-    target_hidden: torch.Tensor,
-    anchors: torch.Tensor,
-    embed: Callable[[torch.Tensor], torch.Tensor],
-    lm_head: Callable[[torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """Draft logits ``[B, N, block_size - 1, V]`` (LM head dtype) for depths
-    ``1..block_size-1`` of the blocks anchored at ``anchors [B, N]``.
-
-    ``tokens [B, S]`` int64, ``target_hidden [B, S, A]``; ``embed``/``lm_head`` are
-    the target's. Block ``(b, n)`` equals the reference
-    ``drafter.block_logits(tokens[b, a], a, ctx, embed, lm_head)`` with ``ctx`` filled
-    from ``target_hidden[b, :a]``.
-    """
-    return drafter_block_outputs(drafter, tokens, target_hidden, anchors, embed, lm_head)[1]
