@@ -253,3 +253,24 @@ def test_backend_forward_reads_the_layer_scale():
     ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
     torch.testing.assert_close(out.float(), ref_out.float(), **TOLS[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])
+
+
+def test_backend_refuses_fp8_before_sm89(monkeypatch):
+    """Triton has no e4m3 (fp8e4nv) before sm_89: the backend names the capability at
+    start-up (as TRITON_MLA) instead of failing in the kernel's first compile."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "get_device_capability",
+                        lambda device_id=0: DeviceCapability(8, 0))
+    monkeypatch.setattr(current_platform, "has_device_capability",
+                        lambda capability, device_id=0: capability <= 80)
+    for name in ("fp8", "fp8_e4m3"):
+        with pytest.raises(NotImplementedError, match=f"'{name}' KV cache needs compute "
+                                                      "capability 8.9.*has 8.0"):
+            _impl(name)
+    assert not _impl("auto")._fp8_cache
+    monkeypatch.setattr(current_platform, "has_device_capability",
+                        lambda capability, device_id=0: capability <= 90)
+    assert _impl("fp8")._fp8_cache

@@ -113,6 +113,20 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
         )
 
 
+def _check_fp8_capability(kv_cache_dtype: str) -> None:
+    """The kernel widens e4m3 tiles (Triton's fp8e4nv), which needs sm_89 or newer: refuse
+    an fp8 cache on older GPUs here, as TRITON_MLA does, rather than fail in the first
+    launch's compile."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda() and not current_platform.has_device_capability(89):
+        cap = current_platform.get_device_capability()
+        cap_str = cap.as_version_str() if cap is not None else "unknown"
+        raise NotImplementedError(
+            f"the DDTree MLA backend's {kv_cache_dtype!r} KV cache needs compute capability "
+            f"8.9 or newer (native e4m3), this GPU has {cap_str}; use --kv-cache-dtype auto")
+
+
 class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
     can_return_lse_for_decode: bool = True
     _fp8_cache: bool = False  # set from kv_cache_dtype in __init__
@@ -158,6 +172,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             )
         self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         if self._fp8_cache:
+            _check_fp8_capability(kv_cache_dtype)
             # The kernel widens the fp8 cache to q's 16-bit dtype: keep q unquantized
             # (MLACommonImpl would otherwise hand forward_mqa an fp8 q), as TRITON_MLA.
             self.supports_quant_query_input = False
