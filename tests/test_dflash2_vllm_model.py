@@ -94,6 +94,27 @@ def test_convolution_over_a_batch_of_blocks_matches_the_reference(vllm_ctx):
                            conv.convolve(x, conv.deltas(x), 0)[BLOCK:])
 
 
+def test_taps_past_the_block_are_masked_out(vllm_ctx):
+    """More taps than block rows (allowed by the config check): the taps past the block
+    only ever reach the previous block (masked), so one block of rows convolves as the
+    reference does instead of failing on a shift longer than the batch."""
+    from vllm_ddtree.reference.dflash2 import GroupedDynamicConv as RefConv
+
+    torch.manual_seed(3)
+    ref = RefConv(64, BLOCK + 2, 16)
+    with torch.no_grad():
+        ref.base_kernel.normal_()
+        ref.kernel_projection.weight.normal_(std=0.1)
+    conv = vllm_conv(ref)
+    for rows in (BLOCK, 2 * BLOCK):
+        x = torch.randn(rows, 64)
+        with torch.no_grad():
+            for side in (0, 1):
+                got = conv.convolve(x, conv.deltas(x), side)
+                want = ref.convolve(x, ref.deltas(x), side, torch.arange(rows) % BLOCK)
+                torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 class FusedNorm(nn.Module):
     """vLLM's RMSNorm call convention over a reference norm: ``norm(x)`` or
     ``norm(x, residual) -> (norm(x + residual), x + residual)``."""

@@ -79,7 +79,9 @@ class GroupedDynamicConv(nn.Module):
                   + deltas[:, side].unsqueeze(-1))
         out = kernel[:, 0] * blocks
         offsets = torch.arange(n, device=x.device) % self.block_size
-        for tap in range(1, self.taps):
+        # A tap >= block_size reaches into the previous block only (always masked): skip it,
+        # which also keeps every shift shorter than n (whole blocks, n >= block_size).
+        for tap in range(1, min(self.taps, self.block_size)):
             shifted = torch.nn.functional.pad(blocks[:-tap], (0, 0, 0, 0, tap, 0))
             out = out + kernel[:, tap] * shifted * (offsets >= tap).to(x.dtype).view(n, 1, 1)
         return out.reshape(n, -1)
