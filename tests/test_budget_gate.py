@@ -180,3 +180,15 @@ def test_gate_steps_have_no_host_sync():
         engine.plan.step_shape(2, uniform=True)
         engine.gate.record_acceptance_(accepted, trees, 2)
         engine.plan.draft_next(2, np.full(2, 1024))
+
+
+def test_one_stalled_step_does_not_keep_the_gate_off_speculation():
+    """One speculative step stretched by a host stall (a GC pause, a log flush: 0.3 s,
+    under MAX_STEP_SECONDS) must not turn a batch where speculation pays ~2x to plain
+    decoding for good: with an EMA residual the stall made speculation look slower than
+    the probe threshold, so it was never probed (nor measured) again."""
+    engine = Engine()
+    assert sum(engine.run(4, 100)[-50:]) == 50
+    engine.clock.now += 0.3  # the stall, inside the last speculative step's interval
+    kinds = engine.run(4, 300)
+    assert sum(kinds[-200:]) >= 200 - 2 * PROBE_STEPS

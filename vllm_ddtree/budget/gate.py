@@ -45,6 +45,9 @@ MAX_PROBE_INTERVAL = 1024
 # Samples of the current kind in a bucket before the other kind is first probed there.
 CALIBRATION_SAMPLES = 2
 EMA_WEIGHT = 0.2
+# Residual samples a kind's estimate is the (lower) median of: one interval stretched by
+# a host stall (a GC pause, a log flush) must not move it.
+RESIDUAL_WINDOW = 5
 # Intervals longer than this are an idle engine, not a step.
 MAX_STEP_SECONDS = 2.0
 # Committed tokens per tree before any tree was measured (neutral: the gate then keeps
@@ -163,17 +166,35 @@ class _Ema:
 
 
 @dataclass
+class _Median:
+    """The lower median of the last ``RESIDUAL_WINDOW`` samples (of two: the smaller).
+    An EMA carried one stalled interval for tens of steps, long enough to make the
+    stalled kind look slower than the probe threshold (``PROBE_RATIO``), after which
+    it was never run, so never measured, again."""
+
+    samples: deque = field(default_factory=lambda: deque(maxlen=RESIDUAL_WINDOW))
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+        self.count += 1
+        ordered = sorted(self.samples)
+        self.value = ordered[(len(ordered) - 1) // 2]
+
+
+@dataclass
 class GateStats:
     """What the gate measured in one batch-size bucket."""
 
-    plain: _Ema = field(default_factory=_Ema)  # residual seconds of plain steps
-    spec: _Ema = field(default_factory=_Ema)  # residual seconds of speculative steps
+    plain: _Median = field(default_factory=_Median)  # residual seconds of plain steps
+    spec: _Median = field(default_factory=_Median)  # residual seconds of speculative steps
     committed: _Ema = field(default_factory=_Ema)  # tokens committed per tree
     shape: int = 0  # drafts per request of the last speculative step (0: none yet)
     steps: int = 0  # decisions since the last probe
     interval: int = PROBE_INTERVAL
 
-    def residual(self, spec: bool) -> _Ema:
+    def residual(self, spec: bool) -> _Median:
         return self.spec if spec else self.plain
 
 
@@ -317,13 +338,13 @@ class SpeculationGate:
 
     # -- the decision -------------------------------------------------------------------
 
-    def _nearest(self, num_reqs: int, pick: Callable[[GateStats], _Ema | int]):
+    def _nearest(self, num_reqs: int, pick: Callable[[GateStats], _Ema | _Median | int]):
         """``pick`` of this bucket's stats if measured there, else of the nearest bucket
         that has it (None: nowhere)."""
         home = batch_bucket(num_reqs)
         for b in sorted(self.stats, key=lambda b: (abs(b - home), b)):
             value = pick(self.stats[b])
-            if (value.count if isinstance(value, _Ema) else value) > 0:
+            if (value if isinstance(value, int) else value.count) > 0:
                 return value
         return None
 
