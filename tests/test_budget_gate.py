@@ -192,3 +192,17 @@ def test_one_stalled_step_does_not_keep_the_gate_off_speculation():
     engine.clock.now += 0.3  # the stall, inside the last speculative step's interval
     kinds = engine.run(4, 300)
     assert sum(kinds[-200:]) >= 200 - 2 * PROBE_STEPS
+
+
+def test_plain_decoding_probes_speculation_again_when_acceptance_was_low():
+    """Requests the drafter rarely gets right (1.05 tokens a tree) turn the gate to plain
+    decoding; when later requests would commit 4 tokens a tree (speculation then pays
+    ~2x), the scheduled probes must still run: plain steps measure no acceptance, so
+    the stale figure predicted speculation below the probe ratio and it never came
+    back."""
+    engine = Engine(committed=1.05, host_spec=4e-3, per_req_spec=2e-4, host_plain=2e-3,
+                    per_req_plain=1e-4)
+    assert sum(engine.run(4, 300)[-200:]) <= 2 * PROBE_STEPS
+    engine.committed = 4.0
+    kinds = engine.run(4, 2000)
+    assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS

@@ -37,7 +37,8 @@ HYSTERESIS = 0.05
 # Steps of the other kind a probe runs: the middle ones are intervals of that kind alone.
 PROBE_STEPS = 3
 # A probe runs only where the other kind is predicted within this fraction of the
-# current one (or where it was never measured at all).
+# current one (or where it was never measured at all); the scheduled probes of
+# speculation from plain decoding run regardless (its acceptance goes stale).
 PROBE_RATIO = 0.8
 # Steps between probes of one batch-size bucket: doubles after each probe up to the max.
 PROBE_INTERVAL = 32
@@ -405,7 +406,10 @@ class SpeculationGate:
         probe = False
         if measured_here and not other_here:
             probe = other_anywhere is None or ratio >= PROBE_RATIO
-        elif measured_here and stats.steps >= stats.interval and ratio >= PROBE_RATIO:
+        elif measured_here and stats.steps >= stats.interval and (
+                ratio >= PROBE_RATIO or not self.speculating):
+            # Plain steps measure no acceptance: a low figure from trees of other
+            # requests would keep speculation predicted far slower, never probed.
             probe = True
             stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
         if probe:

@@ -64,13 +64,15 @@ separately, on the host, at each ``propose`` *before* the pass, for the next ste
   residual at this batch size go stale. The gate probes: three steps of the other kind
   (the middle ones are clean intervals of that kind) the first time a bucket has
   measured only the current kind, then every 32 steps in that bucket, the interval
-  doubling up to 1,024 after each probe; a probe runs only where the other kind is
-  predicted within 20 % of the current one (or was never measured), so clear cases
-  cost nothing. When the batch shrinks, the model (smaller ``R``) and the bucket's own
-  figures bring speculation back without a probe. A speculative step after plain ones
-  loses nothing: a plain step's ``propose`` still writes the drafter's context K/V of
-  the tokens it committed (``DDTreeSpeculator._store_context_kv``), only the block pass
-  is skipped, so the drafter's cache is the one it would have had.
+  doubling up to 1,024 after each probe; a probe of plain steps runs only where they are
+  predicted within 20 % of speculation (or were never measured), so clear cases cost
+  nothing; speculation is probed on that schedule however slow it is predicted (its
+  ``E`` is measured only on trees, and changes with the requests). When the batch
+  shrinks, the model (smaller ``R``) and the bucket's own figures bring speculation back
+  without a probe. A speculative step after plain ones loses nothing: a plain step's
+  ``propose`` still writes the drafter's context K/V of the tokens it committed
+  (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
+  drafter's cache is the one it would have had.
 * **the batch schedule** (``num_speculative_tokens_per_batch_size``,
   ``vllm_ddtree.budget.schedule``) caps the choice per batch size; a cap of 0 is a
   plain step without the gate, and then no probe runs.
