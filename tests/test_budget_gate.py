@@ -206,3 +206,15 @@ def test_plain_decoding_probes_speculation_again_when_acceptance_was_low():
     engine.committed = 4.0
     kinds = engine.run(4, 2000)
     assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS
+
+
+def test_scheduled_probes_also_run_in_a_bucket_that_never_measured_speculation():
+    """The same at a batch size of another bucket (6 requests, bucket 5-8) that never ran
+    a tree: its first probe is skipped (speculation, measured at 4 requests, predicted
+    far slower), and the scheduled probes must not be skipped with it."""
+    engine = Engine(committed=1.05, host_spec=4e-3, per_req_spec=2e-4, host_plain=2e-3,
+                    per_req_plain=1e-4)
+    engine.run(4, 300)
+    engine.committed = 4.0
+    kinds = engine.run(6, 2000)
+    assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS

@@ -404,10 +404,12 @@ class SpeculationGate:
         other_here = stats.residual(not self.speculating).count > 0
         other_anywhere = self._nearest(num_reqs, lambda s: s.residual(not self.speculating))
         probe = False
-        if measured_here and not other_here:
-            probe = other_anywhere is None or ratio >= PROBE_RATIO
+        if measured_here and not other_here and (
+                other_anywhere is None or ratio >= PROBE_RATIO):
+            probe = True
         elif measured_here and stats.steps >= stats.interval and (
                 ratio >= PROBE_RATIO or not self.speculating):
+            # (also where this bucket never measured the other kind, only others did)
             # Plain steps measure no acceptance: a low figure from trees of other
             # requests would keep speculation predicted far slower, never probed.
             probe = True
