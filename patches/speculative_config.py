@@ -64,7 +64,8 @@ def apply() -> None:
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
                 check_parallel_setup(
-                    ddtree, getattr(target_parallel_config, "data_parallel_size", 1))
+                    ddtree, getattr(target_parallel_config, "data_parallel_size", 1),
+                    getattr(target_parallel_config, "pipeline_parallel_size", 1))
                 drafter = check_drafter_for_target(
                     vllm_spec["model"], target_model_config.hf_config, ddtree)
                 # read by patches/batch_defaults.py when vLLM picks the batch limits

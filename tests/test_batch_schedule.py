@@ -77,6 +77,15 @@ def test_schedule_refused_with_data_parallelism():
     check_parallel_setup(split_ddtree_spec(BASE)[1], 2)  # no schedule: nothing to refuse
 
 
+def test_pipeline_parallelism_is_refused():
+    _, cfg = split_ddtree_spec(BASE)
+    check_parallel_setup(cfg, 1, 1)
+    with pytest.raises(DDTreeConfigError) as err:
+        check_parallel_setup(cfg, 1, 2)
+    assert str(err.value).startswith(
+        "speculative config: pipeline_parallel_size=2 is not allowed: 1 with method 'ddtree'")
+
+
 def test_front_end_accepts_the_schedule_before_model_work(front_end):  # noqa: F811
     """Through ``EngineArgs.create_speculative_config``: a good schedule reaches vLLM's
     drafter ModelConfig (the key itself does not reach vLLM); a bad one is refused

@@ -236,10 +236,20 @@ def batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...] | None:
     return tuple(tuple(int(x) for x in e) for e in normalised)
 
 
-def check_parallel_setup(ddtree: DDTreeConfig, data_parallel_size: int) -> None:
-    """Refuse a batch schedule with data parallelism: the ranks' batch sizes differ, so
-    they would run different budgets and plain steps (vLLM drops its own dynamic
-    speculative decoding there for the same reason, ``config/vllm.py:838-855``)."""
+def check_parallel_setup(ddtree: DDTreeConfig, data_parallel_size: int,
+                         pipeline_parallel_size: int = 1) -> None:
+    """Refuse pipeline parallelism, and a batch schedule with data parallelism.
+
+    vLLM's V2 runner builds the speculator on the last pipeline stage only
+    (``v1/worker/gpu/model_runner.py:194-195``), so earlier stages would run the
+    scheduler's ``1 + B`` rows without the tree's positions, mask or step shape. With
+    data parallelism the ranks' batch sizes differ, so a schedule would give them
+    different budgets and plain steps (vLLM drops its own dynamic speculative decoding
+    there for the same reason, ``config/vllm.py:838-855``)."""
+    if pipeline_parallel_size != 1:
+        raise refuse("pipeline_parallel_size", pipeline_parallel_size,
+                     "1 with method 'ddtree' (the tree speculator runs on the last pipeline "
+                     "stage only); use tensor parallelism")
     if ddtree.batch_schedule is not None and data_parallel_size > 1:
         raise refuse(BATCH_SCHEDULE_KEY, [list(e) for e in ddtree.batch_schedule],
                      f"left out with data parallelism (data_parallel_size="
