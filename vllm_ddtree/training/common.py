@@ -73,7 +73,8 @@ def run_step_loop(plan, cfg, opt, params, compute_loss, pending: list, bar: tqdm
                   flush, evaluate, log) -> int:
     """The optimizer loop both trainers share; returns the number of steps taken.
 
-    ``cfg`` is a ``StepLoopConfig``. Each step: cosine LR (``cfg.lr``,
+    ``cfg`` is a ``StepLoopConfig``; ``params`` an iterable of the parameters to clip.
+    Each step: cosine LR (``cfg.lr``,
     ``cfg.warmup_steps``, ``cfg.min_lr_ratio``),
     ``compute_loss()`` (a scalar tensor; the caller samples its batch there), backward,
     clipping at ``cfg.grad_clip``, optimizer step, ``pending.append(loss)``; then the
@@ -81,6 +82,8 @@ def run_step_loop(plan, cfg, opt, params, compute_loss, pending: list, bar: tqdm
     ``cfg.eval_every`` steps, until ``plan`` (a ``StepPlan``) says stop. Ends with a
     final flush and evaluation and fills ``log``'s step count and timing.
     """
+    # a generator (model.parameters()) would be spent by the first clip_grad_norm_
+    params = list(params)
     plan.start()
     step = 0
     while not plan.finished(step):

@@ -173,7 +173,7 @@ def train_target(
         with autocast_for(device):
             return lm_loss(model, windows)
 
-    step = run_step_loop(plan, cfg, opt, model.parameters(), compute_loss, pending, bar,
+    step = run_step_loop(plan, cfg, opt, list(model.parameters()), compute_loss, pending, bar,
                          flush, evaluate, log)
     log.extra["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
     log.extra["train_epochs"] = log.extra["tokens_seen"] / max(1, len(train_tokens))
