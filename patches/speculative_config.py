@@ -56,7 +56,7 @@ def apply() -> None:
             check_parallel_setup,
             split_ddtree_spec,
         )
-        from vllm_ddtree.drafter_config import block_size_of
+        from vllm_ddtree.drafter_config import block_size_of, refuse_dflash2_outside_ddtree
         from vllm_ddtree.patches.batch_defaults import TREE_SHAPE_ATTR
 
         spec = checked_spec(self)
@@ -74,6 +74,7 @@ def apply() -> None:
                     self, original, vllm_spec, ddtree, target_model_config,
                     target_parallel_config,
                 )
+            refuse_dflash2_outside_ddtree(vllm_spec)
             self.speculative_config = vllm_spec
         return original(self, target_model_config, target_parallel_config)
 

@@ -109,3 +109,34 @@ def test_vllm_front_end_takes_a_dflash2_drafter_with_a_budget_its_selector_holds
     (tmp_path / "config.json").write_text(json.dumps(narrow))
     with pytest.raises(DDTreeConfigError, match=r"=255 .*1\.\.254.*selector_top_k 2"):
         check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=255))
+
+
+def test_a_dflash2_drafter_under_another_method_is_refused(tmp_path):
+    """The plugin registers DFlash2DraftModel for DDTree; vLLM's own dflash method would
+    load it too and ignore its selector: refused, naming the method and the fix."""
+    from vllm_ddtree.drafter_config import refuse_dflash2_outside_ddtree
+
+    shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
+    with pytest.raises(DrafterConfigError) as err:
+        refuse_dflash2_outside_ddtree({"method": "dflash", "model": str(tmp_path)})
+    assert str(err.value).startswith("speculative config: method='dflash' is not allowed "
+                                     "with a DFlash2 drafter")
+    assert "use method 'ddtree'" in str(err.value)
+    refuse_dflash2_outside_ddtree({"method": "ddtree", "model": str(tmp_path)})
+    (tmp_path / "dflash").mkdir()
+    dflash = drafter_dir(tmp_path / "dflash", CASES[0][0])
+    refuse_dflash2_outside_ddtree({"method": "dflash", "model": str(dflash)})
+    refuse_dflash2_outside_ddtree({"method": "ngram"})  # no drafter: vLLM's business
+
+
+def test_the_front_end_refuses_dflash2_under_vllms_dflash_method(tmp_path):
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_ddtree import patches
+
+    patches.apply_all()
+    shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
+    args = EngineArgs(model="unused", speculative_config={
+        "method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 7})
+    with pytest.raises(DrafterConfigError, match="method='dflash' is not allowed"):
+        args.create_speculative_config(NS(), NS(data_parallel_size=1))

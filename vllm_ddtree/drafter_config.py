@@ -77,6 +77,30 @@ def is_dflash2(config: Any) -> bool:
     return isinstance(architectures, (list, tuple)) and DFLASH2_ARCHITECTURE in architectures
 
 
+def refuse_dflash2_outside_ddtree(spec: Mapping) -> None:
+    """Refuse a DFlash2 drafter under another speculative method than ``ddtree``.
+
+    The plugin registers ``DFlash2DraftModel`` with vLLM's model registry so DDTree can
+    load it, which would also let vLLM 0.26's own ``dflash`` method load it: that path
+    sends ``1 + num_speculative_tokens`` query rows per block and takes per-position
+    argmaxes, ignoring the candidate selector and the convolution's block. ``spec`` is
+    the speculative-config dict (``method``, ``model``)."""
+    method, model = spec.get("method"), spec.get("model")
+    if method == "ddtree" or not isinstance(model, str):
+        return
+    path = Path(model) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # not a local DFlash2 checkpoint: vLLM's own checks apply
+    if isinstance(raw, dict) and is_dflash2(raw):
+        raise DrafterConfigError(
+            f"speculative config: method={method!r} is not allowed with a DFlash2 drafter "
+            f"({path} names {DFLASH2_ARCHITECTURE}): use method 'ddtree' (its "
+            "\"ddtree_top_k\": 1 with num_speculative_tokens = block_size - 1 is the "
+            "selector's chain walk)")
+
+
 def _check_number(field: str, value: Any, allowed: str, positive: bool) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok and value == value and abs(value) != float("inf"):  # finite
