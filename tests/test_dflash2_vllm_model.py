@@ -14,7 +14,7 @@ from torch import nn
 
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
 from vllm_ddtree.tree.draft_tree import DraftTree
-from vllm_ddtree.tree.selector_tree import build_selector_tree
+from vllm_ddtree.tree.selector_tree import build_selector_tree, top_k_candidates
 
 BLOCK, TAPS, K = 6, 3, 4
 
@@ -210,15 +210,77 @@ def test_candidates_and_selector_scores_match_the_reference(vllm_ctx):
     hidden = torch.randn(2, BLOCK - 1, 64)
     anchors = torch.tensor([3, 40])
     with torch.no_grad():
-        ids, unary, logits = model.compute_candidates(hidden.flatten(0, 1))
+        ids, unary = model.compute_candidates(hidden.flatten(0, 1))
         want_logits = drafter.output_logits(hidden.flatten(0, 1) @ lm_head.T)
-        torch.testing.assert_close(logits, want_logits)
-        want_unary, want_ids = torch.topk(want_logits, K, dim=-1)
-        assert torch.equal(ids, want_ids)
+        assert torch.equal(model.marginal_logits(hidden.flatten(0, 1)), want_logits)
+        want_unary, want_ids = top_k_candidates(want_logits, K)
+        assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
         ids, unary = ids.view(2, BLOCK - 1, K), unary.view(2, BLOCK - 1, K)
         got = model.model.candidate_selector(ids, unary, hidden, anchors)
         want = drafter.candidate_selector(ids, unary, hidden, anchors)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("budget_rows", [None, 1, 3])
+def test_candidates_match_the_reference_tie_rule_in_row_chunks(dtype, budget_rows):
+    """Multiplier and softcap set, logits full of ties (raw ties, and distinct raw logits
+    that the saturated ``tanh`` makes equal): the same ids, ties by ascending token id,
+    and bit-identical values as the reference, whole or in chunks of 1 or 3 rows."""
+    from vllm_ddtree.draft.dflash2_model import _CANDIDATE_BYTES_PER_LOGIT, ranked_candidates
+
+    g = torch.Generator().manual_seed(3)
+    rows, vocab, multiplier, softcap = 7, 96, 0.7, 3.0
+    logits = torch.randn(rows, vocab, generator=g) * 4
+    logits[0] = 0.0  # one tie group: the K smallest ids
+    logits[1, 10:40] = 200.0 + torch.arange(30.0)  # distinct raw, all 3.0 after the cap
+    logits[2, ::3] = logits[2].max() + 1  # raw ties above the rest
+    logits[3, 5] = float("nan")  # NaN ranks last
+    logits[4] = torch.randint(-3, 4, (vocab,), generator=g).float()  # small-integer ties
+    logits = logits.to(dtype)
+    budget = (budget_rows or rows) * vocab * _CANDIDATE_BYTES_PER_LOGIT
+    ids, unary = ranked_candidates(logits, K, multiplier, softcap, budget)
+    drafter = SimpleNamespace(output_multiplier=multiplier, softcap=softcap)
+    want_unary, want_ids = top_k_candidates(DFlash2DraftModel.output_logits(drafter, logits), K)
+    assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
+    assert ids[0].tolist() == list(range(K)) and ids[1].tolist() == list(range(10, 10 + K))
+
+
+def test_candidate_temporaries_stay_within_the_chunk_budget():
+    """No op of the ranking makes a tensor of more than a chunk's rows (a dispatch mode
+    sees every op's outputs), and at the production shape (256 requests x 7 positions x
+    248,320 tokens) a chunk's temporaries stay within the 512 MiB budget."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from vllm_ddtree.draft.dflash2_model import (
+        _CANDIDATE_BYTES_PER_LOGIT,
+        _CANDIDATE_CHUNK_BYTES,
+        candidate_chunk_rows,
+        ranked_candidates,
+    )
+
+    rows, vocab, chunk = 40, 500, 6
+    budget = chunk * vocab * _CANDIDATE_BYTES_PER_LOGIT
+    assert candidate_chunk_rows(rows, vocab, budget) == chunk
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor) and func is not torch.ops.aten.slice.Tensor:
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    logits = torch.randn(rows, vocab, dtype=torch.bfloat16)
+    with Largest():
+        ranked_candidates(logits, K, 0.7, 3.0, budget)
+    assert 0 < Largest.numel <= chunk * vocab
+    big = candidate_chunk_rows(256 * 7, 248_320)
+    assert 1 <= big < 256 * 7
+    assert big * 248_320 * _CANDIDATE_BYTES_PER_LOGIT <= _CANDIDATE_CHUNK_BYTES
+    assert candidate_chunk_rows(3, 248_320) == 3 and candidate_chunk_rows(5, 10**12) == 1
 
 
 def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
@@ -242,7 +304,7 @@ def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
         for r in range(reqs):
             rows = hidden.view(reqs, depths, 64)[r]
             logits = drafter.output_logits(model.compute_logits(rows))
-            unary, ids = torch.topk(logits, K, dim=-1)
+            unary, ids = top_k_candidates(logits, K)
             anchor = input_ids[r * BLOCK : r * BLOCK + 1]
             scores = drafter.candidate_selector(ids[None], unary[None], rows[None], anchor)
             want = build_selector_tree(ids[None], scores, budget)
@@ -332,9 +394,9 @@ def test_vllm_loads_the_published_layout_and_matches_the_reference(vllm_ctx, tmp
         # vLLM shares the target's head at load (and vLLM-CPU repacks it): its logits here.
         model.compute_logits = lambda h: h @ head.T
         rows = want[1:bs]
-        ids, unary, logits = model.compute_candidates(rows)
-        torch.testing.assert_close(logits, ref.output_logits(rows @ head.T), atol=1e-4,
-                                   rtol=1e-4)
+        ids, unary = model.compute_candidates(rows)
+        want_unary, want_ids = top_k_candidates(ref.output_logits(rows @ head.T), 8)
+        assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
         anchor = torch.tensor([7])
         got_scores = model.model.candidate_selector(ids[None], unary[None], rows[None], anchor)
         want_scores = ref.candidate_selector(ids[None], unary[None], rows[None], anchor)
@@ -366,7 +428,7 @@ def test_the_speculators_draft_step_writes_selector_trees(vllm_ctx):
     with torch.no_grad():
         spec._generate_draft(reqs, reqs * block, None, None, None)
         rows = hidden.view(reqs, block, 64)[:, 1:]
-        ids, unary, _ = model.compute_candidates(rows.flatten(0, 1))
+        ids, unary = model.compute_candidates(rows.flatten(0, 1))
         ids, unary = ids.view(reqs, DEPTHS, K), unary.view(reqs, DEPTHS, K)
         anchors = spec.input_buffers.input_ids[::block][:reqs].long()
         scores = drafter.candidate_selector(ids, unary, rows, anchors)

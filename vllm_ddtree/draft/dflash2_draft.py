@@ -50,7 +50,7 @@ class SelectorDrafting:
         query-token buffer (each request's anchor at ``r * block_size``).
         """
         depths = self.num_depths
-        ids, unary, _ = model.compute_candidates(hidden_rows)
+        ids, unary = model.compute_candidates(hidden_rows)
         ids = ids.view(num_reqs, depths, -1)
         unary = unary.view(num_reqs, depths, -1)
         anchors = input_ids[self.anchor_rows[:num_reqs]].to(torch.int64)

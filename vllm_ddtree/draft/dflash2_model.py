@@ -33,9 +33,11 @@ from vllm.model_executor.models.qwen3_dflash import (
 from vllm.model_executor.models.utils import maybe_prefix
 
 from vllm_ddtree.drafter_config import block_size_of, dflash2_config_of
+from vllm_ddtree.tree.selector_tree import top_k_candidates
 
 __all__ = ["DFlash2DecoderLayer", "DFlash2Qwen3ForCausalLM", "DFlash2Qwen3Model",
-           "GroupedDynamicConv", "SelectorScores"]
+           "GroupedDynamicConv", "SelectorScores", "candidate_chunk_rows",
+           "output_transform", "ranked_candidates"]
 
 
 def drafter_config_of(config):
@@ -177,7 +179,8 @@ class DFlash2Qwen3Model(DFlashQwen3Model):
 
 class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
     """``DFlash2DraftModel`` in vLLM 0.26: vLLM's DFlash drafter with the DFlash2 model,
-    plus :meth:`compute_candidates` (the selector's top-K and unary terms)."""
+    plus :meth:`compute_candidates` (the selector's top-K and unary terms, ranked in
+    bounded row chunks: :func:`ranked_candidates`)."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):
         # vLLM's DFlashQwen3ForCausalLM.__init__ builds its own DFlashQwen3Model; this one
@@ -207,12 +210,83 @@ class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self.softcap = float(draft.get("final_logit_softcapping") or 0.0)
 
     def compute_candidates(self, hidden_states: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For final-normed ``hidden_states [N, H]``: (candidate ids int64 ``[N, K]``,
-        unary fp32 ``[N, K]``, best first) and the marginal logits fp32 ``[N, V]``,
-        all after ``output_multiplier`` and ``final_logit_softcapping``."""
-        logits = self.compute_logits(hidden_states).float() * self.output_multiplier
-        if self.softcap > 0:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        unary, ids = torch.topk(logits, self.model.candidate_selector.top_k, dim=-1)
-        return ids, unary, logits
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """For final-normed ``hidden_states [N, H]``: candidate ids int64 ``[N, K]`` and
+        unary terms fp32 ``[N, K]``, best first, as the reference's
+        ``top_k_candidates`` of the logits after ``output_multiplier`` and
+        ``final_logit_softcapping``: by descending value, ties by ascending token id (NaN
+        last), the same ids and bit-identical values.
+
+        The head's logits ``[N, V]`` stay in their own dtype; the fp32 transform and the
+        ranking's int64 sort keys run over row chunks of :func:`candidate_chunk_rows`
+        rows, so their temporaries stay near ``_CANDIDATE_CHUNK_BYTES`` instead of several
+        fp32 ``[N, V]`` tensors (~1.8 GB each at 256 requests x 7 positions x 248k
+        tokens). Static shapes (the chunking depends on ``N`` and ``V`` only), no host
+        reads: the drafter's CUDA graph captures it."""
+        logits = self.compute_logits(hidden_states)
+        return ranked_candidates(logits, self.model.candidate_selector.top_k,
+                                 self.output_multiplier, self.softcap)
+
+    def marginal_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The marginals fp32 ``[N, V]`` of ``hidden_states [N, H]`` after the multiplier
+        and softcap (whole ``[N, V]`` tensors: checks and tools, not the draft step)."""
+        return output_transform(self.compute_logits(hidden_states), self.output_multiplier,
+                                self.softcap)
+
+
+# A chunk's temporaries stay under this budget: per logit the fp32 values and their
+# NaN-cleaned copy (8 bytes), the sort keys' int32 bit temporaries (~8) and three int64
+# ones (24), plus topk's scratch: 48 bytes counted. At 248,320 tokens a chunk is 45
+# rows (1,792 rows: 40 chunks of ~15 small kernels each inside the drafter's graph).
+_CANDIDATE_CHUNK_BYTES = 512 << 20
+_CANDIDATE_BYTES_PER_LOGIT = 48
+
+
+def candidate_chunk_rows(num_rows: int, vocab_size: int,
+                         budget_bytes: int = _CANDIDATE_CHUNK_BYTES) -> int:
+    """Rows one chunk of :func:`ranked_candidates` ranks: as many as keep its
+    temporaries (``_CANDIDATE_BYTES_PER_LOGIT`` bytes a logit) under ``budget_bytes``,
+    at least 1, at most ``num_rows``."""
+    per_row = max(1, vocab_size * _CANDIDATE_BYTES_PER_LOGIT)
+    return max(1, min(num_rows, budget_bytes // per_row))
+
+
+def output_transform(logits: torch.Tensor, multiplier: float, softcap: float,
+                     inplace: bool = False) -> torch.Tensor:
+    """fp32 ``logits * multiplier``, then ``softcap * tanh(x / softcap)`` when
+    ``softcap > 0``: the reference's ``DFlash2DraftModel.output_logits`` op for op (so
+    bit for bit). ``inplace``: ``logits`` is an fp32 tensor this call may overwrite."""
+    values = logits if inplace else logits.float() * multiplier
+    if inplace:
+        values.mul_(multiplier)
+    if softcap > 0:
+        values.div_(softcap).tanh_().mul_(softcap)
+    return values
+
+
+def ranked_candidates(logits: torch.Tensor, k: int, multiplier: float, softcap: float,
+                      budget_bytes: int = _CANDIDATE_CHUNK_BYTES
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best tokens of each row of ``logits [N, V]`` (any float dtype) after
+    :func:`output_transform`: ids int64 ``[N, k]`` and values fp32 ``[N, k]``, by
+    descending value then ascending token id (NaN last), as the reference's
+    ``top_k_candidates(output_logits(logits), k)``.
+
+    The ranking runs on the transformed fp32 values, not the raw logits: the multiplier
+    and the softcap are monotonic, but fp32 rounding (and ``tanh`` saturating) can make
+    distinct raw logits equal after them, and the reference breaks such ties by token
+    id, which a top-k of the raw logits would not reproduce. The fp32 values and the
+    sort keys exist for :func:`candidate_chunk_rows` rows at a time only."""
+    num_rows, vocab_size = logits.shape
+    step = candidate_chunk_rows(num_rows, vocab_size, budget_bytes)
+    ids = torch.empty(num_rows, k, dtype=torch.int64, device=logits.device)
+    unary = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
+    for start in range(0, num_rows, step):
+        rows = logits[start : start + step]
+        values = output_transform(rows.to(torch.float32, copy=True), multiplier, softcap,
+                                  inplace=True)
+        chunk_unary, chunk_ids = top_k_candidates(values, k)
+        del values
+        ids[start : start + step] = chunk_ids
+        unary[start : start + step] = chunk_unary
+    return ids, unary
