@@ -522,22 +522,55 @@ class _OneRequestBatch:
         return measure
 
 
+# vLLM's --kv-cache-dtype names the tree MLA backend takes as an e4m3 cache (as
+# attention_backends/mla_tree/backend.py's FP8_KV_CACHE_DTYPES).
+_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _mla_timer_cache(batch: _OneRequestBatch, page_size: int, head_dim: int,
+                     kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dummy latent cache ``[num_blocks, page_size, head_dim]`` in the run's
+    ``kv_cache_dtype`` (vLLM's ``cache_config.cache_dtype``) and its ``kv_scale``:
+    "auto" -> the model dtype (``batch.dtype``), no scale; "float16" / "bfloat16" -> that
+    dtype; "fp8" / "fp8_e4m3" -> uint8 storage viewed as ``float8_e4m3fn`` (as vLLM
+    allocates it and hands it to the backend) with a scale of 1.0 (fp32, 0-d: a layer's
+    ``_k_scale``)."""
+    if kv_cache_dtype in _FP8_CACHE_DTYPES:
+        rows = torch.randn((batch.num_blocks, page_size, head_dim), generator=batch.gen,
+                           device=batch.device, dtype=torch.float32)
+        cache = torch.empty(rows.shape, dtype=torch.uint8, device=batch.device).view(
+            torch.float8_e4m3fn)
+        cache.copy_(rows)  # |randn| < 448: inside e4m3's range
+        return cache, torch.ones((), dtype=torch.float32, device=batch.device)
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in _CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not allowed for the MLA verify timer: "
+            f"one of {['auto', *_CACHE_DTYPES, *_FP8_CACHE_DTYPES]}")
+    dtype = _CACHE_DTYPES.get(kv_cache_dtype, batch.dtype)
+    rows = batch.randn(batch.num_blocks, page_size, head_dim)
+    return rows.to(dtype), None
+
+
 def mla_attention_timer(
     num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
     graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` for one
     request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
-    of which the first ``query_len`` are active (``active_query_lens``), on a dummy
-    latent cache of ``max_context + max_query_len`` tokens (allocated once).
+    (``dtype``) of which the first ``query_len`` are active (``active_query_lens``), on a
+    dummy latent cache of ``max_context + max_query_len`` tokens (allocated once) in the
+    run's ``kv_cache_dtype`` (:func:`_mla_timer_cache`: an fp8 cache takes the fp8
+    Triton kernel, as the run's verify does, not the bf16 cache's Gluon kernel).
     ``graph_max_seq_len``: the split count a CUDA graph freezes (the backend sizes it
     for ``max_model_len`` when capturing). ``time_fn``: default :func:`cuda_time_fn`."""
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
     batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
     head_dim = kv_lora_rank + rope_dim
-    kv_cache = batch.randn(batch.num_blocks, page_size, head_dim)
+    kv_cache, kv_scale = _mla_timer_cache(batch, page_size, head_dim, kv_cache_dtype)
     q = batch.randn(max_query_len, num_heads, head_dim)
     scale = head_dim ** -0.5
     return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
@@ -545,7 +578,7 @@ def mla_attention_timer(
             q, kv_cache, batch.block_table, seq_lens, batch.query_start_loc, batch.bits,
             scale, kv_lora_rank, max_query_len=max_query_len,
             max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
-            active_query_lens=active,
+            active_query_lens=active, kv_scale=kv_scale,
         )))
 
 
@@ -572,6 +605,12 @@ def gqa_attention_timer(
         )))
 
 
+def _run_cache_dtype(vllm_config: Any) -> str:
+    """vLLM's ``cache_config.cache_dtype`` (``--kv-cache-dtype``), "auto" without one."""
+    cache_config = getattr(vllm_config, "cache_config", None)
+    return str(getattr(cache_config, "cache_dtype", None) or "auto")
+
+
 def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
                            time_fn: TimeFn | None = None) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
@@ -593,7 +632,7 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
         return mla_attention_timer(
             heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,
-            time_fn=time_fn,
+            time_fn=time_fn, kv_cache_dtype=_run_cache_dtype(vllm_config),
         )
     return gqa_attention_timer(
         heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
