@@ -334,6 +334,11 @@ def test_vllm_loads_the_published_layout_and_matches_the_reference(vllm_ctx, tmp
 
     vllm_ddtree.register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    # vLLM's dflash method is only the vehicle to vLLM's model loader here (DDTree needs
+    # the V2 runner, which vLLM-CPU lacks): lift the front end's refusal of DFlash2
+    # drafters outside DDTree for this config
+    monkeypatch.setattr("vllm_ddtree.drafter_config.refuse_dflash2_outside_ddtree",
+                        lambda spec: None)
     dflash = load_drafter(CHECKPOINTS / "drafter")
     dflash.config.layer_types = ["sliding_attention"] * len(dflash.layers)
     ref = DFlash2DraftModel.from_dflash(dflash, selector_top_k=8, selector_rank=16)
