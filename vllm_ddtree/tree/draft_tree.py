@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_ddtree.config import tree_capacity
+
 __all__ = [
     "DraftTree",
     "build_ddtree",
@@ -223,11 +225,7 @@ def _validate_build_args(draft_logits: torch.Tensor, budget: int, top_k: int | N
 
     _, num_depths, vocab_size = draft_logits.shape
     k = min(budget, vocab_size) if top_k is None else min(top_k, vocab_size)
-    num_nodes = 0
-    for depth in range(1, num_depths + 1):
-        num_nodes += k**depth
-        if num_nodes >= budget:
-            break
+    num_nodes = tree_capacity(k, num_depths)
     if num_nodes < budget:
         raise ValueError(
             f"budget={budget} exceeds the number of draft prefixes the tree can hold "

@@ -22,6 +22,7 @@ import heapq
 
 import torch
 
+from vllm_ddtree.config import tree_capacity
 from vllm_ddtree.tree.draft_tree import (
     DraftTree,
     _add_f32,
@@ -61,11 +62,7 @@ def _check_args(candidate_ids: torch.Tensor, edge_scores: torch.Tensor, budget: 
                               or top_k < 1):
         raise ValueError(f"top_k={top_k!r} is not allowed: None or an int >= 1")
     k = k_all if top_k is None else min(top_k, k_all)
-    capacity = 0
-    for depth in range(1, num_depths + 1):
-        capacity += k**depth
-        if capacity >= budget:
-            break
+    capacity = tree_capacity(k, num_depths)
     if capacity < budget:
         raise ValueError(f"budget={budget} is not allowed: the tree holds at most {capacity} "
                          f"nodes (L={num_depths} positions, {k} candidates each)")
