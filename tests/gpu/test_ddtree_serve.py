@@ -360,26 +360,10 @@ def test_concurrent_load_frees_kv_cache_and_reports_spec_metrics(server, client,
         if isinstance(res, Exception):
             problems.append(f"{label}: {type(res).__name__}: {res}")
             continue
-        if len(res) != req.get("n", 1):
-            problems.append(f"{label}: {len(res)} choices")
-        for item in res:
-            num_tokens += len(item["token_ids"])
-            if item["finish_reason"] not in ("length", "stop"):
-                problems.append(f"{label}: finish_reason {item['finish_reason']}")
-            if len(item["token_ids"]) > req["max_tokens"]:
-                problems.append(f"{label}: {len(item['token_ids'])} tokens")
-            fixed_length = req.get("ignore_eos", True) and not req.get("stop")
-            if fixed_length and (item["finish_reason"] != "length"
-                                 or len(item["token_ids"]) != req["max_tokens"]):
-                problems.append(f"{label}: ignore_eos gave {len(item['token_ids'])} tokens, "
-                                f"finish {item['finish_reason']}")
-            if req.get("stream") and item["usage_tokens"] != sum(
-                    len(c["token_ids"]) for c in res):
-                problems.append(f"{label}: usage {item['usage_tokens']} tokens")
-            # (dry run: vLLM-CPU's V1 ngram path returns non-argmax greedy tokens when
-            # greedy and sampled requests share a batch, so the check is GPU-only)
-            if req.get("logprobs") and not req.get("temperature") and not DRY_RUN:
-                problems += [f"{label}: {p}" for p in serve_client.logprob_problems(item)]
+        num_tokens += sum(len(item["token_ids"]) for item in res)
+        # (dry run: vLLM-CPU's V1 ngram path returns non-argmax greedy tokens when
+        # greedy and sampled requests share a batch, so the logprob check is GPU-only)
+        problems += serve_client.choice_problems(req, res, label, check_logprobs=not DRY_RUN)
         q = req.get("code_prompt")
         if q is not None and ar_reference is not None:
             problem = ar_problem(res[0]["token_ids"], ar_reference["outputs"][q])

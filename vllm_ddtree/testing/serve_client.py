@@ -9,8 +9,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["complete", "extra_field", "logprob_problems", "memory_args", "openai_client",
-           "serving"]
+__all__ = ["choice_problems", "complete", "extra_field", "logprob_problems", "memory_args",
+           "openai_client", "serving"]
 
 
 def memory_args(default_utilization: float, kv_gib: str | None) -> list[str]:
@@ -147,4 +147,33 @@ def logprob_problems(item: dict) -> list[str]:
             problems.append(f"pos {pos}: token {tok} logprob {lp:.4f} < row max {best:.4f}")
         if item["tokens"][pos] != f"token_id:{tok}":
             problems.append(f"pos {pos}: logprobs token {item['tokens'][pos]} != {tok}")
+    return problems
+
+
+def choice_problems(req: dict, choices: list[dict], label: str,
+                    check_logprobs: bool = True) -> list[str]:
+    """What is wrong with the finished ``choices`` of ``req`` (:func:`complete`'s
+    arguments: ``max_tokens``, ``n``, ``ignore_eos``, ``stop``, ``stream``, ``logprobs``,
+    ``temperature``): the choice count, finish reasons, token counts (exactly
+    ``max_tokens`` when EOS is ignored and no stop string is set), a streamed request's
+    usage count and, greedy with logprobs and ``check_logprobs``, each token being its
+    row's argmax. ``label`` starts each problem."""
+    problems = []
+    if len(choices) != req.get("n", 1):
+        problems.append(f"{label}: {len(choices)} choices")
+    for item in choices:
+        count = len(item["token_ids"])
+        if item["finish_reason"] not in ("length", "stop"):
+            problems.append(f"{label}: finish_reason {item['finish_reason']}")
+        if count > req["max_tokens"]:
+            problems.append(f"{label}: {count} tokens")
+        fixed_length = req.get("ignore_eos", True) and not req.get("stop")
+        if fixed_length and (item["finish_reason"] != "length" or count != req["max_tokens"]):
+            problems.append(f"{label}: ignore_eos gave {count} tokens, finish "
+                            f"{item['finish_reason']}")
+        if req.get("stream") and item["usage_tokens"] != sum(
+                len(c["token_ids"]) for c in choices):
+            problems.append(f"{label}: usage {item['usage_tokens']} tokens")
+        if check_logprobs and req.get("logprobs") and not req.get("temperature"):
+            problems += [f"{label}: {p}" for p in logprob_problems(item)]
     return problems
