@@ -22,6 +22,8 @@ from test_ddtree_vllm import (  # noqa: F401 - ar_mixed is a fixture
     run_script,
 )
 
+from vllm_ddtree.testing.compare import mismatch_problems, tie_gap_of
+
 # Budget per batch size for B = 32: every range of the mixed batch's sizes (8 running,
 # then draining) gets another budget, 0 (plain decoding) included.
 SCHEDULE = [[1, 2, 32], [3, 4, 8], [5, 6, 0], [7, 8, 4]]
@@ -85,7 +87,11 @@ def test_auto_with_plain_steps_fp32_equals_ar_token_for_token(ar_mixed_fp32, tmp
     firsts = first_mismatches(got, ar_mixed_fp32)
     print(f"fp32 auto 0,32: first mismatch per request {firsts}; mean acceptance length "
           f"{got['ddtree_mean_acceptance_length']:.3f}")
-    assert firsts == [None] * len(firsts)
+    # Exact (fp32 excuses no tie); only tokens a multi-token step committed past a stop
+    # string, which vLLM keeps in token_ids, are not compared.
+    problems = mismatch_problems(got["outputs"], ar_mixed_fp32["outputs"],
+                                 tie_gap_of("float32"))
+    assert not problems, "\n".join(problems)
     plain = [s for s in got["step_plan"]["steps"] if s["uniform"] and s["shape"] == 0]
     assert len(plain) >= 20
     # Eager B = 32 on this batch commits 1.93 tokens per tree (test_ddtree_vllm.py).
