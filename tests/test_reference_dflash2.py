@@ -4,6 +4,7 @@ implementation written from the published description."""
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -73,103 +74,149 @@ def write_checkpoint(directory, weights, config) -> None:
 
 # ---- the loop-by-loop implementation, from the published description -------------
 
-def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class Dims:
+    """What the loop implementation reads from a published config."""
+
+    vocab: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    taps: int
+    group: int
+    rank: int
+    top_k: int
+    block: int
+    window: int
+    layer_types: tuple
+    mask_token: int
+    eps: float
+    theta: float
+    embed_scale: float
+    multiplier: float
+    cap: float
+
+    @classmethod
+    def of(cls, config: dict) -> "Dims":
+        draft = config["dflash_config"]
+        return cls(config["vocab_size"], config["hidden_size"], config["num_attention_heads"],
+                   config["num_key_value_heads"], config["head_dim"],
+                   draft["conv_kernel_size"], draft["conv_group_size"], draft["selector_rank"],
+                   draft["selector_top_k"], config["block_size"] if "block_size" in config
+                   else draft["block_size"], config["sliding_window"],
+                   tuple(config["layer_types"]), draft["mask_token_id"], config["rms_norm_eps"],
+                   config["rope_parameters"]["rope_theta"],
+                   draft.get("input_embedding_scale") or 1.0,
+                   draft.get("output_multiplier") or 1.0,
+                   draft.get("final_logit_softcapping") or 0.0)
+
+
+TINY = Dims.of(published_config())
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, d: Dims = TINY) -> torch.Tensor:
     """RMS norm of one vector ``x``."""
     assert x.dim() == 1
-    return x / torch.sqrt((x * x).mean() + 1e-6) * w
+    return x / torch.sqrt((x * x).mean() + d.eps) * w
 
 
-def rope(x: torch.Tensor, pos: int) -> torch.Tensor:
-    """Neox rotation of one head vector ``x [HEAD_DIM]`` at ``pos``."""
-    half = HEAD_DIM // 2
+def rope(x: torch.Tensor, pos: int, d: Dims = TINY) -> torch.Tensor:
+    """Neox rotation of one head vector ``x [head_dim]`` at ``pos``."""
+    half = d.head_dim // 2
     out = torch.empty_like(x)
     for j in range(half):
-        angle = pos / 10000.0 ** (2 * j / HEAD_DIM)
+        angle = pos / d.theta ** (2 * j / d.head_dim)
         c, s = math.cos(angle), math.sin(angle)
         out[j] = x[j] * c - x[j + half] * s
         out[j + half] = x[j + half] * c + x[j] * s
     return out
 
 
-def conv(x: torch.Tensor, w: dict, name: str, coef: torch.Tensor, side: int) -> torch.Tensor:
+def conv(x: torch.Tensor, w: dict, name: str, coef: torch.Tensor, side: int,
+         d: Dims = TINY) -> torch.Tensor:
     """Grouped dynamic depthwise convolution of one block ``x [S, H]``; ``coef [S, 2*T*G]``
     read as [side, tap, group]."""
-    groups = H // GROUP
+    groups = d.hidden // d.group
+    group_of_channel = torch.arange(d.hidden) // d.group
     out = torch.zeros_like(x)
     for i in range(x.shape[0]):
-        for t in range(TAPS):
+        for t in range(d.taps):
             if i - t < 0:
                 continue
-            for c in range(H):
-                g = c // GROUP
-                k = w[name + ".base_kernel"][side, t, c] + coef[i, (side * TAPS + t) * groups + g]
-                out[i, c] += k * x[i - t, c]
+            # channel c uses its group's coefficient: k[c] = base[c] + coef[group(c)]
+            k = (w[name + ".base_kernel"][side, t]
+                 + coef[i, (side * d.taps + t) * groups + group_of_channel])
+            out[i] += k * x[i - t]
     return out
 
 
-def attention(w, p, x, positions, ctx, ctx_pos, layer) -> torch.Tensor:
+def attention(w, p, x, positions, ctx, ctx_pos, layer, d: Dims = TINY) -> torch.Tensor:
     """One layer's attention of the block rows over context + block keys."""
-    sliding = LAYER_TYPES[layer] == "sliding_attention"
+    sliding = d.layer_types[layer] == "sliding_attention"
     keys_h = torch.cat([ctx, x])
     key_pos = ctx_pos + positions
-    out = torch.zeros(x.shape[0], HEADS * HEAD_DIM)
-    for h in range(HEADS):
-        kv = h // (HEADS // KV_HEADS)
-        rows = slice(kv * HEAD_DIM, (kv + 1) * HEAD_DIM)
+    out = torch.zeros(x.shape[0], d.heads * d.head_dim)
+    for h in range(d.heads):
+        kv = h // (d.heads // d.kv_heads)
+        rows = slice(kv * d.head_dim, (kv + 1) * d.head_dim)
         keys, values = [], []
         for j in range(keys_h.shape[0]):
             k = keys_h[j] @ w[p + "self_attn.k_proj.weight"][rows].T
-            keys.append(rope(rms(k, w[p + "self_attn.k_norm.weight"]), key_pos[j]))
+            keys.append(rope(rms(k, w[p + "self_attn.k_norm.weight"], d), key_pos[j], d))
             values.append(keys_h[j] @ w[p + "self_attn.v_proj.weight"][rows].T)
         for i in range(x.shape[0]):
-            q = x[i] @ w[p + "self_attn.q_proj.weight"][h * HEAD_DIM:(h + 1) * HEAD_DIM].T
-            q = rope(rms(q, w[p + "self_attn.q_norm.weight"]), positions[i])
+            q = x[i] @ w[p + "self_attn.q_proj.weight"][h * d.head_dim:(h + 1) * d.head_dim].T
+            q = rope(rms(q, w[p + "self_attn.q_norm.weight"], d), positions[i], d)
             logits = []
             for j in range(len(keys)):
                 diff = positions[i] - key_pos[j]
-                seen = (0 <= diff < WINDOW) if sliding else True
-                logits.append(float(q @ keys[j]) / math.sqrt(HEAD_DIM) if seen else -math.inf)
+                seen = (0 <= diff < d.window) if sliding else True
+                logits.append(float(q @ keys[j]) / math.sqrt(d.head_dim) if seen else -math.inf)
             probs = torch.softmax(torch.tensor(logits), 0)
-            out[i, h * HEAD_DIM:(h + 1) * HEAD_DIM] = sum(
+            out[i, h * d.head_dim:(h + 1) * d.head_dim] = sum(
                 probs[j] * values[j] for j in range(len(keys)))
     return out @ w[p + "self_attn.o_proj.weight"].T
 
 
-def simple_block(w, embed, lm_head, aux, bonus, start):
+def simple_block(w, embed, lm_head, aux, bonus, start, d: Dims = TINY):
     """(logits [S-1, V], candidate ids [S-1, K], unary, edge scores [S-1, K, K])."""
-    ctx = torch.stack([rms(r, w["hidden_norm.weight"]) for r in aux @ w["fc.weight"].T])
+    ctx = torch.stack([rms(r, w["hidden_norm.weight"], d) for r in aux @ w["fc.weight"].T])
     ctx_pos = list(range(aux.shape[0]))
-    ids = [bonus] + [V - 1] * (BLOCK - 1)
-    positions = list(range(start, start + BLOCK))
-    x = torch.stack([embed[t] * DRAFT["input_embedding_scale"] for t in ids])
-    for layer in range(len(LAYER_TYPES)):
+    ids = [bonus] + [d.mask_token] * (d.block - 1)
+    positions = list(range(start, start + d.block))
+    x = torch.stack([embed[t] * d.embed_scale for t in ids])
+    for layer in range(len(d.layer_types)):
         p = f"layers.{layer}."
-        a = torch.stack([rms(r, w[p + "input_layernorm.weight"]) for r in x])
+        a = torch.stack([rms(r, w[p + "input_layernorm.weight"], d) for r in x])
         coef = a @ w[p + "attention_conv.kernel_projection.weight"].T
-        a = conv(a, w, p + "attention_conv", coef, 0)
-        a = attention(w, p, a, positions, ctx, ctx_pos, layer)
-        x = x + conv(a, w, p + "attention_conv", coef, 1)
-        m = torch.stack([rms(r, w[p + "post_attention_layernorm.weight"]) for r in x])
+        a = conv(a, w, p + "attention_conv", coef, 0, d)
+        a = attention(w, p, a, positions, ctx, ctx_pos, layer, d)
+        x = x + conv(a, w, p + "attention_conv", coef, 1, d)
+        m = torch.stack([rms(r, w[p + "post_attention_layernorm.weight"], d) for r in x])
         coef = m @ w[p + "mlp_conv.kernel_projection.weight"].T
-        m = conv(m, w, p + "mlp_conv", coef, 0)
+        m = conv(m, w, p + "mlp_conv", coef, 0, d)
         gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
         m = (gate * torch.sigmoid(gate) * up) @ w[p + "mlp.down_proj.weight"].T
-        x = x + conv(m, w, p + "mlp_conv", coef, 1)
-    hidden = torch.stack([rms(r, w["norm.weight"]) for r in x])[1:]
-    cap = DRAFT["final_logit_softcapping"]
-    logits = torch.tanh(hidden @ lm_head.T * DRAFT["output_multiplier"] / cap) * cap
+        x = x + conv(m, w, p + "mlp_conv", coef, 1, d)
+    hidden = torch.stack([rms(r, w["norm.weight"], d) for r in x])[1:]
+    logits = hidden @ lm_head.T * d.multiplier
+    if d.cap:
+        logits = torch.tanh(logits / d.cap) * d.cap
     cand, unary, edges = [], [], []
     gate = hidden @ w["candidate_selector.hidden_projection.weight"].T
-    for pos in range(BLOCK - 1):
+    for pos in range(d.block - 1):
         row = logits[pos].tolist()
-        best = sorted(range(V), key=lambda t, row=row: (-row[t], t))[:TOP_K]
-        preds = [bonus] * TOP_K if pos == 0 else cand[-1]
-        table = torch.empty(TOP_K, TOP_K)
+        best = sorted(range(d.vocab), key=lambda t, row=row: (-row[t], t))[:d.top_k]
+        preds = [bonus] * d.top_k if pos == 0 else cand[-1]
+        table = torch.empty(d.top_k, d.top_k)
+        pred_codes = w["candidate_selector.predecessor_codebook"]
+        succ_codes = w["candidate_selector.successor_codebook"]
         for a_slot, prev in enumerate(preds):
             for c_slot, tok in enumerate(best):
                 table[a_slot, c_slot] = row[tok] + sum(
-                    w["candidate_selector.predecessor_codebook"][prev, r] * gate[pos, r]
-                    * w["candidate_selector.successor_codebook"][tok, r] for r in range(RANK))
+                    pred_codes[prev, r] * gate[pos, r] * succ_codes[tok, r]
+                    for r in range(d.rank))
         cand.append(best)
         unary.append([row[t] for t in best])
         edges.append(table)
@@ -230,3 +277,39 @@ def test_bad_dflash2_keys_are_refused_by_name(tmp_path, field, value, match):
     write_checkpoint(tmp_path, {}, published_config(**{field: value}))
     with pytest.raises(DrafterConfigError, match=match):
         read_drafter_config_json(tmp_path)
+
+
+def test_the_shipped_trained_checkpoint_matches_the_loop_implementation():
+    """The DFlash2 drafter trained for the embedded target (``checkpoints/dflash2_drafter``,
+    selector and convolutions trained) in fp32: the reference's block (logits, top-K
+    candidates, unary and edge scores) equals the loop implementation on the same
+    weights, with the target's own embedding and head."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+
+    directory = CHECKPOINTS / "dflash2_drafter"
+    config = json.loads((directory / "config.json").read_text())
+    d = Dims.of(config)
+    weights = {k: v.float() for k, v in load_file(directory / "model.safetensors").items()}
+    drafter = DFlash2DraftModel.from_pretrained(directory, dtype=torch.float32).eval()
+    target = AutoModelForCausalLM.from_pretrained(CHECKPOINTS / "target", dtype=torch.float32)
+    embed = target.get_input_embeddings().weight.detach()
+    lm_head = target.get_output_embeddings().weight.detach()
+    # The selector learned an edge term: trained, not the identity start.
+    assert weights["candidate_selector.successor_codebook"].abs().max() > 0
+    width = config["hidden_size"] * len(config["dflash_config"]["target_layer_ids"])
+    aux = torch.randn(9, width, generator=torch.Generator().manual_seed(3))
+    bonus, start = 417, 9
+    context = drafter.new_context_cache()
+    context.append(aux, torch.arange(9))
+    with torch.no_grad():
+        block = drafter.draft_block(bonus, start, context, lambda t: embed[t],
+                                    lambda h: h @ lm_head.T)
+        want = simple_block(weights, embed, lm_head, aux, bonus, start, d)
+    torch.testing.assert_close(block.logits, want[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(block.candidate_ids, want[1])
+    torch.testing.assert_close(block.unary, want[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(block.edge_scores, want[3], atol=1e-4, rtol=1e-4)
+    assert (block.edge_scores - block.unary[:, None, :]).abs().max() > 1e-3

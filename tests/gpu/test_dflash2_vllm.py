@@ -1,7 +1,8 @@
 """DDTree over a DFlash2 drafter in vLLM 0.26 (GPU, fp32): the published checkpoint layout
 loads through the plugin's DFlash2DraftModel, greedy tokens equal AR token for token
 (selector-scored tree B = 16 with CUDA graphs; the selector's chain walk, B = L with
-ddtree_top_k 1, eager), and vLLM's tokens per round equal the fp32 reference engine's
+ddtree_top_k 1, eager), seeded sampled tokens at T = 0.8 equal AR's token for token
+(B = 16, CUDA graphs), and vLLM's tokens per round equal the fp32 reference engine's
 (replayed along vLLM's output) within 3 %. The drafter is the embedded DFlash drafter with
 near-identity convolutions and a random selector (evals/check_dflash2_vllm.py)."""
 
@@ -88,6 +89,18 @@ def test_selector_tree_with_cuda_graphs_equals_ar(drafter, ar, tmp_path):
           f"per round vLLM {ours:.3f}, reference replay {ref:.3f}")
     assert mal > 1.0
     assert ours == pytest.approx(ref, rel=0.03)
+
+
+def test_selector_tree_sampling_equals_ar_token_for_token(drafter, tmp_path):
+    """T = 0.8, each request seeded: in fp32 DDTree over the selector's trees draws AR's
+    tokens exactly (vLLM's per-request seeded noise, the same at each position)."""
+    ar_sampled = run(["--method", "ar", "--temperature", "0.8"], tmp_path / "ar.json")
+    got = run(["--drafter", str(drafter), "--budget", "16", "--graphs", "--temperature",
+               "0.8"], tmp_path / "t.json")
+    check_against_ar(got, ar_sampled)
+    print(f"DFlash2 selector tree B=16, T=0.8: mean acceptance length "
+          f"{got['ddtree_mean_acceptance_length']:.3f}")
+    assert got["ddtree_mean_acceptance_length"] > 1.0
 
 
 def test_selector_chain_walk_equals_ar(drafter, ar, tmp_path):
