@@ -120,7 +120,7 @@ from e2e_runs import (  # noqa: E402
     sequence_margin,
     write_json_atomic,
 )
-from e2e_sweep import SWEEP_BATCHES  # noqa: E402
+from e2e_sweep import MIN_POOL, SWEEP_BATCHES  # noqa: E402
 
 DEFAULT_SETUPS = ("trained", "kimi64", "kimi8")
 
@@ -411,6 +411,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "e2e_batch_sweep[_<setup>].md / .png / .json")
     p.add_argument("--pool-factor", type=positive_int, default=3,
                    help="with --sweep: requests per cell = this x the batch")
+    p.add_argument("--min-pool", type=positive_int, default=MIN_POOL,
+                   help="with --sweep: requests per cell at least (small batches: a few "
+                   "requests, about a second of decoding, decide the figure)")
     p.add_argument("--prompt-tails", nargs=2, type=positive_int, metavar=("LO", "HI"),
                    help="with --sweep: each prompt's own tail after the shared prefix, "
                    "uniform in LO..HI tokens (default 64 256)")
@@ -499,7 +502,7 @@ def check_sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if short:
         p.error(f"--contexts {short} are not allowed with --prompt-tails {tails[0]} "
                 f"{tails[1]}: each context must be longer than the longest tail")
-    args.pool_spec = PoolSpec(args.pool_factor, tails, outputs)
+    args.pool_spec = PoolSpec(args.pool_factor, tails, outputs, min_pool=args.min_pool)
     args.max_tokens = outputs[1]
 
 

@@ -3,7 +3,7 @@
 concurrency, requests of mixed lengths (the load generator and one cell's measurement).
 
 A cell (context C, batch b, prompt kind) has a pool of ``pool_factor x b`` requests
-(at least :data:`MIN_POOL`; :func:`request_pool`, seeded): every prompt is one shared
+(at least ``--min-pool``; :func:`request_pool`, seeded): every prompt is one shared
 prefix of ``C - tail_max`` tokens (a document many requests read: vLLM's prefix cache
 holds it once, so 64 requests at 32k fit beside the other runs' engines on one GPU)
 followed by the request's own tail of
@@ -33,7 +33,7 @@ SWEEP_BATCHES = [1, 4, 8, 16, 32, 64]
 DEFAULT_POOL_FACTOR = 3
 DEFAULT_TAILS = (64, 256)
 DEFAULT_OUTPUTS = (32, 256)
-MIN_POOL = 6  # requests per cell at least (batch 1: a few requests decide the figure)
+MIN_POOL = 6  # requests per cell at least, by default (--min-pool)
 CRC_TOKENS = 16  # the report compares each request's first tokens with AR's by CRC
 # Contexts a setup serves honestly (and why), used when --contexts is not given.
 SWEEP_CONTEXTS: dict[str, tuple[list[int], str]] = {
@@ -60,15 +60,16 @@ class PoolSpec:
     tails: tuple[int, int] = DEFAULT_TAILS
     outputs: tuple[int, int] = DEFAULT_OUTPUTS
     seed: int = 0
+    min_pool: int = MIN_POOL
 
     def to_json(self) -> dict:
-        return {"pool_factor": self.pool_factor, "tails": list(self.tails),
-                "outputs": list(self.outputs), "seed": self.seed}
+        return {"pool_factor": self.pool_factor, "min_pool": self.min_pool,
+                "tails": list(self.tails), "outputs": list(self.outputs), "seed": self.seed}
 
     @classmethod
     def from_json(cls, data: dict) -> PoolSpec:
         return cls(int(data["pool_factor"]), tuple(data["tails"]), tuple(data["outputs"]),
-                   int(data.get("seed", 0)))
+                   int(data.get("seed", 0)), int(data.get("min_pool", MIN_POOL)))
 
 
 def check_range(field: str, value, lo_min: int = 1) -> tuple[int, int]:
@@ -90,7 +91,7 @@ class Request:
 def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
                  tokenizer=None) -> list[Request]:
     """The seeded pool of one cell (module docstring): ``pool_factor x batch`` requests
-    (at least :data:`MIN_POOL`),
+    (at least ``min_pool``),
     one shared prefix of ``context - tails[1]`` tokens, tails and outputs uniform in
     their ranges. ``code`` prompts need ``tokenizer`` (``e2e_models.code_prompts``)."""
     import numpy as np
@@ -102,7 +103,7 @@ def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
         raise ValueError(f"context={context} is not allowed with --prompt-tails {lo} {hi}: "
                          f"a context longer than the longest tail ({hi})")
     base, index = parse_prompt_kind(kind)
-    n = max(pool.pool_factor * batch, MIN_POOL)
+    n = max(pool.pool_factor * batch, pool.min_pool)
     rng = np.random.default_rng([pool.seed, context, batch, index])
     tails = rng.integers(lo, hi + 1, n).tolist()
     outputs = rng.integers(out_lo, out_hi + 1, n).tolist()

@@ -137,7 +137,8 @@ def write_sweep_markdown(data: dict, path: str) -> None:
     lines = [f"# Batch sweep: {data.get('setup_title', data.get('setup'))}", "",
              data.get("setup_description", ""), "",
              "Continuous batching through vLLM's engine API (`LLM.llm_engine`): at batch b, "
-             f"a pool of {sweep.get('pool_factor')} x b requests (at least 6), each prompt "
+             f"a pool of {sweep.get('pool_factor')} x b requests (at least "
+             f"{sweep.get('min_pool', 6)}), each prompt "
              "a shared "
              "prefix (prefix-cached) plus its own tail of "
              f"{'..'.join(map(str, sweep.get('tails', [])))} tokens, each request "

@@ -83,7 +83,7 @@
 #   sweep_trained / sweep_v2lite
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
-#              auto): the embedded pair with YaRN x4 at 512 and 1k (about 6 min), the
+#              auto): the embedded pair with YaRN x4 at 512 and 1k (about 7 min), the
 #              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
 #              9 min; cells past --max-minutes are listed as not run); one 10-minute
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
@@ -205,11 +205,11 @@ run_e2e() {  # e2e_<setup>
 }
 
 run_sweep() {  # sweep_trained / sweep_v2lite
-  local stage="$1" limit="${STAGE_LIMIT:-570}" setup contexts prompts pool stem start
+  local stage="$1" limit="${STAGE_LIMIT:-570}" setup contexts prompts pool minpool stem start
   local runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA+perbatch ddtree-16 ddtree-64 ddtree-64+perbatch ddtree-auto"
   case "$stage" in
-    sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=3 stem=e2e_batch_sweep ;;
-    sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 stem=e2e_batch_sweep_v2lite ;;
+    sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=8 minpool=16 stem=e2e_batch_sweep ;;
+    sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 minpool=6 stem=e2e_batch_sweep_v2lite ;;
   esac
   local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b
   mkdir -p "$e2e_dir"
@@ -219,7 +219,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   start=$(date +%s)
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
-    --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --out-dir "$e2e_dir" \
+    --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --min-pool "$minpool" \
+    --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
   grep -A9 "^## Tokens per second" "$e2e_dir/$stem.md" 2>/dev/null | head -24

@@ -23,8 +23,13 @@ def pair():
 
 
 def test_checkpoints_are_small_and_of_the_right_kind():
-    size = sum(f.stat().st_size for f in CHECKPOINTS.rglob("*") if f.is_file())
-    assert size <= 24 * 1000 * 1000
+    def size(part: str) -> int:
+        return sum(f.stat().st_size for f in (CHECKPOINTS / part).rglob("*") if f.is_file())
+
+    assert size("target") + size("drafter") <= 24 * 1000 * 1000  # the pair travels
+    assert size("dflash2_drafter") <= 8 * 1000 * 1000  # beside it
+    dflash2 = json.loads((CHECKPOINTS / "dflash2_drafter/config.json").read_text())
+    assert dflash2["architectures"] == ["DFlash2DraftModel"]
     target = json.loads((CHECKPOINTS / "target/config.json").read_text())
     drafter = json.loads((CHECKPOINTS / "drafter/config.json").read_text())
     assert target["architectures"] == ["DeepseekV3ForCausalLM"]

@@ -119,6 +119,11 @@ def test_request_pool_shares_a_prefix_and_draws_seeded_lengths():
     assert len(other) == 6 and other[0].prompt[:96] == prefix  # at least MIN_POOL
     assert other[0].prompt[96:] != pool[0].prompt[96:]
     assert pool != request_pool(setup, 128, 4, "random", PoolSpec(3, (8, 32), (4, 40), 6))
+    # --min-pool: small batches draw more requests (about a second of decoding is noise)
+    longer = PoolSpec(3, (8, 32), (4, 40), seed=5, min_pool=16)
+    assert len(request_pool(setup, 128, 1, "random", longer)) == 16
+    assert len(request_pool(setup, 128, 8, "random", longer)) == 24
+    assert PoolSpec.from_json(longer.to_json()) == longer
     with pytest.raises(ValueError, match="context=32 is not allowed"):
         request_pool(setup, 32, 4, "random", spec)
     with pytest.raises(ValueError, match="'code' prompts need one"):
