@@ -8,7 +8,12 @@ from tiny_models import drafter_config, tiny_target
 
 from vllm_ddtree.reference import generate
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
-from vllm_ddtree.tree.selector_tree import build_selector_tree, build_selector_tree_reference
+from vllm_ddtree.tree.selector_tree import (
+    build_selector_tree,
+    build_selector_tree_reference,
+    candidate_log_mass,
+    tree_candidates,
+)
 
 PROMPT = [5, 17, 33, 2, 60, 41, 9, 12, 77, 3, 28, 50]
 TOP_K = 4
@@ -99,7 +104,8 @@ def test_top1_selector_tree_is_the_greedy_walk():
 
 
 @pytest.mark.parametrize("budget,top_k", [(1, None), (6, 1), (9, 2), (30, None), (50, 3)])
-def test_selector_tree_equals_heapq_oracle(budget, top_k):
+@pytest.mark.parametrize("with_mass", [False, True])
+def test_selector_tree_equals_heapq_oracle(budget, top_k, with_mass):
     g = torch.Generator().manual_seed(budget)
     for trial in range(8):
         ids = torch.randint(0, 50, (2, 6, 5), generator=g)
@@ -107,8 +113,11 @@ def test_selector_tree_equals_heapq_oracle(budget, top_k):
         if trial % 2:
             scores = scores.round()
         scores[:, 0] = scores[:, 0, :1]  # every predecessor row of position 1 is the anchor
-        got = build_selector_tree(ids, scores, budget, top_k)
-        want = build_selector_tree_reference(ids, scores, budget, top_k)
+        mass = -torch.rand(2, 6, generator=g) * 2 if with_mass else None
+        if with_mass and trial == 3:
+            mass[0, 2] = float("nan")  # a broken row adds nothing
+        got = build_selector_tree(ids, scores, budget, top_k, mass)
+        want = build_selector_tree_reference(ids, scores, budget, top_k, mass)
         for name in ("tokens", "parents", "depths", "scores"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         # Best first and topological: a parent precedes its child and scores more.
@@ -138,3 +147,50 @@ def test_bad_arguments_are_refused_by_name(pair):
         build_selector_tree(torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, 3), 0)
     with pytest.raises(ValueError, match=r"budget=13 .*at most 12"):
         build_selector_tree(torch.zeros(1, 2, 3, dtype=torch.long), torch.zeros(1, 2, 3, 3), 13)
+
+
+def test_candidate_mass_makes_uncertain_positions_cost_depth():
+    """Position 2's candidates hold 1 % of its marginal mass: without the mass term the
+    tree runs down the certain-looking chain; with it, the budget goes to siblings at
+    position 1 instead, which is what the marginals say is likelier."""
+    ids = torch.arange(2 * 3).view(1, 2, 3)
+    scores = torch.zeros(1, 2, 3, 3)
+    scores[0, 0, :, 0] = 2.0  # position 1: slot 0 likely, slots 1-2 less
+    scores[0, 1, :, 0] = 8.0  # position 2: slot 0 all but certain among the candidates
+    log_norm = torch.tensor([[0.0, 0.0]])
+    unary = torch.log(torch.tensor([[[0.6, 0.2, 0.2], [0.005, 0.003, 0.002]]]))
+    mass = candidate_log_mass(unary, log_norm)
+    torch.testing.assert_close(mass, torch.log(torch.tensor([[1.0, 0.01]])))
+    plain = build_selector_tree(ids, scores, 3)
+    weighed = build_selector_tree(ids, scores, 3, position_log_mass=mass)
+    assert plain.depths[0].tolist() == [1, 2, 1]
+    assert weighed.depths[0].tolist() == [1, 1, 1]
+
+
+def test_trees_rank_as_many_candidates_as_a_node_may_have_children(pair):
+    """tree_candidates: the budget (or top_k), at least the checkpoint's K, at most the
+    vocabulary; a B = 16 tree of the reference engine can hold tokens beyond the
+    checkpoint's top-K of their position."""
+    assert tree_candidates(8, 64, None, 4096) == 64
+    assert tree_candidates(8, 64, 4, 4096) == 8  # never fewer than the checkpoint's K
+    assert tree_candidates(8, 64, 16, 4096) == 16
+    assert tree_candidates(8, 15, 1, 4096) == 8  # the chain walk
+    assert tree_candidates(8, 64, None, 32) == 32
+    target, drafter = pair
+    from vllm_ddtree.reference.draft_trees import draft_tree
+    from vllm_ddtree.reference.engine import prefill
+    from vllm_ddtree.reference.target import TargetRunner
+
+    runner = TargetRunner(target, drafter.target_layer_ids)
+    try:
+        _, context = prefill(runner, drafter, PROMPT)
+        tree = draft_tree(drafter, runner, context, 7, len(PROMPT), "ddtree", 16, None,
+                          "selector")
+        block = drafter.draft_block(7, len(PROMPT), context, runner.embed,
+                                    runner.lm_head_logits)
+    finally:
+        runner.close()
+    top = block.candidate_ids  # the checkpoint's TOP_K per position
+    outside = [t for t, d in zip(tree.tokens[0].tolist(), tree.depths[0].tolist(), strict=True)
+               if t not in top[d - 1].tolist()]
+    assert outside, "every node is among the checkpoint's top-K"

@@ -14,7 +14,12 @@ from torch import nn
 
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
 from vllm_ddtree.tree.draft_tree import DraftTree
-from vllm_ddtree.tree.selector_tree import build_selector_tree, top_k_candidates
+from vllm_ddtree.tree.selector_tree import (
+    build_selector_tree,
+    candidate_log_mass,
+    top_k_candidates,
+    tree_candidates,
+)
 
 BLOCK, TAPS, K = 6, 3, 4
 
@@ -210,11 +215,14 @@ def test_candidates_and_selector_scores_match_the_reference(vllm_ctx):
     hidden = torch.randn(2, BLOCK - 1, 64)
     anchors = torch.tensor([3, 40])
     with torch.no_grad():
-        ids, unary = model.compute_candidates(hidden.flatten(0, 1))
+        ids, unary, log_norm = model.compute_candidates(hidden.flatten(0, 1))
         want_logits = drafter.output_logits(hidden.flatten(0, 1) @ lm_head.T)
         assert torch.equal(model.marginal_logits(hidden.flatten(0, 1)), want_logits)
         want_unary, want_ids = top_k_candidates(want_logits, K)
         assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
+        torch.testing.assert_close(log_norm, torch.logsumexp(want_logits, -1))
+        wide_ids, _, _ = model.compute_candidates(hidden.flatten(0, 1), 3 * K)
+        assert torch.equal(wide_ids, top_k_candidates(want_logits, 3 * K)[1])
         ids, unary = ids.view(2, BLOCK - 1, K), unary.view(2, BLOCK - 1, K)
         got = model.model.candidate_selector(ids, unary, hidden, anchors)
         want = drafter.candidate_selector(ids, unary, hidden, anchors)
@@ -239,10 +247,12 @@ def test_candidates_match_the_reference_tie_rule_in_row_chunks(dtype, budget_row
     logits[4] = torch.randint(-3, 4, (vocab,), generator=g).float()  # small-integer ties
     logits = logits.to(dtype)
     budget = (budget_rows or rows) * vocab * _CANDIDATE_BYTES_PER_LOGIT
-    ids, unary = ranked_candidates(logits, K, multiplier, softcap, budget)
+    ids, unary, log_norm = ranked_candidates(logits, K, multiplier, softcap, budget)
     drafter = SimpleNamespace(output_multiplier=multiplier, softcap=softcap)
-    want_unary, want_ids = top_k_candidates(DFlash2DraftModel.output_logits(drafter, logits), K)
+    transformed = DFlash2DraftModel.output_logits(drafter, logits)
+    want_unary, want_ids = top_k_candidates(transformed, K)
     assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
+    torch.testing.assert_close(log_norm, torch.logsumexp(transformed, -1), equal_nan=True)
     assert ids[0].tolist() == list(range(K)) and ids[1].tolist() == list(range(10, 10 + K))
 
 
@@ -289,8 +299,11 @@ def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
     drafter = reference_drafter(3)
     model, _ = selector_pieces(drafter)
     reqs, depths, budget = 3, BLOCK - 1, 12
+    vocab = drafter.candidate_selector.predecessor_codebook.shape[0]
+    k = tree_candidates(K, budget, None, vocab)
+    assert k == budget > K  # a tree ranks as many candidates as a node may have children
     drafting = SelectorDrafting(num_depths=depths, budget=budget, top_k=None,
-                                block_size=BLOCK, selector_top_k=K, max_num_reqs=8,
+                                block_size=BLOCK, num_candidates=k, max_num_reqs=8,
                                 device=torch.device("cpu"))
     hidden = torch.randn(reqs * depths, 64)
     input_ids = torch.randint(0, 90, (8 * BLOCK,))
@@ -304,10 +317,11 @@ def test_speculator_trees_are_the_selector_trees_of_each_request(vllm_ctx):
         for r in range(reqs):
             rows = hidden.view(reqs, depths, 64)[r]
             logits = drafter.output_logits(model.compute_logits(rows))
-            unary, ids = top_k_candidates(logits, K)
+            unary, ids = top_k_candidates(logits, k)
+            mass = candidate_log_mass(unary, torch.logsumexp(logits, -1))
             anchor = input_ids[r * BLOCK : r * BLOCK + 1]
             scores = drafter.candidate_selector(ids[None], unary[None], rows[None], anchor)
-            want = build_selector_tree(ids[None], scores, budget)
+            want = build_selector_tree(ids[None], scores, budget, position_log_mass=mass[None])
             assert torch.equal(out.tokens[r], want.tokens[0])
             assert torch.equal(out.parents[r], want.parents[0])
             assert torch.equal(out.packed_bits[r], want.ancestor_bits()[0])
@@ -399,7 +413,7 @@ def test_vllm_loads_the_published_layout_and_matches_the_reference(vllm_ctx, tmp
         # vLLM shares the target's head at load (and vLLM-CPU repacks it): its logits here.
         model.compute_logits = lambda h: h @ head.T
         rows = want[1:bs]
-        ids, unary = model.compute_candidates(rows)
+        ids, unary, _ = model.compute_candidates(rows)
         want_unary, want_ids = top_k_candidates(ref.output_logits(rows @ head.T), 8)
         assert torch.equal(ids, want_ids) and torch.equal(unary, want_unary)
         anchor = torch.tensor([7])
@@ -420,8 +434,9 @@ def test_the_speculators_draft_step_writes_selector_trees(vllm_ctx):
     model, _ = selector_pieces(drafter)
     spec = fake_speculator(new_state())
     block, reqs = DEPTHS + 1, 3
+    k = tree_candidates(K, BUDGET, None, drafter.candidate_selector.successor_codebook.shape[0])
     spec.selector_drafting = SelectorDrafting(
-        num_depths=DEPTHS, budget=BUDGET, top_k=None, block_size=block, selector_top_k=K,
+        num_depths=DEPTHS, budget=BUDGET, top_k=None, block_size=block, num_candidates=k,
         max_num_reqs=MAX_REQS, device=torch.device("cpu"))
     hidden = torch.randn(reqs * block, 64, generator=torch.Generator().manual_seed(2))
     spec._run_model = lambda *args: hidden
@@ -433,11 +448,12 @@ def test_the_speculators_draft_step_writes_selector_trees(vllm_ctx):
     with torch.no_grad():
         spec._generate_draft(reqs, reqs * block, None, None, None)
         rows = hidden.view(reqs, block, 64)[:, 1:]
-        ids, unary = model.compute_candidates(rows.flatten(0, 1))
-        ids, unary = ids.view(reqs, DEPTHS, K), unary.view(reqs, DEPTHS, K)
+        ids, unary, log_norm = model.compute_candidates(rows.flatten(0, 1), k)
+        ids, unary = ids.view(reqs, DEPTHS, k), unary.view(reqs, DEPTHS, k)
+        mass = candidate_log_mass(unary, log_norm.view(reqs, DEPTHS))
         anchors = spec.input_buffers.input_ids[::block][:reqs].long()
         scores = drafter.candidate_selector(ids, unary, rows, anchors)
-    want = build_selector_tree(ids, scores, BUDGET)
+    want = build_selector_tree(ids, scores, BUDGET, position_log_mass=mass)
     assert torch.equal(spec.draft_tokens[:reqs], want.tokens)
     assert torch.equal(spec.batch_parents[:reqs], want.parents)
     assert torch.equal(spec.batch_depths[:reqs], want.depths)
@@ -455,7 +471,8 @@ def test_selector_drafting_makes_no_host_sync(vllm_ctx):
     model, _ = selector_pieces(drafter)
     reqs, depths, budget = 4, BLOCK - 1, 32
     drafting = SelectorDrafting(num_depths=depths, budget=budget, top_k=3, block_size=BLOCK,
-                                selector_top_k=K, max_num_reqs=8, device=torch.device("cpu"))
+                                num_candidates=tree_candidates(K, budget, 3, 90),
+                                max_num_reqs=8, device=torch.device("cpu"))
     out = DraftTree(tokens=torch.zeros(reqs, budget, dtype=torch.long),
                     parents=torch.zeros(reqs, budget, dtype=torch.long),
                     depths=torch.zeros(reqs, budget, dtype=torch.long),

@@ -209,13 +209,15 @@ class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
         self.output_multiplier = float(draft.get("output_multiplier") or 1.0)
         self.softcap = float(draft.get("final_logit_softcapping") or 0.0)
 
-    def compute_candidates(self, hidden_states: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-        """For final-normed ``hidden_states [N, H]``: candidate ids int64 ``[N, K]`` and
-        unary terms fp32 ``[N, K]``, best first, as the reference's
-        ``top_k_candidates`` of the logits after ``output_multiplier`` and
-        ``final_logit_softcapping``: by descending value, ties by ascending token id (NaN
-        last), the same ids and bit-identical values.
+    def compute_candidates(self, hidden_states: torch.Tensor, num_candidates: int | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For final-normed ``hidden_states [N, H]``: candidate ids int64 ``[N, K]``,
+        unary terms fp32 ``[N, K]`` and the logsumexp of each row's whole logits fp32
+        ``[N]`` (the candidates' marginal mass: ``selector_tree.candidate_log_mass``).
+        K = ``num_candidates`` (default the checkpoint's ``selector_top_k``). Best first,
+        as the reference's ``top_k_candidates`` of the logits after
+        ``output_multiplier`` and ``final_logit_softcapping``: by descending value, ties
+        by ascending token id (NaN last), the same ids and bit-identical values.
 
         The head's logits ``[N, V]`` stay in their own dtype; the fp32 transform and the
         ranking's int64 sort keys run over row chunks of :func:`candidate_chunk_rows`
@@ -224,7 +226,7 @@ class DFlash2Qwen3ForCausalLM(DFlashQwen3ForCausalLM):
         tokens). Static shapes (the chunking depends on ``N`` and ``V`` only), no host
         reads: the drafter's CUDA graph captures it."""
         logits = self.compute_logits(hidden_states)
-        return ranked_candidates(logits, self.model.candidate_selector.top_k,
+        return ranked_candidates(logits, num_candidates or self.model.candidate_selector.top_k,
                                  self.output_multiplier, self.softcap)
 
     def marginal_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -266,11 +268,12 @@ def output_transform(logits: torch.Tensor, multiplier: float, softcap: float,
 
 def ranked_candidates(logits: torch.Tensor, k: int, multiplier: float, softcap: float,
                       budget_bytes: int = _CANDIDATE_CHUNK_BYTES
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ``k`` best tokens of each row of ``logits [N, V]`` (any float dtype) after
     :func:`output_transform`: ids int64 ``[N, k]`` and values fp32 ``[N, k]``, by
     descending value then ascending token id (NaN last), as the reference's
-    ``top_k_candidates(output_logits(logits), k)``.
+    ``top_k_candidates(output_logits(logits), k)``; and each row's logsumexp fp32
+    ``[N]`` of the transformed values.
 
     The ranking runs on the transformed fp32 values, not the raw logits: the multiplier
     and the softcap are monotonic, but fp32 rounding (and ``tanh`` saturating) can make
@@ -281,12 +284,14 @@ def ranked_candidates(logits: torch.Tensor, k: int, multiplier: float, softcap: 
     step = candidate_chunk_rows(num_rows, vocab_size, budget_bytes)
     ids = torch.empty(num_rows, k, dtype=torch.int64, device=logits.device)
     unary = torch.empty(num_rows, k, dtype=torch.float32, device=logits.device)
+    log_norm = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     for start in range(0, num_rows, step):
         rows = logits[start : start + step]
         values = output_transform(rows.to(torch.float32, copy=True), multiplier, softcap,
                                   inplace=True)
+        log_norm[start : start + step] = torch.logsumexp(values, dim=-1)
         chunk_unary, chunk_ids = top_k_candidates(values, k)
         del values
         ids[start : start + step] = chunk_ids
         unary[start : start + step] = chunk_unary
-    return ids, unary
+    return ids, unary, log_norm

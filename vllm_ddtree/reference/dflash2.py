@@ -56,7 +56,7 @@ from vllm_ddtree.reference.drafter import (
     DFlashDecoderLayer,
     DFlashDraftModel,
 )
-from vllm_ddtree.tree.selector_tree import top_k_candidates
+from vllm_ddtree.tree.selector_tree import candidate_log_mass, top_k_candidates
 
 
 class GroupedDynamicConv(nn.Module):
@@ -182,6 +182,10 @@ class Dflash2Block:
     unary: torch.Tensor
     edge_scores: torch.Tensor
 
+    def candidate_log_mass(self) -> torch.Tensor:
+        """fp32 ``[L]``: log of the marginal mass of each position's candidates."""
+        return candidate_log_mass(self.unary, torch.logsumexp(self.logits, dim=-1))
+
 
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash2 drafter: DFlash with grouped convolutions and a candidate selector.
@@ -271,12 +275,15 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     def draft_block(self, bonus: int, position: int, context: DFlashContextCache,
                     embed: Callable[[torch.Tensor], torch.Tensor],
-                    lm_head: Callable[[torch.Tensor], torch.Tensor]) -> Dflash2Block:
+                    lm_head: Callable[[torch.Tensor], torch.Tensor],
+                    num_candidates: int | None = None) -> Dflash2Block:
         """Marginals, top-K candidates and selector scores of the block after ``bonus``
-        (the verified anchor, at ``position``)."""
+        (the verified anchor, at ``position``); ``num_candidates`` K (default the
+        checkpoint's ``selector_top_k``; trees rank more,
+        ``vllm_ddtree.tree.selector_tree.tree_candidates``)."""
         hidden = self.block_hidden(bonus, position, context, embed)[1:]
         logits = self.output_logits(lm_head(hidden))
-        unary, ids = top_k_candidates(logits, self.selector_top_k)
+        unary, ids = top_k_candidates(logits, num_candidates or self.selector_top_k)
         anchor = torch.tensor([bonus], device=ids.device)
         scores = self.candidate_selector(ids[None], unary[None], hidden[None], anchor)[0]
         return Dflash2Block(logits, ids, unary, scores)

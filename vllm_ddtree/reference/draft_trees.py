@@ -7,7 +7,9 @@ Which tree a method drafts:
   candidate at each position given the previous pick (vLLM's DFlash2 chain).
 - ``"ddtree"``: ``budget`` nodes best first, over the marginals (DFlash; DFlash2 with
   ``draft_scores="marginals"``) or over the selector's path scores (DFlash2 with
-  ``draft_scores="selector"``, its default).
+  ``draft_scores="selector"``, its default), ranking ``tree_candidates`` candidates a
+  position and weighing each position by its candidates' marginal mass
+  (``vllm_ddtree.tree.selector_tree``).
 
 The verify that follows samples the target alone (keyed by seed and position) and walks
 the tree with its tokens, so every tree here is lossless at any temperature.
@@ -16,7 +18,7 @@ the tree with its tokens, so every tree here is lossless at any temperature.
 from __future__ import annotations
 
 from vllm_ddtree.tree.draft_tree import DraftTree, build_ddtree
-from vllm_ddtree.tree.selector_tree import build_selector_tree
+from vllm_ddtree.tree.selector_tree import build_selector_tree, tree_candidates
 
 DRAFT_SCORES = ("selector", "marginals")
 
@@ -36,12 +38,17 @@ def draft_tree(drafter, runner, context, bonus: int, position: int, method: str,
     ``runner`` gives the target's ``embed`` and ``lm_head_logits``."""
     depth = drafter.block_size - 1
     if uses_selector(drafter, method, draft_scores):
+        if method == "dflash2":  # the checkpoint's K, as vLLM's DFlash2 walk
+            block = drafter.draft_block(bonus, position, context, runner.embed,
+                                        runner.lm_head_logits)
+            return build_selector_tree(block.candidate_ids[None], block.edge_scores[None],
+                                       budget=depth, top_k=1)
+        k = tree_candidates(drafter.selector_top_k, budget, top_k, drafter.config.vocab_size)
         block = drafter.draft_block(bonus, position, context, runner.embed,
-                                    runner.lm_head_logits)
-        ids, scores = block.candidate_ids[None], block.edge_scores[None]
-        if method == "dflash2":
-            return build_selector_tree(ids, scores, budget=depth, top_k=1)
-        return build_selector_tree(ids, scores, budget=budget, top_k=top_k)
+                                    runner.lm_head_logits, num_candidates=k)
+        return build_selector_tree(block.candidate_ids[None], block.edge_scores[None],
+                                   budget=budget, top_k=top_k,
+                                   position_log_mass=block.candidate_log_mass()[None])
     logits = drafter.block_logits(bonus, position, context, runner.embed,
                                   runner.lm_head_logits)[None]  # [1, L, V]
     if method == "dflash":
