@@ -3,8 +3,8 @@ loads through the plugin's DFlash2DraftModel, greedy tokens equal AR token for t
 (selector-scored tree B = 16 with CUDA graphs; the selector's chain walk, B = L with
 ddtree_top_k 1, eager), seeded sampled tokens at T = 0.8 equal AR's token for token
 (B = 16, CUDA graphs), and vLLM's tokens per round equal the fp32 reference engine's
-(replayed along vLLM's output) within 3 %. The drafter is the embedded DFlash drafter with
-near-identity convolutions and a random selector (evals/check_dflash2_vllm.py)."""
+(replayed along vLLM's output) within 3 %. The drafter is the DFlash2 drafter shipped for
+the embedded target (checkpoints/dflash2_drafter: published layout, trained)."""
 
 import json
 import os
@@ -38,10 +38,8 @@ def run(args: list[str], out: Path | None = None) -> dict | None:
 
 
 @pytest.fixture(scope="module")
-def drafter(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("dflash2") / "drafter"
-    run(["--make-drafter", str(path)])
-    return path
+def drafter() -> Path:
+    return CHECKPOINTS / "dflash2_drafter"
 
 
 @pytest.fixture(scope="module")
