@@ -80,6 +80,10 @@
 #              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON), E2E_PIN_CPUS pass on.
 #              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
 #              other work mean nothing.
+#   autoprofile e2e_trained_yarn for ddtree-64 and ddtree-auto at batch 1 and 8 with
+#              BENCH_E2E_HOST_PROFILE: after each measured cell, cProfile of the same
+#              generate (host time per function and step: profiles/host_profile_*.md in
+#              the log folder); the GPU to itself for the step times
 #   sweep_trained / sweep_v2lite
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
@@ -354,6 +358,10 @@ for stage in "$@"; do
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
+    autoprofile)  # where auto's steps lose time against B = 64 (host profile per function)
+      E2E_RUNS="${E2E_RUNS:-ddtree-64 ddtree-auto}" E2E_BATCHES="${E2E_BATCHES:-1 8}" \
+        BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" run_e2e e2e_trained_yarn
+      ls "$LOG_DIR/profiles" 2>/dev/null ;;
     sweep_trained|sweep_v2lite) run_sweep "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096 ${SYNTHETIC_DOCS:+--synthetic-docs "$SYNTHETIC_DOCS"}
