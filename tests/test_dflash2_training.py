@@ -126,28 +126,3 @@ def test_train_pair_writes_a_dflash2_drafter(tmp_path):
     assert summary["drafter"]["kind"] == "dflash2"
     for key in ("dflash", "ddtree_b32"):
         assert summary["acceptance"][key]["tokens_equal_ar"]
-
-
-def test_the_selector_loss_ranks_as_many_candidates_as_the_trees():
-    """``DrafterTrainConfig.selector_candidates`` (trees rank up to B candidates a
-    position, not only the chain walk's K): more candidates cover more true tokens, the
-    checkpoint's K is the least, the vocabulary the most."""
-    from vllm_ddtree.training.selector_loss import selector_loss
-
-    target = tiny_target()
-    drafter = tiny_dflash2(target)
-    tokens = torch.randint(2, VOCAB, (2, 40), generator=torch.Generator().manual_seed(4))
-    aux = target_aux_hidden(target, tokens, drafter.target_layer_ids)
-    anchors = torch.tensor([[0, 5, 17], [1, 13, 20]])
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    with torch.no_grad():
-        hidden, logits = drafter_block_outputs(drafter, tokens, aux, anchors, embed, head)
-        labels = torch.stack([torch.stack([tokens[b, a + 1:a + drafter.block_size]
-                                           for a in anchors[b].tolist()])
-                              for b in range(2)])
-        anchor_ids = torch.gather(tokens, 1, anchors)
-        cover = {k: float(selector_loss(drafter, hidden, logits, anchor_ids, labels, k)[1]
-                          ["sel_cover"]) for k in (None, 1, 24, 10**6)}
-    assert cover[1] == cover[None]  # never fewer than the checkpoint's K (6)
-    assert cover[None] < cover[24] <= cover[10**6] == 1.0
-    assert DrafterTrainConfig().selector_candidates == 64

@@ -1,8 +1,7 @@
 """The DFlash2 candidate selector's training loss (teacher forced).
 
 At every depth of a training block the selector scores the drafter's top-K candidates
-(K: as many as the trees rank, ``DrafterTrainConfig.selector_candidates``) after the true
-previous token (the anchor at depth 1; :meth:`CandidateSelector.given`);
+after the true previous token (the anchor at depth 1; :meth:`CandidateSelector.given`);
 the loss is the cross-entropy of those K scores against the true token's slot, over the
 depths whose true token is among the candidates. The unary term (the drafter's own
 logits) is held fixed here: the DFlash loss trains it.
@@ -15,12 +14,9 @@ import torch.nn.functional as F
 
 
 def selector_loss(drafter, hidden: torch.Tensor, logits: torch.Tensor,
-                  anchor_ids: torch.Tensor, labels: torch.Tensor,
-                  num_candidates: int | None = None
+                  anchor_ids: torch.Tensor, labels: torch.Tensor
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Selector cross-entropy (scalar fp32) and detached stats, over the top
-    ``num_candidates`` candidates a position (at least the checkpoint's
-    ``selector_top_k``; default it).
+    """Selector cross-entropy (scalar fp32) and detached stats.
 
     ``drafter``: a ``DFlash2DraftModel``; ``hidden [B, N, L, H]`` its final-normed states
     of depths 1..L, ``logits [B, N, L, V]`` their draft logits, ``anchor_ids [B, N]`` the
@@ -29,8 +25,7 @@ def selector_loss(drafter, hidden: torch.Tensor, logits: torch.Tensor,
     those) and ``sel_tau`` (1 + leading depths the teacher-forced selector gets right).
     """
     with torch.no_grad():
-        k = max(drafter.selector_top_k, num_candidates or 0)
-        unary, ids = torch.topk(logits.float(), min(k, logits.shape[-1]), dim=-1)
+        unary, ids = torch.topk(logits.float(), drafter.selector_top_k, dim=-1)
         hit = ids == labels[..., None]
         covered = hit.any(-1)
         slot = hit.to(torch.int64).argmax(-1)

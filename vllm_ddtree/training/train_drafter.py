@@ -76,10 +76,6 @@ class DrafterTrainConfig(StepLoopConfig):
     eval_anchors_per_seq: int = 16
     loss_gamma: float = 7.0
     weight_decay: float = 0.01  # (StepLoopConfig: 0.1)
-    # DFlash2: candidates a position the selector loss ranks (at least the checkpoint's
-    # selector_top_k). DDTree's trees rank as many as a node may have children (B; 64
-    # is the README's starting budget), not only the chain walk's K.
-    selector_candidates: int = 64
 
 
 @torch.no_grad()
@@ -299,13 +295,11 @@ def dflash_loss(
     return loss, stats
 
 
-def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float,
-               selector_candidates: int | None = None
+def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`dflash_loss` of the blocks anchored at ``anchors`` in rows ``idx`` of
     ``pool``; a DFlash2 drafter adds its selector's loss and stats
-    (:func:`vllm_ddtree.training.selector_loss.selector_loss` over
-    ``selector_candidates`` candidates a position, default the checkpoint's K)."""
+    (:func:`vllm_ddtree.training.selector_loss.selector_loss`)."""
     tokens = pool.tokens[idx]
     hidden, logits = drafter_block_outputs(
         drafter,
@@ -319,8 +313,7 @@ def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float,
     loss, stats = dflash_loss(logits, labels, gamma)
     if hasattr(drafter, "candidate_selector"):
         extra, extra_stats = selector_loss(drafter, hidden, logits,
-                                           torch.gather(tokens, 1, anchors), labels,
-                                           selector_candidates)
+                                           torch.gather(tokens, 1, anchors), labels)
         loss = loss + extra
         stats.update(extra_stats)
     return loss, stats
@@ -345,8 +338,7 @@ def evaluate_drafter(
         )
         idx, anchors = idx.to(device), anchors.to(device)
         with autocast_for(device):
-            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma,
-                                     cfg.selector_candidates)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
         tot_loss += float(loss)
         tot_tau += float(stats["tau"])
         acc = stats["acc"] if acc is None else acc + stats["acc"]
@@ -430,8 +422,7 @@ def train_drafter(
         )
         idx, anchors = host_to_device(idx, device), host_to_device(anchors, device)
         with autocast_for(device):
-            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma,
-                                     cfg.selector_candidates)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
         taus.append(stats["tau"])
         return loss
 
