@@ -38,7 +38,9 @@ the unary term ``u[l, c]``) and, for a predecessor token ``p`` (the verified anc
 ``l = 1``, a candidate of position ``l - 1`` otherwise), the score
 ``s[l, p, c] = u[l, c] + sum_r P[p, r] * (W h_l)[r] * S[c, r]``. vLLM's DFlash2 drafts
 the chain that walks from the anchor taking, at each position, the best score given
-the previous pick; its sampled walk draws from ``softmax(s[l, p, :] / T)``.
+the previous pick; its sampled walk draws from ``softmax(s[l, p, :] / T)``. DDTree's
+trees score more than ``K`` candidates with the same formula (``draft_block``'s
+``num_candidates``; ``vllm_ddtree.tree.selector_tree.tree_candidates``).
 """
 
 from __future__ import annotations
