@@ -306,11 +306,23 @@ def skip_common_prefix_in_every_engine() -> None:
 
 def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
     """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
+    for variant in ("+skipprefix", "+marginals"):
+        if variant in run.variants and engine_process:
+            raise ValueError(f"{run.name}: {variant} patches the run's process; drop "
+                             "--engine-process")
     if "+skipprefix" in run.variants:
-        if engine_process:
-            raise ValueError(f"{run.name}: +skipprefix patches the scheduler in the run's "
-                             "process; drop --engine-process")
         skip_common_prefix_in_every_engine()
+    if "+marginals" in run.variants:
+        marginal_trees_over_dflash2()
+
+
+def marginal_trees_over_dflash2() -> None:
+    """``+marginals``: DDTree speculators built in this process afterwards draft a DFlash2
+    drafter's trees over its marginals (the DFlash build), not over its selector scores:
+    the A/B of the selector, for this benchmark only."""
+    import vllm_ddtree.draft.speculator as speculator
+
+    speculator.selector_drafting_for = lambda *args, **kwargs: None
 
 
 # Keys whose refusal by the front end makes a run's cells "skipped" (a configuration

@@ -117,6 +117,23 @@ SETUPS: dict[str, Setup] = {
         block_size=16,
         max_positions=4096,
     ),
+    "trained_dflash2": Setup(
+        name="trained_dflash2",
+        title="Trained pair and its DFlash2 drafter",
+        description=(
+            "The embedded pair (as `trained`) beside the DFlash2 drafter trained for its "
+            "target (vllm_ddtree/checkpoints/dflash2_drafter: the DFlash drafter plus "
+            "grouped convolutions and a candidate selector; runs with +dflash2). DDTree over "
+            "the selector's scores, over the DFlash2 marginals (+marginals) and the "
+            "selector's chain walk (B = 15, +top1) beside DDTree over the DFlash drafter."
+        ),
+        dummy=False,
+        heads=None,
+        default_kinds=("code",),
+        random_ids=(2, 4096),
+        block_size=16,
+        max_positions=4096,
+    ),
     "trained_yarn": Setup(
         name="trained_yarn",
         title="Trained pair, target RoPE stretched by YaRN x4 (long-context serving)",

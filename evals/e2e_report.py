@@ -25,6 +25,12 @@ RUN_VARIANTS = (
     ("+skipprefix", "no common-prefix scan", ("ar", "dflash")),
     # vLLM's num_speculative_tokens_per_batch_size (evals/e2e_sweep.py schedules)
     ("+perbatch", "per-batch schedule", ("dflash", "ddtree")),
+    # the DFlash2 drafter shipped for the embedded target (trained / trained_yarn setups)
+    ("+dflash2", "DFlash2 selector", ("ddtree",)),
+    # with +dflash2: trees over the DFlash2 drafter's marginals, not its selector
+    ("+marginals", "over its marginals", ("ddtree",)),
+    # ddtree_top_k 1: at B = block_size - 1 the selector's chain walk (vLLM's DFlash2)
+    ("+top1", "top-1 children", ("ddtree",)),
 )
 
 

@@ -121,8 +121,15 @@ class RunSpec:
             if "+perbatch" in self.variants:
                 config["num_speculative_tokens_per_batch_size"] = self.batch_schedule(setup)
             return config
+        if "+dflash2" in self.variants:
+            drafter = dflash2_drafter(setup, self.name)
+        elif "+marginals" in self.variants:
+            raise ValueError(f"{self.name}: +marginals needs +dflash2 (a DFlash drafter's "
+                             "trees are always over its marginals)")
         config = {"method": "ddtree", "model": drafter,
                   "num_speculative_tokens": self.num_spec_tokens(setup)}
+        if "+top1" in self.variants:
+            config["ddtree_top_k"] = 1
         if self.budget == "auto":
             config["ddtree_budget"] = "auto"
             if self.fixed_shape:
@@ -139,6 +146,23 @@ class RunSpec:
         if self.method == "dflash":
             return chain_schedule(setup.block_size)
         return ddtree_schedule(self.num_spec_tokens(setup))
+
+
+# Setups whose target the shipped DFlash2 drafter was trained for (the embedded target;
+# trained_yarn serves the same weights with YaRN x4).
+DFLASH2_SETUPS = ("trained", "trained_dflash2", "trained_yarn")
+
+
+def dflash2_drafter(setup: Setup, run_name: str) -> str:
+    """The shipped DFlash2 drafter of a ``+dflash2`` run (``vllm_ddtree/checkpoints/
+    dflash2_drafter``); a ValueError names the run where the setup's target is another."""
+    if setup.name not in DFLASH2_SETUPS:
+        raise ValueError(f"{run_name}: +dflash2 is for the setups "
+                         f"{', '.join(DFLASH2_SETUPS)} (the shipped DFlash2 drafter is "
+                         f"trained for their target), not {setup.name}")
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+
+    return str(CHECKPOINTS / "dflash2_drafter")
 
 
 def resolve_auto_runs(runs: list[RunSpec], budgets: list[str],

@@ -73,7 +73,7 @@
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
-#   e2e_trained / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
+#   e2e_trained / e2e_trained_dflash2 / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
 #              --lockstep; E2E_OUT_DIR (default: the log folder) receives e2e_<setup>.md /
@@ -183,6 +183,10 @@ run_e2e() {  # e2e_<setup>
     trained_yarn)  # the embedded pair, target served with YaRN x4 (vllm_ddtree/long_context.py)
       runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
       contexts="1k" batches="1" prompts="code code@1 code@2 code@3" ;;
+    trained_dflash2)  # DDTree over DFlash2 selector scores vs its marginals vs
+      # its chain walk vs DDTree over DFlash, batch 1, inside the 512-token window
+      runs="ar@FLASH_ATTN_MLA ddtree-64 ddtree-64+dflash2 ddtree-64+dflash2+marginals ddtree-15+dflash2+top1"
+      contexts="384" batches="1" prompts="code code@1 code@2 code@3" ;;
     kimi8)  # Kimi-K2-shaped MLA target, 8 heads, dummy weights: step latency
       runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA ddtree-64 ddtree-auto"
       contexts="1k 16k 128k" batches="1" prompts="random" ;;
@@ -357,7 +361,7 @@ for stage in "$@"; do
       [ "$stage" = gridsplits ] && gargs+=(--split-sweep)
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
-    e2e_trained|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
+    e2e_trained|e2e_trained_dflash2|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
     autoprofile)  # where auto's steps lose time against B = 64 (host profile per function)
       E2E_RUNS="${E2E_RUNS:-ddtree-64 ddtree-auto}" E2E_BATCHES="${E2E_BATCHES:-1 8}" \
         BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" run_e2e e2e_trained_yarn

@@ -640,3 +640,39 @@ def test_lockstep_child_releases_cached_memory_after_each_written_row(tmp_path, 
     assert rows_at_release == [1, 2, 3]
     assert [r["status"] for r in result["rows"]] == [
         e2e_runs.STATUS_OK, e2e_runs.STATUS_FAILED, e2e_runs.STATUS_NOT_RUN]
+
+
+def test_dflash2_variants_pick_the_shipped_drafter_and_its_tree_kind():
+    """+dflash2: the DFlash2 drafter shipped for the embedded target (trained setups only);
+    +marginals: its trees over the marginals (the child stops the selector drafting);
+    +top1: ddtree_top_k 1 (at B = 15 the selector's chain walk)."""
+    import vllm_ddtree.draft.speculator as speculator
+
+    trained = e2e_models.SETUPS["trained"]
+    selector = RunSpec.parse("ddtree-64+dflash2")
+    config = selector.speculative_config(trained, "/dflash")
+    assert config["model"].endswith("checkpoints/dflash2_drafter")
+    assert config["num_speculative_tokens"] == 64 and "ddtree_top_k" not in config
+    walk = RunSpec.parse("ddtree-15+top1+dflash2")
+    assert walk.variants == ("+dflash2", "+top1") and walk.name == "ddtree-15+dflash2+top1"
+    assert walk.speculative_config(trained, "/dflash")["ddtree_top_k"] == 1
+    marginals = RunSpec.parse("ddtree-64+dflash2+marginals")
+    row = e2e_runs.base_row("trained", marginals, (384, 1, "code"), 16)
+    assert e2e_report.run_label(row).endswith("DFlash2 selector, over its marginals")
+    with pytest.raises(ValueError, match=r"\+dflash2 is for the setups trained, "
+                                         r"trained_dflash2, trained_yarn .* not kimi8"):
+        selector.speculative_config(e2e_models.SETUPS["kimi8"], "/dflash")
+    with pytest.raises(ValueError, match=r"\+marginals needs \+dflash2"):
+        RunSpec.parse("ddtree-64+marginals").speculative_config(trained, "/dflash")
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
+        RunSpec.parse("dflash@FLASH_ATTN_MLA+dflash2")
+    original = speculator.selector_drafting_for
+    try:
+        with pytest.raises(ValueError, match="drop --engine-process"):
+            e2e_child.apply_run_variants(marginals, engine_process=True)
+        e2e_child.apply_run_variants(selector, engine_process=False)
+        assert speculator.selector_drafting_for is original
+        e2e_child.apply_run_variants(marginals, engine_process=False)
+        assert speculator.selector_drafting_for(None, None, None) is None
+    finally:
+        speculator.selector_drafting_for = original
