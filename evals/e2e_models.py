@@ -34,7 +34,7 @@ import functools
 import json
 import lzma
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,23 +114,6 @@ SETUPS: dict[str, Setup] = {
         heads=None,
         default_kinds=("code", "random"),
         random_ids=(2, 4096),  # 0 = bos/eos/pad, 1 = mask
-        block_size=16,
-        max_positions=4096,
-    ),
-    "trained_dflash2": Setup(
-        name="trained_dflash2",
-        title="Trained pair and its DFlash2 drafter",
-        description=(
-            "The embedded pair (as `trained`) beside the DFlash2 drafter trained for its "
-            "target (vllm_ddtree/checkpoints/dflash2_drafter: the DFlash drafter plus "
-            "grouped convolutions and a candidate selector; runs with +dflash2). DDTree over "
-            "the selector's scores, over the DFlash2 marginals (+marginals) and the "
-            "selector's chain walk (B = 15, +top1) beside DDTree over the DFlash drafter."
-        ),
-        dummy=False,
-        heads=None,
-        default_kinds=("code",),
-        random_ids=(2, 4096),
         block_size=16,
         max_positions=4096,
     ),
@@ -221,6 +204,15 @@ def _v2lite_setup(name: str, moe: bool) -> Setup:
     )
 
 
+SETUPS["trained_dflash2"] = replace(
+    SETUPS["trained"], name="trained_dflash2", title="Trained pair and its DFlash2 drafter",
+    description=(
+        "The embedded pair (as `trained`) beside the DFlash2 drafter trained for its target "
+        "(vllm_ddtree/checkpoints/dflash2_drafter: the DFlash drafter plus grouped "
+        "convolutions and a candidate selector; runs with +dflash2). DDTree over the "
+        "selector's scores, over the DFlash2 marginals (+marginals) and the selector's chain "
+        "walk (B = 15, +top1) beside DDTree over the DFlash drafter."),
+    default_kinds=("code",))
 SETUPS["v2lite"] = _v2lite_setup("v2lite", moe=False)
 SETUPS["v2lite_moe"] = _v2lite_setup("v2lite_moe", moe=True)
 

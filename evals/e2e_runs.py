@@ -15,7 +15,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from e2e_models import Setup, parse_prompt_kind
+from e2e_models import CHECKPOINTS, Setup, parse_prompt_kind
 from e2e_report import RUN_VARIANTS, split_run_variants
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS
@@ -160,8 +160,6 @@ def dflash2_drafter(setup: Setup, run_name: str) -> str:
         raise ValueError(f"{run_name}: +dflash2 is for the setups "
                          f"{', '.join(DFLASH2_SETUPS)} (the shipped DFlash2 drafter is "
                          f"trained for their target), not {setup.name}")
-    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
-
     return str(CHECKPOINTS / "dflash2_drafter")
 
 

@@ -38,11 +38,8 @@ def draft_tree(drafter, runner, context, bonus: int, position: int, method: str,
     ``runner`` gives the target's ``embed`` and ``lm_head_logits``."""
     depth = drafter.block_size - 1
     if uses_selector(drafter, method, draft_scores):
-        if method == "dflash2":  # the checkpoint's K, as vLLM's DFlash2 walk
-            block = drafter.draft_block(bonus, position, context, runner.embed,
-                                        runner.lm_head_logits)
-            return build_selector_tree(block.candidate_ids[None], block.edge_scores[None],
-                                       budget=depth, top_k=1)
+        if method == "dflash2":  # the chain walk: top-1 children over the checkpoint's K
+            budget, top_k = depth, 1
         k = tree_candidates(drafter.selector_top_k, budget, top_k, drafter.config.vocab_size)
         block = drafter.draft_block(bonus, position, context, runner.embed,
                                     runner.lm_head_logits, num_candidates=k)
