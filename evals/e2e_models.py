@@ -266,40 +266,58 @@ def kimi_target_config(heads: int, max_positions: int = KIMI_MAX_POSITIONS):
     )
 
 
-def kimi_drafter_config(max_positions: int = KIMI_MAX_POSITIONS,
-                        block_size: int = KIMI_DRAFTER_BLOCK):
-    """``Qwen3Config`` of a DFlash drafter shaped like the Kimi-K2.6 drafter."""
+def dflash_drafter_config(*, vocab: int, hidden: int, intermediate: int, layers: int,
+                          heads: int, kv_heads: int, head_dim: int, max_positions: int,
+                          rope_theta: float, block_size: int, target_layer_ids,
+                          mask_token: int, bos: int, eos: int, tie_embeddings: bool,
+                          window: int | None = None, num_target_layers: int | None = None):
+    """``Qwen3Config`` of a DFlash drafter of this shape: every layer full attention, or
+    with ``window`` sliding layers and a full last one (the published Kimi drafters)."""
     from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
 
-    layer_types = ["sliding_attention"] * (KIMI_DRAFTER_LAYERS - 1) + ["full_attention"]
+    if window is None:
+        sliding = dict(use_sliding_window=False, layer_types=["full_attention"] * layers)
+    else:
+        sliding = dict(use_sliding_window=True, sliding_window=window,
+                       max_window_layers=layers,
+                       layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
     config = Qwen3Config(
         architectures=["DFlashDraftModel"],
         dtype="bfloat16",
-        vocab_size=KIMI_VOCAB,
-        hidden_size=KIMI_HIDDEN,
-        intermediate_size=KIMI_INTERMEDIATE,
-        num_hidden_layers=KIMI_DRAFTER_LAYERS,
-        num_attention_heads=KIMI_DRAFTER_HEADS,
-        num_key_value_heads=KIMI_DRAFTER_KV_HEADS,
-        head_dim=KIMI_DRAFTER_HEAD_DIM,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         max_position_embeddings=max_positions,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": KIMI_ROPE_THETA},
-        use_sliding_window=True,
-        sliding_window=KIMI_DRAFTER_WINDOW,
-        max_window_layers=KIMI_DRAFTER_LAYERS,
-        layer_types=layer_types,
-        tie_word_embeddings=False,
-        bos_token_id=KIMI_BOS,
-        eos_token_id=KIMI_EOS,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        **sliding,
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=bos,
+        eos_token_id=eos,
     )
     config.block_size = block_size
-    config.target_hidden_size = KIMI_HIDDEN
-    config.dflash_config = {
-        "target_layer_ids": list(KIMI_TARGET_LAYER_IDS),
-        "mask_token_id": KIMI_MASK_TOKEN,
-    }
+    config.target_hidden_size = hidden
+    if num_target_layers is not None:
+        config.num_target_layers = num_target_layers
+    config.dflash_config = {"target_layer_ids": list(target_layer_ids),
+                            "mask_token_id": mask_token}
     return config
+
+
+def kimi_drafter_config(max_positions: int = KIMI_MAX_POSITIONS,
+                        block_size: int = KIMI_DRAFTER_BLOCK):
+    """``Qwen3Config`` of a DFlash drafter shaped like the Kimi-K2.6 drafter."""
+    return dflash_drafter_config(
+        vocab=KIMI_VOCAB, hidden=KIMI_HIDDEN, intermediate=KIMI_INTERMEDIATE,
+        layers=KIMI_DRAFTER_LAYERS, heads=KIMI_DRAFTER_HEADS, kv_heads=KIMI_DRAFTER_KV_HEADS,
+        head_dim=KIMI_DRAFTER_HEAD_DIM, max_positions=max_positions,
+        rope_theta=KIMI_ROPE_THETA, block_size=block_size,
+        target_layer_ids=KIMI_TARGET_LAYER_IDS, mask_token=KIMI_MASK_TOKEN, bos=KIMI_BOS,
+        eos=KIMI_EOS, tie_embeddings=False, window=KIMI_DRAFTER_WINDOW)
 
 
 def _write_config(config, out: Path) -> Path:

@@ -88,33 +88,16 @@ def v2lite_target_config(moe: bool, max_positions: int = V2LITE_MAX_POSITIONS):
 
 def v2lite_drafter_config(max_positions: int = V2LITE_MAX_POSITIONS):
     """``Qwen3Config`` of the DFlash drafter (module docstring)."""
-    from transformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from e2e_models import dflash_drafter_config
 
-    config = Qwen3Config(
-        architectures=["DFlashDraftModel"],
-        dtype="bfloat16",
-        vocab_size=V2LITE_VOCAB,
-        hidden_size=V2LITE_HIDDEN,
-        intermediate_size=V2LITE_DRAFTER_INTERMEDIATE,
-        num_hidden_layers=V2LITE_DRAFTER_LAYERS,
-        num_attention_heads=V2LITE_DRAFTER_HEADS,
-        num_key_value_heads=V2LITE_DRAFTER_KV_HEADS,
-        head_dim=V2LITE_DRAFTER_HEAD_DIM,
-        max_position_embeddings=max_positions,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": V2LITE_ROPE_THETA},
-        use_sliding_window=False,
-        layer_types=["full_attention"] * V2LITE_DRAFTER_LAYERS,
-        tie_word_embeddings=True,
-        bos_token_id=V2LITE_BOS,
-        eos_token_id=V2LITE_EOS,
-    )
-    config.block_size = V2LITE_DRAFTER_BLOCK
-    config.target_hidden_size = V2LITE_HIDDEN
-    config.num_target_layers = V2LITE_LAYERS
-    config.dflash_config = {"target_layer_ids": list(V2LITE_TARGET_LAYER_IDS),
-                            "mask_token_id": V2LITE_MASK_TOKEN}
-    return config
+    return dflash_drafter_config(
+        vocab=V2LITE_VOCAB, hidden=V2LITE_HIDDEN, intermediate=V2LITE_DRAFTER_INTERMEDIATE,
+        layers=V2LITE_DRAFTER_LAYERS, heads=V2LITE_DRAFTER_HEADS,
+        kv_heads=V2LITE_DRAFTER_KV_HEADS, head_dim=V2LITE_DRAFTER_HEAD_DIM,
+        max_positions=max_positions, rope_theta=V2LITE_ROPE_THETA,
+        block_size=V2LITE_DRAFTER_BLOCK, target_layer_ids=V2LITE_TARGET_LAYER_IDS,
+        mask_token=V2LITE_MASK_TOKEN, bos=V2LITE_BOS, eos=V2LITE_EOS, tie_embeddings=True,
+        num_target_layers=V2LITE_LAYERS)
 
 
 def active_params_per_token(config: dict) -> int:
