@@ -82,22 +82,22 @@ def check(batch, **kwargs):
     return out, lse
 
 
-@pytest.mark.parametrize(
-    "heads,ctx,qlen,page_size,kind",
-    [
-        (8, 1024, 1, 64, "decode"),
-        (16, 8192, 16, 64, "tree"),
-        (64, 4096, 65, 1, "tree"),
-        (128, 2048, 16, 64, "chain"),
-        (8, 32768, 65, 64, "tree"),
-        (16, 32768, 16, 1, "chain"),
-        (128, 32768, 1, 64, "decode"),
-        (64, 32768, 65, 64, "tree"),
-        # vLLM's default 16-token pages under 32/64-key tiles (one page-id lookup per page)
-        (8, 8192, 16, 16, "tree"),
-        (64, 32768, 65, 16, "tree"),
-    ],
-)
+REALISTIC_SHAPES = [
+    (8, 1024, 1, 64, "decode"),
+    (16, 8192, 16, 64, "tree"),
+    (64, 4096, 65, 1, "tree"),
+    (128, 2048, 16, 64, "chain"),
+    (8, 32768, 65, 64, "tree"),
+    (16, 32768, 16, 1, "chain"),
+    (128, 32768, 1, 64, "decode"),
+    (64, 32768, 65, 64, "tree"),
+    # vLLM's default 16-token pages under 32/64-key tiles (one page-id lookup per page)
+    (8, 8192, 16, 16, "tree"),
+    (64, 32768, 65, 16, "tree"),
+]
+
+
+@pytest.mark.parametrize("heads,ctx,qlen,page_size,kind", REALISTIC_SHAPES)
 def test_realistic_shapes(heads, ctx, qlen, page_size, kind):
     specs = [(ctx, kind, qlen), (ctx // 3 + 5, kind, qlen)]
     check(make_batch(specs, heads=heads, page_size=page_size))
@@ -238,20 +238,8 @@ def check_fp8(batch, **kwargs):
     return out, lse
 
 
-FP8_SHAPES = [
-    (8, 1024, 1, 64, "decode"),
-    (16, 8192, 16, 64, "tree"),
-    (32, 8192, 33, 64, "tree"),
-    (64, 4096, 65, 1, "tree"),
-    (128, 2048, 16, 64, "chain"),
-    (8, 32768, 65, 64, "tree"),
-    (16, 32768, 16, 1, "chain"),
-    (128, 32768, 1, 64, "decode"),
-    (64, 32768, 65, 64, "tree"),
-    (8, 8192, 16, 16, "tree"),
-    (64, 32768, 65, 16, "tree"),
-    (16, 4096, 129, 16, "tree"),
-]
+# The realistic shapes, plus an odd query length (33 rows at 32 heads) and a 129-row tree.
+FP8_SHAPES = [*REALISTIC_SHAPES, (32, 8192, 33, 64, "tree"), (16, 4096, 129, 16, "tree")]
 
 
 @pytest.mark.parametrize("heads,ctx,qlen,page_size,kind", FP8_SHAPES)
