@@ -103,8 +103,8 @@ class Dims:
         return cls(config["vocab_size"], config["hidden_size"], config["num_attention_heads"],
                    config["num_key_value_heads"], config["head_dim"],
                    draft["conv_kernel_size"], draft["conv_group_size"], draft["selector_rank"],
-                   draft["selector_top_k"], config["block_size"] if "block_size" in config
-                   else draft["block_size"], config["sliding_window"],
+                   draft["selector_top_k"], config.get("block_size", draft.get("block_size")),
+                   config["sliding_window"],
                    tuple(config["layer_types"]), draft["mask_token_id"], config["rms_norm_eps"],
                    config["rope_parameters"]["rope_theta"],
                    draft.get("input_embedding_scale") or 1.0,
