@@ -218,3 +218,31 @@ def test_scheduled_probes_also_run_in_a_bucket_that_never_measured_speculation()
     engine.committed = 4.0
     kinds = engine.run(6, 2000)
     assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS
+
+
+def test_attention_columns_equal_per_request_interpolation():
+    """The vectorized context interpolation equals ``np.interp`` per request and
+    budget, clamped below the first timed context and continued past the last."""
+    rng = np.random.default_rng(0)
+    contexts = [512, 1024, 4096, 16384]
+    budgets = [1, 2, 4, 8, 16]
+    tree = rng.uniform(1e-6, 1e-5, size=(4, 5))
+    plain = rng.uniform(1e-7, 1e-6, size=4)
+    model = StepCostModel(3, contexts, plain, tree, budgets)
+    table = np.concatenate([plain[:, None], tree], axis=1)
+    xs = np.asarray(contexts, dtype=np.float64)
+    ctx = np.array([1, 512, 700, 1024, 3000, 16384, 40000], dtype=np.float64)
+
+    def one(c: float, k: int) -> float:
+        if c > xs[-1]:
+            slope = (table[-1, k] - table[-2, k]) / (xs[-1] - xs[-2])
+            return table[-1, k] + slope * (c - xs[-1])
+        return float(np.interp(c, xs, table[:, k]))
+
+    want = [sum(one(c, k) for c in ctx) for k in range(table.shape[1])]
+    assert model.attention_columns(ctx) == pytest.approx(want, rel=1e-12)
+    assert model.attention_columns(np.zeros(0)).tolist() == [0.0] * 6
+    # between budgets 4 and 8 (columns 3 and 4): linear in the row count
+    assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
+    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
+    assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]

@@ -125,32 +125,39 @@ class StepCostModel:
     def has_graph_costs(self) -> bool:
         return self.verify_rows.size > 0
 
-    def attention_seconds(self, contexts: np.ndarray, num_drafts: int) -> float:
-        """``num_layers * sum_r attn(ctx_r, 1 + num_drafts)``: linear in the context
-        between the timed ones (past the last: the last segment continued), linear in
-        the row count between the timed budgets."""
-        if contexts.size == 0:
-            return 0.0
-        ctx = np.asarray(contexts, dtype=np.float64)
-        cols = []
-        for k in range(self.attention.shape[1]):
-            ys = self.attention[:, k]
-            per = np.interp(ctx, self.contexts, ys)
-            if self.contexts.size > 1:
-                slope = (ys[-1] - ys[-2]) / (self.contexts[-1] - self.contexts[-2])
-                per = np.where(ctx > self.contexts[-1],
-                               ys[-1] + slope * (ctx - self.contexts[-1]), per)
-            cols.append(float(per.sum()))
-        total = float(np.interp(min(num_drafts, self.budgets[-1]), self.budgets, cols))
-        return self.num_layers * total
+    def attention_columns(self, contexts: np.ndarray) -> np.ndarray:
+        """fp64 ``[1 + K]``: one layer's attention seconds summed over the requests of
+        ``contexts`` at every timed budget (column 0: b = 0). Linear in the context
+        between the timed ones, clamped below the first and continued past the last with
+        the last segment's slope. One vectorized pass: the gate needs it at every step."""
+        ctx = np.asarray(contexts, dtype=np.float64).reshape(-1)
+        xs, table = self.contexts, self.attention
+        if ctx.size == 0:
+            return np.zeros(table.shape[1])
+        if xs.size == 1:
+            return table[0] * ctx.size
+        lo = np.clip(np.searchsorted(xs, ctx, side="right") - 1, 0, xs.size - 2)
+        frac = np.maximum((ctx - xs[lo]) / (xs[lo + 1] - xs[lo]), 0.0)
+        return (1.0 - frac) @ table[lo] + frac @ table[lo + 1]
+
+    def attention_seconds(self, contexts: np.ndarray, num_drafts: int,
+                          columns: np.ndarray | None = None) -> float:
+        """``num_layers * sum_r attn(ctx_r, 1 + num_drafts)``: :meth:`attention_columns`
+        (or ``columns``, its result for these contexts), linear in the row count between
+        the timed budgets."""
+        if columns is None:
+            columns = self.attention_columns(contexts)
+        b = min(num_drafts, self.budgets[-1])
+        return self.num_layers * float(np.interp(b, self.budgets, columns))
 
     def step_seconds(self, num_reqs: int, contexts: np.ndarray, num_drafts: int,
-                     drafted: bool) -> float:
+                     drafted: bool, columns: np.ndarray | None = None) -> float:
         """A step of ``num_reqs`` requests verifying ``1 + num_drafts`` rows each, plus
-        the drafter's block pass when ``drafted``."""
+        the drafter's block pass when ``drafted``; ``columns``: as in
+        :meth:`attention_seconds`."""
         rows = num_reqs * (1 + num_drafts)
         seconds = _interp(rows, self.verify_rows, self.verify_seconds)
-        seconds += self.attention_seconds(contexts, num_drafts)
+        seconds += self.attention_seconds(contexts, num_drafts, columns)
         if drafted:
             seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
         return seconds
@@ -349,19 +356,22 @@ class SpeculationGate:
                 return value
         return None
 
-    def rates(self, num_reqs: int, contexts: np.ndarray, cap: int,
-              max_budget: int) -> tuple[float, float]:
+    def rates(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
+              columns: np.ndarray | None = None) -> tuple[float, float]:
         """Predicted tokens per second a request of ``(plain, speculative)`` steps at
         this batch size and these contexts, the speculative one at the verify shape last
-        used near this batch size (at most ``cap``)."""
+        used near this batch size (at most ``cap``); ``columns``: the contexts'
+        ``StepCostModel.attention_columns``."""
+        if columns is None:
+            columns = self.model.attention_columns(contexts)
         shape = self._nearest(num_reqs, lambda s: s.shape) or max_budget
         shape = min(shape, cap)
         plain_res = self._nearest(num_reqs, lambda s: s.plain)
         spec_res = self._nearest(num_reqs, lambda s: s.spec)
         committed = self._nearest(num_reqs, lambda s: s.committed)
-        t_plain = self.model.step_seconds(num_reqs, contexts, 0, False)
+        t_plain = self.model.step_seconds(num_reqs, contexts, 0, False, columns)
         t_plain += plain_res.value if plain_res else 0.0
-        t_spec = self.model.step_seconds(num_reqs, contexts, shape, True)
+        t_spec = self.model.step_seconds(num_reqs, contexts, shape, True, columns)
         t_spec += spec_res.value if spec_res else 0.0
         e = committed.value if committed else PRIOR_COMMITTED
         return 1.0 / max(t_plain, 1e-6), e / max(t_spec, 1e-6)
@@ -378,21 +388,24 @@ class SpeculationGate:
                 m.drafted, mark = False, m
         if mark is not None:
             mark.drafted = None
-        draft = self._choose(num_reqs, contexts, cap, max_budget)
+        columns = self.model.attention_columns(contexts)
+        draft = self._choose(num_reqs, contexts, cap, max_budget, columns)
         if mark is not None:
             mark.drafted = draft
-            mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape, draft)
+            mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape, draft,
+                                                 columns)
         self._drain_marks()
         return draft
 
-    def _choose(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int) -> bool:
+    def _choose(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
+                columns: np.ndarray) -> bool:
         if cap <= 0:
             return False
         if self.probe_left > 0:
             self.probe_left -= 1
             return not self.speculating
         stats = self.bucket(num_reqs)
-        plain, spec = self.rates(num_reqs, contexts, cap, max_budget)
+        plain, spec = self.rates(num_reqs, contexts, cap, max_budget, columns)
         if self.speculating:
             self.speculating = spec * (1 + HYSTERESIS) >= plain
         else:
