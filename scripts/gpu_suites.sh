@@ -77,7 +77,8 @@
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
 #              --lockstep; E2E_OUT_DIR (default: the log folder) receives e2e_<setup>.md /
-#              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON), E2E_PIN_CPUS pass on.
+#              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON) pass on; every child
+#              runs on CPUs 2-7 (E2E_PIN_CPUS replaces them; empty: unpinned; the sweeps too).
 #              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
 #              other work mean nothing.
 #   autoprofile e2e_trained_yarn for ddtree-64 and ddtree-auto at batch 1 and 8 with
@@ -173,6 +174,13 @@ max_minutes() {  # a stage limit in seconds -> bench --max-minutes (40 s to fini
   awk -v l="$1" 'BEGIN { m = (l - 40) / 60; if (m < 1) m = 1; printf "%.1f", m }'
 }
 
+pin_cpus() {  # the CPUs every benchmark child runs on: E2E_PIN_CPUS (empty: unpinned),
+  # else 2-7 where the machine has 8 or more. Unpinned, two runs' engines landed on cores
+  # whose Python speed differed 1.5x, and host-bound steps compared that instead.
+  if [ -n "${E2E_PIN_CPUS+set}" ]; then echo "$E2E_PIN_CPUS"
+  elif [ "$(nproc)" -ge 8 ]; then echo 2-7; fi
+}
+
 run_e2e() {  # e2e_<setup>
   local stage="$1" setup="${1#e2e_}" limit="${STAGE_LIMIT:-560}" start
   local runs contexts batches prompts
@@ -205,7 +213,7 @@ run_e2e() {  # e2e_<setup>
         --repeats "${E2E_REPEATS:-1}" --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" --out-dir "$e2e_dir")
   [ -n "${E2E_LOCKSTEP:-}" ] && [ "$E2E_LOCKSTEP" != 0 ] && args+=(--lockstep)
   [ -n "${E2E_TEMPERATURE:-}" ] && args+=(--temperature "$E2E_TEMPERATURE")
-  [ -n "${E2E_PIN_CPUS:-}" ] && args+=(--pin-cpus "$E2E_PIN_CPUS")
+  [ -n "$(pin_cpus)" ] && args+=(--pin-cpus "$(pin_cpus)")
   start=$(date +%s)
   timeout "$limit" python3 evals/bench_e2e.py "${args[@]}" > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
@@ -219,7 +227,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=8 minpool=16 stem=e2e_batch_sweep ;;
     sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 minpool=6 stem=e2e_batch_sweep_v2lite ;;
   esac
-  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b
+  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b pin
+  pin="$(pin_cpus)"
   mkdir -p "$e2e_dir"
   read -ra r <<< "${SWEEP_RUNS:-$runs}"
   read -ra c <<< "${SWEEP_CONTEXTS:-$contexts}"
@@ -228,7 +237,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --min-pool "$minpool" \
-    --out-dir "$e2e_dir" \
+    ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
   grep -A9 "^## Tokens per second" "$e2e_dir/$stem.md" 2>/dev/null | head -24
