@@ -75,9 +75,13 @@
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
 #   e2e_trained / e2e_trained_dflash2 / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
-#              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; E2E_LOCKSTEP=1 adds
-#              --lockstep; E2E_OUT_DIR (default: the log folder) receives e2e_<setup>.md /
-#              .png / .json; E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON) pass on; every child
+#              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; --lockstep unless
+#              E2E_LOCKSTEP=0 (every run's engine starts at once, then the runs take turns
+#              per cell: a stage cut short by its limit still compares every run on the
+#              cells it reached; run by run, a fresh machine's first engine (3.7 min cold)
+#              used up the limit and the runs after it were not run); E2E_OUT_DIR
+#              (default: the log folder) receives e2e_<setup>.md / .png / .json;
+#              E2E_TEMPERATURE, E2E_LLM_KWARGS (JSON) pass on; every child
 #              runs on CPUs 2-7 (E2E_PIN_CPUS replaces them; empty: unpinned; the sweeps too).
 #              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
 #              other work mean nothing.
@@ -211,7 +215,7 @@ run_e2e() {  # e2e_<setup>
   args=(--setup "$setup" --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}"
         --contexts "${c[@]}" --batches "${b[@]}" --prompts "${p[@]}"
         --repeats "${E2E_REPEATS:-1}" --llm-kwargs "${E2E_LLM_KWARGS:-{\}}" --out-dir "$e2e_dir")
-  [ -n "${E2E_LOCKSTEP:-}" ] && [ "$E2E_LOCKSTEP" != 0 ] && args+=(--lockstep)
+  [ "${E2E_LOCKSTEP:-1}" != 0 ] && args+=(--lockstep)
   [ -n "${E2E_TEMPERATURE:-}" ] && args+=(--temperature "$E2E_TEMPERATURE")
   [ -n "$(pin_cpus)" ] && args+=(--pin-cpus "$(pin_cpus)")
   start=$(date +%s)
