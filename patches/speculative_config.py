@@ -67,7 +67,8 @@ def apply() -> None:
                     ddtree, getattr(target_parallel_config, "data_parallel_size", 1),
                     getattr(target_parallel_config, "pipeline_parallel_size", 1))
                 drafter = check_drafter_for_target(
-                    vllm_spec["model"], target_model_config.hf_config, ddtree)
+                    vllm_spec["model"], target_model_config.hf_config, ddtree,
+                    getattr(target_model_config, "max_model_len", None))
                 # read by patches/batch_defaults.py when vLLM picks the batch limits
                 setattr(self, TREE_SHAPE_ATTR, (ddtree.budget, block_size_of(drafter)))
                 return create_ddtree_speculative_config(

@@ -63,6 +63,23 @@ def test_drafter_checked_against_target(tmp_path):
         check_drafter_for_target(str(tmp_path / "missing"), target.config)
 
 
+def test_drafter_positions_must_cover_max_model_len(tmp_path):
+    """vLLM's DFlash drafter sizes its RoPE table by its own max_position_embeddings and
+    never bounds-checks a position against it: a longer max_model_len is refused."""
+    target = tiny_target("qwen3")
+    config = drafter_config(target.config)
+    config.max_position_embeddings = 4096
+    config.save_pretrained(tmp_path / "d")
+    drafter = str(tmp_path / "d")
+    check_drafter_for_target(drafter, target.config, max_model_len=4096)
+    check_drafter_for_target(drafter, target.config, max_model_len=100)
+    with pytest.raises(DDTreeConfigError) as err:
+        check_drafter_for_target(drafter, target.config, max_model_len=16512)
+    for part in ("max_position_embeddings=4096", "max_model_len=16512",
+                 "max_model_len <= 4096"):
+        assert part in str(err.value)
+
+
 def test_engine_args_reject_bad_ddtree_spec_before_gpu_work(tmp_path):
     from vllm.config import ModelConfig, ParallelConfig
     from vllm.engine.arg_utils import EngineArgs

@@ -319,10 +319,12 @@ def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: in
                  f"num_speculative_tokens{fix}")
 
 
-def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfig | None = None):
+def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfig | None = None,
+                             max_model_len: int | None = None):
     """Check the DFlash drafter at ``drafter`` (a local directory) against the target,
     and, given ``ddtree``, that its budget fits the drafter's tree depth
-    (:func:`check_budget_fits_tree`).
+    (:func:`check_budget_fits_tree`); given the target's ``max_model_len``, that the
+    drafter's positions cover it (:func:`check_drafter_positions`).
 
     Reads only ``config.json`` (``drafter_config.load_drafter_config``: every field's
     type and range, then the fit to the target: hidden size, vocabulary, layer ids).
@@ -344,6 +346,8 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
         )
     drafter_config = load_drafter_config(drafter)
     check_drafter_target_pair(drafter_config, target_hf_config)
+    if max_model_len is not None:
+        check_drafter_positions(drafter, drafter_config, max_model_len)
     if ddtree is not None and is_dflash2(drafter_config):
         # A DFlash2 tree's children are the selector's candidates of the next position.
         check_budget_fits_tree(ddtree, block_size_of(drafter_config),
@@ -353,3 +357,21 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
         check_budget_fits_tree(ddtree, block_size_of(drafter_config),
                                target_hf_config.vocab_size)
     return drafter_config
+
+
+def check_drafter_positions(drafter: str, drafter_config, max_model_len: int) -> None:
+    """The drafter's RoPE table must hold every position it is given: vLLM's DFlash
+    drafter sizes it by its own ``max_position_embeddings`` (``qwen3_dflash.py:283``)
+    and clamps block positions to the target's ``max_model_len - 1``
+    (``dflash/speculator.py:550``), with no bound check in between; a longer context
+    would read cos/sin past the table's end. Raises ``DDTreeConfigError``."""
+    positions = getattr(drafter_config, "max_position_embeddings", None)
+    if positions is None or max_model_len <= positions:
+        return
+    raise DDTreeConfigError(
+        f"`model` {drafter!r}: max_position_embeddings={positions} is below the target's "
+        f"max_model_len={max_model_len}, and the drafter's RoPE table holds only "
+        f"{positions} positions. Allowed: max_model_len <= {positions} (--max-model-len), "
+        "or a drafter whose config.json covers max_model_len (raise its "
+        "max_position_embeddings where its RoPE is meant to extrapolate)"
+    )
