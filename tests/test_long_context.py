@@ -65,6 +65,20 @@ def test_write_rope_scaled_links_weights_and_rewrites_config(tmp_path):
         "max_position_embeddings"] == 2048
     assert (pair / "drafter").is_symlink()
     assert (pair / "drafter").resolve() == (pair_src / "drafter").resolve()
+    # a drafter with fewer positions than the scaled target: a copy of its config raised
+    # to the target's (weights linked), which the max_model_len check then accepts
+    (pair_src / "drafter" / "config.json").write_text('{"max_position_embeddings": 4096}')
+    (pair_src / "drafter" / "model.safetensors").write_bytes(b"drafter")
+    for _ in range(2):  # replaces the earlier link, then its own copy
+        pair = write_rope_scaled_pair(pair_src, tmp_path / "pair", yarn_parameters(64.0, 512))
+    drafter = pair / "drafter"
+    assert not drafter.is_symlink()
+    assert json.loads((drafter / "config.json").read_text())["max_position_embeddings"] == 32768
+    assert (drafter / "model.safetensors").read_bytes() == b"drafter"
+    assert json.loads((pair_src / "drafter" / "config.json").read_text())[
+        "max_position_embeddings"] == 4096
+    pair = write_rope_scaled_pair(pair_src, tmp_path / "pair", yarn_parameters(4.0, 512))
+    assert (pair / "drafter").is_symlink()
 
 
 def _deepseek_config(rope: dict):

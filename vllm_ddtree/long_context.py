@@ -92,20 +92,39 @@ def write_rope_scaled(src: Path, out: Path, rope_parameters: dict, link: bool = 
 
 def write_rope_scaled_pair(checkpoints: Path, out: Path, rope_parameters: dict) -> Path:
     """``out/target`` = :func:`write_rope_scaled` of ``checkpoints/target`` and
-    ``out/drafter`` = a link to ``checkpoints/drafter`` (the drafter keeps its RoPE).
-    Returns ``out``, a pair folder like ``vllm_ddtree/checkpoints``."""
+    ``out/drafter``: the drafter keeps its RoPE. A link to ``checkpoints/drafter`` when
+    its ``max_position_embeddings`` covers the scaled target's, else a copy whose config
+    raises it to that (weights linked): vLLM sizes the drafter's RoPE table by it, and
+    DDTree refuses a ``max_model_len`` beyond it (``config.check_drafter_positions``).
+    Past its training length the drafter's RoPE extrapolates: its acceptance falls
+    there, never the output's correctness. Returns ``out``, a pair folder like
+    ``vllm_ddtree/checkpoints``."""
     checkpoints, out = Path(checkpoints), Path(out)
     write_rope_scaled(checkpoints / "target", out / "target", rope_parameters)
+    src = (checkpoints / "drafter").resolve()
     drafter = out / "drafter"
-    if drafter.is_symlink() or drafter.exists():
+    if drafter.is_symlink() or drafter.is_file():
         drafter.unlink()
-    drafter.symlink_to((checkpoints / "drafter").resolve(), target_is_directory=True)
+    elif drafter.exists():
+        shutil.rmtree(drafter)
+    config = json.loads((src / "config.json").read_text())
+    positions = scaled_max_positions(rope_parameters)
+    if config.get("max_position_embeddings", positions) >= positions:
+        drafter.symlink_to(src, target_is_directory=True)
+        return out
+    drafter.mkdir(parents=True)
+    for entry in src.iterdir():
+        if entry.name != "config.json":
+            os.symlink(entry, drafter / entry.name)
+    config["max_position_embeddings"] = positions
+    (drafter / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--src", required=True, help="Hugging Face checkpoint (target) folder")
+    p.add_argument("--src", required=True, help="Hugging Face checkpoint (target) folder; "
+                   "with --pair a folder holding target/ and drafter/")
     p.add_argument("--out", required=True, help="folder to write (replaced if present)")
     p.add_argument("--factor", type=float, default=DEFAULT_YARN_FACTOR)
     p.add_argument("--original-positions", type=int, default=EMBEDDED_TRAIN_WINDOW,
@@ -113,11 +132,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--copy", action="store_true",
                    help="copy the weights and tokenizer instead of linking them (a folder "
                    "that travels on its own, e.g. /tmp/ckpt/target for train_pair)")
+    p.add_argument("--pair", action="store_true",
+                   help="write a pair folder (write_rope_scaled_pair): the scaled target and "
+                   "its drafter, whose positions are raised to the target's if fewer")
     args = p.parse_args(argv)
-    config = json.loads((Path(args.src) / "config.json").read_text())
+    target = Path(args.src) / "target" if args.pair else Path(args.src)
+    config = json.loads((target / "config.json").read_text())
     theta = (config.get("rope_parameters") or {}).get("rope_theta", EMBEDDED_ROPE_THETA)
     rope = yarn_parameters(args.factor, args.original_positions, theta)
-    out = write_rope_scaled(Path(args.src), Path(args.out), rope, link=not args.copy)
+    if args.pair:
+        out = write_rope_scaled_pair(Path(args.src), Path(args.out), rope)
+    else:
+        out = write_rope_scaled(Path(args.src), Path(args.out), rope, link=not args.copy)
     print(f"{out}: rope_parameters {rope}, max_position_embeddings "
           f"{scaled_max_positions(rope)}")
 
