@@ -29,6 +29,7 @@ PRIMARY_METRIC = {
     "ddtree_stdlib_completion": "edit_similarity",
     "ddtree_long_context": "edit_similarity",
     "ddtree_target_agreement": "exact_match",
+    "ddtree_target_agreement_16k": "exact_match",
     "ddtree_synthetic": "exact_match",
 }
 

@@ -56,3 +56,37 @@ def test_validate_command_line_takes_the_rate():
     assert args.inject_lossy_rate == 0.02 and args.margin == 0.05
     with pytest.raises(SystemExit):
         validate.parse_args(["--inject-lossy-rate", "1.5"])
+
+
+def test_target_agreement_16k_data_is_the_yarn_targets_own_text():
+    """``ddtree_target_agreement_16k``: 24 stored contexts of about 16k tokens (counted
+    again with the pair's tokenizer), and the first document's continuation starts with
+    what the shipped target served with YaRN x64 writes after it (fp32, greedy): the
+    data was made by that model (rebuild it when the pair changes)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS, load_embedded_pair
+    from vllm_ddtree.evaluation import task_data
+    from vllm_ddtree.long_context import write_rope_scaled, yarn_parameters
+    from vllm_ddtree.reference import generate
+
+    docs = task_data.target_agreement_docs(task_data.TARGET_AGREEMENT_16K)
+    assert len(docs) == 24
+    tok = load_embedded_pair().tokenizer
+    first = docs[0]
+    ids = tok.encode(first["context"], add_special_tokens=False)
+    assert len(ids) == first["context_tokens"]
+    assert all(15_000 <= d["context_tokens"] <= 16_384 and d["target"] for d in docs)
+    assert len({d["context"][-2000:] for d in docs}) == len(docs)
+    with tempfile.TemporaryDirectory() as tmp:
+        scaled = write_rope_scaled(CHECKPOINTS / "target", Path(tmp) / "target",
+                                   yarn_parameters(64.0))
+        target = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
+        out = generate(target, None, ids, 4, "ar", eos_token_id=tok.eos_token_id)
+    assert first["target"].startswith(tok.decode(out.tokens, skip_special_tokens=True)), (
+        "the stored 16k continuations are no longer the YaRN x64 target's: rebuild them "
+        "(evals/make_target_agreement.py, command in evals/tasks/README.md)")

@@ -20,6 +20,7 @@ __all__ = [
     "long_context_dataset",
     "stdlib_completion_dataset",
     "target_agreement_dataset",
+    "target_agreement_16k_dataset",
     "agreement_results",
     "synthetic_dataset",
     "synthetic_results",
@@ -40,6 +41,12 @@ def target_agreement_dataset(**metadata):
     """Held-out contexts and the shipped target's greedy continuations
     (data/target_agreement.json)."""
     return task_data.as_dataset(task_data.target_agreement_docs())
+
+
+def target_agreement_16k_dataset(**metadata):
+    """16k-token held-out contexts and the continuations of the target served with
+    YaRN x64 (data/target_agreement_16k.json.gz)."""
+    return task_data.as_dataset(task_data.target_agreement_docs(task_data.TARGET_AGREEMENT_16K))
 
 
 def synthetic_dataset(**metadata):

@@ -7,7 +7,8 @@
   with the next line's indent), the target is ``"\\n"`` + the next lines.
 - Target agreement: stored held-out contexts and the shipped target's own greedy
   continuations (``evals/tasks/data/target_agreement.json``,
-  ``evals/make_target_agreement.py``).
+  ``evals/make_target_agreement.py``); the 16k variant: 16k-token contexts and the
+  continuations of the target served with YaRN x64 (``target_agreement_16k.json.gz``).
 - Long context: whole held-out files concatenated up to a token budget, then one
   file cut at a line; the target is the next lines after the cut.
 
@@ -98,19 +99,23 @@ def stdlib_completion_docs(per_file: int = COMPLETION_PER_FILE,
     return docs
 
 
-TARGET_AGREEMENT = (Path(__file__).resolve().parents[2] / "evals" / "tasks" / "data"
-                    / "target_agreement.json")
+TASK_DATA = Path(__file__).resolve().parents[2] / "evals" / "tasks" / "data"
+TARGET_AGREEMENT = TASK_DATA / "target_agreement.json"
+# 16k-token contexts, continued by the target served with YaRN x64 (gzipped text).
+TARGET_AGREEMENT_16K = TASK_DATA / "target_agreement_16k.json.gz"
 
 
 def target_agreement_docs(path: Path = TARGET_AGREEMENT) -> list[dict]:
     """The stored documents of ``ddtree_target_agreement``
     (``evals/make_target_agreement.py``): ``context``, ``target`` (the shipped target's
     greedy continuation, text), ``file``, ``line``, ``target_tokens``."""
+    import gzip
     import json
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: run python evals/make_target_agreement.py")
-    return json.loads(path.read_text())["docs"]
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)["docs"]
 
 
 def _token_count(tokenizer, text: str) -> int:
