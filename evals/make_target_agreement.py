@@ -72,21 +72,21 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     pair = load_embedded_pair()
     tok, target = pair.tokenizer, pair.target
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.yarn_factor is not None:
+    if args.yarn_factor is not None:
+        with tempfile.TemporaryDirectory() as tmp:
             scaled = write_rope_scaled(CHECKPOINTS / "target", Path(tmp) / "target",
                                        yarn_parameters(args.yarn_factor))
             target = AutoModelForCausalLM.from_pretrained(scaled, dtype=torch.float32).eval()
-        contexts = (long_context_docs(tok, [args.context_tokens], args.docs)
-                    if args.context_tokens else stdlib_completion_docs()[:args.docs])
-        docs, start = [], time.monotonic()
-        for doc in tqdm(contexts, desc="target continuations"):
-            ids = tok.encode(doc["context"], add_special_tokens=False)
-            out = generate(target, None, ids, args.tokens, "ar", eos_token_id=tok.eos_token_id)
-            docs.append({"file": doc["file"], "line": doc["line"], "context": doc["context"],
-                         "context_tokens": len(ids),
-                         "target": tok.decode(out.tokens, skip_special_tokens=True),
-                         "target_tokens": len(out.tokens)})
+    contexts = (long_context_docs(tok, [args.context_tokens], args.docs)
+                if args.context_tokens else stdlib_completion_docs()[:args.docs])
+    docs, start = [], time.monotonic()
+    for doc in tqdm(contexts, desc="target continuations"):
+        ids = tok.encode(doc["context"], add_special_tokens=False)
+        out = generate(target, None, ids, args.tokens, "ar", eos_token_id=tok.eos_token_id)
+        docs.append({"file": doc["file"], "line": doc["line"], "context": doc["context"],
+                     "context_tokens": len(ids),
+                     "target": tok.decode(out.tokens, skip_special_tokens=True),
+                     "target_tokens": len(out.tokens)})
     meta = {"command": "python evals/make_target_agreement.py " + " ".join(
                 sys.argv[1:] if argv is None else argv),
             "tokens": args.tokens, "context_tokens": args.context_tokens,

@@ -222,6 +222,25 @@ def simple_block(w, embed, lm_head, aux, bonus, start, d: Dims = TINY):
         edges.append(table)
     return logits, torch.tensor(cand), torch.tensor(unary), torch.stack(edges)
 
+def assert_block_matches(drafter, weights, embed, lm_head, aux, bonus: int, tol: float,
+                         d: Dims = TINY):
+    """``drafter.draft_block`` after ``bonus`` with ``aux`` as the context rows
+    0..n-1 (the block at position n) equals :func:`simple_block` within ``tol``, the
+    candidate ids exactly; returns the block."""
+    start = aux.shape[0]
+    context = drafter.new_context_cache()
+    context.append(aux, torch.arange(start))
+    with torch.no_grad():
+        block = drafter.draft_block(bonus, start, context, lambda t: embed[t],
+                                    lambda h: h @ lm_head.T)
+        want = simple_block(weights, embed, lm_head, aux, bonus, start, d)
+    torch.testing.assert_close(block.logits, want[0], atol=tol, rtol=tol)
+    assert torch.equal(block.candidate_ids, want[1])
+    torch.testing.assert_close(block.unary, want[2], atol=tol, rtol=tol)
+    torch.testing.assert_close(block.edge_scores, want[3], atol=tol, rtol=tol)
+    return block
+
+
 
 def test_published_layout_loads_and_matches_the_loop_implementation(tmp_path):
     weights = published_weights()
@@ -236,17 +255,7 @@ def test_published_layout_loads_and_matches_the_loop_implementation(tmp_path):
     g = torch.Generator().manual_seed(7)
     embed, lm_head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.3
     aux = torch.randn(9, H * len(TARGET_LAYERS), generator=g)
-    bonus, start = 17, 9
-    context = drafter.new_context_cache()
-    context.append(aux, torch.arange(9))
-    with torch.no_grad():
-        block = drafter.draft_block(bonus, start, context, lambda t: embed[t],
-                                    lambda h: h @ lm_head.T)
-        want = simple_block(weights, embed, lm_head, aux, bonus, start)
-    torch.testing.assert_close(block.logits, want[0], atol=2e-5, rtol=2e-5)
-    assert torch.equal(block.candidate_ids, want[1])
-    torch.testing.assert_close(block.unary, want[2], atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(block.edge_scores, want[3], atol=2e-5, rtol=2e-5)
+    block = assert_block_matches(drafter, weights, embed, lm_head, aux, 17, 2e-5)
     # The edge term and the convolutions matter: without them the result moves.
     assert (block.edge_scores - block.unary[:, None, :]).abs().max() > 0.05
     assert block.edge_scores[0].std(0).max() == 0  # every predecessor row is the anchor's
@@ -301,15 +310,5 @@ def test_the_shipped_trained_checkpoint_matches_the_loop_implementation():
     assert weights["candidate_selector.successor_codebook"].abs().max() > 0
     width = config["hidden_size"] * len(config["dflash_config"]["target_layer_ids"])
     aux = torch.randn(9, width, generator=torch.Generator().manual_seed(3))
-    bonus, start = 417, 9
-    context = drafter.new_context_cache()
-    context.append(aux, torch.arange(9))
-    with torch.no_grad():
-        block = drafter.draft_block(bonus, start, context, lambda t: embed[t],
-                                    lambda h: h @ lm_head.T)
-        want = simple_block(weights, embed, lm_head, aux, bonus, start, d)
-    torch.testing.assert_close(block.logits, want[0], atol=1e-4, rtol=1e-4)
-    assert torch.equal(block.candidate_ids, want[1])
-    torch.testing.assert_close(block.unary, want[2], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(block.edge_scores, want[3], atol=1e-4, rtol=1e-4)
+    block = assert_block_matches(drafter, weights, embed, lm_head, aux, 417, 1e-4, d)
     assert (block.edge_scores - block.unary[:, None, :]).abs().max() > 1e-3

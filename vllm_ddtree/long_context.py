@@ -74,8 +74,22 @@ def write_rope_scaled(src: Path, out: Path, rope_parameters: dict, link: bool = 
     config["max_position_embeddings"] = scaled_max_positions(rope_parameters)
     if out.resolve() == src:
         raise ValueError("--out must differ from --src")
-    if out.exists():
-        shutil.rmtree(out)
+    return _write_with_config(src, out, config, link)
+
+
+def _remove(path: Path) -> None:
+    """Remove ``path`` if present: a link or file is unlinked (never what it points
+    to), a folder removed with its contents."""
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path)
+
+
+def _write_with_config(src: Path, out: Path, config: dict, link: bool) -> Path:
+    """``out`` (replaced, :func:`_remove`) = ``src`` with ``config`` as its
+    config.json; every other file symlinked (``link``) or copied."""
+    _remove(out)
     out.mkdir(parents=True)
     for entry in src.iterdir():
         if entry.name == "config.json":
@@ -103,21 +117,14 @@ def write_rope_scaled_pair(checkpoints: Path, out: Path, rope_parameters: dict) 
     write_rope_scaled(checkpoints / "target", out / "target", rope_parameters)
     src = (checkpoints / "drafter").resolve()
     drafter = out / "drafter"
-    if drafter.is_symlink() or drafter.is_file():
-        drafter.unlink()
-    elif drafter.exists():
-        shutil.rmtree(drafter)
     config = json.loads((src / "config.json").read_text())
     positions = scaled_max_positions(rope_parameters)
-    if config.get("max_position_embeddings", positions) >= positions:
-        drafter.symlink_to(src, target_is_directory=True)
+    if config.get("max_position_embeddings", positions) < positions:
+        _write_with_config(src, drafter, {**config, "max_position_embeddings": positions},
+                           link=True)
         return out
-    drafter.mkdir(parents=True)
-    for entry in src.iterdir():
-        if entry.name != "config.json":
-            os.symlink(entry, drafter / entry.name)
-    config["max_position_embeddings"] = positions
-    (drafter / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    _remove(drafter)
+    drafter.symlink_to(src, target_is_directory=True)
     return out
 
 
