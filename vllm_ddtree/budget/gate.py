@@ -357,13 +357,11 @@ class SpeculationGate:
         return None
 
     def rates(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
-              columns: np.ndarray | None = None) -> tuple[float, float]:
+              columns: np.ndarray) -> tuple[float, float]:
         """Predicted tokens per second a request of ``(plain, speculative)`` steps at
         this batch size and these contexts, the speculative one at the verify shape last
         used near this batch size (at most ``cap``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
-        if columns is None:
-            columns = self.model.attention_columns(contexts)
         shape = self._nearest(num_reqs, lambda s: s.shape) or max_budget
         shape = min(shape, cap)
         plain_res = self._nearest(num_reqs, lambda s: s.plain)
