@@ -170,6 +170,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dflash2: a DFlash2 drafter (grouped convolutions, candidate "
                    "selector) that starts as the DFlash one (random or --drafter-init) and "
                    "trains its new parts with the rest")
+    p.add_argument("--selector-only", action="store_true",
+                   help="refit only the candidate selector of the DFlash2 drafter given by "
+                   "--drafter-init (the rest frozen; the selector loss scores the 64 "
+                   "candidates a B = 64 tree ranks); needs --drafter-kind dflash2")
     p.add_argument("--accept-prompts", type=positive_int, default=None)
     p.add_argument("--accept-new-tokens", type=positive_int, default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -185,7 +189,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="also write <out>/target, <out>/drafter and the results as target.tar, "
         "drafter.tar, results.tar into this folder (e.g. a GPU job's output folder)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.selector_only:
+        arch = None
+        if args.drafter_init and (Path(args.drafter_init) / "config.json").exists():
+            config = json.loads((Path(args.drafter_init) / "config.json").read_text())
+            arch = (config.get("architectures") or [None])[0]
+        if args.drafter_kind != "dflash2" or arch != "DFlash2DraftModel":
+            p.error(f"--selector-only refits a DFlash2 drafter's selector: it needs "
+                    f"--drafter-kind dflash2 (got {args.drafter_kind}) and --drafter-init "
+                    f"a DFlash2DraftModel checkpoint (got {args.drafter_init!r}, "
+                    f"architecture {arch!r})")
+    return args
 
 
 def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
@@ -438,6 +453,14 @@ DRAFTER_INIT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads"
 def init_from_checkpoint(drafter, path: Path) -> None:
     """Load ``path``'s drafter weights into ``drafter`` (same architecture). Raises
     ValueError naming the first config field that differs."""
+    check_init_config(drafter, path)
+    init = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
+    drafter.load_state_dict(init.state_dict(), strict=True)
+
+
+def check_init_config(drafter, path: Path) -> None:
+    """ValueError naming the first ``DRAFTER_INIT_FIELDS`` entry in which ``path``'s
+    config differs from ``drafter``'s."""
     config_path = path / "config.json"
     if not config_path.exists():
         raise ValueError(f"--drafter-init {path}: no config.json there")
@@ -453,8 +476,6 @@ def init_from_checkpoint(drafter, path: Path) -> None:
             raise ValueError(f"--drafter-init {path}: {field} is {got!r}, the drafter "
                              f"being trained has {want!r}; pass a drafter of this shape "
                              "(or --target-layer-ids to match it)")
-    init = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
-    drafter.load_state_dict(init.state_dict(), strict=True)
 
 
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
@@ -467,10 +488,16 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         print(f"[drafter] + {dc.text_sequences} corpus-text rows: train pool {len(pool)}")
     seed_everything(args.seed)
     drafter = DFlashDraftModel(dcfg)
-    if args.drafter_init:
+    if args.selector_only:
+        # The whole DFlash2 drafter from --drafter-init; only its selector trains.
+        check_init_config(drafter, Path(args.drafter_init))
+        drafter = DFlash2DraftModel.from_pretrained(args.drafter_init, dtype=torch.float32)
+        dc.train_only = "candidate_selector"
+        print(f"[drafter] {args.drafter_init}: refitting its candidate selector only")
+    elif args.drafter_init:
         init_from_checkpoint(drafter, Path(args.drafter_init))
         print(f"[drafter] initialised from {args.drafter_init}")
-    if args.drafter_kind == "dflash2":
+    if args.drafter_kind == "dflash2" and not args.selector_only:
         drafter = DFlash2DraftModel.from_dflash(drafter, seed=args.seed)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(

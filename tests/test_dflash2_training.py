@@ -1,10 +1,15 @@
 """DFlash2 training path (CPU, tiny): the batched training forward equals the reference
-drafter block by block, a DFlash2 drafter made from a DFlash one starts as it, and
-training lowers the DFlash and the selector losses; train_pair writes a DFlash2 drafter."""
+drafter block by block, a DFlash2 drafter made from a DFlash one starts as it, the
+selector loss equals a per-depth construction at any candidate count, training lowers
+the DFlash and the selector losses; train_pair writes a DFlash2 drafter and refits only
+its selector with --selector-only."""
 
 import json
+import math
 
+import pytest
 import torch
+from safetensors.torch import load_file
 from evals_scripts import load_evals_script
 from training_testing import (
     VOCAB,
@@ -18,6 +23,7 @@ from vllm_ddtree.reference import generate
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
 from vllm_ddtree.training.common import load_drafter, save_checkpoint
 from vllm_ddtree.training.drafter_forward import drafter_block_outputs, target_aux_hidden
+from vllm_ddtree.training.selector_loss import selector_loss
 from vllm_ddtree.training.train_drafter import (
     DrafterTrainConfig,
     batch_loss,
@@ -76,6 +82,64 @@ def test_a_dflash2_drafter_made_from_dflash_starts_as_it():
     assert torch.equal(block.edge_scores, block.unary[:, None, :].expand_as(block.edge_scores))
 
 
+def _selector_ce_by_hand(drafter, hidden, logits, anchor_ids, labels, k):
+    """Mean over covered depths of -log softmax(score)[truth], one depth at a time:
+    score = unary + <successor[c], predecessor[p] * W h> over the k best tokens."""
+    sel = drafter.candidate_selector
+    total, count = 0.0, 0
+    for b in range(labels.shape[0]):
+        for n in range(labels.shape[1]):
+            for d in range(labels.shape[2]):
+                order = sorted(range(logits.shape[-1]),
+                               key=lambda t: (-float(logits[b, n, d, t]), t))[:k]
+                truth = int(labels[b, n, d])
+                if truth not in order:
+                    continue
+                prev = int(anchor_ids[b, n]) if d == 0 else int(labels[b, n, d - 1])
+                gate = sel.hidden_projection(hidden[b, n, d]).double()
+                scores = [float(logits[b, n, d, c]) + float(
+                    (sel.successor_codebook[c].double()
+                     * sel.predecessor_codebook[prev].double() * gate).sum())
+                    for c in order]
+                top = max(scores)
+                log_z = top + math.log(sum(math.exp(x - top) for x in scores))
+                total += log_z - scores[order.index(truth)]
+                count += 1
+    return total / count, count
+
+
+@pytest.mark.parametrize("num_candidates", [None, 3, 20])
+def test_selector_loss_equals_a_per_depth_construction(num_candidates):
+    target = tiny_target()
+    drafter = tiny_dflash2(target)
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, 3, drafter.block_size - 1, drafter.config.hidden_size, generator=g)
+    logits = torch.randn(2, 3, drafter.block_size - 1, VOCAB, generator=g) * 3
+    labels = torch.randint(2, VOCAB, (2, 3, drafter.block_size - 1), generator=g)
+    # Make about half of the truths a top-3 token, so every count covers some depths.
+    top = logits.topk(3, dim=-1).indices[..., 1]
+    pick = torch.rand(labels.shape, generator=g) < 0.5
+    labels = torch.where(pick, top, labels)
+    anchor_ids = torch.randint(2, VOCAB, (2, 3), generator=g)
+    with torch.no_grad():
+        loss, stats = selector_loss(drafter, hidden, logits, anchor_ids, labels, num_candidates)
+        want, covered = _selector_ce_by_hand(drafter, hidden, logits, anchor_ids, labels,
+                                             num_candidates or drafter.selector_top_k)
+    assert abs(float(loss) - want) < 1e-4 * max(1.0, want)
+    assert abs(float(stats["sel_cover"]) - covered / labels.numel()) < 1e-6
+
+
+@pytest.mark.parametrize("bad", [0, VOCAB + 1, 2.5, True])
+def test_selector_loss_refuses_a_bad_candidate_count(bad):
+    target = tiny_target()
+    drafter = tiny_dflash2(target)
+    shape = (1, 1, drafter.block_size - 1)
+    with pytest.raises(ValueError, match="num_candidates"):
+        selector_loss(drafter, torch.zeros(*shape, drafter.config.hidden_size),
+                      torch.zeros(*shape, VOCAB), torch.zeros(1, 1, dtype=torch.int64),
+                      torch.zeros(shape, dtype=torch.int64), bad)
+
+
 def test_training_lowers_both_losses():
     target = tiny_target()
     drafter = tiny_dflash2(target, perturb=0.02)
@@ -126,3 +190,23 @@ def test_train_pair_writes_a_dflash2_drafter(tmp_path):
     assert summary["drafter"]["kind"] == "dflash2"
     for key in ("dflash", "ddtree_b32"):
         assert summary["acceptance"][key]["tokens_equal_ar"]
+
+    # --selector-only: the same drafter refitted, only its candidate selector changes.
+    init = tmp_path / "dflash2_init"
+    (out / "drafter").rename(init)
+    before = load_file(init / "model.safetensors")
+    mod.main([*flags.split(), "--selector-only", "--drafter-init", str(init), "--stage",
+              "drafter", "--data", str(data), "--out", str(out)])
+    after = load_file(out / "drafter" / "model.safetensors")
+    assert before.keys() == after.keys()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("candidate_selector.") for k in changed), changed
+    summary = json.loads((out / "results" / "train_pair.json").read_text())
+    assert summary["acceptance"]["ddtree_b32"]["tokens_equal_ar"]
+
+
+def test_selector_only_needs_a_dflash2_init(tmp_path, capsys):
+    mod = load_evals_script("train_pair")
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--selector-only", "--drafter-kind", "dflash2"])
+    assert "--selector-only refits a DFlash2 drafter's selector" in capsys.readouterr().err

@@ -75,6 +75,12 @@ class DrafterTrainConfig(StepLoopConfig):
     anchors_per_seq: int = 32
     eval_anchors_per_seq: int = 16
     loss_gamma: float = 7.0
+    # DFlash2: candidates the selector loss scores per depth; 64 = what a DDTree tree
+    # ranks at B = 64 (selector_loss module docstring); None: the selector_top_k
+    selector_candidates: int | None = 64
+    # Train only the parameters whose names start with this (e.g. "candidate_selector":
+    # a shipped DFlash2 drafter's selector refitted, the rest frozen); None: all
+    train_only: str | None = None
     weight_decay: float = 0.01  # (StepLoopConfig: 0.1)
 
 
@@ -295,10 +301,12 @@ def dflash_loss(
     return loss, stats
 
 
-def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float
+def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float,
+               selector_candidates: int | None = None
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """:func:`dflash_loss` of the blocks anchored at ``anchors`` in rows ``idx`` of
-    ``pool``; a DFlash2 drafter adds its selector's loss and stats
+    ``pool``; a DFlash2 drafter adds its selector's loss and stats over
+    ``selector_candidates`` candidates a depth, capped at V
     (:func:`vllm_ddtree.training.selector_loss.selector_loss`)."""
     tokens = pool.tokens[idx]
     hidden, logits = drafter_block_outputs(
@@ -312,8 +320,10 @@ def batch_loss(drafter, target, pool: GreedyPool, idx, anchors, gamma: float
     labels = block_labels(tokens, anchors, drafter.block_size)
     loss, stats = dflash_loss(logits, labels, gamma)
     if hasattr(drafter, "candidate_selector"):
+        k = selector_candidates
         extra, extra_stats = selector_loss(drafter, hidden, logits,
-                                           torch.gather(tokens, 1, anchors), labels)
+                                           torch.gather(tokens, 1, anchors), labels,
+                                           None if k is None else min(k, logits.shape[-1]))
         loss = loss + extra
         stats.update(extra_stats)
     return loss, stats
@@ -338,7 +348,8 @@ def evaluate_drafter(
         )
         idx, anchors = idx.to(device), anchors.to(device)
         with autocast_for(device):
-            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma,
+                                     cfg.selector_candidates)
         tot_loss += float(loss)
         tot_tau += float(stats["tau"])
         acc = stats["acc"] if acc is None else acc + stats["acc"]
@@ -372,6 +383,13 @@ def train_drafter(
     # No decay on vectors, nor on DFlash2's base kernels (decay would pull their
     # identity tap towards 0).
     named = list(drafter.named_parameters())
+    if cfg.train_only is not None:
+        for n, p in named:
+            p.requires_grad_(n.startswith(cfg.train_only))
+        named = [(n, p) for n, p in named if p.requires_grad]
+        if not named:
+            raise ValueError(f"train_only={cfg.train_only!r} matches no parameter of "
+                             f"{type(drafter).__name__}")
     decay = [p for n, p in named if p.dim() >= 2 and not n.endswith("base_kernel")]
     no_decay = [p for n, p in named if p.dim() < 2 or n.endswith("base_kernel")]
     opt = torch.optim.AdamW(
@@ -422,12 +440,15 @@ def train_drafter(
         )
         idx, anchors = host_to_device(idx, device), host_to_device(anchors, device)
         with autocast_for(device):
-            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma)
+            loss, stats = batch_loss(drafter, target, pool, idx, anchors, cfg.loss_gamma,
+                                     cfg.selector_candidates)
         taus.append(stats["tau"])
         return loss
 
-    step = run_step_loop(plan, cfg, opt, list(drafter.parameters()), compute_loss, pending, bar,
+    step = run_step_loop(plan, cfg, opt, [p for _, p in named], compute_loss, pending, bar,
                          flush, evaluate, log)
+    for p in drafter.parameters():  # train_only froze the rest for this loop only
+        p.requires_grad_(True)
     log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
     log.extra["kept_step"] = best.step if best.restore(drafter) else step
     drafter.eval()
