@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from evals_scripts import load_evals_script
+from safetensors.torch import load_file
 from training_testing import (
     VOCAB,
     anchor_contexts,
