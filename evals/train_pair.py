@@ -134,6 +134,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--target-lr", type=positive_float, default=None)
     p.add_argument("--drafter-lr", type=positive_float, default=None)
     p.add_argument("--gen-sequences", type=positive_int, default=None, help="greedy pool size")
+    p.add_argument("--gen-batch", type=positive_int, default=None,
+                   help="sequences decoded together for the greedy pool, one corpus prefix "
+                   "length per batch with transformers (default 256; less memory on a CPU)")
     p.add_argument("--text-sequences", type=non_negative_int, default=None,
                    help="corpus-text rows added to the drafter's train pool (no decoding; "
                    "labels are the text: see train_drafter.text_pool); default 0")
@@ -263,6 +266,8 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
         tc.max_epochs = args.target_max_epochs
     if args.gen_sequences is not None:
         dc.gen_sequences = args.gen_sequences
+    if args.gen_batch is not None:
+        dc.gen_batch = args.gen_batch
     if args.text_sequences is not None:
         dc.text_sequences = args.text_sequences
     if args.gen_minutes is not None:
@@ -633,8 +638,9 @@ def main(argv=None) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type != "cuda" and not args.tiny:
-        sys.exit("full-size training needs CUDA; use --tiny for a CPU smoke run")
+    if device.type != "cuda" and not (args.tiny or args.selector_only):
+        sys.exit("full-size training needs CUDA; use --tiny for a CPU smoke run (a "
+                 "--selector-only refit runs on the CPU)")
     out = Path(args.out)
     results = (
         Path(args.results)

@@ -466,6 +466,10 @@ def test_train_pair_pool_stage_then_drafter_from_the_cache(tmp_path, capsys):
     with pytest.raises(ValueError, match="gen_sequences"):
         mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
                   "--gen-sequences", "5"])
+    # So is another decoding batch (one corpus prefix length per batch).
+    with pytest.raises(ValueError, match="gen_batch"):
+        mod.main([*flags, "--stage", "drafter", "--pool-cache", str(cache),
+                  "--gen-batch", "5"])
     # --drafter-init: the next drafter starts from the saved one (fine-tuning), so its
     # first evaluation is the saved drafter's kept evaluation, not a random model's.
     first = summary["drafter"]

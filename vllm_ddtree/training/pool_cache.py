@@ -25,8 +25,9 @@ __all__ = ["pool_description", "save_pools", "load_pools", "POOL_FILE"]
 
 POOL_FILE = "pools.npz"
 # DrafterTrainConfig fields that decide a pool's sequences (not how it is trained on).
+# gen_batch: transformers' pool takes one corpus prefix length per decoding batch.
 _POOL_FIELDS = ("seq_len", "prefix_min", "prefix_max", "continuation_max",
-                "gen_sequences", "eval_sequences")
+                "gen_sequences", "gen_batch", "eval_sequences")
 
 
 def pool_description(target_dir: str | Path, corpus_sha: dict[str, str],
