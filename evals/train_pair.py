@@ -458,20 +458,20 @@ DRAFTER_INIT_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads"
 def init_from_checkpoint(drafter, path: Path) -> None:
     """Load ``path``'s drafter weights into ``drafter`` (same architecture). Raises
     ValueError naming the first config field that differs."""
-    check_init_config(drafter, path)
+    check_init_config(drafter.config, path)
     init = DFlashDraftModel.from_pretrained(str(path), dtype=torch.float32)
     drafter.load_state_dict(init.state_dict(), strict=True)
 
 
-def check_init_config(drafter, path: Path) -> None:
+def check_init_config(config, path: Path) -> None:
     """ValueError naming the first ``DRAFTER_INIT_FIELDS`` entry in which ``path``'s
-    config differs from ``drafter``'s."""
+    config differs from ``config`` (the drafter being trained)."""
     config_path = path / "config.json"
     if not config_path.exists():
         raise ValueError(f"--drafter-init {path}: no config.json there")
     saved = json.loads(config_path.read_text())
     for field in DRAFTER_INIT_FIELDS:
-        want = getattr(drafter.config, field, None)
+        want = getattr(config, field, None)
         if field == "dflash_config":
             want = {k: want.get(k) for k in ("target_layer_ids", "mask_token_id")}
             got = {k: (saved.get(field) or {}).get(k) for k in want}
@@ -492,18 +492,19 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
                                             layer_ids, dc, args.seed + 3, device))
         print(f"[drafter] + {dc.text_sequences} corpus-text rows: train pool {len(pool)}")
     seed_everything(args.seed)
-    drafter = DFlashDraftModel(dcfg)
     if args.selector_only:
         # The whole DFlash2 drafter from --drafter-init; only its selector trains.
-        check_init_config(drafter, Path(args.drafter_init))
+        check_init_config(dcfg, Path(args.drafter_init))
         drafter = DFlash2DraftModel.from_pretrained(args.drafter_init, dtype=torch.float32)
         dc.train_only = "candidate_selector"
         print(f"[drafter] {args.drafter_init}: refitting its candidate selector only")
-    elif args.drafter_init:
-        init_from_checkpoint(drafter, Path(args.drafter_init))
-        print(f"[drafter] initialised from {args.drafter_init}")
-    if args.drafter_kind == "dflash2" and not args.selector_only:
-        drafter = DFlash2DraftModel.from_dflash(drafter, seed=args.seed)
+    else:
+        drafter = DFlashDraftModel(dcfg)
+        if args.drafter_init:
+            init_from_checkpoint(drafter, Path(args.drafter_init))
+            print(f"[drafter] initialised from {args.drafter_init}")
+        if args.drafter_kind == "dflash2":
+            drafter = DFlash2DraftModel.from_dflash(drafter, seed=args.seed)
     n_params = sum(p.numel() for p in drafter.parameters())
     print(
         f"[drafter] {type(drafter).__name__} {n_params / 1e6:.2f} M params, block "

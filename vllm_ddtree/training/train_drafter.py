@@ -383,13 +383,15 @@ def train_drafter(
     # No decay on vectors, nor on DFlash2's base kernels (decay would pull their
     # identity tap towards 0).
     named = list(drafter.named_parameters())
+    frozen = []  # parameters train_only freezes for this loop only
     if cfg.train_only is not None:
-        for n, p in named:
-            p.requires_grad_(n.startswith(cfg.train_only))
-        named = [(n, p) for n, p in named if p.requires_grad]
-        if not named:
+        if not any(n.startswith(cfg.train_only) for n, _ in named):
             raise ValueError(f"train_only={cfg.train_only!r} matches no parameter of "
                              f"{type(drafter).__name__}")
+        frozen = [p for n, p in named if p.requires_grad and not n.startswith(cfg.train_only)]
+        for p in frozen:
+            p.requires_grad_(False)
+        named = [(n, p) for n, p in named if p.requires_grad]
     decay = [p for n, p in named if p.dim() >= 2 and not n.endswith("base_kernel")]
     no_decay = [p for n, p in named if p.dim() < 2 or n.endswith("base_kernel")]
     opt = torch.optim.AdamW(
@@ -447,7 +449,7 @@ def train_drafter(
 
     step = run_step_loop(plan, cfg, opt, [p for _, p in named], compute_loss, pending, bar,
                          flush, evaluate, log)
-    for p in drafter.parameters():  # train_only froze the rest for this loop only
+    for p in frozen:
         p.requires_grad_(True)
     log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
     log.extra["kept_step"] = best.step if best.restore(drafter) else step
