@@ -84,6 +84,10 @@ from vllm_ddtree.training.train_drafter import (  # noqa: E402
     text_pool,
     train_drafter,
 )
+from vllm_ddtree.training.train_selector import (  # noqa: E402
+    frozen_selector_blocks,
+    train_selector,
+)
 from vllm_ddtree.training.train_target import (  # noqa: E402
     TargetTrainConfig,
     evaluate_nll,
@@ -483,6 +487,19 @@ def check_init_config(config, path: Path) -> None:
                              "(or --target-layer-ids to match it)")
 
 
+def refit_selector(drafter, target, pool, eval_pool, dc, seed: int, no_progress: bool):
+    """--selector-only: ``drafter``'s frozen blocks of both pools, then its selector
+    trained on them (:mod:`vllm_ddtree.training.train_selector`); returns the log."""
+    t0 = time.perf_counter()
+    blocks = frozen_selector_blocks(drafter, target, pool, dc.anchors_per_seq, dc, seed + 4,
+                                    progress=not no_progress, desc="frozen blocks (train)")
+    eval_blocks = frozen_selector_blocks(drafter, target, eval_pool, dc.eval_anchors_per_seq,
+                                         dc, 1234, progress=False)
+    print(f"[drafter] frozen drafter blocks: {len(blocks)} train + {len(eval_blocks)} valid, "
+          f"{dc.selector_candidates} candidates a depth, in {time.perf_counter() - t0:.1f} s")
+    return train_selector(drafter, blocks, eval_blocks, dc, progress=not no_progress)
+
+
 def run_drafter(args, out, results, device, tok, splits, summary) -> None:
     target, dc, dcfg, layer_ids, pool, eval_pool, engine, gen_s = drafter_pools(
         args, out, device, tok, splits, summary)
@@ -496,7 +513,6 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         # The whole DFlash2 drafter from --drafter-init; only its selector trains.
         check_init_config(dcfg, Path(args.drafter_init))
         drafter = DFlash2DraftModel.from_pretrained(args.drafter_init, dtype=torch.float32)
-        dc.train_only = "candidate_selector"
         print(f"[drafter] {args.drafter_init}: refitting its candidate selector only")
     else:
         drafter = DFlashDraftModel(dcfg)
@@ -511,24 +527,39 @@ def run_drafter(args, out, results, device, tok, splits, summary) -> None:
         f"{drafter.block_size}, target_layer_ids {layer_ids}, batch {dc.batch_size} seqs x "
         f"{dc.anchors_per_seq} anchors"
     )
-    init = evaluate_drafter(drafter.to(device), target, eval_pool, dc)
-    log = train_drafter(drafter, target, pool, eval_pool, dc, progress=not args.no_progress)
-    final = log.extra.get("eval_kept") or log.extra.get("eval_last", {})
+    drafter.to(device)
     planned = "fixed" if dc.steps is not None else "from time budget"
-    print(
-        f"[drafter] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, final train "
-        f"loss {log.final_loss():.4f}; kept step {log.extra['kept_step']}: validation loss "
-        f"{final.get('loss', float('nan')):.4f} (init {init['loss']:.4f}), validation chain "
-        f"tau {final.get('tau', float('nan')):.3f}"
-        + ("  [stopped by the clock]" if log.stopped_by_clock else "")
-    )
-    print(f"[drafter] validation top-1 accuracy by depth: {final.get('acc_by_depth')}")
+    if args.selector_only:
+        log = refit_selector(drafter, target, pool, eval_pool, dc, args.seed, args.no_progress)
+        init, final = log.extra["eval_init"], log.extra.get("eval_kept") or log.extra["eval_last"]
+        print(
+            f"[drafter] selector: {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, "
+            f"final train loss {log.final_loss():.4f}; kept step {log.extra['kept_step']}: "
+            f"validation cross-entropy over {dc.selector_candidates} candidates "
+            f"{final['loss']:.4f} (init {init['loss']:.4f}), teacher-forced selector tau "
+            f"{final['sel_tau']:.3f} (init {init['sel_tau']:.3f}), top-1 {final['sel_acc']:.4f} "
+            f"(init {init['sel_acc']:.4f})"
+            + ("  [stopped by the clock]" if log.stopped_by_clock else "")
+        )
+    else:
+        init = evaluate_drafter(drafter, target, eval_pool, dc)
+        log = train_drafter(drafter, target, pool, eval_pool, dc, progress=not args.no_progress)
+        final = log.extra.get("eval_kept") or log.extra.get("eval_last", {})
+        print(
+            f"[drafter] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, final train "
+            f"loss {log.final_loss():.4f}; kept step {log.extra['kept_step']}: validation loss "
+            f"{final.get('loss', float('nan')):.4f} (init {init['loss']:.4f}), validation chain "
+            f"tau {final.get('tau', float('nan')):.3f}"
+            + ("  [stopped by the clock]" if log.stopped_by_clock else "")
+        )
+        print(f"[drafter] validation top-1 accuracy by depth: {final.get('acc_by_depth')}")
     size = save_checkpoint(drafter, out / "drafter", Path(args.data) / TOKENIZER_SUBDIR)
     print(f"[drafter] saved {out / 'drafter'} ({size / 1e6:.2f} MB)")
     plot_losses(
         results / "train_drafter_loss.png",
         log,
-        "DFlash drafter loss (depth-weighted)",
+        "DFlash2 selector loss (teacher forced)" if args.selector_only
+        else "DFlash drafter loss (depth-weighted)",
         extra_axis="eval_tau",
     )
     summary["drafter"] = {

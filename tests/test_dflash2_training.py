@@ -1,8 +1,9 @@
 """DFlash2 training path (CPU, tiny): the batched training forward equals the reference
 drafter block by block, a DFlash2 drafter made from a DFlash one starts as it, the
 selector loss equals a per-depth construction at any candidate count, training lowers
-the DFlash and the selector losses; train_pair writes a DFlash2 drafter and refits only
-its selector with --selector-only."""
+the DFlash and the selector losses; the selector refit's frozen blocks give the training
+forward's selector loss and the refit changes only the selector; train_pair writes a
+DFlash2 drafter and refits only its selector with --selector-only."""
 
 import json
 import math
@@ -23,14 +24,17 @@ from vllm_ddtree.reference import generate
 from vllm_ddtree.reference.dflash2 import DFlash2DraftModel
 from vllm_ddtree.training.common import load_drafter, save_checkpoint
 from vllm_ddtree.training.drafter_forward import drafter_block_outputs, target_aux_hidden
-from vllm_ddtree.training.selector_loss import selector_loss
+from vllm_ddtree.training.selector_loss import selector_cross_entropy, selector_loss
 from vllm_ddtree.training.train_drafter import (
     DrafterTrainConfig,
     batch_loss,
+    block_labels,
     build_pool,
     evaluate_drafter,
+    sample_anchors,
     train_drafter,
 )
+from vllm_ddtree.training.train_selector import frozen_selector_blocks, train_selector
 
 
 def tiny_dflash2(target, perturb: float = 0.2) -> DFlash2DraftModel:
@@ -162,6 +166,46 @@ def test_training_lowers_both_losses():
     assert torch.isfinite(loss)
     assert float(after["sel_acc"]) >= float(before["sel_acc"])
     assert float(after["sel_tau"]) > 1.0
+
+
+def test_selector_refit_trains_on_the_frozen_blocks_and_changes_only_the_selector():
+    target = tiny_target()
+    drafter = tiny_dflash2(target, perturb=0.02)
+    cfg = DrafterTrainConfig(seq_len=48, prefix_min=8, prefix_max=16, gen_batch=16,
+                             batch_size=8, anchors_per_seq=8, eval_anchors_per_seq=4, lr=1e-2,
+                             warmup_steps=3, steps=40, eval_every=10, seed=0,
+                             selector_candidates=20)
+    corpus_tokens = torch.randint(2, VOCAB, (4000,), generator=torch.Generator().manual_seed(0))
+    pool = build_pool(target, corpus_tokens.numpy(), 24, drafter.target_layer_ids, cfg,
+                      seed=1, device="cpu", progress=False)
+    blocks = frozen_selector_blocks(drafter, target, pool, 8, cfg, seed=3, progress=False)
+    eval_blocks = frozen_selector_blocks(drafter, target, pool, 4, cfg, seed=4, progress=False)
+    assert len(blocks) == 24 * 8 and len(eval_blocks) == 24 * 4
+    assert blocks.targets.candidate_ids.shape == (24 * 8, drafter.block_size - 1, 20)
+
+    # The first sequences' blocks are the training forward's blocks at the same anchors.
+    rows = torch.arange(cfg.batch_size)
+    anchors = sample_anchors(pool.prefix_len[rows], cfg.seq_len, drafter.block_size, 8,
+                             torch.Generator().manual_seed(3), end=pool.ends(rows))
+    tokens = pool.tokens[rows]
+    with torch.no_grad():
+        hidden, logits = drafter_block_outputs(drafter, tokens, pool.aux[rows], anchors,
+                                               target.get_input_embeddings(),
+                                               target.get_output_embeddings())
+        want, _ = selector_loss(drafter, hidden, logits, torch.gather(tokens, 1, anchors),
+                                block_labels(tokens, anchors, drafter.block_size), 20)
+        got, _ = selector_cross_entropy(drafter.candidate_selector,
+                                        *blocks.take(torch.arange(cfg.batch_size * 8)))
+    assert abs(float(got) - float(want)) < 1e-5 * max(1.0, float(want))
+
+    before = {k: v.clone() for k, v in drafter.state_dict().items()}
+    log = train_selector(drafter, blocks, eval_blocks, cfg, progress=False)
+    after = drafter.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("candidate_selector.") for k in changed), changed
+    assert log.total_steps == 40 and log.extra["blocks_seen"] == 40 * 64
+    assert log.extra["eval_kept"]["loss"] < 0.95 * log.extra["eval_init"]["loss"], log.extra
+    assert log.extra["eval_kept"]["sel_acc"] > log.extra["eval_init"]["sel_acc"]
 
 
 def test_a_trained_dflash2_drafter_saves_loads_and_decodes_losslessly(tmp_path):

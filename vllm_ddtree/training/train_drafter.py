@@ -78,9 +78,6 @@ class DrafterTrainConfig(StepLoopConfig):
     # DFlash2: candidates the selector loss scores per depth; 64 = what a DDTree tree
     # ranks at B = 64 (selector_loss module docstring); None: the selector_top_k
     selector_candidates: int | None = 64
-    # Train only the parameters whose names start with this (e.g. "candidate_selector":
-    # a shipped DFlash2 drafter's selector refitted, the rest frozen); None: all
-    train_only: str | None = None
     weight_decay: float = 0.01  # (StepLoopConfig: 0.1)
 
 
@@ -383,15 +380,6 @@ def train_drafter(
     # No decay on vectors, nor on DFlash2's base kernels (decay would pull their
     # identity tap towards 0).
     named = list(drafter.named_parameters())
-    frozen = []  # parameters train_only freezes for this loop only
-    if cfg.train_only is not None:
-        if not any(n.startswith(cfg.train_only) for n, _ in named):
-            raise ValueError(f"train_only={cfg.train_only!r} matches no parameter of "
-                             f"{type(drafter).__name__}")
-        frozen = [p for n, p in named if p.requires_grad and not n.startswith(cfg.train_only)]
-        for p in frozen:
-            p.requires_grad_(False)
-        named = [(n, p) for n, p in named if p.requires_grad]
     decay = [p for n, p in named if p.dim() >= 2 and not n.endswith("base_kernel")]
     no_decay = [p for n, p in named if p.dim() < 2 or n.endswith("base_kernel")]
     opt = torch.optim.AdamW(
@@ -449,8 +437,6 @@ def train_drafter(
 
     step = run_step_loop(plan, cfg, opt, [p for _, p in named], compute_loss, pending, bar,
                          flush, evaluate, log)
-    for p in frozen:
-        p.requires_grad_(True)
     log.extra["blocks_seen"] = step * cfg.batch_size * cfg.anchors_per_seq
     log.extra["kept_step"] = best.step if best.restore(drafter) else step
     drafter.eval()
