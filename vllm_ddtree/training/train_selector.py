@@ -71,13 +71,15 @@ def frozen_selector_blocks(drafter, target, pool: GreedyPool, anchors_per_seq: i
     ``pool`` (drawn as training draws them, from a generator seeded with ``seed``),
     scoring ``cfg.selector_candidates`` candidates a depth (None: the drafter's
     ``selector_top_k``; at most V); ``cfg.batch_size`` sequences a drafter pass."""
+    if len(pool) == 0:
+        raise ValueError("frozen_selector_blocks: the pool holds no sequence")
     device = pool.tokens.device
     was_training = drafter.training
     drafter.eval()
     gen = torch.Generator().manual_seed(seed)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     k = cfg.selector_candidates or drafter.selector_top_k
-    parts: list[tuple[torch.Tensor, SelectorTargets]] = []
+    blocks: SelectorBlocks | None = None  # filled in place: no second copy at the end
     bar = progress_bar(len(pool), desc, progress)
     for start in range(0, len(pool), cfg.batch_size):
         rows = torch.arange(start, min(len(pool), start + cfg.batch_size))
@@ -91,15 +93,34 @@ def frozen_selector_blocks(drafter, target, pool: GreedyPool, anchors_per_seq: i
         t = selector_targets(logits, torch.gather(tokens, 1, anchors),
                              block_labels(tokens, anchors, drafter.block_size),
                              min(k, logits.shape[-1]))
-        parts.append((hidden.float().flatten(0, 1), SelectorTargets(
+        part = SelectorBlocks(hidden.float().flatten(0, 1), SelectorTargets(
             t.candidate_ids.to(torch.int32).flatten(0, 1), t.unary.flatten(0, 1),
-            t.previous.flatten(0, 1), t.slot.flatten(0, 1), t.covered.flatten(0, 1))))
+            t.previous.flatten(0, 1), t.slot.flatten(0, 1), t.covered.flatten(0, 1)))
+        if blocks is None:
+            blocks = _empty_like(part, len(pool) * anchors_per_seq)
+        first = start * anchors_per_seq
+        _fill(blocks, part, first)
         bar.update(len(rows))
     bar.close()
     drafter.train(was_training)
-    return SelectorBlocks(torch.cat([h for h, _ in parts]), SelectorTargets(*(
-        torch.cat([getattr(t, f) for _, t in parts])
-        for f in ("candidate_ids", "unary", "previous", "slot", "covered"))))
+    return blocks
+
+
+_TARGET_FIELDS = ("candidate_ids", "unary", "previous", "slot", "covered")
+
+
+def _empty_like(part: SelectorBlocks, num_blocks: int) -> SelectorBlocks:
+    def empty(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((num_blocks, *x.shape[1:]))
+    return SelectorBlocks(empty(part.hidden), SelectorTargets(
+        *(empty(getattr(part.targets, f)) for f in _TARGET_FIELDS)))
+
+
+def _fill(blocks: SelectorBlocks, part: SelectorBlocks, first: int) -> None:
+    end = first + len(part)
+    blocks.hidden[first:end] = part.hidden
+    for f in _TARGET_FIELDS:
+        getattr(blocks.targets, f)[first:end] = getattr(part.targets, f)
 
 
 @torch.no_grad()
