@@ -1,5 +1,6 @@
 """The shared optimizer loop clips the gradients of every parameter at every step, also
-when it is handed ``model.parameters()`` (a generator, spent after one pass)."""
+when it is handed ``model.parameters()`` (a generator, spent after one pass); a run of
+fixed steps takes them all, a time-budgeted run stops by the clock."""
 
 from types import SimpleNamespace
 
@@ -32,3 +33,22 @@ def test_every_step_clips_every_parameter(monkeypatch):
                                  evaluate=lambda step: log.eval_steps.append(step), log=log)
     assert taken == steps
     assert clipped == [2] * steps  # weight and bias, at every step
+
+
+def _plan_past_its_clock(steps):
+    plan = common.StepPlan(steps=steps, minutes=0.001, max_steps=100,
+                           device=torch.device("cpu"))
+    plan.start()
+    plan._t0 -= 3600.0  # an hour past a 0.06 s budget
+    return plan
+
+
+def test_fixed_steps_are_not_cut_by_the_clock():
+    plan = _plan_past_its_clock(steps=40)
+    assert not plan.finished(10) and not plan.stopped_by_clock
+    assert plan.finished(40)
+
+
+def test_a_time_budgeted_run_stops_by_the_clock():
+    plan = _plan_past_its_clock(steps=None)
+    assert plan.finished(10) and plan.stopped_by_clock

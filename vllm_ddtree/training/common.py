@@ -129,8 +129,8 @@ class StepPlan:
     fixes ``total = min(max_steps, steps that fit in minutes)``; the chosen total
     is logged so that a rerun with ``steps=total`` repeats the run. The LR
     schedule's horizon is ``total`` once known (calibration ends inside the
-    warmup, whose LR does not depend on it). A run also stops when the wall
-    clock passes ``hard_factor * minutes`` (then the log says so).
+    warmup, whose LR does not depend on it). A run without ``steps`` also stops
+    when the wall clock passes ``hard_factor * minutes`` (then the log says so).
     """
 
     steps: int | None
@@ -180,7 +180,8 @@ class StepPlan:
     def finished(self, done: int) -> bool:
         if self.total is not None and done >= self.total:
             return True
-        if self.elapsed() > self.hard_factor * self.minutes * 60.0:
+        # Fixed steps are a reproduction: exactly that many, whatever the clock says.
+        if self.steps is None and self.elapsed() > self.hard_factor * self.minutes * 60.0:
             self.stopped_by_clock = True
             return True
         return False
