@@ -4,9 +4,12 @@ drafter's context checked row by row against an independent construction.
 The reference engine is lossless whatever the drafter is fed (every committed token is
 the target's), so token equality cannot see a drafter that is given the wrong context:
 only its acceptance drops. These tests pin the embedded pair's tokens per round (fp32,
-greedy, CPU) for the chain (method ``dflash``) and DDTree at B = 8 / 32 / 64 and fail
-on a 5 % drop, and compare the rows the drafter is fed with the target's hidden states
-along the committed sequence, computed by one plain causal forward of the target.
+greedy, CPU) for the chain (method ``dflash``) and DDTree at B = 8 / 32 / 64, and for the
+shipped DFlash2 drafter its selector chain walk and DDTree B = 64 over its marginals and
+over its selector scores, and fail on a 5 % drop (the DFlash2 drafter's selector before
+its refit on 64 candidates commits 3.346 tokens per round in the selector tree, 7 % under
+its pin), and compare the rows the drafter is fed with the target's hidden states along
+the committed sequence, computed by one plain causal forward of the target.
 
 Run-to-run spread: none. In fp32 on the CPU the engine is deterministic; four repeated
 runs of ``measure()`` (two processes, 1 and 2 torch threads) gave the same committed
@@ -15,7 +18,8 @@ token counts and rounds to the last token, so the observed spread is 0 %, agains
 (the mutant of issue 44) costs DDTree about 10-20 % of its tokens per round here.
 
 After a deliberate change of the pair or the drafter, re-measure with
-``python tests/test_acceptance_yardstick.py`` and paste the printed table into ``PINNED``.
+``python tests/test_acceptance_yardstick.py`` and paste the printed tables into ``PINNED``
+and ``PINNED_DFLASH2``.
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_ddtree.demo.reference_engine import humaneval_prompts, load_embedded_pair
+from vllm_ddtree.demo.reference_engine import CHECKPOINTS, humaneval_prompts, load_embedded_pair
 from vllm_ddtree.reference import generate
 from vllm_ddtree.reference.drafter import DFlashContextCache
+from vllm_ddtree.training.common import load_drafter
 
 NUM_PROMPTS = 4
 NEW_TOKENS = 64
@@ -38,6 +43,15 @@ PINNED = {
     ("ddtree", 8): 2.6000,
     ("ddtree", 32): 3.0723,
     ("ddtree", 64): 3.3077,
+}
+
+DFLASH2_BUDGET = 64
+# The shipped DFlash2 drafter (checkpoints/dflash2_drafter): (method, draft_scores).
+DFLASH2_RUNS = [("dflash2", None), ("ddtree", "marginals"), ("ddtree", "selector")]
+PINNED_DFLASH2 = {
+    ("dflash2", None): 2.3130,
+    ("ddtree", "marginals"): 3.0595,
+    ("ddtree", "selector"): 3.5946,
 }
 
 
@@ -62,6 +76,29 @@ def measure(pair) -> dict[tuple[str, int], float]:
     return out
 
 
+def measure_dflash2(pair, drafter) -> dict[tuple[str, str | None], float]:
+    """Tokens per round of each ``DFLASH2_RUNS`` entry (B = ``DFLASH2_BUDGET``) with the
+    DFlash2 ``drafter`` over the fixed prompts; every run's tokens must equal plain
+    decoding's."""
+    out = {}
+    prompts = _prompts(pair.tokenizer)
+    ar = [generate(pair.target, None, ids, NEW_TOKENS, "ar").tokens for ids in prompts]
+    for method, scores in DFLASH2_RUNS:
+        committed = rounds = 0
+        for ids, want in zip(prompts, ar, strict=True):
+            got = generate(pair.target, drafter, ids, NEW_TOKENS, method,
+                           budget=DFLASH2_BUDGET, draft_scores=scores)
+            assert got.tokens == want, (method, scores)
+            committed += sum(s.committed for s in got.stats)
+            rounds += got.rounds
+        out[(method, scores)] = committed / rounds
+    return out
+
+
+def _dflash2_drafter():
+    return load_drafter(CHECKPOINTS / "dflash2_drafter", torch.float32, "cpu").eval()
+
+
 @pytest.fixture(scope="module")
 def pair():
     threads = torch.get_num_threads()
@@ -77,14 +114,31 @@ def measured(pair):
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: f"{r[0]}-{r[1]}")
 def test_tokens_per_round_hold_their_pinned_value(measured, run):
-    pinned = PINNED[run]
-    got = measured[run]
+    _within_the_pin(run, measured[run], PINNED[run])
+
+
+@pytest.fixture(scope="module")
+def measured_dflash2(pair):
+    return measure_dflash2(pair, _dflash2_drafter())
+
+
+def _within_the_pin(run, got: float, pinned: float) -> None:
     assert got >= (1 - MAX_DROP) * pinned, (
         f"{run}: {got:.4f} tokens per round, more than {MAX_DROP:.0%} below the pinned "
         f"{pinned:.4f}")
     assert got <= (1 + MAX_DROP) * pinned, (
         f"{run}: {got:.4f} tokens per round, more than {MAX_DROP:.0%} above the pinned "
         f"{pinned:.4f}: a changed pair? re-pin (see the module docstring)")
+
+
+@pytest.mark.parametrize("run", DFLASH2_RUNS, ids=lambda r: f"{r[0]}-{r[1]}")
+def test_dflash2_tokens_per_round_hold_their_pinned_value(measured_dflash2, run):
+    _within_the_pin(run, measured_dflash2[run], PINNED_DFLASH2[run])
+
+
+def test_the_selector_tree_accepts_more_than_the_marginal_tree_and_the_walk(measured_dflash2):
+    got = measured_dflash2
+    assert got[("ddtree", "selector")] > got[("ddtree", "marginals")] > got[("dflash2", None)]
 
 
 def test_trees_accept_more_than_the_chain(measured):
@@ -152,5 +206,8 @@ def test_drafter_context_is_the_committed_sequence_row_by_row(pair, monkeypatch,
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    for run, value in measure(load_embedded_pair()).items():
+    embedded = load_embedded_pair()
+    for run, value in measure(embedded).items():
+        print(f"    {run}: {value:.4f},")
+    for run, value in measure_dflash2(embedded, _dflash2_drafter()).items():
         print(f"    {run}: {value:.4f},")
