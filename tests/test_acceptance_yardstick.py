@@ -59,40 +59,36 @@ def _prompts(tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) for p in humaneval_prompts(NUM_PROMPTS)]
 
 
-def measure(pair) -> dict[tuple[str, int], float]:
-    """Tokens per round of each ``RUNS`` entry over the fixed prompts; every run's
-    tokens must equal plain decoding's."""
-    out = {}
-    prompts = _prompts(pair.tokenizer)
-    ar = [generate(pair.target, None, ids, NEW_TOKENS, "ar").tokens for ids in prompts]
-    for method, budget in RUNS:
-        committed = rounds = 0
-        for ids, want in zip(prompts, ar, strict=True):
-            got = generate(pair.target, pair.drafter, ids, NEW_TOKENS, method, budget=budget)
-            assert got.tokens == want, (method, budget)
-            committed += sum(s.committed for s in got.stats)
-            rounds += got.rounds
-        out[(method, budget)] = committed / rounds
-    return out
-
-
-def measure_dflash2(pair, drafter) -> dict[tuple[str, str | None], float]:
-    """Tokens per round of each ``DFLASH2_RUNS`` entry (B = ``DFLASH2_BUDGET``) with the
-    DFlash2 ``drafter`` over the fixed prompts; every run's tokens must equal plain
+def _tokens_per_round(pair, drafter, runs: dict) -> dict:
+    """Tokens per round over the fixed prompts of each ``runs`` entry (key -> the
+    ``generate`` arguments after the token count); every run's tokens must equal plain
     decoding's."""
     out = {}
     prompts = _prompts(pair.tokenizer)
     ar = [generate(pair.target, None, ids, NEW_TOKENS, "ar").tokens for ids in prompts]
-    for method, scores in DFLASH2_RUNS:
+    for key, kwargs in runs.items():
         committed = rounds = 0
         for ids, want in zip(prompts, ar, strict=True):
-            got = generate(pair.target, drafter, ids, NEW_TOKENS, method,
-                           budget=DFLASH2_BUDGET, draft_scores=scores)
-            assert got.tokens == want, (method, scores)
+            got = generate(pair.target, drafter, ids, NEW_TOKENS, **kwargs)
+            assert got.tokens == want, key
             committed += sum(s.committed for s in got.stats)
             rounds += got.rounds
-        out[(method, scores)] = committed / rounds
+        out[key] = committed / rounds
     return out
+
+
+def measure(pair) -> dict[tuple[str, int], float]:
+    """Tokens per round of each ``RUNS`` entry with the embedded DFlash drafter."""
+    return _tokens_per_round(pair, pair.drafter, {
+        (method, budget): {"method": method, "budget": budget} for method, budget in RUNS})
+
+
+def measure_dflash2(pair, drafter) -> dict[tuple[str, str | None], float]:
+    """Tokens per round of each ``DFLASH2_RUNS`` entry (B = ``DFLASH2_BUDGET``) with the
+    DFlash2 ``drafter``."""
+    return _tokens_per_round(pair, drafter, {
+        (method, scores): {"method": method, "budget": DFLASH2_BUDGET, "draft_scores": scores}
+        for method, scores in DFLASH2_RUNS})
 
 
 def _dflash2_drafter():

@@ -69,6 +69,21 @@ class StepLoopConfig:
     seed: int = 0
 
 
+def flush_losses(step: int, pending: list, taus: list, log, bar: tqdm, tau_name: str) -> None:
+    """Move the losses of the steps since the last flush (``pending``, scalar tensors,
+    ending at ``step``) into ``log`` and show the last one and the mean of ``taus`` on
+    ``bar`` as ``tau_name``; one host read for each list. Both lists end empty."""
+    if not pending:
+        return
+    vals = torch.stack(pending).tolist()
+    log.steps.extend(range(step - len(vals) + 1, step + 1))
+    log.losses.extend(vals)
+    tau = float(torch.stack(taus).mean())
+    pending.clear()
+    taus.clear()
+    bar.set_postfix({"loss": f"{vals[-1]:.3f}", tau_name: f"{tau:.2f}"})
+
+
 def run_step_loop(plan, cfg, opt, params, compute_loss, pending: list, bar: tqdm,
                   flush, evaluate, log) -> int:
     """The optimizer loop both trainers share; returns the number of steps taken.

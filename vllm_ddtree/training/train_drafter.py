@@ -47,6 +47,7 @@ from vllm_ddtree.training.common import (
     StepLoopConfig,
     StepPlan,
     TrainLog,
+    flush_losses,
     host_to_device,
     progress_bar,
     run_step_loop,
@@ -400,14 +401,7 @@ def train_drafter(
     bar = progress_bar(plan.total, "drafter", progress)
 
     def flush(step: int) -> None:
-        if pending:
-            vals = torch.stack(pending).tolist()
-            log.steps.extend(range(step - len(vals) + 1, step + 1))
-            log.losses.extend(vals)
-            tau = float(torch.stack(taus).mean())
-            pending.clear()
-            taus.clear()
-            bar.set_postfix(loss=f"{vals[-1]:.3f}", tau=f"{tau:.2f}")
+        flush_losses(step, pending, taus, log, bar, "tau")
 
     def evaluate(step: int) -> None:
         if eval_pool is None:

@@ -26,6 +26,7 @@ from vllm_ddtree.training.common import (
     BestKeeper,
     StepPlan,
     TrainLog,
+    flush_losses,
     host_to_device,
     progress_bar,
     run_step_loop,
@@ -173,14 +174,7 @@ def train_selector(drafter, train_blocks: SelectorBlocks, eval_blocks: SelectorB
     bar = progress_bar(plan.total, "selector", progress)
 
     def flush(step: int) -> None:
-        if pending:
-            vals = torch.stack(pending).tolist()
-            log.steps.extend(range(step - len(vals) + 1, step + 1))
-            log.losses.extend(vals)
-            tau = float(torch.stack(taus).mean())
-            pending.clear()
-            taus.clear()
-            bar.set_postfix(loss=f"{vals[-1]:.3f}", sel_tau=f"{tau:.2f}")
+        flush_losses(step, pending, taus, log, bar, "sel_tau")
 
     def evaluate(step: int) -> None:
         if eval_blocks is None:
