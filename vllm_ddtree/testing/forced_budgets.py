@@ -51,7 +51,7 @@ def force_budget_choices(budgets: list[int]) -> None:
                             SpeculationGate._choose)
     host_turn = iter(range(10**12))
 
-    def gate_choose(self, num_reqs, contexts, cap, max_budget):
+    def gate_choose(self, num_reqs, contexts, cap, max_budget, columns):
         if cap <= 0:
             return False
         return all_budgets[next(host_turn) % len(all_budgets)] > 0
