@@ -236,6 +236,20 @@ class TrainLog:
     seconds: float = 0.0
     stopped_by_clock: bool = False
 
+    def record_eval(self, step: int, res: dict, tau: float, best: BestKeeper | None,
+                    model) -> None:
+        """Log one evaluation (``res`` with its ``"loss"``; ``tau`` on the ``eval_tau``
+        curve); with ``best`` (keep-best runs) keep ``model``'s weights when the loss is
+        the lowest so far."""
+        self.eval_steps.append(step)
+        self.eval_losses.append(res["loss"])
+        self.extra["eval_tau"]["steps"].append(step)
+        self.extra["eval_tau"]["values"].append(tau)
+        self.extra["eval_last"] = res
+        if best is not None and res["loss"] < best.loss:
+            best.update(model, res["loss"], step)
+            self.extra["eval_kept"] = res
+
     def final_loss(self, last: int = 50) -> float:
         """Mean training loss over the last ``last`` logged steps."""
         tail = self.losses[-last:]

@@ -407,14 +407,7 @@ def train_drafter(
         if eval_pool is None:
             return
         res = evaluate_drafter(drafter, target, eval_pool, cfg)
-        log.eval_steps.append(step)
-        log.eval_losses.append(res["loss"])
-        log.extra["eval_tau"]["steps"].append(step)
-        log.extra["eval_tau"]["values"].append(res["tau"])
-        log.extra["eval_last"] = res
-        if cfg.keep_best and res["loss"] < best.loss:
-            best.update(drafter, res["loss"], step)
-            log.extra["eval_kept"] = res
+        log.record_eval(step, res, res["tau"], best if cfg.keep_best else None, drafter)
 
     def compute_loss() -> torch.Tensor:
         idx = torch.randint(0, len(pool), (cfg.batch_size,), generator=gen)

@@ -180,14 +180,7 @@ def train_selector(drafter, train_blocks: SelectorBlocks, eval_blocks: SelectorB
         if eval_blocks is None:
             return
         res = evaluate_selector(selector, eval_blocks)
-        log.eval_steps.append(step)
-        log.eval_losses.append(res["loss"])
-        log.extra["eval_tau"]["steps"].append(step)
-        log.extra["eval_tau"]["values"].append(res["sel_tau"])
-        log.extra["eval_last"] = res
-        if cfg.keep_best and res["loss"] < best.loss:
-            best.update(selector, res["loss"], step)
-            log.extra["eval_kept"] = res
+        log.record_eval(step, res, res["sel_tau"], best if cfg.keep_best else None, selector)
 
     def compute_loss() -> torch.Tensor:
         idx = torch.randint(0, len(train_blocks), (blocks_per_step,), generator=gen)
