@@ -68,8 +68,9 @@
 #              adds ddtree_budget "auto")
 #   lmeval16k  ddtree_target_agreement_16k (16k-token contexts) on the pair with the target
 #              served with YaRN x64 (written to /tmp/pair_yarn64), fp32 on the CUSTOM
-#              backend, eager (LMEVAL16K_DTYPE=bfloat16: graphs, margin 0.15): exact
-#              DDTree B = 64 must PASS and the lossy verifier at rate 0.02 must FAIL
+#              backend, eager (lmeval16kbf16: bf16, graphs, margin 0.15): exact DDTree
+#              B = 64 must PASS and the lossy verifier at rate 0.02 must FAIL
+#              (LMEVAL16K_RATES="0 0.02" by default: one rate when the call is short)
 #   sampling   evals/sampling_distribution.py: 2,000 samples per prompt of 3 tokens at
 #              T 0.8 / top-p 0.95, AR vs DDTree vs the lossy verifier at rate 0.25 (chi-square)
 #   bench      evals/bench_verify_attention.py (BENCH_ARGS replaces the grid)
@@ -388,10 +389,12 @@ for stage in "$@"; do
       rc=$?
       summary "$stage" "$([ "$rc" -eq 1 ] && grep -q "^FAIL ddtree_target_agreement" "$LOG_DIR/$stage.log" && echo 0 || echo "${rc/#0/9}")" "$start"
       grep -E "^(PASS|FAIL)" "$LOG_DIR/$stage.log" | tail -3 ;;
-    lmeval16k)  # ddtree_target_agreement_16k on the YaRN x64 pair: exact PASSES, lossy FAILS
-      python3 -m vllm_ddtree.long_context --pair --src vllm_ddtree/checkpoints \
-        --out /tmp/pair_yarn64 --factor 64 >> "$LOG_DIR/lmeval16k.log" 2>&1
-      dtype="${LMEVAL16K_DTYPE:-float32}"
+    lmeval16k|lmeval16kbf16)  # ddtree_target_agreement_16k on the YaRN x64 pair: exact
+      # PASSES, lossy FAILS; fp32 (lmeval16k) or bf16 with CUDA graphs (lmeval16kbf16)
+      log="$LOG_DIR/$stage.log"
+      [ -d /tmp/pair_yarn64 ] || python3 -m vllm_ddtree.long_context --pair \
+        --src vllm_ddtree/checkpoints --out /tmp/pair_yarn64 --factor 64 >> "$log" 2>&1
+      dtype=$([ "$stage" = lmeval16k ] && echo float32 || echo bfloat16)
       if [ "$dtype" = float32 ]; then  # vLLM's MLA backends are 16-bit only
         extra=', "attention_backend": "CUSTOM", "enforce_eager": true' margin=0.05
       else
@@ -400,17 +403,17 @@ for stage in "$@"; do
       model_args='{"pretrained": "/tmp/pair_yarn64/target", "dtype": "'"$dtype"'", "max_model_len": 16512, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 4294967296'"$extra"'}'
       spec="$(lmeval_spec /tmp/pair_yarn64/drafter)"
       start=$(date +%s) rc16k=0
-      for rate in 0 0.02; do
+      for rate in ${LMEVAL16K_RATES:-0 0.02}; do
         timeout "${STAGE_LIMIT:-540}" python3 evals/validate.py --backend vllm \
           --tasks ddtree_target_agreement_16k --inject-lossy-rate "$rate" --margin "$margin" \
           --model-args "$model_args" --speculative-config "$spec" \
-          --out-dir "$LOG_DIR/lmeval16k_$rate" >> "$LOG_DIR/lmeval16k.log" 2>&1
+          --out-dir "$LOG_DIR/${stage}_$rate" >> "$log" 2>&1
         rc=$?  # rate 0 must PASS (0), rate 0.02 must FAIL (1)
         want=$([ "$rate" = 0 ] && echo 0 || echo 1)
         [ "$rc" -eq "$want" ] || rc16k=$((rc == 0 ? 9 : rc))
       done
-      summary lmeval16k "$rc16k" "$start"
-      grep -E "^(PASS|FAIL)" "$LOG_DIR/lmeval16k.log" | tail -4 ;;
+      summary "$stage" "$rc16k" "$start"
+      grep -E "^(PASS|FAIL)" "$log" | tail -4 ;;
     sampling)
       stage_cmd sampling 240 python3 evals/sampling_distribution.py --backend vllm \
         --samples 2000 --lossy-rate 0.25 --out "$LOG_DIR/sampling_distribution.md"
