@@ -400,7 +400,10 @@ for stage in "$@"; do
       else
         extra='' margin="${LMEVAL_MARGIN:-0.15}"
       fi
-      model_args='{"pretrained": "/tmp/pair_yarn64/target", "dtype": "'"$dtype"'", "max_model_len": 16512, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 4294967296'"$extra"'}'
+      # 32,768 batched tokens: both engines prefill a 16k prompt in one chunk. With
+      # vLLM's default (16,384) the speculative engine, which reserves drafting slots
+      # for its sequences, chunked it and plain decoding did not.
+      model_args='{"pretrained": "/tmp/pair_yarn64/target", "dtype": "'"$dtype"'", "max_model_len": 16512, "max_num_batched_tokens": 32768, "gpu_memory_utilization": 0.05, "kv_cache_memory_bytes": 4294967296'"$extra"'}'
       spec="$(lmeval_spec /tmp/pair_yarn64/drafter)"
       start=$(date +%s) rc16k=0
       for rate in ${LMEVAL16K_RATES:-0 0.02}; do
