@@ -106,6 +106,66 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
     return [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
 
 
+def kv_layout(shape: PairShape, hybrid: bool) -> tuple[int, int]:
+    """``(KV bytes per context token, prefix-cache hit granularity in tokens)`` of the
+    groups vLLM forms for ``shape`` as an engine on our MLA backend builds its specs:
+    64-token MLA and full-attention pages (the engine's block size), the drafter's
+    sliding layers on FlashAttention's 16-token blocks; ``patches.unify_kv_block_size``
+    applied as in a DDTree engine. Bytes count the layers whose KV grows with the
+    context (sliding layers in their own groups hold a window's, not counted); the
+    granularity is the least common multiple of the block sizes (vLLM's
+    ``scheduler_block_size``)."""
+    import math
+    from unittest import mock
+
+    import torch
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
+
+    specs = {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
+        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+        indexes_kv_by_block_stride=True) for i in range(shape.target_layers)}
+    drafter = dict(num_kv_heads=shape.drafter_kv_heads, head_size=shape.drafter_head_dim,
+                   dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
+    for i in range(shape.sliding_layers):
+        specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
+            sliding_window=shape.window, block_size=16, **drafter)
+    for i in range(shape.full_layers):
+        specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
+            block_size=64, **drafter)
+    if not hybrid:
+        align_sliding_block_sizes(specs)
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(
+        disable_hybrid_kv_cache_manager=not hybrid))
+    unify = kv_cache_utils.unify_hybrid_kv_cache_specs
+    groups_fn = kv_cache_utils.get_kv_cache_groups
+    with mock.patch.object(kv_cache_utils, "unify_hybrid_kv_cache_specs",
+                           getattr(unify, "_ddtree_original", unify)):
+        groups = getattr(groups_fn, "_ddtree_original", groups_fn)(config, specs)
+    per_token = 0
+    for group in groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            per_token += sum(s.page_size_bytes // s.block_size
+                             for s in spec.kv_cache_specs.values())
+        elif not isinstance(spec, SlidingWindowSpec):
+            per_token += spec.page_size_bytes // spec.block_size * len(group.layer_names)
+    return per_token, math.lcm(*{g.kv_cache_spec.block_size for g in groups})
+
+
+def unpadded_bytes_per_token(shape: PairShape) -> int:
+    """Bytes per context token the target's and the drafter's full layers need."""
+    return (shape.target_layers * 576 * 2
+            + shape.full_layers * 2 * shape.drafter_kv_heads * shape.drafter_head_dim * 2)
+
+
 def describe(groups: list[tuple[str, int]]) -> str:
     counts = Counter(groups)
     return ", ".join(f"{n} x {kind} of {layers} layer{'s' * (layers > 1)}"
@@ -136,6 +196,18 @@ def main(argv=None) -> int:
                      f"{shape.full_layers} | {len(hybrid)}: {describe(hybrid)} | "
                      f"{len(single)}: {describe(single)} | {unpatched} / {len(aligned)}: "
                      f"{describe(aligned)} |")
+    lines += ["", "KV bytes per context token and prefix-cache hit granularity, as a DDTree "
+              "engine builds the specs (64-token MLA and full-attention pages, the drafter's "
+              "sliding layers on FlashAttention's 16-token blocks; sliding layers in their own "
+              "groups hold a window and are not counted): the hybrid manager equalises page "
+              "bytes by padding or stretching pages.", "",
+              "| pair | unpadded full layers (B/token) | hybrid manager: B/token, hit every | "
+              "`disable_hybrid_kv_cache_manager`: B/token, hit every |", "|---|---|---|---|"]
+    for shape in shapes():
+        need = unpadded_bytes_per_token(shape)
+        (hb, hg), (sb, sg) = kv_layout(shape, True), kv_layout(shape, False)
+        lines.append(f"| {shape.name} | {need:,} | {hb:,} ({hb / need:.2f}x), {hg} tokens | "
+                     f"{sb:,} ({sb / need:.2f}x), {sg} tokens |")
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -90,3 +90,17 @@ def test_unify_patch_applies_and_forms_one_group():
     groups = kv_cache_utils.get_kv_cache_groups(config, layer_specs)
     assert [sorted(g.layer_names) for g in groups] == [["d0", "t0"]]
     assert {s.block_size for s in groups[0].kv_cache_spec.kv_cache_specs.values()} == {64}
+
+
+def test_kv_bytes_and_hit_granularity_of_each_grouping():
+    """The figures the README's known limits quote, from vLLM's own grouping: beside a
+    K2.6-shaped drafter the hybrid manager pads Kimi-K2's MLA pages to the drafter's
+    page (3.41x the bytes its layers need; 1.28x in one group), and stretches the embedded
+    drafter's 16-token sliding blocks to 144 tokens, so prefix-cache hits come every
+    lcm(64, 144) = 576 tokens (64 in one group)."""
+    embedded, _, kimi_k2 = kv_cache_groups.shapes()
+    assert kv_cache_groups.unpadded_bytes_per_token(kimi_k2) == 61 * 1152 + 2 * 8 * 128 * 2
+    assert kv_cache_groups.kv_layout(kimi_k2, hybrid=True) == (62 * 4096, 64)
+    assert kv_cache_groups.kv_layout(kimi_k2, hybrid=False) == (61 * 1152 + 6 * 4096, 64)
+    assert kv_cache_groups.kv_layout(embedded, hybrid=True) == (5 * 1152, 576)
+    assert kv_cache_groups.kv_layout(embedded, hybrid=False) == (4 * 1152 + 3 * 512, 64)
