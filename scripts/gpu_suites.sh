@@ -103,7 +103,8 @@
 #              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
 #              9 min; cells past --max-minutes are listed as not run); one 10-minute
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
-#              SWEEP_BATCHES replace the defaults; E2E_OUT_DIR receives
+#              SWEEP_BATCHES replace the defaults; SWEEP_REPEATS (1) measures each cell
+#              that many times, the tables taking the median; E2E_OUT_DIR receives
 #              e2e_batch_sweep[_v2lite].md / .png / .json.
 #   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
 #              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
@@ -260,6 +261,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --min-pool "$minpool" \
+    --repeats "${SWEEP_REPEATS:-1}" \
     ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
