@@ -229,7 +229,7 @@ def fake_sweep_row(base: dict, num_spec: int) -> dict:
     tokens = 100 * batch
     row = dict(base, status=STATUS_OK, pool=3 * batch, tokens=tokens, decode_s=tokens / tps,
                tokens_per_s=tps, steps=tokens // batch, finished=2 * batch,
-               mean_in_flight=float(batch), prime_s=0.1,
+               mean_in_flight=float(batch), prime_s=0.1, python_ms=2.0, python_ms_after=2.2,
                acceptance_length=None if method == "ar" else 3.0,
                output_crc=[7] * (3 * batch), note="")
     if base["budget"] == "auto":
@@ -242,7 +242,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     """One sweep cell in a child (GPU): prime the pool's prompts, then :func:`drive`
     through ``llm.llm_engine``; the row has the window's tokens/s, acceptance from vLLM's
     spec-decode counters and the correctness figures."""
-    from e2e_engine import engine_active_counters
+    from e2e_engine import engine_active_counters, engine_host_speed
     from e2e_models import SETUPS
     from e2e_runs import STATUS_OK, RunSpec, counter_delta, spec_base_row
     from vllm import SamplingParams
@@ -279,13 +279,16 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     tag = f"sweep-{context}x{batch}-{spec.get('repeat', 0)}-"
+    python_ms = engine.call(engine_host_speed)[0]  # steps here are mostly host-bound
     got = drive(llm.llm_engine, pool, batch, params,
                 prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag)
+    python_ms_after = engine.call(engine_host_speed)[0]
     counters = counter_delta(before, spec_counters(llm))
     row = dict(spec_base_row(spec, cell), status=STATUS_OK, pool=len(pool),
                tokens=got["tokens"], decode_s=got["wall_s"], steps=got["steps"],
                finished=got["finished"], mean_in_flight=got["mean_in_flight"],
-               prime_s=prime_s, sweep=pool_spec.to_json())
+               prime_s=prime_s, sweep=pool_spec.to_json(), python_ms=python_ms,
+               python_ms_after=python_ms_after)
     row["tokens_per_s"] = got["tokens"] / got["wall_s"] if got["wall_s"] else None
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)

@@ -132,6 +132,9 @@ def write_sweep_markdown(data: dict, path: str) -> None:
     speed = median_by_cell(rows, "tokens_per_s")
     accept = median_by_cell(rows, "acceptance_length")
     active = median_by_cell(rows, "active_nodes_per_round")
+    host = median_by_cell([dict(r, host_ms=(r["python_ms"] + r["python_ms_after"]) / 2)
+                           for r in rows if r.get("python_ms") and r.get("python_ms_after")],
+                          "host_ms")
     sweep = data.get("sweep") or {}
     inv = (data.get("invocations") or [{}])[-1]
     lines = [f"# Batch sweep: {data.get('setup_title', data.get('setup'))}", "",
@@ -174,6 +177,12 @@ def write_sweep_markdown(data: dict, path: str) -> None:
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]
+        table = _value_table(rows, host, runs, names, context, kind)
+        if table:
+            lines += [f"Host speed: ms of a fixed Python loop in the run's engine process "
+                      f"before and after the cell's window (lower is faster; the mean of "
+                      f"the two), {title}. Host-bound steps slow down with it: read a ratio "
+                      f"between two runs against their host speeds.", ""] + table + [""]
     checks = lossless_lines(rows)
     lines += ["## Lossless checks", ""]
     lines += checks or ["Every measured request matched (the oracle setups: the target's "
