@@ -60,15 +60,14 @@ def shapes() -> tuple[PairShape, ...]:
             _kimi("Kimi-K2 + Kimi-K2.6-shaped drafter", 61))
 
 
-def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
-                    sliding_page: int | None = None, align: bool = False
-                    ) -> list[tuple[str, int]]:
-    """``[(spec type, number of layers)]`` per KV-cache group vLLM forms for ``shape``
-    (``page``-token pages; the pages are padded to one size as vLLM does for our
-    backends). ``sliding_page``: the block size the sliding layers choose for themselves
-    (vLLM: the backend's smallest kernel block, 16 for FlashAttention; default
-    ``page``); ``align``: with ``vllm_ddtree.patches.unify_kv_block_size``'s alignment first.
-    Raises vLLM's ``ValueError`` when it cannot form the groups."""
+def vllm_groups(shape: PairShape, hybrid: bool, page: int = 64,
+                sliding_page: int | None = None, align: bool = False) -> list:
+    """The ``KVCacheGroupSpec`` list vLLM forms for ``shape`` (``page``-token pages; the
+    pages are padded to one size as vLLM does for our backends). ``sliding_page``: the
+    block size the sliding layers choose for themselves (vLLM: the backend's smallest
+    kernel block, 16 for FlashAttention; default ``page``); ``align``: with
+    ``vllm_ddtree.patches.unify_kv_block_size``'s alignment first. Raises vLLM's
+    ``ValueError`` when it cannot form the groups."""
     from unittest import mock
 
     import torch
@@ -102,8 +101,15 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
     unify = kv_cache_utils.unify_hybrid_kv_cache_specs
     vllm_unify = getattr(unify, "_ddtree_original", unify)  # vLLM's own, patched or not
     with mock.patch.object(kv_cache_utils, "unify_hybrid_kv_cache_specs", vllm_unify):
-        groups = kv_cache_utils.get_kv_cache_groups(config, specs)
-    return [(type(g.kv_cache_spec).__name__, len(g.layer_names)) for g in groups]
+        return kv_cache_utils.get_kv_cache_groups(config, specs)
+
+
+def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
+                    sliding_page: int | None = None, align: bool = False
+                    ) -> list[tuple[str, int]]:
+    """``[(spec type, number of layers)]`` per KV-cache group of :func:`vllm_groups`."""
+    return [(type(g.kv_cache_spec).__name__, len(g.layer_names))
+            for g in vllm_groups(shape, hybrid, page, sliding_page, align)]
 
 
 def kv_layout(shape: PairShape, hybrid: bool) -> tuple[int, int]:
@@ -116,39 +122,10 @@ def kv_layout(shape: PairShape, hybrid: bool) -> tuple[int, int]:
     granularity is the least common multiple of the block sizes (vLLM's
     ``scheduler_block_size``)."""
     import math
-    from unittest import mock
 
-    import torch
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
 
-    from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
-
-    specs = {f"model.layers.{i}.self_attn.attn": MLAAttentionSpec(
-        block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-        indexes_kv_by_block_stride=True) for i in range(shape.target_layers)}
-    drafter = dict(num_kv_heads=shape.drafter_kv_heads, head_size=shape.drafter_head_dim,
-                   dtype=torch.bfloat16, indexes_kv_by_block_stride=True)
-    for i in range(shape.sliding_layers):
-        specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
-            sliding_window=shape.window, block_size=16, **drafter)
-    for i in range(shape.full_layers):
-        specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
-            block_size=64, **drafter)
-    if not hybrid:
-        align_sliding_block_sizes(specs)
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(
-        disable_hybrid_kv_cache_manager=not hybrid))
-    unify = kv_cache_utils.unify_hybrid_kv_cache_specs
-    groups_fn = kv_cache_utils.get_kv_cache_groups
-    with mock.patch.object(kv_cache_utils, "unify_hybrid_kv_cache_specs",
-                           getattr(unify, "_ddtree_original", unify)):
-        groups = getattr(groups_fn, "_ddtree_original", groups_fn)(config, specs)
+    groups = vllm_groups(shape, hybrid, sliding_page=16, align=not hybrid)
     per_token = 0
     for group in groups:
         spec = group.kv_cache_spec
