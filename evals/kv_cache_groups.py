@@ -149,11 +149,50 @@ def describe(groups: list[tuple[str, int]]) -> str:
                      for (kind, layers), n in counts.items())
 
 
+def scheduler_table(batches: list[int], steps: int, drafts: tuple[int, ...] = (16, 64)
+                    ) -> list[str]:
+    """Markdown lines: vLLM's scheduler host ms per decode step
+    (``scheduler_steps.scheduler_step_ms``) for each pair's target alone (plain
+    decoding), and beside its drafter with the hybrid manager and with one group."""
+    import dataclasses
+    import platform
+
+    from scheduler_steps import scheduler_step_ms
+    from tqdm import tqdm
+
+    lines = ["", "Host time of vLLM's scheduler per decode step (`AsyncScheduler.schedule` + "
+             "`update_from_output`, prefix caching on, V2 runner; no model: "
+             "`evals/scheduler_steps.py`), median ms over "
+             f"{steps} steps of 900-token prompts, 2 drafts accepted a step, on this "
+             f"machine's CPU ({platform.processor() or platform.machine()}, "
+             f"{platform.python_version()}): what the engine core spends on the host each "
+             "step beside the GPU's work. The target alone forms one group.", "",
+             "| pair | engine | " + " | ".join(f"batch {b}" for b in batches) + " |",
+             "|---|---|" + "---|" * len(batches)]
+    for shape in tqdm(shapes(), desc="scheduler host time"):
+        target = dataclasses.replace(shape, sliding_layers=0, full_layers=0)
+        rows = [("plain decoding, the target alone", vllm_groups(target, True), 0)]
+        for hybrid, label in ((True, "hybrid manager"), (False, "one group")):
+            groups = vllm_groups(shape, hybrid, sliding_page=16, align=not hybrid)
+            rows += [(f"{k} drafts a step, {label} ({len(groups)} group"
+                      f"{'s' * (len(groups) > 1)})", groups, k) for k in drafts]
+        for label, groups, k in rows:
+            cells = [f"{scheduler_step_ms(groups, k, b, steps=steps):.3f}" for b in batches]
+            lines.append(f"| {shape.name} | {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("evals/results/kv_cache_groups.md"))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64],
+                   help="requests in flight for the scheduler's host time")
+    p.add_argument("--steps", type=int, default=120,
+                   help="decode steps timed per cell (the median is reported)")
     args = p.parse_args(argv)
+    if min(args.batches) < 1 or args.steps < 1:
+        p.error(f"--batches and --steps must be >= 1, got {args.batches} and {args.steps}")
     lines = ["# KV-cache groups of an MLA target beside a DFlash drafter (vLLM 0.26.0)", "",
              "Command: `python evals/kv_cache_groups.py --out " + str(args.out) + "` (CPU: "
              "vLLM's `get_kv_cache_groups` on the layers' KV specs, 64-token pages).", "",
@@ -185,6 +224,7 @@ def main(argv=None) -> int:
         (hb, hg), (sb, sg) = kv_layout(shape, True), kv_layout(shape, False)
         lines.append(f"| {shape.name} | {need:,} | {hb:,} ({hb / need:.2f}x), {hg} tokens | "
                      f"{sb:,} ({sb / need:.2f}x), {sg} tokens |")
+    lines += scheduler_table(args.batches, args.steps)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

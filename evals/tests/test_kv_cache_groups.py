@@ -18,8 +18,27 @@ def test_every_layer_gets_a_group_unless_the_hybrid_manager_is_off(tmp_path):
         assert kv_cache_groups.kv_cache_groups(shape, hybrid=False) == [
             ("UniformTypeKVCacheSpecs", layers)], shape.name
     out = tmp_path / "groups.md"
-    assert kv_cache_groups.main(["--out", str(out)]) == 0
-    assert "| Kimi-K2 + Kimi-K2.6-shaped drafter | 61 + 5 + 1 | 67:" in out.read_text()
+    assert kv_cache_groups.main(["--out", str(out), "--batches", "2", "--steps", "3"]) == 0
+    text = out.read_text()
+    assert "| Kimi-K2 + Kimi-K2.6-shaped drafter | 61 + 5 + 1 | 67:" in text
+    assert "| Kimi-K2 + Kimi-K2.6-shaped drafter | 64 drafts a step, hybrid manager (67 " \
+        "groups) |" in text
+
+
+def test_scheduler_steps_time_real_decode_steps():
+    """The scheduler's host time is taken over steps that decode every request with
+    the drafts asked for (scheduler_steps checks each timed step); too few warm-up
+    steps leave prefills among them, which it refuses to time."""
+    import pytest
+    from scheduler_steps import scheduler_step_ms
+
+    shape = kv_cache_groups.shapes()[0]
+    for hybrid in (True, False):
+        groups = kv_cache_groups.vllm_groups(shape, hybrid, sliding_page=16, align=not hybrid)
+        for drafts in (0, 4):
+            assert scheduler_step_ms(groups, drafts, 3, steps=4, warmup=3) > 0
+    with pytest.raises(RuntimeError, match="timed step scheduled"):
+        scheduler_step_ms(groups, 4, 3, steps=4, warmup=0)
 
 
 def test_one_group_needs_the_sliding_block_size_aligned():
