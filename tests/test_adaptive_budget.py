@@ -18,6 +18,11 @@ from test_ddtree_integration_units import (
 from tiny_models import drafter_config, tiny_drafter, tiny_target
 
 from vllm_ddtree.attention_backends.tree_mask_state import ALL_ROWS_ACTIVE, TREE_MASK_STATE
+from vllm_ddtree.budget.attention_timing import (
+    CONTEXT_GRID,
+    measure_attention_table,
+    measurement_contexts,
+)
 from vllm_ddtree.budget.choice import (
     RATE_TOLERANCE,
     BudgetCostTable,
@@ -26,12 +31,9 @@ from vllm_ddtree.budget.choice import (
     mask_inactive_nodes,
 )
 from vllm_ddtree.budget.policy import (
-    CONTEXT_GRID,
     MAX_ROUND_SECONDS,
     BudgetPolicy,
     candidate_budgets,
-    measure_attention_table,
-    measurement_contexts,
 )
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, split_ddtree_spec
 from vllm_ddtree.reference import generate
@@ -568,7 +570,7 @@ def fake_vllm_config(use_mla: bool, max_model_len: int = 40, eager: bool = True)
 def test_target_timers_run_the_tree_kernels_with_active_rows(use_mla):
     """The start-up timers call the real tree kernels (Triton interpreter on CPU) with
     the target's per-GPU shapes and 1 + b active rows of 1 + B."""
-    from vllm_ddtree.budget.policy import target_attention_timer
+    from vllm_ddtree.budget.attention_timing import target_attention_timer
 
     config = fake_vllm_config(use_mla)
     seen = []

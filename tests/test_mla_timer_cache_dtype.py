@@ -17,7 +17,7 @@ def test_mla_timer_verifies_with_the_runs_kv_cache_dtype(monkeypatch, cache_dtyp
     the run verifies with, not the bf16 cache's Gluon kernel on sm_90); "auto" (or no
     cache_config): the model dtype, no scale. The launch is mocked (timing needs a GPU)."""
     from vllm_ddtree.attention_backends import mla_tree
-    from vllm_ddtree.budget.policy import target_attention_timer
+    from vllm_ddtree.budget.attention_timing import target_attention_timer
 
     launches = []
     monkeypatch.setattr(mla_tree, "mla_tree_verify",
@@ -41,7 +41,7 @@ def test_mla_timer_verifies_with_the_runs_kv_cache_dtype(monkeypatch, cache_dtyp
 
 
 def test_mla_timer_names_an_unknown_kv_cache_dtype():
-    from vllm_ddtree.budget.policy import mla_attention_timer
+    from vllm_ddtree.budget.attention_timing import mla_attention_timer
 
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2' is not allowed"):
         mla_attention_timer(2, 16, 16, 5, 24, torch.float32, torch.device("cpu"),

@@ -256,8 +256,9 @@ def test_forced_budget_hook(monkeypatch):
     """The GPU tests' hook (``vllm_ddtree.testing.forced_budgets``, applied by the check
     script itself): choose returns the listed non-zero budgets in turn, capped at B; the
     b = 0 gate takes a plain step for each 0 in turn; bad lists are refused."""
+    from vllm_ddtree.budget.attention_timing import measure_attention_table
     from vllm_ddtree.budget.gate import SpeculationGate
-    from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
+    from vllm_ddtree.budget.policy import BudgetPolicy
     from vllm_ddtree.testing import forced_budgets
 
     monkeypatch.setattr(BudgetPolicy, "choose", BudgetPolicy.choose)  # restored after
@@ -333,8 +334,9 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch, verify_
 
     import vllm_ddtree.patches.verify_shapes as verify_shapes
     from vllm_ddtree.budget import verify_costs as verify_shape_costs
+    from vllm_ddtree.budget.attention_timing import measure_attention_table
     from vllm_ddtree.budget.gate import SpeculationGate
-    from vllm_ddtree.budget.policy import BudgetPolicy, measure_attention_table
+    from vllm_ddtree.budget.policy import BudgetPolicy
 
     for cls, name in ((CudaGraphManager, "capture"), (GPUModelRunner, "capture_model"),
                       (GPUModelRunner, "execute_model")):

@@ -84,11 +84,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_ddtree.budget.attention_timing import (
+    MeasureFn,
+    measure_attention_table,
+    measurement_contexts,
+    target_attention_timer,
+)
 from vllm_ddtree.budget.choice import (
     BudgetCostTable,
     choose_batch_budget,
@@ -101,26 +107,12 @@ from vllm_ddtree.triton_path import use_triton
 if TYPE_CHECKING:
     from vllm_ddtree.budget.gate import StepCostModel
 
-__all__ = [
-    "BudgetPolicy",
-    "MeasureFn",
-    "candidate_budgets",
-    "cuda_time_fn",
-    "gqa_attention_timer",
-    "measure_attention_table",
-    "measurement_contexts",
-    "mla_attention_timer",
-]
+__all__ = ["BudgetPolicy", "candidate_budgets", "format_table"]
 
 # Under "vllm." so that the start-up table reaches vLLM's log handler (its "vllm"
 # logger does not propagate to the root logger).
 logger = logging.getLogger("vllm.ddtree.budget_policy")
 
-# measure_fn(context tokens, active query rows 1 + b) -> seconds of one request's verify
-# attention (1 + B rows, the first 1 + b active) in one layer.
-MeasureFn = Callable[[int, int], float]
-
-CONTEXT_GRID = (1024, 4096, 16384, 65536, 131072)
 # Wall intervals longer than this are an idle engine, not a round.
 MAX_ROUND_SECONDS = 2.0
 EMA_WEIGHT = 0.1
@@ -139,46 +131,6 @@ def candidate_budgets(max_budget: int) -> list[int]:
         out.append(b)
         b *= 2
     return out + [max_budget]
-
-
-def measurement_contexts(max_model_len: int) -> list[int]:
-    """Context lengths to time: :data:`CONTEXT_GRID` capped at ``max_model_len``
-    (which is timed when shorter than the grid's end). Past the last point attention
-    grows linearly with the context, so the table extrapolates its last segment
-    instead of allocating dummy caches of ``max_model_len`` tokens."""
-    if max_model_len < 1:
-        raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-    last = min(max_model_len, CONTEXT_GRID[-1])
-    return [c for c in CONTEXT_GRID if c < last] + [last]
-
-
-def measure_attention_table(
-    measure_fn: MeasureFn, contexts: Sequence[int], budgets: Sequence[int],
-    device: torch.device | str = "cpu",
-) -> BudgetCostTable:
-    """Time ``measure_fn(context, 1 + b)`` on the grid ``contexts x budgets``.
-
-    Args:
-        measure_fn: seconds of one request's verify attention in one layer.
-        contexts: increasing context lengths.
-        budgets: increasing candidate budgets.
-        device: where the table lives (the device the choice runs on).
-
-    Returns:
-        A :class:`BudgetCostTable` (``seconds [C, K]`` float32, extrapolating past the
-        last context). Each row is made non-decreasing in ``b`` (a longer query never
-        costs less; timing noise could say otherwise).
-    """
-    seconds = torch.tensor(
-        [[float(measure_fn(int(c), 1 + int(b))) for b in budgets] for c in contexts],
-        dtype=torch.float32,
-    )
-    if not bool(torch.isfinite(seconds).all()) or bool((seconds <= 0).any()):
-        raise ValueError(f"measure_fn returned non-positive or non-finite times: {seconds}")
-    seconds = seconds.cummax(dim=1).values
-    return BudgetCostTable(
-        torch.tensor(list(contexts)), torch.tensor(list(budgets)), seconds, extrapolate=True
-    ).to(device)
 
 
 def format_table(table: BudgetCostTable) -> str:
@@ -451,190 +403,3 @@ class BudgetPolicy:
             budgets, num_layers, time.perf_counter() - start, format_table(table),
         )
         return cls(table, num_layers, tp_group=tp_group, plain_attention=plain)
-
-
-# ---------------------------------------------------------------------------------------
-# Timing the target's own kernel (GPU)
-
-
-# time_fn(run) -> seconds of one call of run (CUDA events by default; tests use a clock).
-TimeFn = Callable[[Callable[[], Any]], float]
-
-
-def cuda_time_fn(warmup: int = 2, iters: int = 5) -> TimeFn:
-    """A ``time_fn``: mean seconds per call over ``iters`` back-to-back launches on the
-    current CUDA stream (CUDA events), after ``warmup`` calls."""
-    return lambda run: _time_cuda(run, warmup, iters)
-
-
-def _time_cuda(run: Callable[[], Any], warmup: int, iters: int) -> float:
-    """Mean seconds of ``run`` on the current CUDA stream (CUDA events)."""
-    for _ in range(warmup):
-        run()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1000.0 / iters
-
-
-def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
-    from vllm_ddtree.tree.draft_tree import pack_ancestor_mask
-
-    mask = torch.ones(rows, rows, dtype=torch.bool).tril()
-    return pack_ancestor_mask(mask).to(device)
-
-
-class _OneRequestBatch:
-    """The dummy verify batch both timers share: one request of ``max_query_len`` rows
-    (chain bits) over a paged cache of ``max_context + max_query_len`` tokens whose
-    pages are mapped in order. ``randn`` draws the dummy tensors (fixed seed)."""
-
-    def __init__(self, max_query_len: int, max_context: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-        self.max_query_len = max_query_len
-        self.num_blocks = -(-(max_context + max_query_len) // page_size)
-        self.gen = torch.Generator(device=device).manual_seed(0)
-        self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
-                                        device=device)[None]
-        self.bits = _chain_bits(max_query_len, device)
-        self.query_start_loc = torch.tensor([0, max_query_len], dtype=torch.int32,
-                                            device=device)
-
-    def randn(self, *shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=self.gen, device=self.device,
-                           dtype=torch.float32).to(self.dtype)
-
-    def measure_fn(self, time_fn: TimeFn, attend: Callable[..., Any]) -> MeasureFn:
-        """``measure(context, query_len)``: ``time_fn`` of ``attend(seq_lens,
-        active_query_lens, seq_len)`` (int32 ``[1]`` tensors and the host seq_len) for a
-        request with ``context`` cached tokens and ``query_len`` active rows."""
-        def measure(context: int, query_len: int) -> float:
-            seq_len = context + self.max_query_len
-            seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
-            active = torch.tensor([query_len], dtype=torch.int32, device=self.device)
-            return time_fn(lambda: attend(seq_lens, active, seq_len))
-
-        return measure
-
-
-# vLLM's --kv-cache-dtype names the tree MLA backend takes as an e4m3 cache (as
-# attention_backends/mla_tree/backend.py's FP8_KV_CACHE_DTYPES).
-_FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _mla_timer_cache(batch: _OneRequestBatch, page_size: int, head_dim: int,
-                     kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The dummy latent cache ``[num_blocks, page_size, head_dim]`` in the run's
-    ``kv_cache_dtype`` (vLLM's ``cache_config.cache_dtype``) and its ``kv_scale``:
-    "auto" -> the model dtype (``batch.dtype``), no scale; "float16" / "bfloat16" -> that
-    dtype; "fp8" / "fp8_e4m3" -> uint8 storage viewed as ``float8_e4m3fn`` (as vLLM
-    allocates it and hands it to the backend) with a scale of 1.0 (fp32, 0-d: a layer's
-    ``_k_scale``)."""
-    if kv_cache_dtype in _FP8_CACHE_DTYPES:
-        rows = torch.randn((batch.num_blocks, page_size, head_dim), generator=batch.gen,
-                           device=batch.device, dtype=torch.float32)
-        cache = torch.empty(rows.shape, dtype=torch.uint8, device=batch.device).view(
-            torch.float8_e4m3fn)
-        cache.copy_(rows)  # |randn| < 448: inside e4m3's range
-        return cache, torch.ones((), dtype=torch.float32, device=batch.device)
-    if kv_cache_dtype != "auto" and kv_cache_dtype not in _CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} is not allowed for the MLA verify timer: "
-            f"one of {['auto', *_CACHE_DTYPES, *_FP8_CACHE_DTYPES]}")
-    dtype = _CACHE_DTYPES.get(kv_cache_dtype, batch.dtype)
-    rows = batch.randn(batch.num_blocks, page_size, head_dim)
-    return rows.to(dtype), None
-
-
-def mla_attention_timer(
-    num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
-    dtype: torch.dtype, device: torch.device, page_size: int = 64,
-    graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
-    kv_cache_dtype: str = "auto",
-) -> MeasureFn:
-    """``measure_fn`` timing ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` for one
-    request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
-    (``dtype``) of which the first ``query_len`` are active (``active_query_lens``), on a
-    dummy latent cache of ``max_context + max_query_len`` tokens (allocated once) in the
-    run's ``kv_cache_dtype`` (:func:`_mla_timer_cache`: an fp8 cache takes the fp8
-    Triton kernel, as the run's verify does, not the bf16 cache's Gluon kernel).
-    ``graph_max_seq_len``: the split count a CUDA graph freezes (the backend sizes it
-    for ``max_model_len`` when capturing). ``time_fn``: default :func:`cuda_time_fn`."""
-    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
-
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
-    head_dim = kv_lora_rank + rope_dim
-    kv_cache, kv_scale = _mla_timer_cache(batch, page_size, head_dim, kv_cache_dtype)
-    q = batch.randn(max_query_len, num_heads, head_dim)
-    scale = head_dim ** -0.5
-    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
-        mla_tree_verify(
-            q, kv_cache, batch.block_table, seq_lens, batch.query_start_loc, batch.bits,
-            scale, kv_lora_rank, max_query_len=max_query_len,
-            max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
-            active_query_lens=active, kv_scale=kv_scale,
-        )))
-
-
-def gqa_attention_timer(
-    num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, max_context: int,
-    dtype: torch.dtype, device: torch.device, page_size: int = 64,
-    time_fn: TimeFn | None = None,
-) -> MeasureFn:
-    """``measure_fn`` timing ``vllm_ddtree.attention_backends.gqa_tree.gqa_tree_verify`` for one
-    request (full attention; sliding-window layers cost less and are modeled as full),
-    ``query_len`` active rows of ``max_query_len``, as :func:`mla_attention_timer`."""
-    from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify
-
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
-    k_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
-    v_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
-    q = batch.randn(max_query_len, num_q_heads, head_dim)
-    scale = head_dim ** -0.5
-    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
-        gqa_tree_verify(
-            q, k_cache, v_cache, batch.block_table, seq_lens, batch.query_start_loc,
-            batch.bits, scale, max_query_len=max_query_len, max_seq_len=seq_len,
-            validate_values=False, active_query_lens=active,
-        )))
-
-
-def _run_cache_dtype(vllm_config: Any) -> str:
-    """vLLM's ``cache_config.cache_dtype`` (``--kv-cache-dtype``), "auto" without one."""
-    cache_config = getattr(vllm_config, "cache_config", None)
-    return str(getattr(cache_config, "cache_dtype", None) or "auto")
-
-
-def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
-                           time_fn: TimeFn | None = None) -> MeasureFn:
-    """The timer for the target's tree backend, with its per-GPU shapes from the HF
-    config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
-
-    Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths x 7 launches; about
-    0.1-0.5 s on an H200 for a 64-head MLA target up to 128k with B = 64 (well under
-    3 s), plus the kernel's first Triton compile, which vLLM's warm-up would do anyway.
-    """
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    hf = model_config.hf_text_config
-    dtype = model_config.dtype
-    max_context = measurement_contexts(model_config.max_model_len)[-1]
-    heads = model_config.get_num_attention_heads(parallel)
-    if model_config.use_mla:
-        mode = vllm_config.compilation_config.cudagraph_mode
-        graphs = not model_config.enforce_eager and bool(mode) and mode.has_full_cudagraphs()
-        return mla_attention_timer(
-            heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
-            device, graph_max_seq_len=model_config.max_model_len if graphs else None,
-            time_fn=time_fn, kv_cache_dtype=_run_cache_dtype(vllm_config),
-        )
-    return gqa_attention_timer(
-        heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
-        max_query_len, max_context, dtype, device, time_fn=time_fn,
-    )

@@ -44,7 +44,7 @@ class ShapeGraphTimer:
         shapes: drafts per request ``s`` (graphs of ``1 + s`` rows a request; for the
             drafter ``block_size - 1``).
         time_fn: ``time_fn(run) -> seconds`` of one call of ``run`` (default: CUDA
-            events, ``budget_policy.cuda_time_fn``).
+            events, ``attention_timing.cuda_time_fn``).
         request_counts: the ``num_reqs`` of the graphs to time (default: one request).
     """
 
@@ -52,7 +52,7 @@ class ShapeGraphTimer:
                  time_fn: Callable[[Callable[[], Any]], float] | None = None,
                  request_counts: Iterable[int] = (1,)) -> None:
         if time_fn is None:
-            from vllm_ddtree.budget.policy import cuda_time_fn
+            from vllm_ddtree.budget.attention_timing import cuda_time_fn
 
             time_fn = cuda_time_fn()
         self.graphs = graphs
