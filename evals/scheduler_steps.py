@@ -80,11 +80,11 @@ def scheduler_step_ms(groups: list, num_spec_tokens: int, num_reqs: int, steps: 
         out = scheduler.schedule()
         req_ids = list(out.num_scheduled_tokens)
         if len(times) >= warmup:  # the timed steps must be the decodes they claim
-            drafts = {len(out.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids}
-            if len(req_ids) != num_reqs or drafts != {num_spec_tokens}:
+            counts = {len(out.scheduled_spec_decode_tokens.get(r, ())) for r in req_ids}
+            if len(req_ids) != num_reqs or counts != {num_spec_tokens}:
                 raise RuntimeError(
                     f"a timed step scheduled {len(req_ids)} of {num_reqs} requests with "
-                    f"{sorted(drafts)} drafts each, not {num_spec_tokens} (too few "
+                    f"{sorted(counts)} drafts each, not {num_spec_tokens} (too few "
                     "warm-up steps for the prefills, or KV blocks)")
         sampled = []
         for req_id in req_ids:
