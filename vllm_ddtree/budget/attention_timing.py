@@ -5,11 +5,26 @@
 layer (``1 + B`` query rows, the first ``1 + b`` active), timed with the target's own
 tree kernel (MLA or GQA, the run's cache dtype and page size) on dummy tensors;
 :func:`measure_attention_table` runs it over the (context x budget) grid
-``vllm_ddtree.budget.policy.BudgetPolicy`` chooses from. Only start-up syncs.
+``vllm_ddtree.budget.policy.BudgetPolicy`` chooses from, and
+:func:`measure_attention_costs` adds the one-row column of plain decoding steps. Only
+start-up syncs.
+
+How a call is timed follows the run's ``compilation_config.cudagraph_mode``
+(:func:`attention_time_fn`): where decode steps replay FULL CUDA graphs (FULL,
+FULL_AND_PIECEWISE, FULL_DECODE_ONLY, not ``enforce_eager``), :class:`GraphTimer`
+captures the call in a ``torch.cuda.CUDAGraph`` and times replays, as the verify step
+runs it; otherwise (NONE, PIECEWISE, ``enforce_eager``, a CPU device)
+:func:`cuda_time_fn` times eager launches. Eager timing of small shapes measures the
+host's launch overhead, which a graph replay does not pay, and would overstate short
+contexts and few rows. If the capture fails, the :class:`GraphTimer` times eagerly from
+then on and :func:`measure_attention_costs` times the whole grid again, so that a table
+never mixes the two kinds.
 """
 
 from __future__ import annotations
 
+import logging
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,15 +34,22 @@ from vllm_ddtree.budget.choice import BudgetCostTable
 
 __all__ = [
     "CONTEXT_GRID",
+    "GraphTimer",
     "MeasureFn",
     "TimeFn",
+    "attention_time_fn",
     "cuda_time_fn",
+    "full_decode_graphs",
     "gqa_attention_timer",
+    "measure_attention_costs",
     "measure_attention_table",
     "measurement_contexts",
     "mla_attention_timer",
     "target_attention_timer",
 ]
+
+# Under "vllm." so that a capture failure reaches vLLM's log handler.
+logger = logging.getLogger("vllm.ddtree.attention_timing")
 
 # measure_fn(context tokens, active query rows 1 + b) -> seconds of one request's verify
 # attention (1 + B rows, the first 1 + b active) in one layer.
@@ -76,10 +98,50 @@ def measure_attention_table(
     ).to(device)
 
 
+def measure_attention_costs(
+    measure_fn: MeasureFn, contexts: Sequence[int], budgets: Sequence[int],
+    device: torch.device | str = "cpu", time_fn: TimeFn | None = None,
+) -> tuple[BudgetCostTable, list[float]]:
+    """The table of :func:`measure_attention_table` and the one-row column (a plain
+    decoding step, ``measure_fn(context, 1)`` per context: host floats, seconds).
+
+    ``time_fn``: the one ``measure_fn`` times with. When it is a :class:`GraphTimer`
+    whose capture fails after it timed some cells in graphs, the table and the column
+    are timed again (eagerly: the timer's fallback is sticky), so that every cell is
+    of one kind.
+    """
+    graph_timings = time_fn.graph_timings if isinstance(time_fn, GraphTimer) else 0
+    table = measure_attention_table(measure_fn, contexts, budgets, device)
+    plain = [float(measure_fn(int(c), 1)) for c in contexts]
+    if isinstance(time_fn, GraphTimer) and time_fn.failure is not None \
+            and time_fn.graph_timings > graph_timings:
+        table = measure_attention_table(measure_fn, contexts, budgets, device)
+        plain = [float(measure_fn(int(c), 1)) for c in contexts]
+    return table, plain
 
 
 # time_fn(run) -> seconds of one call of run (CUDA events by default; tests use a clock).
 TimeFn = Callable[[Callable[[], Any]], float]
+
+
+def full_decode_graphs(vllm_config: Any) -> bool:
+    """Whether the run's decode steps (the verify steps among them) replay FULL CUDA
+    graphs: ``compilation_config.cudagraph_mode`` FULL, FULL_AND_PIECEWISE or
+    FULL_DECODE_ONLY (its ``decode_mode()`` is FULL) and not ``enforce_eager``.
+    NONE and PIECEWISE run attention eagerly (PIECEWISE graphs leave attention out)."""
+    if vllm_config.model_config.enforce_eager:
+        return False
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return bool(mode) and mode.decode_mode().has_full_cudagraphs()
+
+
+def attention_time_fn(vllm_config: Any, device: torch.device | str) -> TimeFn:
+    """The ``time_fn`` of the run's verify attention: a :class:`GraphTimer` where
+    decode steps replay FULL CUDA graphs on a CUDA device (:func:`full_decode_graphs`),
+    else :func:`cuda_time_fn` (eager launches)."""
+    if torch.device(device).type == "cuda" and full_decode_graphs(vllm_config):
+        return GraphTimer()
+    return cuda_time_fn()
 
 
 def cuda_time_fn(warmup: int = 2, iters: int = 5) -> TimeFn:
@@ -100,6 +162,97 @@ def _time_cuda(run: Callable[[], Any], warmup: int, iters: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1000.0 / iters
+
+
+def _capture_cuda_graph(run: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``run``, captured
+    on a side stream (``capture_error_mode="thread_local"``: other threads' CUDA calls
+    are not disturbed). The caller's current stream is current again afterwards, also
+    when the capture raises: ``torch.cuda.graph``'s exit ends the capture before it
+    restores the stream, and a failed capture makes the end raise first."""
+    caller = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(caller)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            for _ in range(calls):
+                run()
+    finally:
+        torch.cuda.set_stream(caller)
+    caller.wait_stream(side)
+    return graph
+
+
+def _median_replay_seconds(graph: torch.cuda.CUDAGraph, warmup: int, samples: int) -> float:
+    """Median seconds of one replay of ``graph`` on the current stream over ``samples``
+    replays, each between two CUDA events, after ``warmup`` replays (the warm-up keeps
+    the GPU busy while the host enqueues the timed replays)."""
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(samples)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    events[-1][1].synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events) / 1000.0
+
+
+class GraphTimer:
+    """A ``time_fn`` (:data:`TimeFn`): seconds of one call of ``run`` inside a CUDA
+    graph, as a FULL-graph verify step runs attention (no per-launch host overhead).
+
+    Each call runs ``run`` once eagerly (its first call compiles kernels, which a
+    capture cannot), captures ``calls_per_graph`` back-to-back calls in one graph
+    (:func:`_capture_cuda_graph`: a one-kernel graph's replay would still pay a
+    launch), and returns the median replay time over ``samples`` replays after
+    ``warmup`` (:func:`_median_replay_seconds`) divided by ``calls_per_graph``. The
+    graph is dropped afterwards (its memory pool with it).
+
+    If a capture raises (a kernel that cannot be captured), the timer logs one warning
+    naming the error, keeps it in :attr:`failure` and times every later call eagerly
+    with ``eager_time_fn`` (default :func:`cuda_time_fn`): it does not try to capture
+    again, cell by cell. :attr:`graph_timings` counts the calls timed in graphs
+    (:func:`measure_attention_costs` times a grid again when it fell back midway).
+    """
+
+    def __init__(self, calls_per_graph: int = 4, warmup: int = 3, samples: int = 7,
+                 eager_time_fn: TimeFn | None = None) -> None:
+        if calls_per_graph < 1 or samples < 1 or warmup < 0:
+            raise ValueError(
+                f"GraphTimer(calls_per_graph={calls_per_graph}, warmup={warmup}, "
+                f"samples={samples}) is not allowed: calls_per_graph >= 1, warmup >= 0, "
+                "samples >= 1")
+        self.calls_per_graph = calls_per_graph
+        self.warmup = warmup
+        self.samples = samples
+        self.eager_time_fn = eager_time_fn or cuda_time_fn()
+        # "ExceptionType: message" of the capture that failed; None while graphs work.
+        self.failure: str | None = None
+        self.graph_timings = 0
+
+    @property
+    def in_graphs(self) -> bool:
+        """Whether calls are timed in CUDA graphs (no capture has failed)."""
+        return self.failure is None
+
+    def __call__(self, run: Callable[[], Any]) -> float:
+        if self.failure is not None:
+            return self.eager_time_fn(run)
+        run()
+        try:
+            graph = _capture_cuda_graph(run, self.calls_per_graph)
+        except Exception as e:  # noqa: BLE001 - start-up timing falls back, never stops
+            self.failure = f"{type(e).__name__}: {e}"
+            logger.warning("DDTree auto budget: capturing the verify attention in a CUDA "
+                           "graph failed (%s); timing it eagerly instead", self.failure)
+            return self.eager_time_fn(run)
+        seconds = _median_replay_seconds(graph, self.warmup, self.samples)
+        del graph
+        self.graph_timings += 1
+        return seconds / self.calls_per_graph
 
 
 def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
@@ -236,10 +389,14 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
                            time_fn: TimeFn | None = None) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
     config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
+    ``time_fn``: default :func:`attention_time_fn` (graph replays where the run's
+    decode steps replay FULL CUDA graphs, else eager launches).
 
-    Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths x 7 launches; about
-    0.1-0.5 s on an H200 for a 64-head MLA target up to 128k with B = 64 (well under
-    3 s), plus the kernel's first Triton compile, which vLLM's warm-up would do anyway.
+    Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths (and the one-row column),
+    eagerly 7 launches each; about 0.1-0.5 s on an H200 for a 64-head MLA target up to
+    128k with B = 64 (well under 3 s), plus the kernel's first Triton compile, which
+    vLLM's warm-up would do anyway. In graphs each also takes one eager launch, a
+    capture of 4 calls and 10 replays (:class:`GraphTimer`).
     """
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
@@ -247,9 +404,9 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
     dtype = model_config.dtype
     max_context = measurement_contexts(model_config.max_model_len)[-1]
     heads = model_config.get_num_attention_heads(parallel)
+    time_fn = time_fn or attention_time_fn(vllm_config, device)
     if model_config.use_mla:
-        mode = vllm_config.compilation_config.cudagraph_mode
-        graphs = not model_config.enforce_eager and bool(mode) and mode.has_full_cudagraphs()
+        graphs = full_decode_graphs(vllm_config)
         return mla_attention_timer(
             heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,

@@ -14,7 +14,12 @@ per batch:
 
 * ``attn(ctx, q)``: one request's tree-verify attention in one target layer, measured
   at start-up with the target's own kernel on dummy tensors over a (context x query
-  length) grid (:func:`measure_attention_table`), interpolated on the device.
+  length) grid (:func:`measure_attention_costs`), interpolated on the device. Where
+  the run's decode steps replay FULL CUDA graphs (``cudagraph_mode`` FULL,
+  FULL_AND_PIECEWISE or FULL_DECODE_ONLY) each cell is timed as replays of a graph
+  capturing the kernel (``attention_timing.GraphTimer``), as the verify step runs it;
+  otherwise (NONE, PIECEWISE, ``enforce_eager``) as eager launches, which is what
+  those steps pay (a failed capture falls back to eager timing for the whole grid).
   Summing it over requests overcounts the fixed launch cost of short contexts at
   larger batches (a batch runs one kernel); that cost does not depend on ``b``.
 * ``rows(n)``: with adaptive verify shapes, what verifying ``n`` rows costs beside
@@ -90,8 +95,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_ddtree.budget.attention_timing import (
+    GraphTimer,
     MeasureFn,
-    measure_attention_table,
+    attention_time_fn,
+    measure_attention_costs,
     measurement_contexts,
     target_attention_timer,
 )
@@ -147,7 +154,7 @@ class BudgetPolicy:
 
     Args:
         table: one request's attention seconds per layer (``budgets`` = candidates,
-            the last one = B), e.g. from :func:`measure_attention_table`.
+            the last one = B), e.g. from :func:`measure_attention_costs`.
         num_layers: target attention layers on this GPU.
         ema_weight: weight of a new base-time sample.
         tp_group: vLLM's tensor-parallel ``GroupCoordinator`` when it has more than one
@@ -370,27 +377,33 @@ class BudgetPolicy:
                          device: torch.device | str,
                          measure_fn: MeasureFn | None = None) -> BudgetPolicy:
         """Measure the target's verify attention (``measure_fn`` default: the MLA or
-        GQA tree kernel with the target's shapes) and build the policy. Syncs."""
+        GQA tree kernel with the target's shapes, timed in CUDA graphs or eagerly as
+        the run's ``cudagraph_mode`` runs it: ``attention_timing.attention_time_fn``)
+        and build the policy. Syncs."""
         model_config = vllm_config.model_config
         parallel = vllm_config.parallel_config
         budgets = candidate_budgets(max_budget)
         contexts = measurement_contexts(model_config.max_model_len)
         device = torch.device(device)
         start = time.perf_counter()
+        timing = "by the given measure_fn"
         if measure_fn is None and device.type == "cuda":
             # Launch on the runner's GPU; give the dummy caches back before vLLM
             # profiles memory.
             with torch.cuda.device(device):
-                timer = target_attention_timer(vllm_config, 1 + max_budget, device)
-                table = measure_attention_table(timer, contexts, budgets, device)
-                plain = [float(timer(int(c), 1)) for c in contexts]
-                del timer
+                time_fn = attention_time_fn(vllm_config, device)
+                attention = target_attention_timer(vllm_config, 1 + max_budget, device,
+                                                   time_fn=time_fn)
+                table, plain = measure_attention_costs(attention, contexts, budgets, device,
+                                                       time_fn=time_fn)
+                in_graphs = isinstance(time_fn, GraphTimer) and time_fn.in_graphs
+                timing = "as CUDA graph replays" if in_graphs else "as eager launches"
+                del attention, time_fn
                 torch.cuda.empty_cache()
         else:
             measure_fn = measure_fn or target_attention_timer(vllm_config, 1 + max_budget,
                                                               device)
-            table = measure_attention_table(measure_fn, contexts, budgets, device)
-            plain = [float(measure_fn(int(c), 1)) for c in contexts]
+            table, plain = measure_attention_costs(measure_fn, contexts, budgets, device)
         num_layers = model_config.get_num_layers(parallel)
         tp_group = None
         if parallel.tensor_parallel_size > 1:
@@ -399,7 +412,7 @@ class BudgetPolicy:
             tp_group = get_tp_group()
         logger.info(
             "DDTree auto budget: candidates %s, %d target layers; verify attention per "
-            "request and layer (us), measured in %.2f s:\n%s",
-            budgets, num_layers, time.perf_counter() - start, format_table(table),
+            "request and layer (us), timed %s in %.2f s:\n%s",
+            budgets, num_layers, timing, time.perf_counter() - start, format_table(table),
         )
         return cls(table, num_layers, tp_group=tp_group, plain_attention=plain)
