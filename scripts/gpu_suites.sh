@@ -27,7 +27,7 @@
 #   ddtree     DDTree on the embedded pair against AR and the reference engine (mixed
 #              batch, greedy and seeded sampling, B = 32 and 8), eager
 #   graphs     the same with CUDA graphs (also one KV-cache group), after the graph-capture
-#              unit tests (drafter context K/V graphs, tree store)
+#              unit tests (drafter context K/V graphs, tree store, auto's attention timer)
 #   auto       ddtree_budget "auto" (B <= 32) against AR: eager, CUDA graphs, fixed shape
 #              and the cycled adaptive shapes
 #   cycled     only the cycled adaptive-shape test (budgets forced through 0..32, 0 = plain
@@ -333,7 +333,7 @@ for stage in "$@"; do
               -k "not tiny_random and not graphs and not auto" ;;
     graphs)
       stage_pytest graphs_capture 240 tests/gpu/test_context_kv_graphs_gpu.py \
-        tests/gpu/test_tree_store_graph_gpu.py
+        tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_attention_graph_timer_gpu.py
       stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
     auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
     cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;

@@ -386,7 +386,7 @@ class BudgetPolicy:
         contexts = measurement_contexts(model_config.max_model_len)
         device = torch.device(device)
         start = time.perf_counter()
-        timing = "by the given measure_fn"
+        timing = "as eager launches" if measure_fn is None else "by the given measure_fn"
         if measure_fn is None and device.type == "cuda":
             # Launch on the runner's GPU; give the dummy caches back before vLLM
             # profiles memory.
