@@ -46,3 +46,32 @@ def test_mla_timer_names_an_unknown_kv_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2' is not allowed"):
         mla_attention_timer(2, 16, 16, 5, 24, torch.float32, torch.device("cpu"),
                             kv_cache_dtype="fp8_e5m2")
+
+
+@pytest.mark.parametrize("verify_shape", ["adaptive", "fixed", None])
+def test_policy_times_the_kernel_the_runs_verify_takes(monkeypatch, verify_shape):
+    """``BudgetPolicy.from_vllm_config`` times the MLA verify with the run's
+    ``mostly_active`` (adaptive verify shapes: on sm_90 the Gluon kernel computes every
+    row; else Triton skips the inactive ones) and, where decode steps replay FULL graphs,
+    with the split count resolved on the device (``runtime_kv_splits``), as the backend
+    launches it. The launch is mocked (timing needs a GPU)."""
+    from vllm_ddtree.attention_backends import mla_tree
+    from vllm_ddtree.budget.attention_timing import target_attention_timer
+    from vllm_ddtree.budget.policy import _adaptive_verify_shapes
+    from vllm_ddtree.config import DDTreeConfig
+
+    launches = []
+    monkeypatch.setattr(mla_tree, "mla_tree_verify",
+                        lambda *args, **kwargs: launches.append(kwargs))
+    config = fake_vllm_config(True)
+    config.speculative_config = None
+    if verify_shape is not None:
+        ddtree = DDTreeConfig(budget=4, adaptive=True, verify_shape=verify_shape)
+        config.speculative_config = NS(ddtree=ddtree)
+    adaptive = _adaptive_verify_shapes(config)
+    assert adaptive == (verify_shape == "adaptive")
+    measure = target_attention_timer(config, 1 + 4, torch.device("cpu"),
+                                     time_fn=lambda run: clock(run), mostly_active=adaptive)
+    measure(24, 1 + 2)
+    assert launches[-1]["mostly_active"] is adaptive
+    assert launches[-1]["runtime_kv_splits"] is False  # eager run: host split count

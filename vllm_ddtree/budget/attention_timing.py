@@ -330,7 +330,7 @@ def mla_attention_timer(
     num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
     graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
-    kv_cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto", mostly_active: bool = False,
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` for one
     request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
@@ -339,7 +339,11 @@ def mla_attention_timer(
     run's ``kv_cache_dtype`` (:func:`_mla_timer_cache`: an fp8 cache takes the fp8
     Triton kernel, as the run's verify does, not the bf16 cache's Gluon kernel).
     ``graph_max_seq_len``: the split count a CUDA graph freezes (the backend sizes it
-    for ``max_model_len`` when capturing). ``time_fn``: default :func:`cuda_time_fn`."""
+    for ``max_model_len`` when capturing; it then also resolves the split count per
+    request on the device, ``runtime_kv_splits``). ``mostly_active``: the backend's
+    ``TREE_MASK_STATE.mostly_active`` in this run (adaptive verify shapes), which decides
+    between the Gluon and the Triton kernel on sm_90 as in the run's verify.
+    ``time_fn``: default :func:`cuda_time_fn`."""
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
     batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
@@ -352,7 +356,8 @@ def mla_attention_timer(
             q, kv_cache, batch.block_table, seq_lens, batch.query_start_loc, batch.bits,
             scale, kv_lora_rank, max_query_len=max_query_len,
             max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
-            active_query_lens=active, kv_scale=kv_scale,
+            active_query_lens=active, kv_scale=kv_scale, mostly_active=mostly_active,
+            runtime_kv_splits=graph_max_seq_len is not None,
         )))
 
 
@@ -386,11 +391,13 @@ def _run_cache_dtype(vllm_config: Any) -> str:
 
 
 def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
-                           time_fn: TimeFn | None = None) -> MeasureFn:
+                           time_fn: TimeFn | None = None,
+                           mostly_active: bool = False) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
     config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
     ``time_fn``: default :func:`attention_time_fn` (graph replays where the run's
-    decode steps replay FULL CUDA graphs, else eager launches).
+    decode steps replay FULL CUDA graphs, else eager launches). ``mostly_active``:
+    the run verifies adaptive shapes (see :func:`mla_attention_timer`).
 
     Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths (and the one-row column),
     eagerly 7 launches each; about 0.1-0.5 s on an H200 for a 64-head MLA target up to
@@ -411,6 +418,7 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
             heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,
             time_fn=time_fn, kv_cache_dtype=_run_cache_dtype(vllm_config),
+            mostly_active=mostly_active,
         )
     return gqa_attention_timer(
         heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
