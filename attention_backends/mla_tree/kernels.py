@@ -163,10 +163,10 @@ def _load_kv_tile(
 def _fp8_value_tile(KV, pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
                     KV_LORA: tl.constexpr, BLOCK_L: tl.constexpr, PAGE_SIZE: tl.constexpr,
                     BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    """V ``[BLOCK_N, BLOCK_L]`` of an fp8 tile, loaded again (the K load brought it into
-    L2: ``.cg``) and widened to fp16 where the PV MMA reads it, rather than keeping K's
+    """V ``[BLOCK_N, BLOCK_L]`` fp8 of a tile, loaded again (the K load brought it into
+    L2: ``.cg``) for the caller to widen just before the PV MMA, rather than keeping K's
     widened tile live from the QK MMA on. ``MASKED``: keys outside ``key_valid`` read 0
-    (their probability is 0, but 0 * NaN is NaN and past ``seq_len`` a row is garbage)."""
+    (their probability is 0, but 0 * NaN is NaN and past ``seq_len`` a slot is garbage)."""
     ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE, BLOCK_N)
     return _load_latent(ptrs, key_valid, offs_l, KV_LORA, BLOCK_L, MASKED, ".cg")
 
