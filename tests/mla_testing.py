@@ -5,11 +5,12 @@ from __future__ import annotations
 import textwrap
 
 # Script text (run by kernel_testing.compiled_shared_memory, outside the interpreter):
-# ``shared_bytes(cfg, arch=120, page=64, has_active=False, runtime=False, kv_fp8=False)``
+# ``compiled(cfg, arch=120, page=64, has_active=False, runtime=False, kv_fp8=False)``
 # compiles ``_mla_tree_fwd_kernel`` for sm_<arch> at DeepSeek's dims (16 heads,
 # kv_lora_rank 512, rope 64; bf16 q, a bf16 or fp8 e4m3 latent cache) with the tile
-# config ``cfg`` and returns its shared memory in bytes. A test appends its own loop,
-# which prints one JSON line.
+# config ``cfg`` and returns Triton's compiled kernel; ``shared_bytes(...)`` (same
+# arguments) its shared memory in bytes. A test appends its own loop, which prints one
+# JSON line.
 MLA_COMPILE_PRELUDE = textwrap.dedent(
     """
     import json, triton
@@ -22,7 +23,7 @@ MLA_COMPILE_PRELUDE = textwrap.dedent(
     aligned = ("stride_qt", "stride_kvb", "stride_kvp", "stride_ot", "stride_os")
 
 
-    def shared_bytes(cfg, arch=120, page=64, has_active=False, runtime=False, kv_fp8=False):
+    def compiled(cfg, arch=120, page=64, has_active=False, runtime=False, kv_fp8=False):
         ptrs = {"Q": "*bf16", "KV": "*fp8e4nv" if kv_fp8 else "*bf16", "BlockTable": "*i32",
                 "SeqLens": "*i32", "QueryStartLoc": "*i32", "AncestorBits": "*i64",
                 "Out": "*fp32", "Lse": "*fp32", "ActiveQueryLens": "*i32",
@@ -35,9 +36,13 @@ MLA_COMPILE_PRELUDE = textwrap.dedent(
                            "fp32" if n == "qk_scale" else "i32") for n in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if n in ptrs or n in aligned}
-        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-        return k.metadata.shared
+        return triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": cfg.num_warps,
+                                       "num_stages": cfg.num_stages})
+
+
+    def shared_bytes(*args, **kwargs):
+        return compiled(*args, **kwargs).metadata.shared
     """
 )

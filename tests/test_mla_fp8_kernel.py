@@ -137,6 +137,50 @@ def test_scale_is_read_on_the_device():
     assert not torch.allclose(first.float(), second.float(), atol=1e-2)
 
 
+@pytest.mark.parametrize("magnitude", [3e5, 1e-6, 1e20, 1e-20])
+def test_query_magnitudes_outside_fp16(magnitude):
+    """The kernel multiplies in fp16, whose range a bf16 q may leave (above 65504, or
+    below its subnormals): q at ``magnitude`` times its usual size, the softmax scale
+    divided by it (the same well-conditioned attention), matches the fp32 reference."""
+    batch = fp8_batch(MIXED[:4], page_size=4, seed=7)
+    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
+    batch["scale"] = batch["scale"] / magnitude
+    check(batch, num_kv_splits=2)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf / NaN
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_query_stays_in_its_row(bad):
+    """One q entry inf / NaN: every other row of its tile (the same request, the same
+    CTA) still matches the reference; only the bad row's result is undefined."""
+    batch = fp8_batch(MIXED[2:4], page_size=4, heads=2, seed=11)
+    token, head = 3, 1  # request 0 (9 tokens x 2 heads: one 16- or 32-row tile)
+    batch["q"][token, head, 5] = bad
+    out, lse = mla_tree_verify(**batch, num_kv_splits=2)
+    ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
+    good = torch.ones(lse.shape, dtype=torch.bool, device=lse.device)
+    good[token, head] = False
+    tol = TOLS[torch.bfloat16]
+    torch.testing.assert_close(out[good].float(), ref_out[good].float(), **tol)
+    torch.testing.assert_close(lse[good], ref_lse[good], **tol)
+
+
+def test_garbage_past_the_keys_is_not_read():
+    """Cache slots no request owns hold e4m3 NaN bytes (0x7F): the masked tiles (a
+    partial context tile, the new tokens) load K and V with their keys' mask, so the
+    results stay those of the reference. On a GPU this checks the masked V load (0 * NaN
+    is NaN in the PV MMA); Triton's interpreter decodes 0x7F as 480, not NaN, so on the
+    CPU only the K side can fail."""
+    batch = fp8_batch(MIXED, page_size=4, seed=13)
+    owned = torch.zeros(batch["kv_cache"].shape[:2], dtype=torch.bool)
+    for r, seq_len in enumerate(batch["seq_lens"].tolist()):
+        pos = torch.arange(seq_len)
+        owned[batch["block_table"][r].cpu().long()[pos // 4], pos % 4] = True
+    batch["kv_cache"].view(torch.uint8)[~owned.to(DEVICE)] = 0x7F
+    out, lse = check(batch, num_kv_splits=2)
+    assert torch.isfinite(out.float()).all()
+
+
 def test_fp8_never_takes_the_gluon_kernel(monkeypatch):
     from vllm_ddtree.attention_backends.mla_tree import gluon_kernel, ops
 
@@ -174,19 +218,41 @@ def test_bad_scales_name_the_field():
 
 _COMPILE_FP8 = MLA_COMPILE_PRELUDE + textwrap.dedent(
     """
-    print(json.dumps([[arch, shared_bytes(cfg, arch, page=16, runtime=True, kv_fp8=True)]
-                      for arch, configs in ((120, MLA_TILE_CONFIGS), (90, LARGE_SMEM_TILE_CONFIGS))
-                      for cfg in configs]))
+    import re
+
+
+    def conversions_and_mmas(kernel):
+        return set(re.findall(r"\\b(?:cvt|mma\\.sync|wgmma\\.mma_async)\\.[\\w.]+",
+                              kernel.asm["ptx"]))
+
+
+    # sm_120: pages 1 / 16 / 64 (one page-id lookup per key, per page, per tile) with
+    # the run-time splits of a CUDA graph, and the active-row re-split; sm_90: the
+    # 64-row tile (wgmma).
+    variants = {120: [dict(page=16, runtime=True), dict(page=1, runtime=True),
+                      dict(page=64, runtime=True), dict(page=1, has_active=True),
+                      dict(page=64, has_active=True)],
+                90: [dict(page=16, runtime=True)]}
+    rows = []
+    for arch, configs in ((120, MLA_TILE_CONFIGS), (90, LARGE_SMEM_TILE_CONFIGS)):
+        for cfg in configs:
+            kernels_ = [compiled(cfg, arch, kv_fp8=True, **v) for v in variants[arch]]
+            ops = set().union(*map(conversions_and_mmas, kernels_))
+            rows.append([arch, max(k.metadata.shared for k in kernels_), sorted(ops)])
+    print(json.dumps(rows))
     """
 )
 
 
-def test_fp8_variant_compiles_within_the_16_bit_estimate():
-    """The fp8 tiles are staged as fp8 and widened in registers: compiled for sm_120
-    (every table config) and sm_90 (the large tile), the fp8 variant's shared memory
-    stays within the bf16 estimate the configs are chosen by on sm_120 (measured: 53.5 /
-    72 KB against 56.5 / 76 KB in bf16) and within Hopper's 227 KB for the 64-row tile
-    (185 against 222 KB in bf16)."""
+def test_fp8_variant_compiles_to_fp16_mmas_within_the_16_bit_estimate():
+    """The fp8 variant compiled for sm_120 (every table config, pages 1 / 16 / 64, the
+    graph's run-time splits and the active-row re-split) and sm_90 (the 64-row tile):
+
+    - its MMAs take fp16 operands, the tiles are widened by e4m3x2 -> f16x2 conversions
+      and nothing is converted to bf16 (the bf16 q becomes fp16 through fp32);
+    - its shared memory (K and V staged as fp8) stays within the bf16 estimate the
+      configs are chosen by on sm_120 (measured: 54.5 / 74 KB against 56.5 / 76 KB in
+      bf16) and within Hopper's 227 KB for the 64-row tile (218 against 222 KB)."""
     from vllm_ddtree.attention_backends.mla_tree import (
         MLA_TILE_CONFIGS,
         SM120_SHARED_MEMORY_BYTES,
@@ -194,9 +260,13 @@ def test_fp8_variant_compiles_within_the_16_bit_estimate():
     )
     from vllm_ddtree.attention_backends.mla_tree.configs import LARGE_SMEM_TILE_CONFIGS
 
-    shared = compiled_shared_memory(_COMPILE_FP8)
+    compiled = compiled_shared_memory(_COMPILE_FP8)
     configs = list(MLA_TILE_CONFIGS) + list(LARGE_SMEM_TILE_CONFIGS)
-    for config, (arch, used) in zip(configs, shared, strict=True):
+    for config, (arch, used, ops) in zip(configs, compiled, strict=True):
+        mmas = [op for op in ops if "mma" in op]
+        assert mmas and all(".f16.f16" in op for op in mmas), (config, mmas)
+        assert "cvt.rn.f16x2.e4m3x2" in ops, (config, ops)
+        assert not [op for op in ops if op.startswith(("cvt.bf16", "cvt.rn.bf16"))], ops
         if arch == 120:
             assert used <= SM120_SHARED_MEMORY_BYTES, (config, used)
             assert used <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16)

@@ -173,7 +173,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
         self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         if self._fp8_cache:
             _check_fp8_capability(kv_cache_dtype)
-            # The kernel widens the fp8 cache to q's 16-bit dtype: keep q unquantized
+            # The kernel widens the fp8 cache to fp16 and takes q unquantized
             # (MLACommonImpl would otherwise hand forward_mqa an fp8 q), as TRITON_MLA.
             self.supports_quant_query_input = False
 

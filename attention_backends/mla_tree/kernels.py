@@ -30,11 +30,20 @@ the waves of 4x shorter splits the host would give it.
 
 ``KV_FP8`` (constexpr): the cache holds fp8 (e4m3) latent rows, vLLM's ``--kv-cache-dtype
 fp8`` layout for MLA (``concat_and_cache_mla``: ``row = fp8(x / k_scale)``, one fp32 scale
-per layer, for the latent and rope parts alike). Tiles are widened to q's dtype in
-registers (exact: every e4m3 value is a bf16 / fp16 value) and the scale is applied
-once, not per key: ``q . (s k) = s (q . k)`` folds into the softmax scale and
-``sum p (s v) = s sum p v`` into the output, so the MMAs and the fp32 accumulation are
-those of the 16-bit cache.
+per layer, for the latent and rope parts alike). The scale is applied once, not per
+key: ``q . (s k) = s (q . k)`` folds into the softmax scale and ``sum p (s v) = s sum p
+v`` into the output. With a 16-bit q the MMAs take fp16 operands (fp32 accumulation):
+e4m3 -> fp16 is exact (every e4m3 value is an fp16 value) and one ``cvt`` per pair of
+values on sm_89+, whereas e4m3 -> bf16 has no conversion instruction on sm_90 / sm_120
+and goes through fp16 with one more conversion per value, a cost that would bound a
+kernel reading half the bytes of the 16-bit cache. A bf16 q is made fp16 row by row
+(``_fp16_query_rows``): a power of two per row brings its largest finite entry into
+fp16's range, so nothing overflows and the row keeps its significant bits, and that row's
+softmax scale undoes it exactly; an fp16 q is used as it is. ``p`` is cast to fp16 (11
+significant bits, bf16 has 8). V is not the widened K tile: the fp8 tile is loaded
+again (``.cg``, from L2) and widened just before the PV MMA, so no widened 16-bit tile
+stays live from the QK MMA to the PV MMA; the pipeline stages two fp8 tiles (K, V)
+where the 16-bit cache stages one 16-bit tile. An fp32 q keeps fp32 operands.
 
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
@@ -85,6 +94,34 @@ def _page_ids(BlockTable, bt_row, start_n, limit, PAGE_SIZE: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Pointers ``[BLOCK_N, 1]`` to the cached rows of the keys ``start_n .. + BLOCK_N``."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
+    return KV + row_off[:, None]
+
+
+@triton.jit
+def _load_latent(ptrs, key_valid, offs_l, KV_LORA: tl.constexpr, BLOCK_L: tl.constexpr,
+                 MASKED: tl.constexpr, CACHE: tl.constexpr):
+    """The latent part ``[BLOCK_N, BLOCK_L]`` of the rows ``ptrs`` (K's nope part and V),
+    zero past ``KV_LORA`` and, when ``MASKED``, for keys outside ``key_valid``."""
+    if MASKED:
+        return tl.load(
+            ptrs + offs_l[None, :],
+            mask=key_valid[:, None] & (offs_l[None, :] < KV_LORA),
+            other=0.0,
+            cache_modifier=CACHE,
+        )
+    elif BLOCK_L != KV_LORA:
+        return tl.load(ptrs + offs_l[None, :], mask=offs_l[None, :] < KV_LORA, other=0.0,
+                       cache_modifier=CACHE)
+    else:
+        return tl.load(ptrs + offs_l[None, :], cache_modifier=CACHE)
+
+
+@triton.jit
 def _load_kv_tile(
     KV,
     pages,
@@ -103,19 +140,8 @@ def _load_kv_tile(
     MASKED: tl.constexpr,
 ):
     """``k_nope [BLOCK_N, BLOCK_L]`` and ``k_rope [BLOCK_N, BLOCK_R]`` of one KV tile."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
-    ptrs = KV + row_off[:, None]
-    if MASKED:
-        k_nope = tl.load(
-            ptrs + offs_l[None, :],
-            mask=key_valid[:, None] & (offs_l[None, :] < KV_LORA),
-            other=0.0,
-        )
-    elif BLOCK_L != KV_LORA:
-        k_nope = tl.load(ptrs + offs_l[None, :], mask=offs_l[None, :] < KV_LORA, other=0.0)
-    else:
-        k_nope = tl.load(ptrs + offs_l[None, :])
+    ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE, BLOCK_N)
+    k_nope = _load_latent(ptrs, key_valid, offs_l, KV_LORA, BLOCK_L, MASKED, "")
     k_rope = k_nope  # placeholder when ROPE == 0
     if ROPE > 0:
         if MASKED:
@@ -131,6 +157,49 @@ def _load_kv_tile(
         else:
             k_rope = tl.load(ptrs + KV_LORA + offs_r[None, :])
     return k_nope, k_rope
+
+
+@triton.jit
+def _fp8_value_tile(KV, pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
+                    KV_LORA: tl.constexpr, BLOCK_L: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """V ``[BLOCK_N, BLOCK_L]`` fp8 of a tile, loaded again (the K load brought it into
+    L2: ``.cg``) for the caller to widen just before the PV MMA, rather than keeping K's
+    widened tile live from the QK MMA on. ``MASKED``: keys outside ``key_valid`` read 0
+    (their probability is 0, but 0 * NaN is NaN and past ``seq_len`` a slot is garbage)."""
+    ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE, BLOCK_N)
+    return _load_latent(ptrs, key_valid, offs_l, KV_LORA, BLOCK_L, MASKED, ".cg")
+
+
+@triton.jit
+def _fp16_query_rows(q_nope, q_rope, ROPE: tl.constexpr):
+    """bf16 query rows ``q_nope [BLOCK_M, BLOCK_L]``, ``q_rope [BLOCK_M, BLOCK_R]`` made
+    fp16 MMA operands: each row times the power of two ``2^e`` that brings its largest
+    finite ``|q|`` into ``[2^14, 2^15)``. No entry overflows fp16 (max 65504), and every
+    entry down to ``2^-31`` of the row's largest keeps all its bits (bf16's 8 significant
+    bits fit fp16's 11 above ``2^-17``, where fp16's subnormals run out of them); smaller
+    ones are rounded, far below the row's rounding of its sum. Returns ``(q_nope,
+    q_rope, unscale)``: fp16 rows and ``2^-e`` fp32 ``[BLOCK_M, 1]``, which undoes the
+    scaling in the fp32 scores exactly.
+
+    Only finite entries choose ``e``: an inf / NaN entry stays in its own row (which then
+    gives inf / NaN, as the reference does) and leaves the other rows alone. ``e`` is at
+    most 126 (``2^-e`` stays a normal fp32): an all-zero row (a masked one) stays zero."""
+    mag = tl.abs(q_nope.to(tl.float32))
+    row_max = tl.max(tl.where(mag < float("inf"), mag, 0.0), 1)
+    if ROPE > 0:
+        mag = tl.abs(q_rope.to(tl.float32))
+        row_max = tl.maximum(row_max, tl.max(tl.where(mag < float("inf"), mag, 0.0), 1))
+    # Biased fp32 exponents: row_max has 127 + E (E = floor(log2), 0 for 0 / subnormals),
+    # 2^e with e = 14 - E has 127 + e = 268 - (127 + E), 2^-e has 254 - (127 + e).
+    biased = (row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    up_biased = tl.minimum(268 - biased, 253)
+    up = (up_biased << 23).to(tl.float32, bitcast=True)[:, None]
+    down = ((254 - up_biased) << 23).to(tl.float32, bitcast=True)[:, None]
+    q_nope = (q_nope.to(tl.float32) * up).to(tl.float16)
+    if ROPE > 0:
+        q_rope = (q_rope.to(tl.float32) * up).to(tl.float16)
+    return q_nope, q_rope, down
 
 
 @triton.jit
@@ -314,12 +383,19 @@ def _mla_tree_fwd_kernel(
         mask=row_active[:, None] & (offs_l[None, :] < KV_LORA),
         other=0.0,
     )
+    q_rope = q_nope  # placeholder when ROPE == 0
     if ROPE > 0:
         q_rope = tl.load(
             q_ptrs + KV_LORA + offs_r[None, :],
             mask=row_active[:, None] & (offs_r[None, :] < ROPE),
             other=0.0,
         )
+    if KV_FP8:
+        if Q.dtype.element_ty == tl.bfloat16:
+            # fp16 MMAs (module docstring): q rows scaled into fp16's range, the scale
+            # undone per row with the softmax scale.
+            q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
+            qk_scale = qk_scale * q_unscale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -349,7 +425,13 @@ def _mla_tree_fwd_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(k_nope.dtype), k_nope, acc, DOT_PRECISION, DOT_UPCAST)
+        v = k_nope
+        if KV_FP8:
+            v = _fp8_value_tile(
+                KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
+                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
+            ).to(q_nope.dtype)  # fmt: skip
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
@@ -390,7 +472,13 @@ def _mla_tree_fwd_kernel(
         p = tl.exp2(qk - m_base[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        acc = _dot(p.to(k_nope.dtype), k_nope, acc, DOT_PRECISION, DOT_UPCAST)
+        v = k_nope
+        if KV_FP8:
+            v = _fp8_value_tile(
+                KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
+                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
+            ).to(q_nope.dtype)  # fmt: skip
+        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     seen = l_i > 0.0

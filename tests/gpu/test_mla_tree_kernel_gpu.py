@@ -296,6 +296,67 @@ def test_fp8_active_rows():
     torch.testing.assert_close(lse[rows], ref_lse[rows], **LSE_TOL)
 
 
+# The fp8 kernel multiplies in fp16: a bf16 q is scaled per row into fp16's range and the
+# scale undone in the softmax scale (kernels._fp16_query_rows). Mirrors the CPU tests in
+# tests/test_mla_fp8_kernel.py at DeepSeek's dims, on the 64-row tile (wgmma on Hopper)
+# and the mma.sync tiles of the table forced.
+
+
+@pytest.mark.parametrize("config", [None, *MLA_TILE_CONFIGS], ids=str)
+@pytest.mark.parametrize("magnitude", [3e5, 1e-6, 1e20, 1e-20])
+def test_fp8_query_magnitudes_outside_fp16(magnitude, config):
+    """q at ``magnitude`` times its usual size (beyond fp16's 65504, or down in its
+    subnormals), the softmax scale divided by it: the same attention as at magnitude 1,
+    which matches the fp32 reference."""
+    batch = make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16, page_size=64,
+                       seed=5)
+    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
+    batch["scale"] = batch["scale"] / magnitude
+    check_fp8(to_fp8(batch), config=config)
+
+
+@pytest.mark.parametrize("config", [None, MLA_TILE_CONFIGS[0]], ids=str)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_fp8_non_finite_query_stays_in_its_row(bad, config):
+    """One q entry inf / NaN: every other row (its tile's included) matches the
+    reference; the bad row's result is undefined."""
+    batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
+                              page_size=64, seed=9))
+    token, head = 3, 5
+    batch["q"][token, head, 100] = bad
+    out, lse = mla_tree_verify(**batch, config=config)
+    ref_out, ref_lse = fp8_reference(batch)
+    good = torch.ones(lse.shape, dtype=torch.bool, device="cuda")
+    good[token, head] = False
+    torch.testing.assert_close(out[good].float(), ref_out[good].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[good], ref_lse[good], **LSE_TOL)
+
+
+def poison_unowned_slots(batch):
+    """Cache slots no request owns (past each ``seq_len``, unused pages) set to e4m3 NaN
+    bytes (0x7F), in place."""
+    kv = batch["kv_cache"]
+    page_size = kv.shape[1]
+    owned = torch.zeros(kv.shape[:2], dtype=torch.bool, device="cuda")
+    for r, seq_len in enumerate(batch["seq_lens"].tolist()):
+        pos = torch.arange(seq_len, device="cuda")
+        owned[batch["block_table"][r].long()[pos // page_size], pos % page_size] = True
+    kv.view(torch.uint8)[~owned] = 0x7F
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_fp8_nan_bytes_past_the_keys_are_not_read(page_size):
+    """The masked tiles (partial context tile, new tokens) load K and V (V a second time,
+    for the PV MMA) with their keys' mask: NaN bytes in the slots past ``seq_len`` leave
+    the results those of the reference (0 * NaN would be NaN in the PV MMA)."""
+    specs = [(5001, "tree", 65), (37, "chain", 7), (1203, "tree", 16), (3, "decode", 1)]
+    batch = to_fp8(make_batch(specs, heads=16, page_size=page_size, seed=page_size))
+    poison_unowned_slots(batch)
+    for splits in (1, 8):
+        out, _ = check_fp8(batch, num_kv_splits=splits)
+        assert torch.isfinite(out.float()).all()
+
+
 # ---------------------------------------------------------------------------------------
 # sm_120's tile choice (99 KB of shared memory per block, mma.sync) forced on this GPU:
 # the configs select_config picks there, at every head count and row class, bf16 and fp8.
