@@ -79,6 +79,26 @@ def test_each_pair_decides_by_the_kv_bytes_of_its_pages(pair):
     assert ("one KV-cache group" if one_group else "hybrid KV-cache manager kept") in choice.note
 
 
+def test_hybrid_groups_of_fewer_layers_still_take_full_blocks():
+    """A GQA target beside the same drafter (evals/tiny_pairs.py's qwen3 pair): pages of
+    one size, so the hybrid manager groups 4 target + 1 drafter full layers in groups of
+    2 (the sliding layers' count) and a block of the 1-layer group still spans 2 pages:
+    3 groups x 2 x 512 B against 7 x 512 B in one group (1.17x: hybrid kept)."""
+    target = Qwen3Config(hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64)
+    drafter = Qwen3Config(hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=64, use_sliding_window=True,
+                          sliding_window=64,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    shape = pair_kv_shape(target, drafter)
+    layer_page = 2 * 2 * 64 * 2  # K and V of 2 heads of 64, bf16, per token
+    assert [len(g.layer_names) for g in vllm_kv_cache_groups(shape, True, 16)] == [2, 2, 1, 2]
+    assert kv_bytes_per_token(shape, hybrid=True, page=16) == 3 * 2 * layer_page
+    assert kv_bytes_per_token(shape, hybrid=False, page=16) == 7 * layer_page
+    choice = choose_by_kv_bytes(shape, page=16)
+    assert choice.disable_hybrid_kv_cache_manager is None and "(1.17x > 1.10x)" in choice.note
+
+
 def test_the_pair_shape_follows_tensor_parallelism_and_the_cache_dtype():
     """KV heads split over the ranks as vLLM does (MLA keeps its one latent); an fp8
     cache halves every page, so the choice stays."""

@@ -169,22 +169,27 @@ def kv_bytes_per_token(shape: KVPairShape, hybrid: bool, page: int = 64) -> int:
     with the hybrid manager on (``hybrid``) or off, as a DDTree engine builds the specs:
     ``page``-token target and full-attention pages, the drafter's sliding layers on
     ``DRAFTER_SLIDING_BLOCK``-token blocks (aligned to ``page`` in one group). Counts
-    what the pages really take, padding and stretching included; sliding layers in
-    groups of their own hold a window whatever the context and are not counted.
+    what the pages really take: padded and stretched pages, and in the hybrid manager
+    a block of every group spanning as many pages as its largest group has layers
+    (``get_kv_cache_config_from_groups``: a smaller group's block pads the rest).
+    Sliding layers in groups of their own hold a window whatever the context and are
+    not counted.
 
     Raises:
         ValueError / NotImplementedError: vLLM's own, when it cannot form the groups.
     """
     from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
 
+    groups = vllm_kv_cache_groups(shape, hybrid, page, sliding_page=DRAFTER_SLIDING_BLOCK)
+    layers_per_block = max(len(group.layer_names) for group in groups)
     per_token = 0
-    for group in vllm_kv_cache_groups(shape, hybrid, page, sliding_page=DRAFTER_SLIDING_BLOCK):
+    for group in groups:
         spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
+        if isinstance(spec, UniformTypeKVCacheSpecs):  # one group, a tensor per layer
             per_token += sum(s.page_size_bytes // s.block_size
                              for s in spec.kv_cache_specs.values())
         elif not isinstance(spec, SlidingWindowSpec):
-            per_token += spec.page_size_bytes // spec.block_size * len(group.layer_names)
+            per_token += spec.page_size_bytes // spec.block_size * layers_per_block
     return per_token
 
 
