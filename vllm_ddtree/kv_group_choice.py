@@ -59,7 +59,8 @@ def user_or_target_choice(user_choice: bool | None, own_windows: str | None
     """
     if user_choice is not None:
         flag = ONE_GROUP_FLAG if user_choice else KEEP_HYBRID_FLAG
-        return KVGroupingChoice(None, f"DDTree: KV-cache grouping as chosen ({flag})")
+        return KVGroupingChoice(None, f"DDTree: KV-cache grouping as chosen "
+                                      f"(disable_hybrid_kv_cache_manager={user_choice}: {flag})")
     if own_windows is not None:
         return KVGroupingChoice(None, (
             f"DDTree: vLLM's hybrid KV-cache manager kept: the target has its own "
@@ -117,7 +118,7 @@ def kv_cache_dtype(engine_args: Any, target_model_config: Any):
 
     try:
         return kv_cache_dtype_str_to_dtype(engine_args.kv_cache_dtype, target_model_config)
-    except KeyError:  # a packed format: the pages scale alike, the ratio holds
+    except KeyError:  # a format vLLM sizes otherwise (no tree backend takes it)
         return target_model_config.dtype
 
 
