@@ -18,6 +18,12 @@ Methods ("runs"), each in its own child process with a fresh ``LLM``:
   ``1 + M`` rows (``ddtree_verify_shape: "fixed"``: inactive rows are skipped in
   attention only).
 
+Run-name suffixes (``e2e_report.RUN_VARIANTS``): ``+skipprefix`` (``ar`` / ``dflash``:
+without the scheduler's common-prefix scan), ``+perbatch`` (below), ``+dflash2``,
+``+marginals``, ``+top1`` (the shipped DFlash2 drafter and its tree kinds), ``+hybrid``
+(``ddtree``: vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group,
+``vllm_ddtree/kv_group_choice.py``; e.g. ``ddtree-64 ddtree-64+hybrid`` compares them).
+
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
 with 64 / 8 heads and a Kimi-K2.6-shaped DFlash drafter, dummy weights: step latency,

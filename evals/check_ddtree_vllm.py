@@ -2,7 +2,7 @@
 
     python evals/check_ddtree_vllm.py --out tokens.json [--budget 32] [--graphs]
         [--temperature 0.8] [--method ar] [--extra-tokens 16] [--mixed]
-        [--pair embedded|qwen3|deepseek_v3] [--trace N]
+        [--pair embedded|qwen3|deepseek_v3] [--kv-cache-groups one|hybrid] [--trace N]
 
 ``--method ar`` runs the target alone on the same runner (V2: its Sampler keys Gumbel
 noise by (request seed, position); V1's per-request generators do not) and the same
@@ -14,7 +14,9 @@ uni-process executor) so that DDTree's counters (``DDTREE_STATE``) and the per-r
 and trace hooks live where the model runner does; the front-end patch applies the
 runner patches when ``LLM()`` builds a DDTree config (AR runs keep vLLM's own runner).
 Records the mean acceptance length from DDTree's counters and from vLLM's
-spec-decode metrics, and per request the tokens committed per round.
+spec-decode metrics, per request the tokens committed per round, and the engine's
+KV-cache grouping (``--kv-cache-groups``: one group or vLLM's hybrid manager; default
+DDTree's choice, ``vllm_ddtree/kv_group_choice.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def spec_decode_metrics(llm) -> dict:
     accepted = values["vllm:spec_decode_num_accepted_tokens"]
     values["mean_acceptance_length"] = 1 + accepted / drafts if drafts else None
     return values
+
+
+def kv_cache_grouping(llm) -> dict:
+    """The engine's ``disable_hybrid_kv_cache_manager`` as vLLM resolved it and the
+    number of KV-cache groups its scheduler allocates (the engine core is in this
+    process)."""
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    return {"disable_hybrid_kv_cache_manager":
+            engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+            "kv_cache_groups": len(scheduler.kv_cache_config.kv_cache_groups)}
 
 
 MIXED_PROMPT_TOKENS = [16, 40, 200, 600, 1200, 2000, 2600, 3000,  # greedy
@@ -284,9 +297,11 @@ def main() -> None:
                         help="embedded trained pair, or a tiny random target (GQA Qwen3 / MLA "
                         "DeepSeek-V3) with a random mixed sliding/full DFlash drafter "
                         "(evals/tiny_pairs.py; token-id prompts, no tokenizer)")
-    parser.add_argument("--one-kv-group", action="store_true",
-                        help="disable_hybrid_kv_cache_manager: all layers in one KV-cache "
-                        "group (patches/unify_kv_block_size.py)")
+    parser.add_argument("--kv-cache-groups", choices=["one", "hybrid"], default=None,
+                        help="one: disable_hybrid_kv_cache_manager, all layers in one "
+                        "KV-cache group (patches/unify_kv_block_size.py); hybrid: vLLM's "
+                        "hybrid manager, a group per layer beside a sliding-window drafter "
+                        "(default: DDTree's choice, vllm_ddtree/kv_group_choice.py)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="the models' dtype (float32: with the CUSTOM backend, eager; "
                         "greedy and seeded tokens then equal AR's exactly)")
@@ -343,8 +358,8 @@ def main() -> None:
         max_tokens = list(MIXED_MAX_TOKENS) if args.mixed else [args.max_tokens] * len(prompts)
         extra["skip_tokenizer_init"] = True
     max_tokens = [n + args.extra_tokens for n in max_tokens]
-    if args.one_kv_group:
-        extra["disable_hybrid_kv_cache_manager"] = True
+    if args.kv_cache_groups is not None:
+        extra["disable_hybrid_kv_cache_manager"] = args.kv_cache_groups == "one"
     if args.kv_cache_dtype != "auto":
         extra["kv_cache_dtype"] = args.kv_cache_dtype
     spec = {"method": "ddtree", "model": str(drafter), "num_speculative_tokens": args.budget}
@@ -433,6 +448,7 @@ def main() -> None:
                        else None),
                    "verify_dispatches": verify_dispatches, "step_plan": step_plan,
                    "schedule": json.loads(args.schedule) if args.schedule else None,
+                   **kv_cache_grouping(llm),
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
     from check_mla_backend import exit_now
 

@@ -84,6 +84,7 @@ def llm_kwargs(spec: dict) -> dict:
         "skip_tokenizer_init": True,  # token-id prompts, detokenize=False
         "enable_prefix_caching": spec["prime"] == "cache",
         "speculative_config": run.speculative_config(setup, spec["drafter"]),
+        **run.engine_args(),
     }
     if spec.get("kv_cache_memory_bytes"):  # --lockstep: no memory profiling
         kwargs["kv_cache_memory_bytes"] = int(spec["kv_cache_memory_bytes"])
@@ -438,6 +439,9 @@ def child_main(spec_path: str) -> None:
         t0 = time.perf_counter()
         llm = LLM(**kwargs)
         result["meta"]["startup_s"] = time.perf_counter() - t0
+        # DDTree's KV-cache grouping (one group, or vLLM's hybrid manager), as resolved
+        result["meta"]["disable_hybrid_kv_cache_manager"] = (
+            llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager)
         if remote:
             engine = RemoteEngine(llm)
         result["meta"]["hooks"] = engine.hooks

@@ -31,6 +31,9 @@ RUN_VARIANTS = (
     ("+marginals", "over its marginals", ("ddtree",)),
     # ddtree_top_k 1: at B = block_size - 1 the selector's chain walk (vLLM's DFlash2)
     ("+top1", "top-1 children", ("ddtree",)),
+    # vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group
+    # (vllm_ddtree/kv_group_choice.py): --no-disable-hybrid-kv-cache-manager
+    ("+hybrid", "hybrid KV-cache manager", ("ddtree",)),
 )
 
 

@@ -138,6 +138,15 @@ class RunSpec:
             config["num_speculative_tokens_per_batch_size"] = self.batch_schedule(setup)
         return config
 
+    def engine_args(self) -> dict:
+        """vLLM engine arguments of the run's variants: ``+hybrid`` keeps vLLM's hybrid
+        KV-cache manager (``disable_hybrid_kv_cache_manager=False``, the
+        ``--no-disable-hybrid-kv-cache-manager`` of ``vllm serve``) where DDTree would
+        pick one KV-cache group."""
+        if "+hybrid" in self.variants:
+            return {"disable_hybrid_kv_cache_manager": False}
+        return {}
+
     def batch_schedule(self, setup: Setup) -> list[list[int]] | None:
         """``num_speculative_tokens_per_batch_size`` of a ``+perbatch`` run
         (``e2e_sweep.chain_schedule`` / ``ddtree_schedule``), else None."""

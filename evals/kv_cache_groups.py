@@ -7,8 +7,9 @@ MLA layers beside a drafter with sliding-window and full layers gets one group p
 layer; with ``disable_hybrid_kv_cache_manager`` one group holds them all (the drafter's
 sliding layers then keep KV for the whole context, as full layers do: more memory, the
 same attention, since the window is the layer's, not the cache's). This runs vLLM's own
-grouping (``get_kv_cache_groups``) on the layer specs of the setups we benchmark; CPU
-only, no model is built.
+grouping (``get_kv_cache_groups``, through ``vllm_ddtree.kv_grouping``, which DDTree's
+default grouping also uses) on the layer specs of the setups we benchmark, built from
+their configs; CPU only, no model is built.
 
     python evals/kv_cache_groups.py --out evals/results/kv_cache_groups.md
 """
@@ -20,88 +21,63 @@ import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_models
 
+from vllm_ddtree.kv_grouping import (  # noqa: E402
+    DRAFTER_SLIDING_BLOCK,
+    KVPairShape,
+    kv_bytes_per_token,
+    pair_kv_shape,
+    vllm_kv_cache_groups,
+)
+
 
 @dataclass(frozen=True)
-class PairShape:
-    """The attention layers of a target + drafter pair, as vLLM's KV specs see them."""
+class PairShape(KVPairShape):
+    """A pair's :class:`~vllm_ddtree.kv_grouping.KVPairShape` with the name the tables use."""
 
-    name: str
-    target_layers: int  # MLA (kv_lora_rank 512 + rope 64)
-    sliding_layers: int  # drafter
-    full_layers: int  # drafter
-    drafter_kv_heads: int
-    drafter_head_dim: int
-    window: int
+    name: str = ""
 
 
-def _kimi(name: str, target_layers: int) -> PairShape:
-    from e2e_models import (
-        KIMI_DRAFTER_HEAD_DIM,
-        KIMI_DRAFTER_KV_HEADS,
-        KIMI_DRAFTER_LAYERS,
-        KIMI_DRAFTER_WINDOW,
-    )
-
-    return PairShape(name, target_layers, KIMI_DRAFTER_LAYERS - 1, 1, KIMI_DRAFTER_KV_HEADS,
-                     KIMI_DRAFTER_HEAD_DIM, KIMI_DRAFTER_WINDOW)
+def _named(name: str, target_config, drafter_config) -> PairShape:
+    return PairShape(**vars(pair_kv_shape(target_config, drafter_config)), name=name)
 
 
 def shapes() -> tuple[PairShape, ...]:
     """The embedded pair (its checkpoint configs), the kimi8 / kimi64 setups of
-    ``bench_e2e`` and Kimi-K2's 61 layers beside the same drafter."""
-    from e2e_models import KIMI_TARGET_LAYERS
+    ``bench_e2e`` and Kimi-K2's 61 layers beside the same drafter, from their configs."""
+    from e2e_models import kimi_drafter_config, kimi_target_config
+    from transformers import AutoConfig
 
-    return (PairShape("embedded pair (vllm_ddtree/checkpoints)", 4, 2, 1, 2, 64, 256),
-            _kimi("kimi8 / kimi64 benchmark setups", KIMI_TARGET_LAYERS),
-            _kimi("Kimi-K2 + Kimi-K2.6-shaped drafter", 61))
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+
+    kimi_k2 = kimi_target_config(64)
+    kimi_k2.num_hidden_layers = 61
+    return (_named("embedded pair (vllm_ddtree/checkpoints)",
+                   AutoConfig.from_pretrained(CHECKPOINTS / "target"),
+                   AutoConfig.from_pretrained(CHECKPOINTS / "drafter")),
+            _named("kimi8 / kimi64 benchmark setups", kimi_target_config(8),
+                   kimi_drafter_config()),
+            _named("Kimi-K2 + Kimi-K2.6-shaped drafter", kimi_k2, kimi_drafter_config()))
 
 
 def vllm_groups(shape: PairShape, hybrid: bool, page: int = 64,
                 sliding_page: int | None = None, align: bool = False) -> list:
-    """The ``KVCacheGroupSpec`` list vLLM forms for ``shape`` (``page``-token pages; the
-    pages are padded to one size as vLLM does for our backends). ``sliding_page``: the
-    block size the sliding layers choose for themselves (vLLM: the backend's smallest
-    kernel block, 16 for FlashAttention; default ``page``); ``align``: with
-    ``vllm_ddtree.patches.unify_kv_block_size``'s alignment first. Raises vLLM's
-    ``ValueError`` when it cannot form the groups."""
+    """The ``KVCacheGroupSpec`` list vLLM forms for ``shape``
+    (``vllm_ddtree.kv_grouping.vllm_kv_cache_groups``), through vLLM's own
+    ``unify_hybrid_kv_cache_specs`` even where ``patches.unify_kv_block_size`` is
+    applied in this process: ``align`` alone says whether the patch's alignment runs.
+    Raises vLLM's ``ValueError`` when it cannot form the groups."""
     from unittest import mock
 
-    import torch
     from vllm.v1.core import kv_cache_utils
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        MLAAttentionSpec,
-        SlidingWindowSpec,
-    )
 
-    specs = {}
-    for i in range(shape.target_layers):
-        specs[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
-            block_size=page, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
-            indexes_kv_by_block_stride=True)
-    drafter = dict(block_size=page, num_kv_heads=shape.drafter_kv_heads,
-                   head_size=shape.drafter_head_dim, dtype=torch.bfloat16,
-                   indexes_kv_by_block_stride=True)
-    for i in range(shape.sliding_layers):
-        specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
-            sliding_window=shape.window, **{**drafter, "block_size": sliding_page or page})
-    for i in range(shape.full_layers):
-        specs[f"draft.layers.{shape.sliding_layers + i}.self_attn.attn"] = FullAttentionSpec(
-            **drafter)
-    if align:
-        from vllm_ddtree.patches.unify_kv_block_size import align_sliding_block_sizes
-
-        align_sliding_block_sizes(specs)
-    config = SimpleNamespace(scheduler_config=SimpleNamespace(
-        disable_hybrid_kv_cache_manager=not hybrid))
     unify = kv_cache_utils.unify_hybrid_kv_cache_specs
     vllm_unify = getattr(unify, "_ddtree_original", unify)  # vLLM's own, patched or not
     with mock.patch.object(kv_cache_utils, "unify_hybrid_kv_cache_specs", vllm_unify):
-        return kv_cache_utils.get_kv_cache_groups(config, specs)
+        return vllm_kv_cache_groups(shape, hybrid, page, sliding_page=sliding_page,
+                                    align=align)
 
 
 def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
@@ -114,33 +90,24 @@ def kv_cache_groups(shape: PairShape, hybrid: bool, page: int = 64,
 
 def kv_layout(shape: PairShape, hybrid: bool) -> tuple[int, int]:
     """``(KV bytes per context token, prefix-cache hit granularity in tokens)`` of the
-    groups vLLM forms for ``shape`` as an engine on our MLA backend builds its specs:
-    64-token MLA and full-attention pages (the engine's block size), the drafter's
-    sliding layers on FlashAttention's 16-token blocks; ``patches.unify_kv_block_size``
-    applied as in a DDTree engine. Bytes count the layers whose KV grows with the
-    context (sliding layers in their own groups hold a window's, not counted); the
-    granularity is the least common multiple of the block sizes (vLLM's
+    groups vLLM forms for ``shape`` as a DDTree engine on our MLA backend builds its
+    specs (``vllm_ddtree.kv_grouping.kv_bytes_per_token``: 64-token pages, the
+    drafter's sliding layers on FlashAttention's 16-token blocks, aligned in one group);
+    the granularity is the least common multiple of the block sizes (vLLM's
     ``scheduler_block_size``)."""
     import math
 
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec, UniformTypeKVCacheSpecs
-
-    groups = vllm_groups(shape, hybrid, sliding_page=16, align=not hybrid)
-    per_token = 0
-    for group in groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            per_token += sum(s.page_size_bytes // s.block_size
-                             for s in spec.kv_cache_specs.values())
-        elif not isinstance(spec, SlidingWindowSpec):
-            per_token += spec.page_size_bytes // spec.block_size * len(group.layer_names)
-    return per_token, math.lcm(*{g.kv_cache_spec.block_size for g in groups})
+    groups = vllm_groups(shape, hybrid, sliding_page=DRAFTER_SLIDING_BLOCK, align=not hybrid)
+    return (kv_bytes_per_token(shape, hybrid),
+            math.lcm(*{g.kv_cache_spec.block_size for g in groups}))
 
 
 def unpadded_bytes_per_token(shape: PairShape) -> int:
     """Bytes per context token the target's and the drafter's full layers need."""
-    return (shape.target_layers * 576 * 2
-            + shape.full_layers * 2 * shape.drafter_kv_heads * shape.drafter_head_dim * 2)
+    item = shape.dtype.itemsize
+    target = shape.target_kv_heads * shape.target_head_size * (1 if shape.target_mla else 2)
+    return (shape.target_layers * target * item
+            + shape.full_layers * 2 * shape.drafter_kv_heads * shape.drafter_head_size * item)
 
 
 def describe(groups: list[tuple[str, int]]) -> str:

@@ -73,7 +73,7 @@ def apply() -> None:
                 setattr(self, TREE_SHAPE_ATTR, (ddtree.budget, block_size_of(drafter)))
                 return create_ddtree_speculative_config(
                     self, original, vllm_spec, ddtree, target_model_config,
-                    target_parallel_config,
+                    target_parallel_config, drafter,
                 )
             refuse_dflash2_outside_ddtree(vllm_spec)
             self.speculative_config = vllm_spec
@@ -146,7 +146,8 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
 
 
 def create_ddtree_speculative_config(
-    engine_args, original, vllm_spec, ddtree, target_model_config, target_parallel_config
+    engine_args, original, vllm_spec, ddtree, target_model_config, target_parallel_config,
+    drafter_config,
 ):
     """Build vLLM's ``SpeculativeConfig`` for a validated DDTree spec.
 
@@ -155,8 +156,11 @@ def create_ddtree_speculative_config(
     ``vllm_ddtree.runtime_state.ddtree_config_of`` reads it back). Also selects the
     target's tree attention backend and the V2 model runner, the only runner with a
     DDTree speculator (``VLLM_USE_V2_MODEL_RUNNER`` is read lazily,
-    ``config/vllm.py:551``), and applies the runner patches (``patches.RUNNER_PATCHES``)
-    here and, through ``VLLM_DDTREE_RUNNER=1``, in the processes started later.
+    ``config/vllm.py:551``), applies the runner patches (``patches.RUNNER_PATCHES``)
+    here and, through ``VLLM_DDTREE_RUNNER=1``, in the processes started later, and
+    picks one KV-cache group where the user did not choose and it costs no more KV
+    memory (``vllm_ddtree.kv_group_choice``; ``create_engine_config`` reads
+    ``engine_args.disable_hybrid_kv_cache_manager`` after this, ``arg_utils.py:2199``).
     """
     import os
 
@@ -168,10 +172,13 @@ def create_ddtree_speculative_config(
             "VLLM_USE_V2_MODEL_RUNNER=0"
         )
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    from vllm_ddtree.kv_group_choice import prefer_one_kv_cache_group
     from vllm_ddtree.patches import apply_runner_patches
 
     apply_runner_patches()
     choose_target_attention_backend(engine_args, target_model_config)
+    prefer_one_kv_cache_group(engine_args, target_model_config, drafter_config,
+                              target_parallel_config)
     engine_args.speculative_config = vllm_spec
     config = original(engine_args, target_model_config, target_parallel_config)
     config.ddtree = ddtree.to_dict()

@@ -15,6 +15,8 @@ Before vLLM's conversion, each sliding spec whose block size divides the one blo
 that every full-attention layer shares is given that block size (the sliding layer's
 kernel then reads 64-token pages, a multiple of its own kernel block); any other mix is
 left to vLLM's own error. The window is still applied in the layer's attention.
+DDTree turns the hybrid manager off by default where one group costs no more KV memory
+(``vllm_ddtree/kv_group_choice.py``), so this runs in those engines.
 """
 
 from __future__ import annotations

@@ -126,13 +126,15 @@ def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backen
         seen["spec"] = engine_args.speculative_config
         return SimpleNamespace(method=engine_args.speculative_config["method"])
 
+    # the user's KV-cache grouping is kept (kv_group_choice, tests/test_kv_group_choice.py)
     args = SimpleNamespace(attention_backend=None, attention_config=SimpleNamespace(backend=None),
-                           speculative_config=None)
+                           speculative_config=None, disable_hybrid_kv_cache_manager=False)
     vllm_spec = {"method": "dflash", "model": "/d", "num_speculative_tokens": 32}
     config = create_ddtree_speculative_config(
         args, original, vllm_spec, DDTreeConfig(budget=32, top_k=4),
-        SimpleNamespace(use_mla=True), None)
+        SimpleNamespace(use_mla=True), None, None)
     assert config.method == "dflash" and seen["spec"] is vllm_spec
+    assert args.disable_hybrid_kv_cache_manager is False
     assert config.ddtree == {"budget": 32, "top_k": 4, "adaptive": False, "verify_shape": None,
                              "batch_schedule": None}
     assert args.attention_backend == "CUSTOM"
@@ -141,7 +143,7 @@ def test_ddtree_spec_builds_dflash_config_with_ddtree(monkeypatch, custom_backen
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     with pytest.raises(DDTreeConfigError, match="VLLM_USE_V2_MODEL_RUNNER"):
         create_ddtree_speculative_config(args, original, vllm_spec, DDTreeConfig(budget=32),
-                                         SimpleNamespace(use_mla=True), None)
+                                         SimpleNamespace(use_mla=True), None, None)
 
 
 def test_chain_only_sampling_features_refused_per_request():

@@ -186,6 +186,29 @@ def test_llm_kwargs_for_each_method():
     assert "compilation_config" not in kw
 
 
+def test_hybrid_variant_keeps_vllms_kv_cache_manager():
+    """+hybrid: a DDTree run with vLLM's hybrid KV-cache manager
+    (``disable_hybrid_kv_cache_manager=False``, what ``--no-disable-hybrid-kv-cache-manager``
+    sets) beside the plain run, which leaves the grouping to DDTree; its own column."""
+    plain, hybrid = RunSpec.parse("ddtree-64"), RunSpec.parse("ddtree-64+hybrid")
+    assert hybrid.variants == ("+hybrid",) and hybrid.name == "ddtree-64+hybrid"
+    assert RunSpec.parse(hybrid.name) == hybrid  # the child re-parses the name
+    assert RunSpec.parse("ddtree-auto-32+perbatch+hybrid").variants == ("+perbatch", "+hybrid")
+    kimi = e2e_models.SETUPS["kimi8"]
+    assert hybrid.speculative_config(kimi, "/d") == plain.speculative_config(kimi, "/d")
+    spec = {"setup": "trained", "run": hybrid.name, "target": "/t", "drafter": "/d",
+            "max_model_len": 4096, "max_num_seqs": 8, "gpu_mem": 0.85, "eager": True,
+            "prime": "cache", "llm_kwargs": {}}
+    assert e2e_child.llm_kwargs(spec)["disable_hybrid_kv_cache_manager"] is False
+    assert "disable_hybrid_kv_cache_manager" not in e2e_child.llm_kwargs(
+        dict(spec, run=plain.name))
+    rows = [e2e_runs.base_row("trained", r, (1024, 1, "code"), 16) for r in (hybrid, plain)]
+    assert e2e_report.run_label(rows[0]).endswith("hybrid KV-cache manager")
+    assert e2e_runs.row_key(rows[0]) != e2e_runs.row_key(rows[1])
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
+        RunSpec.parse("dflash@FLASH_ATTN_MLA+hybrid")
+
+
 def test_cell_row_acceptance_and_throughput():
     base = {"setup": "trained", "run": "ddtree-32", "method": "ddtree", "backend": "CUSTOM",
             "budget": 32, "context": 1024, "batch": 2, "kind": "code", "max_tokens": 65}

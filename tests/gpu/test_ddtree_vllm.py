@@ -82,6 +82,12 @@ def split_by_temperature(result: dict) -> tuple[dict, dict]:
     return {**result, "outputs": greedy}, {**result, "outputs": sampled}
 
 
+# The embedded pair's KV-cache groups: one with disable_hybrid_kv_cache_manager (DDTree's
+# default here: 1.07x the hybrid manager's KV bytes per context token), else one per
+# layer (4 MLA target layers, 2 sliding and 1 full drafter layer).
+KV_CACHE_GROUPS = {"one": 1, "hybrid": 7}
+
+
 @pytest.fixture(scope="module")
 def ar_mixed(tmp_path_factory):
     """AR on the same V2 runner and attention backend (CUSTOM): 12 requests of 16..3000
@@ -102,6 +108,8 @@ def ddtree_mixed(request, tmp_path_factory):
 
 def test_ddtree_greedy_equals_ar_and_accepts(ar_mixed, ddtree_mixed):
     assert "tree_positions" in ddtree_mixed["patches"]
+    # DDTree's default on this pair (no --kv-cache-groups): one KV-cache group
+    assert ddtree_mixed["kv_cache_groups"] == KV_CACHE_GROUPS["one"]
     assert len(ddtree_mixed["outputs"]) == len(ar_mixed["outputs"])
     for out in ddtree_mixed["outputs"]:  # output lengths are compared by mismatch_problems
         assert out["logprobs_len"] == len(out["tokens"])
@@ -253,27 +261,26 @@ def test_ddtree_auto_cycled_verify_shapes_equal_ar(ar_mixed, tmp_path):
     assert got["ddtree_mean_acceptance_length"] > 1.0
 
 
+@pytest.mark.parametrize("kv_groups", ["one", "hybrid"])
 @pytest.mark.parametrize("budget", [32])
-def test_ddtree_with_cuda_graphs_equals_ar(ar_mixed, budget, tmp_path):
+def test_ddtree_with_cuda_graphs_equals_ar(ar_mixed, budget, kv_groups, tmp_path):
     """The same mixed batch with CUDA graphs (drafter FULL graph, target verify steps in
-    FULL graphs of uniform ``1 + B`` rows through the CUSTOM tree backend): greedy and
-    seeded sampled tokens equal AR up to measured ties, and acceptance stays that of
-    trees (a graph replaying stale tree buffers would accept almost nothing)."""
-    got = run_mixed_vs_ar(ar_mixed, ["--mixed", "--budget", str(budget), "--graphs"],
-                          tmp_path / "g.json", f"graphs B={budget}")
+    FULL graphs of uniform ``1 + B`` rows through the CUSTOM tree backend), in one
+    KV-cache group (target and drafter layers together, the drafter's sliding layers on
+    the target's 64-token blocks: ``patches/unify_kv_block_size.py``; vLLM 0.26 alone
+    refuses to start) and in vLLM's hybrid manager (a group per layer, the drafter's
+    16-token sliding blocks stretched to the MLA page): greedy and seeded sampled
+    tokens equal AR up to measured ties, and acceptance stays that of trees (a graph
+    replaying stale tree buffers would accept almost nothing)."""
+    got = run_mixed_vs_ar(ar_mixed, ["--mixed", "--budget", str(budget), "--graphs",
+                                     "--kv-cache-groups", kv_groups],
+                          tmp_path / f"g-{kv_groups}.json",
+                          f"graphs B={budget}, KV-cache groups: {kv_groups}")
+    assert got["disable_hybrid_kv_cache_manager"] is (kv_groups == "one")
+    assert got["kv_cache_groups"] == KV_CACHE_GROUPS[kv_groups]
     mal = got["ddtree_mean_acceptance_length"]
     # Eager B=32 on this batch commits 1.93 tokens per round.
     assert mal > 1.5
-
-
-def test_ddtree_one_kv_group_with_cuda_graphs_equals_ar(ar_mixed, tmp_path):
-    """The CUDA-graph mixed batch with ``disable_hybrid_kv_cache_manager``: target and
-    drafter layers in one KV-cache group, the drafter's sliding layers on the target's
-    64-token blocks (``patches/unify_kv_block_size.py``; vLLM 0.26 alone refuses to
-    start). Same tokens as AR up to measured ties, tree acceptance kept."""
-    got = run_mixed_vs_ar(ar_mixed, ["--mixed", "--budget", "32", "--graphs", "--one-kv-group"],
-                          tmp_path / "g1.json", "graphs B=32, one KV-cache group")
-    assert got["ddtree_mean_acceptance_length"] > 1.5
 
 
 def _to_cuda(ns):
