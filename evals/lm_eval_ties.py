@@ -90,12 +90,14 @@ class PlainLogprobs:
 
 @dataclass
 class TieExcusal:
-    """The tie rule applied to one task: ``divergences``, one dict per document whose
-    generations differ (``doc``, ``position`` of the first differing generated token,
-    ``baseline_token`` / ``speculative_token`` (None: that generation stopped there),
-    plain decoding's top-2 ``gap`` there, ``tie`` (gap ``<= tie_gap``), ``excused``,
-    ``reason`` it is not); the ``tie_positions`` plain decoding met; the ``cap`` on
-    excused documents; the ``excused`` doc ids."""
+    """The tie rule applied to one task with ``tie_gap`` (nats): ``divergences``, one
+    dict per document whose generations differ (``doc``, ``position`` of the first
+    differing generated token, ``baseline_token`` / ``speculative_token`` (None: that
+    generation stopped there), plain decoding's top-2 ``gap`` there (None without its
+    log-probs), ``tie`` (gap ``<= tie_gap``), ``excused``, ``reason`` it is not); the
+    ``tie_positions`` plain decoding met; the ``cap`` on excused documents; the
+    ``excused`` doc ids; ``has_reference``: whether plain decoding's log-probs were
+    recorded at all."""
 
     tie_gap: float
     divergences: list[dict] = field(default_factory=list)
