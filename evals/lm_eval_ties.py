@@ -18,9 +18,11 @@ fp32; nothing is calibrated on the runs judged):
 - a generation that stopped at the divergence (one side has no token there) is not
   excused, nor a divergence past the prefilled positions or without log-probs;
 - at most ``max_excused(T)`` documents are excused, half of the ``T`` tie positions
-  plain decoding met (positions of its generations with a top-2 gap ``<= tie_gap``,
-  over the documents whose whole generation lines up); beyond the cap, the documents
-  with the lowest ids are excused;
+  plain decoding met (positions of its generations with a top-2 gap ``<= tie_gap``, up
+  to and including each document's first divergence, the whole generation where the
+  two agree, over the documents whose tokens line up there: as
+  ``vllm_ddtree.testing.compare.mismatch_problems`` counts them); beyond the cap, the
+  documents with the lowest ids are excused;
 - fp32 (``tie_gap == 0``) excuses nothing.
 
 An excused document's metric difference is set to 0 before the bootstrap
@@ -80,12 +82,14 @@ class PlainLogprobs:
                 return i
         return None
 
-    def tie_positions(self, tie_gap: float) -> int:
-        """Generated positions with a top-2 gap ``<= tie_gap``; 0 when the generation
-        does not line up with its log-probs, or when ``tie_gap`` is 0 (fp32)."""
-        if tie_gap <= 0 or self.misaligned(tie_gap) is not None:
+    def tie_positions(self, tie_gap: float, end: int | None = None) -> int:
+        """Generated positions before ``end`` (default: the whole generation) with a
+        top-2 gap ``<= tie_gap``; 0 when those positions do not line up with the
+        log-probs, or when ``tie_gap`` is 0 (fp32)."""
+        end = len(self.tokens) if end is None else min(end, len(self.tokens))
+        if tie_gap <= 0 or self.misaligned(tie_gap, end) is not None:
             return 0
-        return sum(self.gap(i) <= tie_gap for i in range(len(self.tokens)))
+        return sum(self.gap(i) <= tie_gap for i in range(end))
 
 
 @dataclass
@@ -220,6 +224,7 @@ def tie_divergences(tokenizer, baseline: dict[int, str], speculative: dict[int, 
     encoded without special tokens; plain decoding's as in ``reference``)."""
     result = TieExcusal(tie_gap, has_reference=bool(reference))
     candidates = []
+    compared: dict[int, int] = {}  # doc -> positions compared (up to its first divergence)
     for doc in sorted(baseline):
         text, other = baseline[doc], speculative.get(doc)
         if other is None or other == text:
@@ -232,6 +237,7 @@ def tie_divergences(tokenizer, baseline: dict[int, str], speculative: dict[int, 
                                        "excused": False, "reason": "same tokens"})
             continue
         position, ours_token, theirs_token = found
+        compared[doc] = position + 1
         gap = ref.gap(position) if ref else None
         reason = _not_excused(ref, position, ours_token, theirs_token, tie_gap)
         if reason is None:
@@ -241,7 +247,8 @@ def tie_divergences(tokenizer, baseline: dict[int, str], speculative: dict[int, 
             "speculative_token": theirs_token, "gap": gap,
             "tie": tie_gap > 0 and gap is not None and gap <= tie_gap,
             "excused": False, "reason": reason})
-    result.tie_positions = sum(ref.tie_positions(tie_gap) for ref in reference.values())
+    result.tie_positions = sum(ref.tie_positions(tie_gap, compared.get(doc))
+                               for doc, ref in reference.items())
     result.cap = max_excused(result.tie_positions)
     result.excused = set(candidates[:result.cap])
     for entry in result.divergences:

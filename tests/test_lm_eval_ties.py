@@ -265,3 +265,16 @@ def test_prompt_ids_are_the_ones_lm_evals_vllm_model_sends(monkeypatch):
     full = lm.tokenizer(contexts[0]).input_ids
     assert len(full) > 64 - 16 and ours[0] == full[-(64 - 16):]
     assert ours[1] == lm.tokenizer(contexts[1]).input_ids
+
+
+def test_tie_positions_after_a_documents_first_divergence_do_not_raise_the_cap():
+    """The cap counts the ties plain decoding met up to and including each document's
+    first divergence (as ``compare.mismatch_problems`` does): ties later in a document
+    that already parted are not opportunities to part."""
+    tie = {2: {"X": -0.6, "Y": -0.62}}
+    late_ties = {**tie, 3: {"Z": -0.6, "W": -0.61}, 4: {"Q": -0.6, "R": -0.61}}
+    base = {1: "abXZQ", 2: "abX"}
+    spec = {1: "abYZQ", 2: "abY"}
+    ref = {1: plain("abXZQ", late_ties), 2: plain("abX", tie)}
+    result = judge(base, spec, ref)
+    assert result.tie_positions == 2 and result.cap == 1 and result.excused == {1}
