@@ -9,8 +9,9 @@ the task **PASSES** when its lower bound is above ``-margin`` (non-inferiority: 
 loses less than ``margin`` of the metric's 0..1 scale, at the one-sided level
 ``(1 + confidence) / 2``). Identical runs give ``d_i = 0``, an interval ``[0, 0]`` and a
 PASS; a verifier that commits wrong tokens lowers exact answers and FAILS once the loss
-is clearly above the margin. The margin absorbs legitimate bf16 ties, which move a
-document's metric either way.
+is clearly above the margin. Documents whose generations part at a bf16 tie of plain
+decoding (``evals/lm_eval_ties.py``, a fixed rule with a cap) are ``excused``: their
+difference is set to 0 before the bootstrap, the document count unchanged.
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ PRIMARY_METRIC = {
 
 @dataclass
 class PairedVerdict:
-    """``metric``; ``docs`` paired; mean baseline / speculative metric; the mean
-    difference and its bootstrap interval ``[low, high]``; ``changed`` documents
-    whose metric differs; ``passed``."""
+    """``metric``; ``docs`` paired; mean baseline / speculative metric (as scored); the
+    mean difference and its bootstrap interval ``[low, high]`` after the ``excused``
+    documents' differences are set to 0; ``changed`` documents whose metric differs
+    (as scored); ``passed``."""
 
     metric: str
     docs: int
@@ -51,11 +53,13 @@ class PairedVerdict:
     margin: float
     confidence: float
     passed: bool
+    excused: int = 0
 
     def text(self) -> str:
         return (f"{self.metric} {self.baseline:.4f} -> {self.speculative:.4f}, difference "
                 f"{self.mean_difference:+.4f} [{self.low:+.4f}, {self.high:+.4f}] "
-                f"({self.confidence:.0%} bootstrap, {self.docs} docs, {self.changed} changed; "
+                f"({self.confidence:.0%} bootstrap, {self.docs} docs, {self.changed} changed, "
+                f"{self.excused} excused at ties; "
                 f"PASS needs the lower bound > -{self.margin})")
 
 
@@ -89,12 +93,19 @@ def primary_metric(task: str, metrics: list[str]) -> str:
 def paired_verdict(task: str, baseline: dict[int, dict[str, float]],
                    speculative: dict[int, dict[str, float]], margin: float = DEFAULT_MARGIN,
                    confidence: float = DEFAULT_CONFIDENCE,
-                   resamples: int = DEFAULT_RESAMPLES) -> PairedVerdict:
+                   resamples: int = DEFAULT_RESAMPLES,
+                   excused: set[int] | frozenset[int] = frozenset()) -> PairedVerdict:
     """The verdict from per-document metrics ``{doc_id: {metric: value}}`` of both runs.
-    Documents missing from either run FAIL the task (they cannot be paired)."""
+    Documents missing from either run FAIL the task (they cannot be paired). The
+    ``excused`` doc ids (parted at a tie, ``lm_eval_ties.tie_divergences``) count with a
+    difference of 0."""
     metrics = sorted({m for values in baseline.values() for m in values})
     metric = primary_metric(task, metrics)
     docs = sorted(baseline)
+    unknown = set(excused) - set(docs)
+    if unknown:
+        raise ValueError(f"paired_verdict: excused={sorted(unknown)} is not allowed: "
+                         f"doc ids of the baseline run ({len(docs)} documents)")
     missing = set(docs) ^ set(speculative)
     base = np.array([baseline[d][metric] for d in docs], dtype=np.float64)
     spec = np.array([speculative.get(d, {}).get(metric, np.nan) for d in docs], np.float64)
@@ -103,7 +114,9 @@ def paired_verdict(task: str, baseline: dict[int, dict[str, float]],
                              np.nan, np.nan, np.nan, np.nan, len(missing), margin,
                              confidence, False)
     diff = spec - base
+    changed = int(np.count_nonzero(diff))
+    diff[[i for i, d in enumerate(docs) if d in excused]] = 0.0
     low, high = bootstrap_interval(diff, confidence, resamples)
     return PairedVerdict(metric, len(docs), float(base.mean()), float(spec.mean()),
-                         float(diff.mean()), low, high, int(np.count_nonzero(diff)), margin,
-                         confidence, low > -margin)
+                         float(diff.mean()), low, high, changed, margin, confidence,
+                         low > -margin, len(excused))

@@ -21,8 +21,11 @@ spec-decode counters, see ``vllm_spec_decode_stats``), written to
 ``--inject-lossy-rate R``); one ``PASS``/``FAIL`` line per task on stdout.
 The verdict is a paired statistic (``evals/lm_eval_verdict.py``): the bootstrap
 interval of the per-document metric difference, speculative minus baseline, on the
-task's decision metric; PASS when its lower bound is above ``-margin``. Exit status 1
-when a task fails.
+task's decision metric; PASS when its lower bound is above ``-margin``. Documents
+whose generations part at a bf16 / fp16 tie of plain decoding count as unchanged, by a
+fixed rule with a cap (``evals/lm_eval_ties.py``; vllm backend: plain decoding's
+log-probs from one prefill of its own generations on the baseline engine; fp32 and the
+reference engine excuse nothing). Exit status 1 when a task fails.
 
 ``--inject-lossy-rate R`` (fault injection, evals only): the speculative run's verifier
 commits the drafter's token instead of the target's in a fraction R of its rounds
@@ -51,6 +54,13 @@ from cli_args import (  # noqa: E402
     int_arg,
     json_object,
     positive_int,
+)
+from lm_eval_ties import (  # noqa: E402
+    PlainLogprobs,
+    TieExcusal,
+    plain_reference,
+    tie_divergences,
+    ties_markdown,
 )
 from lm_eval_verdict import (  # noqa: E402
     DEFAULT_CONFIDENCE,
@@ -88,10 +98,14 @@ class TaskRun:
     seconds: float
     acceptance: dict | None = None
     contexts: dict[int, str] = field(default_factory=dict)
-    # vllm backend: per differing doc, the target's top-2 gap where the texts part
-    divergences: list[dict] = field(default_factory=list)
+    gen_kwargs: dict[int, dict] = field(default_factory=dict)
     # per doc id: the task's metrics of that document
     items: dict[int, dict[str, float]] = field(default_factory=dict)
+    # plain decoding (vllm backend): its log-probs over its own generations, per doc id
+    reference: dict[int, PlainLogprobs] = field(default_factory=dict)
+    # the speculative run: where its generations part from plain decoding's, and the
+    # documents the tie rule excuses
+    ties: TieExcusal | None = None
 
 
 @dataclass
@@ -142,63 +156,11 @@ def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict 
                and isinstance(v, (int, float))}
     generations = {s["doc_id"]: s["resps"][0][0] for s in out["samples"][task]}
     contexts = {s["doc_id"]: s["arguments"][0][0] for s in out["samples"][task]}
+    gen_kwargs = {s["doc_id"]: dict(s["arguments"][0][1] or {}) for s in out["samples"][task]}
     items = {s["doc_id"]: {m: float(s[m]) for m in metrics if m in s}
              for s in out["samples"][task]}
-    return TaskRun(label, metrics, generations, seconds, contexts=contexts, items=items)
-
-
-def first_divergence(tokenizer, context: str, ours: str, theirs: str
-                     ) -> tuple[list[int], int, int | None, int | None] | None:
-    """Where two generations of one prompt part, in token ids: ``(prompt + common
-    prefix ids, index of the first differing generated token, our token, their
-    token)``. When one generation is a prefix of the other (it stopped there: a stop
-    sequence the other did not produce, whose text lm-eval cut off), the shorter side's
-    token is None. None for equal token sequences."""
-    prompt = tokenizer.encode(context)
-    a = tokenizer.encode(ours, add_special_tokens=False)
-    b = tokenizer.encode(theirs, add_special_tokens=False)
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return prompt + a[:i], i, x, y
-    if len(a) == len(b):
-        return None
-    i = min(len(a), len(b))
-    return (prompt + a[:i], i, a[i] if i < len(a) else None,
-            b[i] if i < len(b) else None)
-
-
-def _token(token_id: int | None) -> str:
-    return "stop" if token_id is None else str(token_id)
-
-
-def probe_divergences(llm, tokenizer, baseline: TaskRun, speculative: TaskRun,
-                      tie_gap: float) -> list[dict]:
-    """For each doc whose generations differ: the target's top-2 log-prob gap at the
-    first differing token (one greedy step of ``llm``, a vLLM ``LLM``, on the prompt +
-    common prefix). A gap within ``tie_gap`` nats is a bf16 tie: either token is the
-    argmax up to rounding, and the two texts legitimately part there."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    probes = []
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2)
-    for doc, text in baseline.generations.items():
-        other = speculative.generations.get(doc)
-        if other is None or other == text:
-            continue
-        found = first_divergence(tokenizer, baseline.contexts.get(doc, ""), text, other)
-        if found is None:
-            probes.append({"doc": doc, "position": None, "gap": None, "tie": None})
-            continue
-        prefix, position, base_token, spec_token = found
-        out = llm.generate([TokensPrompt(prompt_token_ids=prefix)], params, use_tqdm=False)
-        top = sorted((lp.logprob for lp in out[0].outputs[0].logprobs[0].values()),
-                     reverse=True)
-        gap = top[0] - top[1] if len(top) > 1 else float("inf")
-        probes.append({"doc": doc, "position": position, "baseline_token": base_token,
-                       "speculative_token": spec_token, "gap": gap,
-                       "tie": tie_gap > 0 and gap <= tie_gap})
-    return probes
+    return TaskRun(label, metrics, generations, seconds, contexts=contexts,
+                   gen_kwargs=gen_kwargs, items=items)
 
 
 def vllm_spec_decode_stats(lm) -> dict:
@@ -265,9 +227,11 @@ def _free(lm) -> None:
 
 def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
+    from vllm_ddtree.testing.compare import tie_gap_of
     from vllm_ddtree.testing.lossy_verifier import lossy_reference
 
     pair = load_pair(args.pretrained, args.drafter, args.dtype, args.device)
+    tie_gap = tie_gap_of(args.dtype)
     common = {"pair": pair, "seed": args.seed, "threads": args.threads}
     spec_label = args.method if args.method != "ddtree" else f"ddtree B={args.budget}"
     runs = {"baseline": {}, "speculative": {}}
@@ -284,15 +248,20 @@ def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
         run.acceptance = acceptance_summary(spec_lm.records)
         if args.inject_lossy_rate:
             run.acceptance["lossy_rounds_corrupted"] = lossy["corrupted"]
+        # No log-probs of plain decoding here: its divergences are listed, none excused.
+        run.ties = tie_divergences(pair.tokenizer, runs["baseline"][task].generations,
+                                   run.generations, {}, tie_gap)
         runs["speculative"][task] = run
     return runs, {"pair": pair.label.replace(f"{REPO}/", ""), "method": args.method,
                   "budget": args.budget, "top_k": args.top_k, "dtype": args.dtype,
-                  "device": args.device}
+                  "device": args.device, "tie_gap": tie_gap}
 
 
 def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     """Baseline engine for every task, then the speculative engine (two engines
-    in turn; the first is freed before the second starts)."""
+    in turn; the first is freed before the second starts). While the baseline engine
+    lives, it prefills each of its own generations for plain decoding's log-probs
+    (``lm_eval_ties.plain_reference``), which the tie rule judges divergences by."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The baseline on DDTree's runner too: the paired difference is then speculation's
     # alone. On vLLM's V1 runner the plain run's prefill already parted from the V2
@@ -308,8 +277,7 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     applied = apply_all()
     model_args = {"disable_log_stats": False, **args.model_args}
     spec = speculative_config_of(args)
-    dtype = model_args.get("dtype", "auto")
-    tie_gap = tie_gap_of("bfloat16" if dtype == "auto" else dtype)
+    tie_gap = None
     # Only DDTree's verifier is patched: the baseline engine does not use it.
     apply_lossy_verifier(args.inject_lossy_rate, args.lossy_seed)
     runs = {"baseline": {}, "speculative": {}}
@@ -325,13 +293,19 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
         if extra and args.inject_lossy_rate:  # an engine core in its own process too
             lm.model.collective_rpc(apply_in_worker,
                                     args=(args.inject_lossy_rate, args.lossy_seed))
+        if tie_gap is None:  # the dtype the engine resolved ("auto" included)
+            tie_gap = tie_gap_of(lm.model.llm_engine.model_config.dtype)
         for task in tasks:
             before = vllm_spec_decode_stats(lm) if extra else {}
             run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
             if extra:
                 run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
-                run.divergences = probe_divergences(lm.model, lm.tokenizer,
-                                                    runs["baseline"][task], run, tie_gap)
+                base = runs["baseline"][task]
+                run.ties = tie_divergences(lm.tokenizer, base.generations, run.generations,
+                                           base.reference, tie_gap)
+            elif tie_gap > 0:  # fp32 excuses nothing: no prefill needed
+                run.reference = plain_reference(lm, run.contexts, run.gen_kwargs,
+                                                run.generations)
             runs[key][task] = run
         _free(lm)
     return runs, {"model_args": model_args, "speculative_config": spec,
@@ -343,11 +317,13 @@ def compare(task: str, backend: str, baseline: TaskRun, speculative: TaskRun,
             confidence: float = DEFAULT_CONFIDENCE,
             resamples: int = DEFAULT_RESAMPLES) -> TaskReport:
     """The paired verdict (:func:`lm_eval_verdict.paired_verdict`) on the documents'
-    metrics; identical generations (per doc id) are counted for the report."""
+    metrics, the documents ``speculative.ties`` excuses counted as unchanged; identical
+    generations (per doc id) are counted for the report."""
     identical = sum(baseline.generations[d] == speculative.generations.get(d)
                     for d in baseline.generations)
+    excused = speculative.ties.excused if speculative.ties else set()
     verdict = paired_verdict(task, baseline.items, speculative.items, margin, confidence,
-                             resamples)
+                             resamples, excused)
     settings = {**settings, "margin": margin, "confidence": confidence,
                 "resamples": resamples}
     return TaskReport(task, backend, baseline, speculative, identical, verdict, settings)
@@ -397,21 +373,8 @@ def report_markdown(report: TaskReport, command: str) -> str:
         lines.append("none recorded")
     differing = [d for d in b.generations if b.generations[d] != s.generations.get(d)]
     lines += ["", f"## Differing generations ({len(differing)})", ""]
-    if s.divergences:
-        ties = sum(bool(p["tie"]) for p in s.divergences)
-        lines += [f"Where they part (the target's top-2 log-prob gap at the first differing "
-                  f"token, one greedy step of the speculative engine on the prompt + common "
-                  f"prefix; 'stop': that generation ended there): {ties} of "
-                  f"{len(s.divergences)} within the tie gap "
-                  f"{report.settings.get('tie_gap')} nats.", "",
-                  "| doc | first differing token | baseline / speculative token | top-2 gap "
-                  "| tie |", "|---|---|---|---|---|"]
-        # A None token: that generation stopped there (its stop sequence was cut off).
-        lines += [f"| {p['doc']} | {p['position']} | {_token(p.get('baseline_token'))} / "
-                  f"{_token(p.get('speculative_token'))} | "
-                  f"{'—' if p['gap'] is None else format(p['gap'], '.4f')} | {p['tie']} |"
-                  for p in s.divergences]
-        lines.append("")
+    if s.ties is not None:
+        lines += ties_markdown(s.ties)
     for d in differing[:5]:
         lines += [f"doc {d}, baseline:", "````", _short(b.generations[d]), "````",
                   "speculative:", "````", _short(s.generations.get(d, "<missing>")), "````"]

@@ -59,7 +59,8 @@
 #              arguments, e.g. "--auto --methods ddtree")
 #   lmeval     evals/validate.py --backend vllm, the four lm-eval tasks, bf16 (verdict:
 #              bootstrap interval of DDTree minus plain decoding above -LMEVAL_MARGIN,
-#              default 0.15 in bf16)
+#              default 0.15 in bf16; documents parting at bf16 ties excused by the fixed
+#              rule of evals/lm_eval_ties.py)
 #   lmeval32   the same in fp32 on the CUSTOM MLA backend, eager (margin 0.05)
 #   lmevallossy / lmevallossy32
 #              ddtree_target_agreement with the lossy verifier (--inject-lossy-rate 0.02):
