@@ -8,12 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.budget.gate import (
-    PROBE_STEPS,
-    SpeculationGate,
-    StepCostModel,
-    batch_bucket,
-)
+from vllm_ddtree.budget.gate import PROBE_STEPS, SpeculationGate, batch_bucket
+from vllm_ddtree.budget.step_cost import StepCostModel
 from vllm_ddtree.verify.shape import StepPlan
 
 
@@ -28,32 +24,6 @@ def cost_model(num_layers=2, graphs=True) -> StepCostModel:
         model.set_graph_costs({n: 1e-4 + 1e-6 * n for n in (1, 2, 4, 9, 16, 36)},
                               {r: 2e-4 + 1e-5 * r for r in (1, 2, 4)})
     return model
-
-
-def test_cost_model_covers_batch_size_rows_and_context():
-    model = cost_model()
-    ctx = np.array([1024, 1024])
-    # plain: 2 rows of verify forward + attention at one row
-    assert model.step_seconds(2, ctx, 0, False) == pytest.approx(1e-4 + 2e-6 + 2 * 2 * 1e-6)
-    # a tree step of shape 8: 18 rows (interpolated between 16 and 36), tree attention
-    # at 9 rows, and the drafter's pass of 2 requests
-    want = 1e-4 + 18e-6 + 2 * 2 * (1e-6 + 9e-7) + 2e-4 + 2e-5
-    assert model.step_seconds(2, ctx, 8, True) == pytest.approx(want)
-    # past the measured batch sizes and rows: the last segment continues
-    assert model.step_seconds(8, np.full(8, 1024), 8, True) == pytest.approx(
-        1e-4 + 72e-6 + 2 * 8 * (1e-6 + 9e-7) + 2e-4 + 8e-5)
-    # context: linear between 1k and 2k, continued past 2k; rows between budgets
-    assert model.attention_seconds(np.array([1536]), 0) == pytest.approx(2 * 1.5e-6)
-    assert model.attention_seconds(np.array([4096]), 0) == pytest.approx(2 * 4e-6)
-    assert model.attention_seconds(np.array([1024]), 3) == pytest.approx(
-        2 * (1e-6 + 4e-7))
-    # timing noise never makes more rows cheaper
-    model.set_graph_costs({1: 2e-4, 2: 1e-4}, {})
-    assert model.verify_seconds.tolist() == [2e-4, 2e-4]
-    bare = cost_model(graphs=False)
-    assert not bare.has_graph_costs
-    assert bare.step_seconds(4, np.full(4, 1024), 8, True) == pytest.approx(
-        2 * 4 * (1e-6 + 9e-7))
 
 
 def test_buckets():
@@ -218,31 +188,3 @@ def test_scheduled_probes_also_run_in_a_bucket_that_never_measured_speculation()
     engine.committed = 4.0
     kinds = engine.run(6, 2000)
     assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS
-
-
-def test_attention_columns_equal_per_request_interpolation():
-    """The vectorized context interpolation equals ``np.interp`` per request and
-    budget, clamped below the first timed context and continued past the last."""
-    rng = np.random.default_rng(0)
-    contexts = [512, 1024, 4096, 16384]
-    budgets = [1, 2, 4, 8, 16]
-    tree = rng.uniform(1e-6, 1e-5, size=(4, 5))
-    plain = rng.uniform(1e-7, 1e-6, size=4)
-    model = StepCostModel(3, contexts, plain, tree, budgets)
-    table = np.concatenate([plain[:, None], tree], axis=1)
-    xs = np.asarray(contexts, dtype=np.float64)
-    ctx = np.array([1, 512, 700, 1024, 3000, 16384, 40000], dtype=np.float64)
-
-    def one(c: float, k: int) -> float:
-        if c > xs[-1]:
-            slope = (table[-1, k] - table[-2, k]) / (xs[-1] - xs[-2])
-            return table[-1, k] + slope * (c - xs[-1])
-        return float(np.interp(c, xs, table[:, k]))
-
-    want = [sum(one(c, k) for c in ctx) for k in range(table.shape[1])]
-    assert model.attention_columns(ctx) == pytest.approx(want, rel=1e-12)
-    assert model.attention_columns(np.zeros(0)).tolist() == [0.0] * 6
-    # between budgets 4 and 8 (columns 3 and 4): linear in the row count
-    assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
-    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
-    assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]

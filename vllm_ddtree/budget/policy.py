@@ -105,7 +105,7 @@ from vllm_ddtree.budget.choice_kernel import choose_budget_triton
 from vllm_ddtree.triton_path import use_triton
 
 if TYPE_CHECKING:
-    from vllm_ddtree.budget.gate import StepCostModel
+    from vllm_ddtree.budget.step_cost import StepCostModel
 
 __all__ = ["BudgetPolicy", "candidate_budgets", "format_table"]
 
@@ -314,7 +314,7 @@ class BudgetPolicy:
         """The b = 0 gate's start-up cost model (``vllm_ddtree.budget.gate``): this
         policy's attention tables on the host, plus the plain step's column. Reads the
         device table once (start-up)."""
-        from vllm_ddtree.budget.gate import StepCostModel
+        from vllm_ddtree.budget.step_cost import StepCostModel
 
         tree = self.table.seconds.cpu().double().numpy()
         plain = self.plain_attention if self.plain_attention is not None else tree[:, 0]

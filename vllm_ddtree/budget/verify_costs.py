@@ -10,7 +10,7 @@ prepares the next shape's inputs only when it asks for the next forward function
 ``cudagraph_utils.py:320-357``). It keeps one request's time per shape for
 ``BudgetPolicy.set_row_costs`` and, for auto's b = 0 gate, the times of 1, 2, 4, ...
 requests: the verify forward by total rows, and the same for the drafter's block pass
-(its graphs, one shape) by requests (``vllm_ddtree.budget.gate.StepCostModel``).
+(its graphs, one shape) by requests (``vllm_ddtree.budget.step_cost.StepCostModel``).
 """
 
 from __future__ import annotations
