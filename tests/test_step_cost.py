@@ -72,3 +72,22 @@ def test_attention_columns_equal_per_request_interpolation():
     assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
     single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
     assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_step_seconds_by_drafts_equals_step_seconds_per_count(graphs):
+    """The gate's vectorized step time of every arm equals the scalar model per count,
+    the drafter's pass included exactly where the count is above 0, past the measured
+    rows (continued slope) and budgets (clamped) included."""
+    model = cost_model(graphs=graphs)
+    ctx = np.array([700, 1024, 1500, 3000])
+    columns = model.attention_columns(ctx)
+    drafts = np.array([0, 1, 2, 3, 4, 8, 12, 64])
+    want = [model.step_seconds(4, ctx, int(d), d > 0) for d in drafts]
+    assert model.step_seconds_by_drafts(4, drafts, columns) == pytest.approx(want, rel=1e-12)
+    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
+    single.set_graph_costs({5: 1e-4}, {1: 2e-4})
+    want = [single.step_seconds(3, np.full(3, 1024), d, d > 0) for d in (0, 4, 9)]
+    got = single.step_seconds_by_drafts(3, np.array([0, 4, 9]), single.attention_columns(
+        np.full(3, 1024)))
+    assert got == pytest.approx(want, rel=1e-12)

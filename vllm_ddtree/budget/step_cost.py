@@ -31,6 +31,16 @@ def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
     return float(ys[-1] + slope * (x - xs[-1]))
 
 
+def _interp_many(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """:func:`_interp` at every point of ``x`` (fp64, any shape) at once."""
+    if xs.size == 0:
+        return np.zeros(x.shape)
+    if xs.size == 1:
+        return ys[0] * np.maximum(x, xs[0]) / xs[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x <= xs[-1], np.interp(x, xs, ys), ys[-1] + slope * (x - xs[-1]))
+
+
 def _monotone_points(points: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
     """Sorted ``(x, seconds)`` arrays, seconds made non-decreasing in x (timing noise)."""
     xs = np.array(sorted(points), dtype=np.float64)
@@ -114,4 +124,18 @@ class StepCostModel:
         seconds += self.attention_seconds(contexts, num_drafts, columns)
         if drafted:
             seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        return seconds
+
+    def step_seconds_by_drafts(self, num_reqs: int, num_drafts: np.ndarray,
+                               columns: np.ndarray) -> np.ndarray:
+        """fp64 ``[A]``: :meth:`step_seconds` for every count of ``num_drafts`` (int
+        ``[A]``) at once, the drafter's block pass included exactly where the count is
+        above 0 (the step gate's arms); ``columns``: :meth:`attention_columns` of the
+        step's contexts."""
+        drafts = np.asarray(num_drafts, dtype=np.float64)
+        seconds = _interp_many(num_reqs * (1.0 + drafts), self.verify_rows, self.verify_seconds)
+        budgets = np.minimum(drafts, self.budgets[-1])
+        seconds += self.num_layers * np.interp(budgets, self.budgets, columns)
+        if self.draft_reqs.size > 0:
+            seconds += (drafts > 0) * _interp(num_reqs, self.draft_reqs, self.draft_seconds)
         return seconds
