@@ -65,7 +65,7 @@ def verify_shapes(vllm_config, max_num_reqs: int) -> list[int] | None:
 
 
 def gate_timings(vllm_config) -> bool:
-    """Whether the run has auto's b = 0 gate, which times graphs of several batch
+    """Whether the run has auto's step gate, which times graphs of several batch
     sizes (``vllm_ddtree.verify.shape.auto_plain_steps``)."""
     from vllm_ddtree.runtime_state import ddtree_config_of
     from vllm_ddtree.verify.shape import auto_plain_steps
@@ -85,7 +85,7 @@ def _is_dummy(args, kwargs) -> bool:
 
 def _shape_timer(manager):
     """The ``ShapeGraphTimer`` for a graph manager's capture, or None (no timing):
-    the target's verify graphs (one request for auto's row costs; with the b = 0 gate
+    the target's verify graphs (one request for auto's row costs; with the step gate
     also 2, 4, ... requests) and, with the gate, the DDTree drafter's block-pass
     graphs. Not at TP > 1 (no replays inside vLLM's capture context there)."""
     config = manager.vllm_config

@@ -325,7 +325,7 @@ def fake_vllm_capture(self, create_forward_fn, progress_bar_desc="x"):
 def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch, verify_shape):
     """The capture patch replays verify graphs right after their capture, before the
     next shape's inputs are prepared, and capture_model hands the one-request times to
-    the auto policy as row costs. With auto's b = 0 gate (adaptive shapes at TP = 1)
+    the auto policy as row costs. With auto's step gate (adaptive shapes at TP = 1)
     graphs of 2, 4, ... requests are timed too and go to the gate's cost model by total
     rows, with the drafter's block-pass graphs by requests. Fixed verify shapes time
     nothing."""

@@ -15,7 +15,8 @@ module holds the decision, :class:`SpeculationGate`:
   and read once the copy completed);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
   batch size and these contexts; each bucket keeps a settled arm and moves to its best
-  measured arm when that is predicted ``HYSTERESIS`` faster;
+  measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
+  ``SWITCH_SAMPLES`` intervals; before, it is probed again);
 * short probes (``PROBE_STEPS`` steps of another arm) measure the arms next to the
   settled one, the arm beyond a neighbour that measured faster, the way back from plain
   decoding, and, on a doubling schedule, every neighbour again (acceptance changes with
