@@ -193,35 +193,40 @@ def test_gentle_slope_is_descended_from_the_largest_arm():
     assert engine.throughput(4, 400) >= 0.95 * rates[2]
 
 
-def test_recovery_from_plain_decoding_when_speculation_pays_again():
+@pytest.mark.parametrize("batch, later_batch", [(4, 4), (4, 6), (64, 64)])
+def test_recovery_from_plain_decoding_when_speculation_pays_again(batch, later_batch):
     """Requests the drafter rarely gets right (1.05 tokens a tree at every shape) send
-    the gate down to plain decoding; when later requests commit COMMITTED's tokens (8
-    drafts best at batch 4), its probes from plain decoding must bring it back to a
-    speculative arm within 5 % of the best."""
+    the gate down to plain decoding; when later requests commit COMMITTED's tokens, its
+    probes from plain decoding must bring it back to a speculative arm within 5 % of the
+    best: at the same batch, in a bucket that starts from the plain one (6 requests),
+    and at batch 64, where plain decoding's neighbour (1 draft) stays slower than plain
+    decoding and only larger trees (4 drafts) beat it."""
     poor = {a: 1.0 if a == 0 else 1.05 for a in ARMS}
     engine = Engine(committed=poor)
-    engine.run(4, 800)
-    assert engine.gate.settled_arms()[batch_bucket(4)] == 0
+    engine.run(batch, 800)
+    assert engine.gate.settled_arms()[batch_bucket(batch)] == 0
     engine.committed = dict(COMMITTED)
-    engine.run(4, 2000)
-    rates = true_rates(4)
+    engine.run(later_batch, 2000)
+    rates = true_rates(later_batch)
     best = max(rates.values())
-    settled = engine.gate.settled_arms()[batch_bucket(4)]
+    if batch == 64:
+        assert rates[1] < rates[0] < best / 1.05
+    settled = engine.gate.settled_arms()[batch_bucket(later_batch)]
     assert settled > 0 and rates[settled] >= 0.95 * best, settled
-    assert engine.throughput(4, 500) >= 0.93 * best
+    assert engine.throughput(later_batch, 500) >= 0.93 * best
 
 
 def test_heavy_noise_does_not_ratchet_to_large_trees():
     """30 % log-normal noise on every step at batch 64 (best: 4 drafts): the residual
     medians must not let lucky probes walk the gate up to large trees; it stays on
-    small ones and within 10 % of the best fixed arm."""
+    small ones (plain decoding, 9 % slower than 4 drafts, is within the noise) and
+    within 7 % of the best fixed arm over the run."""
     engine = Engine(noise=0.3, seed=3)
     rates = true_rates(64)
-    engine.run(64, 300)
-    shapes = engine.run(64, 3000)
+    shapes = engine.run(64, 3300)
     assert sum(s >= 16 for s in shapes) <= 0.02 * len(shapes)
-    assert engine.gate.settled_arms()[batch_bucket(64)] in (2, 4, 8)
-    assert engine.throughput(64, 1000) >= 0.9 * rates[4] / noise_mean(0.3)
+    assert engine.gate.settled_arms()[batch_bucket(64)] <= 8
+    assert engine.tokens / engine.time >= 0.93 * rates[4] / noise_mean(0.3)
 
 
 def test_cap_below_every_speculative_arm_decodes_plainly():

@@ -145,6 +145,10 @@ class GateStats:
         self.steps = 0  # decisions since the last scheduled probe
         self.interval = PROBE_INTERVAL
         self.reference: float | None = None  # committed tokens when the interval restarted
+        # decision since which arms' committed figures are suspect: plain decoding began
+        # or the interval restarted (the requests changed)
+        self.stale_since = 0
+        self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
         self.probed: set[int] = set()  # arms probed here (first-time probes run once)
         self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
 
@@ -430,6 +434,8 @@ class SpeculationGate:
         if best != current and rates[best] >= rates[current] * (1 + HYSTERESIS):
             if stats.residual_count[best] >= SWITCH_SAMPLES:
                 current = stats.settled = best
+                if best == 0:
+                    stats.stale_since = stats.decisions
                 self._log_pending = True
             elif stats.decisions - stats.last_probe[best] > 2 * PROBE_STEPS:
                 target = best  # confirm it first (its last probe's samples are in)
@@ -440,18 +446,29 @@ class SpeculationGate:
         self.probe = _Probe(home, target, PROBE_STEPS - 1)
         stats.probed.add(target)
         stats.last_probe[target] = stats.decisions
+        stats.probed_figure = None
+        if stats.committed_count[target] > 0:
+            stats.probed_figure = (target, float(stats.committed_tokens[target]))
         stats.reset_committed(target)  # its trees now replace the old figure
         return self.arms[target]
 
     def _restart_interval(self, stats: GateStats, current: int) -> None:
         """Back to ``PROBE_INTERVAL`` when the settled arm's committed tokens per tree
-        moved by ``INTERVAL_RESTART`` since the interval last restarted."""
+        moved by ``INTERVAL_RESTART`` since the interval last restarted. Plain steps
+        count no trees: there a probe's trees moving the probed arm's figure by as much
+        restart it (the requests changed, the other arms' figures are stale)."""
         tokens = 1.0 if current == 0 else float(stats.committed_tokens[current])
         if stats.reference is None:
             stats.reference = tokens
         elif abs(tokens - stats.reference) > INTERVAL_RESTART * stats.reference:
             stats.reference = tokens
-            stats.interval = PROBE_INTERVAL
+            stats.interval, stats.stale_since = PROBE_INTERVAL, stats.decisions
+        if current == 0 and stats.probed_figure is not None:
+            arm, before = stats.probed_figure
+            if stats.committed_count[arm] >= PROBE_STEPS - 1:
+                stats.probed_figure = None
+                if abs(stats.committed_tokens[arm] - before) > INTERVAL_RESTART * before:
+                    stats.interval, stats.stale_since = PROBE_INTERVAL, stats.decisions
 
     def _probe_target(self, stats: GateStats, current: int, rates: np.ndarray,
                       measured: np.ndarray, num_arms: int) -> int | None:
@@ -461,7 +478,9 @@ class SpeculationGate:
         (each hop may gain less than the hysteresis); from plain decoding also the arm
         below the smallest measured speculative arm. Then every ``interval`` decisions
         the least recently probed of the neighbours (from plain decoding: also the best
-        measured speculative arm and the arm below the smallest measured one)."""
+        measured speculative arm, the arm below the smallest measured one, and the
+        smallest measured arm not probed since plain decoding began or the requests
+        changed)."""
         spec_measured = np.flatnonzero(measured[1:]) + 1
         below = None
         if current == 0 and spec_measured.size > 0 and spec_measured[0] > 1:
@@ -483,6 +502,11 @@ class SpeculationGate:
         if current == 0:
             if spec_measured.size > 0:
                 candidates.add(int(spec_measured[np.argmax(rates[spec_measured])]))
+                # and, smallest first, each measured arm not probed since its figure
+                # became suspect: a larger tree may pay where the smaller ones do not
+                stale = spec_measured[stats.last_probe[spec_measured] < stats.stale_since]
+                if stale.size > 0:
+                    candidates.add(int(stale[0]))
             if below is not None:
                 candidates.add(below)
         if not candidates:

@@ -68,16 +68,20 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   was measured on at least 3 intervals (else it is probed again first).
 * **probes** (three steps of another arm; the middle ones are clean intervals of it;
   the probe's trees replace the arm's committed figure): the first time in a bucket,
-  every unmeasured neighbour of the settled arm (the next smaller and larger arms) and
-  the arm beyond a neighbour that measured faster (so a slope where each hop gains less
-  than 5 % is still followed); from plain decoding the best measured speculative arm
-  and the arm below the smallest measured one (plain steps count no trees, so the way
-  back must be probed); and every 32 decisions of a bucket the least recently probed of
-  those, the interval doubling up to 1,024 and restarting when the settled arm's
-  committed tokens per tree move by 20 % (the requests changed). A speculative step
-  after plain ones loses nothing: a plain step's ``propose`` still writes the drafter's
-  context K/V of the tokens it committed (``DDTreeSpeculator._store_context_kv``), only
-  the block pass is skipped, so the drafter's cache is the one it would have had.
+  every unmeasured neighbour of the settled arm (the next smaller and larger arms), the
+  arm beyond a neighbour that measured faster (so a slope where each hop gains less
+  than 5 % is still followed) and, from plain decoding, the arm below the smallest
+  measured one; then every 32 decisions of a bucket the least recently probed of the
+  neighbours and, from plain decoding, of the best measured speculative arm, that arm
+  below and (smallest first) the measured arms not probed since plain decoding began
+  or the requests changed: plain steps count no trees, so the way back must be probed,
+  and where one draft loses to plain decoding a larger tree may still win. The
+  interval doubles up to 1,024 and restarts when the settled arm's committed tokens per
+  tree (from plain decoding: a probed arm's) move by 20 % (the requests changed). A
+  speculative step after plain ones loses nothing: a plain step's ``propose`` still
+  writes the drafter's context K/V of the tokens it committed
+  (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
+  drafter's cache is the one it would have had.
 * **the batch schedule** (``num_speculative_tokens_per_batch_size``,
   ``vllm_ddtree.budget.schedule``) caps the arms per batch size (a cap below every
   speculative arm leaves plain decoding); a cap of 0 is a plain step without the gate,
