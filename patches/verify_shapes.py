@@ -28,13 +28,14 @@ decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batc
   query length that holds the batch (the runner pads requests and tokens, as for
   any FULL graph).
 * ``capture`` of that manager: each verify graph of one request, and with auto's
-  b = 0 gate of 1, 2, 4, ... requests, is replayed right after its capture
+  step gate of 1, 2, 4, ... requests, is replayed right after its capture
   (``vllm_ddtree.budget.verify_costs``); with the gate, the drafter's graphs too. Then
   ``capture_model`` hands the times to auto: one request's verify forward per shape to
   the device choice (``BudgetPolicy.set_row_costs``), the verify forward by total rows
   and the drafter's block pass by requests to the gate's cost model
-  (``StepCostModel.set_graph_costs``). Not at TP > 1: vLLM's custom all-reduce
-  registers the graphs' buffers only when the capture context exits.
+  (``vllm_ddtree.budget.step_cost.StepCostModel.set_graph_costs``). Not at TP > 1:
+  vLLM's custom all-reduce registers the graphs' buffers only when the capture context
+  exits.
 
 All are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` (adaptive
 verify shapes) or a batch schedule.
@@ -64,7 +65,7 @@ def verify_shapes(vllm_config, max_num_reqs: int) -> list[int] | None:
 
 
 def gate_timings(vllm_config) -> bool:
-    """Whether the run has auto's b = 0 gate, which times graphs of several batch
+    """Whether the run has auto's step gate, which times graphs of several batch
     sizes (``vllm_ddtree.verify.shape.auto_plain_steps``)."""
     from vllm_ddtree.runtime_state import ddtree_config_of
     from vllm_ddtree.verify.shape import auto_plain_steps
@@ -84,7 +85,7 @@ def _is_dummy(args, kwargs) -> bool:
 
 def _shape_timer(manager):
     """The ``ShapeGraphTimer`` for a graph manager's capture, or None (no timing):
-    the target's verify graphs (one request for auto's row costs; with the b = 0 gate
+    the target's verify graphs (one request for auto's row costs; with the step gate
     also 2, 4, ... requests) and, with the gate, the DDTree drafter's block-pass
     graphs. Not at TP > 1 (no replays inside vLLM's capture context there)."""
     config = manager.vllm_config

@@ -1,64 +1,58 @@
-"""``ddtree_budget: "auto"``'s b = 0 gate on CPU (``vllm_ddtree.budget.gate``): the
-start-up cost model by batch size, and the host's choice between speculative and
-plain steps in a simulated engine whose steps take known times: it turns to plain
-decoding where that is faster (a large batch, a drafter that is rarely right) and comes
-back when speculation pays again, without a host sync."""
+"""``ddtree_budget: "auto"``'s step gate on CPU (``vllm_ddtree.budget.gate``): the host's
+choice of each step's arm (plain decoding, or a cap on the verify shape) in a
+simulated engine whose steps do NOT take what the gate's cost model says: a host cost
+per verified row, invisible to the model, makes large trees pay at batch 1 and small
+ones at batch 64. The gate must find the fastest arm per batch size from measured
+step intervals and acceptance, come back from plain decoding, hold under noise, respect
+the batch schedule's cap, and make no host sync."""
+
+import functools
+import logging
 
 import numpy as np
 import pytest
 import torch
 
-from vllm_ddtree.budget.gate import (
-    PROBE_STEPS,
-    SpeculationGate,
-    StepCostModel,
-    batch_bucket,
-)
+from vllm_ddtree.budget import gate as gate_module
+from vllm_ddtree.budget.gate import PROBE_STEPS, SpeculationGate, batch_bucket
+from vllm_ddtree.budget.step_cost import StepCostModel
 from vllm_ddtree.verify.shape import StepPlan
 
+ARMS = [0, 1, 2, 4, 8, 16, 32, 64]
+BUDGETS = ARMS[1:]
+# Tokens a tree commits by its verify shape: the drafter is good for about 4 nodes and
+# rarely right past 8.
+COMMITTED = {0: 1.0, 1: 1.4, 2: 2.0, 4: 3.4, 8: 4.0, 16: 4.03, 32: 4.04, 64: 4.05}
+HOST_SECONDS = 4e-4  # per step, not in the model
+HOST_ROW_SECONDS = 1e-5  # per verified row, not in the model
 
-def cost_model(num_layers=2, graphs=True) -> StepCostModel:
-    """Attention 1 us a request and layer at one row, +0.1 us a row, doubling from 1k to
-    2k context; verify forward 100 us + 1 us a row; drafter 200 us + 10 us a request."""
-    contexts = [1024, 2048]
-    budgets = [1, 2, 4, 8]
-    tree = [[1e-6 + 1e-7 * (1 + b) for b in budgets], [2e-6 + 2e-7 * (1 + b) for b in budgets]]
-    model = StepCostModel(num_layers, contexts, [1e-6, 2e-6], tree, budgets)
-    if graphs:
-        model.set_graph_costs({n: 1e-4 + 1e-6 * n for n in (1, 2, 4, 9, 16, 36)},
-                              {r: 2e-4 + 1e-5 * r for r in (1, 2, 4)})
+
+def cost_model() -> StepCostModel:
+    """What the gate believes: verify forward 300 us + 0.1 us a row, drafter 200 us +
+    1 us a request, attention 0.1 us a request and layer (+5 % a row), doubling from 1k
+    to 2k context."""
+    tree = [[1e-7 * (1 + 0.05 * b) for b in BUDGETS], [2e-7 * (1 + 0.05 * b) for b in BUDGETS]]
+    model = StepCostModel(2, [1024, 2048], [1e-7, 2e-7], tree, BUDGETS)
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4160]
+    model.set_graph_costs({n: 3e-4 + 1e-7 * n for n in rows},
+                          {r: 2e-4 + 1e-6 * r for r in (1, 2, 4, 8, 16, 32, 64)})
     return model
 
 
-def test_cost_model_covers_batch_size_rows_and_context():
-    model = cost_model()
-    ctx = np.array([1024, 1024])
-    # plain: 2 rows of verify forward + attention at one row
-    assert model.step_seconds(2, ctx, 0, False) == pytest.approx(1e-4 + 2e-6 + 2 * 2 * 1e-6)
-    # a tree step of shape 8: 18 rows (interpolated between 16 and 36), tree attention
-    # at 9 rows, and the drafter's pass of 2 requests
-    want = 1e-4 + 18e-6 + 2 * 2 * (1e-6 + 9e-7) + 2e-4 + 2e-5
-    assert model.step_seconds(2, ctx, 8, True) == pytest.approx(want)
-    # past the measured batch sizes and rows: the last segment continues
-    assert model.step_seconds(8, np.full(8, 1024), 8, True) == pytest.approx(
-        1e-4 + 72e-6 + 2 * 8 * (1e-6 + 9e-7) + 2e-4 + 8e-5)
-    # context: linear between 1k and 2k, continued past 2k; rows between budgets
-    assert model.attention_seconds(np.array([1536]), 0) == pytest.approx(2 * 1.5e-6)
-    assert model.attention_seconds(np.array([4096]), 0) == pytest.approx(2 * 4e-6)
-    assert model.attention_seconds(np.array([1024]), 3) == pytest.approx(
-        2 * (1e-6 + 4e-7))
-    # timing noise never makes more rows cheaper
-    model.set_graph_costs({1: 2e-4, 2: 1e-4}, {})
-    assert model.verify_seconds.tolist() == [2e-4, 2e-4]
-    bare = cost_model(graphs=False)
-    assert not bare.has_graph_costs
-    assert bare.step_seconds(4, np.full(4, 1024), 8, True) == pytest.approx(
-        2 * 4 * (1e-6 + 9e-7))
+MODEL = cost_model()
 
 
-def test_buckets():
-    assert [batch_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [0, 1, 2, 2, 3, 3, 4,
-                                                                        6, 7]
+@functools.cache
+def true_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
+    """What the simulated step really takes: the model's time plus the host's, which
+    grows with the verified rows (num_reqs * (1 + shape))."""
+    return (MODEL.step_seconds(num_reqs, np.full(num_reqs, 1024), shape, drafted)
+            + HOST_SECONDS + HOST_ROW_SECONDS * num_reqs * (1 + shape))
+
+
+def true_rates(num_reqs: int, seconds=true_seconds, committed=COMMITTED) -> dict[int, float]:
+    """Tokens per second of each arm run alone (the independent reference)."""
+    return {a: num_reqs * committed[a] / seconds(num_reqs, a, a > 0) for a in ARMS}
 
 
 class Clock:
@@ -84,87 +78,225 @@ class Clock:
 
 
 class Engine:
-    """A simulated engine: a speculative step of R requests takes
-    ``host_spec + per_req_spec * R`` seconds and commits ``committed`` tokens a request;
-    a plain step ``host_plain + per_req_plain * R`` and commits one. Drives a StepPlan
-    with a gate as vLLM drives it: step_shape at execute_model, then (after the walk)
-    the acceptance counters and draft_next at propose."""
+    """Drives a StepPlan with a gate as vLLM drives it: step_shape at execute_model,
+    then (after the walk) the acceptance counters and draft_next at propose. A step
+    takes ``seconds(num_reqs, shape, drafted)`` (its verify of ``shape`` drafts a
+    request and, when its propose drafts, the drafter's pass) times log-normal noise
+    of ``noise`` (seeded), and its trees commit ``committed[shape]`` tokens each."""
 
-    def __init__(self, committed=3.0, host_spec=3e-3, per_req_spec=4e-4, host_plain=2e-3,
-                 per_req_plain=5e-5):
+    def __init__(self, seconds=true_seconds, committed=COMMITTED, noise=0.0, seed=0,
+                 arms=ARMS, schedule=None):
         self.clock = Clock()
-        self.gate = SpeculationGate(cost_model(graphs=False), "cpu",
-                                    make_event=self.clock.event)
-        self.plan = StepPlan(8, [0, 1, 2, 4, 8], gate=self.gate)
-        self.committed = committed
-        self.spec = (host_spec, per_req_spec)
-        self.plain = (host_plain, per_req_plain)
+        self.gate = SpeculationGate(cost_model(), "cpu", arms, make_event=self.clock.event)
+        self.plan = StepPlan(max(arms), arms, schedule, gate=self.gate)
+        self.seconds, self.committed = seconds, dict(committed)
+        self.noise, self.rng = noise, np.random.default_rng(seed)
+        self.accepted_exact = 0.0
         self.accepted = torch.zeros(1, dtype=torch.int64)
         self.trees = torch.zeros(1, dtype=torch.int64)
-        self.tokens = 0.0
+        self.tokens = self.time = 0.0
 
-    def run(self, num_reqs: int, steps: int) -> list[bool]:
-        """``steps`` steps at batch ``num_reqs``; returns whether each step verified trees."""
-        kinds = []
+    def run(self, num_reqs: int, steps: int) -> list[int]:
+        """``steps`` steps at batch ``num_reqs``; returns each step's verify shape."""
+        shapes = []
         for _ in range(steps):
             shape = self.plan.step_shape(num_reqs, uniform=True)
+            tokens = num_reqs * self.committed[shape]
             if shape > 0:
                 self.trees += num_reqs
-                self.accepted += round(num_reqs * (self.committed - 1))
+                self.accepted_exact += tokens - num_reqs
+                self.accepted.fill_(int(self.accepted_exact))
                 self.gate.record_acceptance_(self.accepted, self.trees, num_reqs)
-                self.tokens += num_reqs * self.committed
-            else:
-                self.tokens += num_reqs
             draft = self.plan.draft_next(num_reqs, np.full(num_reqs, 1024))
-            # the step's own verify and the drafter's pass it ran at its end
-            host, per_req = self.spec if shape > 0 else self.plain
-            seconds = host + per_req * num_reqs * (1 + 0.5 * (shape > 0))
-            self.clock.now += seconds / 2 + (self.spec[0] / 2 if draft else self.plain[0] / 2)
-            kinds.append(shape > 0)
-        return kinds
+            seconds = self.seconds(num_reqs, shape, draft)
+            seconds *= float(np.exp(self.noise * self.rng.standard_normal()))
+            self.clock.now += seconds
+            self.tokens += tokens
+            self.time += seconds
+            shapes.append(shape)
+        return shapes
+
+    def throughput(self, num_reqs: int, steps: int) -> float:
+        """Tokens per second over ``steps`` more steps."""
+        tokens, time = self.tokens, self.time
+        self.run(num_reqs, steps)
+        return (self.tokens - tokens) / (self.time - time)
 
 
-def test_gate_decodes_plainly_at_large_batches_and_comes_back_when_speculation_pays():
-    """Batch 1: speculation (3 tokens a step for 1.5x the time) pays, the gate keeps
-    it after one calibration probe of plain steps. Batch 64: a speculative step takes
-    about 3.8x a plain one for 3x the tokens, so the gate turns to plain decoding and
-    probes speculation rarely. Back at batch 2 it speculates again."""
+def noise_mean(noise: float) -> float:
+    """Mean of the log-normal step-time factor: the fixed arms' rates divide by it."""
+    return float(np.exp(noise**2 / 2))
+
+
+def test_buckets():
+    assert [batch_bucket(r) for r in (1, 2, 3, 4, 5, 8, 9, 64, 65)] == [0, 1, 2, 2, 3, 3, 4,
+                                                                        6, 7]
+
+
+def test_scenario_has_a_large_best_arm_at_batch_1_and_a_small_one_at_batch_64():
+    """The reference the gate is held to: 8 drafts fastest at batch 1, 4 at batch 64,
+    each > 5 % ahead of its neighbours (so hysteresis cannot hide them); at batch 64
+    plain decoding beats B = 64 (the old binary gate, which compared plain decoding
+    with the largest shape, turned plain there) while 4 drafts beat plain by > 5 %."""
+    one, big = true_rates(1), true_rates(64)
+    assert max(one, key=one.get) == 8 and min(one[8] / one[4], one[8] / one[16]) > 1.05
+    assert max(big, key=big.get) == 4 and min(big[4] / big[2], big[4] / big[8]) > 1.05
+    assert big[0] > big[64] and big[4] > 1.05 * big[0]
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_arms_follow_the_batch_size(noise):
+    """Batch 1 settles on 8 drafts, batch 64 on 4, and back at batch 1 the gate runs
+    8 again (its bucket kept its arm); every phase within 5 % of the best fixed arm's
+    throughput, exploration included."""
+    engine = Engine(noise=noise, seed=1)
+    for num_reqs, steps, want in ((1, 600, 8), (64, 600, 4), (1, 300, 8)):
+        rates = true_rates(num_reqs)
+        got = engine.throughput(num_reqs, steps)
+        assert got >= 0.95 * rates[want] / noise_mean(noise), (num_reqs, got / rates[want])
+        assert engine.gate.settled_arms()[batch_bucket(num_reqs)] == want
+    shapes = engine.run(1, 300)
+    assert shapes.count(8) >= 0.9 * len(shapes)
+
+
+def test_batch_64_runs_four_drafts_where_the_largest_tree_loses_to_plain_decoding():
+    """From a fresh gate at batch 64 (settled on the largest arm, 64, at first): plain
+    decoding beats 64 drafts, which made the old binary gate decode plainly; the arms
+    reach 4 drafts, > 5 % faster than plain decoding, and keep it."""
     engine = Engine()
-    kinds = engine.run(1, 200)
-    assert sum(kinds[-150:]) >= 150 - PROBE_STEPS  # speculating, at most one probe
-    assert not all(kinds)  # the plain steps were measured once
-    kinds = engine.run(64, 400)
-    assert sum(kinds[-300:]) <= 2 * PROBE_STEPS  # plain, probing at most twice
-    kinds = engine.run(2, 200)
-    assert sum(kinds[-150:]) >= 150 - PROBE_STEPS
-    # The measured residuals reflect the simulated host times per kind.
-    stats = engine.gate.stats[batch_bucket(64)]
-    assert stats.plain.count > 0 and stats.spec.count > 0
-    assert stats.committed.value == pytest.approx(3.0, rel=0.01)
+    rates = true_rates(64)
+    engine.run(64, 200)
+    assert engine.gate.settled_arms() == {6: 4}
+    shapes = engine.run(64, 400)
+    assert shapes.count(4) >= 400 - 4 * PROBE_STEPS
+    assert shapes.count(0) <= 2 * PROBE_STEPS
+    assert engine.throughput(64, 400) >= 0.95 * rates[4] > 1.05 * 0.95 * rates[0]
 
 
-@pytest.mark.parametrize("committed, speculating", [(1.05, False), (4.0, True)])
-def test_gate_follows_the_measured_acceptance(committed, speculating):
-    """At batch 4 a speculative step costs about 2x a plain one: a drafter that is
-    rarely right (1.05 tokens a tree) loses to plain decoding, one whose trees commit
-    4 tokens wins."""
-    engine = Engine(committed=committed, host_spec=4e-3, per_req_spec=2e-4,
-                    host_plain=2e-3, per_req_plain=1e-4)
-    kinds = engine.run(4, 300)
-    tail = kinds[-200:]
-    if speculating:
-        assert sum(tail) >= 200 - 2 * PROBE_STEPS
-    else:
-        assert sum(tail) <= 2 * PROBE_STEPS
+def gentle_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
+    """Step times that make each arm 3 % slower than the next smaller one down to 2
+    drafts (each hop gains less than the hysteresis), and 1 and plain 3 % and 6 %
+    slower than 2 (with COMMITTED's acceptance)."""
+    hops = {0: 2, 1: 1, 2: 0, 4: 1, 8: 2, 16: 3, 32: 4, 64: 5}
+    rate = 1000.0 * 0.97 ** hops[shape]
+    return num_reqs * COMMITTED[shape] / rate
 
 
-def test_schedule_zero_skips_the_gate_and_probes():
+def test_gentle_slope_is_descended_from_the_largest_arm():
+    """Each hop down gains 3 %, under the 5 % hysteresis: the gate probes past a faster
+    neighbour, so it still descends from 64 to within 5 % of the best arm (2)."""
+    engine = Engine(seconds=gentle_seconds)
+    rates = true_rates(4, gentle_seconds)
+    engine.run(4, 400)
+    settled = engine.gate.settled_arms()[batch_bucket(4)]
+    assert rates[settled] >= 0.95 * rates[2], settled
+    assert engine.throughput(4, 400) >= 0.95 * rates[2]
+
+
+@pytest.mark.parametrize("batch, later_batch", [(4, 4), (4, 6), (64, 64)])
+def test_recovery_from_plain_decoding_when_speculation_pays_again(batch, later_batch):
+    """Requests the drafter rarely gets right (1.05 tokens a tree at every shape) send
+    the gate down to plain decoding; when later requests commit COMMITTED's tokens, its
+    probes from plain decoding must bring it back to a speculative arm within 5 % of the
+    best: at the same batch, in a bucket that starts from the plain one (6 requests),
+    and at batch 64, where plain decoding's neighbour (1 draft) stays slower than plain
+    decoding and only larger trees (4 drafts) beat it."""
+    poor = {a: 1.0 if a == 0 else 1.05 for a in ARMS}
+    engine = Engine(committed=poor)
+    engine.run(batch, 800)
+    assert engine.gate.settled_arms()[batch_bucket(batch)] == 0
+    engine.committed = dict(COMMITTED)
+    engine.run(later_batch, 2000)
+    rates = true_rates(later_batch)
+    best = max(rates.values())
+    if batch == 64:
+        assert rates[1] < rates[0] < best / 1.05
+    settled = engine.gate.settled_arms()[batch_bucket(later_batch)]
+    assert settled > 0 and rates[settled] >= 0.95 * best, settled
+    assert engine.throughput(later_batch, 500) >= 0.93 * best
+
+
+def test_heavy_noise_does_not_ratchet_to_large_trees():
+    """30 % log-normal noise on every step at batch 64 (best: 4 drafts): the residual
+    medians must not let lucky probes walk the gate up to large trees; it stays on
+    small ones (plain decoding, 9 % slower than 4 drafts, is within the noise) and
+    within 7 % of the best fixed arm over the run."""
+    engine = Engine(noise=0.3, seed=3)
+    rates = true_rates(64)
+    shapes = engine.run(64, 3300)
+    assert sum(s >= 16 for s in shapes) <= 0.02 * len(shapes)
+    assert engine.gate.settled_arms()[batch_bucket(64)] <= 8
+    assert engine.tokens / engine.time >= 0.93 * rates[4] / noise_mean(0.3)
+
+
+def test_cap_below_every_speculative_arm_decodes_plainly():
+    """A schedule's budget below every speculative arm leaves plain decoding (no
+    exception); a cap between arms takes the largest arm under it."""
     from vllm_ddtree.budget.schedule import BatchSchedule
 
+    engine = Engine(arms=[0, 4, 8, 16])
+    assert engine.gate.decide(2, np.full(2, 1024), 3) == 0
+    assert engine.gate.decide(2, np.full(2, 1024), 2) == 0
+    assert Engine().gate.decide(2, np.full(2, 1024), 6) == 4
+    engine = Engine(schedule=BatchSchedule([(1, 4, 2), (5, 64, 64)], 64, 64))
+    shapes = engine.run(2, 200)
+    assert set(shapes) <= {0, 1, 2} and 2 in shapes
+    assert engine.gate.settled_arms()[batch_bucket(2)] <= 2
+
+
+def test_cap_zero_is_always_plain_and_never_probes():
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    engine = Engine(schedule=BatchSchedule([(1, 2, 8), (3, 64, 0)], 64, 64))
+    assert set(engine.run(16, 100)[1:]) == {0}  # the first step was drafted before
+    assert engine.gate.probe is None
+    assert engine.gate.decide(16, np.full(16, 1024), 0) == 0
+
+
+def test_settled_arms_are_logged_when_they_change_at_most_once_a_minute():
     engine = Engine()
-    engine.plan.schedule = BatchSchedule([(1, 2, 8), (3, 64, 0)], 64, 8)
-    assert not any(engine.run(16, 50))  # cap 0: never drafts, never probes
-    assert engine.gate.probe_left == 0
+    now = [0.0]
+    engine.gate.clock = lambda: now[0]
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    gate_module.logger.addHandler(handler)
+    old_level = gate_module.logger.level
+    gate_module.logger.setLevel(logging.INFO)
+    try:
+        engine.run(1, 300)  # 64 -> 8: logged at once
+        assert lines == ["DDTree auto budget: drafts per request by batch size (0: plain "
+                         "decoding): 1: 8"]
+        engine.run(64, 300)  # 8 -> 4 at batch 64, within the minute: not yet
+        assert len(lines) == 1
+        now[0] = 61.0
+        engine.run(64, 1)  # the minute passed: the change is logged
+        engine.run(64, 300)  # no change, no line
+        now[0] = 200.0
+        engine.run(64, 1)
+    finally:
+        gate_module.logger.removeHandler(handler)
+        gate_module.logger.setLevel(old_level)
+    assert len(lines) == 2 and lines[1].endswith("1: 8, 33-64: 4")
+    assert engine.gate.settled_arms() == {0: 8, 6: 4}
+
+
+def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():
+    """Each arm's committed tokens per tree come from the trees verified under it (the
+    counters copied after each walk); a probe resets the probed arm's figure, so its
+    trees, not old ones, make it."""
+    engine = Engine()
+    engine.run(64, 600)
+    stats = engine.gate.stats[batch_bucket(64)]
+    counted = [a for i, a in enumerate(ARMS) if a > 0 and stats.committed_count[i] > 0]
+    assert {2, 4, 8} <= set(counted)
+    for arm in counted:
+        assert stats.committed_tokens[ARMS.index(arm)] == pytest.approx(COMMITTED[arm],
+                                                                        abs=0.02)
+    engine.committed[8] = 2.0  # from now on 8 drafts commit 2 tokens a tree
+    assert 8 in engine.run(64, 1000)  # a scheduled probe ran it
+    assert stats.committed_tokens[ARMS.index(8)] == pytest.approx(2.0, abs=0.02)
+    assert stats.committed_tokens[ARMS.index(4)] == pytest.approx(COMMITTED[4], abs=0.02)
 
 
 def test_gate_steps_have_no_host_sync():
@@ -182,67 +314,19 @@ def test_gate_steps_have_no_host_sync():
         engine.plan.draft_next(2, np.full(2, 1024))
 
 
-def test_one_stalled_step_does_not_keep_the_gate_off_speculation():
-    """One speculative step stretched by a host stall (a GC pause, a log flush: 0.3 s,
-    under MAX_STEP_SECONDS) must not turn a batch where speculation pays ~2x to plain
-    decoding for good: with an EMA residual the stall made speculation look slower than
-    the probe threshold, so it was never probed (nor measured) again."""
+def test_one_stalled_step_does_not_move_the_settled_arm():
+    """One step stretched by a host stall (a GC pause, a log flush: 0.3 s, under
+    MAX_STEP_SECONDS) must not move batch 1 off 8 drafts: the residual is a median."""
     engine = Engine()
-    assert sum(engine.run(4, 100)[-50:]) == 50
-    engine.clock.now += 0.3  # the stall, inside the last speculative step's interval
-    kinds = engine.run(4, 300)
-    assert sum(kinds[-200:]) >= 200 - 2 * PROBE_STEPS
+    engine.run(1, 400)
+    assert engine.gate.settled_arms() == {0: 8}
+    engine.clock.now += 0.3  # the stall, inside the last step's interval
+    shapes = engine.run(1, 300)
+    assert shapes.count(8) >= 300 - 3 * PROBE_STEPS
+    assert engine.gate.settled_arms() == {0: 8}
 
 
-def test_plain_decoding_probes_speculation_again_when_acceptance_was_low():
-    """Requests the drafter rarely gets right (1.05 tokens a tree) turn the gate to plain
-    decoding; when later requests would commit 4 tokens a tree (speculation then pays
-    ~2x), the scheduled probes must still run: plain steps measure no acceptance, so
-    the stale figure predicted speculation below the probe ratio and it never came
-    back."""
-    engine = Engine(committed=1.05, host_spec=4e-3, per_req_spec=2e-4, host_plain=2e-3,
-                    per_req_plain=1e-4)
-    assert sum(engine.run(4, 300)[-200:]) <= 2 * PROBE_STEPS
-    engine.committed = 4.0
-    kinds = engine.run(4, 2000)
-    assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS
-
-
-def test_scheduled_probes_also_run_in_a_bucket_that_never_measured_speculation():
-    """The same at a batch size of another bucket (6 requests, bucket 5-8) that never ran
-    a tree: its first probe is skipped (speculation, measured at 4 requests, predicted
-    far slower), and the scheduled probes must not be skipped with it."""
-    engine = Engine(committed=1.05, host_spec=4e-3, per_req_spec=2e-4, host_plain=2e-3,
-                    per_req_plain=1e-4)
-    engine.run(4, 300)
-    engine.committed = 4.0
-    kinds = engine.run(6, 2000)
-    assert sum(kinds[-500:]) >= 500 - 2 * PROBE_STEPS
-
-
-def test_attention_columns_equal_per_request_interpolation():
-    """The vectorized context interpolation equals ``np.interp`` per request and
-    budget, clamped below the first timed context and continued past the last."""
-    rng = np.random.default_rng(0)
-    contexts = [512, 1024, 4096, 16384]
-    budgets = [1, 2, 4, 8, 16]
-    tree = rng.uniform(1e-6, 1e-5, size=(4, 5))
-    plain = rng.uniform(1e-7, 1e-6, size=4)
-    model = StepCostModel(3, contexts, plain, tree, budgets)
-    table = np.concatenate([plain[:, None], tree], axis=1)
-    xs = np.asarray(contexts, dtype=np.float64)
-    ctx = np.array([1, 512, 700, 1024, 3000, 16384, 40000], dtype=np.float64)
-
-    def one(c: float, k: int) -> float:
-        if c > xs[-1]:
-            slope = (table[-1, k] - table[-2, k]) / (xs[-1] - xs[-2])
-            return table[-1, k] + slope * (c - xs[-1])
-        return float(np.interp(c, xs, table[:, k]))
-
-    want = [sum(one(c, k) for c in ctx) for k in range(table.shape[1])]
-    assert model.attention_columns(ctx) == pytest.approx(want, rel=1e-12)
-    assert model.attention_columns(np.zeros(0)).tolist() == [0.0] * 6
-    # between budgets 4 and 8 (columns 3 and 4): linear in the row count
-    assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
-    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
-    assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]
+def test_arms_must_hold_a_speculative_shape():
+    for arms in ([], [0], [-1, 4], [2.5]):
+        with pytest.raises(ValueError, match="arms must be verify shapes"):
+            SpeculationGate(cost_model(), "cpu", arms)

@@ -255,7 +255,7 @@ def test_shape_choice_has_no_host_sync():
 def test_forced_budget_hook(monkeypatch):
     """The GPU tests' hook (``vllm_ddtree.testing.forced_budgets``, applied by the check
     script itself): choose returns the listed non-zero budgets in turn, capped at B; the
-    b = 0 gate takes a plain step for each 0 in turn; bad lists are refused."""
+    step gate takes a plain step for each 0 in turn; bad lists are refused."""
     from vllm_ddtree.budget.attention_timing import measure_attention_table
     from vllm_ddtree.budget.gate import SpeculationGate
     from vllm_ddtree.budget.policy import BudgetPolicy
@@ -277,15 +277,17 @@ def test_forced_budget_hook(monkeypatch):
     picks = [int(policy.choose_in_graph(scores, ctx, rows, 1)) for _ in range(4)]
     assert picks == [1, 4, 8, 1]
     assert int(policy.chosen) == 1 and int(policy._forced_turn) == 4
-    # The host's b = 0 choice follows the whole list (a zero budget cap stays 0).
-    gate = SpeculationGate(policy.cost_model(), "cpu")
+    # The host's arm follows the whole list: plain (0) for a 0, else the cap, so that
+    # the device budgets apply (a zero budget cap stays 0).
+    gate = SpeculationGate(policy.cost_model(), "cpu", arms=[0, 1, 2, 4, 8])
     import numpy as np
 
     # Through ``decide``, the worker's call, so the patch keeps ``_choose``'s signature.
     contexts = np.array([100, 200])
-    drafts = [gate.decide(2, contexts, 8, 8, this_shape=8) for _ in range(5)]
-    assert drafts == [True, True, False, True, True]
-    assert gate.decide(2, contexts, 0, 8, this_shape=8) is False
+    arms = [gate.decide(2, contexts, 8) for _ in range(5)]
+    assert arms == [8, 8, 0, 8, 8]
+    assert gate.decide(2, contexts, 4) == 4
+    assert gate.decide(2, contexts, 0) == 0
     for bad in ("", "-1,2", "0,0", "a"):
         with pytest.raises(ValueError, match="forced budgets"):
             forced_budgets.parse_budgets(bad)
@@ -323,7 +325,7 @@ def fake_vllm_capture(self, create_forward_fn, progress_bar_desc="x"):
 def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch, verify_shape):
     """The capture patch replays verify graphs right after their capture, before the
     next shape's inputs are prepared, and capture_model hands the one-request times to
-    the auto policy as row costs. With auto's b = 0 gate (adaptive shapes at TP = 1)
+    the auto policy as row costs. With auto's step gate (adaptive shapes at TP = 1)
     graphs of 2, 4, ... requests are timed too and go to the gate's cost model by total
     rows, with the drafter's block-pass graphs by requests. Fixed verify shapes time
     nothing."""
@@ -390,7 +392,8 @@ def test_capture_times_each_shape_graph_with_its_own_inputs(monkeypatch, verify_
     drafter = manager_of(DFlashCudaGraphManager, None, drafter_descs, 16)
     table = measure_attention_table(lambda c, q: 1e-6, [1024], [1, 2, 4, 8])
     policy = BudgetPolicy(table, 2)
-    plan = NS(gate=SpeculationGate(policy.cost_model(), "cpu") if gate else None)
+    plan = NS(gate=SpeculationGate(policy.cost_model(), "cpu", [0, 1, 2, 4, 8])
+              if gate else None)
     runner = NS(cudagraph_manager=target,
                 speculator=NS(budget_policy=policy, step_plan=plan,
                               query_cudagraph_manager=drafter))

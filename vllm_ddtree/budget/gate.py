@@ -1,25 +1,36 @@
-"""``ddtree_budget: "auto"``'s b = 0: speculate in the next step, or decode plainly?
+"""``ddtree_budget: "auto"``'s step gate: which *arm* the next step runs.
 
-The host decides at each ``propose``, before the drafter's block pass, whether the next
-step verifies trees (b >= 1, chosen on the device after the pass) or runs as plain
-decoding (b = 0: one verify row a request, no block pass). The design and its reasons
-are in ``vllm_ddtree.budget.policy``'s docstring; this module holds the pieces:
+Arm 0 is a plain decoding step (one verify row a request, no drafter block pass); arm
+``s > 0``, one of the run's verify shapes, caps the next step's verify shape at ``s``
+(the device still picks ``b <= s`` after the block pass, ``vllm_ddtree.verify.shape``).
+The host picks the arm at each ``propose``, before the block pass, for the next step.
+The design and its reasons are in ``vllm_ddtree.budget.policy``'s docstring; this
+module holds the decision, :class:`SpeculationGate`:
 
-* :class:`StepCostModel`: a step's GPU time by batch size, measured at start-up on the
-  target's own kernels and graphs: the verify forward by total rows (the target's FULL
-  graphs of every verify shape at several request counts), the drafter's block pass by
-  requests (its FULL graphs), and the tree / plain verify attention per request, layer
-  and context (the tree kernel at 1 and ``1 + b`` active rows).
-* :class:`SpeculationGate`: the decision. It compares the modeled tokens per second of
-  the two kinds of step at this batch size and context, each corrected by what steps of
-  that kind actually took (GPU-timeline intervals between steps, read from CUDA events
-  only once they completed: no host sync), with the acceptance measured on recent trees
-  (DDTree's device counters, copied to pinned memory without a sync). Hysteresis keeps
-  it from flapping; short probes of the other kind measure what it has not seen.
+* per batch-size bucket (:func:`batch_bucket`) and arm it keeps a *residual*, what the
+  arm's steps took on the GPU timeline (CUDA events between step starts, read once
+  completed: no host sync) beyond the start-up model's time of that step
+  (``vllm_ddtree.budget.step_cost.StepCostModel``, the arm taken as its verify shape),
+  and the tokens committed per tree (DDTree's device counters, copied to pinned memory
+  and read once the copy completed);
+* the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
+  batch size and these contexts; each bucket keeps a settled arm and moves to its best
+  measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
+  ``SWITCH_SAMPLES`` intervals; before, it is probed again);
+* short probes (``PROBE_STEPS`` steps of another arm) measure the arms next to the
+  settled one, the arm beyond a neighbour that measured faster, the way back from plain
+  decoding, and, on a doubling schedule, every neighbour again (acceptance changes with
+  the requests).
+
+Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
+so a batch that jumps every few steps between far-apart buckets (say 3 and 200
+requests) runs each step with the previous step's bucket's decision.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 import time
 from collections import deque
@@ -30,30 +41,41 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["GateStats", "SpeculationGate", "StepCostModel", "batch_bucket"]
+from vllm_ddtree.budget.step_cost import StepCostModel
 
-# Rate margin before the gate switches between speculative and plain steps.
+__all__ = ["GateStats", "SpeculationGate", "batch_bucket"]
+
+# Under "vllm." so that the lines reach vLLM's log handler.
+logger = logging.getLogger("vllm.ddtree.budget_gate")
+
+# Predicted rate margin before a bucket moves to another arm.
 HYSTERESIS = 0.05
-# Steps of the other kind a probe runs: the middle ones are intervals of that kind alone.
+# Steps a probe runs its arm: the middle ones are intervals of that arm alone.
 PROBE_STEPS = 3
-# A probe runs only where the other kind is predicted within this fraction of the
-# current one (or where it was never measured at all); the scheduled probes of
-# speculation from plain decoding run regardless (its acceptance goes stale).
-PROBE_RATIO = 0.8
-# Steps between probes of one batch-size bucket: doubles after each probe up to the max.
+# Decisions between scheduled probes of one bucket: doubles after each up to the max,
+# back to the start when the settled arm's committed tokens per tree move by
+# INTERVAL_RESTART (the requests changed).
 PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
-# Samples of the current kind in a bucket before the other kind is first probed there.
+INTERVAL_RESTART = 0.2
+# Residual samples of the settled arm before its neighbours are first probed.
 CALIBRATION_SAMPLES = 2
+# Residual samples an arm needs before a bucket moves to it; one predicted faster with
+# fewer is probed again first (a probe of plain decoding from a speculative arm, or the
+# reverse, gives two clean intervals, and the lower median of two is their minimum:
+# under noise that made such arms look faster than they are).
+SWITCH_SAMPLES = 3
 EMA_WEIGHT = 0.2
-# Residual samples a kind's estimate is the (lower) median of: one interval stretched by
-# a host stall (a GC pause, a log flush) must not move it.
-RESIDUAL_WINDOW = 5
+# Residual samples an arm's estimate is the (lower) median of: one interval stretched
+# by a host stall (a GC pause, a log flush) must not move it.
+RESIDUAL_WINDOW = 15
 # Intervals longer than this are an idle engine, not a step.
 MAX_STEP_SECONDS = 2.0
-# Committed tokens per tree before any tree was measured (neutral: the gate then keeps
-# speculating until it has seen trees).
+# Committed tokens per tree of an arm before any of its trees (and of no arm near it)
+# was counted in the bucket.
 PRIOR_COMMITTED = 2.0
+# The settled arms are logged when one changes, at most this often.
+LOG_SECONDS = 60.0
 # Timing marks kept at most (the host runs a step or two ahead of the GPU).
 _MARKS = 64
 _ACCEPT_SLOTS = 8
@@ -64,121 +86,31 @@ def batch_bucket(num_reqs: int) -> int:
     return max(0, math.ceil(math.log2(max(1, num_reqs))))
 
 
-def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
-    """Piecewise linear in ``xs`` (increasing), clamped below the first point and
-    continued past the last with the last segment's slope (one point: proportional)."""
-    if xs.size == 0:
-        return 0.0
-    if xs.size == 1:
-        return float(ys[0] * max(x, xs[0]) / xs[0])
-    if x <= xs[-1]:
-        return float(np.interp(x, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return float(ys[-1] + slope * (x - xs[-1]))
-
-
-def _monotone_points(points: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
-    """Sorted ``(x, seconds)`` arrays, seconds made non-decreasing in x (timing noise)."""
-    xs = np.array(sorted(points), dtype=np.float64)
-    ys = np.maximum.accumulate(np.array([points[int(x)] for x in xs], dtype=np.float64))
-    return xs, ys
-
-
-class StepCostModel:
-    """Modeled GPU seconds of one step, from start-up measurements (host numbers).
-
-    Args:
-        num_layers: target attention layers on this GPU.
-        contexts: increasing context lengths the attention was timed at.
-        plain_attention: ``[C]`` seconds of one request's verify attention, one layer,
-            one row (a plain step).
-        tree_attention: ``[C, K]`` the same at ``1 + b_k`` rows.
-        budgets: the ``K`` candidate budgets ``b_k`` (increasing).
-    """
-
-    def __init__(self, num_layers: int, contexts: Sequence[int],
-                 plain_attention: Sequence[float], tree_attention: Any,
-                 budgets: Sequence[int]) -> None:
-        self.num_layers = num_layers
-        self.contexts = np.asarray(contexts, dtype=np.float64)
-        attention = np.asarray(tree_attention, dtype=np.float64).reshape(len(contexts), -1)
-        # column 0: b = 0 (one row), then the candidates
-        self.attention = np.concatenate(
-            [np.asarray(plain_attention, dtype=np.float64).reshape(-1, 1), attention], axis=1)
-        self.budgets = np.asarray([0, *budgets], dtype=np.float64)
-        self.verify_rows = np.zeros(0)
-        self.verify_seconds = np.zeros(0)
-        self.draft_reqs = np.zeros(0)
-        self.draft_seconds = np.zeros(0)
-
-    def set_graph_costs(self, verify_by_rows: dict[int, float],
-                        draft_by_reqs: dict[int, float]) -> None:
-        """Take the start-up graph timings: the target's verify forward by total rows
-        (``{num_tokens: seconds}``) and the drafter's block pass by requests
-        (``{num_reqs: seconds}``); either may be empty (no graphs: not modeled)."""
-        if verify_by_rows:
-            self.verify_rows, self.verify_seconds = _monotone_points(verify_by_rows)
-        if draft_by_reqs:
-            self.draft_reqs, self.draft_seconds = _monotone_points(draft_by_reqs)
-
-    @property
-    def has_graph_costs(self) -> bool:
-        return self.verify_rows.size > 0
-
-    def attention_columns(self, contexts: np.ndarray) -> np.ndarray:
-        """fp64 ``[1 + K]``: one layer's attention seconds summed over the requests of
-        ``contexts`` at every timed budget (column 0: b = 0). Linear in the context
-        between the timed ones, clamped below the first and continued past the last with
-        the last segment's slope. One vectorized pass: the gate needs it at every step."""
-        ctx = np.asarray(contexts, dtype=np.float64).reshape(-1)
-        xs, table = self.contexts, self.attention
-        if ctx.size == 0:
-            return np.zeros(table.shape[1])
-        if xs.size == 1:
-            return table[0] * ctx.size
-        lo = np.clip(np.searchsorted(xs, ctx, side="right") - 1, 0, xs.size - 2)
-        frac = np.maximum((ctx - xs[lo]) / (xs[lo + 1] - xs[lo]), 0.0)
-        return (1.0 - frac) @ table[lo] + frac @ table[lo + 1]
-
-    def attention_seconds(self, contexts: np.ndarray, num_drafts: int,
-                          columns: np.ndarray | None = None) -> float:
-        """``num_layers * sum_r attn(ctx_r, 1 + num_drafts)``: :meth:`attention_columns`
-        (or ``columns``, its result for these contexts), linear in the row count between
-        the timed budgets."""
-        if columns is None:
-            columns = self.attention_columns(contexts)
-        b = min(num_drafts, self.budgets[-1])
-        return self.num_layers * float(np.interp(b, self.budgets, columns))
-
-    def step_seconds(self, num_reqs: int, contexts: np.ndarray, num_drafts: int,
-                     drafted: bool, columns: np.ndarray | None = None) -> float:
-        """A step of ``num_reqs`` requests verifying ``1 + num_drafts`` rows each, plus
-        the drafter's block pass when ``drafted``; ``columns``: as in
-        :meth:`attention_seconds`."""
-        rows = num_reqs * (1 + num_drafts)
-        seconds = _interp(rows, self.verify_rows, self.verify_seconds)
-        seconds += self.attention_seconds(contexts, num_drafts, columns)
-        if drafted:
-            seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
-        return seconds
+def bucket_batches(bucket: int) -> str:
+    """The batch sizes of a bucket as text: ``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``..."""
+    if bucket <= 1:
+        return str(bucket + 1)
+    return f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
 
 
 @dataclass
 class _Ema:
+    """An EMA that averages its first ``1 / EMA_WEIGHT`` samples equally: a probe's
+    few trees (one a step at batch 1) must not rest on the first one."""
+
     value: float = 0.0
     count: int = 0
 
-    def add(self, sample: float, weight: float = EMA_WEIGHT) -> None:
-        self.value = sample if self.count == 0 else (1 - weight) * self.value + weight * sample
+    def add(self, sample: float) -> None:
         self.count += 1
+        self.value += max(EMA_WEIGHT, 1.0 / self.count) * (sample - self.value)
 
 
 @dataclass
 class _Median:
     """The lower median of the last ``RESIDUAL_WINDOW`` samples (of two: the smaller).
-    An EMA carried one stalled interval for tens of steps, long enough to make the
-    stalled kind look slower than the probe threshold (``PROBE_RATIO``), after which
-    it was never run, so never measured, again."""
+    An EMA carried one stalled interval for tens of steps, long enough to keep the
+    stalled arm looking slow until it was measured again."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=RESIDUAL_WINDOW))
     value: float = 0.0
@@ -191,19 +123,58 @@ class _Median:
         self.value = ordered[(len(ordered) - 1) // 2]
 
 
-@dataclass
 class GateStats:
-    """What the gate measured in one batch-size bucket."""
+    """What the gate measured in one batch-size bucket, per arm (index into the gate's
+    sorted arms, 0: plain decoding), and the bucket's decision state.
 
-    plain: _Median = field(default_factory=_Median)  # residual seconds of plain steps
-    spec: _Median = field(default_factory=_Median)  # residual seconds of speculative steps
-    committed: _Ema = field(default_factory=_Ema)  # tokens committed per tree
-    shape: int = 0  # drafts per request of the last speculative step (0: none yet)
-    steps: int = 0  # decisions since the last probe
-    interval: int = PROBE_INTERVAL
+    Args:
+        num_arms: ``A``, the gate's arms.
+        settled: the index of the arm the bucket starts from.
+    """
 
-    def residual(self, spec: bool) -> _Median:
-        return self.spec if spec else self.plain
+    def __init__(self, num_arms: int, settled: int) -> None:
+        self.residuals = [_Median() for _ in range(num_arms)]
+        self.committed = [_Ema() for _ in range(num_arms)]
+        # the same as arrays for the vectorized rates: fp64 / int64 [A]
+        self.residual_seconds = np.zeros(num_arms)
+        self.residual_count = np.zeros(num_arms, dtype=np.int64)
+        self.committed_tokens = np.zeros(num_arms)
+        self.committed_count = np.zeros(num_arms, dtype=np.int64)
+        self.settled = settled
+        self.decisions = 0
+        self.steps = 0  # decisions since the last scheduled probe
+        self.interval = PROBE_INTERVAL
+        self.reference: float | None = None  # committed tokens when the interval restarted
+        # decision since which arms' committed figures are suspect: plain decoding began
+        # or the interval restarted (the requests changed)
+        self.stale_since = 0
+        self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
+        self.probed: set[int] = set()  # arms probed here (first-time probes run once)
+        self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
+
+    def add_residual(self, arm: int, seconds: float) -> None:
+        median = self.residuals[arm]
+        median.add(seconds)
+        self.residual_seconds[arm] = median.value
+        self.residual_count[arm] = median.count
+
+    def add_committed(self, arm: int, tokens: float) -> None:
+        ema = self.committed[arm]
+        ema.add(tokens)
+        self.committed_tokens[arm] = ema.value
+        self.committed_count[arm] = ema.count
+
+    def reset_committed(self, arm: int) -> None:
+        self.committed[arm] = _Ema()
+        self.committed_tokens[arm] = 0.0
+        self.committed_count[arm] = 0
+
+    def measured(self, num_arms: int) -> np.ndarray:
+        """bool ``[num_arms]``: the first arms with a residual, and (speculative arms)
+        trees counted."""
+        done = self.residual_count[:num_arms] > 0
+        done[1:] &= self.committed_count[1:num_arms] > 0
+        return done
 
 
 @dataclass
@@ -212,10 +183,18 @@ class _Mark:
 
     event: Any
     num_reqs: int
-    shape: int
+    shape: int  # drafts each request verified
     uniform: bool
-    drafted: bool | None = None
-    model: float | None = None
+    arm: int  # the arm chosen for it (its shape's cap)
+    drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
+    model: float | None = None  # modeled seconds of the step as its arm
+
+
+@dataclass
+class _Probe:
+    bucket: int
+    arm: int  # index
+    left: int  # decisions it still takes
 
 
 class _HostEvent:
@@ -232,18 +211,24 @@ class _HostEvent:
 
 
 class SpeculationGate:
-    """The host's per-step choice between a speculative and a plain step.
+    """The host's per-step choice of arm: plain decoding (0) or a cap on the verify shape.
 
     Args:
         model: the start-up cost model.
         device: the runner's device (CUDA: timing events and pinned copies).
+        arms: the verify shapes a step may take (``StepPlan.shapes``); those above 0 are
+            the speculative arms, 0 (plain decoding) is always one.
         make_event: ``() -> event`` with ``record()`` (optional), ``query()`` and
             ``elapsed_time(end) -> ms``; default CUDA timing events on CUDA, the host
             clock elsewhere. Tests pass a fake clock.
     """
 
-    def __init__(self, model: StepCostModel, device: torch.device | str,
+    def __init__(self, model: StepCostModel, device: torch.device | str, arms: Sequence[int],
                  make_event: Callable[[], Any] | None = None) -> None:
+        bad = [a for a in arms if not isinstance(a, (int, np.integer)) or a < 0]
+        if bad or not any(a > 0 for a in arms):
+            raise ValueError(f"arms must be verify shapes (integers >= 0), at least one "
+                             f"above 0, got {list(arms)}")
         self.model = model
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
@@ -251,14 +236,21 @@ class SpeculationGate:
             make_event = ((lambda: torch.cuda.Event(enable_timing=True)) if cuda
                           else _HostEvent)
         self.make_event = make_event
+        self.arms = sorted({0, *(int(a) for a in arms)})
+        self._arm_values = np.asarray(self.arms, dtype=np.int64)
+        self._index = {a: i for i, a in enumerate(self.arms)}
         self.stats: dict[int, GateStats] = {}
-        self.speculating = True
-        self.probe_left = 0
+        self.arm = self.arms[-1]  # the last decision: the cap of the next step's shape
+        self.probe: _Probe | None = None
         self.marks: deque[_Mark] = deque()
+        self.clock: Callable[[], float] = time.monotonic  # for the log's pace
+        self._logged_at: float | None = None
+        self._log_pending = False
         # accepted-depth counters, copied each propose: (accepted_sum, trees) per slot
         self._accept_host = torch.zeros(_ACCEPT_SLOTS, 2, dtype=torch.int64, pin_memory=cuda)
         self._accept_events: list[Any] = [None] * _ACCEPT_SLOTS
         self._accept_reqs = [0] * _ACCEPT_SLOTS
+        self._accept_arms = [0] * _ACCEPT_SLOTS
         self._accept_pending: deque[int] = deque()
         self._accept_slot = 0
         self._accept_last: tuple[int, int] | None = None
@@ -268,27 +260,41 @@ class SpeculationGate:
     def set_graph_costs(self, verify_by_rows: dict[int, float],
                         draft_by_reqs: dict[int, float]) -> None:
         """The start-up graph timings (``StepCostModel.set_graph_costs``), logged."""
-        import logging
-
         self.model.set_graph_costs(verify_by_rows, draft_by_reqs)
-        logging.getLogger("vllm.ddtree.budget_gate").info(
-            "DDTree auto budget, b = 0 gate: verify forward by rows (us) %s; drafter block "
+        logger.info(
+            "DDTree auto budget, step gate: verify forward by rows (us) %s; drafter block "
             "pass by requests (us) %s",
             {n: round(1e6 * t, 1) for n, t in sorted(verify_by_rows.items())},
             {r: round(1e6 * t, 1) for r, t in sorted(draft_by_reqs.items())})
 
-    def bucket(self, num_reqs: int) -> GateStats:
-        return self.stats.setdefault(batch_bucket(num_reqs), GateStats())
+    def bucket(self, num_reqs: int, cap: int | None = None) -> GateStats:
+        """The statistics of ``num_reqs``'s bucket; a new bucket settles where the
+        nearest bucket did, else on the largest arm <= ``cap`` (all arms: None)."""
+        home = batch_bucket(num_reqs)
+        stats = self.stats.get(home)
+        if stats is None:
+            if self.stats:
+                near = min(self.stats, key=lambda b: (abs(b - home), b))
+                settled = self.stats[near].settled
+            else:
+                limit = self.arms[-1] if cap is None else cap
+                settled = bisect.bisect_right(self.arms, limit) - 1
+            stats = self.stats[home] = GateStats(len(self.arms), settled)
+        return stats
+
+    def settled_arms(self) -> dict[int, int]:
+        """``{bucket: arm}``: the arm each batch-size bucket has settled on."""
+        return {b: self.arms[self.stats[b].settled] for b in sorted(self.stats)}
 
     def step_started(self, num_reqs: int, shape: int, uniform: bool) -> None:
-        """At ``execute_model``: mark the step's start on the stream (a timing event)."""
+        """At ``execute_model``: mark the step's start on the stream (a timing event).
+        ``shape``: the drafts each request verifies; ``uniform``: every request is a
+        decode."""
         event = self.make_event()
         record = getattr(event, "record", None)
         if record is not None:
             record()
-        self.marks.append(_Mark(event, num_reqs, shape, uniform))
-        if shape > 0:
-            self.bucket(num_reqs).shape = shape
+        self.marks.append(_Mark(event, num_reqs, shape, uniform, self.arm))
         while len(self.marks) > _MARKS:
             self.marks.popleft()
 
@@ -309,10 +315,12 @@ class SpeculationGate:
             event.record()
         self._accept_events[slot] = event
         self._accept_reqs[slot] = num_reqs
+        self._accept_arms[slot] = self.arm  # the arm this step's trees were cut to
         self._accept_pending.append(slot)
 
     def _drain_acceptance(self) -> None:
-        """Fold every completed counter copy into its bucket's committed-tokens EMA."""
+        """Fold every completed counter copy into its bucket's and arm's committed
+        tokens per tree."""
         while self._accept_pending:
             slot = self._accept_pending[0]
             event = self._accept_events[slot]
@@ -321,64 +329,63 @@ class SpeculationGate:
             self._accept_pending.popleft()
             accepted, trees = (int(x) for x in self._accept_host[slot].tolist())
             last, self._accept_last = self._accept_last, (accepted, trees)
-            if last is None or trees <= last[1]:
+            arm = self._index.get(self._accept_arms[slot], 0)
+            if last is None or trees <= last[1] or arm == 0:
                 continue
             new_trees = trees - last[1]
-            self.bucket(self._accept_reqs[slot]).committed.add(
-                1.0 + (accepted - last[0]) / new_trees)
+            self.bucket(self._accept_reqs[slot]).add_committed(
+                arm, 1.0 + (accepted - last[0]) / new_trees)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
-        residual: measured interval minus the modeled GPU time of what it ran. Steps
-        that mix kinds (a tree verified without a new draft, or the reverse), hold a
-        prefill, or span an idle engine are left out."""
+        residual of its arm: measured interval minus the modeled time of the step as its
+        arm. Steps that mix kinds (a tree verified without a new draft, or the reverse),
+        hold a prefill, or span an idle engine are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
                 break
             self.marks.popleft()
             seconds = first.event.elapsed_time(second.event) / 1e3
-            spec = first.shape > 0
+            spec = first.arm > 0
             if (first.model is None or not first.uniform or spec != first.drafted
-                    or not 0 < seconds <= MAX_STEP_SECONDS):
+                    or spec != (first.shape > 0) or not 0 < seconds <= MAX_STEP_SECONDS):
                 continue
-            self.bucket(first.num_reqs).residual(spec).add(seconds - first.model)
+            self.bucket(first.num_reqs).add_residual(self._index[first.arm],
+                                                     seconds - first.model)
 
     # -- the decision -------------------------------------------------------------------
 
-    def _nearest(self, num_reqs: int, pick: Callable[[GateStats], _Ema | _Median | int]):
-        """``pick`` of this bucket's stats if measured there, else of the nearest bucket
-        that has it (None: nowhere)."""
-        home = batch_bucket(num_reqs)
-        for b in sorted(self.stats, key=lambda b: (abs(b - home), b)):
-            value = pick(self.stats[b])
-            if (value if isinstance(value, int) else value.count) > 0:
-                return value
-        return None
-
-    def rates(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
-              columns: np.ndarray) -> tuple[float, float]:
-        """Predicted tokens per second a request of ``(plain, speculative)`` steps at
-        this batch size and these contexts, the speculative one at the verify shape last
-        used near this batch size (at most ``cap``); ``columns``: the contexts'
+    def rates(self, stats: GateStats, num_reqs: int, columns: np.ndarray,
+              num_arms: int) -> np.ndarray:
+        """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
+        at this batch size, ``committed / (model + residual)`` (an arm without a residual:
+        the model alone; without counted trees: the committed tokens of the nearest arm
+        with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
-        shape = self._nearest(num_reqs, lambda s: s.shape) or max_budget
-        shape = min(shape, cap)
-        plain_res = self._nearest(num_reqs, lambda s: s.plain)
-        spec_res = self._nearest(num_reqs, lambda s: s.spec)
-        committed = self._nearest(num_reqs, lambda s: s.committed)
-        t_plain = self.model.step_seconds(num_reqs, contexts, 0, False, columns)
-        t_plain += plain_res.value if plain_res else 0.0
-        t_spec = self.model.step_seconds(num_reqs, contexts, shape, True, columns)
-        t_spec += spec_res.value if spec_res else 0.0
-        e = committed.value if committed else PRIOR_COMMITTED
-        return 1.0 / max(t_plain, 1e-6), e / max(t_spec, 1e-6)
+        arms = self._arm_values[:num_arms]
+        seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
+        seconds += stats.residual_seconds[:num_arms]
+        committed = stats.committed_tokens[:num_arms].copy()
+        committed[0] = 1.0  # a plain step commits one token a request
+        counted = stats.committed_count[:num_arms] > 0
+        counted[0] = True
+        if not counted.all():
+            have = np.flatnonzero(counted[1:]) + 1
+            missing = np.flatnonzero(~counted)
+            if have.size == 0:
+                committed[missing] = PRIOR_COMMITTED
+            else:
+                near = np.abs(missing[:, None] - have[None, :]).argmin(axis=1)
+                committed[missing] = committed[have[near]]
+        return committed / np.maximum(seconds, 1e-6)
 
-    def decide(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
-               this_shape: int) -> bool:
-        """At ``propose``: whether the next step speculates (the drafter's block pass
-        runs now). ``this_shape``: the drafts this step verified (its mark's shape).
-        Records the step's modeled time for its interval. No host sync."""
+    def decide(self, num_reqs: int, contexts: np.ndarray, cap: int) -> int:
+        """At ``propose``: the next step's arm (0: plain decoding, the drafter's block
+        pass does not run now; else a cap on its verify shape). ``contexts``: the
+        requests' context lengths (host array); ``cap``: the batch schedule's budget for
+        this batch (B without one). Records the step's modeled time for its interval.
+        No host sync."""
         self._drain_acceptance()
         mark = None
         for m in self.marks:  # steps that reached no propose (no forward): left out
@@ -387,46 +394,131 @@ class SpeculationGate:
         if mark is not None:
             mark.drafted = None
         columns = self.model.attention_columns(contexts)
-        draft = self._choose(num_reqs, contexts, cap, max_budget, columns)
+        arm = self._choose(num_reqs, contexts, cap, columns)
         if mark is not None:
-            mark.drafted = draft
-            mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape, draft,
-                                                 columns)
+            mark.drafted = arm > 0
+            if mark.arm in self._index:
+                mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.arm,
+                                                     mark.arm > 0, columns)
         self._drain_marks()
-        return draft
+        self.arm = arm
+        if self._log_pending:
+            self._log_settled()
+        return arm
 
-    def _choose(self, num_reqs: int, contexts: np.ndarray, cap: int, max_budget: int,
-                columns: np.ndarray) -> bool:
+    def _choose(self, num_reqs: int, contexts: np.ndarray, cap: int,
+                columns: np.ndarray) -> int:
         if cap <= 0:
-            return False
-        if self.probe_left > 0:
-            self.probe_left -= 1
-            return not self.speculating
-        stats = self.bucket(num_reqs)
-        plain, spec = self.rates(num_reqs, contexts, cap, max_budget, columns)
-        if self.speculating:
-            self.speculating = spec * (1 + HYSTERESIS) >= plain
-        else:
-            self.speculating = spec > plain * (1 + HYSTERESIS)
-        current, other = (spec, plain) if self.speculating else (plain, spec)
-        ratio = other / current
+            self.probe = None
+            return 0
+        num_arms = bisect.bisect_right(self.arms, cap)  # arms <= cap, plain included
+        home = batch_bucket(num_reqs)
+        stats = self.bucket(num_reqs, cap)
+        stats.decisions += 1
         stats.steps += 1
-        measured_here = stats.residual(self.speculating).count >= CALIBRATION_SAMPLES
-        other_here = stats.residual(not self.speculating).count > 0
-        other_anywhere = self._nearest(num_reqs, lambda s: s.residual(not self.speculating))
-        probe = False
-        if measured_here and not other_here and (
-                other_anywhere is None or ratio >= PROBE_RATIO):
-            probe = True
-        elif measured_here and stats.steps >= stats.interval and (
-                ratio >= PROBE_RATIO or not self.speculating):
-            # (also where this bucket never measured the other kind, only others did)
-            # Plain steps measure no acceptance: a low figure from trees of other
-            # requests would keep speculation predicted far slower, never probed.
-            probe = True
-            stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
-        if probe:
-            stats.steps = 0
-            self.probe_left = PROBE_STEPS - 1
-            return not self.speculating
-        return self.speculating
+        probe = self.probe
+        if probe is not None:
+            self.probe = None
+            if probe.bucket == home and probe.arm < num_arms:
+                if probe.left > 1:
+                    self.probe = _Probe(home, probe.arm, probe.left - 1)
+                return self.arms[probe.arm]
+        current = min(stats.settled, num_arms - 1)
+        measured = stats.measured(num_arms)
+        if not measured[current]:
+            return self.arms[current]  # calibrating
+        rates = self.rates(stats, num_reqs, columns, num_arms)
+        self._restart_interval(stats, current)
+        best = int(np.argmax(np.where(measured, rates, -np.inf)))
+        target = None
+        if best != current and rates[best] >= rates[current] * (1 + HYSTERESIS):
+            if stats.residual_count[best] >= SWITCH_SAMPLES:
+                current = stats.settled = best
+                if best == 0:
+                    stats.stale_since = stats.decisions
+                self._log_pending = True
+            elif stats.decisions - stats.last_probe[best] > 2 * PROBE_STEPS:
+                target = best  # confirm it first (its last probe's samples are in)
+        if target is None:
+            target = self._probe_target(stats, current, rates, measured, num_arms)
+        if target is None:
+            return self.arms[current]
+        self.probe = _Probe(home, target, PROBE_STEPS - 1)
+        stats.probed.add(target)
+        stats.last_probe[target] = stats.decisions
+        stats.probed_figure = None
+        if stats.committed_count[target] > 0:
+            stats.probed_figure = (target, float(stats.committed_tokens[target]))
+        stats.reset_committed(target)  # its trees now replace the old figure
+        return self.arms[target]
+
+    def _restart_interval(self, stats: GateStats, current: int) -> None:
+        """Back to ``PROBE_INTERVAL`` when the settled arm's committed tokens per tree
+        moved by ``INTERVAL_RESTART`` since the interval last restarted. Plain steps
+        count no trees: there a probe's trees moving the probed arm's figure by as much
+        restart it (the requests changed, the other arms' figures are stale)."""
+        tokens = 1.0 if current == 0 else float(stats.committed_tokens[current])
+        if stats.reference is None:
+            stats.reference = tokens
+        elif abs(tokens - stats.reference) > INTERVAL_RESTART * stats.reference:
+            stats.reference = tokens
+            stats.interval, stats.stale_since = PROBE_INTERVAL, stats.decisions
+        if current == 0 and stats.probed_figure is not None:
+            arm, before = stats.probed_figure
+            if stats.committed_count[arm] >= PROBE_STEPS - 1:
+                stats.probed_figure = None
+                if abs(stats.committed_tokens[arm] - before) > INTERVAL_RESTART * before:
+                    stats.interval, stats.stale_since = PROBE_INTERVAL, stats.decisions
+
+    def _probe_target(self, stats: GateStats, current: int, rates: np.ndarray,
+                      measured: np.ndarray, num_arms: int) -> int | None:
+        """The arm (index) to probe now, or None. First-time probes (each arm once per
+        bucket, once the settled arm is calibrated): an unmeasured neighbour, or the
+        first unmeasured arm beyond neighbours measured faster than the settled one
+        (each hop may gain less than the hysteresis); from plain decoding also the arm
+        below the smallest measured speculative arm. Then every ``interval`` decisions
+        the least recently probed of the neighbours (from plain decoding: also the best
+        measured speculative arm, the arm below the smallest measured one, and the
+        smallest measured arm not probed since plain decoding began or the requests
+        changed)."""
+        spec_measured = np.flatnonzero(measured[1:]) + 1
+        below = None
+        if current == 0 and spec_measured.size > 0 and spec_measured[0] > 1:
+            below = int(spec_measured[0]) - 1
+        if stats.residual_count[current] >= CALIBRATION_SAMPLES:
+            for step in (-1, 1):
+                j = current + step
+                while 0 <= j < num_arms and measured[j] and rates[j] > rates[current]:
+                    j += step
+                if 0 <= j < num_arms and not measured[j] and j not in stats.probed:
+                    return j
+            if below is not None and below not in stats.probed:
+                return below
+        if stats.steps < stats.interval:
+            return None
+        stats.steps = 0
+        stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
+        candidates = {j for j in (current - 1, current + 1) if 0 <= j < num_arms}
+        if current == 0:
+            if spec_measured.size > 0:
+                candidates.add(int(spec_measured[np.argmax(rates[spec_measured])]))
+                # and, smallest first, each measured arm not probed since its figure
+                # became suspect: a larger tree may pay where the smaller ones do not
+                stale = spec_measured[stats.last_probe[spec_measured] < stats.stale_since]
+                if stale.size > 0:
+                    candidates.add(int(stale[0]))
+            if below is not None:
+                candidates.add(below)
+        if not candidates:
+            return None
+        return min(candidates, key=lambda j: (stats.last_probe[j], j))
+
+    def _log_settled(self) -> None:
+        """The settled arms by batch size, at most once every ``LOG_SECONDS``."""
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < LOG_SECONDS:
+            return
+        self._logged_at, self._log_pending = now, False
+        logger.info("DDTree auto budget: drafts per request by batch size (0: plain "
+                    "decoding): %s", ", ".join(f"{bucket_batches(b)}: {a}"
+                                               for b, a in self.settled_arms().items()))

@@ -41,46 +41,58 @@ per batch:
 Every per-round operation stays on the device (no ``.item()``, no host sync); only
 the start-up measurement synchronizes.
 
-**b = 0: plain decoding steps** (``vllm_ddtree.budget.gate``; TP = 1 with adaptive
-verify shapes). At a large batch, or with a drafter that is rarely right, a step that
-drafts and verifies even a one-node tree is slower per token than plain decoding: the
-drafter's block pass and the wider verify cost more than the trees commit. The choice
-above cannot express "no tree": it is made on the device *after* the block pass, from
-the drafter's confidence, which exists only once the pass ran. So b = 0 is decided
-separately, on the host, at each ``propose`` *before* the pass, for the next step:
+**The step gate: each step's arm** (``vllm_ddtree.budget.gate``; TP = 1 with adaptive
+verify shapes). The choice above is made on the device *after* the drafter's block
+pass, from the drafter's confidence, and sees only the attention and row costs it
+models. Two things it cannot express: "no tree" (b = 0: at a large batch, or with a
+drafter that is rarely right, even a one-node tree is slower per token than plain
+decoding, the block pass and the wider verify costing more than the trees commit), and
+costs it does not model that grow with the verified rows at large batch (host work per
+draft token, sampling, the drafter's context K/V): there it verified B nodes where
+fewer were faster. So the host picks, at each ``propose`` *before* the pass and for the
+next step, an *arm*: 0 (plain decoding, no block pass) or ``s``, one of the verify
+shapes, capping the step's shape (the device still picks ``b <= s``):
 
-* **what it compares**: tokens per second of a plain step, ``R / T_plain``, against a
-  speculative one, ``R * E / T_spec``, for this batch of ``R`` requests and their
-  contexts. ``T`` = the start-up model (``StepCostModel``: the target's verify forward
-  by total rows, timed on its own FULL CUDA graphs of every verify shape at 1, 2, 4, ...
-  requests; the drafter's block pass by requests, timed on its graphs; the verify
-  attention per request, layer and context at 1 and ``1 + b`` rows, the table above
-  plus a one-row column) plus a measured residual per kind of step and batch-size
-  bucket (powers of two): what steps of that kind actually took beyond the model
-  (host work, sampling, the context K/V precompute), from CUDA timing events at each
-  step's start, read only once completed (``Event.query``). ``E`` = tokens committed
-  per tree over recent trees at this batch size (DDTree's device counters, copied to
-  pinned memory each step and read once their copy completed). ``T_spec`` uses the
-  verify shape the device chose last near this batch size. So the model carries the
-  batch-size dependence of the GPU work, and the measured residuals what no start-up
-  measurement sees; neither needs a host sync.
-* **hysteresis**: the gate switches only when the other kind is predicted 5 % faster.
-* **coming back**: in plain mode no trees are verified, so ``E`` and the speculative
-  residual at this batch size go stale. The gate probes: three steps of the other kind
-  (the middle ones are clean intervals of that kind) the first time a bucket has
-  measured only the current kind, then every 32 steps in that bucket, the interval
-  doubling up to 1,024 after each probe; a probe of plain steps runs only where they are
-  predicted within 20 % of speculation (or were never measured), so clear cases cost
-  nothing; speculation is probed on that schedule however slow it is predicted (its
-  ``E`` is measured only on trees, and changes with the requests). When the batch
-  shrinks, the model (smaller ``R``) and the bucket's own figures bring speculation back
-  without a probe. A speculative step after plain ones loses nothing: a plain step's
-  ``propose`` still writes the drafter's context K/V of the tokens it committed
+* **what it compares**: per batch-size bucket (powers of two) and arm, the predicted
+  tokens per second ``E(a) / (T(a) + residual(a))`` for this batch of ``R`` requests and
+  their contexts. ``T`` = the start-up model (``vllm_ddtree.budget.step_cost.
+  StepCostModel``: the target's verify forward by total rows, timed on its own FULL
+  CUDA graphs of every verify shape at 1, 2, 4, ... requests; the drafter's block pass
+  by requests, timed on its graphs; the verify attention per request, layer and context
+  at 1 and ``1 + b`` rows, the table above plus a one-row column), the arm taken as the
+  step's shape. ``residual(a)`` = the lower median of the last 15 intervals of steps of
+  that arm in that bucket minus ``T`` of each: what they actually took beyond the model,
+  from CUDA timing events at each step's start, read only once completed
+  (``Event.query``). ``E(a)`` = tokens committed per tree of that arm's trees (an EMA of
+  DDTree's device counters, copied to pinned memory each step and read once their copy
+  completed; 1 for plain decoding; for an arm without counted trees the nearest arm's
+  figure). So the model carries the batch-size and row dependence of the GPU work, the
+  residuals what no start-up measurement sees; neither needs a host sync.
+* **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
+  bucket's) and moves to its best measured arm when that is predicted 5 % faster and
+  was measured on at least 3 intervals (else it is probed again first).
+* **probes** (three steps of another arm; the middle ones are clean intervals of it;
+  the probe's trees replace the arm's committed figure): the first time in a bucket,
+  every unmeasured neighbour of the settled arm (the next smaller and larger arms), the
+  arm beyond a neighbour that measured faster (so a slope where each hop gains less
+  than 5 % is still followed) and, from plain decoding, the arm below the smallest
+  measured one; then every 32 decisions of a bucket the least recently probed of the
+  neighbours and, from plain decoding, of the best measured speculative arm, that arm
+  below and (smallest first) the measured arms not probed since plain decoding began
+  or the requests changed: plain steps count no trees, so the way back must be probed,
+  and where one draft loses to plain decoding a larger tree may still win. The
+  interval doubles up to 1,024 and restarts when the settled arm's committed tokens per
+  tree (from plain decoding: a probed arm's) move by 20 % (the requests changed). A
+  speculative step after plain ones loses nothing: a plain step's ``propose`` still
+  writes the drafter's context K/V of the tokens it committed
   (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
   drafter's cache is the one it would have had.
 * **the batch schedule** (``num_speculative_tokens_per_batch_size``,
-  ``vllm_ddtree.budget.schedule``) caps the choice per batch size; a cap of 0 is a
-  plain step without the gate, and then no probe runs.
+  ``vllm_ddtree.budget.schedule``) caps the arms per batch size (a cap below every
+  speculative arm leaves plain decoding); a cap of 0 is a plain step without the gate,
+  and then no probe runs.
+* **the log**: an INFO line (logger ``vllm.ddtree.budget_gate``) lists the settled arms
+  by batch size whenever one changes, at most once a minute.
 * Not at TP > 1: each rank would time its own steps and could decide differently,
   while the ranks must cut the same drafts; auto's smallest budget stays 1 there.
 """
@@ -112,7 +124,7 @@ from vllm_ddtree.budget.choice_kernel import choose_budget_triton
 from vllm_ddtree.triton_path import use_triton
 
 if TYPE_CHECKING:
-    from vllm_ddtree.budget.gate import StepCostModel
+    from vllm_ddtree.budget.step_cost import StepCostModel
 
 __all__ = ["BudgetPolicy", "candidate_budgets", "format_table"]
 
@@ -161,7 +173,7 @@ class BudgetPolicy:
             rank: every rank then takes the first rank's choice (each rank times its
             own table and wall clock, and the ranks' walks must agree).
         plain_attention: one request's attention seconds per layer at one row (a plain
-            decoding step), per context of ``table`` (host floats), for the b = 0 gate's
+            decoding step), per context of ``table`` (host floats), for the step gate's
             cost model (:meth:`cost_model`); None: the ``b = 1`` column stands in.
     """
 
@@ -318,10 +330,10 @@ class BudgetPolicy:
         self.in_graph = True
 
     def cost_model(self) -> StepCostModel:
-        """The b = 0 gate's start-up cost model (``vllm_ddtree.budget.gate``): this
+        """The step gate's start-up cost model (``vllm_ddtree.budget.step_cost``): this
         policy's attention tables on the host, plus the plain step's column. Reads the
         device table once (start-up)."""
-        from vllm_ddtree.budget.gate import StepCostModel
+        from vllm_ddtree.budget.step_cost import StepCostModel
 
         tree = self.table.seconds.cpu().double().numpy()
         plain = self.plain_attention if self.plain_attention is not None else tree[:, 0]

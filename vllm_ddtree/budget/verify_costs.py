@@ -8,9 +8,9 @@ verify_shapes``); :class:`ShapeGraphTimer` replays a graph right after its captu
 while the dummy inputs it was captured with are still in the runner's buffers (vLLM
 prepares the next shape's inputs only when it asks for the next forward function,
 ``cudagraph_utils.py:320-357``). It keeps one request's time per shape for
-``BudgetPolicy.set_row_costs`` and, for auto's b = 0 gate, the times of 1, 2, 4, ...
+``BudgetPolicy.set_row_costs`` and, for auto's step gate, the times of 1, 2, 4, ...
 requests: the verify forward by total rows, and the same for the drafter's block pass
-(its graphs, one shape) by requests (``vllm_ddtree.budget.gate.StepCostModel``).
+(its graphs, one shape) by requests (``vllm_ddtree.budget.step_cost.StepCostModel``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ logger = logging.getLogger("vllm.ddtree.verify_shape_costs")
 
 
 def timing_request_counts(max_num_reqs: int) -> list[int]:
-    """Request counts whose graphs the b = 0 gate times: 1, 2, 4, ... up to
+    """Request counts whose graphs the step gate times: 1, 2, 4, ... up to
     ``max_num_reqs``, and ``max_num_reqs`` itself (graphs exist only where vLLM
     captured them)."""
     counts, n = [], 1

@@ -135,7 +135,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     adaptive = False
     budget_policy = None
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
-    step_plan = None  # StepPlan: auto's shapes and b = 0, a batch schedule
+    step_plan = None  # StepPlan: auto's shapes and step gate, a batch schedule
     store_trees_in_graph = False  # the trees are stored in the draft step, see __init__
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
@@ -250,7 +250,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _make_step_plan(self, vllm_config: VllmConfig, ddtree, device: torch.device):
         """The host's per-step plan (``vllm_ddtree.verify.shape.StepPlan``) when steps
-        may verify fewer than B drafts: auto's adaptive verify shapes, its b = 0 gate,
+        may verify fewer than B drafts: auto's adaptive verify shapes, its step gate,
         or a batch schedule; None otherwise (every step verifies B)."""
         from vllm_ddtree.budget.schedule import BatchSchedule
         from vllm_ddtree.verify.shape import StepPlan, auto_plain_steps, step_shapes
@@ -268,7 +268,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         if auto_plain_steps(ddtree, tp, dp):
             from vllm_ddtree.budget.gate import SpeculationGate
 
-            gate = SpeculationGate(self.budget_policy.cost_model(), device)
+            gate = SpeculationGate(self.budget_policy.cost_model(), device, arms=shapes)
         return StepPlan(self.budget, shapes, schedule, self.verify_shape, gate)
 
     def capture(self) -> None:
@@ -484,7 +484,7 @@ class DDTreeSpeculator(DFlashSpeculator):
 
     def _draft_next(self, input_batch, walk: torch.Tensor | None) -> bool:
         """Whether this ``propose`` runs the drafter's block pass (the next step verifies
-        trees): the step plan's choice (a batch schedule's budget 0, auto's b = 0), yes
+        trees): the step plan's choice (a batch schedule's budget 0, auto's arm 0), yes
         without a plan and for V2 warm-up batches (their trees warm the verifier). Feeds
         auto's gate the acceptance counters after a verified step. Host only."""
         plan = self.step_plan

@@ -4,10 +4,11 @@
 TP > 1) to return the budgets in turn, and ``BudgetPolicy.choose_in_graph`` (the choice
 inside the drafter's CUDA graph) to write them in turn from a device counter that
 every replay advances (the policy still runs, so its side effects stay). A budget 0 is
-a plain decoding step: the b = 0 gate's choice (``SpeculationGate._choose``, on the
-host, before the drafter's pass) follows the list in turn, and only the drafted
-rounds take the device budgets (the list's non-zero entries in turn); without a gate
-(TP > 1, fixed verify shapes) the zeros are left out. It exists so the GPU tests can
+a plain decoding step: the step gate's choice (``SpeculationGate._choose``, on the
+host, before the drafter's pass) follows the list in turn, arm 0 for a 0 and else the
+batch's cap (no cut below the device budget), and only the drafted rounds take the
+device budgets (the list's non-zero entries in turn); without a gate (TP > 1, fixed
+verify shapes) the zeros are left out. It exists so the GPU tests can
 force verify shapes below B, plain steps, shape changes and choices that differ from
 the (lagged) shape, which the policy itself rarely picks on the small embedded pair.
 
@@ -38,8 +39,8 @@ def parse_budgets(text: str) -> list[int]:
 
 def force_budget_choices(budgets: list[int]) -> None:
     """Patch ``BudgetPolicy.choose`` to return the non-zero ``budgets`` in turn (capped
-    at B), as an int64 0-dim tensor on the scores' device, and the b = 0 gate to choose
-    a plain step for each 0 in turn. Idempotent per process."""
+    at B), as an int64 0-dim tensor on the scores' device, and the step gate to choose
+    a plain step (arm 0) for each 0 in turn, else the cap. Idempotent per process."""
     import torch
 
     from vllm_ddtree.budget.gate import SpeculationGate
@@ -51,10 +52,10 @@ def force_budget_choices(budgets: list[int]) -> None:
                             SpeculationGate._choose)
     host_turn = iter(range(10**12))
 
-    def gate_choose(self, num_reqs, contexts, cap, max_budget, columns):
+    def gate_choose(self, num_reqs, contexts, cap, columns):
         if cap <= 0:
-            return False
-        return all_budgets[next(host_turn) % len(all_budgets)] > 0
+            return 0
+        return cap if all_budgets[next(host_turn) % len(all_budgets)] > 0 else 0
 
     gate_choose._forced_original = original_gate
     SpeculationGate._choose = gate_choose

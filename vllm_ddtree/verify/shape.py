@@ -222,8 +222,8 @@ class StepPlan:
     """How many drafts each request verifies in the next step, and whether ``propose``
     runs the drafter's block pass: the host side of the batch schedule
     (``num_speculative_tokens_per_batch_size``, ``vllm_ddtree.budget.schedule``) and
-    of ``ddtree_budget: "auto"`` (device choice through ``chooser``, b = 0 through
-    ``gate``).
+    of ``ddtree_budget: "auto"`` (device choice through ``chooser``, the arm of each
+    step through ``gate``).
 
     ``patches/verify_shapes.py`` cuts every request's drafts to :meth:`step_shape` in
     ``execute_model``; ``DDTreeSpeculator.propose`` asks :meth:`draft_next`. A step
@@ -237,8 +237,9 @@ class StepPlan:
         schedule: the batch schedule (``BatchSchedule``) or None.
         chooser: auto's ``VerifyShapeChooser`` (adaptive verify shapes) or None: then
             a drafted step verifies the schedule's budget (B without one).
-        gate: auto's ``SpeculationGate`` (b = 0) or None: then a propose drafts
-            whenever the schedule's budget for its batch is above 0.
+        gate: auto's ``SpeculationGate`` (the arm of each step: plain decoding or a cap
+            on the verify shape) or None: then a propose drafts whenever the schedule's
+            budget for its batch is above 0.
     """
 
     def __init__(self, max_budget: int, shapes: list[int], schedule: Any = None,
@@ -249,6 +250,7 @@ class StepPlan:
         self.chooser = chooser
         self.gate = gate
         self.drafted = True  # the last propose ran the block pass
+        self.arm = max_budget  # the gate's last arm (the cap of a drafted step's shape)
         self.last_shape = max_budget
 
     def cap(self, num_reqs: int) -> int:
@@ -257,14 +259,17 @@ class StepPlan:
 
     def step_shape(self, num_reqs: int, uniform: bool = False) -> int:
         """Drafts per request this step verifies: 0 after a propose without the block
-        pass, else ``min(chooser's shape, cap)`` (a member of ``shapes``). ``uniform``:
-        every request is a decode (for the gate's timing). Host only, no sync."""
+        pass, else ``min(cap, chooser's shape, the gate's arm)`` (a member of
+        ``shapes``). ``uniform``: every request is a decode (for the gate's timing).
+        Host only, no sync."""
         if not self.drafted:
             shape = 0
         else:
             shape = self.cap(num_reqs)
             if self.chooser is not None:
                 shape = min(shape, self.chooser.next_shape())
+            if self.gate is not None and self.arm > 0:  # arm 0: a warm-up's forced draft
+                shape = min(shape, self.arm)
         self.last_shape = shape
         if self.gate is not None:
             self.gate.step_started(num_reqs, shape, uniform)
@@ -273,15 +278,16 @@ class StepPlan:
     def draft_next(self, num_reqs: int, contexts: Any = None) -> bool:
         """At ``propose`` (after this step's verify): whether to run the drafter's block
         pass, i.e. whether the next step verifies trees. No when the schedule's budget
-        for this batch is 0; else the gate's choice (yes without a gate). ``contexts``:
-        the requests' context lengths (host array; for the gate)."""
+        for this batch is 0; else whether the gate's arm is above 0 (yes without a
+        gate). ``contexts``: the requests' context lengths (host array; for the gate)."""
         cap = self.cap(num_reqs)
         if self.gate is None:
-            draft = cap > 0
+            arm = cap
         else:
             import numpy as np
 
             ctx = np.zeros(0) if contexts is None else np.asarray(contexts)
-            draft = self.gate.decide(num_reqs, ctx, cap, self.max_budget, self.last_shape)
-        self.drafted = draft
-        return draft
+            arm = self.gate.decide(num_reqs, ctx, cap)
+        self.arm = arm
+        self.drafted = arm > 0
+        return self.drafted

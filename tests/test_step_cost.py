@@ -1,0 +1,93 @@
+"""The step gate's start-up cost model (``vllm_ddtree.budget.step_cost``): a step's
+GPU time by batch size, verified rows, drafter pass and context."""
+
+import numpy as np
+import pytest
+
+from vllm_ddtree.budget.step_cost import StepCostModel
+
+
+def cost_model(num_layers=2, graphs=True) -> StepCostModel:
+    """Attention 1 us a request and layer at one row, +0.1 us a row, doubling from 1k to
+    2k context; verify forward 100 us + 1 us a row; drafter 200 us + 10 us a request."""
+    contexts = [1024, 2048]
+    budgets = [1, 2, 4, 8]
+    tree = [[1e-6 + 1e-7 * (1 + b) for b in budgets], [2e-6 + 2e-7 * (1 + b) for b in budgets]]
+    model = StepCostModel(num_layers, contexts, [1e-6, 2e-6], tree, budgets)
+    if graphs:
+        model.set_graph_costs({n: 1e-4 + 1e-6 * n for n in (1, 2, 4, 9, 16, 36)},
+                              {r: 2e-4 + 1e-5 * r for r in (1, 2, 4)})
+    return model
+
+
+def test_cost_model_covers_batch_size_rows_and_context():
+    model = cost_model()
+    ctx = np.array([1024, 1024])
+    # plain: 2 rows of verify forward + attention at one row
+    assert model.step_seconds(2, ctx, 0, False) == pytest.approx(1e-4 + 2e-6 + 2 * 2 * 1e-6)
+    # a tree step of shape 8: 18 rows (interpolated between 16 and 36), tree attention
+    # at 9 rows, and the drafter's pass of 2 requests
+    want = 1e-4 + 18e-6 + 2 * 2 * (1e-6 + 9e-7) + 2e-4 + 2e-5
+    assert model.step_seconds(2, ctx, 8, True) == pytest.approx(want)
+    # past the measured batch sizes and rows: the last segment continues
+    assert model.step_seconds(8, np.full(8, 1024), 8, True) == pytest.approx(
+        1e-4 + 72e-6 + 2 * 8 * (1e-6 + 9e-7) + 2e-4 + 8e-5)
+    # context: linear between 1k and 2k, continued past 2k; rows between budgets
+    assert model.attention_seconds(np.array([1536]), 0) == pytest.approx(2 * 1.5e-6)
+    assert model.attention_seconds(np.array([4096]), 0) == pytest.approx(2 * 4e-6)
+    assert model.attention_seconds(np.array([1024]), 3) == pytest.approx(
+        2 * (1e-6 + 4e-7))
+    # timing noise never makes more rows cheaper
+    model.set_graph_costs({1: 2e-4, 2: 1e-4}, {})
+    assert model.verify_seconds.tolist() == [2e-4, 2e-4]
+    bare = cost_model(graphs=False)
+    assert not bare.has_graph_costs
+    assert bare.step_seconds(4, np.full(4, 1024), 8, True) == pytest.approx(
+        2 * 4 * (1e-6 + 9e-7))
+
+
+def test_attention_columns_equal_per_request_interpolation():
+    """The vectorized context interpolation equals ``np.interp`` per request and
+    budget, clamped below the first timed context and continued past the last."""
+    rng = np.random.default_rng(0)
+    contexts = [512, 1024, 4096, 16384]
+    budgets = [1, 2, 4, 8, 16]
+    tree = rng.uniform(1e-6, 1e-5, size=(4, 5))
+    plain = rng.uniform(1e-7, 1e-6, size=4)
+    model = StepCostModel(3, contexts, plain, tree, budgets)
+    table = np.concatenate([plain[:, None], tree], axis=1)
+    xs = np.asarray(contexts, dtype=np.float64)
+    ctx = np.array([1, 512, 700, 1024, 3000, 16384, 40000], dtype=np.float64)
+
+    def one(c: float, k: int) -> float:
+        if c > xs[-1]:
+            slope = (table[-1, k] - table[-2, k]) / (xs[-1] - xs[-2])
+            return table[-1, k] + slope * (c - xs[-1])
+        return float(np.interp(c, xs, table[:, k]))
+
+    want = [sum(one(c, k) for c in ctx) for k in range(table.shape[1])]
+    assert model.attention_columns(ctx) == pytest.approx(want, rel=1e-12)
+    assert model.attention_columns(np.zeros(0)).tolist() == [0.0] * 6
+    # between budgets 4 and 8 (columns 3 and 4): linear in the row count
+    assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
+    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
+    assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_step_seconds_by_drafts_equals_step_seconds_per_count(graphs):
+    """The gate's vectorized step time of every arm equals the scalar model per count,
+    the drafter's pass included exactly where the count is above 0, past the measured
+    rows (continued slope) and budgets (clamped) included."""
+    model = cost_model(graphs=graphs)
+    ctx = np.array([700, 1024, 1500, 3000])
+    columns = model.attention_columns(ctx)
+    drafts = np.array([0, 1, 2, 3, 4, 8, 12, 64])
+    want = [model.step_seconds(4, ctx, int(d), d > 0) for d in drafts]
+    assert model.step_seconds_by_drafts(4, drafts, columns) == pytest.approx(want, rel=1e-12)
+    single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
+    single.set_graph_costs({5: 1e-4}, {1: 2e-4})
+    want = [single.step_seconds(3, np.full(3, 1024), d, d > 0) for d in (0, 4, 9)]
+    got = single.step_seconds_by_drafts(3, np.array([0, 4, 9]), single.attention_columns(
+        np.full(3, 1024)))
+    assert got == pytest.approx(want, rel=1e-12)

@@ -1,0 +1,141 @@
+"""A step's GPU time by batch size, drafts per request and context, from start-up
+measurements: the cost model of ``ddtree_budget: "auto"``'s step gate
+(``vllm_ddtree.budget.gate``).
+
+:class:`StepCostModel` holds the target's verify forward by total rows (its FULL graphs
+of every verify shape at several request counts), the drafter's block pass by requests
+(its FULL graphs), and the tree / plain verify attention per request, layer and context
+(the tree kernel at 1 and ``1 + b`` active rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["StepCostModel"]
+
+
+def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
+    """Piecewise linear in ``xs`` (increasing), clamped below the first point and
+    continued past the last with the last segment's slope (one point: proportional)."""
+    if xs.size == 0:
+        return 0.0
+    if xs.size == 1:
+        return float(ys[0] * max(x, xs[0]) / xs[0])
+    if x <= xs[-1]:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return float(ys[-1] + slope * (x - xs[-1]))
+
+
+def _interp_many(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """:func:`_interp` at every point of ``x`` (fp64, any shape) at once."""
+    if xs.size == 0:
+        return np.zeros(x.shape)
+    if xs.size == 1:
+        return ys[0] * np.maximum(x, xs[0]) / xs[0]
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return np.where(x <= xs[-1], np.interp(x, xs, ys), ys[-1] + slope * (x - xs[-1]))
+
+
+def _monotone_points(points: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted ``(x, seconds)`` arrays, seconds made non-decreasing in x (timing noise)."""
+    xs = np.array(sorted(points), dtype=np.float64)
+    ys = np.maximum.accumulate(np.array([points[int(x)] for x in xs], dtype=np.float64))
+    return xs, ys
+
+
+class StepCostModel:
+    """Modeled GPU seconds of one step, from start-up measurements (host numbers).
+
+    Args:
+        num_layers: target attention layers on this GPU.
+        contexts: increasing context lengths the attention was timed at.
+        plain_attention: ``[C]`` seconds of one request's verify attention, one layer,
+            one row (a plain step).
+        tree_attention: ``[C, K]`` the same at ``1 + b_k`` rows.
+        budgets: the ``K`` candidate budgets ``b_k`` (increasing).
+    """
+
+    def __init__(self, num_layers: int, contexts: Sequence[int],
+                 plain_attention: Sequence[float], tree_attention: Any,
+                 budgets: Sequence[int]) -> None:
+        self.num_layers = num_layers
+        self.contexts = np.asarray(contexts, dtype=np.float64)
+        attention = np.asarray(tree_attention, dtype=np.float64).reshape(len(contexts), -1)
+        # column 0: b = 0 (one row), then the candidates
+        self.attention = np.concatenate(
+            [np.asarray(plain_attention, dtype=np.float64).reshape(-1, 1), attention], axis=1)
+        self.budgets = np.asarray([0, *budgets], dtype=np.float64)
+        self.verify_rows = np.zeros(0)
+        self.verify_seconds = np.zeros(0)
+        self.draft_reqs = np.zeros(0)
+        self.draft_seconds = np.zeros(0)
+
+    def set_graph_costs(self, verify_by_rows: dict[int, float],
+                        draft_by_reqs: dict[int, float]) -> None:
+        """Take the start-up graph timings: the target's verify forward by total rows
+        (``{num_tokens: seconds}``) and the drafter's block pass by requests
+        (``{num_reqs: seconds}``); either may be empty (no graphs: not modeled)."""
+        if verify_by_rows:
+            self.verify_rows, self.verify_seconds = _monotone_points(verify_by_rows)
+        if draft_by_reqs:
+            self.draft_reqs, self.draft_seconds = _monotone_points(draft_by_reqs)
+
+    @property
+    def has_graph_costs(self) -> bool:
+        return self.verify_rows.size > 0
+
+    def attention_columns(self, contexts: np.ndarray) -> np.ndarray:
+        """fp64 ``[1 + K]``: one layer's attention seconds summed over the requests of
+        ``contexts`` at every timed budget (column 0: b = 0). Linear in the context
+        between the timed ones, clamped below the first and continued past the last with
+        the last segment's slope. One vectorized pass: the gate needs it at every step."""
+        ctx = np.asarray(contexts, dtype=np.float64).reshape(-1)
+        xs, table = self.contexts, self.attention
+        if ctx.size == 0:
+            return np.zeros(table.shape[1])
+        if xs.size == 1:
+            return table[0] * ctx.size
+        lo = np.clip(np.searchsorted(xs, ctx, side="right") - 1, 0, xs.size - 2)
+        frac = np.maximum((ctx - xs[lo]) / (xs[lo + 1] - xs[lo]), 0.0)
+        return (1.0 - frac) @ table[lo] + frac @ table[lo + 1]
+
+    def attention_seconds(self, contexts: np.ndarray, num_drafts: int,
+                          columns: np.ndarray | None = None) -> float:
+        """``num_layers * sum_r attn(ctx_r, 1 + num_drafts)``: :meth:`attention_columns`
+        (or ``columns``, its result for these contexts), linear in the row count between
+        the timed budgets."""
+        if columns is None:
+            columns = self.attention_columns(contexts)
+        b = min(num_drafts, self.budgets[-1])
+        return self.num_layers * float(np.interp(b, self.budgets, columns))
+
+    def step_seconds(self, num_reqs: int, contexts: np.ndarray, num_drafts: int,
+                     drafted: bool, columns: np.ndarray | None = None) -> float:
+        """A step of ``num_reqs`` requests verifying ``1 + num_drafts`` rows each, plus
+        the drafter's block pass when ``drafted``; ``columns``: as in
+        :meth:`attention_seconds`."""
+        rows = num_reqs * (1 + num_drafts)
+        seconds = _interp(rows, self.verify_rows, self.verify_seconds)
+        seconds += self.attention_seconds(contexts, num_drafts, columns)
+        if drafted:
+            seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        return seconds
+
+    def step_seconds_by_drafts(self, num_reqs: int, num_drafts: np.ndarray,
+                               columns: np.ndarray) -> np.ndarray:
+        """fp64 ``[A]``: :meth:`step_seconds` for every count of ``num_drafts`` (int
+        ``[A]``) at once, the drafter's block pass included exactly where the count is
+        above 0 (the step gate's arms); ``columns``: :meth:`attention_columns` of the
+        step's contexts."""
+        drafts = np.asarray(num_drafts, dtype=np.float64)
+        seconds = _interp_many(num_reqs * (1.0 + drafts), self.verify_rows, self.verify_seconds)
+        budgets = np.minimum(drafts, self.budgets[-1])
+        seconds += self.num_layers * np.interp(budgets, self.budgets, columns)
+        if self.draft_reqs.size > 0:
+            seconds += (drafts > 0) * _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        return seconds
