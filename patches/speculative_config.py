@@ -178,7 +178,7 @@ def create_ddtree_speculative_config(
     apply_runner_patches()
     choose_target_attention_backend(engine_args, target_model_config)
     prefer_one_kv_cache_group(engine_args, target_model_config, drafter_config,
-                              target_parallel_config)
+                              target_parallel_config, vllm_spec.get("kv_cache_dtype"))
     engine_args.speculative_config = vllm_spec
     config = original(engine_args, target_model_config, target_parallel_config)
     config.ddtree = ddtree.to_dict()

@@ -191,10 +191,11 @@ class SchedulerConfigReached(BaseException):
 
 @pytest.fixture
 def engine_front_end(monkeypatch, custom_backend_slot):
-    """``build(**engine_args)``: vLLM's ``EngineArgs.create_engine_config`` for a DDTree
-    run on the embedded pair, up to the ``SchedulerConfig`` it hands ``VllmConfig``
-    (which on the CPU refuses the V2 runner), returned. DDTree's process-wide side
-    effects (runner patches, environment) are undone afterwards."""
+    """``build(speculative=None, **engine_args)``: vLLM's ``EngineArgs.create_engine_config``
+    for a DDTree run on the embedded pair (``speculative``: more speculative-config keys),
+    up to the ``SchedulerConfig`` it hands ``VllmConfig`` (which on the CPU refuses the V2
+    runner), returned. DDTree's process-wide side effects (runner patches, environment)
+    are undone afterwards."""
     from vllm.engine import arg_utils
 
     import vllm_ddtree
@@ -210,9 +211,9 @@ def engine_front_end(monkeypatch, custom_backend_slot):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
 
-    def build(**engine_args):
+    def build(speculative=None, **engine_args):
         spec = {"method": "ddtree", "model": str(CHECKPOINTS / "drafter"),
-                "num_speculative_tokens": 8}
+                "num_speculative_tokens": 8, **(speculative or {})}
         args = engine_args.pop("engine_args", None) or arg_utils.EngineArgs(
             model=str(CHECKPOINTS / "target"), **engine_args)
         args.speculative_config, args.max_model_len = spec, 512
@@ -252,3 +253,23 @@ def test_the_documented_overrides_reach_the_engine(engine_front_end, tmp_path):
         args = EngineArgs.from_cli_args(parser.parse_args(model + argv))
         scheduler = engine_front_end(engine_args=args)
         assert scheduler.disable_hybrid_kv_cache_manager is after, argv
+
+
+def test_the_drafters_own_kv_cache_dtype_counts(engine_front_end):
+    """vLLM builds the drafter's KV cache in the speculative config's ``kv_cache_dtype``
+    (``load_dflash_model``). Beside the embedded target's fp8 latent (576 B a token a
+    layer) a bf16 drafter makes one group 4 x 576 + 3 x 512 = 3,840 B a context token
+    against the hybrid manager's 5 x 576 = 2,880 (1.33x: hybrid kept); an fp8 drafter
+    4 x 576 + 3 x 256 = 3,072 (1.07x: one group)."""
+    target, drafter = _embedded()
+    mixed = pair_kv_shape(target, drafter, dtype=torch.uint8, drafter_dtype=torch.bfloat16)
+    assert kv_bytes_per_token(mixed, hybrid=True) == 5 * 576
+    assert kv_bytes_per_token(mixed, hybrid=False) == 4 * 576 + 3 * 512
+    assert choose_by_kv_bytes(mixed, page=64).disable_hybrid_kv_cache_manager is None
+    assert engine_front_end(kv_cache_dtype="fp8").disable_hybrid_kv_cache_manager is True
+    for drafter_cache in ("auto", "bfloat16"):
+        scheduler = engine_front_end(speculative={"kv_cache_dtype": drafter_cache},
+                                     kv_cache_dtype="fp8")
+        assert scheduler.disable_hybrid_kv_cache_manager is None, drafter_cache
+    assert engine_front_end(speculative={"kv_cache_dtype": "fp8"}, kv_cache_dtype="fp8"
+                            ).disable_hybrid_kv_cache_manager is True

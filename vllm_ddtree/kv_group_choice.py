@@ -112,22 +112,28 @@ def engine_page_size(engine_args: Any) -> int:
     return backend.get_preferred_block_size(CacheConfig.DEFAULT_BLOCK_SIZE)
 
 
-def kv_cache_dtype(engine_args: Any, target_model_config: Any):
-    """The KV cache's torch dtype: ``--kv-cache-dtype``, ``auto`` being the model's."""
+def kv_cache_dtype(name: str, target_model_config: Any):
+    """The torch dtype of a KV cache named ``name`` (``--kv-cache-dtype``, or the
+    speculative config's ``kv_cache_dtype`` for the drafter), ``auto`` being the model's
+    (the drafter's model dtype is the target's)."""
     from vllm.utils.torch_utils import kv_cache_dtype_str_to_dtype
 
     try:
-        return kv_cache_dtype_str_to_dtype(engine_args.kv_cache_dtype, target_model_config)
+        return kv_cache_dtype_str_to_dtype(name, target_model_config)
     except KeyError:  # a format vLLM sizes otherwise (no tree backend takes it)
         return target_model_config.dtype
 
 
 def prefer_one_kv_cache_group(engine_args: Any, target_model_config: Any, drafter_config: Any,
-                              target_parallel_config: Any) -> KVGroupingChoice:
+                              target_parallel_config: Any,
+                              drafter_kv_cache_dtype: str | None = None) -> KVGroupingChoice:
     """Set ``engine_args.disable_hybrid_kv_cache_manager = True`` where the user left it
     unset, the target has no windows of its own and :func:`choose_by_kv_bytes` picks
     one group for this target (vLLM ``ModelConfig``) and drafter (transformers config)
-    at the engine's page size and KV dtype; log the choice in one INFO line.
+    at the engine's page size and KV dtypes; log the choice in one INFO line.
+    ``drafter_kv_cache_dtype``: the speculative config's ``kv_cache_dtype`` (vLLM builds
+    the drafter's KV cache in it, ``dflash/utils.py:load_dflash_model``); None: the
+    drafter's cache takes ``--kv-cache-dtype`` as the target's does.
     Runs after the tree backend is registered as ``CUSTOM``. Returns the choice."""
     user_choice = engine_args.disable_hybrid_kv_cache_manager
     choice = user_or_target_choice(user_choice, None if user_choice is not None else (
@@ -137,8 +143,10 @@ def prefer_one_kv_cache_group(engine_args: Any, target_model_config: Any, drafte
         shape = pair_kv_shape(
             target_model_config.hf_text_config, drafter_config,
             tensor_parallel_size=target_parallel_config.tensor_parallel_size,
-            dtype=kv_cache_dtype(engine_args, target_model_config),
-            target_mla=target_model_config.use_mla)
+            dtype=kv_cache_dtype(engine_args.kv_cache_dtype, target_model_config),
+            target_mla=target_model_config.use_mla,
+            drafter_dtype=None if drafter_kv_cache_dtype is None else kv_cache_dtype(
+                drafter_kv_cache_dtype, target_model_config))
         choice = choose_by_kv_bytes(shape, engine_page_size(engine_args))
     if choice.disable_hybrid_kv_cache_manager is not None:
         engine_args.disable_hybrid_kv_cache_manager = choice.disable_hybrid_kv_cache_manager

@@ -45,6 +45,8 @@ class KVPairShape:
         drafter_head_size: the drafter's head dim.
         window: the drafter's sliding window in tokens (None: no sliding layers).
         dtype: the KV cache's element type (``torch.uint8`` for an fp8 cache).
+        drafter_dtype: the drafter layers' element type where it differs from ``dtype``
+            (vLLM's speculative-config ``kv_cache_dtype``); None: ``dtype``.
     """
 
     target_layers: int
@@ -57,6 +59,7 @@ class KVPairShape:
     drafter_head_size: int
     window: int | None
     dtype: torch.dtype = torch.bfloat16
+    drafter_dtype: torch.dtype | None = None
 
 
 def _text_config(config: Any) -> Any:
@@ -69,12 +72,13 @@ def _head_size(config: Any) -> int:
 
 
 def pair_kv_shape(target_config: Any, drafter_config: Any, *, tensor_parallel_size: int = 1,
-                  dtype: torch.dtype = torch.bfloat16, target_mla: bool | None = None
-                  ) -> KVPairShape:
+                  dtype: torch.dtype = torch.bfloat16, target_mla: bool | None = None,
+                  drafter_dtype: torch.dtype | None = None) -> KVPairShape:
     """The :class:`KVPairShape` of a target and a DFlash drafter (transformers configs).
 
     ``target_mla``: whether vLLM runs the target's attention as MLA (vLLM's
-    ``ModelConfig.use_mla``); None: MLA when the config has a ``kv_lora_rank``. KV heads
+    ``ModelConfig.use_mla``); None: MLA when the config has a ``kv_lora_rank``.
+    ``drafter_dtype``: the drafter's KV element type where it is not ``dtype``. KV heads
     are split over ``tensor_parallel_size`` ranks as vLLM does (at least one a rank);
     the drafter's sliding layers are the ones vLLM 0.26 gives a window
     (:func:`vllm_ddtree.drafter_config.resolve_layer_attention`).
@@ -101,7 +105,7 @@ def pair_kv_shape(target_config: Any, drafter_config: Any, *, tensor_parallel_si
         sliding_layers=len(sliding), full_layers=len(windows) - len(sliding),
         drafter_kv_heads=max(1, drafter_heads // tensor_parallel_size),
         drafter_head_size=_head_size(drafter_config),
-        window=max(sliding) if sliding else None, dtype=dtype)
+        window=max(sliding) if sliding else None, dtype=dtype, drafter_dtype=drafter_dtype)
 
 
 def layer_kv_specs(shape: KVPairShape, page: int, sliding_page: int | None = None) -> dict:
@@ -116,8 +120,9 @@ def layer_kv_specs(shape: KVPairShape, page: int, sliding_page: int | None = Non
     specs = {f"model.layers.{i}.self_attn.attn": target_spec(
         block_size=page, num_kv_heads=shape.target_kv_heads, head_size=shape.target_head_size,
         dtype=shape.dtype, indexes_kv_by_block_stride=True) for i in range(shape.target_layers)}
+    drafter_dtype = shape.dtype if shape.drafter_dtype is None else shape.drafter_dtype
     drafter = dict(block_size=page, num_kv_heads=shape.drafter_kv_heads,
-                   head_size=shape.drafter_head_size, dtype=shape.dtype,
+                   head_size=shape.drafter_head_size, dtype=drafter_dtype,
                    indexes_kv_by_block_stride=True)
     for i in range(shape.sliding_layers):
         specs[f"draft.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
