@@ -168,21 +168,53 @@ def _time_cuda(run: Callable[[], Any], warmup: int, iters: int) -> float:
 def _capture_cuda_graph(run: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
     """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``run``, captured
     on a side stream (``capture_error_mode="thread_local"``: other threads' CUDA calls
-    are not disturbed). The caller's current stream is current again afterwards, also
-    when the capture raises: ``torch.cuda.graph``'s exit ends the capture before it
-    restores the stream, and a failed capture makes the end raise first."""
+    are not disturbed) into a memory pool of its own. The caller's current stream is
+    current again afterwards, also when the capture raises: ``torch.cuda.graph``'s exit
+    ends the capture before it restores the stream, and a failed capture makes the end
+    raise first. A failed capture also gives its pool back
+    (:func:`_release_failed_capture`)."""
     caller = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(caller)
     graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle()
+    device = torch.cuda.current_device()
     try:
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=side,
+                              capture_error_mode="thread_local"):
             for _ in range(calls):
                 run()
+    except BaseException:
+        _release_failed_capture(graph, pool, device)
+        raise
     finally:
         torch.cuda.set_stream(caller)
     caller.wait_stream(side)
     return graph
+
+
+def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, device: int) -> None:
+    """Undo what a capture that did not end left in the caching allocator. torch 2.11's
+    ``CUDAGraph::capture_end`` raises on a failed ``cudaStreamEndCapture`` before it
+    stops routing allocations to the graph's pool (``endAllocateToPool``), and a graph
+    whose capture did not end never releases its pool. Left so, the allocator believes
+    a capture is under way for the rest of the process: it no longer recycles blocks used
+    on several streams (``record_stream``: vLLM's MoE shared experts, draft-token copies)
+    and keeps the pool's memory reserved where vLLM's memory profile, which sizes the KV
+    cache, does not count it. A graph whose capture
+    ended (``graph.pool()`` answers) releases its pool when it is destroyed. Errors here
+    are those of steps the failed capture never reached, and are ignored: the capture's
+    own error is what the caller reports."""
+    try:
+        graph.pool()
+        return
+    except RuntimeError:
+        pass
+    for undo in (torch.cuda.memory._cuda_endAllocateToPool, torch.cuda.memory._cuda_releasePool):
+        try:
+            undo(device, pool)
+        except RuntimeError:
+            pass
 
 
 def _median_replay_seconds(graph: torch.cuda.CUDAGraph, warmup: int, samples: int) -> float:
