@@ -117,14 +117,30 @@ class FakeStream:
         self.waited_on.append(other)
 
 
+class FakeGraph:
+    """``torch.cuda.CUDAGraph``: ``pool()`` raises unless its capture ended, as torch's."""
+
+    kind = "graph"
+
+    def __init__(self):
+        self.ended = False
+
+    def pool(self):
+        if not self.ended:
+            raise RuntimeError("Called CUDAGraph::pool() without a preceding successful "
+                               "capture.")
+        return "pool-of-graph"
+
+
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """torch.cuda's stream and graph calls, faked: ``torch.cuda.graph`` behaves as
-    torch's (its exit ends the capture first, which raises after a failed capture,
-    and only then restores the stream)."""
+    """torch.cuda's stream, graph and graph-pool calls, faked: ``torch.cuda.graph``
+    behaves as torch 2.11's (its exit ends the capture first, which raises after a
+    capture the body's error invalidated, before the allocator stops routing to the
+    pool, and only then restores the stream); ``undo`` records the allocator calls."""
     caller = FakeStream("caller")
     cuda = NS(current=caller, caller=caller, set_stream_calls=[], graph_kwargs=[],
-              side=None)
+              side=None, graphs=[], undo=[], undo_errors={}, invalidating=True)
 
     def new_stream():
         cuda.side = FakeStream("side")
@@ -134,43 +150,104 @@ def fake_cuda(monkeypatch):
         cuda.set_stream_calls.append(stream)
         cuda.current = stream
 
+    def new_graph():
+        cuda.graphs.append(FakeGraph())
+        return cuda.graphs[-1]
+
     class FakeGraphContext:
-        def __init__(self, graph, stream=None, capture_error_mode="global"):
-            cuda.graph_kwargs.append(dict(stream=stream, capture_error_mode=capture_error_mode))
-            self.stream = stream
+        def __init__(self, graph, pool=None, stream=None, capture_error_mode="global"):
+            cuda.graph_kwargs.append(dict(pool=pool, stream=stream,
+                                          capture_error_mode=capture_error_mode))
+            self.graph, self.stream = graph, stream
 
         def __enter__(self):
             self.previous, cuda.current = cuda.current, self.stream
 
         def __exit__(self, exc_type, *args):
-            if exc_type is not None:  # capture_end of an invalidated capture
+            if exc_type is not None and cuda.invalidating:  # capture_end raises
                 raise RuntimeError("CUDA error: operation failed due to a previous error "
                                    "during capture")
+            self.graph.ended = True
             cuda.current = self.previous
+
+    def allocator_call(name):
+        def call(device, pool):
+            cuda.undo.append((name, device, pool))
+            if name in cuda.undo_errors:
+                raise RuntimeError(cuda.undo_errors[name])
+        return call
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: cuda.current)
     monkeypatch.setattr(torch.cuda, "Stream", new_stream)
     monkeypatch.setattr(torch.cuda, "set_stream", set_stream)
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: NS(kind="graph"))
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", new_graph)
     monkeypatch.setattr(torch.cuda, "graph", FakeGraphContext)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool", 7))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda.memory, "_cuda_endAllocateToPool", allocator_call("end"))
+    monkeypatch.setattr(torch.cuda.memory, "_cuda_releasePool", allocator_call("release"))
     return cuda
+
+
+def not_capturable_on(cuda, calls):
+    def run():
+        calls.append(cuda.current.name)
+        raise RuntimeError("operation not permitted when stream is capturing")
+    return run
 
 
 def test_failed_capture_restores_the_callers_stream(fake_cuda):
     calls = []
-
-    def not_capturable():
-        calls.append(fake_cuda.current.name)
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-    with pytest.raises(RuntimeError):
-        attention_timing._capture_cuda_graph(not_capturable, calls=3)
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        attention_timing._capture_cuda_graph(not_capturable_on(fake_cuda, calls), calls=3)
     assert calls == ["side"]  # ran on the side stream, stopped at the error
     assert fake_cuda.set_stream_calls == [fake_cuda.caller]
     assert fake_cuda.current is fake_cuda.caller
-    assert fake_cuda.graph_kwargs == [dict(stream=fake_cuda.side,
+    assert fake_cuda.graph_kwargs == [dict(pool=("pool", 7), stream=fake_cuda.side,
                                            capture_error_mode="thread_local")]
     assert fake_cuda.side.waited_on == [fake_cuda.caller]
+
+
+def test_failed_capture_gives_the_allocator_its_pool_back(fake_cuda):
+    """torch 2.11's capture_end raises before it ends the allocator's routing to the
+    graph's pool, and the graph never releases a pool whose capture did not end: the
+    helper ends the routing and releases the pool (on the capture's device), or the
+    allocator would believe a capture is under way for the rest of the run."""
+    with pytest.raises(RuntimeError):
+        attention_timing._capture_cuda_graph(not_capturable_on(fake_cuda, []), calls=3)
+    assert fake_cuda.undo == [("end", 3, ("pool", 7)), ("release", 3, ("pool", 7))]
+
+
+def test_undo_steps_the_capture_never_reached_are_skipped(fake_cuda):
+    """A capture that failed before routing began (or after it ended): the allocator
+    refuses to end the routing; the pool is still released, and the caller sees the
+    capture's own error (capture_end's)."""
+    fake_cuda.undo_errors["end"] = "endAllocatePool: not currently recording to mempool_id"
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        attention_timing._capture_cuda_graph(not_capturable_on(fake_cuda, []), calls=3)
+    assert [name for name, *_ in fake_cuda.undo] == ["end", "release"]
+    fake_cuda.undo.clear()
+    fake_cuda.undo_errors["release"] = "INTERNAL ASSERT FAILED: it != graph_pools.end()"
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        attention_timing._capture_cuda_graph(not_capturable_on(fake_cuda, []), calls=3)
+    assert [name for name, *_ in fake_cuda.undo] == ["end", "release"]
+    assert fake_cuda.current is fake_cuda.caller
+
+
+def test_an_ended_capture_keeps_its_pool_for_the_graph(fake_cuda):
+    """The body raised, but the capture ended (nothing invalidated it): the graph owns
+    its pool and releases it when destroyed; the helper undoes nothing. A successful
+    capture neither."""
+    fake_cuda.invalidating = False
+
+    def bad_argument():
+        raise ValueError("bad launch argument")
+
+    with pytest.raises(ValueError, match="bad launch argument"):
+        attention_timing._capture_cuda_graph(bad_argument, calls=2)
+    assert fake_cuda.undo == [] and fake_cuda.current is fake_cuda.caller
+    graph = attention_timing._capture_cuda_graph(lambda: None, calls=2)
+    assert graph.ended and fake_cuda.undo == []
 
 
 def test_capture_runs_the_calls_on_a_side_stream(fake_cuda):
@@ -181,6 +258,7 @@ def test_capture_runs_the_calls_on_a_side_stream(fake_cuda):
     assert calls == [fake_cuda.side] * 3
     assert fake_cuda.current is fake_cuda.caller
     assert fake_cuda.caller.waited_on == [fake_cuda.side]  # the caller waits for capture
+    assert fake_cuda.undo == []
 
 
 def test_replay_time_is_the_median_after_warmup(monkeypatch):

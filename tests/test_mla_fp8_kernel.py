@@ -15,6 +15,7 @@ import pytest
 import torch
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from kernel_testing import (  # noqa: E402
     DEVICE,
@@ -344,3 +345,133 @@ def test_backend_refuses_fp8_before_sm89(monkeypatch):
     monkeypatch.setattr(current_platform, "has_device_capability",
                         lambda capability, device_id=0: capability <= 90)
     assert _impl("fp8")._fp8_cache
+
+
+# ---------------------------------------------------------------------------------------
+# _fp16_query_rows alone, at the edges of its fp32 exponent arithmetic.
+
+
+@triton.jit
+def _query_rows_probe(Q, Scaled, Unscale, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
+                      BLOCK_R: tl.constexpr, ROPE: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)[:, None]
+    offs_l = tl.arange(0, BLOCK_L)[None, :]
+    offs_r = tl.arange(0, BLOCK_R)[None, :]
+    width = BLOCK_L + BLOCK_R
+    q_nope = tl.load(Q + rows * width + offs_l)
+    q_rope = tl.load(Q + rows * width + BLOCK_L + offs_r)
+    q_nope, q_rope, unscale = kernels._fp16_query_rows(q_nope, q_rope, ROPE)
+    tl.store(Scaled + rows * width + offs_l, q_nope)
+    if ROPE > 0:
+        tl.store(Scaled + rows * width + BLOCK_L + offs_r, q_rope)
+    tl.store(Unscale + rows, unscale)
+
+
+def _bf16_rows(rows):
+    """bf16 ``[len(rows), 16 + 16]`` (nope, rope) from lists of values, zero-padded;
+    the values must be bf16 values."""
+    q = torch.zeros(len(rows), 32, dtype=torch.float64)
+    for i, values in enumerate(rows):
+        q[i, : len(values)] = torch.tensor(values, dtype=torch.float64)
+    out = q.to(torch.bfloat16)
+    torch.testing.assert_close(out.double(), q, rtol=0, atol=0, equal_nan=True)
+    return out
+
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
+EDGE_ROWS = [
+    [0.0],  # all zero (a masked row)
+    [2.0**-126, -(2.0**-125)],  # the smallest normals: e capped at 126
+    [2.0**-112 * 1.5, 2.0**-120],  # e = 126 exactly at the cap's edge
+    [1.0, -0.5, 0.25, 2.0**-20],  # the largest entry exactly a power of two
+    [-(2.0**15), 3.0, -(2.0**-10)],  # a negative largest entry, fp16's own scale
+    [2.0**16, -1.5 * 2.0**16, -1.0],  # beyond fp16's range
+    [BF16_MAX, -BF16_MAX, 2.0**100],  # bf16's (and fp32's) largest finite exponent
+    [1.9921875 * 2.0**20, -1.0],  # largest entry just below a power of two
+    [float("nan"), 3.0, -7.0],  # NaN: only finite entries choose e
+    [float("inf"), -2.0**-20, float("-inf"), 5.0],
+    [float("nan")] * 4,  # no finite entry at all
+]
+# bf16 subnormals (fp32 subnormals after the widening): on the GPU only, as Triton's
+# interpreter widens a subnormal bf16 wrongly (its _convert_float renormalizes the
+# significand, then clamps the exponent). A GPU flushing them to zero (ftz) is allowed.
+SUBNORMAL_ROWS = [
+    [-0.0, 2.0**-133, -(2.0**-130), 3 * 2.0**-133],  # subnormals only: e = 126
+    [2.0**-120, -(2.0**-130), 2.0**-133],  # a normal largest entry, capped e
+]
+ROPE_ROWS = [
+    # The largest entry in the rope part (columns 16..): it chooses e for the row.
+    [0.5] * 4 + [0.0] * 12 + [-(2.0**20), 1.0],
+    [2.0**-100] + [0.0] * 15 + [2.0**-90, -(2.0**-95)],
+    [3.0] + [0.0] * 15 + [float("-inf"), 2.0**-5],  # inf in the rope part
+]
+
+
+def _expected_exponent(row: torch.Tensor) -> tuple[int, bool]:
+    """``(e, capped)`` of the docstring, from the row's largest finite ``|q|`` in
+    float64: its floor(log2) ``E`` (fp32 subnormals and 0 count as ``E = -127``),
+    ``e = min(14 - E, 126)``."""
+    values = row.double()
+    finite = values.abs()[torch.isfinite(values)]
+    largest = float(finite.max()) if finite.numel() else 0.0
+    exponent = -127 if largest < 2.0**-126 else int(torch.tensor(largest).log2().floor())
+    return min(14 - exponent, 126), 14 - exponent > 126
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf / NaN
+@pytest.mark.parametrize("rope", [16, 0])
+def test_fp16_query_rows_at_the_fp32_exponent_edges(rope):
+    """Each row times ``2^e`` (``e = 14 - floor(log2 max finite |q|)``, at most 126),
+    checked against a float64 reference: the scale is exact (every finite entry comes
+    back bit for bit times ``2^-e``; none overflows fp16), the largest finite entry lands
+    in ``[2^14, 2^15)`` wherever ``e`` is not capped, ``2^-e`` is a normal fp32, the sign
+    and zeros are kept, inf / NaN stay in their entries. ``rope = 0``: the rope columns
+    are neither read for ``e`` nor written."""
+    rows = EDGE_ROWS + (ROPE_ROWS if rope else []) + (SUBNORMAL_ROWS if DEVICE == "cuda" else [])
+    block_m = triton.next_power_of_2(len(rows))
+    q = torch.zeros(block_m, 32, dtype=torch.bfloat16)
+    q[: len(rows)] = _bf16_rows(rows)
+    scaled = torch.full((block_m, 32), 7.0, dtype=torch.float16, device=DEVICE)
+    unscale = torch.zeros(block_m, dtype=torch.float32, device=DEVICE)
+    _query_rows_probe[(1,)](q.to(DEVICE), scaled, unscale, BLOCK_M=block_m, BLOCK_L=16,
+                            BLOCK_R=16, ROPE=rope)
+    scaled, unscale = scaled.cpu(), unscale.cpu()
+    width = 32 if rope else 16
+    assert bool((scaled[:, width:] == 7.0).all())  # rope = 0: nothing stored there
+    for i, row in enumerate(q[: len(rows), :width]):
+        e, capped = _expected_exponent(row)
+        assert float(unscale[i]) == 2.0**-e, (i, rows[i], float(unscale[i]), e)
+        got, want = scaled[i, :width].double(), row.double()
+        finite = torch.isfinite(want)
+        if rows[i] in SUBNORMAL_ROWS and not bool(got.ne(0).any()):
+            continue  # flushed to zero (ftz): the row attends uniformly, as it nearly does
+        torch.testing.assert_close(got[finite] * 2.0**-e, want[finite], rtol=0, atol=0)
+        assert bool(torch.isfinite(got[finite]).all()), (i, rows[i])
+        assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite])), i
+        assert torch.equal(got[~finite].isnan(), want[~finite].isnan()), i
+        assert torch.equal(got[want.isinf()], want[want.isinf()]), i
+        largest = float(got[finite].abs().max()) if bool(finite.any()) else 0.0
+        if capped:
+            assert largest < 2.0**14, (i, rows[i], largest)
+        else:
+            assert 2.0**14 <= largest < 2.0**15, (i, rows[i], largest)
+
+
+def test_rows_of_one_tile_scaled_apart():
+    """Rows of one CTA tile whose largest entries sit far apart (a zero row, 2^-100,
+    exactly 1, exactly 2^16 past fp16's range, 3e5): each row takes its own power of two
+    (the softmax scale becomes a ``[BLOCK_M, 1]`` column, used in both phases and the
+    LSE), and every row matches the fp32 reference, with one and several splits."""
+    batch = fp8_batch(MIXED[2:4], page_size=4, heads=2, seed=17)
+    q = batch["q"].float()
+    q[0, 0] = 0.0
+    q[1, 1] *= 2.0**-100
+    q[2, 0] = q[2, 0].clamp(-0.9, 0.9)
+    q[2, 0, 7] = 1.0  # the largest entry exactly a power of two
+    q[3, 1] = q[3, 1].clamp(-0.9, 0.9) * 100.0
+    q[3, 1, -1] = -(2.0**16)  # in the rope part, beyond fp16
+    q[5, 0] *= 3e5 / q[5, 0].abs().max()
+    batch["q"] = q.to(torch.bfloat16)
+    batch["scale"] = 2e-3  # logits of the large rows stay well conditioned
+    for splits in (1, 3):
+        check(batch, num_kv_splits=splits)

@@ -50,11 +50,11 @@ def test_mla_timer_names_an_unknown_kv_cache_dtype():
 
 @pytest.mark.parametrize("verify_shape", ["adaptive", "fixed", None])
 def test_policy_times_the_kernel_the_runs_verify_takes(monkeypatch, verify_shape):
-    """``BudgetPolicy.from_vllm_config`` times the MLA verify with the run's
-    ``mostly_active`` (adaptive verify shapes: on sm_90 the Gluon kernel computes every
-    row; else Triton skips the inactive ones) and, where decode steps replay FULL graphs,
-    with the split count resolved on the device (``runtime_kv_splits``), as the backend
-    launches it. The launch is mocked (timing needs a GPU)."""
+    """The MLA verify is timed with the run's ``mostly_active`` (adaptive verify shapes:
+    on sm_90 the Gluon kernel computes every row; else Triton skips the inactive ones)
+    and, where decode steps replay FULL graphs, with the split count resolved on the
+    device (``runtime_kv_splits``), as the backend launches it. The launch is mocked
+    (timing needs a GPU)."""
     from vllm_ddtree.attention_backends import mla_tree
     from vllm_ddtree.budget.attention_timing import target_attention_timer
     from vllm_ddtree.budget.policy import _adaptive_verify_shapes
@@ -71,7 +71,70 @@ def test_policy_times_the_kernel_the_runs_verify_takes(monkeypatch, verify_shape
     adaptive = _adaptive_verify_shapes(config)
     assert adaptive == (verify_shape == "adaptive")
     measure = target_attention_timer(config, 1 + 4, torch.device("cpu"),
-                                     time_fn=lambda run: clock(run), mostly_active=adaptive)
+                                     time_fn=lambda run: clock(run), adaptive_shapes=adaptive)
     measure(24, 1 + 2)
     assert launches[-1]["mostly_active"] is adaptive
     assert launches[-1]["runtime_kv_splits"] is False  # eager run: host split count
+
+
+@pytest.mark.parametrize("use_mla", [True, False])
+@pytest.mark.parametrize("verify_shape", ["adaptive", "fixed"])
+def test_policy_times_the_rows_the_runs_verify_launches(monkeypatch, use_mla, verify_shape):
+    """``BudgetPolicy.from_vllm_config``'s launches per cell ``(context, 1 + b)`` and
+    the one-row column: with adaptive verify shapes a round of budget ``b`` verifies
+    ``1 + b`` rows, all active (on sm_90 the MLA Gluon kernel computes every launched row,
+    so ``1 + B`` rows would time every budget as B); with fixed ones ``1 + B`` rows, the
+    first ``1 + b`` active. The kernels are mocked (timing needs a GPU)."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    from vllm_ddtree.attention_backends import gqa_tree, mla_tree
+    from vllm_ddtree.budget import attention_timing
+    from vllm_ddtree.budget.policy import BudgetPolicy
+    from vllm_ddtree.config import DDTreeConfig
+
+    launches = []
+
+    def launch(q, *args, **kwargs):
+        seq_lens, query_start_loc = args[2:4] if use_mla else args[3:5]
+        launches.append(dict(rows=q.shape[0], starts=query_start_loc.tolist(),
+                             seq_len=int(seq_lens[0]), active=int(kwargs["active_query_lens"][0]),
+                             max_query_len=kwargs["max_query_len"],
+                             mostly_active=kwargs.get("mostly_active")))
+
+    monkeypatch.setattr(mla_tree if use_mla else gqa_tree,
+                        "mla_tree_verify" if use_mla else "gqa_tree_verify", launch)
+    monkeypatch.setattr(attention_timing, "attention_time_fn",
+                        lambda config, device: lambda run: (run(), 1e-6)[1])
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: NS(ranks=[0, 1]))
+    config = fake_vllm_config(use_mla, max_model_len=2000)
+    config.speculative_config = NS(ddtree=DDTreeConfig(budget=4, adaptive=True,
+                                                       verify_shape=verify_shape))
+    BudgetPolicy.from_vllm_config(config, 4, "cpu")
+    adaptive = verify_shape == "adaptive"
+    cells = {(launch["seq_len"] - launch["rows"], launch["active"]) for launch in launches}
+    assert cells == {(c, q) for c in (1024, 2000) for q in (1, 2, 3, 5)}  # 1 + b, plain
+    for launch in launches:
+        rows = launch["active"] if adaptive else 1 + 4
+        assert (launch["rows"], launch["starts"], launch["max_query_len"]) == (
+            rows, [0, rows], rows), launch
+        if use_mla:
+            assert launch["mostly_active"] is adaptive
+
+
+def test_adaptive_shapes_time_the_real_kernels_on_their_rows():
+    """The MLA timer with adaptive shapes runs the tree kernel (Triton interpreter on
+    CPU) on ``1 + b`` rows, every one computed."""
+    from vllm_ddtree.budget.attention_timing import target_attention_timer
+
+    seen = []
+
+    def time_fn(run):
+        seen.append(run())
+        return clock(lambda: None)
+
+    measure = target_attention_timer(fake_vllm_config(True), 1 + 4, torch.device("cpu"),
+                                     time_fn=time_fn, adaptive_shapes=True)
+    assert measure(24, 1 + 2) > 0
+    out, lse = seen[-1]
+    assert out.shape == (3, 2, 16) and bool(torch.isfinite(lse).all())
+    assert not out.eq(0).all(dim=-1).any()  # every launched row is active

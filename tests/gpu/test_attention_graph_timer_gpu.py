@@ -77,3 +77,31 @@ def test_a_failed_capture_restores_the_stream_and_times_eagerly():
     assert all(math.isfinite(t) and t > 0 for t in (first, second))
     assert float((x + 1).sum()) == 8.0
     torch.cuda.synchronize()
+
+
+def test_a_failed_capture_leaves_the_allocator_as_it_was():
+    """torch 2.11's capture_end raises before it stops routing allocations to the
+    graph's pool, and the graph never releases that pool: ``_capture_cuda_graph`` does
+    both, so that after a failed capture (one that allocated 64 MiB in its pool) the
+    allocator gives every cached byte back (a pool left routing would keep its segment
+    reserved, and the allocator would believe a capture is under way from then on)."""
+    import gc
+
+    def allocate_then_sync():
+        block = torch.ones(16 << 20, device="cuda")  # 64 MiB, in the graph's pool
+        return block.sum().item()  # a host sync invalidates the capture
+
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
+    timer = GraphTimer()
+    assert timer(allocate_then_sync) > 0 and timer.failure is not None
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() == baseline
+    # The allocator is out of capture mode: a graph captures and replays normally.
+    x = torch.zeros(4, device="cuda")
+    assert GraphTimer()(lambda: x.add_(1)) > 0
+    torch.cuda.synchronize()
+    assert bool((x > 0).all())

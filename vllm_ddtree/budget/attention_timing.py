@@ -2,7 +2,8 @@
 
 :func:`target_attention_timer` builds, from the run's vLLM config, a
 ``measure_fn(context, 1 + b) -> seconds``: one request's verify attention in one target
-layer (``1 + B`` query rows, the first ``1 + b`` active), timed with the target's own
+layer (``1 + B`` query rows, the first ``1 + b`` active; with adaptive verify shapes the
+``1 + b`` rows a round of budget ``b`` verifies), timed with the target's own
 tree kernel (MLA or GQA, the run's cache dtype and page size) on dummy tensors;
 :func:`measure_attention_table` runs it over the (context x budget) grid
 ``vllm_ddtree.budget.policy.BudgetPolicy`` chooses from, and
@@ -167,21 +168,53 @@ def _time_cuda(run: Callable[[], Any], warmup: int, iters: int) -> float:
 def _capture_cuda_graph(run: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
     """A ``torch.cuda.CUDAGraph`` of ``calls`` back-to-back calls of ``run``, captured
     on a side stream (``capture_error_mode="thread_local"``: other threads' CUDA calls
-    are not disturbed). The caller's current stream is current again afterwards, also
-    when the capture raises: ``torch.cuda.graph``'s exit ends the capture before it
-    restores the stream, and a failed capture makes the end raise first."""
+    are not disturbed) into a memory pool of its own. The caller's current stream is
+    current again afterwards, also when the capture raises: ``torch.cuda.graph``'s exit
+    ends the capture before it restores the stream, and a failed capture makes the end
+    raise first. A failed capture also gives its pool back
+    (:func:`_release_failed_capture`)."""
     caller = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(caller)
     graph = torch.cuda.CUDAGraph()
+    pool = torch.cuda.graph_pool_handle()
+    device = torch.cuda.current_device()
     try:
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=side,
+                              capture_error_mode="thread_local"):
             for _ in range(calls):
                 run()
+    except BaseException:
+        _release_failed_capture(graph, pool, device)
+        raise
     finally:
         torch.cuda.set_stream(caller)
     caller.wait_stream(side)
     return graph
+
+
+def _release_failed_capture(graph: torch.cuda.CUDAGraph, pool: Any, device: int) -> None:
+    """Undo what a capture that did not end left in the caching allocator. torch 2.11's
+    ``CUDAGraph::capture_end`` raises on a failed ``cudaStreamEndCapture`` before it
+    stops routing allocations to the graph's pool (``endAllocateToPool``), and a graph
+    whose capture did not end never releases its pool. Left so, the allocator believes
+    a capture is under way for the rest of the process: it no longer recycles blocks used
+    on several streams (``record_stream``: vLLM's MoE shared experts, draft-token copies)
+    and keeps the pool's memory reserved where vLLM's memory profile, which sizes the KV
+    cache, does not count it. A graph whose capture
+    ended (``graph.pool()`` answers) releases its pool when it is destroyed. Errors here
+    are those of steps the failed capture never reached, and are ignored: the capture's
+    own error is what the caller reports."""
+    try:
+        graph.pool()
+        return
+    except RuntimeError:
+        pass
+    for undo in (torch.cuda.memory._cuda_endAllocateToPool, torch.cuda.memory._cuda_releasePool):
+        try:
+            undo(device, pool)
+        except RuntimeError:
+            pass
 
 
 def _median_replay_seconds(graph: torch.cuda.CUDAGraph, warmup: int, samples: int) -> float:
@@ -263,35 +296,44 @@ def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
 
 
 class _OneRequestBatch:
-    """The dummy verify batch both timers share: one request of ``max_query_len`` rows
-    (chain bits) over a paged cache of ``max_context + max_query_len`` tokens whose
-    pages are mapped in order. ``randn`` draws the dummy tensors (fixed seed)."""
+    """The dummy verify batch both timers share: one request of up to ``max_query_len``
+    rows (chain bits) over a paged cache of ``max_context + max_query_len`` tokens whose
+    pages are mapped in order. ``randn`` draws the dummy tensors (fixed seed).
+
+    ``adaptive_shapes``: the run verifies adaptive shapes (``ddtree_verify_shape``
+    "adaptive"), so a round of budget ``b`` launches ``1 + b`` rows, all active; else
+    every round launches ``max_query_len`` rows, the first ``1 + b`` active."""
 
     def __init__(self, max_query_len: int, max_context: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 adaptive_shapes: bool = False) -> None:
         self.dtype, self.device = dtype, device
         self.max_query_len = max_query_len
+        self.adaptive_shapes = adaptive_shapes
         self.num_blocks = -(-(max_context + max_query_len) // page_size)
         self.gen = torch.Generator(device=device).manual_seed(0)
         self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
                                         device=device)[None]
         self.bits = _chain_bits(max_query_len, device)
-        self.query_start_loc = torch.tensor([0, max_query_len], dtype=torch.int32,
-                                            device=device)
 
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device,
                            dtype=torch.float32).to(self.dtype)
 
     def measure_fn(self, time_fn: TimeFn, attend: Callable[..., Any]) -> MeasureFn:
-        """``measure(context, query_len)``: ``time_fn`` of ``attend(seq_lens,
-        active_query_lens, seq_len)`` (int32 ``[1]`` tensors and the host seq_len) for a
-        request with ``context`` cached tokens and ``query_len`` active rows."""
+        """``measure(context, query_len)``: ``time_fn`` of ``attend(rows,
+        query_start_loc, seq_lens, active_query_lens, seq_len)`` (the launched query
+        rows, int32 ``[2]`` / ``[1]`` / ``[1]`` tensors and the host seq_len) for a
+        request with ``context`` cached tokens and ``query_len`` active rows:
+        ``rows = query_len`` with adaptive shapes, else ``max_query_len``."""
         def measure(context: int, query_len: int) -> float:
-            seq_len = context + self.max_query_len
-            seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=self.device)
-            active = torch.tensor([query_len], dtype=torch.int32, device=self.device)
-            return time_fn(lambda: attend(seq_lens, active, seq_len))
+            rows = query_len if self.adaptive_shapes else self.max_query_len
+            seq_len = context + rows
+            i32 = dict(dtype=torch.int32, device=self.device)
+            query_start_loc = torch.tensor([0, rows], **i32)
+            seq_lens = torch.tensor([seq_len], **i32)
+            active = torch.tensor([query_len], **i32)
+            return time_fn(lambda: attend(rows, query_start_loc, seq_lens, active, seq_len))
 
         return measure
 
@@ -330,58 +372,69 @@ def mla_attention_timer(
     num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
     graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
-    kv_cache_dtype: str = "auto", mostly_active: bool = False,
+    kv_cache_dtype: str = "auto", adaptive_shapes: bool = False,
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` for one
     request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
-    (``dtype``) of which the first ``query_len`` are active (``active_query_lens``), on a
-    dummy latent cache of ``max_context + max_query_len`` tokens (allocated once) in the
-    run's ``kv_cache_dtype`` (:func:`_mla_timer_cache`: an fp8 cache takes the fp8
+    (``dtype``) of which the first ``query_len`` are active (``active_query_lens``), or
+    with ``adaptive_shapes`` ``query_len`` rows, on a dummy latent cache of
+    ``max_context + max_query_len`` tokens (allocated once) in the run's
+    ``kv_cache_dtype`` (:func:`_mla_timer_cache`: an fp8 cache takes the fp8
     Triton kernel, as the run's verify does, not the bf16 cache's Gluon kernel).
     ``graph_max_seq_len``: the split count a CUDA graph freezes (the backend sizes it
     for ``max_model_len`` when capturing; it then also resolves the split count per
-    request on the device, ``runtime_kv_splits``). ``mostly_active``: the backend's
-    ``TREE_MASK_STATE.mostly_active`` in this run (adaptive verify shapes), which decides
-    between the Gluon and the Triton kernel on sm_90 as in the run's verify.
-    ``time_fn``: default :func:`cuda_time_fn`."""
+    request on the device, ``runtime_kv_splits``). ``adaptive_shapes``: the run
+    verifies adaptive shapes (a round of budget ``b`` launches ``1 + b`` rows) with the
+    backend's ``TREE_MASK_STATE.mostly_active`` set, which on sm_90 lets the Gluon
+    kernel compute every row (it ignores the active count): timing it on ``1 + B`` rows
+    would give every budget the cost of B. ``time_fn``: default :func:`cuda_time_fn`."""
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
+    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device,
+                             adaptive_shapes)
     head_dim = kv_lora_rank + rope_dim
     kv_cache, kv_scale = _mla_timer_cache(batch, page_size, head_dim, kv_cache_dtype)
     q = batch.randn(max_query_len, num_heads, head_dim)
     scale = head_dim ** -0.5
-    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
-        mla_tree_verify(
-            q, kv_cache, batch.block_table, seq_lens, batch.query_start_loc, batch.bits,
-            scale, kv_lora_rank, max_query_len=max_query_len,
+
+    def attend(rows, query_start_loc, seq_lens, active, seq_len):
+        return mla_tree_verify(
+            q[:rows], kv_cache, batch.block_table, seq_lens, query_start_loc, batch.bits,
+            scale, kv_lora_rank, max_query_len=rows,
             max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
-            active_query_lens=active, kv_scale=kv_scale, mostly_active=mostly_active,
+            active_query_lens=active, kv_scale=kv_scale, mostly_active=adaptive_shapes,
             runtime_kv_splits=graph_max_seq_len is not None,
-        )))
+        )
+
+    return batch.measure_fn(time_fn or cuda_time_fn(), attend)
 
 
 def gqa_attention_timer(
     num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
-    time_fn: TimeFn | None = None,
+    time_fn: TimeFn | None = None, adaptive_shapes: bool = False,
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.gqa_tree.gqa_tree_verify`` for one
     request (full attention; sliding-window layers cost less and are modeled as full),
-    ``query_len`` active rows of ``max_query_len``, as :func:`mla_attention_timer`."""
+    ``query_len`` active rows of ``max_query_len`` (``adaptive_shapes``: of
+    ``query_len``), as :func:`mla_attention_timer`."""
     from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify
 
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device)
+    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device,
+                             adaptive_shapes)
     k_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
     v_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
     q = batch.randn(max_query_len, num_q_heads, head_dim)
     scale = head_dim ** -0.5
-    return batch.measure_fn(time_fn or cuda_time_fn(), lambda seq_lens, active, seq_len: (
-        gqa_tree_verify(
-            q, k_cache, v_cache, batch.block_table, seq_lens, batch.query_start_loc,
-            batch.bits, scale, max_query_len=max_query_len, max_seq_len=seq_len,
+
+    def attend(rows, query_start_loc, seq_lens, active, seq_len):
+        return gqa_tree_verify(
+            q[:rows], k_cache, v_cache, batch.block_table, seq_lens, query_start_loc,
+            batch.bits, scale, max_query_len=rows, max_seq_len=seq_len,
             validate_values=False, active_query_lens=active,
-        )))
+        )
+
+    return batch.measure_fn(time_fn or cuda_time_fn(), attend)
 
 
 def _run_cache_dtype(vllm_config: Any) -> str:
@@ -392,12 +445,13 @@ def _run_cache_dtype(vllm_config: Any) -> str:
 
 def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
                            time_fn: TimeFn | None = None,
-                           mostly_active: bool = False) -> MeasureFn:
+                           adaptive_shapes: bool = False) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
     config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
     ``time_fn``: default :func:`attention_time_fn` (graph replays where the run's
-    decode steps replay FULL CUDA graphs, else eager launches). ``mostly_active``:
-    the run verifies adaptive shapes (see :func:`mla_attention_timer`).
+    decode steps replay FULL CUDA graphs, else eager launches). ``adaptive_shapes``:
+    the run verifies adaptive shapes, ``1 + b`` rows for budget ``b`` (see
+    :func:`mla_attention_timer`).
 
     Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths (and the one-row column),
     eagerly 7 launches each; about 0.1-0.5 s on an H200 for a 64-head MLA target up to
@@ -418,9 +472,10 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
             heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,
             time_fn=time_fn, kv_cache_dtype=_run_cache_dtype(vllm_config),
-            mostly_active=mostly_active,
+            adaptive_shapes=adaptive_shapes,
         )
     return gqa_attention_timer(
         heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
         max_query_len, max_context, dtype, device, time_fn=time_fn,
+        adaptive_shapes=adaptive_shapes,
     )

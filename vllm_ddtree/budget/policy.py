@@ -399,14 +399,15 @@ class BudgetPolicy:
         device = torch.device(device)
         start = time.perf_counter()
         timing = "as eager launches" if measure_fn is None else "by the given measure_fn"
-        mostly_active = _adaptive_verify_shapes(vllm_config)
+        adaptive_shapes = _adaptive_verify_shapes(vllm_config)
         if measure_fn is None and device.type == "cuda":
             # Launch on the runner's GPU; give the dummy caches back before vLLM
             # profiles memory.
             with torch.cuda.device(device):
                 time_fn = attention_time_fn(vllm_config, device)
                 attention = target_attention_timer(vllm_config, 1 + max_budget, device,
-                                                   time_fn=time_fn, mostly_active=mostly_active)
+                                                   time_fn=time_fn,
+                                                   adaptive_shapes=adaptive_shapes)
                 table, plain = measure_attention_costs(attention, contexts, budgets, device,
                                                        time_fn=time_fn)
                 in_graphs = isinstance(time_fn, GraphTimer) and time_fn.in_graphs
@@ -415,7 +416,7 @@ class BudgetPolicy:
                 torch.cuda.empty_cache()
         else:
             measure_fn = measure_fn or target_attention_timer(
-                vllm_config, 1 + max_budget, device, mostly_active=mostly_active)
+                vllm_config, 1 + max_budget, device, adaptive_shapes=adaptive_shapes)
             table, plain = measure_attention_costs(measure_fn, contexts, budgets, device)
         num_layers = model_config.get_num_layers(parallel)
         tp_group = None
@@ -433,9 +434,10 @@ class BudgetPolicy:
 
 def _adaptive_verify_shapes(vllm_config: Any) -> bool:
     """Whether the run verifies adaptive shapes (``ddtree_verify_shape`` resolved to
-    "adaptive"): the speculator then sets the MLA backend's
-    ``TREE_MASK_STATE.mostly_active``, which picks the verify kernel on sm_90, so the
-    start-up timing must run with it too. False without a DDTree config."""
+    "adaptive"): a round of budget ``b`` then verifies ``1 + b`` rows, and the
+    speculator sets the MLA backend's ``TREE_MASK_STATE.mostly_active``, which picks the
+    verify kernel on sm_90, so the start-up timing must launch those rows with it too.
+    False without a DDTree config."""
     from vllm_ddtree.runtime_state import ddtree_config_of
 
     ddtree = ddtree_config_of(getattr(vllm_config, "speculative_config", None))
