@@ -138,3 +138,23 @@ def test_adaptive_shapes_time_the_real_kernels_on_their_rows():
     out, lse = seen[-1]
     assert out.shape == (3, 2, 16) and bool(torch.isfinite(lse).all())
     assert not out.eq(0).all(dim=-1).any()  # every launched row is active
+
+
+@pytest.mark.parametrize("block_size", [16, 1, None])
+def test_mla_timer_reads_the_runs_page_size(monkeypatch, block_size):
+    """The dummy cache the timer launches on has the run's KV page
+    (``cache_config.block_size``; 64 where vLLM has not set one), so a run on 16- or
+    1-token pages is timed on them, not on 64-token pages."""
+    from vllm_ddtree.attention_backends import mla_tree
+    from vllm_ddtree.budget.attention_timing import target_attention_timer
+
+    launches = []
+    monkeypatch.setattr(mla_tree, "mla_tree_verify",
+                        lambda *args, **kwargs: launches.append(args))
+    config = fake_vllm_config(True)
+    config.cache_config = NS(cache_dtype="auto", block_size=block_size)
+    measure = target_attention_timer(config, 1 + 4, torch.device("cpu"),
+                                     time_fn=lambda run: clock(run))
+    measure(24, 1 + 2)
+    _, kv_cache, block_table, *_ = launches[-1]
+    assert kv_cache.shape[1] == (block_size or 64)

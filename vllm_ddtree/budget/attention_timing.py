@@ -443,6 +443,15 @@ def _run_cache_dtype(vllm_config: Any) -> str:
     return str(getattr(cache_config, "cache_dtype", None) or "auto")
 
 
+def _run_page_size(vllm_config: Any) -> int:
+    """The KV page the run's attention reads: vLLM's ``cache_config.block_size``
+    (``--block-size``, or what the backend chose); 64, the tree backends' preference,
+    where it is not set yet."""
+    cache_config = getattr(vllm_config, "cache_config", None)
+    block_size = getattr(cache_config, "block_size", None)
+    return int(block_size) if isinstance(block_size, int) and block_size > 0 else 64
+
+
 def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.device,
                            time_fn: TimeFn | None = None,
                            adaptive_shapes: bool = False) -> MeasureFn:
@@ -471,11 +480,11 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
         return mla_attention_timer(
             heads, hf.kv_lora_rank, hf.qk_rope_head_dim, max_query_len, max_context, dtype,
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,
-            time_fn=time_fn, kv_cache_dtype=_run_cache_dtype(vllm_config),
-            adaptive_shapes=adaptive_shapes,
+            page_size=_run_page_size(vllm_config), time_fn=time_fn,
+            kv_cache_dtype=_run_cache_dtype(vllm_config), adaptive_shapes=adaptive_shapes,
         )
     return gqa_attention_timer(
         heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
-        max_query_len, max_context, dtype, device, time_fn=time_fn,
-        adaptive_shapes=adaptive_shapes,
+        max_query_len, max_context, dtype, device, page_size=_run_page_size(vllm_config),
+        time_fn=time_fn, adaptive_shapes=adaptive_shapes,
     )
