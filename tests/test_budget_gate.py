@@ -302,6 +302,19 @@ def test_cap_zero_is_always_plain_and_never_probes():
     assert engine.gate.decide(16, np.full(16, 1024), 0) == 0
 
 
+def test_batches_the_schedule_keeps_plain_are_not_reported_as_speculating():
+    """Plain steps at batch 16, where the schedule's budget is 0, are timed into their
+    bucket, but the gate never decides there: the settled arms (the INFO line) must not
+    list that bucket with the arm it inherited (8 drafts, from batch 2)."""
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    engine = Engine(schedule=BatchSchedule([(1, 2, 64), (3, 64, 0)], 64, 64))
+    engine.run(2, 300)
+    assert set(engine.run(16, 100)[1:]) == {0}
+    assert batch_bucket(16) in engine.gate.stats
+    assert engine.gate.settled_arms() == {batch_bucket(2): 8}
+
+
 def test_settled_arms_are_logged_when_they_change_at_most_once_a_minute():
     engine = Engine()
     now = [0.0]

@@ -285,8 +285,10 @@ class SpeculationGate:
         return stats
 
     def settled_arms(self) -> dict[int, int]:
-        """``{bucket: arm}``: the arm each batch-size bucket has settled on."""
-        return {b: self.arms[self.stats[b].settled] for b in sorted(self.stats)}
+        """``{bucket: arm}``: the arm each batch-size bucket has settled on, for the
+        buckets the gate decided in (where the schedule's budget is 0 it never does: the
+        timings of those plain steps alone open a bucket)."""
+        return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
     def step_started(self, num_reqs: int, shape: int, uniform: bool) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event).
