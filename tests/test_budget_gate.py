@@ -216,6 +216,55 @@ def test_recovery_from_plain_decoding_when_speculation_pays_again(batch, later_b
     assert engine.throughput(later_batch, 500) >= 0.93 * best
 
 
+def steep_model() -> StepCostModel:
+    """:func:`cost_model` whose verify forward grows 10 us a row (GEMMs at a large batch)."""
+    model = cost_model()
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4160]
+    model.set_graph_costs({n: 3e-4 + 1e-5 * n for n in rows},
+                          {r: 2e-4 + 1e-6 * r for r in (1, 2, 4, 8, 16, 32, 64)})
+    return model
+
+
+STEEP = steep_model()
+
+
+@functools.cache
+def steep_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
+    """Steps that take what :func:`steep_model` says, plus the host's fixed cost."""
+    return STEEP.step_seconds(num_reqs, np.full(num_reqs, 1024), shape, drafted) + HOST_SECONDS
+
+
+class DeviceShape:
+    """Stands in for ``VerifyShapeChooser``: the shape of the device's budget choice."""
+
+    def __init__(self, shape: int):
+        self.shape = shape
+
+    def next_shape(self) -> int:
+        return self.shape
+
+
+def test_arms_cut_by_the_device_are_timed_as_the_shape_they_ran():
+    """The device's budget cuts every tree to 4 drafts while the batch moves inside the
+    33-64 bucket, so the larger arms run 4-draft steps. Their intervals must be taken as
+    4-draft steps: taken as their own shape (64 drafts: ~40 ms of modeled rows at 64
+    requests) the residual went far below zero, predicted the large arms faster than
+    any step at the bucket's smaller batches and settled there, and once the device
+    chose large trees, batch 33 verified 16-64 drafts a request, 0.62x of the best."""
+    engine = Engine(seconds=steep_seconds)
+    engine.gate.model = steep_model()
+    device = DeviceShape(4)
+    engine.plan.chooser = device
+    for num_reqs in np.random.default_rng(0).integers(48, 65, size=600):
+        engine.run(int(num_reqs), 1)
+    device.shape = 64
+    rates = true_rates(33, steep_seconds)
+    assert max(rates, key=rates.get) == 4 and rates[4] > 2 * rates[16]
+    shapes = engine.run(33, 200)
+    assert sum(s >= 16 for s in shapes) <= PROBE_STEPS, shapes
+    assert engine.throughput(33, 200) >= 0.95 * rates[4]
+
+
 def test_heavy_noise_does_not_ratchet_to_large_trees():
     """30 % log-normal noise on every step at batch 64 (best: 4 drafts): the residual
     medians must not let lucky probes walk the gate up to large trees; it stays on
@@ -251,6 +300,19 @@ def test_cap_zero_is_always_plain_and_never_probes():
     assert set(engine.run(16, 100)[1:]) == {0}  # the first step was drafted before
     assert engine.gate.probe is None
     assert engine.gate.decide(16, np.full(16, 1024), 0) == 0
+
+
+def test_batches_the_schedule_keeps_plain_are_not_reported_as_speculating():
+    """Plain steps at batch 16, where the schedule's budget is 0, are timed into their
+    bucket, but the gate never decides there: the settled arms (the INFO line) must not
+    list that bucket with the arm it inherited (8 drafts, from batch 2)."""
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    engine = Engine(schedule=BatchSchedule([(1, 2, 64), (3, 64, 0)], 64, 64))
+    engine.run(2, 300)
+    assert set(engine.run(16, 100)[1:]) == {0}
+    assert batch_bucket(16) in engine.gate.stats
+    assert engine.gate.settled_arms() == {batch_bucket(2): 8}
 
 
 def test_settled_arms_are_logged_when_they_change_at_most_once_a_minute():

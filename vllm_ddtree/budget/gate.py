@@ -10,9 +10,11 @@ module holds the decision, :class:`SpeculationGate`:
 * per batch-size bucket (:func:`batch_bucket`) and arm it keeps a *residual*, what the
   arm's steps took on the GPU timeline (CUDA events between step starts, read once
   completed: no host sync) beyond the start-up model's time of that step
-  (``vllm_ddtree.budget.step_cost.StepCostModel``, the arm taken as its verify shape),
-  and the tokens committed per tree (DDTree's device counters, copied to pinned memory
-  and read once the copy completed);
+  (``vllm_ddtree.budget.step_cost.StepCostModel`` at the shape the step verified, which
+  the device's budget or the schedule may have cut below the arm: an arm above the
+  device's choice is then predicted no faster than the step it runs), and the tokens
+  committed per tree (DDTree's device counters, copied to pinned memory and read once
+  the copy completed);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
   batch size and these contexts; each bucket keeps a settled arm and moves to its best
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
@@ -187,7 +189,7 @@ class _Mark:
     uniform: bool
     arm: int  # the arm chosen for it (its shape's cap)
     drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
-    model: float | None = None  # modeled seconds of the step as its arm
+    model: float | None = None  # modeled seconds of the step at its shape
 
 
 @dataclass
@@ -283,8 +285,10 @@ class SpeculationGate:
         return stats
 
     def settled_arms(self) -> dict[int, int]:
-        """``{bucket: arm}``: the arm each batch-size bucket has settled on."""
-        return {b: self.arms[self.stats[b].settled] for b in sorted(self.stats)}
+        """``{bucket: arm}``: the arm each batch-size bucket has settled on, for the
+        buckets the gate decided in (where the schedule's budget is 0 it never does: the
+        timings of those plain steps alone open a bucket)."""
+        return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
     def step_started(self, num_reqs: int, shape: int, uniform: bool) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event).
@@ -338,9 +342,9 @@ class SpeculationGate:
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
-        residual of its arm: measured interval minus the modeled time of the step as its
-        arm. Steps that mix kinds (a tree verified without a new draft, or the reverse),
-        hold a prefill, or span an idle engine are left out."""
+        residual of its arm: measured interval minus the modeled time of the step at the
+        shape it verified. Steps that mix kinds (a tree verified without a new draft, or
+        the reverse), hold a prefill, or span an idle engine are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
@@ -398,8 +402,8 @@ class SpeculationGate:
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
-                mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.arm,
-                                                     mark.arm > 0, columns)
+                mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape,
+                                                     mark.shape > 0, columns)
         self._drain_marks()
         self.arm = arm
         if self._log_pending:

@@ -61,7 +61,8 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   by requests, timed on its graphs; the verify attention per request, layer and context
   at 1 and ``1 + b`` rows, the table above plus a one-row column), the arm taken as the
   step's shape. ``residual(a)`` = the lower median of the last 15 intervals of steps of
-  that arm in that bucket minus ``T`` of each: what they actually took beyond the model,
+  that arm in that bucket minus ``T`` of each at the shape it verified (the device's
+  budget may cut an arm's trees further): what they actually took beyond the model,
   from CUDA timing events at each step's start, read only once completed
   (``Event.query``). ``E(a)`` = tokens committed per tree of that arm's trees (an EMA of
   DDTree's device counters, copied to pinned memory each step and read once their copy
