@@ -131,10 +131,10 @@ def apply() -> None:
         plan = getattr(getattr(self, "speculator", None), "step_plan", None)
         if (plan is not None and not _is_dummy(args, kwargs)
                 and scheduler_output.total_num_scheduled_tokens > 0):
-            from vllm_ddtree.verify.shape import truncate_drafts, uniform_decode
+            from vllm_ddtree.verify.shape import prefill_load, truncate_drafts
 
             shape = plan.step_shape(len(scheduler_output.num_scheduled_tokens),
-                                    uniform_decode(scheduler_output))
+                                    prefill_load(scheduler_output))
             scheduler_output = truncate_drafts(scheduler_output, shape)
         return original_execute(self, scheduler_output, *args, **kwargs)
 

@@ -23,7 +23,7 @@ from vllm_ddtree.config import (
     check_parallel_setup,
     split_ddtree_spec,
 )
-from vllm_ddtree.verify.shape import StepPlan, step_shapes, truncate_drafts, uniform_decode
+from vllm_ddtree.verify.shape import StepPlan, prefill_load, step_shapes, truncate_drafts
 
 BASE = {"method": "ddtree", "model": "/drafter", "num_speculative_tokens": 32}
 SCHEDULE = [[1, 2, 32], [3, 4, 8], [5, 8, 0]]
@@ -138,10 +138,21 @@ def test_truncate_to_zero_is_a_plain_step_and_leaves_the_original():
         truncate_drafts(original, -1)
 
 
-def test_uniform_decode_is_a_batch_of_roots_and_drafts_only():
-    assert uniform_decode(scheduler_output(3))
-    assert not uniform_decode(scheduler_output(3, prefill=True))
-    assert uniform_decode(truncate_drafts(scheduler_output(3), 0))
+def test_prefill_load_counts_what_is_not_a_root_and_its_drafts():
+    """Decodes (a root and its drafts, also after truncation) are no load; a prompt
+    chunk, a new request (even one of one token) and a request scheduled otherwise than
+    1 + its drafts are, with all their tokens."""
+    from types import SimpleNamespace as NS
+
+    assert prefill_load(scheduler_output(3)) == (0, 0)
+    assert prefill_load(scheduler_output(3, prefill=True)) == (1, 100)
+    assert prefill_load(truncate_drafts(scheduler_output(3), 0)) == (0, 0)
+    assert prefill_load(truncate_drafts(scheduler_output(3, prefill=True), 4)) == (1, 100)
+    out = scheduler_output(2)
+    out.num_scheduled_tokens["new"] = 1
+    out.scheduled_new_reqs = [NS(req_id="new")]
+    out.num_scheduled_tokens["r1"] = 7  # 7 of its 1 + 32 (a recompute, say)
+    assert prefill_load(out) == (2, 8)
 
 
 def test_plan_cuts_each_step_to_the_schedule_of_its_batch_size():

@@ -91,3 +91,14 @@ def test_step_seconds_by_drafts_equals_step_seconds_per_count(graphs):
     got = single.step_seconds_by_drafts(3, np.array([0, 4, 9]), single.attention_columns(
         np.full(3, 1024)))
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_prefill_tokens_are_priced_as_more_forward_rows():
+    """A step's prefill tokens cost what the verify forward takes for that many more
+    rows beside its decodes (1 us a row here), continued past the timed shapes with the
+    last slope; nothing without graph costs or without tokens."""
+    model = cost_model()
+    assert model.extra_rows_seconds(18, 10) == pytest.approx(10e-6)
+    assert model.extra_rows_seconds(18, 2000) == pytest.approx(2000e-6)  # past 36 rows
+    assert model.extra_rows_seconds(18, 0) == 0.0
+    assert cost_model(graphs=False).extra_rows_seconds(18, 10) == 0.0

@@ -186,7 +186,8 @@ class _Mark:
     event: Any
     num_reqs: int
     shape: int  # drafts each request verified
-    uniform: bool
+    prefill_reqs: int  # requests of the step that are not decodes (verify_shape.prefill_load)
+    prefill_tokens: int  # their scheduled tokens
     arm: int  # the arm chosen for it (its shape's cap)
     drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
     model: float | None = None  # modeled seconds of the step at its shape
@@ -290,15 +291,18 @@ class SpeculationGate:
         timings of those plain steps alone open a bucket)."""
         return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
-    def step_started(self, num_reqs: int, shape: int, uniform: bool) -> None:
+    def step_started(self, num_reqs: int, shape: int, prefill_reqs: int = 0,
+                     prefill_tokens: int = 0) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event).
-        ``shape``: the drafts each request verifies; ``uniform``: every request is a
-        decode."""
+        ``shape``: the drafts each request verifies; ``prefill_reqs`` of the
+        ``num_reqs`` requests are not decodes and take ``prefill_tokens`` tokens
+        (``vllm_ddtree.verify.shape.prefill_load``)."""
         event = self.make_event()
         record = getattr(event, "record", None)
         if record is not None:
             record()
-        self.marks.append(_Mark(event, num_reqs, shape, uniform, self.arm))
+        self.marks.append(_Mark(event, num_reqs, shape, prefill_reqs, prefill_tokens,
+                                self.arm))
         while len(self.marks) > _MARKS:
             self.marks.popleft()
 
@@ -343,8 +347,12 @@ class SpeculationGate:
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
         residual of its arm: measured interval minus the modeled time of the step at the
-        shape it verified. Steps that mix kinds (a tree verified without a new draft, or
-        the reverse), hold a prefill, or span an idle engine are left out."""
+        shape it verified, its prefill tokens as more forward rows. Steps with a prefill
+        count: under continuous batching at large batch nearly every step holds one, and
+        their unmodeled part (the prefill's attention) is what each arm's steps pay
+        there; the lower median keeps a long prompt's step from moving an arm. Steps that
+        mix kinds (a tree verified without a new draft, or the reverse), have no decode,
+        or span an idle engine are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
@@ -352,11 +360,24 @@ class SpeculationGate:
             self.marks.popleft()
             seconds = first.event.elapsed_time(second.event) / 1e3
             spec = first.arm > 0
-            if (first.model is None or not first.uniform or spec != first.drafted
+            if (first.model is None or spec != first.drafted
                     or spec != (first.shape > 0) or not 0 < seconds <= MAX_STEP_SECONDS):
                 continue
             self.bucket(first.num_reqs).add_residual(self._index[first.arm],
                                                      seconds - first.model)
+
+    def _modeled_seconds(self, mark: _Mark, contexts: np.ndarray,
+                         columns: np.ndarray) -> float | None:
+        """The model's time of ``mark``'s step: its decodes at the shape they verified
+        and, beside them, its prefill tokens as more rows of the forward
+        (``StepCostModel.extra_rows_seconds``). None for a step without decodes."""
+        decodes = mark.num_reqs - mark.prefill_reqs
+        if decodes <= 0:
+            return None
+        seconds = self.model.step_seconds(decodes, contexts, mark.shape, mark.shape > 0,
+                                          columns)
+        return seconds + self.model.extra_rows_seconds(decodes * (1 + mark.shape),
+                                                       mark.prefill_tokens)
 
     # -- the decision -------------------------------------------------------------------
 
@@ -402,8 +423,7 @@ class SpeculationGate:
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
-                mark.model = self.model.step_seconds(mark.num_reqs, contexts, mark.shape,
-                                                     mark.shape > 0, columns)
+                mark.model = self._modeled_seconds(mark, contexts, columns)
         self._drain_marks()
         self.arm = arm
         if self._log_pending:

@@ -126,6 +126,16 @@ class StepCostModel:
             seconds += _interp(num_reqs, self.draft_reqs, self.draft_seconds)
         return seconds
 
+    def extra_rows_seconds(self, rows: int, extra: int) -> float:
+        """The verify forward's seconds for ``extra`` more rows beside ``rows`` (a
+        step's prefill tokens beside its decodes: their weights' work; their attention
+        is not modeled), continued past the timed shapes with the last segment's slope;
+        0 without graph costs."""
+        if extra <= 0 or not self.has_graph_costs:
+            return 0.0
+        return (_interp(rows + extra, self.verify_rows, self.verify_seconds)
+                - _interp(rows, self.verify_rows, self.verify_seconds))
+
     def step_seconds_by_drafts(self, num_reqs: int, num_drafts: np.ndarray,
                                columns: np.ndarray) -> np.ndarray:
         """fp64 ``[A]``: :meth:`step_seconds` for every count of ``num_drafts`` (int

@@ -51,7 +51,7 @@ __all__ = [
     "auto_plain_steps",
     "step_shapes",
     "truncate_drafts",
-    "uniform_decode",
+    "prefill_load",
 ]
 
 # Pinned slots in flight; the host runs at most a step or two ahead of the GPU.
@@ -208,14 +208,19 @@ class VerifyShapeChooser:
         return next((s for s in self.shapes if s >= budget), self.max_budget)
 
 
-def uniform_decode(scheduler_output: Any) -> bool:
-    """Whether every scheduled request is a decode (its root and its drafts, no new
-    request): the steps whose time the auto gate learns from. Host dicts only."""
-    if scheduler_output.scheduled_new_reqs:
-        return False
+def prefill_load(scheduler_output: Any) -> tuple[int, int]:
+    """``(requests, tokens)`` the step schedules that are not decodes (a new request, a
+    chunk of a prompt, a recomputed preempted request: anything but a request's root and
+    its drafts); ``(0, 0)`` for a step of decodes only. The auto gate models those tokens
+    as extra rows of the step's forward. Host dicts only."""
     drafts = scheduler_output.scheduled_spec_decode_tokens
-    return all(n == 1 + len(drafts.get(req_id, ()))
-               for req_id, n in scheduler_output.num_scheduled_tokens.items())
+    new = {req.req_id for req in scheduler_output.scheduled_new_reqs}
+    reqs = tokens = 0
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        if req_id in new or n != 1 + len(drafts.get(req_id, ())):
+            reqs += 1
+            tokens += n
+    return reqs, tokens
 
 
 class StepPlan:
@@ -257,11 +262,11 @@ class StepPlan:
         """The schedule's budget for a batch of ``num_reqs`` (B without a schedule)."""
         return self.max_budget if self.schedule is None else self.schedule.budget_for(num_reqs)
 
-    def step_shape(self, num_reqs: int, uniform: bool = False) -> int:
+    def step_shape(self, num_reqs: int, prefill: tuple[int, int] = (0, 0)) -> int:
         """Drafts per request this step verifies: 0 after a propose without the block
         pass, else ``min(cap, chooser's shape, the gate's arm)`` (a member of
-        ``shapes``). ``uniform``: every request is a decode (for the gate's timing).
-        Host only, no sync."""
+        ``shapes``). ``prefill``: the step's :func:`prefill_load` (for the gate's
+        timing). Host only, no sync."""
         if not self.drafted:
             shape = 0
         else:
@@ -272,7 +277,7 @@ class StepPlan:
                 shape = min(shape, self.arm)
         self.last_shape = shape
         if self.gate is not None:
-            self.gate.step_started(num_reqs, shape, uniform)
+            self.gate.step_started(num_reqs, shape, *prefill)
         return shape
 
     def draft_next(self, num_reqs: int, contexts: Any = None) -> bool:
