@@ -24,6 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # e2e_models
 
+from vllm_ddtree.kv_group_choice import (  # noqa: E402
+    ONE_GROUP_MAX_KV_RATIO,
+    choose_by_kv_bytes,
+)
 from vllm_ddtree.kv_grouping import (  # noqa: E402
     DRAFTER_SLIDING_BLOCK,
     KVPairShape,
@@ -185,12 +189,17 @@ def main(argv=None) -> int:
               "groups hold a window and are not counted): the hybrid manager equalises page "
               "bytes by padding or stretching pages.", "",
               "| pair | unpadded full layers (B/token) | hybrid manager: B/token, hit every | "
-              "`disable_hybrid_kv_cache_manager`: B/token, hit every |", "|---|---|---|---|"]
+              "`disable_hybrid_kv_cache_manager`: B/token, hit every | DDTree's default "
+              f"(one group where it takes <= {ONE_GROUP_MAX_KV_RATIO:.2f}x the hybrid "
+              "manager's bytes; `vllm_ddtree/kv_group_choice.py`) |", "|---|---|---|---|---|"]
     for shape in shapes():
         need = unpadded_bytes_per_token(shape)
         (hb, hg), (sb, sg) = kv_layout(shape, True), kv_layout(shape, False)
+        one = choose_by_kv_bytes(shape, 64).disable_hybrid_kv_cache_manager
+        default = (f"one group ({sb / hb:.2f}x)" if one else
+                   f"hybrid manager (one group: {sb / hb:.2f}x)")
         lines.append(f"| {shape.name} | {need:,} | {hb:,} ({hb / need:.2f}x), {hg} tokens | "
-                     f"{sb:,} ({sb / need:.2f}x), {sg} tokens |")
+                     f"{sb:,} ({sb / need:.2f}x), {sg} tokens | {default} |")
     lines += scheduler_table(args.batches, args.steps)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
