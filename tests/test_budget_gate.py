@@ -104,13 +104,16 @@ class Engine:
         self.tokens = self.time = 0.0
         # (low, high): every step also prefills one request's chunk of that many tokens
         self.prefill_tokens = prefill_tokens
+        self.prompt_chunks: list[int] = []  # a prompt's chunks, one a step before those
 
     def run(self, num_reqs: int, steps: int) -> list[int]:
         """``steps`` steps at batch ``num_reqs``; returns each step's verify shape."""
         shapes = []
         for _ in range(steps):
             prefill = (0, 0)
-            if self.prefill_tokens is not None:
+            if self.prompt_chunks:
+                prefill = (1, self.prompt_chunks.pop(0))
+            elif self.prefill_tokens is not None:
                 prefill = (1, int(self.rng.integers(*self.prefill_tokens)))
             shape = self.plan.step_shape(num_reqs, prefill)
             tokens = num_reqs * self.committed[shape]
@@ -202,6 +205,25 @@ def test_steps_that_all_hold_a_prefill_still_move_the_arm():
     engine.prefill_tokens = None
     engine.run(1, 300)
     assert engine.gate.settled_arms()[batch_bucket(1)] == 8
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_one_long_prompt_does_not_move_a_bucket_where_prefills_are_rare(seed):
+    """Batch 4, settled on prefill-free steps; then one 32k-token prompt is prefilled in
+    16 chunks of 2,048 tokens on consecutive steps (each chunk's attention, unknown to
+    the model, takes 2 ms, twice a step). Timed, those steps filled the settled arm's
+    window past its lower median while the other arms' windows kept prefill-free steps:
+    the bucket moved to a slower arm (16 drafts: 0.8x of 8) and kept it for thousands of
+    steps. Where prefills are rare they are not timed: the arm stays, and the steps
+    after the prompt are within 5 % of the best fixed arm."""
+    engine = Engine(noise=0.1, seed=seed)
+    engine.run(4, 1500)
+    settled = engine.gate.settled_arms()[batch_bucket(4)]
+    engine.prompt_chunks = [2048] * 16
+    engine.run(4, 16)
+    rates = true_rates(4)
+    assert engine.throughput(4, 2000) >= 0.95 * rates[8] / noise_mean(0.1)
+    assert engine.gate.settled_arms()[batch_bucket(4)] == settled
 
 
 def gentle_seconds(num_reqs: int, shape: int, drafted: bool) -> float:

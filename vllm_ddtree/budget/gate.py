@@ -12,9 +12,11 @@ module holds the decision, :class:`SpeculationGate`:
   completed: no host sync) beyond the start-up model's time of that step
   (``vllm_ddtree.budget.step_cost.StepCostModel`` at the shape the step verified, which
   the device's budget or the schedule may have cut below the arm: an arm above the
-  device's choice is then predicted no faster than the step it runs), and the tokens
-  committed per tree (DDTree's device counters, copied to pinned memory and read once
-  the copy completed);
+  device's choice is then predicted no faster than the step it runs; a prefill's tokens
+  beside the decodes as more rows of the forward; steps holding a prefill count only in
+  a bucket where at least half of the steps hold one), and the tokens committed per
+  tree (DDTree's device counters, copied to pinned memory and read once the copy
+  completed);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
   batch size and these contexts; each bucket keeps a settled arm and moves to its best
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
@@ -73,6 +75,9 @@ EMA_WEIGHT = 0.2
 RESIDUAL_WINDOW = 15
 # Intervals longer than this are an idle engine, not a step.
 MAX_STEP_SECONDS = 2.0
+# Steps over which a bucket's share of steps holding a prefill is averaged; steps with a
+# prefill count toward the residuals only while that share is at least one half.
+PREFILL_SHARE_STEPS = 128
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
@@ -97,15 +102,16 @@ def bucket_batches(bucket: int) -> str:
 
 @dataclass
 class _Ema:
-    """An EMA that averages its first ``1 / EMA_WEIGHT`` samples equally: a probe's
-    few trees (one a step at batch 1) must not rest on the first one."""
+    """An EMA that averages its first ``1 / weight`` samples equally: a probe's few
+    trees (one a step at batch 1) must not rest on the first one."""
 
     value: float = 0.0
     count: int = 0
+    weight: float = EMA_WEIGHT
 
     def add(self, sample: float) -> None:
         self.count += 1
-        self.value += max(EMA_WEIGHT, 1.0 / self.count) * (sample - self.value)
+        self.value += max(self.weight, 1.0 / self.count) * (sample - self.value)
 
 
 @dataclass
@@ -153,6 +159,8 @@ class GateStats:
         self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
         self.probed: set[int] = set()  # arms probed here (first-time probes run once)
         self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
+        # share of the bucket's timed steps that held a prefill
+        self.prefill_share = _Ema(weight=1.0 / PREFILL_SHARE_STEPS)
 
     def add_residual(self, arm: int, seconds: float) -> None:
         median = self.residuals[arm]
@@ -348,23 +356,30 @@ class SpeculationGate:
         """Fold every step whose end (the next step's start) completed into its bucket's
         residual of its arm: measured interval minus the modeled time of the step at the
         shape it verified, its prefill tokens as more forward rows. Steps with a prefill
-        count: under continuous batching at large batch nearly every step holds one, and
-        their unmodeled part (the prefill's attention) is what each arm's steps pay
-        there; the lower median keeps a long prompt's step from moving an arm. Steps that
-        mix kinds (a tree verified without a new draft, or the reverse), have no decode,
-        or span an idle engine are left out."""
+        count where at least half of the bucket's steps hold one (over the last
+        ``PREFILL_SHARE_STEPS``): under continuous batching at large batch nearly every
+        step does, and their unmodeled part (the prefill's attention) is what each arm's
+        steps pay there. Where prefills are rarer they are left out: a long prompt's
+        chunks fill consecutive steps, more than the lower median of the settled arm's
+        window holds, while the other arms' windows keep prefill-free steps, and the
+        bucket moved to a slower arm for thousands of steps. Steps that mix kinds (a tree
+        verified without a new draft, or the reverse), have no decode, or span an idle
+        engine are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
                 break
             self.marks.popleft()
             seconds = first.event.elapsed_time(second.event) / 1e3
-            spec = first.arm > 0
-            if (first.model is None or spec != first.drafted
-                    or spec != (first.shape > 0) or not 0 < seconds <= MAX_STEP_SECONDS):
+            if first.model is None or not 0 < seconds <= MAX_STEP_SECONDS:
                 continue
-            self.bucket(first.num_reqs).add_residual(self._index[first.arm],
-                                                     seconds - first.model)
+            stats = self.bucket(first.num_reqs)
+            stats.prefill_share.add(float(first.prefill_reqs > 0))
+            spec = first.arm > 0
+            if (spec != first.drafted or spec != (first.shape > 0)
+                    or (first.prefill_reqs > 0 and stats.prefill_share.value < 0.5)):
+                continue
+            stats.add_residual(self._index[first.arm], seconds - first.model)
 
     def _modeled_seconds(self, mark: _Mark, contexts: np.ndarray,
                          columns: np.ndarray) -> float | None:
