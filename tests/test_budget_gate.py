@@ -318,6 +318,29 @@ def test_arms_cut_by_the_device_are_timed_as_the_shape_they_ran():
     assert engine.throughput(33, 200) >= 0.95 * rates[4]
 
 
+def test_prefill_rows_past_the_timed_graphs_do_not_hide_every_arms_cost():
+    """The gate's verify forward timed as vLLM captures it (up to 512 tokens; 1, 2, 4
+    and 8 requests of every shape): the largest timed counts are 260 (4 x 65) and 264
+    (8 x 33) rows, and the 264-row graph takes 20 us more than the line (its 8 requests'
+    own work). At batch 8 every step prefills a 512-2,047-token chunk; a drafter whose
+    larger trees commit more. The last segment's slope (5 us a row, 50x the forward's)
+    priced each chunk at milliseconds, every arm's residual went below minus its model,
+    the predicted seconds were clamped and the committed tokens alone chose: 32 drafts,
+    0.7x of the best arm (8). The slope past the timed graphs spans their last quarter."""
+    rows = sorted({r * (1 + a) for r in (1, 2, 4, 8) for a in ARMS if r * (1 + a) <= 512})
+    assert rows[-2:] == [260, 264]
+    timed = {n: 3e-4 + 1e-7 * n for n in rows}
+    timed[264] += 2e-5
+    committed = {**COMMITTED, 16: 4.5, 32: 4.9, 64: 5.1}
+    engine = Engine(committed=committed, noise=0.1, seed=1)
+    engine.gate.model.set_graph_costs(timed, {r: 2e-4 + 1e-6 * r for r in (1, 2, 4, 8)})
+    engine.run(1, 600)
+    engine.prefill_tokens = (512, 2048)
+    shapes = engine.run(8, 1500)
+    assert sum(s >= 32 for s in shapes) <= 0.05 * len(shapes)
+    assert engine.gate.settled_arms()[batch_bucket(8)] <= 16
+
+
 def test_heavy_noise_does_not_ratchet_to_large_trees():
     """30 % log-normal noise on every step at batch 64 (best: 4 drafts): the residual
     medians must not let lucky probes walk the gate up to large trees; it stays on
