@@ -155,6 +155,25 @@ def test_prefill_load_counts_what_is_not_a_root_and_its_drafts():
     assert prefill_load(out) == (2, 8)
 
 
+def test_prefill_load_takes_a_new_request_padded_with_placeholder_drafts_as_a_decode():
+    """vLLM pads a new or resumed request with one token left to compute (its prompt
+    prefix-cached) to ``1 + B`` with placeholder drafts when no prefill is scheduled
+    (``scheduler.py``: "Pad new decode requests"). It verifies like the decodes, cut to
+    the step's shape with them: no load (before, its 1 + 32 tokens were priced as extra
+    rows where the step verified 1 + 4 a request, or 1 in a plain step)."""
+    from types import SimpleNamespace as NS
+
+    out = scheduler_output(3)
+    out.num_scheduled_tokens["resumed"] = 33
+    out.scheduled_spec_decode_tokens["resumed"] = [-1] * 32
+    out.scheduled_new_reqs = [NS(req_id="resumed")]
+    out.total_num_scheduled_tokens += 33
+    assert prefill_load(out) == (0, 0)
+    cut = truncate_drafts(out, 4)
+    assert cut.num_scheduled_tokens["resumed"] == 5
+    assert prefill_load(cut) == (0, 0)
+
+
 def test_plan_cuts_each_step_to_the_schedule_of_its_batch_size():
     """Without auto, a step verifies the schedule's budget for its own batch size;
     a propose at a batch size whose budget is 0 skips the drafter's pass, so the next

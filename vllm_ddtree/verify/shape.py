@@ -212,14 +212,21 @@ def prefill_load(scheduler_output: Any) -> tuple[int, int]:
     """``(requests, tokens)`` the step schedules that are not decodes (a new request, a
     chunk of a prompt, a recomputed preempted request: anything but a request's root and
     its drafts); ``(0, 0)`` for a step of decodes only. The auto gate models those tokens
-    as extra rows of the step's forward. Host dicts only."""
+    as extra rows of the step's forward. A new (or, with vLLM's V2 runner, resumed)
+    request with one token left to compute that the scheduler padded with placeholder
+    drafts to the decodes' query length (``scheduler.py``: "Pad new decode requests")
+    is a decode: the worker cuts its drafts with the others' (:func:`truncate_drafts`,
+    after this count), and counted as load it was priced as ``1 + B`` rows where the
+    step verified ``1 + s``. Host dicts only."""
     drafts = scheduler_output.scheduled_spec_decode_tokens
     new = {req.req_id for req in scheduler_output.scheduled_new_reqs}
     reqs = tokens = 0
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        if req_id in new or n != 1 + len(drafts.get(req_id, ())):
-            reqs += 1
-            tokens += n
+        num_drafts = len(drafts.get(req_id, ()))
+        if n == 1 + num_drafts and (num_drafts > 0 or req_id not in new):
+            continue
+        reqs += 1
+        tokens += n
     return reqs, tokens
 
 
