@@ -201,19 +201,20 @@ def record_step_plan() -> dict[str, list]:
     """From now on, record the host's step plan (``vllm_ddtree.verify.shape.StepPlan``):
     per verify step ``{num_reqs, drafted_before, cap, shape, uniform, prefill}``
     (``shape``: the drafts each request verifies, 0 after a propose without the
-    drafter's pass; ``prefill``: the step's ``(requests, tokens)`` that are not decodes,
-    ``uniform``: none) and per propose ``{num_reqs, draft}``, in order."""
+    drafter's pass; ``prefill``: the step's ``(requests, tokens, pairs)`` that are not
+    decodes, ``uniform``: no such request) and per propose ``{num_reqs, draft}``, in
+    order."""
     from vllm_ddtree.verify.shape import StepPlan
 
     seen: dict[str, list] = {"steps": [], "drafts": []}
     step_shape, draft_next = StepPlan.step_shape, StepPlan.draft_next
 
-    def recording_step_shape(self, num_reqs, prefill=(0, 0)):
+    def recording_step_shape(self, num_reqs, prefill=(0, 0, 0)):
         before = self.drafted
         shape = step_shape(self, num_reqs, prefill)
         seen["steps"].append({"num_reqs": num_reqs, "drafted_before": before,
                               "cap": self.cap(num_reqs), "shape": shape,
-                              "uniform": tuple(prefill) == (0, 0), "prefill": list(prefill)})
+                              "uniform": prefill[0] == 0, "prefill": list(prefill)})
         return shape
 
     def recording_draft_next(self, num_reqs, contexts=None):

@@ -141,18 +141,59 @@ def test_truncate_to_zero_is_a_plain_step_and_leaves_the_original():
 def test_prefill_load_counts_what_is_not_a_root_and_its_drafts():
     """Decodes (a root and its drafts, also after truncation) are no load; a prompt
     chunk, a new request (even one of one token) and a request scheduled otherwise than
-    1 + its drafts are, with all their tokens."""
+    1 + its drafts are, with all their tokens and their attention's query-key pairs (n
+    tokens after c computed: n * c + n * (n + 1) / 2)."""
     from types import SimpleNamespace as NS
 
-    assert prefill_load(scheduler_output(3)) == (0, 0)
-    assert prefill_load(scheduler_output(3, prefill=True)) == (1, 100)
-    assert prefill_load(truncate_drafts(scheduler_output(3), 0)) == (0, 0)
-    assert prefill_load(truncate_drafts(scheduler_output(3, prefill=True), 4)) == (1, 100)
+    assert prefill_load(scheduler_output(3)) == (0, 0, 0)
+    assert prefill_load(scheduler_output(3, prefill=True)) == (1, 100, 5050)
+    assert prefill_load(truncate_drafts(scheduler_output(3), 0)) == (0, 0, 0)
+    assert prefill_load(truncate_drafts(scheduler_output(3, prefill=True), 4)) == (
+        1, 100, 5050)
     out = scheduler_output(2)
     out.num_scheduled_tokens["new"] = 1
-    out.scheduled_new_reqs = [NS(req_id="new")]
+    out.scheduled_new_reqs = [NS(req_id="new", num_computed_tokens=0)]
     out.num_scheduled_tokens["r1"] = 7  # 7 of its 1 + 32 (a recompute, say)
-    assert prefill_load(out) == (2, 8)
+    assert prefill_load(out) == (2, 8, 1 + 28)
+
+
+def test_prefill_load_pairs_follow_the_computed_prefix():
+    """A prompt's later chunk attends to the tokens computed before it, a new request to
+    its prefix-cached ones: 2,048 tokens after 30,000 are 2,048 * 30,000 + 2,048 * 2,049
+    / 2 pairs, 30x those of the first chunk."""
+    from types import SimpleNamespace as NS
+
+    from vllm.v1.core.sched.output import CachedRequestData
+
+    out = scheduler_output(2, prefill=True)  # "p": 100 tokens
+    out.num_scheduled_tokens["p"] = 2048
+    out.scheduled_cached_reqs = CachedRequestData.make_empty()
+    out.scheduled_cached_reqs.req_ids = ["r0", "p", "r1"]
+    out.scheduled_cached_reqs.num_computed_tokens = [500, 30_000, 700]
+    first = 2048 * 2049 // 2
+    assert prefill_load(out) == (1, 2048, 2048 * 30_000 + first)
+    out.num_scheduled_tokens["cached"] = 2048
+    out.scheduled_new_reqs = [NS(req_id="cached", num_computed_tokens=4096)]
+    assert prefill_load(out) == (2, 4096, 2048 * 30_000 + 2048 * 4096 + 2 * first)
+
+
+def test_prefill_load_takes_a_new_request_padded_with_placeholder_drafts_as_a_decode():
+    """vLLM pads a new or resumed request with one token left to compute (its prompt
+    prefix-cached) to ``1 + B`` with placeholder drafts when no prefill is scheduled
+    (``scheduler.py``: "Pad new decode requests"). It verifies like the decodes, cut to
+    the step's shape with them: no load (before, its 1 + 32 tokens were priced as extra
+    rows where the step verified 1 + 4 a request, or 1 in a plain step)."""
+    from types import SimpleNamespace as NS
+
+    out = scheduler_output(3)
+    out.num_scheduled_tokens["resumed"] = 33
+    out.scheduled_spec_decode_tokens["resumed"] = [-1] * 32
+    out.scheduled_new_reqs = [NS(req_id="resumed", num_computed_tokens=4000)]
+    out.total_num_scheduled_tokens += 33
+    assert prefill_load(out) == (0, 0, 0)
+    cut = truncate_drafts(out, 4)
+    assert cut.num_scheduled_tokens["resumed"] == 5
+    assert prefill_load(cut) == (0, 0, 0)
 
 
 def test_plan_cuts_each_step_to_the_schedule_of_its_batch_size():

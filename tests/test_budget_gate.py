@@ -50,11 +50,16 @@ def true_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
             + HOST_SECONDS + HOST_ROW_SECONDS * num_reqs * (1 + shape))
 
 
-def prefill_seconds(num_reqs: int, shape: int, tokens: int) -> float:
-    """What a prefill chunk of ``tokens`` adds to a step: the forward's rows the model
-    knows and attention quadratic in the chunk that it does not (2 ms at 2,048
-    tokens)."""
-    return MODEL.extra_rows_seconds(num_reqs * (1 + shape), tokens) + 5e-10 * tokens**2
+def prefill_seconds(num_reqs: int, shape: int, tokens: int, pairs: int) -> float:
+    """What prefill chunks of ``tokens`` add to a step: the forward's rows the model
+    knows and attention in their query-key ``pairs`` that it does not (1 ns a pair: 2 ms
+    for a prompt's first 2,048 tokens, 65 ms for 2,048 after 30,000)."""
+    return MODEL.extra_rows_seconds(num_reqs * (1 + shape), tokens) + 1e-9 * pairs
+
+
+def chunk_load(tokens: int, computed: int = 0) -> tuple[int, int, int]:
+    """``prefill_load`` of one request's chunk of ``tokens`` after ``computed``."""
+    return 1, tokens, tokens * computed + tokens * (tokens + 1) // 2
 
 
 def true_rates(num_reqs: int, seconds=true_seconds, committed=COMMITTED) -> dict[int, float]:
@@ -104,14 +109,19 @@ class Engine:
         self.tokens = self.time = 0.0
         # (low, high): every step also prefills one request's chunk of that many tokens
         self.prefill_tokens = prefill_tokens
+        # a prompt's chunks (tokens, computed before), one a step beside those
+        self.prompt_chunks: list[tuple[int, int]] = []
 
     def run(self, num_reqs: int, steps: int) -> list[int]:
         """``steps`` steps at batch ``num_reqs``; returns each step's verify shape."""
         shapes = []
         for _ in range(steps):
-            prefill = (0, 0)
+            prefill = (0, 0, 0)
             if self.prefill_tokens is not None:
-                prefill = (1, int(self.rng.integers(*self.prefill_tokens)))
+                prefill = chunk_load(int(self.rng.integers(*self.prefill_tokens)))
+            if self.prompt_chunks:
+                chunk = chunk_load(*self.prompt_chunks.pop(0))
+                prefill = tuple(a + b for a, b in zip(prefill, chunk, strict=True))
             shape = self.plan.step_shape(num_reqs, prefill)
             tokens = num_reqs * self.committed[shape]
             if shape > 0:
@@ -121,7 +131,7 @@ class Engine:
                 self.gate.record_acceptance_(self.accepted, self.trees, num_reqs)
             draft = self.plan.draft_next(num_reqs, np.full(num_reqs, 1024))
             seconds = self.seconds(num_reqs, shape, draft)
-            seconds += prefill_seconds(num_reqs, shape, prefill[1])
+            seconds += prefill_seconds(num_reqs, shape, prefill[1], prefill[2])
             seconds *= float(np.exp(self.noise * self.rng.standard_normal()))
             self.clock.now += seconds
             self.tokens += tokens
@@ -202,6 +212,48 @@ def test_steps_that_all_hold_a_prefill_still_move_the_arm():
     engine.prefill_tokens = None
     engine.run(1, 300)
     assert engine.gate.settled_arms()[batch_bucket(1)] == 8
+
+
+@pytest.mark.parametrize("seed", [0, 4])
+def test_one_long_prompt_does_not_move_a_bucket_where_prefills_are_rare(seed):
+    """Batch 4, settled on prefill-free steps; then one 32k-token prompt is prefilled in
+    16 chunks of 2,048 tokens on consecutive steps (each chunk's attention, unknown to
+    the model, 2-33 ms, growing with the prompt: 2 to 30 steps). Timed, those steps
+    filled the settled arm's window past its lower median while the other arms' windows
+    kept prefill-free steps: the bucket moved to a slower arm (16 drafts: 0.8x of 8) and
+    kept it for thousands of steps. Where fewer than half of the steps hold a prefill,
+    none is timed: the arm stays, and the steps after the prompt are within 5 % of the
+    best fixed arm."""
+    engine = Engine(noise=0.1, seed=seed)
+    engine.run(4, 1500)
+    settled = engine.gate.settled_arms()[batch_bucket(4)]
+    engine.prompt_chunks = [(2048, 2048 * i) for i in range(16)]
+    engine.run(4, 16)
+    rates = true_rates(4)
+    assert engine.throughput(4, 2000) >= 0.95 * rates[8] / noise_mean(0.1)
+    assert engine.gate.settled_arms()[batch_bucket(4)] == settled
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_one_long_prompt_does_not_move_a_bucket_where_every_step_prefills(seed):
+    """Batch 64, every step prefilling a new request's 64-2,047 tokens (attention up to
+    2 ms): settled on 4 drafts. Then a 64k-token prompt's 32 chunks of 2,048 tokens on
+    consecutive steps beside them, their attention growing to 134 ms (30 steps). Timed,
+    they filled the settled arm's window past its lower median while the other arms'
+    windows kept the usual steps: the bucket moved to 1, 2 or 8 drafts and ran them for
+    the 1,500 steps after, at 0.73-0.83x of 4 drafts' throughput. Their attention's
+    query-key pairs are far above the bucket's median (over 4x): not typical, not
+    timed."""
+    engine = Engine(noise=0.1, seed=seed)
+    engine.run(1, 600)
+    engine.prefill_tokens = (64, 2048)
+    engine.run(64, 1500)
+    assert engine.gate.settled_arms()[batch_bucket(64)] == 4
+    engine.prompt_chunks = [(2048, 2048 * i) for i in range(32)]
+    engine.run(64, 32)
+    shapes = engine.run(64, 1500)
+    assert shapes.count(4) >= 0.9 * len(shapes)
+    assert engine.gate.settled_arms()[batch_bucket(64)] == 4
 
 
 def gentle_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
@@ -294,6 +346,29 @@ def test_arms_cut_by_the_device_are_timed_as_the_shape_they_ran():
     shapes = engine.run(33, 200)
     assert sum(s >= 16 for s in shapes) <= PROBE_STEPS, shapes
     assert engine.throughput(33, 200) >= 0.95 * rates[4]
+
+
+def test_prefill_rows_past_the_timed_graphs_do_not_hide_every_arms_cost():
+    """The gate's verify forward timed as vLLM captures it (up to 512 tokens; 1, 2, 4
+    and 8 requests of every shape): the largest timed counts are 260 (4 x 65) and 264
+    (8 x 33) rows, and the 264-row graph takes 20 us more than the line (its 8 requests'
+    own work). At batch 8 every step prefills a 512-2,047-token chunk; a drafter whose
+    larger trees commit more. The last segment's slope (5 us a row, 50x the forward's)
+    priced each chunk at milliseconds, every arm's residual went below minus its model,
+    the predicted seconds were clamped and the committed tokens alone chose: 32 drafts,
+    0.7x of the best arm (8). The slope past the timed graphs spans their last quarter."""
+    rows = sorted({r * (1 + a) for r in (1, 2, 4, 8) for a in ARMS if r * (1 + a) <= 512})
+    assert rows[-2:] == [260, 264]
+    timed = {n: 3e-4 + 1e-7 * n for n in rows}
+    timed[264] += 2e-5
+    committed = {**COMMITTED, 16: 4.5, 32: 4.9, 64: 5.1}
+    engine = Engine(committed=committed, noise=0.1, seed=1)
+    engine.gate.model.set_graph_costs(timed, {r: 2e-4 + 1e-6 * r for r in (1, 2, 4, 8)})
+    engine.run(1, 600)
+    engine.prefill_tokens = (512, 2048)
+    shapes = engine.run(8, 1500)
+    assert sum(s >= 32 for s in shapes) <= 0.05 * len(shapes)
+    assert engine.gate.settled_arms()[batch_bucket(8)] <= 16
 
 
 def test_heavy_noise_does_not_ratchet_to_large_trees():

@@ -29,7 +29,7 @@ def test_cost_model_covers_batch_size_rows_and_context():
     # at 9 rows, and the drafter's pass of 2 requests
     want = 1e-4 + 18e-6 + 2 * 2 * (1e-6 + 9e-7) + 2e-4 + 2e-5
     assert model.step_seconds(2, ctx, 8, True) == pytest.approx(want)
-    # past the measured batch sizes and rows: the last segment continues
+    # past the measured batch sizes and rows: the line continues
     assert model.step_seconds(8, np.full(8, 1024), 8, True) == pytest.approx(
         1e-4 + 72e-6 + 2 * 8 * (1e-6 + 9e-7) + 2e-4 + 8e-5)
     # context: linear between 1k and 2k, continued past 2k; rows between budgets
@@ -95,10 +95,35 @@ def test_step_seconds_by_drafts_equals_step_seconds_per_count(graphs):
 
 def test_prefill_tokens_are_priced_as_more_forward_rows():
     """A step's prefill tokens cost what the verify forward takes for that many more
-    rows beside its decodes (1 us a row here), continued past the timed shapes with the
-    last slope; nothing without graph costs or without tokens."""
+    rows beside its decodes (1 us a row here), continued past the timed shapes; nothing
+    without graph costs or without tokens."""
     model = cost_model()
     assert model.extra_rows_seconds(18, 10) == pytest.approx(10e-6)
     assert model.extra_rows_seconds(18, 2000) == pytest.approx(2000e-6)  # past 36 rows
     assert model.extra_rows_seconds(18, 0) == 0.0
     assert cost_model(graphs=False).extra_rows_seconds(18, 10) == 0.0
+
+
+def test_rows_past_the_timed_graphs_follow_more_than_the_last_two():
+    """vLLM captures verify graphs up to 512 tokens, and the timed token counts mix
+    shapes and request counts: at 8 requests and B = 64 the largest are 260 (4 x 65) and
+    264 (8 x 33) rows. 5 us between those two graphs beyond the forward's 0.1 us a row
+    (timing noise, per-request work) made their segment's slope 1.35 us a row: a
+    2,048-token prefill chunk cost 2.5 ms in the model instead of 0.2 ms, and the
+    forward of 64 requests of 64 drafts 5.6 ms instead of 0.7 ms. The line past the
+    timed graphs spans at least their last quarter of rows (0.28 and 0.87 ms here);
+    exact timings still continue exactly."""
+    model = cost_model()
+    counts = [1, 2, 4, 8]
+    rows = sorted({r * (1 + s) for r in counts for s in (0, 1, 2, 4, 8, 16, 32, 64)
+                   if r * (1 + s) <= 512})
+    assert rows[-2:] == [260, 264]
+    timed = {n: 3e-4 + 1e-7 * n for n in rows}
+    model.set_graph_costs(timed, {})
+    assert model.extra_rows_seconds(72, 2048) == pytest.approx(2048e-7, rel=1e-9)
+    timed[264] += 5e-6
+    model.set_graph_costs(timed, {})
+    assert model.extra_rows_seconds(72, 2048) == pytest.approx(2048e-7, rel=0.5)
+    plain = model.step_seconds(64, np.full(64, 1024), 64, False) - model.attention_seconds(
+        np.full(64, 1024), 64)
+    assert plain == pytest.approx(3e-4 + 64 * 65e-7, rel=0.25)

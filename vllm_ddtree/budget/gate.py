@@ -12,9 +12,11 @@ module holds the decision, :class:`SpeculationGate`:
   completed: no host sync) beyond the start-up model's time of that step
   (``vllm_ddtree.budget.step_cost.StepCostModel`` at the shape the step verified, which
   the device's budget or the schedule may have cut below the arm: an arm above the
-  device's choice is then predicted no faster than the step it runs), and the tokens
-  committed per tree (DDTree's device counters, copied to pinned memory and read once
-  the copy completed);
+  device's choice is then predicted no faster than the step it runs; a prefill's tokens
+  beside the decodes as more rows of the forward; a step holding a prefill counts only
+  where at least half of the bucket's steps hold one and its prefill's attention is
+  typical of them), and the tokens committed per tree (DDTree's device counters, copied
+  to pinned memory and read once the copy completed);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
   batch size and these contexts; each bucket keeps a settled arm and moves to its best
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
@@ -73,6 +75,12 @@ EMA_WEIGHT = 0.2
 RESIDUAL_WINDOW = 15
 # Intervals longer than this are an idle engine, not a step.
 MAX_STEP_SECONDS = 2.0
+# A step holding a prefill counts toward the residuals only when its prefill's attention
+# work (query-key pairs, ``vllm_ddtree.verify.shape.prefill_load``) is at most
+# TYPICAL_PREFILL times the lower median of its bucket's last PREFILL_WINDOW timed steps
+# (0 for a step without one): typical of the bucket.
+PREFILL_WINDOW = 128
+TYPICAL_PREFILL = 4.0
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
@@ -153,6 +161,19 @@ class GateStats:
         self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
         self.probed: set[int] = set()  # arms probed here (first-time probes run once)
         self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
+        # prefill attention pairs of the bucket's last timed steps (0: none)
+        self.prefill_pairs: deque[int] = deque(maxlen=PREFILL_WINDOW)
+
+    def typical_prefill(self, pairs: int) -> bool:
+        """Record a timed step's prefill attention pairs (0 without a prefill); whether
+        they are at most ``TYPICAL_PREFILL`` times the lower median of the bucket's last
+        ``PREFILL_WINDOW`` steps, this one included (a step without a prefill always
+        is; where fewer than half of the steps hold one, no step with one is)."""
+        self.prefill_pairs.append(pairs)
+        if pairs <= 0:
+            return True
+        ordered = sorted(self.prefill_pairs)
+        return pairs <= TYPICAL_PREFILL * ordered[(len(ordered) - 1) // 2]
 
     def add_residual(self, arm: int, seconds: float) -> None:
         median = self.residuals[arm]
@@ -188,6 +209,7 @@ class _Mark:
     shape: int  # drafts each request verified
     prefill_reqs: int  # requests of the step that are not decodes (verify_shape.prefill_load)
     prefill_tokens: int  # their scheduled tokens
+    prefill_pairs: int  # query-key pairs of their attention
     arm: int  # the arm chosen for it (its shape's cap)
     drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
     model: float | None = None  # modeled seconds of the step at its shape
@@ -292,17 +314,18 @@ class SpeculationGate:
         return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
     def step_started(self, num_reqs: int, shape: int, prefill_reqs: int = 0,
-                     prefill_tokens: int = 0) -> None:
+                     prefill_tokens: int = 0, prefill_pairs: int = 0) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event).
         ``shape``: the drafts each request verifies; ``prefill_reqs`` of the
-        ``num_reqs`` requests are not decodes and take ``prefill_tokens`` tokens
+        ``num_reqs`` requests are not decodes and take ``prefill_tokens`` tokens, whose
+        attention spans ``prefill_pairs`` query-key pairs
         (``vllm_ddtree.verify.shape.prefill_load``)."""
         event = self.make_event()
         record = getattr(event, "record", None)
         if record is not None:
             record()
         self.marks.append(_Mark(event, num_reqs, shape, prefill_reqs, prefill_tokens,
-                                self.arm))
+                                prefill_pairs, self.arm))
         while len(self.marks) > _MARKS:
             self.marks.popleft()
 
@@ -347,24 +370,31 @@ class SpeculationGate:
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
         residual of its arm: measured interval minus the modeled time of the step at the
-        shape it verified, its prefill tokens as more forward rows. Steps with a prefill
-        count: under continuous batching at large batch nearly every step holds one, and
-        their unmodeled part (the prefill's attention) is what each arm's steps pay
-        there; the lower median keeps a long prompt's step from moving an arm. Steps that
-        mix kinds (a tree verified without a new draft, or the reverse), have no decode,
-        or span an idle engine are left out."""
+        shape it verified, its prefill tokens as more forward rows. A step with a prefill
+        counts where its prefill is typical of the bucket (:meth:`GateStats.
+        typical_prefill`): under continuous batching at large batch nearly every step
+        holds one, and their unmodeled part (the prefill's attention) is what each arm's
+        steps pay there. Other prefills are left out, and where fewer than half of the
+        steps hold one, all are: a long prompt's chunks (their attention growing with
+        the prompt) fill consecutive steps, more than the lower median of the settled
+        arm's window holds, while the other arms' windows keep the bucket's usual steps,
+        and the bucket moved to a slower arm for thousands of steps. Steps that mix kinds
+        (a tree verified without a new draft, or the reverse), have no decode, or span an
+        idle engine are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
                 break
             self.marks.popleft()
             seconds = first.event.elapsed_time(second.event) / 1e3
-            spec = first.arm > 0
-            if (first.model is None or spec != first.drafted
-                    or spec != (first.shape > 0) or not 0 < seconds <= MAX_STEP_SECONDS):
+            if first.model is None or not 0 < seconds <= MAX_STEP_SECONDS:
                 continue
-            self.bucket(first.num_reqs).add_residual(self._index[first.arm],
-                                                     seconds - first.model)
+            stats = self.bucket(first.num_reqs)
+            typical = stats.typical_prefill(first.prefill_pairs if first.prefill_reqs else 0)
+            spec = first.arm > 0
+            if not typical or spec != first.drafted or spec != (first.shape > 0):
+                continue
+            stats.add_residual(self._index[first.arm], seconds - first.model)
 
     def _modeled_seconds(self, mark: _Mark, contexts: np.ndarray,
                          columns: np.ndarray) -> float | None:

@@ -62,13 +62,18 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   at 1 and ``1 + b`` rows, the table above plus a one-row column), the arm taken as the
   step's shape. ``residual(a)`` = the lower median of the last 15 intervals of steps of
   that arm in that bucket minus ``T`` of each at the shape it verified (the device's
-  budget may cut an arm's trees further): what they actually took beyond the model,
-  from CUDA timing events at each step's start, read only once completed
-  (``Event.query``). ``E(a)`` = tokens committed per tree of that arm's trees (an EMA of
-  DDTree's device counters, copied to pinned memory each step and read once their copy
-  completed; 1 for plain decoding; for an arm without counted trees the nearest arm's
-  figure). So the model carries the batch-size and row dependence of the GPU work, the
-  residuals what no start-up measurement sees; neither needs a host sync.
+  budget may cut an arm's trees further; a prefill's tokens in the step priced as more
+  rows of the forward): what they actually took beyond the model, from CUDA timing
+  events at each step's start, read only once completed (``Event.query``). A step that
+  holds a prefill counts only where at least half of the bucket's last 128 steps hold
+  one (continuous batching at large batch) and its prefill's attention (query-key
+  pairs) is at most 4x their median: a long prompt's chunks on consecutive steps, their
+  attention growing with the prompt, would fill the settled arm's window alone. ``E(a)`` =
+  tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
+  copied to pinned memory each step and read once their copy completed; 1 for plain
+  decoding; for an arm without counted trees the nearest arm's figure). So the model
+  carries the batch-size and row dependence of the GPU work, the residuals what no
+  start-up measurement sees; neither needs a host sync.
 * **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
   bucket's) and moves to its best measured arm when that is predicted 5 % faster and
   was measured on at least 3 intervals (else it is probed again first).

@@ -18,17 +18,32 @@ import numpy as np
 __all__ = ["StepCostModel"]
 
 
+# The slope past the last timed point spans at least this fraction of its x.
+_TAIL_SPAN = 0.25
+
+
+def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
+    """The slope past the last point (2+ points): from the last point at or below
+    ``1 - _TAIL_SPAN`` of the last x (else the first) to the last. The verify forward's
+    timed token counts mix shapes and request counts, and the last two can be a few rows
+    apart (at 8 requests and B = 64: 260 = 4 x 65 and 264 = 8 x 33 rows): their last
+    segment turned microseconds of timing difference into microseconds a row, and a
+    prefill chunk of thousands of tokens into tens of milliseconds."""
+    j = int(np.searchsorted(xs, (1.0 - _TAIL_SPAN) * xs[-1], side="right")) - 1
+    j = min(max(j, 0), xs.size - 2)
+    return float((ys[-1] - ys[j]) / (xs[-1] - xs[j]))
+
+
 def _interp(x: float, xs: np.ndarray, ys: np.ndarray) -> float:
     """Piecewise linear in ``xs`` (increasing), clamped below the first point and
-    continued past the last with the last segment's slope (one point: proportional)."""
+    continued past the last with :func:`_tail_slope` (one point: proportional)."""
     if xs.size == 0:
         return 0.0
     if xs.size == 1:
         return float(ys[0] * max(x, xs[0]) / xs[0])
     if x <= xs[-1]:
         return float(np.interp(x, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return float(ys[-1] + slope * (x - xs[-1]))
+    return float(ys[-1] + _tail_slope(xs, ys) * (x - xs[-1]))
 
 
 def _interp_many(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
@@ -37,7 +52,7 @@ def _interp_many(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
         return np.zeros(x.shape)
     if xs.size == 1:
         return ys[0] * np.maximum(x, xs[0]) / xs[0]
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    slope = _tail_slope(xs, ys)
     return np.where(x <= xs[-1], np.interp(x, xs, ys), ys[-1] + slope * (x - xs[-1]))
 
 
@@ -129,8 +144,8 @@ class StepCostModel:
     def extra_rows_seconds(self, rows: int, extra: int) -> float:
         """The verify forward's seconds for ``extra`` more rows beside ``rows`` (a
         step's prefill tokens beside its decodes: their weights' work; their attention
-        is not modeled), continued past the timed shapes with the last segment's slope;
-        0 without graph costs."""
+        is not modeled), continued past the timed shapes as :func:`_interp` does;
+        never negative (the timings are made non-decreasing); 0 without graph costs."""
         if extra <= 0 or not self.has_graph_costs:
             return 0.0
         return (_interp(rows + extra, self.verify_rows, self.verify_seconds)

@@ -208,19 +208,34 @@ class VerifyShapeChooser:
         return next((s for s in self.shapes if s >= budget), self.max_budget)
 
 
-def prefill_load(scheduler_output: Any) -> tuple[int, int]:
-    """``(requests, tokens)`` the step schedules that are not decodes (a new request, a
-    chunk of a prompt, a recomputed preempted request: anything but a request's root and
-    its drafts); ``(0, 0)`` for a step of decodes only. The auto gate models those tokens
-    as extra rows of the step's forward. Host dicts only."""
+def prefill_load(scheduler_output: Any) -> tuple[int, int, int]:
+    """``(requests, tokens, pairs)`` the step schedules that are not decodes (a new
+    request, a chunk of a prompt, a recomputed preempted request: anything but a
+    request's root and its drafts) and the query-key pairs of their attention (``n``
+    tokens after ``c`` computed ones: ``n * c + n * (n + 1) / 2``); ``(0, 0, 0)`` for a
+    step of decodes only. The auto gate models the tokens as extra rows of the step's
+    forward and counts the step's time only where its pairs are typical of the batch
+    size. A new (or, with vLLM's V2 runner, resumed) request with one token left to
+    compute that the scheduler padded with placeholder drafts to the decodes' query
+    length (``scheduler.py``: "Pad new decode requests") is a decode: the worker cuts
+    its drafts with the others' (:func:`truncate_drafts`, after this count), and counted
+    as load it was priced as ``1 + B`` rows where the step verified ``1 + s``. Host
+    data only."""
     drafts = scheduler_output.scheduled_spec_decode_tokens
-    new = {req.req_id for req in scheduler_output.scheduled_new_reqs}
-    reqs = tokens = 0
+    computed = {req.req_id: req.num_computed_tokens
+                for req in scheduler_output.scheduled_new_reqs}
+    new = set(computed)
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    reqs = tokens = pairs = 0
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        if req_id in new or n != 1 + len(drafts.get(req_id, ())):
-            reqs += 1
-            tokens += n
-    return reqs, tokens
+        num_drafts = len(drafts.get(req_id, ()))
+        if n == 1 + num_drafts and (num_drafts > 0 or req_id not in new):
+            continue
+        reqs += 1
+        tokens += n
+        pairs += n * computed.get(req_id, 0) + n * (n + 1) // 2
+    return reqs, tokens, pairs
 
 
 class StepPlan:
@@ -262,7 +277,7 @@ class StepPlan:
         """The schedule's budget for a batch of ``num_reqs`` (B without a schedule)."""
         return self.max_budget if self.schedule is None else self.schedule.budget_for(num_reqs)
 
-    def step_shape(self, num_reqs: int, prefill: tuple[int, int] = (0, 0)) -> int:
+    def step_shape(self, num_reqs: int, prefill: tuple[int, int, int] = (0, 0, 0)) -> int:
         """Drafts per request this step verifies: 0 after a propose without the block
         pass, else ``min(cap, chooser's shape, the gate's arm)`` (a member of
         ``shapes``). ``prefill``: the step's :func:`prefill_load` (for the gate's
