@@ -222,20 +222,16 @@ def prefill_load(scheduler_output: Any) -> tuple[int, int, int]:
     as load it was priced as ``1 + B`` rows where the step verified ``1 + s``. Host
     data only."""
     drafts = scheduler_output.scheduled_spec_decode_tokens
-    computed = {req.req_id: req.num_computed_tokens
-                for req in scheduler_output.scheduled_new_reqs}
-    new = set(computed)
+    new = {req.req_id: req.num_computed_tokens for req in scheduler_output.scheduled_new_reqs}
+    load = [(req_id, n) for req_id, n in scheduler_output.num_scheduled_tokens.items()
+            if n != 1 + len(drafts.get(req_id, ())) or (n == 1 and req_id in new)]
+    if not load:  # every step of steady decoding: one pass over the batch, no more
+        return 0, 0, 0
+    computed = dict(new)
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-    reqs = tokens = pairs = 0
-    for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        num_drafts = len(drafts.get(req_id, ()))
-        if n == 1 + num_drafts and (num_drafts > 0 or req_id not in new):
-            continue
-        reqs += 1
-        tokens += n
-        pairs += n * computed.get(req_id, 0) + n * (n + 1) // 2
-    return reqs, tokens, pairs
+    pairs = sum(n * computed.get(req_id, 0) + n * (n + 1) // 2 for req_id, n in load)
+    return len(load), sum(n for _, n in load), pairs
 
 
 class StepPlan:
