@@ -8,8 +8,14 @@ The rule, fixed in advance (the gap is a constant of the dtype,
 ``vllm_ddtree.testing.compare.tie_gap_of``: 0.25 nats in bf16, 0.03125 in fp16, 0 in
 fp32; nothing is calibrated on the runs judged):
 
-- plain decoding's log-probs come from ONE prefill of its own generated text (prompt +
-  generation tokens) on the baseline engine (:func:`reference_logprobs`): at each
+- generations are compared, and plain decoding's is prefilled, in the token ids the
+  engines generated, recorded while lm-eval ran (``evals/lm_eval_generated_ids.py``; cut
+  after the token that completes lm-eval's text, so a stop string's and the
+  end-of-sequence tokens are not compared). Where no ids were recorded (the reference
+  engine ``ddtree-ref``), the generated text is re-encoded, which need not give back the
+  engine's tokens; the report says for how many documents. Equal texts never diverge;
+- plain decoding's log-probs come from ONE prefill of its own generation (prompt +
+  generated tokens) on the baseline engine (:func:`reference_logprobs`): at each
   generated position its two best log-probs and that of the token it chose;
 - only the first divergence of a document counts. It is excused when both tokens there
   (plain decoding's and DDTree's) are within ``tie_gap`` of plain decoding's best
@@ -44,7 +50,8 @@ TOP_LOGPROBS = 2
 class PlainLogprobs:
     """Plain decoding's log-probs over its own generation of one document.
 
-    ``tokens``: the generation's token ids (its text encoded without special tokens).
+    ``tokens``: the generation's token ids (the engine's, else its text encoded without
+    special tokens).
     ``top``: per prefilled generated position ``i``, ``{token id: log-prob}`` of the two
     best tokens and ``tokens[i]``; shorter than ``tokens`` when the prompt and the
     generation did not fit the model length. ``after``: the two best of the step after
@@ -101,7 +108,8 @@ class TieExcusal:
     log-probs), ``tie`` (gap ``<= tie_gap``), ``excused``, ``reason`` it is not); the
     ``tie_positions`` plain decoding met; the ``cap`` on excused documents; the
     ``excused`` doc ids; ``has_reference``: whether plain decoding's log-probs were
-    recorded at all."""
+    recorded at all; ``reencoded``: the doc ids whose generations were compared, on
+    one side or both, as re-encoded text (no engine ids recorded)."""
 
     tie_gap: float
     divergences: list[dict] = field(default_factory=list)
@@ -109,6 +117,7 @@ class TieExcusal:
     cap: int = 0
     excused: set[int] = field(default_factory=set)
     has_reference: bool = False
+    reencoded: list[int] = field(default_factory=list)
 
 
 def first_divergence(ours: list[int], theirs: list[int]
@@ -138,11 +147,13 @@ def lm_eval_prompt_ids(lm, context: str, gen_kwargs: dict) -> list[int]:
 
 
 def reference_logprobs(llm, tokenizer, prompts: dict[int, list[int]],
-                       generations: dict[int, str], max_model_len: int | None = None
+                       generations: dict[int, str], max_model_len: int | None = None,
+                       generated_ids: dict[int, list[int]] | None = None
                        ) -> dict[int, PlainLogprobs]:
     """Plain decoding's log-probs over its own generations: per document, ONE prefill
-    of ``prompts[doc]`` + ``generations[doc]`` (encoded by ``tokenizer`` without special
-    tokens) through ``llm``, the baseline's ``vllm.LLM`` (``SamplingParams(max_tokens=1,
+    of ``prompts[doc]`` + its generated tokens (``generated_ids[doc]``, the engine's own;
+    else ``generations[doc]`` encoded by ``tokenizer`` without special tokens) through
+    ``llm``, the baseline's ``vllm.LLM`` (``SamplingParams(max_tokens=1,
     prompt_logprobs=2, logprobs=2)``), all documents in one ``generate`` call.
 
     ``prompts``: the ids the generation saw (:func:`lm_eval_prompt_ids`); a document
@@ -157,7 +168,7 @@ def reference_logprobs(llm, tokenizer, prompts: dict[int, list[int]],
         prompt = list(prompts.get(doc) or [])
         if not prompt:
             continue
-        tokens = tokenizer.encode(generations[doc], add_special_tokens=False)
+        tokens = _ids(tokenizer, generations[doc], (generated_ids or {}).get(doc))
         fit = len(tokens) if max_model_len is None else max(0, max_model_len - 1 - len(prompt))
         docs.append((doc, len(prompt), tokens))
         inputs.append(TokensPrompt(prompt_token_ids=prompt + tokens[:fit]))
@@ -178,18 +189,29 @@ def reference_logprobs(llm, tokenizer, prompts: dict[int, list[int]],
     return reference
 
 
+def _ids(tokenizer, text: str, recorded: list[int] | None) -> list[int]:
+    """A generation's token ids: the ``recorded`` engine ids, else ``text`` re-encoded."""
+    if recorded is not None:
+        return list(recorded)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
 def _logprobs(entry) -> dict[int, float]:
     """``{token id: log-prob}`` of one position of vLLM's logprobs (``{id: Logprob}``)."""
     return {int(t): float(lp.logprob) for t, lp in (entry or {}).items()}
 
 
 def plain_reference(lm, contexts: dict[int, str], gen_kwargs: dict[int, dict],
-                    generations: dict[int, str]) -> dict[int, PlainLogprobs]:
+                    generations: dict[int, str],
+                    generated_ids: dict[int, list[int]] | None = None
+                    ) -> dict[int, PlainLogprobs]:
     """:func:`reference_logprobs` of one task's plain-decoding run through lm-eval's
-    ``vllm`` model ``lm`` (its engine, tokenizer, prompt encoding and model length)."""
+    ``vllm`` model ``lm`` (its engine, tokenizer, prompt encoding and model length),
+    prefilling the engine's ``generated_ids`` where recorded."""
     prompts = {doc: lm_eval_prompt_ids(lm, contexts[doc], gen_kwargs.get(doc, {}))
                for doc in generations if doc in contexts}
-    return reference_logprobs(lm.model, lm.tokenizer, prompts, generations, lm.max_length)
+    return reference_logprobs(lm.model, lm.tokenizer, prompts, generations, lm.max_length,
+                              generated_ids)
 
 
 def _not_excused(ref: PlainLogprobs | None, position: int, ours: int | None,
@@ -216,12 +238,16 @@ def _not_excused(ref: PlainLogprobs | None, position: int, ours: int | None,
 
 
 def tie_divergences(tokenizer, baseline: dict[int, str], speculative: dict[int, str],
-                    reference: dict[int, PlainLogprobs], tie_gap: float) -> TieExcusal:
+                    reference: dict[int, PlainLogprobs], tie_gap: float,
+                    baseline_ids: dict[int, list[int]] | None = None,
+                    speculative_ids: dict[int, list[int]] | None = None) -> TieExcusal:
     """The tie rule (module docstring) on one task: ``baseline`` / ``speculative``
-    generations per doc id, ``reference`` plain decoding's log-probs per doc id
+    generations (text) per doc id, ``reference`` plain decoding's log-probs per doc id
     (:func:`reference_logprobs`; empty: nothing can be excused), ``tie_gap`` from
-    ``tie_gap_of(dtype)``. Generations are compared in ``tokenizer``'s ids (text
-    encoded without special tokens; plain decoding's as in ``reference``)."""
+    ``tie_gap_of(dtype)``. Documents with equal text are skipped; the others are
+    compared in the engines' token ids ``baseline_ids`` / ``speculative_ids``
+    (``lm_eval_generated_ids``; plain decoding's as prefilled in ``reference``), a
+    side without them in its text encoded by ``tokenizer`` without special tokens."""
     result = TieExcusal(tie_gap, has_reference=bool(reference))
     candidates = []
     compared: dict[int, int] = {}  # doc -> positions compared (up to its first divergence)
@@ -230,8 +256,12 @@ def tie_divergences(tokenizer, baseline: dict[int, str], speculative: dict[int, 
         if other is None or other == text:
             continue
         ref = reference.get(doc)
-        ours = ref.tokens if ref else tokenizer.encode(text, add_special_tokens=False)
-        found = first_divergence(ours, tokenizer.encode(other, add_special_tokens=False))
+        recorded_ours = (baseline_ids or {}).get(doc)
+        recorded_theirs = (speculative_ids or {}).get(doc)
+        if recorded_ours is None or recorded_theirs is None:
+            result.reencoded.append(doc)
+        ours = ref.tokens if ref else _ids(tokenizer, text, recorded_ours)
+        found = first_divergence(ours, _ids(tokenizer, other, recorded_theirs))
         if found is None:
             result.divergences.append({"doc": doc, "position": None, "gap": None, "tie": None,
                                        "excused": False, "reason": "same tokens"})
@@ -280,6 +310,11 @@ def ties_markdown(ties: TieExcusal) -> list[str]:
                 f"decoding met may be excused. **Excused: {len(ties.excused)} of "
                 f"{len(ties.divergences)} (cap {ties.cap}).**")
     lines = [rule, ""]
+    if ties.reencoded:
+        lines += [f"Token ids of {len(ties.reencoded)} of the {len(ties.divergences)} differing "
+                  "documents are their generated text re-encoded (no engine token ids were "
+                  "recorded): a non-canonical tokenization there can misalign plain "
+                  "decoding's log-probs or move the first divergence.", ""]
     if not ties.divergences:
         return lines
     lines += ["Where they part (plain decoding's top-2 log-prob gap at the first differing "

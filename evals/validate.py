@@ -23,9 +23,10 @@ The verdict is a paired statistic (``evals/lm_eval_verdict.py``): the bootstrap
 interval of the per-document metric difference, speculative minus baseline, on the
 task's decision metric; PASS when its lower bound is above ``-margin``. Documents
 whose generations part at a bf16 / fp16 tie of plain decoding count as unchanged, by a
-fixed rule with a cap (``evals/lm_eval_ties.py``; vllm backend: plain decoding's
-log-probs from one prefill of its own generations on the baseline engine; fp32 and the
-reference engine excuse nothing). Exit status 1 when a task fails.
+fixed rule with a cap (``evals/lm_eval_ties.py``; vllm backend: the engines' own
+generated token ids, recorded while lm-eval runs, and plain decoding's log-probs from one
+prefill of its generated ids on the baseline engine; fp32 and the reference engine
+excuse nothing). Exit status 1 when a task fails.
 
 ``--inject-lossy-rate R`` (fault injection, evals only): the speculative run's verifier
 commits the drafter's token instead of the target's in a fraction R of its rounds
@@ -55,6 +56,7 @@ from cli_args import (  # noqa: E402
     json_object,
     positive_int,
 )
+from lm_eval_generated_ids import GenerationRecorder  # noqa: E402
 from lm_eval_ties import (  # noqa: E402
     PlainLogprobs,
     TieExcusal,
@@ -101,6 +103,8 @@ class TaskRun:
     gen_kwargs: dict[int, dict] = field(default_factory=dict)
     # per doc id: the task's metrics of that document
     items: dict[int, dict[str, float]] = field(default_factory=dict)
+    # vllm backend: the engine's generated token ids per doc id (lm_eval_generated_ids)
+    generated_ids: dict[int, list[int]] = field(default_factory=dict)
     # plain decoding (vllm backend): its log-probs over its own generations, per doc id
     reference: dict[int, PlainLogprobs] = field(default_factory=dict)
     # the speculative run: where its generations part from plain decoding's, and the
@@ -261,7 +265,9 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
     """Baseline engine for every task, then the speculative engine (two engines
     in turn; the first is freed before the second starts). While the baseline engine
     lives, it prefills each of its own generations for plain decoding's log-probs
-    (``lm_eval_ties.plain_reference``), which the tie rule judges divergences by."""
+    (``lm_eval_ties.plain_reference``), which the tie rule judges divergences by. Both
+    engines' generated token ids are recorded while lm-eval runs (``GenerationRecorder``):
+    the tie rule compares, and the prefill takes, those rather than re-encoded text."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # The baseline on DDTree's runner too: the paired difference is then speculation's
     # alone. On vLLM's V1 runner the plain run's prefill already parted from the V2
@@ -297,15 +303,19 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
             tie_gap = tie_gap_of(lm.model.llm_engine.model_config.dtype)
         for task in tasks:
             before = vllm_spec_decode_stats(lm) if extra else {}
-            run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
+            with GenerationRecorder(lm.model) as recorder:
+                run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
+            run.generated_ids = recorder.doc_ids(lm, run.contexts, run.gen_kwargs,
+                                                 run.generations)
             if extra:
                 run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
                 base = runs["baseline"][task]
                 run.ties = tie_divergences(lm.tokenizer, base.generations, run.generations,
-                                           base.reference, tie_gap)
+                                           base.reference, tie_gap, base.generated_ids,
+                                           run.generated_ids)
             elif tie_gap > 0:  # fp32 excuses nothing: no prefill needed
                 run.reference = plain_reference(lm, run.contexts, run.gen_kwargs,
-                                                run.generations)
+                                                run.generations, run.generated_ids)
             runs[key][task] = run
         _free(lm)
     return runs, {"model_args": model_args, "speculative_config": spec,
