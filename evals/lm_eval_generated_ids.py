@@ -7,7 +7,7 @@ where "ab" is one token), and plain decoding's log-probs (one prefill of its
 generation) then do not line up with its own tokens. :class:`GenerationRecorder` wraps
 the engine's ``LLM.generate`` while lm-eval runs a task and keeps, per request, the
 prompt ids and ``outputs[0].token_ids``; :meth:`GenerationRecorder.doc_ids` maps them
-to documents through the prompt ids lm-eval sent (``lm_eval_ties.lm_eval_prompt_ids``).
+to documents through the prompt ids lm-eval sent (``lm_eval_ties.lm_eval_prompts``).
 
 What is compared (:func:`generation_ids`): the recorded ids cut after the token that
 completes lm-eval's text. vLLM's ids go on to the tokens of a stop string (lm-eval's
@@ -20,8 +20,6 @@ completed inside another token.
 """
 
 from __future__ import annotations
-
-from lm_eval_ties import lm_eval_prompt_ids
 
 
 def generation_ids(tokenizer, token_ids: list[int], text: str) -> list[int]:
@@ -73,22 +71,19 @@ class GenerationRecorder:
         else:
             self.llm.generate = self._shadowed
 
-    def doc_ids(self, lm, contexts: dict[int, str], gen_kwargs: dict[int, dict],
+    def doc_ids(self, tokenizer, prompts: dict[int, list[int]],
                 generations: dict[int, str]) -> dict[int, list[int]]:
         """Per doc id of ``generations`` (lm-eval's text per document), the engine's
-        compared ids (:func:`generation_ids`), found by the prompt ids lm-eval's ``vllm``
-        model ``lm`` sent for ``contexts[doc]`` with ``gen_kwargs[doc]``. Of several
+        compared ids (:func:`generation_ids` with ``tokenizer``), found by the prompt ids
+        lm-eval sent for it (``prompts``, ``lm_eval_ties.lm_eval_prompts``). Of several
         outputs of one prompt, the first whose text starts with the document's (greedy
         outputs of one prompt are the same). A document without a recorded output gets
         no entry."""
         ids = {}
         for doc, text in generations.items():
-            if doc not in contexts:
-                continue
-            key = tuple(lm_eval_prompt_ids(lm, contexts[doc], gen_kwargs.get(doc, {})))
-            recorded = self.outputs.get(key)
+            recorded = self.outputs.get(tuple(prompts.get(doc, ())))
             if not recorded:
                 continue
             tokens, _ = next((r for r in recorded if r[1].startswith(text)), recorded[0])
-            ids[doc] = generation_ids(lm.tokenizer, tokens, text)
+            ids[doc] = generation_ids(tokenizer, tokens, text)
         return ids

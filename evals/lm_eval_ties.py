@@ -146,6 +146,13 @@ def lm_eval_prompt_ids(lm, context: str, gen_kwargs: dict) -> list[int]:
     return list(ids)
 
 
+def lm_eval_prompts(lm, contexts: dict[int, str], gen_kwargs: dict[int, dict],
+                    docs) -> dict[int, list[int]]:
+    """:func:`lm_eval_prompt_ids` of each doc id in ``docs`` that has a context."""
+    return {doc: lm_eval_prompt_ids(lm, contexts[doc], gen_kwargs.get(doc, {}))
+            for doc in docs if doc in contexts}
+
+
 def reference_logprobs(llm, tokenizer, prompts: dict[int, list[int]],
                        generations: dict[int, str], max_model_len: int | None = None,
                        generated_ids: dict[int, list[int]] | None = None
@@ -208,8 +215,7 @@ def plain_reference(lm, contexts: dict[int, str], gen_kwargs: dict[int, dict],
     """:func:`reference_logprobs` of one task's plain-decoding run through lm-eval's
     ``vllm`` model ``lm`` (its engine, tokenizer, prompt encoding and model length),
     prefilling the engine's ``generated_ids`` where recorded."""
-    prompts = {doc: lm_eval_prompt_ids(lm, contexts[doc], gen_kwargs.get(doc, {}))
-               for doc in generations if doc in contexts}
+    prompts = lm_eval_prompts(lm, contexts, gen_kwargs, generations)
     return reference_logprobs(lm.model, lm.tokenizer, prompts, generations, lm.max_length,
                               generated_ids)
 

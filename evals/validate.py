@@ -60,6 +60,7 @@ from lm_eval_generated_ids import GenerationRecorder  # noqa: E402
 from lm_eval_ties import (  # noqa: E402
     PlainLogprobs,
     TieExcusal,
+    lm_eval_prompts,
     plain_reference,
     tie_divergences,
     ties_markdown,
@@ -305,8 +306,8 @@ def _run_vllm(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
             before = vllm_spec_decode_stats(lm) if extra else {}
             with GenerationRecorder(lm.model) as recorder:
                 run = run_task(lm, task, args.limit, metadata, gen_kwargs, label)
-            run.generated_ids = recorder.doc_ids(lm, run.contexts, run.gen_kwargs,
-                                                 run.generations)
+            prompts = lm_eval_prompts(lm, run.contexts, run.gen_kwargs, run.generations)
+            run.generated_ids = recorder.doc_ids(lm.tokenizer, prompts, run.generations)
             if extra:
                 run.acceptance = _stats_delta(before, vllm_spec_decode_stats(lm))
                 base = runs["baseline"][task]
