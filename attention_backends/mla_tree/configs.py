@@ -33,6 +33,8 @@ class MLATileConfig:
             (``max_query_len * num_heads``), largest qualifying ``min_rows`` wins.
         ctas_per_sm: resident CTAs per SM (registers / shared memory), for the split
             heuristic.
+        fp8_transposed: the fp8-cache kernel with transposed products
+            (``fp8_transposed.py``; fp8 caches only, launched by config, not dispatched).
     """
 
     block_m: int
@@ -41,6 +43,7 @@ class MLATileConfig:
     num_stages: int
     min_rows: int = 0
     ctas_per_sm: int = 2
+    fp8_transposed: bool = False
 
 
 # Register budget: the fp32 accumulator [block_m, kv_lora_rank] costs
@@ -89,13 +92,17 @@ def estimate_shared_memory_bytes(
     4 bytes), and 1 KiB of reduction/page-id scratch. This models the mma.sync lowering
     (sm_80/sm_89/sm_120, and Hopper for block_m < 64, which is all of the table); a
     64-row tile on Hopper is lowered to wgmma and keeps ``num_stages`` KV tiles.
+
+    ``config.fp8_transposed`` (``dtype`` is q's): the fp16 query block, ``num_stages - 1``
+    fp8 KV tiles (each read once for K and once for V) and the fp16 probabilities.
     """
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     width = block_l + (block_r if head_dim > kv_lora_rank else 0)
     elem = torch.empty((), dtype=dtype).element_size()
+    kv_elem, prob_elem = (1, 2) if config.fp8_transposed else (elem, 4)
     q_block = config.block_m * width * elem
-    kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * elem
-    probs = config.block_m * config.block_n * 4
+    kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * kv_elem
+    probs = config.block_m * config.block_n * prob_elem
     return q_block + kv_tiles + probs + 1024
 
 

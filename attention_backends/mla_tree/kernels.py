@@ -54,7 +54,7 @@ splits from ``MergeBase`` on (an inactive row: none, so ``out = 0, lse = -inf``)
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, fp8_transposed
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -306,6 +306,7 @@ def _mla_tree_fwd_kernel(
     RUNTIME_SPLITS: tl.constexpr = False,
     KVScale=None,  # fp32 [1]: the fp8 cache's dequantization scale; read only with KV_FP8
     KV_FP8: tl.constexpr = False,
+    KV_FP8_TRANSPOSED: tl.constexpr = False,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
@@ -397,89 +398,97 @@ def _mla_tree_fwd_kernel(
             q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
             qk_scale = qk_scale * q_unscale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
     bt_row = pid_r.to(tl.int64) * stride_bt
-
-    # Phase 1: whole tiles of context keys; no mask at all.
-    ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
-    # The page ids of the next tile are loaded one iteration ahead: an address that
-    # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
-    pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
-    for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
-        cur_pages = pages
-        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-        k_nope, k_rope = _load_kv_tile(
-            KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
-            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+    if KV_FP8_TRANSPOSED:
+        acc, m_i, l_i = fp8_transposed._transposed_tiles(
+            KV, BlockTable, AncestorBits, q_nope, q_rope, qk_scale, bt_row, q_row, tok,
+            row_active, split_start, split_end, ctx_len, num_words, stride_kvb, stride_kvp,
+            stride_bits, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
+            DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
-        if KV_FP8:
-            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-        if ROPE > 0:
-            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-        qk = qk * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = k_nope
-        if KV_FP8:
-            v = _fp8_value_tile(
-                KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
-                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
-            ).to(q_nope.dtype)  # fmt: skip
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
 
-    # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
-    for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        key_valid = offs_n < split_end
-        cur_pages = pages
-        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-        k_nope, k_rope = _load_kv_tile(
-            KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
-            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
-        )  # fmt: skip
-        if KV_FP8:
-            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-        if ROPE > 0:
-            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-        qk = qk * qk_scale
+        # Phase 1: whole tiles of context keys; no mask at all.
+        ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
+        # The page ids of the next tile are loaded one iteration ahead: an address that
+        # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
+        pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+        for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
+            cur_pages = pages
+            pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            k_nope, k_rope = _load_kv_tile(
+                KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
+                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+            )  # fmt: skip
+            if KV_FP8:
+                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+            if ROPE > 0:
+                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+            qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = k_nope
+            if KV_FP8:
+                v = _fp8_value_tile(
+                    KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
+                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
+                ).to(q_nope.dtype)  # fmt: skip
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
 
-        new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
-        is_new = new_idx >= 0
-        bit_idx = tl.maximum(new_idx, 0)
-        # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
-        word_lo = tl.maximum(start_n - ctx_len, 0) // 64
-        bits_row = AncestorBits + q_row * stride_bits
-        lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
-        hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
-        words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
-        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
-        visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
-        visible = visible & (new_idx[None, :] <= tok[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
+        # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
+        for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_valid = offs_n < split_end
+            cur_pages = pages
+            pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            k_nope, k_rope = _load_kv_tile(
+                KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
+                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
+            )  # fmt: skip
+            if KV_FP8:
+                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+            if ROPE > 0:
+                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+            qk = qk * qk_scale
 
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row may have seen nothing yet: keep exp2 arguments finite.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(qk - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = k_nope
-        if KV_FP8:
-            v = _fp8_value_tile(
-                KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
-                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
-            ).to(q_nope.dtype)  # fmt: skip
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+            new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
+            is_new = new_idx >= 0
+            bit_idx = tl.maximum(new_idx, 0)
+            # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
+            word_lo = tl.maximum(start_n - ctx_len, 0) // 64
+            bits_row = AncestorBits + q_row * stride_bits
+            lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
+            hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
+            words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
+            bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
+            visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
+            visible = visible & (new_idx[None, :] <= tok[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row may have seen nothing yet: keep exp2 arguments finite.
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_base)
+            p = tl.exp2(qk - m_base[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = k_nope
+            if KV_FP8:
+                v = _fp8_value_tile(
+                    KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
+                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
+                ).to(q_nope.dtype)  # fmt: skip
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
 
     seen = l_i > 0.0
     if KV_FP8:

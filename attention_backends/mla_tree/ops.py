@@ -317,6 +317,9 @@ def mla_tree_verify(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if config is not None and config.fp8_transposed and kv_scale is None:
+        raise ValueError(f"config.fp8_transposed applies to an {FP8_KV_DTYPE} kv_cache only; "
+                         f"kv_cache is {kv_cache.dtype}")
     choice = None
     if kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto":
         if max_query_len is not None and max_seq_len is not None:
@@ -413,6 +416,7 @@ def mla_tree_verify(
         RUNTIME_SPLITS=runtime_kv_splits and not has_active and num_kv_splits > 1,
         KVScale=kv_scale if kv_scale is not None else seq_lens,  # dummy: unread in 16 bits
         KV_FP8=kv_scale is not None,
+        KV_FP8_TRANSPOSED=config.fp8_transposed,
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,
