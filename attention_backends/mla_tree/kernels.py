@@ -400,7 +400,7 @@ def _mla_tree_fwd_kernel(
 
     bt_row = pid_r.to(tl.int64) * stride_bt
     if KV_FP8_TRANSPOSED:
-        acc, m_i, l_i = fp8_transposed._transposed_tiles(
+        acc, m_i, l_i = fp8_transposed._attend_transposed(
             KV, BlockTable, AncestorBits, q_nope, q_rope, qk_scale, bt_row, q_row, tok,
             row_active, split_start, split_end, ctx_len, num_words, stride_kvb, stride_kvp,
             stride_bits, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
@@ -412,7 +412,8 @@ def _mla_tree_fwd_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
 
         # Phase 1: whole tiles of context keys; no mask at all.
-        ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
+        ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N),
+                                   split_start)
         # The page ids of the next tile are loaded one iteration ahead: an address that
         # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
         pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
@@ -467,7 +468,8 @@ def _mla_tree_fwd_kernel(
             word_lo = tl.maximum(start_n - ctx_len, 0) // 64
             bits_row = AncestorBits + q_row * stride_bits
             lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
-            hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
+            hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words),
+                         other=0)
             words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
             bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
             visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
