@@ -69,6 +69,17 @@ LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 )
 
 
+# fp8 caches: the transposed-products kernel (``fp8_transposed.py``): 64 keys a tile as the
+# wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. Launched by
+# config only (``evals/bench_verify_grid.py`` times them against the fp8 kernel above);
+# not dispatched until measured. The 16-row tile fits sm_120 (72 KB compiled), the
+# 32-row one only Hopper (111 KB).
+FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
+    MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
+    MLATileConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
+)
+
+
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
@@ -94,15 +105,20 @@ def estimate_shared_memory_bytes(
     64-row tile on Hopper is lowered to wgmma and keeps ``num_stages`` KV tiles.
 
     ``config.fp8_transposed`` (``dtype`` is q's): the fp16 query block, ``num_stages - 1``
-    fp8 KV tiles (each read once for K and once for V) and the fp16 probabilities.
+    fp8 KV tiles and as many fp8 V tiles (its latent part, loaded apart) and the fp16
+    probabilities (checked against compiled sm_90 / sm_120 kernels,
+    tests/test_mla_fp8_transposed_kernel.py).
     """
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     width = block_l + (block_r if head_dim > kv_lora_rank else 0)
     elem = torch.empty((), dtype=dtype).element_size()
-    kv_elem, prob_elem = (1, 2) if config.fp8_transposed else (elem, 4)
     q_block = config.block_m * width * elem
-    kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * kv_elem
-    probs = config.block_m * config.block_n * prob_elem
+    if config.fp8_transposed:
+        kv_tiles = max(config.num_stages - 1, 1) * config.block_n * (width + block_l)
+        probs = config.block_m * config.block_n * 2
+    else:
+        kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * elem
+        probs = config.block_m * config.block_n * 4
     return q_block + kv_tiles + probs + 1024
 
 
