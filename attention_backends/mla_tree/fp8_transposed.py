@@ -38,7 +38,7 @@ query rows (``configs.FP8_TRANSPOSED_TILE_CONFIGS``).
 import triton
 import triton.language as tl
 
-from . import kernels
+from .tiles import _dot, _page_ids, _tile_row_ptrs
 
 LATENT_CHUNK = tl.constexpr(128)
 
@@ -144,7 +144,7 @@ def _tile_update(
     """One KV tile of ``_attend_transposed``: ``(m_i, l_t, acc_chunks)`` updated. ``MASKED``:
     keys outside ``key_valid`` and the tree mask apply (the partial context tile and
     the new tokens); else every key is a visible context key."""
-    ptrs = kernels._tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE,
+    ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE,
                                   BLOCK_N)
     dtype = q_rope_t.dtype
     s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -155,11 +155,11 @@ def _tile_update(
         if c + 1 < CHUNKS:
             k8_next = _columns(ptrs, key_valid, (c + 1) * CHUNK, CHUNK, KV_LORA, MASKED, "")
         k = _reduction_order(k8, BLOCK_N, CHUNK).to(dtype)
-        s = kernels._dot(k, q_chunks[c], s, DOT_PRECISION, DOT_UPCAST)
+        s = _dot(k, q_chunks[c], s, DOT_PRECISION, DOT_UPCAST)
     if ROPE > 0:
         k8 = _columns(ptrs, key_valid, KV_LORA, BLOCK_R, KV_LORA + ROPE, MASKED, "")
         k_rope = _reduction_order(k8, BLOCK_N, BLOCK_R).to(dtype)
-        s = kernels._dot(k_rope, q_rope_t, s, DOT_PRECISION, DOT_UPCAST)
+        s = _dot(k_rope, q_rope_t, s, DOT_PRECISION, DOT_UPCAST)
     s = s * scale_t
     if MASKED:
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -193,7 +193,7 @@ def _tile_update(
             v8_next = _columns(ptrs, key_valid, (c + 1) * CHUNK, CHUNK, KV_LORA, MASKED, ".cg")
         v = _widened_key_pairs(_value_rows_order(v8, BLOCK_N, CHUNK), dtype, BLOCK_N, CHUNK)
         acc = acc_chunks[c] * alpha[None, :]
-        acc_next = acc_next + (kernels._dot(tl.trans(v), p, acc, DOT_PRECISION, DOT_UPCAST),)
+        acc_next = acc_next + (_dot(tl.trans(v), p, acc, DOT_PRECISION, DOT_UPCAST),)
     return m_new, l_t, acc_next
 
 
@@ -232,10 +232,10 @@ def _attend_transposed(
 
     ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
     # Page ids one tile ahead, as in the kernel's own loops (Triton's pipeliner).
-    pages = kernels._page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+    pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
     for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
         cur_pages = pages
-        pages = kernels._page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
+        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
                                   BLOCK_N)
         m_i, l_t, acc_chunks = _tile_update(
             KV, cur_pages, start_n, None, q_chunks, q_rope_t, scale_t, m_i, l_t, acc_chunks,
@@ -246,7 +246,7 @@ def _attend_transposed(
     for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
         key_valid = start_n + tl.arange(0, BLOCK_N) < split_end
         cur_pages = pages
-        pages = kernels._page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
+        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
                                   BLOCK_N)
         m_i, l_t, acc_chunks = _tile_update(
             KV, cur_pages, start_n, key_valid, q_chunks, q_rope_t, scale_t, m_i, l_t,

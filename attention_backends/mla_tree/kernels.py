@@ -45,6 +45,12 @@ again (``.cg``, from L2) and widened just before the PV MMA, so no widened 16-bi
 stays live from the QK MMA to the PV MMA; the pipeline stages two fp8 tiles (K, V)
 where the 16-bit cache stages one 16-bit tile. An fp32 q keeps fp32 operands.
 
+``KV_FP8_TRANSPOSED`` (constexpr, with ``KV_FP8``; a tile config's ``fp8_transposed``):
+the KV loop of ``fp8_transposed.py`` instead, with transposed products (``S^T = K q^T``,
+``O^T = V^T P^T``) so that the widened tile is an A operand, which sm_90's wgmma takes
+from registers (that module's docstring). The prologue (splits, q rows) and the
+epilogue are this kernel's.
+
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
 gets ``out = 0, lse = -inf``. With ``HAS_ACTIVE`` it reads a row's ``MergeCount``
@@ -55,51 +61,11 @@ import triton
 import triton.language as tl
 
 from . import configs, fp8_transposed
+from .tiles import _dot, _page_ids, _tile_row_ptrs
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 SPLIT_OVERHEAD_TILES = tl.constexpr(configs.SPLIT_OVERHEAD_TILES)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``. ``UPCAST`` works around the Triton interpreter's bf16 dot."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _page_ids(BlockTable, bt_row, start_n, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page ids of the keys ``start_n .. start_n + BLOCK_N`` (clamped/masked to ``limit``):
-    an int32 scalar when the tile lies in one page, else int32 ``[BLOCK_N]``, one per key.
-    ``start_n`` is a multiple of ``BLOCK_N`` (tiles start at split starts)."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        # The whole tile lies in one page: one scalar lookup.
-        return tl.load(BlockTable + bt_row + tl.minimum(start_n, limit - 1) // PAGE_SIZE)
-    elif BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE > 1:
-        # Whole pages (vLLM's default 16-token pages under 32- or 64-key tiles): one
-        # lookup per page, broadcast to its keys. Fewer live registers than a lookup per
-        # key (offline ptxas, aligned as launched: 32 against 304 spilled bytes per
-        # thread for m32 n32 w4 at page 16). Past ``limit`` the last page stands in.
-        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
-        first = tl.minimum(start_n, limit - 1) // PAGE_SIZE
-        last = (limit - 1) // PAGE_SIZE
-        ids = tl.load(BlockTable + bt_row + tl.minimum(first + tl.arange(0, NP), last))
-        return tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
-    else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        return tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE, mask=offs_n < limit, other=0)
-
-
-@triton.jit
-def _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Pointers ``[BLOCK_N, 1]`` to the cached rows of the keys ``start_n .. + BLOCK_N``."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
-    return KV + row_off[:, None]
 
 
 @triton.jit
