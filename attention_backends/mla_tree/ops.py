@@ -274,6 +274,8 @@ def mla_tree_verify(
         validate_values: check the metadata values on the host (one sync).
         config: force a tile config (benchmarks); it is shrunk only if it does not fit
             the device's shared memory per block (the estimate models mma.sync GPUs).
+            One with ``fp8_transposed`` (``configs.FP8_TRANSPOSED_TILE_CONFIGS``, fp8
+            caches only) runs the fp8 kernel with transposed products.
         out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
         active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
             (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
