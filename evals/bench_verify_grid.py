@@ -9,9 +9,13 @@ replayed, median of 5 replays).
 Methods per cell: the Gluon kernel (bf16 only), the Triton kernel forced to each tile
 config that fits the rows (``triton_m16`` / ``m32`` / ``m64``: the configs of
 ``configs.MLA_TILE_CONFIGS`` and ``LARGE_SMEM_TILE_CONFIGS``), FlashMLA causal (bf16; fp8
-through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). Ours use the DDTree-like
-tree mask, FlashMLA a causal chain. ``--force-sm120-configs`` times instead the Triton
-config sm_120 would pick (``select_config`` at 99 KB of shared memory), a proxy.
+through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). fp8 cells also time the
+transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 rows:
+``configs.FP8_TRANSPOSED_TILE_CONFIGS``, not dispatched) and, as the bf16 reference of
+an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
+(``bf16_gluon``). Ours use the DDTree-like tree mask, FlashMLA a causal chain.
+``--force-sm120-configs`` times instead the Triton config sm_120 would pick
+(``select_config`` at 99 KB of shared memory), a proxy.
 
 Writes ``<out>.md`` (a table per cache dtype), ``<out>.png`` (heatmaps of ours / FlashMLA
 per context) and ``<out>.json`` (every time: ``evals/make_dispatch_table.py`` turns it
@@ -35,7 +39,15 @@ FP8_Q_SCALE = 0.02  # FlashMLA's fp8 path quantizes q as well (vLLM's _q_scale)
 
 
 def config_name(config) -> str:
-    return f"triton_m{config.block_m}"
+    return f"{'fp8t' if config.fp8_transposed else 'triton'}_m{config.block_m}"
+
+
+def fp8_transposed_configs(rows: int, heads: int):
+    """The transposed fp8 tile configs timed for ``rows * heads`` rows per request: the
+    16-row tile always, the 32-row one from 32 rows (below, it computes padding)."""
+    from vllm_ddtree.attention_backends.mla_tree.configs import FP8_TRANSPOSED_TILE_CONFIGS
+
+    return [c for c in FP8_TRANSPOSED_TILE_CONFIGS if c.block_m <= max(16, rows * heads)]
 
 
 def candidate_configs(rows: int, heads: int, sm120: bool):
@@ -124,7 +136,11 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     makers = {}
     if dtype == "bf16" and not sm120:
         makers["gluon"] = lambda: gluon_all_rows(inp)
-    for config in candidate_configs(inp.cell.qlen, inp.cell.heads, sm120):
+    configs = candidate_configs(inp.cell.qlen, inp.cell.heads, sm120)
+    if dtype == "fp8" and not sm120:
+        configs += fp8_transposed_configs(inp.cell.qlen, inp.cell.heads)
+        makers["bf16_gluon"] = lambda: gluon_all_rows(inp)
+    for config in configs:
         makers["triton_sm120" if sm120 else config_name(config)] = (
             lambda c=config: triton_method(inp, kv_cache, kv_scale, c))
     makers["flashmla"] = ((lambda: flashmla(inp)) if dtype == "bf16"

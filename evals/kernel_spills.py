@@ -68,7 +68,8 @@ def compile_report(config: MLATileConfig, arch: int, heads: int) -> dict:
     consts = dict(NUM_HEADS=heads, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                   PAGE_SIZE=64, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                   DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=False,
-                  MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=False, KV_FP8=False)
+                  MIN_TILES=8, MAX_SPLITS=128, RUNTIME_SPLITS=False, KV_FP8=False,
+                  KV_FP8_TRANSPOSED=False)
     sig, attrs = launch_signature(fn, consts, POINTERS, ALIGNED_INTS)
     kernel = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),

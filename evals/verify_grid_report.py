@@ -12,7 +12,11 @@ import math
 
 from vllm_ddtree.attention_backends.mla_tree.dispatch import dispatch_method
 
-OURS_ORDER = ("gluon", "triton_m16", "triton_m32", "triton_m64", "triton_sm120")
+OURS_ORDER = ("gluon", "triton_m16", "triton_m32", "triton_m64", "triton_sm120", "fp8t_m16",
+              "fp8t_m32")
+# Timed for comparison, not ours for the cell's cache: the Gluon kernel on the bf16 cache of
+# an fp8 cell (``bench_verify_grid.cell_methods``).
+REFERENCE_ORDER = ("bf16_gluon",)
 
 
 def _ms(t: float | None) -> str:
@@ -50,8 +54,8 @@ def _bf16_best(report: dict) -> dict:
 
 
 def write_markdown(report: dict, path: str) -> None:
-    methods = [m for m in OURS_ORDER if any(m in c["times"] or m in c["notes"]
-                                             for c in report["cells"])]
+    methods = [m for m in OURS_ORDER + REFERENCE_ORDER
+               if any(m in c["times"] or m in c["notes"] for c in report["cells"])]
     header = (["H", "rows", "ctx", *methods, "ours best", "FlashMLA", "best / FlashMLA",
                "dispatched", "dispatched / FlashMLA", "fp8 best / bf16 best"])
     bf16 = _bf16_best(report)
@@ -67,7 +71,11 @@ def write_markdown(report: dict, path: str) -> None:
              "- fp8: e4m3 latent cache with one scale (vLLM's --kv-cache-dtype fp8); "
              "FlashMLA's dense fp8 path also takes fp8 queries",
              "- dispatched: what `mla_tree_verify` launches for the cell today "
-             "(`attention_backends/mla_tree/dispatch_table.py`, else the rule)"]
+             "(`attention_backends/mla_tree/dispatch_table.py`, else the rule)",
+             "- fp8t_m16 / fp8t_m32 (fp8 cells): the fp8 kernel with transposed products "
+             "(`configs.FP8_TRANSPOSED_TILE_CONFIGS`, not dispatched); bf16_gluon: the Gluon "
+             "kernel on the fp8 cell's bf16 cache, not counted as ours, the fp8 / bf16 "
+             "ratio's reference where the run has no bf16 cell"]
     notes: dict[str, set[str]] = {}
     for dtype in ("bf16", "fp8"):
         cells = [c for c in report["cells"] if c["dtype"] == dtype]
@@ -81,7 +89,9 @@ def write_markdown(report: dict, path: str) -> None:
             fm = times.get("flashmla")
             chosen = dispatched(report, c)
             chosen_t = times.get(chosen) if chosen else None
-            own_bf16 = bf16.get((c["heads"], c["rows"], c["ctx"])) if dtype == "fp8" else None
+            own_bf16 = None
+            if dtype == "fp8":  # the bf16 cell's best, else this cell's bf16 Gluon time
+                own_bf16 = bf16.get((c["heads"], c["rows"], c["ctx"])) or times.get("bf16_gluon")
             row = [str(c["heads"]), str(c["rows"]), _ctx(c["ctx"])]
             row += [_ms(times.get(m)) for m in methods]
             row += [_ms(best), _ms(fm), _ratio(best, fm), chosen or "n/a",

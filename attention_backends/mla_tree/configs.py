@@ -33,6 +33,8 @@ class MLATileConfig:
             (``max_query_len * num_heads``), largest qualifying ``min_rows`` wins.
         ctas_per_sm: resident CTAs per SM (registers / shared memory), for the split
             heuristic.
+        fp8_transposed: the fp8-cache kernel with transposed products
+            (``fp8_transposed.py``; fp8 caches only, launched by config, not dispatched).
     """
 
     block_m: int
@@ -41,6 +43,7 @@ class MLATileConfig:
     num_stages: int
     min_rows: int = 0
     ctas_per_sm: int = 2
+    fp8_transposed: bool = False
 
 
 # Register budget: the fp32 accumulator [block_m, kv_lora_rank] costs
@@ -63,6 +66,17 @@ MLA_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
     MLATileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2, min_rows=64,
                   ctas_per_sm=1),
+)
+
+
+# fp8 caches: the transposed-products kernel (``fp8_transposed.py``): 64 keys a tile as the
+# wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. Launched by
+# config only (``evals/bench_verify_grid.py`` times them against the fp8 kernel above);
+# not dispatched until measured. The 16-row tile fits sm_120 (72 KB compiled), the
+# 32-row one only Hopper (111 KB).
+FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
+    MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
+    MLATileConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
 )
 
 
@@ -89,13 +103,22 @@ def estimate_shared_memory_bytes(
     4 bytes), and 1 KiB of reduction/page-id scratch. This models the mma.sync lowering
     (sm_80/sm_89/sm_120, and Hopper for block_m < 64, which is all of the table); a
     64-row tile on Hopper is lowered to wgmma and keeps ``num_stages`` KV tiles.
+
+    ``config.fp8_transposed`` (``dtype`` is q's): the fp16 query block, ``num_stages - 1``
+    fp8 KV tiles and as many fp8 V tiles (its latent part, loaded apart) and the fp16
+    probabilities (checked against compiled sm_90 / sm_120 kernels,
+    tests/test_mla_fp8_transposed_kernel.py).
     """
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     width = block_l + (block_r if head_dim > kv_lora_rank else 0)
     elem = torch.empty((), dtype=dtype).element_size()
     q_block = config.block_m * width * elem
-    kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * elem
-    probs = config.block_m * config.block_n * 4
+    if config.fp8_transposed:
+        kv_tiles = max(config.num_stages - 1, 1) * config.block_n * (width + block_l)
+        probs = config.block_m * config.block_n * 2
+    else:
+        kv_tiles = max(config.num_stages - 1, 1) * config.block_n * width * elem
+        probs = config.block_m * config.block_n * 4
     return q_block + kv_tiles + probs + 1024
 
 

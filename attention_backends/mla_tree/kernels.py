@@ -45,6 +45,12 @@ again (``.cg``, from L2) and widened just before the PV MMA, so no widened 16-bi
 stays live from the QK MMA to the PV MMA; the pipeline stages two fp8 tiles (K, V)
 where the 16-bit cache stages one 16-bit tile. An fp32 q keeps fp32 operands.
 
+``KV_FP8_TRANSPOSED`` (constexpr, with ``KV_FP8``; a tile config's ``fp8_transposed``):
+the KV loop of ``fp8_transposed.py`` instead, with transposed products (``S^T = K q^T``,
+``O^T = V^T P^T``) so that the widened tile is an A operand, which sm_90's wgmma takes
+from registers (that module's docstring). The prologue (splits, q rows) and the
+epilogue are this kernel's.
+
 ``_mla_tree_merge_kernel``: combines the per-split partial (out, lse) when the keys
 were split across CTAs (flash-decoding). A row whose splits are all ``-inf`` (no key)
 gets ``out = 0, lse = -inf``. With ``HAS_ACTIVE`` it reads a row's ``MergeCount``
@@ -54,52 +60,12 @@ splits from ``MergeBase`` on (an inactive row: none, so ``out = 0, lse = -inf``)
 import triton
 import triton.language as tl
 
-from . import configs
+from . import configs, fp8_transposed
+from .tiles import _dot, _page_ids, _tile_row_ptrs
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
 SPLIT_OVERHEAD_TILES = tl.constexpr(configs.SPLIT_OVERHEAD_TILES)
-
-
-@triton.jit
-def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``. ``UPCAST`` works around the Triton interpreter's bf16 dot."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc=acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc=acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _page_ids(BlockTable, bt_row, start_n, limit, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Page ids of the keys ``start_n .. start_n + BLOCK_N`` (clamped/masked to ``limit``):
-    an int32 scalar when the tile lies in one page, else int32 ``[BLOCK_N]``, one per key.
-    ``start_n`` is a multiple of ``BLOCK_N`` (tiles start at split starts)."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        # The whole tile lies in one page: one scalar lookup.
-        return tl.load(BlockTable + bt_row + tl.minimum(start_n, limit - 1) // PAGE_SIZE)
-    elif BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE > 1:
-        # Whole pages (vLLM's default 16-token pages under 32- or 64-key tiles): one
-        # lookup per page, broadcast to its keys. Fewer live registers than a lookup per
-        # key (offline ptxas, aligned as launched: 32 against 304 spilled bytes per
-        # thread for m32 n32 w4 at page 16). Past ``limit`` the last page stands in.
-        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
-        first = tl.minimum(start_n, limit - 1) // PAGE_SIZE
-        last = (limit - 1) // PAGE_SIZE
-        ids = tl.load(BlockTable + bt_row + tl.minimum(first + tl.arange(0, NP), last))
-        return tl.reshape(tl.broadcast_to(ids[:, None], (NP, PAGE_SIZE)), (BLOCK_N,))
-    else:
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        return tl.load(BlockTable + bt_row + offs_n // PAGE_SIZE, mask=offs_n < limit, other=0)
-
-
-@triton.jit
-def _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Pointers ``[BLOCK_N, 1]`` to the cached rows of the keys ``start_n .. + BLOCK_N``."""
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
-    return KV + row_off[:, None]
 
 
 @triton.jit
@@ -306,6 +272,7 @@ def _mla_tree_fwd_kernel(
     RUNTIME_SPLITS: tl.constexpr = False,
     KVScale=None,  # fp32 [1]: the fp8 cache's dequantization scale; read only with KV_FP8
     KV_FP8: tl.constexpr = False,
+    KV_FP8_TRANSPOSED: tl.constexpr = False,
 ):
     """One CTA (see the module docstring)."""
     tl.static_assert(BLOCK_N <= 64)
@@ -397,89 +364,99 @@ def _mla_tree_fwd_kernel(
             q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
             qk_scale = qk_scale * q_unscale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
     bt_row = pid_r.to(tl.int64) * stride_bt
-
-    # Phase 1: whole tiles of context keys; no mask at all.
-    ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N), split_start)
-    # The page ids of the next tile are loaded one iteration ahead: an address that
-    # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
-    pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
-    for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
-        cur_pages = pages
-        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-        k_nope, k_rope = _load_kv_tile(
-            KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
-            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+    if KV_FP8_TRANSPOSED:
+        acc, m_i, l_i = fp8_transposed._attend_transposed(
+            KV, BlockTable, AncestorBits, q_nope, q_rope, qk_scale, bt_row, q_row, tok,
+            row_active, split_start, split_end, ctx_len, num_words, stride_kvb, stride_kvp,
+            stride_bits, KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_M, BLOCK_N,
+            DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
-        if KV_FP8:
-            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-        if ROPE > 0:
-            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-        qk = qk * qk_scale
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = k_nope
-        if KV_FP8:
-            v = _fp8_value_tile(
-                KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
-                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
-            ).to(q_nope.dtype)  # fmt: skip
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
 
-    # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
-    for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        key_valid = offs_n < split_end
-        cur_pages = pages
-        pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-        k_nope, k_rope = _load_kv_tile(
-            KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
-            KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
-        )  # fmt: skip
-        if KV_FP8:
-            k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-        qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-        if ROPE > 0:
-            qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-        qk = qk * qk_scale
+        # Phase 1: whole tiles of context keys; no mask at all.
+        ctx_tiles_end = tl.maximum(tl.minimum(split_end, (ctx_len // BLOCK_N) * BLOCK_N),
+                                   split_start)
+        # The page ids of the next tile are loaded one iteration ahead: an address that
+        # depends on a load of the same iteration limits Triton's pipeliner to one buffer.
+        pages = _page_ids(BlockTable, bt_row, split_start, split_end, PAGE_SIZE, BLOCK_N)
+        for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
+            cur_pages = pages
+            pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            k_nope, k_rope = _load_kv_tile(
+                KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
+                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+            )  # fmt: skip
+            if KV_FP8:
+                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+            if ROPE > 0:
+                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+            qk = qk * qk_scale
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = k_nope
+            if KV_FP8:
+                v = _fp8_value_tile(
+                    KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
+                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
+                ).to(q_nope.dtype)  # fmt: skip
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
 
-        new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
-        is_new = new_idx >= 0
-        bit_idx = tl.maximum(new_idx, 0)
-        # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
-        word_lo = tl.maximum(start_n - ctx_len, 0) // 64
-        bits_row = AncestorBits + q_row * stride_bits
-        lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
-        hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
-        words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
-        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
-        visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
-        visible = visible & (new_idx[None, :] <= tok[:, None])
-        qk = tl.where(visible, qk, float("-inf"))
+        # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
+        for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
+            offs_n = start_n + tl.arange(0, BLOCK_N)
+            key_valid = offs_n < split_end
+            cur_pages = pages
+            pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
+            k_nope, k_rope = _load_kv_tile(
+                KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
+                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
+            )  # fmt: skip
+            if KV_FP8:
+                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+            if ROPE > 0:
+                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+            qk = qk * qk_scale
 
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        # A row may have seen nothing yet: keep exp2 arguments finite.
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(qk - m_base[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        v = k_nope
-        if KV_FP8:
-            v = _fp8_value_tile(
-                KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
-                KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
-            ).to(q_nope.dtype)  # fmt: skip
-        acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+            new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
+            is_new = new_idx >= 0
+            bit_idx = tl.maximum(new_idx, 0)
+            # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
+            word_lo = tl.maximum(start_n - ctx_len, 0) // 64
+            bits_row = AncestorBits + q_row * stride_bits
+            lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
+            hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words),
+                         other=0)
+            words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
+            bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
+            visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
+            visible = visible & (new_idx[None, :] <= tok[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row may have seen nothing yet: keep exp2 arguments finite.
+            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_base)
+            p = tl.exp2(qk - m_base[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None]
+            v = k_nope
+            if KV_FP8:
+                v = _fp8_value_tile(
+                    KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
+                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
+                ).to(q_nope.dtype)  # fmt: skip
+            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+            m_i = m_new
 
     seen = l_i > 0.0
     if KV_FP8:

@@ -274,6 +274,8 @@ def mla_tree_verify(
         validate_values: check the metadata values on the host (one sync).
         config: force a tile config (benchmarks); it is shrunk only if it does not fit
             the device's shared memory per block (the estimate models mma.sync GPUs).
+            One with ``fp8_transposed`` (``configs.FP8_TRANSPOSED_TILE_CONFIGS``, fp8
+            caches only) runs the fp8 kernel with transposed products.
         out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
         active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
             (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
@@ -317,6 +319,9 @@ def mla_tree_verify(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
+    if config is not None and config.fp8_transposed and kv_scale is None:
+        raise ValueError(f"config.fp8_transposed applies to an {FP8_KV_DTYPE} kv_cache only; "
+                         f"kv_cache is {kv_cache.dtype}")
     choice = None
     if kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto":
         if max_query_len is not None and max_seq_len is not None:
@@ -413,6 +418,7 @@ def mla_tree_verify(
         RUNTIME_SPLITS=runtime_kv_splits and not has_active and num_kv_splits > 1,
         KVScale=kv_scale if kv_scale is not None else seq_lens,  # dummy: unread in 16 bits
         KV_FP8=kv_scale is not None,
+        KV_FP8_TRANSPOSED=config.fp8_transposed,
     )  # fmt: skip
     if has_active or num_kv_splits > 1:
         merge_splits(out_buf, lse_buf, out, lse, num_kv_splits, row_blocks, merge_base,

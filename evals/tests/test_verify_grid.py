@@ -109,3 +109,46 @@ def test_split_sweep_choices(monkeypatch):
                         lambda i: SimpleNamespace(multi_processor_count=132))
     assert grid_module.split_choices("gluon", 5, 8, 8192) == {8: 15, 4: 26, 2: 43}
     assert grid_module.split_choices("triton_m64", 65, 64, 32768) == {8: 2, 4: 2, 2: 2}
+
+
+@pytest.mark.parametrize("heads,rows,want", [
+    (8, 2, ["triton_m16", "fp8t_m16"]),
+    (16, 2, ["triton_m16", "triton_m32", "fp8t_m16", "fp8t_m32"]),
+    (128, 257, ["triton_m32", "triton_m64", "fp8t_m16", "fp8t_m32"]),
+])
+def test_fp8_cells_time_the_transposed_kernel_and_bf16_gluon(monkeypatch, heads, rows, want):
+    """An fp8 cell times the transposed fp8 tiles (the 32-row one from 32 rows) and the
+    Gluon kernel on the bf16 cache beside the current fp8 tiles and FlashMLA; a bf16
+    cell and an sm_120 proxy run do not."""
+    from types import SimpleNamespace
+
+    import bench_verify_grid as grid_module
+
+    monkeypatch.setattr(grid_module, "fp8_inputs", lambda inp: (None, None))
+    inp = SimpleNamespace(cell=SimpleNamespace(heads=heads, qlen=rows), kv_cache=None)
+    fp8 = grid_module.cell_methods(inp, "fp8", sm120=False)
+    assert list(fp8) == ["bf16_gluon", *want, "flashmla"]
+    assert not [m for m in grid_module.cell_methods(inp, "bf16", sm120=False) if "fp8t" in m]
+    assert list(grid_module.cell_methods(inp, "fp8", sm120=True)) == ["triton_sm120", "flashmla"]
+
+
+def test_transposed_and_reference_methods_in_the_report_not_the_table(tmp_path):
+    """fp8t times are ours (a column, in the best); bf16_gluon is a reference: the fp8 /
+    bf16 ratio of an fp8-only run, never ours; neither enters the dispatch table."""
+    cells = [cell("fp8", 16, 33, 32768, triton_m32=0.12, triton_m64=0.123, fp8t_m16=0.09,
+                  fp8t_m32=0.06, bf16_gluon=0.08, flashmla=0.04),
+             cell("fp8", 8, 2, 8192, triton_m16=0.05, fp8t_m16=0.03, bf16_gluon=0.02,
+                  flashmla=0.01)]
+    data = grid(cells=cells)
+    assert gen.build_table(data, margin=0.0)["fp8"] == {(16, 33, 32768): "triton_m32",
+                                                        (8, 2, 8192): "triton_m16"}
+    md = tmp_path / "grid.md"
+    report_module.write_markdown(data, str(md))
+    lines = md.read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| H |"))
+    assert "| fp8t_m16 | fp8t_m32 | bf16_gluon |" in header
+    row = next(line for line in lines if line.startswith("| 16 | 33 | 32k |"))
+    cols = [c.strip() for c in row.strip("|").split("|")]
+    # ours best 0.06 (fp8t_m32), / FlashMLA; dispatched triton_m64 0.123, / FlashMLA 3.075;
+    # fp8 best / bf16 Gluon 0.06 / 0.08
+    assert cols[-6:] == ["0.0600", "0.0400", "1.50", "triton_m64", "3.07", "0.75"]

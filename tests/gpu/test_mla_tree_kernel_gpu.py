@@ -23,6 +23,9 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify_reference,
     num_mask_words,
 )
+from vllm_ddtree.attention_backends.mla_tree.configs import (  # noqa: E402
+    FP8_TRANSPOSED_TILE_CONFIGS,
+)
 
 if type(kernels._mla_tree_fwd_kernel).__name__ == "InterpretedFunction":
     pytest.skip("kernels were loaded in interpreter mode", allow_module_level=True)
@@ -355,6 +358,85 @@ def test_fp8_nan_bytes_past_the_keys_are_not_read(page_size):
     for splits in (1, 8):
         out, _ = check_fp8(batch, num_kv_splits=splits)
         assert torch.isfinite(out.float()).all()
+
+
+# ---------------------------------------------------------------------------------------
+# The fp8 kernel with transposed products (fp8_transposed.py: the widened tile as the wgmma
+# A operand), launched by its tile configs: the fp8 checks above, compiled.
+
+FP8T = {f"fp8t_m{c.block_m}": c for c in FP8_TRANSPOSED_TILE_CONFIGS}
+
+
+@pytest.mark.parametrize("name", FP8T)
+@pytest.mark.parametrize("heads,ctx,qlen,page_size,kind", FP8_SHAPES)
+def test_fp8t_realistic_shapes(heads, ctx, qlen, page_size, kind, name):
+    specs = [(ctx, kind, qlen), (ctx // 3 + 5, kind, qlen)]
+    batch = to_fp8(make_batch(specs, heads=heads, page_size=page_size))
+    check_fp8(batch, config=FP8T[name], kernel="triton")
+
+
+@pytest.mark.parametrize("name", FP8T)
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_fp8t_nan_bytes_past_the_keys_are_not_read(page_size, name):
+    specs = [(5001, "tree", 65), (37, "chain", 7), (1203, "tree", 16), (3, "decode", 1)]
+    batch = to_fp8(make_batch(specs, heads=16, page_size=page_size, seed=page_size))
+    poison_unowned_slots(batch)
+    for splits in (1, 8):
+        out, _ = check_fp8(batch, num_kv_splits=splits, config=FP8T[name])
+        assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("name", FP8T)
+@pytest.mark.parametrize("magnitude", [3e5, 1e-20])
+def test_fp8t_query_magnitudes_and_fp16_queries(magnitude, name):
+    batch = make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16, page_size=64,
+                       seed=5)
+    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
+    batch["scale"] = batch["scale"] / magnitude
+    check_fp8(to_fp8(batch), config=FP8T[name])
+    half = make_batch([(9000, "tree", 65), (100, "decode", 1)], heads=8, page_size=64,
+                      dtype=torch.float16)
+    check_fp8(to_fp8(half), config=FP8T[name], num_kv_splits=32)
+
+
+@pytest.mark.parametrize("name", FP8T)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_fp8t_non_finite_query_stays_in_its_row(bad, name):
+    batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
+                              page_size=64, seed=9))
+    token, head = 3, 5
+    batch["q"][token, head, 100] = bad
+    out, lse = mla_tree_verify(**batch, config=FP8T[name])
+    ref_out, ref_lse = fp8_reference(batch)
+    good = torch.ones(lse.shape, dtype=torch.bool, device="cuda")
+    good[token, head] = False
+    torch.testing.assert_close(out[good].float(), ref_out[good].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[good], ref_lse[good], **LSE_TOL)
+
+
+@pytest.mark.parametrize("name", FP8T)
+def test_fp8t_cuda_graph_runtime_splits_and_active_rows(name):
+    batch = to_fp8(make_batch([(30000, "tree", 16), (100, "chain", 16)], heads=16,
+                              page_size=64))
+    kwargs = dict(validate_values=False, max_query_len=16, max_seq_len=131072,
+                  runtime_kv_splits=True, config=FP8T[name])
+    mla_tree_verify(**batch, **kwargs)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mla_tree_verify(**batch, **kwargs)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_out, ref_lse = fp8_reference(batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+    active = torch.tensor([5, 1], dtype=torch.int32, device="cuda")
+    out, lse = mla_tree_verify(**batch, validate_values=False, max_query_len=16,
+                               max_seq_len=30016, active_query_lens=active,
+                               config=FP8T[name])
+    rows = torch.zeros(32, dtype=torch.bool, device="cuda")
+    rows[0:5], rows[16:17] = True, True
+    torch.testing.assert_close(out[rows].float(), ref_out[rows].float(), **OUT_TOL)
+    torch.testing.assert_close(lse[rows], ref_lse[rows], **LSE_TOL)
 
 
 # ---------------------------------------------------------------------------------------

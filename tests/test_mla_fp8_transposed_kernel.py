@@ -1,0 +1,228 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The fp8-cache MLA tree-verify kernel with transposed products (``KV_FP8_TRANSPOSED``,
+``configs.FP8_TRANSPOSED_TILE_CONFIGS``) against the fp32 reference on the dequantized
+cache, with the tolerances of the fp8 kernel's tests (tests/test_mla_fp8_kernel.py).
+
+Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py): DeepSeek's
+dims (512 + 64: four 128-column chunks) at small head counts, smaller latent dims where
+many heads and rows make the interpreter slow. The compile tests check, for sm_90a and
+sm_120a without a GPU, what the transposition is for (evals/kernel_structure.py).
+"""
+
+import random
+import textwrap
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from kernel_testing import (  # noqa: E402
+    DEVICE,
+    TOLS,
+    chain,
+    compiled_shared_memory,
+    random_tree,
+    skip_unless_kernels_run_here,
+)
+from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
+from test_mla_fp8_kernel import dequantized, fp8_batch  # noqa: E402
+from test_mla_tree_kernel import MIXED  # noqa: E402
+
+from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
+    kernels,
+    mla_tree_verify,
+    mla_tree_verify_reference,
+)
+from vllm_ddtree.attention_backends.mla_tree.configs import (  # noqa: E402
+    FP8_TRANSPOSED_TILE_CONFIGS,
+    SM120_SHARED_MEMORY_BYTES,
+    estimate_shared_memory_bytes,
+    select_config,
+)
+
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+needs_kernels = skip_unless_kernels_run_here(kernels._mla_tree_fwd_kernel)
+
+M16, M32 = FP8_TRANSPOSED_TILE_CONFIGS
+DEEPSEEK = dict(kv_lora=512, rope=64)
+
+
+def check(batch, config, rows=None, **kwargs):
+    """The transposed kernel's ``(out, lse)`` against the reference on the dequantized
+    cache (only ``rows``, a bool ``[T, H]`` mask, when given)."""
+    out, lse = mla_tree_verify(**batch, config=config, kernel="triton", **kwargs)
+    ref_out, ref_lse = mla_tree_verify_reference(
+        **dequantized(batch), active_query_lens=kwargs.get("active_query_lens"))
+    if rows is not None:
+        out, lse, ref_out, ref_lse = out[rows], lse[rows], ref_out[rows], ref_lse[rows]
+    tol = TOLS[batch["q"].dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    return out, lse
+
+
+@needs_kernels
+@pytest.mark.parametrize("config", [M16, M32], ids=["m16", "m32"])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_deepseek_dims_pages_and_masked_tails(config, page_size):
+    """kv_lora_rank 512 + rope 64 (four 128-column chunks, the permuted column orders)
+    at pages of 1 / 16 / 64 keys. Contexts end inside a 64-key tile (masked tails), new
+    tokens straddle tile ends, one request has no context; one and several splits."""
+    specs = [(130, [-1, 0, 0, 1, 1, 2, 0, 6, 3]), (0, chain(5)), (63, chain(3)), (200, [-1])]
+    batch = fp8_batch(specs, page_size=page_size, heads=8, seed=page_size, **DEEPSEEK)
+    check(batch, config, num_kv_splits=1)
+    check(batch, config, num_kv_splits=3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("heads,qlen", [(8, 129), (16, 33), (64, 9), (128, 2)])
+def test_heads_and_query_rows(heads, qlen):
+    """8 to 128 heads, 2 to 129 query rows (129 new tokens: the tree mask's second and
+    third 64-bit words), each with the tile config the rows suit; a 64-column latent
+    (one chunk) keeps the interpreter quick."""
+    rng = random.Random(heads)
+    config = M16 if heads * qlen <= 32 else M32
+    specs = [(70, random_tree(qlen, rng)), (5, chain(min(qlen, 4)))]
+    batch = fp8_batch(specs, page_size=16, heads=heads, seed=qlen, kv_lora=64, rope=16)
+    check(batch, config, num_kv_splits=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dims", [(256, 64), (48, 8), (32, 0), (128, 16)])
+def test_other_latent_widths(dims):
+    """Two 128-column chunks, a padded 64-column one, no rope, one whole chunk."""
+    kv_lora, rope = dims
+    batch = fp8_batch(MIXED, page_size=4, heads=3, seed=kv_lora, kv_lora=kv_lora, rope=rope)
+    check(batch, M16, num_kv_splits=2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp32_and_fp16_queries(dtype):
+    batch = fp8_batch(MIXED[:3], dtype=dtype, page_size=16, heads=2, **DEEPSEEK)
+    check(batch, M16, num_kv_splits=2)
+
+
+@needs_kernels
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf / NaN
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_query_stays_in_its_row(bad):
+    """One q entry inf / NaN: the other rows of its tile (the same CTA: the query rows are
+    the columns of the transposed products) still match the reference."""
+    batch = fp8_batch(MIXED[2:4], page_size=16, heads=2, seed=11, **DEEPSEEK)
+    token, head = 3, 1
+    batch["q"][token, head, 5] = bad
+    good = torch.ones(batch["q"].shape[:2], dtype=torch.bool, device=DEVICE)
+    good[token, head] = False
+    check(batch, M16, rows=good, num_kv_splits=2)
+
+
+@needs_kernels
+def test_rows_scaled_apart():
+    """Rows of one tile whose largest entries sit far apart (zero, 2^-100, 2^16 past
+    fp16's range, 3e5): each takes its own power of two into fp16, undone by its own
+    column of the transposed scores' scale."""
+    batch = fp8_batch(MIXED[2:4], page_size=16, heads=2, seed=17, **DEEPSEEK)
+    q = batch["q"].float()
+    q[0, 0] = 0.0
+    q[1, 1] *= 2.0**-100
+    q[3, 1] = q[3, 1].clamp(-0.9, 0.9) * 100.0
+    q[3, 1, -1] = -(2.0**16)  # in the rope part
+    q[5, 0] *= 3e5 / q[5, 0].abs().max()
+    batch["q"] = q.to(torch.bfloat16)
+    batch["scale"] = 2e-3
+    check(batch, M16, num_kv_splits=1)
+    check(batch, M32, num_kv_splits=3)
+
+
+@needs_kernels
+def test_active_rows_and_runtime_splits():
+    """The adaptive budget's active rows (re-split over idle CTAs) and the CUDA-graph
+    launch (grid sized for a longer context, split count per request)."""
+    specs = [(150, random_tree(9, random.Random(3))), (20, chain(9))]
+    batch = fp8_batch(specs, page_size=16, seed=5, **DEEPSEEK)
+    active = torch.tensor([4, 1], dtype=torch.int32, device=DEVICE)
+    rows = torch.zeros(batch["q"].shape[:2], dtype=torch.bool, device=DEVICE)
+    rows[[0, 1, 2, 3, 9]] = True
+    check(batch, M16, rows=rows, active_query_lens=active)
+    check(batch, M16, validate_values=False, max_query_len=9, max_seq_len=4096,
+          num_kv_splits=8, runtime_kv_splits=True)
+
+
+def test_refused_on_a_16_bit_cache():
+    batch = fp8_batch(MIXED[:2], page_size=4)
+    batch["kv_cache"] = batch["kv_cache"].float().to(batch["q"].dtype)
+    del batch["kv_scale"]
+    with pytest.raises(ValueError, match="config.fp8_transposed applies to an "
+                                         "torch.float8_e4m3fn kv_cache only"):
+        mla_tree_verify(**batch, config=M16)
+
+
+def test_never_chosen_without_a_config():
+    """Launched by config only: neither the rule nor the dispatch table picks it."""
+    from vllm_ddtree.attention_backends.mla_tree import dispatch
+
+    assert not any(c.fp8_transposed for c in dispatch.TRITON_CONFIGS.values())
+    for rows in (1, 16, 64, 520, 8192):
+        for budget in (SM120_SHARED_MEMORY_BYTES, 227 * 1024):
+            assert not select_config(rows, 576, 512, torch.bfloat16, budget).fp8_transposed
+
+
+_COMPILE_TRANSPOSED = MLA_COMPILE_PRELUDE + textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "evals")
+    from kernel_structure import SASS_BRANCH, ptx_byte_loads, sass_counts, ttgir_facts
+    from kernel_spills import ptxas_report, sass_loops, sass_of
+    from vllm_ddtree.attention_backends.mla_tree.configs import FP8_TRANSPOSED_TILE_CONFIGS
+
+    m16, m32 = FP8_TRANSPOSED_TILE_CONFIGS
+    variants = [(90, m16, dict(page=64)), (90, m32, dict(page=64)),
+                (90, m16, dict(page=16, runtime=True)), (90, m16, dict(page=1, has_active=True)),
+                (120, m16, dict(page=64)), (120, m16, dict(page=16, runtime=True))]
+    rows = []
+    for arch, cfg, kw in variants:
+        k = compiled(cfg, arch, kv_fp8=True, **kw)
+        sass = sass_of(k.asm["cubin"])
+        loops = sass_loops(sass, SASS_BRANCH) if sass else []
+        facts = ttgir_facts(k.asm["ttgir"])
+        rows.append(dict(arch=arch, block_m=cfg.block_m, shared=k.metadata.shared,
+                         byte_loads=ptx_byte_loads(k.asm["ptx"]), ptxas=ptxas_report(
+                             k.asm["ptx"], arch), sass=sass_counts(sass, cfg.block_n),
+                         loop_spills=[sum(" STL" in x or " LDL" in x for x in body)
+                                      for body in loops], **facts))
+    print(json.dumps(rows))
+    """
+)
+
+
+def test_compiled_structure_sm90_and_sm120():
+    """Compiled offline (pages 64 / 16 / 1, the graph's run-time splits, active rows):
+
+    - sm_90a: every product of the unmasked KV loop is a wgmma taking A (the widened
+      fp8 tile) from registers; no widened tile is written to shared memory (only the
+      fp16 probabilities), no byte loads from it; the K and V tiles arrive by cp.async
+      (none loaded to registers); the unmasked KV loop (nearly all the time at long
+      context) holds no spill instruction in the 16-row tile, at most 8 in the 32-row
+      one (reloads of loop-invariant scalars: the loop bound, shared addresses, the
+      block-table pointer), the 16-row tile's masked loop at most 4;
+    - shared memory within the estimate the configs are chosen by, within Hopper's
+      227 KB, and for the 16-row tile within sm_120's 99 KB there."""
+    rows = compiled_shared_memory(_COMPILE_TRANSPOSED)
+    for r in rows:
+        config = M16 if r["block_m"] == 16 else M32
+        assert r["shared"] <= estimate_shared_memory_bytes(config, 576, 512, torch.bfloat16), r
+        assert r["async_copies"] >= 2 and r["tile_loads"] == 0, r
+        assert r["widened_to_smem"] == 0 and r["byte_loads"] == 0, r
+        if r["arch"] == 120:
+            assert r["shared"] <= SM120_SHARED_MEMORY_BYTES, r
+            continue
+        assert r["shared"] <= 227 * 1024, r
+        assert r["wgmma_a_regs"] >= 2 and r["wgmma_a_smem"] == 0, r
+        assert r["probs_to_smem"] == 64 * config.block_m * 2, r
+        unmasked, masked = r["loop_spills"]
+        if config is M16:
+            assert unmasked == 0 and masked <= 4, r
+        else:
+            assert unmasked <= 8, r
