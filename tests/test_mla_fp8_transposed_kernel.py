@@ -33,6 +33,7 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     kernels,
     mla_tree_verify,
     mla_tree_verify_reference,
+    ops,
 )
 from vllm_ddtree.attention_backends.mla_tree.configs import (  # noqa: E402
     FP8_TRANSPOSED_TILE_CONFIGS,
@@ -46,6 +47,15 @@ needs_kernels = skip_unless_kernels_run_here(kernels._mla_tree_fwd_kernel)
 
 M16, M32 = FP8_TRANSPOSED_TILE_CONFIGS
 DEEPSEEK = dict(kv_lora=512, rope=64)
+HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
+
+
+@pytest.fixture(autouse=True)
+def hopper_shared_memory(monkeypatch):
+    """The launcher's shared-memory budget is Hopper's, the configs' target: off CUDA it
+    is sm_120's 99 KB, where ``fit_config`` would shrink the 32-row tile (111 KB at
+    DeepSeek's dims) to 32 keys and the tests would not run it as launched on sm_90."""
+    monkeypatch.setattr(ops, "_max_shared_memory", lambda device: HOPPER_SHARED_MEMORY_BYTES)
 
 
 def check(batch, config, rows=None, **kwargs):
@@ -89,9 +99,10 @@ def test_heads_and_query_rows(heads, qlen):
 
 
 @needs_kernels
-@pytest.mark.parametrize("dims", [(256, 64), (48, 8), (32, 0), (128, 16)])
+@pytest.mark.parametrize("dims", [(256, 64), (48, 8), (32, 0), (128, 16), (320, 40)])
 def test_other_latent_widths(dims):
-    """Two 128-column chunks, a padded 64-column one, no rope, one whole chunk."""
+    """Two 128-column chunks, a padded 64-column one, no rope, one whole chunk, and four
+    chunks of which the third is half padding and the fourth all (a padded rope part)."""
     kv_lora, rope = dims
     batch = fp8_batch(MIXED, page_size=4, heads=3, seed=kv_lora, kv_lora=kv_lora, rope=rope)
     check(batch, M16, num_kv_splits=2)
@@ -150,12 +161,32 @@ def test_active_rows_and_runtime_splits():
           num_kv_splits=8, runtime_kv_splits=True)
 
 
+@needs_kernels
+def test_bits_above_the_diagonal_are_ignored():
+    """Every ancestor bit set, those of later tokens too (outside the mask contract, which
+    the kernels ignore: a token sees new tokens ``j <= t`` only), as in the reference."""
+    specs = [(70, chain(70)), (3, [-1, 0, 0, 1])]
+    batch = fp8_batch(specs, page_size=16, heads=2, seed=4, kv_lora=64, rope=16)
+    batch["ancestor_bits"] = torch.full_like(batch["ancestor_bits"], -1)
+    check(batch, M16, num_kv_splits=2)
+    check(batch, M32, num_kv_splits=1)
+
+
 def test_refused_on_a_16_bit_cache():
     batch = fp8_batch(MIXED[:2], page_size=4)
     batch["kv_cache"] = batch["kv_cache"].float().to(batch["q"].dtype)
     del batch["kv_scale"]
     with pytest.raises(ValueError, match="config.fp8_transposed applies to an "
                                          "torch.float8_e4m3fn kv_cache only"):
+        mla_tree_verify(**batch, config=M16)
+
+
+def test_refused_past_its_widest_latent():
+    """Eight 128-column chunks at most: a wider kv_lora_rank is refused by name, not
+    left to the kernel's compile-time assertion."""
+    batch = fp8_batch(MIXED[:1], page_size=4, heads=1, kv_lora=1536, rope=0)
+    with pytest.raises(ValueError, match="config.fp8_transposed takes kv_lora_rank up to "
+                                         "1024, got 1536"):
         mla_tree_verify(**batch, config=M16)
 
 

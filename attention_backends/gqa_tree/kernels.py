@@ -22,10 +22,9 @@ import triton.language as tl
 from vllm_ddtree.attention_backends.mla_tree.kernels import (
     _SPLIT_DEPENDENT,
     LN2,
-    _dot,
-    _page_ids,
     _resplit_active_rows,
 )
+from vllm_ddtree.attention_backends.mla_tree.tiles import _dot, _page_ids
 
 LOG2E = 1.4426950408889634
 M1 = tl.constexpr(0x5555555555555555)

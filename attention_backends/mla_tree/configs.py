@@ -72,8 +72,9 @@ LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 # fp8 caches: the transposed-products kernel (``fp8_transposed.py``): 64 keys a tile as the
 # wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. Launched by
 # config only (``evals/bench_verify_grid.py`` times them against the fp8 kernel above);
-# not dispatched until measured. The 16-row tile fits sm_120 (72 KB compiled), the
-# 32-row one only Hopper (111 KB).
+# not dispatched until measured. At DeepSeek's dims the 16-row tile fits sm_120 (72 KB
+# compiled); the 32-row one is estimated at 111 KB (Hopper's compile), so on sm_120
+# ``fit_config`` shrinks it to 32 keys.
 FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
     MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
     MLATileConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),

@@ -41,6 +41,9 @@ import triton.language as tl
 from .tiles import _dot, _page_ids, _tile_row_ptrs
 
 LATENT_CHUNK = tl.constexpr(128)
+# The widest latent dim (``kv_lora_rank``, padded to a power of two) the loop takes: eight
+# chunks (``_column_chunks`` / ``_row_concat`` split and stack in three levels).
+MAX_KV_LORA_RANK = 8 * 128
 
 
 @triton.jit
@@ -144,8 +147,7 @@ def _tile_update(
     """One KV tile of ``_attend_transposed``: ``(m_i, l_t, acc_chunks)`` updated. ``MASKED``:
     keys outside ``key_valid`` and the tree mask apply (the partial context tile and
     the new tokens); else every key is a visible context key."""
-    ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE,
-                                  BLOCK_N)
+    ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE, BLOCK_N)
     dtype = q_rope_t.dtype
     s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     # Each chunk is loaded (from shared memory) one chunk ahead of its product.
@@ -215,7 +217,7 @@ def _attend_transposed(
     denominator)."""
     CHUNK: tl.constexpr = min(BLOCK_L, LATENT_CHUNK)
     CHUNKS: tl.constexpr = BLOCK_L // CHUNK
-    tl.static_assert(CHUNKS <= 8)
+    tl.static_assert(CHUNKS <= 8, "fp8_transposed: kv_lora_rank over MAX_KV_LORA_RANK")
     q_chunks = ()
     for c in tl.static_range(CHUNKS):
         q_c = _column_chunks(q_nope, CHUNKS)[c]
@@ -236,7 +238,7 @@ def _attend_transposed(
     for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
         cur_pages = pages
         pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
-                                  BLOCK_N)
+                          BLOCK_N)
         m_i, l_t, acc_chunks = _tile_update(
             KV, cur_pages, start_n, None, q_chunks, q_rope_t, scale_t, m_i, l_t, acc_chunks,
             AncestorBits, q_row, tok, row_active, ctx_len, num_words, stride_kvb, stride_kvp,
@@ -247,7 +249,7 @@ def _attend_transposed(
         key_valid = start_n + tl.arange(0, BLOCK_N) < split_end
         cur_pages = pages
         pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE,
-                                  BLOCK_N)
+                          BLOCK_N)
         m_i, l_t, acc_chunks = _tile_update(
             KV, cur_pages, start_n, key_valid, q_chunks, q_rope_t, scale_t, m_i, l_t,
             acc_chunks, AncestorBits, q_row, tok, row_active, ctx_len, num_words, stride_kvb,

@@ -11,7 +11,7 @@ import triton
 
 from vllm_ddtree import settings
 
-from . import dispatch, gluon_kernel, kernels
+from . import dispatch, fp8_transposed, gluon_kernel, kernels
 from .configs import (
     MAX_KV_SPLITS,
     MIN_TILES_PER_SPLIT,
@@ -319,9 +319,13 @@ def mla_tree_verify(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
-    if config is not None and config.fp8_transposed and kv_scale is None:
-        raise ValueError(f"config.fp8_transposed applies to an {FP8_KV_DTYPE} kv_cache only; "
-                         f"kv_cache is {kv_cache.dtype}")
+    if config is not None and config.fp8_transposed:
+        if kv_scale is None:
+            raise ValueError(f"config.fp8_transposed applies to an {FP8_KV_DTYPE} kv_cache "
+                             f"only; kv_cache is {kv_cache.dtype}")
+        if kv_lora_rank > fp8_transposed.MAX_KV_LORA_RANK:
+            raise ValueError(f"config.fp8_transposed takes kv_lora_rank up to "
+                             f"{fp8_transposed.MAX_KV_LORA_RANK}, got {kv_lora_rank}")
     choice = None
     if kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto":
         if max_query_len is not None and max_seq_len is not None:
