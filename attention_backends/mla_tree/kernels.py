@@ -148,8 +148,9 @@ def _fp16_query_rows(q_nope, q_rope, ROPE: tl.constexpr):
     q_rope, unscale)``: fp16 rows and ``2^-e`` fp32 ``[BLOCK_M, 1]``, which undoes the
     scaling in the fp32 scores exactly.
 
-    Only finite entries choose ``e``: an inf / NaN entry stays in its own row (which then
-    gives inf / NaN, as the reference does) and leaves the other rows alone. ``e`` is at
+    Only finite entries choose ``e``: an inf / NaN entry stays in its own row and leaves
+    the other rows alone (that row's output means nothing: NaN from one split, 0 with
+    ``lse = -inf`` after a merge of several). ``e`` is at
     most 126 (``2^-e`` stays a normal fp32): an all-zero row (a masked one) stays zero."""
     mag = tl.abs(q_nope.to(tl.float32))
     row_max = tl.max(tl.where(mag < float("inf"), mag, 0.0), 1)
