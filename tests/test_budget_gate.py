@@ -462,7 +462,9 @@ def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():
         assert stats.committed_tokens[ARMS.index(arm)] == pytest.approx(COMMITTED[arm],
                                                                         abs=0.02)
     engine.committed[8] = 2.0  # from now on 8 drafts commit 2 tokens a tree
-    assert 8 in engine.run(64, 1000)  # a scheduled probe ran it
+    # a scheduled probe ran it (the schedule, doubling to 1,024 decisions, takes the
+    # neighbours and plain decoding, predicted near 4 drafts here, in turn)
+    assert 8 in engine.run(64, 3000)
     assert stats.committed_tokens[ARMS.index(8)] == pytest.approx(2.0, abs=0.02)
     assert stats.committed_tokens[ARMS.index(4)] == pytest.approx(COMMITTED[4], abs=0.02)
 
@@ -498,3 +500,20 @@ def test_arms_must_hold_a_speculative_shape():
     for arms in ([], [0], [-1, 4], [2.5]):
         with pytest.raises(ValueError, match="arms must be verify shapes"):
             SpeculationGate(cost_model(), "cpu", arms)
+
+
+@pytest.mark.parametrize("noise", [0.0, 0.1])
+def test_plain_decoding_is_reached_past_slower_small_arms(noise):
+    """Batch 256 after a burst from batch 1: plain decoding is fastest, 4 drafts next
+    (0.8x) and 1 or 2 drafts slower than 4 (each pays the drafter's whole pass for less
+    than 4's tokens). A search through neighbours alone settled on 4 and stayed there;
+    plain decoding is probed once per bucket, so the gate reaches it and keeps it."""
+    rates = true_rates(256)
+    assert max(rates, key=rates.get) == 0
+    assert rates[1] < rates[2] < rates[4] < 0.85 * rates[0]
+    engine = Engine(noise=noise, seed=2)
+    engine.run(1, 600)
+    engine.run(256, 400)
+    assert engine.gate.settled_arms()[batch_bucket(256)] == 0
+    got = engine.throughput(256, 600)
+    assert got >= 0.95 * rates[0] / noise_mean(noise), got / rates[0]

@@ -22,9 +22,11 @@ module holds the decision, :class:`SpeculationGate`:
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
   ``SWITCH_SAMPLES`` intervals; before, it is probed again);
 * short probes (``PROBE_STEPS`` steps of another arm) measure the arms next to the
-  settled one, the arm beyond a neighbour that measured faster, the way back from plain
+  settled one, the arm beyond a neighbour that measured faster, plain decoding (no
+  neighbour of the small arms: each of them pays the drafter's whole pass, so they can
+  all be slower than both plain decoding and a larger arm), the way back from plain
   decoding, and, on a doubling schedule, every neighbour again (acceptance changes with
-  the requests).
+  the requests) and plain decoding where it is predicted near the settled arm.
 
 Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
 so a batch that jumps every few steps between far-apart buckets (say 3 and 200
@@ -62,6 +64,10 @@ PROBE_STEPS = 3
 PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
 INTERVAL_RESTART = 0.2
+# From a speculative arm, plain decoding is probed once per bucket (the drafter's pass
+# makes it no neighbour: arms between can be slower than both) and then on the probe
+# schedule while it is unmeasured or predicted within this margin of the settled arm.
+PLAIN_PROBE_MARGIN = 0.25
 # Residual samples of the settled arm before its neighbours are first probed.
 CALIBRATION_SAMPLES = 2
 # Residual samples an arm needs before a bucket moves to it; one predicted faster with
@@ -530,11 +536,13 @@ class SpeculationGate:
         bucket, once the settled arm is calibrated): an unmeasured neighbour, or the
         first unmeasured arm beyond neighbours measured faster than the settled one
         (each hop may gain less than the hysteresis); from plain decoding also the arm
-        below the smallest measured speculative arm. Then every ``interval`` decisions
-        the least recently probed of the neighbours (from plain decoding: also the best
-        measured speculative arm, the arm below the smallest measured one, and the
-        smallest measured arm not probed since plain decoding began or the requests
-        changed)."""
+        below the smallest measured speculative arm, from a speculative arm plain
+        decoding. Then every ``interval`` decisions the least recently probed of the
+        neighbours (from a speculative arm: also plain decoding while it is unmeasured or
+        predicted within ``PLAIN_PROBE_MARGIN`` of the settled arm; from plain decoding:
+        also the best measured speculative arm, the arm below the smallest measured one,
+        and the smallest measured arm not probed since plain decoding began or the
+        requests changed)."""
         spec_measured = np.flatnonzero(measured[1:]) + 1
         below = None
         if current == 0 and spec_measured.size > 0 and spec_measured[0] > 1:
@@ -548,11 +556,16 @@ class SpeculationGate:
                     return j
             if below is not None and below not in stats.probed:
                 return below
+            if current > 0 and not measured[0] and 0 not in stats.probed:
+                return 0  # plain decoding: past the drafter's pass, not a neighbour
         if stats.steps < stats.interval:
             return None
         stats.steps = 0
         stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
         candidates = {j for j in (current - 1, current + 1) if 0 <= j < num_arms}
+        if current > 0 and (not measured[0]
+                            or rates[0] * (1 + PLAIN_PROBE_MARGIN) >= rates[current]):
+            candidates.add(0)
         if current == 0:
             if spec_measured.size > 0:
                 candidates.add(int(spec_measured[np.argmax(rates[spec_measured])]))
