@@ -22,11 +22,12 @@ module holds the decision, :class:`SpeculationGate`:
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
   ``SWITCH_SAMPLES`` intervals; before, it is probed again);
 * short probes (``PROBE_STEPS`` steps of another arm) measure the arms next to the
-  settled one, the arm beyond a neighbour that measured faster, plain decoding (no
-  neighbour of the small arms: each of them pays the drafter's whole pass, so they can
-  all be slower than both plain decoding and a larger arm), the way back from plain
-  decoding, and, on a doubling schedule, every neighbour again (acceptance changes with
-  the requests) and plain decoding where it is predicted near the settled arm.
+  settled one, the arm beyond a neighbour that measured faster, plain decoding (every
+  speculative arm pays the drafter's whole pass, so the small arms can all be slower
+  than both plain decoding and a larger arm: a search through neighbours stops short of
+  it), the way back from plain decoding, and, on a doubling schedule, every neighbour
+  again (acceptance changes with the requests) and plain decoding where the settled arm
+  is predicted at most ``PLAIN_PROBE_MARGIN`` faster.
 
 Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
 so a batch that jumps every few steps between far-apart buckets (say 3 and 200
@@ -64,9 +65,10 @@ PROBE_STEPS = 3
 PROBE_INTERVAL = 32
 MAX_PROBE_INTERVAL = 1024
 INTERVAL_RESTART = 0.2
-# From a speculative arm, plain decoding is probed once per bucket (the drafter's pass
-# makes it no neighbour: arms between can be slower than both) and then on the probe
-# schedule while it is unmeasured or predicted within this margin of the settled arm.
+# From a speculative arm, plain decoding is probed once per bucket (every speculative arm
+# pays the drafter's whole pass, so 1 or 2 drafts can be slower than both plain decoding
+# and a larger arm) and then once every probe interval while it is unmeasured or the
+# settled arm is predicted at most this fraction faster than it.
 PLAIN_PROBE_MARGIN = 0.25
 # Residual samples of the settled arm before its neighbours are first probed.
 CALIBRATION_SAMPLES = 2
@@ -537,12 +539,13 @@ class SpeculationGate:
         first unmeasured arm beyond neighbours measured faster than the settled one
         (each hop may gain less than the hysteresis); from plain decoding also the arm
         below the smallest measured speculative arm, from a speculative arm plain
-        decoding. Then every ``interval`` decisions the least recently probed of the
-        neighbours (from a speculative arm: also plain decoding while it is unmeasured or
-        predicted within ``PLAIN_PROBE_MARGIN`` of the settled arm; from plain decoding:
-        also the best measured speculative arm, the arm below the smallest measured one,
-        and the smallest measured arm not probed since plain decoding began or the
-        requests changed)."""
+        decoding. From an arm above 1 draft, plain decoding once every ``interval``
+        decisions while it is unmeasured or the settled arm is predicted at most
+        ``PLAIN_PROBE_MARGIN`` faster (a turn of its own: the neighbours keep their
+        pace). Then every ``interval`` decisions the least recently probed of the
+        neighbours (from plain decoding: also the best measured speculative arm, the arm
+        below the smallest measured one, and the smallest measured arm not probed since
+        plain decoding began or the requests changed)."""
         spec_measured = np.flatnonzero(measured[1:]) + 1
         below = None
         if current == 0 and spec_measured.size > 0 and spec_measured[0] > 1:
@@ -557,15 +560,16 @@ class SpeculationGate:
             if below is not None and below not in stats.probed:
                 return below
             if current > 0 and not measured[0] and 0 not in stats.probed:
-                return 0  # plain decoding: past the drafter's pass, not a neighbour
+                return 0  # plain decoding: no step between it and 1 draft is cheaper
+        if (current > 1 and stats.decisions - stats.last_probe[0] >= stats.interval
+                and (not measured[0]
+                     or rates[current] <= rates[0] * (1 + PLAIN_PROBE_MARGIN))):
+            return 0  # on the schedule's pace, beside the neighbours' turns
         if stats.steps < stats.interval:
             return None
         stats.steps = 0
         stats.interval = min(2 * stats.interval, MAX_PROBE_INTERVAL)
         candidates = {j for j in (current - 1, current + 1) if 0 <= j < num_arms}
-        if current > 0 and (not measured[0]
-                            or rates[0] * (1 + PLAIN_PROBE_MARGIN) >= rates[current]):
-            candidates.add(0)
         if current == 0:
             if spec_measured.size > 0:
                 candidates.add(int(spec_measured[np.argmax(rates[spec_measured])]))
