@@ -11,7 +11,7 @@ config that fits the rows (``triton_m16`` / ``m32`` / ``m64``: the configs of
 ``configs.MLA_TILE_CONFIGS`` and ``LARGE_SMEM_TILE_CONFIGS``), FlashMLA causal (bf16; fp8
 through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). fp8 cells also time the
 transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 rows:
-``configs.FP8_TRANSPOSED_TILE_CONFIGS``, not dispatched) and, as the bf16 reference of
+``configs.FP8_TRANSPOSED_TILE_CONFIGS``, sm_90's fp8 rule) and, as the bf16 reference of
 an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
 (``bf16_gluon``). Ours use the DDTree-like tree mask, FlashMLA a causal chain.
 ``--force-sm120-configs`` times instead the Triton config sm_120 would pick

@@ -12,7 +12,7 @@ round trip), wgmma A operands taken from registers or shared memory; from its PT
 byte loads from shared memory (``ld.shared.b8``: an operand gathered a byte at a time);
 and the loop's SASS instructions per 64 keys, by kind.
 
-    python evals/kernel_structure.py            # sm_90 and sm_120, 16 heads
+    python evals/kernel_structure.py            # sm_90 and sm_120, 16 heads (stdout)
     python evals/kernel_structure.py --arch 90 --out /tmp/structure.md
 """
 
@@ -28,7 +28,6 @@ from pathlib import Path
 from kernel_spills import (
     ALIGNED_INTS,
     POINTERS,
-    REPO,
     launch_signature,
     ptxas_report,
     sass_loops,
@@ -211,8 +210,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, nargs="+", choices=(90, 120), default=[90, 120])
     p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--out", default=str(REPO / "evals" / "results" /
-                                        "mla_fp8_kernel_structure.md"))
+    p.add_argument("--out", help="markdown file (default: standard output)")
     args = p.parse_args(argv)
     rows = []
     for arch in args.arch:
@@ -221,8 +219,12 @@ def main(argv=None) -> int:
             print(rows[-1]["name"], f"sm_{arch}", {k: v for k, v in rows[-1].items()
                                                    if k not in ("config", "name", "arch")})
     command = "python evals/kernel_structure.py " + shlex.join(argv or sys.argv[1:])
-    Path(args.out).write_text(markdown(rows, command.strip()))
-    print(f"wrote {args.out}")
+    text = markdown(rows, command.strip())
+    if args.out is None:
+        print(text)
+    else:
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
     return 0
 
 

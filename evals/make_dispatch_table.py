@@ -7,8 +7,9 @@ JSON (``bench_verify_attention.py --grid`` on an sm_90 GPU; CPU here):
 Per measured cell (cache dtype, heads, query rows, context) the fastest of our methods
 (Gluon, Triton per tile config) becomes the entry; the rule's own method is kept unless
 another is faster by more than ``--margin`` (default 3 %: replay noise must not flip a
-choice). Only a grid measured on sm_90 with the real configs is accepted (not
-``--force-sm120-configs``): other architectures keep the rule.
+choice); a cell that did not time the rule's method gives no entry. Only a grid measured on
+sm_90 with the real configs is accepted (not ``--force-sm120-configs``): other
+architectures keep the rule.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ ARCH = "sm_90"
 
 def choose(cell: dict, margin: float) -> str | None:
     """The cell's entry: the fastest of our timed methods, the rule's method when it is
-    within ``margin`` of it; None when none of ours was timed."""
+    within ``margin`` of it; None when the cell did not time the rule's method (nothing
+    shows another beats it: a grid from before the rule changed) or any of ours."""
     ours = {m: t for m, t in cell["times"].items() if m in dispatch.METHODS and t}
-    if not ours:
+    rule = dispatch.rule_method(ARCH, cell["dtype"], cell["heads"], cell["rows"])
+    if rule not in ours:
         return None
     best = min(ours, key=ours.get)
-    rule = dispatch.rule_method(ARCH, cell["dtype"], cell["heads"], cell["rows"])
-    if rule in ours and ours[rule] <= ours[best] * (1.0 + margin):
+    if ours[rule] <= ours[best] * (1.0 + margin):
         return rule
     return best
 

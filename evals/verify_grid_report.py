@@ -73,7 +73,7 @@ def write_markdown(report: dict, path: str) -> None:
              "- dispatched: what `mla_tree_verify` launches for the cell today "
              "(`attention_backends/mla_tree/dispatch_table.py`, else the rule)",
              "- fp8t_m16 / fp8t_m32 (fp8 cells): the fp8 kernel with transposed products "
-             "(`configs.FP8_TRANSPOSED_TILE_CONFIGS`, not dispatched); bf16_gluon: the Gluon "
+             "(`configs.FP8_TRANSPOSED_TILE_CONFIGS`, sm_90's fp8 rule); bf16_gluon: the Gluon "
              "kernel on the fp8 cell's bf16 cache, not counted as ours, the fp8 / bf16 "
              "ratio's reference where the run has no bf16 cell"]
     notes: dict[str, set[str]] = {}
@@ -107,7 +107,9 @@ def write_markdown(report: dict, path: str) -> None:
 
 
 def write_heatmaps(report: dict, path: str) -> None:
-    """One heatmap per (cache dtype, context): best of ours / FlashMLA per (H, rows)."""
+    """One heatmap per (cache dtype, context) of time ratios per (H, rows): bf16, the best
+    of ours / FlashMLA; fp8, the best of ours / our bf16 time (the cell's bf16 best, else
+    its bf16 Gluon time): what the fp8 cache buys over serving bf16."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -123,6 +125,7 @@ def write_heatmaps(report: dict, path: str) -> None:
     ctxs = sorted({p[1] for p in panels})
     fig, axes = plt.subplots(len(dtypes), len(ctxs), squeeze=False,
                              figsize=(1.0 + 0.75 * len(rows) * len(ctxs), 0.9 + 2.6 * len(dtypes)))
+    bf16 = _bf16_best(report)
     image = None
     for i, dtype in enumerate(dtypes):
         for j, ctx in enumerate(ctxs):
@@ -132,9 +135,12 @@ def write_heatmaps(report: dict, path: str) -> None:
                 if (c["dtype"], c["ctx"]) != (dtype, ctx):
                     continue
                 _, best = best_ours(c["times"])
-                fm = c["times"].get("flashmla")
-                if best and fm:
-                    grid[heads.index(c["heads"])][rows.index(c["rows"])] = best / fm
+                base = c["times"].get("flashmla")
+                if dtype == "fp8":
+                    base = (bf16.get((c["heads"], c["rows"], c["ctx"]))
+                            or c["times"].get("bf16_gluon"))
+                if best and base:
+                    grid[heads.index(c["heads"])][rows.index(c["rows"])] = best / base
             image = ax.imshow(grid, cmap="RdYlGn_r", vmin=0.5, vmax=2.0, aspect="auto")
             for y, line in enumerate(grid):
                 for x, value in enumerate(line):
@@ -142,8 +148,10 @@ def write_heatmaps(report: dict, path: str) -> None:
                         ax.text(x, y, f"{value:.2f}", ha="center", va="center", fontsize=7)
             ax.set_xticks(range(len(rows)), [str(r) for r in rows], fontsize=7)
             ax.set_yticks(range(len(heads)), [str(h) for h in heads], fontsize=7)
-            ax.set(xlabel="query rows", ylabel="heads", title=f"{dtype}, {_ctx(ctx)} context")
-    fig.suptitle("ours (best kernel) / FlashMLA time, lower is better", fontsize=10)
+            what = "ours / FlashMLA" if dtype == "bf16" else "ours fp8 / our bf16"
+            ax.set(xlabel="query rows", ylabel="heads",
+                   title=f"{dtype}, {_ctx(ctx)}: {what}")
+    fig.suptitle("time ratio of our best kernel, lower is better", fontsize=10)
     if image is not None:
         fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8)
     fig.savefig(path, dpi=110)

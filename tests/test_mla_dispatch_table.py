@@ -6,6 +6,7 @@ CPU: the architecture and ``gluon_supported`` are stubbed; Triton runs interpret
 
 import pytest
 import torch
+from test_mla_fp8_kernel import check as check_fp8
 from test_mla_fp8_kernel import fp8_batch
 from test_mla_tree_kernel import MIXED, make_batch
 
@@ -61,7 +62,9 @@ def test_lookup(monkeypatch):
     assert dispatch.lookup(None, "bf16", 2, 3, 9000) is None
     assert dispatch.dispatch_method("sm_120", "bf16", 2, 3, 9000) == "triton_m16"  # rule
     assert dispatch.dispatch_method("sm_90", "bf16", 8, 65, 9000) == "gluon"  # rule
-    assert dispatch.dispatch_method("sm_90", "fp8", 8, 65, 9000) == "triton_m64"  # rule
+    assert dispatch.dispatch_method("sm_90", "fp8", 8, 65, 9000) == "fp8t_m32"  # rule
+    assert dispatch.dispatch_method("sm_90", "fp8", 2, 5, 1000) == "fp8t_m16"  # 10 rows
+    assert dispatch.dispatch_method("sm_120", "fp8", 8, 65, 9000).startswith("triton_m")
 
 
 @pytest.fixture
@@ -140,8 +143,18 @@ def test_fp8_cache_takes_its_own_entry(launches):
     mla_tree_verify(**batch, **LENS, max_seq_len=9000)
     assert launches["gluon"] == 0
     assert launches["configs"] == [dispatch.TRITON_CONFIGS["triton_m64"]]
-    mla_tree_verify(**batch, **LENS, max_seq_len=2000)  # no entry: the rule's config
+    # no entry: sm_90's rule, the transposed fp8 kernel (6 rows: its 16-row tile)
+    check_fp8(batch, **LENS, max_seq_len=2000)
+    assert launches["configs"][-1] == dispatch.TRITON_CONFIGS["fp8t_m16"]
+
+
+def test_fp8_rule_elsewhere_is_select_config(launches, monkeypatch):
+    """Off sm_90 (sm_120: no wgmma) and past the transposed kernel's 1,024 latent
+    columns the fp8 rule is ``select_config``'s widening kernel."""
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: "sm_120")
+    check_fp8(fp8_batch(SPECS, page_size=4, dtype=torch.float32), **LENS, max_seq_len=2000)
     assert launches["configs"][-1][0] == "rule"
+    assert not launches["configs"][-1][1].fp8_transposed
 
 
 @pytest.mark.parametrize("how", ["kernel", "env", "config"])

@@ -190,11 +190,17 @@ def test_refused_past_its_widest_latent():
         mla_tree_verify(**batch, config=M16)
 
 
-def test_never_chosen_without_a_config():
-    """Launched by config only: neither the rule nor the dispatch table picks it."""
+def test_chosen_by_sm_90s_fp8_rule_only():
+    """sm_90's dispatch rule picks it for an fp8 cache (16-row tile below 32 rows);
+    ``select_config`` (every other architecture, 16-bit caches) never does."""
     from vllm_ddtree.attention_backends.mla_tree import dispatch
 
-    assert not any(c.fp8_transposed for c in dispatch.TRITON_CONFIGS.values())
+    for heads, rows, method in ((8, 1, "fp8t_m16"), (8, 3, "fp8t_m16"), (16, 2, "fp8t_m32"),
+                                (128, 257, "fp8t_m32")):
+        assert dispatch.rule_method("sm_90", "fp8", heads, rows) == method
+        assert dispatch.TRITON_CONFIGS[method].fp8_transposed
+        assert not dispatch.TRITON_CONFIGS[dispatch.rule_method("sm_120", "fp8", heads,
+                                                                rows)].fp8_transposed
     for rows in (1, 16, 64, 520, 8192):
         for budget in (SM120_SHARED_MEMORY_BYTES, 227 * 1024):
             assert not select_config(rows, 576, 512, torch.bfloat16, budget).fp8_transposed

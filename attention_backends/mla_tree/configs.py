@@ -34,7 +34,7 @@ class MLATileConfig:
         ctas_per_sm: resident CTAs per SM (registers / shared memory), for the split
             heuristic.
         fp8_transposed: the fp8-cache kernel with transposed products
-            (``fp8_transposed.py``; fp8 caches only, launched by config, not dispatched).
+            (``fp8_transposed.py``; fp8 caches only; sm_90's dispatch rule, else by config).
     """
 
     block_m: int
@@ -70,11 +70,12 @@ LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 
 
 # fp8 caches: the transposed-products kernel (``fp8_transposed.py``): 64 keys a tile as the
-# wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. Launched by
-# config only (``evals/bench_verify_grid.py`` times them against the fp8 kernel above);
-# not dispatched until measured. At DeepSeek's dims the 16-row tile fits sm_120 (72 KB
-# compiled); the 32-row one is estimated at 111 KB (Hopper's compile), so on sm_120
-# ``fit_config`` shrinks it to 32 keys.
+# wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. sm_90's rule for
+# an fp8 cache (``dispatch.fp8_transposed_method``: 0.55-0.84x the fp8 kernel above at
+# 128k, ``evals/results/verify_attention_fp8.md``); sm_120 has not run it (it spills
+# there), so its fp8 rule stays the kernel above. At DeepSeek's dims the 16-row tile fits
+# sm_120 (72 KB compiled); the 32-row one is estimated at 111 KB (Hopper's compile), so on
+# sm_120 ``fit_config`` shrinks it to 32 keys.
 FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
     MLATileConfig(block_m=16, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),
     MLATileConfig(block_m=32, block_n=64, num_warps=4, num_stages=2, fp8_transposed=True),

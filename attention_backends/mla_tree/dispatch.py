@@ -5,9 +5,11 @@
 grid of ``evals/bench_verify_attention.py --grid``) names, per GPU architecture, cache
 class (``"bf16"``: any 16-bit cache; ``"fp8"``) and bucket ``(heads, query rows, context)``,
 the fastest of our methods: ``"gluon"`` or a Triton tile config (``"triton_m16"``,
-``"triton_m32"``, ``"triton_m64"``: the config of that row tile). A launch outside the
-table (another architecture, such as sm_120; heads or lengths the grid did not measure)
-takes the rule: Gluon where it applies, else Triton with ``configs.select_config``.
+``"triton_m32"``, ``"triton_m64"``: the config of that row tile; ``"fp8t_m16"``,
+``"fp8t_m32"``: the fp8 kernel with transposed products). A launch outside the table
+(another architecture, such as sm_120; heads or lengths the grid did not measure) takes
+the rule: on sm_90 Gluon where it applies and the transposed fp8 kernel on an fp8 cache
+(:func:`fp8_transposed_method`), else Triton with ``configs.select_config``.
 
 Buckets: query rows go up to the next measured count (a 16-token tree verifies like the
 17-row cell; more than 257 rows: no entry); the context to the nearest measured length
@@ -23,18 +25,26 @@ import math
 
 import torch
 
-from .configs import LARGE_SMEM_TILE_CONFIGS, MLA_TILE_CONFIGS, MLATileConfig, select_config
+from .configs import (
+    FP8_TRANSPOSED_TILE_CONFIGS,
+    LARGE_SMEM_TILE_CONFIGS,
+    MLA_TILE_CONFIGS,
+    MLATileConfig,
+    select_config,
+)
 from .dispatch_table import TABLE
 
 ROW_BUCKETS = (2, 5, 9, 17, 33, 65, 129, 257)
 CTX_BUCKETS = (8192, 32768, 131072)
 HOPPER_SHARED_MEMORY_BYTES = 227 * 1024
 
-# "triton_m<block_m>" -> the tile config with that row tile.
+# "triton_m<block_m>" / "fp8t_m<block_m>" -> the tile config with that row tile.
 TRITON_CONFIGS: dict[str, MLATileConfig] = {
-    f"triton_m{c.block_m}": c for c in (*MLA_TILE_CONFIGS, *LARGE_SMEM_TILE_CONFIGS)
+    **{f"triton_m{c.block_m}": c for c in (*MLA_TILE_CONFIGS, *LARGE_SMEM_TILE_CONFIGS)},
+    **{f"fp8t_m{c.block_m}": c for c in FP8_TRANSPOSED_TILE_CONFIGS},
 }
-assert len(TRITON_CONFIGS) == len(MLA_TILE_CONFIGS) + len(LARGE_SMEM_TILE_CONFIGS)
+assert len(TRITON_CONFIGS) == (len(MLA_TILE_CONFIGS) + len(LARGE_SMEM_TILE_CONFIGS)
+                               + len(FP8_TRANSPOSED_TILE_CONFIGS))
 METHODS = ("gluon", *TRITON_CONFIGS)
 
 
@@ -74,12 +84,24 @@ def lookup(arch: str | None, cache: str, heads: int, query_rows: int,
     return TABLE.get(arch, {}).get(cache, {}).get((heads, rows, ctx))
 
 
+def fp8_transposed_method(rows: int) -> str:
+    """sm_90's method for an fp8 cache without an entry, ``rows`` = query rows x heads
+    of the longest request: the transposed fp8 kernel, its 32-row tile from 32 rows (below,
+    it would compute padding). Timed on sm_90 at 128k it beat the fp8 kernel that widens
+    its tiles in shared memory at every cell, 1.2-1.8x (``evals/results/
+    verify_attention_fp8.md``), and the grid's older fp8 cells did not time it."""
+    return "fp8t_m32" if rows >= 32 else "fp8t_m16"
+
+
 def rule_method(arch: str | None, cache: str, heads: int, query_rows: int) -> str:
     """What the rule launches without an entry (one request, 576-wide rows, no active
-    rows): Gluon on sm_90 with a 16-bit cache, else the Triton config ``select_config``
-    picks for the architecture's shared memory."""
+    rows): on sm_90 Gluon with a 16-bit cache and :func:`fp8_transposed_method` with an
+    fp8 one, else the Triton config ``select_config`` picks for the architecture's shared
+    memory."""
     if arch == "sm_90" and cache == "bf16":
         return "gluon"
+    if arch == "sm_90" and cache == "fp8":
+        return fp8_transposed_method(query_rows * heads)
     budget = HOPPER_SHARED_MEMORY_BYTES if arch == "sm_90" else None
     kwargs = {} if budget is None else {"max_shared_memory": budget}
     config = select_config(query_rows * heads, 576, 512, torch.bfloat16, **kwargs)

@@ -352,6 +352,9 @@ def mla_tree_verify(
         return out, lse
 
     rows = stats.max_query_len * num_heads
+    if (config is None and kv_scale is not None and kv_lora_rank <= fp8_transposed.MAX_KV_LORA_RANK
+            and dispatch.device_arch(q.device) == "sm_90"):
+        config = dispatch.TRITON_CONFIGS[dispatch.fp8_transposed_method(rows)]
     if config is None:
         config = select_config(rows, head_dim, kv_lora_rank, q.dtype, _max_shared_memory(q.device))
     else:

@@ -27,6 +27,7 @@ def grid(**overrides):
         cell("bf16", 8, 2, 8192, gluon=0.0300, triton_m16=0.0295, flashmla=0.02),  # in margin
         cell("bf16", 8, 5, 131072, gluon=0.5, triton_m16=0.4, triton_m32=0.41, flashmla=0.3),
         cell("fp8", 16, 33, 32768, triton_m16=0.2, triton_m32=0.12, triton_m64=0.123,
+             fp8t_m32=0.121,
              flashmla=None),
         cell("fp8", 8, 2, 8192),  # nothing of ours timed: no entry
     ]
@@ -40,10 +41,15 @@ def test_table_takes_the_fastest_unless_the_rule_is_within_the_margin():
     table = gen.build_table(grid(), margin=0.03)
     assert table["bf16"] == {(16, 33, 32768): "triton_m64", (8, 2, 8192): "gluon",
                              (8, 5, 131072): "triton_m16"}
-    # fp8's rule at 33 x 16 rows on sm_90 is the 64-row tile: within 3 % of m32, kept.
-    assert dispatch.rule_method("sm_90", "fp8", 16, 33) == "triton_m64"
-    assert table["fp8"] == {(16, 33, 32768): "triton_m64"}
+    # fp8's rule at 33 x 16 rows on sm_90 is the transposed kernel's 32-row tile: within 3 %
+    # of m32, kept; a cell that did not time it gives no entry.
+    assert dispatch.rule_method("sm_90", "fp8", 16, 33) == "fp8t_m32"
+    assert table["fp8"] == {(16, 33, 32768): "fp8t_m32"}
     assert gen.build_table(grid(), margin=0.0)["fp8"] == {(16, 33, 32768): "triton_m32"}
+    old = grid()
+    for cell in old["cells"]:
+        cell["times"].pop("fp8t_m32", None)
+    assert "fp8" not in gen.build_table(old, margin=0.03)
 
 
 def test_rendered_module_is_the_table_and_lint_clean(tmp_path):
@@ -133,15 +139,16 @@ def test_fp8_cells_time_the_transposed_kernel_and_bf16_gluon(monkeypatch, heads,
 
 
 def test_transposed_and_reference_methods_in_the_report_not_the_table(tmp_path):
-    """fp8t times are ours (a column, in the best); bf16_gluon is a reference: the fp8 /
-    bf16 ratio of an fp8-only run, never ours; neither enters the dispatch table."""
+    """fp8t times are ours (a column, in the best, the table's fp8 entries: sm_90's fp8
+    rule); bf16_gluon is a reference: the fp8 / bf16 ratio of an fp8-only run, never ours
+    and never in the table."""
     cells = [cell("fp8", 16, 33, 32768, triton_m32=0.12, triton_m64=0.123, fp8t_m16=0.09,
                   fp8t_m32=0.06, bf16_gluon=0.08, flashmla=0.04),
              cell("fp8", 8, 2, 8192, triton_m16=0.05, fp8t_m16=0.03, bf16_gluon=0.02,
                   flashmla=0.01)]
     data = grid(cells=cells)
-    assert gen.build_table(data, margin=0.0)["fp8"] == {(16, 33, 32768): "triton_m32",
-                                                        (8, 2, 8192): "triton_m16"}
+    assert gen.build_table(data, margin=0.0)["fp8"] == {(16, 33, 32768): "fp8t_m32",
+                                                        (8, 2, 8192): "fp8t_m16"}
     md = tmp_path / "grid.md"
     report_module.write_markdown(data, str(md))
     lines = md.read_text().splitlines()
@@ -149,6 +156,6 @@ def test_transposed_and_reference_methods_in_the_report_not_the_table(tmp_path):
     assert "| fp8t_m16 | fp8t_m32 | bf16_gluon |" in header
     row = next(line for line in lines if line.startswith("| 16 | 33 | 32k |"))
     cols = [c.strip() for c in row.strip("|").split("|")]
-    # ours best 0.06 (fp8t_m32), / FlashMLA; dispatched triton_m64 0.123, / FlashMLA 3.075;
+    # ours best 0.06 (fp8t_m32), / FlashMLA; dispatched (the rule) fp8t_m32, / FlashMLA;
     # fp8 best / bf16 Gluon 0.06 / 0.08
-    assert cols[-6:] == ["0.0600", "0.0400", "1.50", "triton_m64", "3.07", "0.75"]
+    assert cols[-6:] == ["0.0600", "0.0400", "1.50", "fp8t_m32", "1.50", "0.75"]
