@@ -149,8 +149,8 @@ def test_fp8_cache_takes_its_own_entry(launches):
 
 
 def test_fp8_rule_elsewhere_is_select_config(launches, monkeypatch):
-    """Off sm_90 (sm_120: no wgmma) and past the transposed kernel's 1,024 latent
-    columns the fp8 rule is ``select_config``'s widening kernel."""
+    """Off sm_90 (sm_120: no wgmma) the fp8 rule is ``select_config``'s widening
+    kernel."""
     monkeypatch.setattr(dispatch, "device_arch", lambda device: "sm_120")
     check_fp8(fp8_batch(SPECS, page_size=4, dtype=torch.float32), **LENS, max_seq_len=2000)
     assert launches["configs"][-1][0] == "rule"
@@ -171,3 +171,21 @@ def test_forcing_bypasses_the_table(launches, monkeypatch, how):
     assert launches["gluon"] == 0
     assert dispatch.TRITON_CONFIGS["triton_m32"] not in launches["configs"]
     _check(out, lse, batch)
+
+
+@pytest.mark.parametrize("entry", [False, True])
+def test_fp8_past_the_transposed_kernels_latent_width_takes_the_widening_kernel(
+        launches, monkeypatch, entry):
+    """kv_lora_rank over ``fp8_transposed.MAX_KV_LORA_RANK`` on sm_90: neither the rule
+    nor a table entry naming the transposed kernel (measured at other dims) launches it;
+    ``select_config``'s kernel runs and matches the reference."""
+    from vllm_ddtree.attention_backends.mla_tree import fp8_transposed
+
+    monkeypatch.setattr(ops, "_max_shared_memory", lambda device: 227 * 1024)  # Hopper's
+    if entry:
+        monkeypatch.setattr(dispatch, "TABLE", {"sm_90": {"fp8": {(2, 5, 8192): "fp8t_m16"}}})
+    rank = fp8_transposed.MAX_KV_LORA_RANK + 16
+    batch = fp8_batch(SPECS, page_size=4, kv_lora=rank, rope=8)
+    check_fp8(batch, **LENS, max_seq_len=9000 if entry else 2000)  # 2000: no entry
+    assert launches["configs"][-1][0] == "rule"
+    assert not launches["configs"][-1][1].fp8_transposed

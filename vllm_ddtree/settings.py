@@ -37,9 +37,9 @@ SWITCHES: tuple[Switch, ...] = (
     Switch(
         "VLLM_DDTREE_MLA_KERNEL", "auto", ("auto", "triton"),
         "MLA tree-verify kernel. `auto`: on sm_90 the kernel and tile measured fastest for the "
-        "launch's heads, rows and context (`mla_tree/dispatch_table.py`), else the Gluon kernel "
-        "on sm_90 where its shape applies (16-bit cache), the Triton kernel elsewhere (sm_120, "
-        "fp8 cache, other shapes); `triton`: always the Triton kernel.",
+        "launch's heads, rows and context (`mla_tree/dispatch_table.py`), else the Gluon "
+        "kernel (16-bit cache) or the transposed fp8 kernel (fp8 cache); Triton elsewhere "
+        "(sm_120, other shapes); `triton`: always a Triton kernel.",
     ),
     Switch(
         "VLLM_DDTREE_TREE_BACKEND", "mla", ("mla", "gqa"),

@@ -291,7 +291,9 @@ def mla_tree_verify(
             generated from the H200 grid; consulted when ``max_query_len`` and
             ``max_seq_len`` are given, as the backend does); without an entry the Gluon
             kernel (``gluon_kernel``) where it applies (sm_90, 16-bit, 512 + 64 dims, no
-            ``config``: :func:`gluon_kernel.gluon_supported`), else the Triton one;
+            ``config``: :func:`gluon_kernel.gluon_supported`), else the Triton one (on
+            sm_90 with an fp8 cache the transposed-products tile,
+            ``dispatch.fp8_transposed_method``, where ``kv_lora_rank`` allows it);
             ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
             (``vllm_ddtree.settings``) does the same globally. A launch with
             ``active_query_lens`` takes the Gluon kernel only when ``mostly_active``.
@@ -334,6 +336,9 @@ def mla_tree_verify(
                                      max_query_len, max_seq_len)
         if choice in dispatch.TRITON_CONFIGS:
             config = dispatch.TRITON_CONFIGS[choice]
+            if config.fp8_transposed and (kv_scale is None or
+                                          kv_lora_rank > fp8_transposed.MAX_KV_LORA_RANK):
+                config = None  # an entry measured at other dims: the rule below
     if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
             and (active_query_lens is None or mostly_active)
             and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):

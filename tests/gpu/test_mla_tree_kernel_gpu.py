@@ -301,8 +301,8 @@ def test_fp8_active_rows():
 
 # The fp8 kernel multiplies in fp16: a bf16 q is scaled per row into fp16's range and the
 # scale undone in the softmax scale (kernels._fp16_query_rows). Mirrors the CPU tests in
-# tests/test_mla_fp8_kernel.py at DeepSeek's dims, on the 64-row tile (wgmma on Hopper)
-# and the mma.sync tiles of the table forced.
+# tests/test_mla_fp8_kernel.py at DeepSeek's dims, on the dispatched kernel (config None:
+# the transposed-products tiles on sm_90) and the widening tiles of the table forced.
 
 
 @pytest.mark.parametrize("config", [None, *MLA_TILE_CONFIGS], ids=str)
