@@ -65,6 +65,12 @@ def _max_shared_memory(device: torch.device) -> int:
     return SM120_SHARED_MEMORY_BYTES
 
 
+def _fp8_transposed_fits(kv_scale: torch.Tensor | None, kv_lora_rank: int) -> bool:
+    """Whether the transposed fp8 kernel can take this launch unasked (an fp8 cache,
+    its latent at most ``fp8_transposed.MAX_KV_LORA_RANK`` wide)."""
+    return kv_scale is not None and kv_lora_rank <= fp8_transposed.MAX_KV_LORA_RANK
+
+
 def _check_mla_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, scale: float, kv_lora_rank: int,
     kv_scale: torch.Tensor | None = None,
@@ -336,8 +342,7 @@ def mla_tree_verify(
                                      max_query_len, max_seq_len)
         if choice in dispatch.TRITON_CONFIGS:
             config = dispatch.TRITON_CONFIGS[choice]
-            if config.fp8_transposed and (kv_scale is None or
-                                          kv_lora_rank > fp8_transposed.MAX_KV_LORA_RANK):
+            if config.fp8_transposed and not _fp8_transposed_fits(kv_scale, kv_lora_rank):
                 config = None  # an entry measured at other dims: the rule below
     if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
             and (active_query_lens is None or mostly_active)
@@ -357,7 +362,7 @@ def mla_tree_verify(
         return out, lse
 
     rows = stats.max_query_len * num_heads
-    if (config is None and kv_scale is not None and kv_lora_rank <= fp8_transposed.MAX_KV_LORA_RANK
+    if (config is None and _fp8_transposed_fits(kv_scale, kv_lora_rank)
             and dispatch.device_arch(q.device) == "sm_90"):
         config = dispatch.TRITON_CONFIGS[dispatch.fp8_transposed_method(rows)]
     if config is None:
