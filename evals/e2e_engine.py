@@ -67,6 +67,16 @@ def engine_active_counters(worker: Any = None) -> tuple[int, int] | None:
     return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
 
 
+def engine_gate_snapshot(worker: Any) -> dict | None:
+    """``ddtree_budget: "auto"``'s step gate per batch-size bucket
+    (``SpeculationGate.snapshot``), or None without one. Needs the worker: call it
+    through ``LLM.collective_rpc``, in-process too."""
+    runner = getattr(worker, "model_runner", None)
+    plan = getattr(getattr(runner, "speculator", None), "step_plan", None)
+    gate = getattr(plan, "gate", None)
+    return None if gate is None else gate.snapshot()
+
+
 def engine_threads(worker: Any = None) -> list[str]:
     """Names of this process's live Python threads: Triton's launcher releases the GIL
     around every launch, so any of them that wants it can run inside a round."""

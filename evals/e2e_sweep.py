@@ -234,6 +234,13 @@ def fake_sweep_row(base: dict, num_spec: int) -> dict:
                output_crc=[7] * (3 * batch), note="")
     if base["budget"] == "auto":
         row["active_nodes_per_round"] = num_spec / 2
+        from vllm_ddtree.budget.gate import batch_bucket, bucket_batches
+
+        arms = [{"arm": a, "chosen": c, "residual_ms": 0.5, "residual_samples": 15,
+                 "committed": 1.0 if a == 0 else 3.0, "committed_samples": c}
+                for a, c in ((num_spec, 90), (0, 10))]
+        row["gate"] = {bucket_batches(batch_bucket(batch)): {"settled": num_spec,
+                                                             "arms": arms}}
     return row
 
 
@@ -242,7 +249,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     """One sweep cell in a child (GPU): prime the pool's prompts, then :func:`drive`
     through ``llm.llm_engine``; the row has the window's tokens/s, acceptance from vLLM's
     spec-decode counters and the correctness figures."""
-    from e2e_engine import engine_active_counters, engine_host_speed
+    from e2e_engine import engine_active_counters, engine_gate_snapshot, engine_host_speed
     from e2e_models import SETUPS
     from e2e_runs import STATUS_OK, RunSpec, counter_delta, spec_base_row
     from vllm import SamplingParams
@@ -301,6 +308,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
             trees = after[1] - active_before[1]
             row["active_nodes_per_round"] = (after[0] - active_before[0]) / trees if trees \
                 else None
+        row["gate"] = llm.collective_rpc(engine_gate_snapshot)[0]
     row["output_crc"] = output_crcs(got["outputs"])
     notes = []
     if setup.oracle:

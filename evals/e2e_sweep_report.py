@@ -96,6 +96,47 @@ def _value_table(rows, values, runs, names, context, kind, digits=2) -> list[str
     return lines
 
 
+def _bucket_of(batch: int) -> str:
+    """The step gate's bucket label of a batch size (``gate.bucket_batches``)."""
+    from vllm_ddtree.budget.gate import batch_bucket, bucket_batches
+
+    return bucket_batches(batch_bucket(batch))
+
+
+def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
+    """Per ``auto`` run, what its step gate measured in each cell's own batch-size
+    bucket at the cell's end (``row["gate"]``, ``SpeculationGate.snapshot``): the
+    settled arm, and per arm the share of the bucket's decisions, the residual (step
+    time beyond the start-up model, ms) and the committed tokens per tree."""
+    lines = []
+    for run in (r for r in runs if r.startswith("ddtree-auto")):
+        cells = sorted((r for r in rows if r["run"] == run and r.get("gate")
+                        and (r["context"], r["kind"]) == (context, kind)
+                        and r.get("repeat", 0) == 0), key=lambda r: r["batch"])
+        table = []
+        for r in cells:
+            bucket = r["gate"].get(_bucket_of(r["batch"]))
+            if not bucket:
+                continue
+            total = sum(a["chosen"] for a in bucket["arms"]) or 1
+            arms = sorted(bucket["arms"], key=lambda a: -a["chosen"])
+            table.append(
+                f"| {r['batch']} | {bucket['settled']} | "
+                + ", ".join(f"{a['arm']}: {100 * a['chosen'] / total:.0f} %" for a in arms)
+                + " | " + ", ".join(f"{a['arm']}: {a['residual_ms']:.2f} "
+                                    f"({a['residual_samples']})" for a in arms)
+                + " | " + ", ".join(f"{a['arm']}: {a['committed']:.2f}" for a in arms)
+                + " |")
+        if table:
+            lines += [f"{names[run]}: the step gate in each cell's batch-size bucket at the "
+                      "cell's end (arms by drafts per request, 0: plain decoding; residual: "
+                      "step time beyond the start-up cost model, median ms (samples)):", "",
+                      "| batch | settled arm | decisions by arm | residual ms by arm | "
+                      "committed tokens per tree by arm |", "|---|---|---|---|---|"]
+            lines += table + [""]
+    return lines
+
+
 def lossless_lines(rows: list[dict]) -> list[str]:
     """The checks of every measured row: off-chain requests (oracle setups) or requests
     whose first tokens' CRC differs from AR's in the same cell (repeat 0)."""
@@ -177,6 +218,7 @@ def write_sweep_markdown(data: dict, path: str) -> None:
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]
+        lines += gate_tables(rows, runs, names, context, kind)
         table = _value_table(rows, host, runs, names, context, kind)
         if table:
             lines += [f"Host speed: ms of a fixed Python loop in the run's engine process "

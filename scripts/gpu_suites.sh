@@ -95,8 +95,8 @@
 #              other work mean nothing.
 #   autoprofile e2e_trained_yarn for ddtree-64 and ddtree-auto at batch 1 and 8 with
 #              BENCH_E2E_HOST_PROFILE: after each measured cell, cProfile of the same
-#              generate (host time per function and step: profiles/host_profile_*.md in
-#              the log folder); the GPU to itself for the step times
+#              generate (host time per function and step: profiles/host_profile_*.md, archived
+#              as profiles.tgz in the log folder); the GPU to itself for the step times
 #   sweep_trained / sweep_v2lite
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
@@ -445,7 +445,9 @@ for stage in "$@"; do
     autoprofile)  # where auto's steps lose time against B = 64 (host profile per function)
       E2E_RUNS="${E2E_RUNS:-ddtree-64 ddtree-auto}" E2E_BATCHES="${E2E_BATCHES:-1 8}" \
         BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" run_e2e e2e_trained_yarn
-      ls "$LOG_DIR/profiles" 2>/dev/null ;;
+      # one archive: a device call brings back a limited number of files
+      ls "$LOG_DIR/profiles" 2>/dev/null && tar czf "$LOG_DIR/profiles.tgz" -C "$LOG_DIR" \
+        profiles && rm -rf "$LOG_DIR/profiles" ;;
     sweep_trained|sweep_v2lite) run_sweep "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096 ${SYNTHETIC_DOCS:+--synthetic-docs "$SYNTHETIC_DOCS"}

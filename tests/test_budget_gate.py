@@ -449,6 +449,28 @@ def test_settled_arms_are_logged_when_they_change_at_most_once_a_minute():
     assert engine.gate.settled_arms() == {0: 8, 6: 4}
 
 
+def test_snapshot_reports_each_buckets_decisions_and_measurements():
+    """The report's view (``SpeculationGate.snapshot``): per bucket the settled arm and,
+    per arm measured or chosen, its decisions, residual and committed tokens; the
+    decisions add up to the steps run there and the settled arm took most of them."""
+    engine = Engine()
+    engine.run(1, 300)
+    engine.run(64, 200)
+    snap = engine.gate.snapshot()
+    assert list(snap) == ["1", "33-64"]
+    for batches, settled, steps in (("1", 8, 300), ("33-64", 4, 200)):
+        bucket = snap[batches]
+        assert bucket["settled"] == settled
+        chosen = {a["arm"]: a["chosen"] for a in bucket["arms"]}
+        assert sum(chosen.values()) == steps
+        assert chosen[settled] == max(chosen.values()) > steps // 2
+        by_arm = {a["arm"]: a for a in bucket["arms"]}
+        assert by_arm[settled]["residual_samples"] > 10
+        assert by_arm[settled]["residual_ms"] > 0
+        assert by_arm[settled]["committed"] == pytest.approx(COMMITTED[settled], abs=0.05)
+    assert {a["arm"]: a["committed"] for a in snap["33-64"]["arms"]}.get(0, 1.0) == 1.0
+
+
 def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():
     """Each arm's committed tokens per tree come from the trees verified under it (the
     counters copied after each walk); a probe resets the probed arm's figure, so its

@@ -309,6 +309,9 @@ def test_fake_sweep_end_to_end_with_a_refused_run(tmp_path, monkeypatch):
     assert "## Tokens per second, 1k context" in md and "/ best other" in md
     assert "--sweep --lockstep" in md and "refused by the front end" in md
     assert "Host speed: ms of a fixed Python loop" in md and "| 2.10 |" in md
+    assert "the step gate in each cell's batch-size bucket" in md
+    assert "| 64 | 64 | 64: 90 %, 0: 10 % | 64: 0.50 (15), 0: 0.50 (15) | 64: 3.00, 0: 1.00 |" \
+        in md
     assert (tmp_path / "e2e_batch_sweep_v2lite.png").stat().st_size > 1000
     out = tmp_path / "again"
     out.mkdir()

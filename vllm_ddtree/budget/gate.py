@@ -158,6 +158,7 @@ class GateStats:
         self.residual_count = np.zeros(num_arms, dtype=np.int64)
         self.committed_tokens = np.zeros(num_arms)
         self.committed_count = np.zeros(num_arms, dtype=np.int64)
+        self.chosen = np.zeros(num_arms, dtype=np.int64)  # decisions per arm
         self.settled = settled
         self.decisions = 0
         self.steps = 0  # decisions since the last scheduled probe
@@ -321,6 +322,27 @@ class SpeculationGate:
         timings of those plain steps alone open a bucket)."""
         return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """What each batch-size bucket measured and chose, as plain data for reports
+        (``evals/e2e_sweep.py``): ``{batches: {"settled": arm, "arms": [{"arm",
+        "chosen" (decisions), "residual_ms", "residual_samples", "committed" (tokens
+        per tree; 1 for plain decoding), "committed_samples"}, ...]}}``, arms measured
+        or chosen only."""
+        out = {}
+        for b, stats in sorted(self.stats.items()):
+            arms = []
+            for i, arm in enumerate(self.arms):
+                if not (stats.chosen[i] or stats.residual_count[i]):
+                    continue
+                arms.append({
+                    "arm": arm, "chosen": int(stats.chosen[i]),
+                    "residual_ms": round(1e3 * float(stats.residual_seconds[i]), 4),
+                    "residual_samples": int(stats.residual_count[i]),
+                    "committed": 1.0 if i == 0 else round(float(stats.committed_tokens[i]), 4),
+                    "committed_samples": int(stats.committed_count[i])})
+            out[bucket_batches(b)] = {"settled": self.arms[stats.settled], "arms": arms}
+        return out
+
     def step_started(self, num_reqs: int, shape: int, prefill_reqs: int = 0,
                      prefill_tokens: int = 0, prefill_pairs: int = 0) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event).
@@ -458,6 +480,8 @@ class SpeculationGate:
             mark.drafted = None
         columns = self.model.attention_columns(contexts)
         arm = self._choose(num_reqs, contexts, cap, columns)
+        if cap > 0:
+            self.stats[batch_bucket(num_reqs)].chosen[self._index[arm]] += 1
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
