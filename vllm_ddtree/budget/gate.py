@@ -480,8 +480,9 @@ class SpeculationGate:
             mark.drafted = None
         columns = self.model.attention_columns(contexts)
         arm = self._choose(num_reqs, contexts, cap, columns)
-        if cap > 0:
-            self.stats[batch_bucket(num_reqs)].chosen[self._index[arm]] += 1
+        stats = self.stats.get(batch_bucket(num_reqs))
+        if stats is not None and arm in self._index:  # for the report (snapshot)
+            stats.chosen[self._index[arm]] += 1
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
