@@ -94,10 +94,12 @@ class Engine:
     then (after the walk) the acceptance counters and draft_next at propose. A step
     takes ``seconds(num_reqs, shape, drafted)`` (its verify of ``shape`` drafts a
     request and, when its propose drafts, the drafter's pass) times log-normal noise
-    of ``noise`` (seeded), and its trees commit ``committed[shape]`` tokens each."""
+    of ``noise`` (seeded), and its trees commit ``committed[shape]`` tokens each (cut to
+    a smaller arm ``a``, ``committed[a]``: the walk's arm counters, unless
+    ``arm_counters`` is False)."""
 
     def __init__(self, seconds=true_seconds, committed=COMMITTED, noise=0.0, seed=0,
-                 arms=ARMS, schedule=None, prefill_tokens=None):
+                 arms=ARMS, schedule=None, prefill_tokens=None, arm_counters=True):
         self.clock = Clock()
         self.gate = SpeculationGate(cost_model(), "cpu", arms, make_event=self.clock.event)
         self.plan = StepPlan(max(arms), arms, schedule, gate=self.gate)
@@ -105,6 +107,10 @@ class Engine:
         self.noise, self.rng = noise, np.random.default_rng(seed)
         self.accepted_exact = 0.0
         self.accepted = torch.zeros(1, dtype=torch.int64)
+        # the walk's arm counters: each tree cut to each speculative arm (None: off)
+        self.speculative = [a for a in arms if a > 0]
+        self.arm_exact = np.zeros(len(self.speculative)) if arm_counters else None
+        self.arm_accepted = torch.zeros(len(self.speculative), dtype=torch.int64)
         self.trees = torch.zeros(1, dtype=torch.int64)
         self.tokens = self.time = 0.0
         # (low, high): every step also prefills one request's chunk of that many tokens
@@ -128,7 +134,14 @@ class Engine:
                 self.trees += num_reqs
                 self.accepted_exact += tokens - num_reqs
                 self.accepted.fill_(int(self.accepted_exact))
-                self.gate.record_acceptance_(self.accepted, self.trees, num_reqs)
+                arm_accepted = None
+                if self.arm_exact is not None:  # a cut above the tree is the tree
+                    self.arm_exact += [num_reqs * (self.committed[min(a, shape)] - 1)
+                                       for a in self.speculative]
+                    arm_accepted = self.arm_accepted.copy_(
+                        torch.from_numpy(self.arm_exact.astype(np.int64)))
+                self.gate.record_acceptance_(self.accepted, self.trees, num_reqs,
+                                             arm_accepted)
             draft = self.plan.draft_next(num_reqs, np.full(num_reqs, 1024))
             seconds = self.seconds(num_reqs, shape, draft)
             seconds += prefill_seconds(num_reqs, shape, prefill[1], prefill[2])
@@ -469,6 +482,52 @@ def test_snapshot_reports_each_buckets_decisions_and_measurements():
         assert by_arm[settled]["residual_ms"] > 0
         assert by_arm[settled]["committed"] == pytest.approx(COMMITTED[settled], abs=0.05)
     assert {a["arm"]: a["committed"] for a in snap["33-64"]["arms"]}.get(0, 1.0) == 1.0
+
+
+@pytest.mark.parametrize("arm_counters", [True, False])
+def test_smaller_arms_committed_tokens_come_from_the_settled_arms_trees(arm_counters):
+    """With the walk's arm counters (each tree cut to each arm's size), every step of
+    the settled arm (8 at batch 5) also gives the committed tokens of 1, 2 and 4 drafts
+    from its own trees: those figures are fresh (hundreds of samples, the exact values)
+    where, without the counters, only the few trees of their probes count. (At batch 5
+    every arm's accepted nodes per step are whole numbers: the counters stay exact.)"""
+    engine = Engine(arm_counters=arm_counters)
+    engine.run(5, 400)
+    stats = engine.gate.stats[batch_bucket(5)]
+    assert engine.gate.settled_arms() == {batch_bucket(5): 8}
+    for arm in (1, 2, 4):
+        i = engine.gate.arms.index(arm)
+        if arm_counters:
+            assert stats.committed_count[i] > 300
+            assert stats.committed_tokens[i] == pytest.approx(COMMITTED[arm], abs=0.05)
+        else:
+            assert stats.committed_count[i] < 30
+    larger = engine.gate.arms.index(64)  # above the settled arm: its probes only
+    assert stats.committed_count[larger] < 30
+
+
+def test_arms_above_the_settled_one_follow_the_smallest_arms_acceptance():
+    """An arm above the settled one counted trees only in its probe; the rates scale
+    what it accepted then by how the smallest arm's figure moved since, as the probe's
+    own trees cut to the smallest arm measured it: accepted 2.0 a tree when those trees
+    cut to 1 draft accepted 0.5, and 1 draft now accepts 1.0 -> predicted 1 + 4.0.
+    Arms at or below the settled one keep their own (fresh) figures."""
+    gate = SpeculationGate(cost_model(), "cpu", ARMS)
+    stats = gate.bucket(1)
+    stats.settled = 3  # 4 drafts
+    for arm, tokens in ((1, 2.0), (2, 2.5), (3, 3.0), (5, 3.0)):
+        stats.add_committed(arm, tokens)
+        stats.add_residual(arm, 0.0)
+    stats.add_smallest_cut(5, 1.5)
+    columns = gate.model.attention_columns(np.full(1, 1024))
+    rates = gate.rates(stats, 1, columns, len(ARMS))
+    seconds = gate.model.step_seconds_by_drafts(1, np.asarray(ARMS), columns)
+    committed = rates * seconds
+    assert committed[5] == pytest.approx(5.0)
+    assert committed[1:4] == pytest.approx([2.0, 2.5, 3.0])
+    stats.settled = 5  # settled on 16 drafts: its figure is its own again
+    rates = gate.rates(stats, 1, columns, len(ARMS))
+    assert rates[5] * seconds[5] == pytest.approx(3.0)
 
 
 def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():

@@ -58,6 +58,7 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
         sc.state.enable_adaptive_(6, "cpu")
         # request 1 has 5 drafts: its budget of 7 counts as 5 verified nodes
         sc.state.active_nodes[sc.batch.idx_mapping.long()] = torch.tensor([11, 7, 2, 2])
+        sc.state.enable_arm_counters_([1, 2, 4, 8, 16], "cpu")  # auto's step gate
     vf = verifier.DDTreeVerifier(sc.sampler, NS(num_speculative_tokens=BUDGET), "cpu",
                                  DEPTHS, state=sc.state, draw_fn=sc.sampler.draw_fn)
     drawn, _, _ = vf.draw_target_tokens(sc.logits.clone(), sc.batch)
@@ -69,12 +70,18 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
         drawn[start + prev + 1] = sc.trees.tokens[0, node]
         prev = node
     want = vf.walk(drawn, sc.batch)
-    counters = ("accepted_sum", "num_drafts") + (("active_nodes_sum",) if adaptive else ())
+    counters = ("accepted_sum", "num_drafts") + (
+        ("active_nodes_sum", "arm_accepted_sum") if adaptive else ())
     before = {n: getattr(sc.state, n).clone() for n in counters}
     out_want = vf(sc.logits.clone(), sc.batch)
     state_want = {n: getattr(sc.state, n).clone() for n in counters}
     rows_want = sc.state.take_walk(sc.batch.num_reqs).clone()
-    assert any(int(state_want[n]) > int(before[n]) for n in counters)
+    assert any(int(state_want[n].sum()) > int(before[n].sum()) for n in counters)
+    if adaptive:  # cut to 1 node a tree accepts at most 1; past the deepest, the path
+        arms = state_want["arm_accepted_sum"]
+        assert int(arms[0]) <= int(state_want["num_drafts"])
+        assert int(arms[-1]) == int(state_want["accepted_sum"]) and int(arms[-1]) > 0
+        assert bool((arms[1:] >= arms[:-1]).all())
     for n in counters:  # the forced run must count the same from the same start
         getattr(sc.state, n).copy_(before[n])
     sc.state.walk_kv_src_rows.fill_(-7)
@@ -166,10 +173,12 @@ def test_fused_verify_walk_equals_the_pytorch_round(adaptive, count, block_b, wa
     walk_rows = dev(torch.full((max_reqs, walk_width), -7, dtype=torch.int64))
     counters = (dev(torch.tensor([5])), dev(torch.tensor([2]))) if count else None
     active_sum = dev(torch.tensor([3])) if adaptive else None
+    arm_sizes = torch.tensor([1, 2, 3, 5, 9])
+    arm_counters = (dev(arm_sizes), dev(torch.tensor([1, 0, 4, 0, 7]))) if count else None
     walk, sampled, num_sampled, num_rejected = verify_walk_triton(
         dev(input_ids), dev(logits_indices), dev(drawn), dev(cu), dev(idx), dev(parents),
         max_depth, budget, walk_rows, dev(seq_lens), dev(prefill_len), dev(active),
-        counters, active_sum, block_b=block_b)
+        counters, active_sum, arm_counters, block_b=block_b)
     assert_same_walk(WalkResult(**{n: getattr(walk, n).cpu() for n in FIELDS}), want)
     assert torch.equal(sampled.cpu(), want_sampled)
     assert num_sampled.dtype == num_rejected.dtype == torch.int32
@@ -187,6 +196,13 @@ def test_fused_verify_walk_equals_the_pytorch_round(adaptive, count, block_b, wa
         if adaptive:
             verified = torch.minimum(active[idx.long()], cu[1:] - cu[:-1] - 1)
             assert int(active_sum) == 3 + int(torch.where(has_tree, verified, 0).sum())
+        # each tree cut to its first s nodes accepts the path's nodes below s
+        cut = [sum(int((path_nodes[(path_nodes >= 0) & (path_nodes < s)]).numel())
+                   for path_nodes, tree in zip(want.accepted_nodes, has_tree, strict=True)
+                   if tree) for s in arm_sizes.tolist()]
+        assert arm_counters[1].cpu().tolist() == [a + c for a, c in zip(
+            [1, 0, 4, 0, 7], cut, strict=True)]
+        assert cut[-1] == int(torch.where(has_tree, want.accepted_depth, 0).sum()) > cut[0]
 
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -202,8 +218,8 @@ _COMPILE_SCRIPT = textwrap.dedent(
             "input_ids_ptr": "*i32", "logits_indices_ptr": "*i32"}
     for arch in (90, 120):
         for count, adaptive, block_b, warps in ((False, False, 64, 1), (True, True, 512, 4)):
-            consts = dict(ADAPTIVE=adaptive, COUNT=count, BLOCK_B=block_b, BLOCK_L=32,
-                          BLOCK_S=512, BLOCK_W=32)
+            consts = dict(ADAPTIVE=adaptive, COUNT=count, NUM_ARMS=7 if count else 0,
+                          BLOCK_B=block_b, BLOCK_L=32, BLOCK_S=512, BLOCK_W=32, BLOCK_A=8)
             sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i64")
                    if n.endswith("_ptr") else "i32" for n in fn.arg_names}
             k = triton.compile(ASTSource(fn, sig, constexprs=consts),

@@ -114,6 +114,8 @@ class DDTreeRuntimeState:
         self.adaptive = False
         self.active_nodes: torch.Tensor | None = None
         self.active_nodes_sum: torch.Tensor | None = None
+        self.arm_sizes: torch.Tensor | None = None
+        self.arm_accepted_sum: torch.Tensor | None = None
 
     def allocate(
         self,
@@ -149,6 +151,7 @@ class DDTreeRuntimeState:
         self.walk_valid = False
         self.accepted_sum = torch.zeros(1, **i64)
         self.num_drafts = torch.zeros(1, **i64)
+        self.arm_sizes = self.arm_accepted_sum = None  # until a step gate asks
         bits = TREE_MASK_STATE.allocate(max_num_tokens, max(max_query_len, 1 + budget), device)
         bits.fill_(-1)  # all visible until the first step writes real rows
         TREE_MASK_STATE.active = True
@@ -167,6 +170,16 @@ class DDTreeRuntimeState:
         TREE_MASK_STATE.allocate_active(max_num_reqs, device).fill_(ALL_ROWS_ACTIVE)
         TREE_MASK_STATE.adaptive = True
         self.adaptive = True
+
+    def enable_arm_counters_(self, sizes: list[int], device: torch.device | str) -> None:
+        """Count, beside ``accepted_sum``, what each tree would have accepted cut to its
+        first ``sizes[a]`` nodes (``arm_accepted_sum`` int64 ``[A]``; ``arm_sizes`` int64
+        ``[A]``): ``auto``'s step gate reads the committed tokens of its smaller arms
+        from the trees the settled arm verifies (``vllm_ddtree.budget.gate``)."""
+        if not sizes or any(s <= 0 for s in sizes):
+            raise ValueError(f"arm sizes must be verify shapes above 0, got {sizes}")
+        self.arm_sizes = torch.tensor(sizes, dtype=torch.int64, device=device)
+        self.arm_accepted_sum = torch.zeros(len(sizes), dtype=torch.int64, device=device)
 
     def reset_trees_(self) -> None:
         """Make every request's tree a chain (node i at depth i+1, parent i-1).

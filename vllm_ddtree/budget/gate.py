@@ -16,7 +16,8 @@ module holds the decision, :class:`SpeculationGate`:
   beside the decodes as more rows of the forward; a step holding a prefill counts only
   where at least half of the bucket's steps hold one and its prefill's attention is
   typical of them), and the tokens committed per tree (DDTree's device counters, copied
-  to pinned memory and read once the copy completed);
+  to pinned memory and read once the copy completed; a step's trees cut to each smaller
+  arm's size give that arm's figure too: the walk's arm counters);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
   batch size and these contexts; each bucket keeps a settled arm and moves to its best
   measured arm when that is predicted ``HYSTERESIS`` faster (once measured on
@@ -158,6 +159,9 @@ class GateStats:
         self.residual_count = np.zeros(num_arms, dtype=np.int64)
         self.committed_tokens = np.zeros(num_arms)
         self.committed_count = np.zeros(num_arms, dtype=np.int64)
+        # per arm: its own trees cut to the smallest speculative arm (same EMA weights)
+        self.smallest_cut = [_Ema() for _ in range(num_arms)]
+        self.smallest_cut_tokens = np.zeros(num_arms)
         self.chosen = np.zeros(num_arms, dtype=np.int64)  # decisions per arm
         self.settled = settled
         self.decisions = 0
@@ -196,10 +200,17 @@ class GateStats:
         self.committed_tokens[arm] = ema.value
         self.committed_count[arm] = ema.count
 
+    def add_smallest_cut(self, arm: int, tokens: float) -> None:
+        ema = self.smallest_cut[arm]
+        ema.add(tokens)
+        self.smallest_cut_tokens[arm] = ema.value
+
     def reset_committed(self, arm: int) -> None:
         self.committed[arm] = _Ema()
         self.committed_tokens[arm] = 0.0
         self.committed_count[arm] = 0
+        self.smallest_cut[arm] = _Ema()
+        self.smallest_cut_tokens[arm] = 0.0
 
     def measured(self, num_arms: int) -> np.ndarray:
         """bool ``[num_arms]``: the first arms with a residual, and (speculative arms)
@@ -280,14 +291,22 @@ class SpeculationGate:
         self.clock: Callable[[], float] = time.monotonic  # for the log's pace
         self._logged_at: float | None = None
         self._log_pending = False
-        # accepted-depth counters, copied each propose: (accepted_sum, trees) per slot
-        self._accept_host = torch.zeros(_ACCEPT_SLOTS, 2, dtype=torch.int64, pin_memory=cuda)
+        # accepted-depth counters, copied each propose: (accepted_sum, trees, then what
+        # the trees would have accepted cut to each speculative arm) per slot
+        self._accept_host = torch.zeros(_ACCEPT_SLOTS, 2 + len(self.arms) - 1,
+                                        dtype=torch.int64, pin_memory=cuda)
         self._accept_events: list[Any] = [None] * _ACCEPT_SLOTS
         self._accept_reqs = [0] * _ACCEPT_SLOTS
         self._accept_arms = [0] * _ACCEPT_SLOTS
         self._accept_pending: deque[int] = deque()
         self._accept_slot = 0
-        self._accept_last: tuple[int, int] | None = None
+        self._accept_last: np.ndarray | None = None
+
+    @property
+    def speculative_arms(self) -> list[int]:
+        """The arms above 0 (verify shapes), in order: the sizes the walk's arm
+        counters cut each tree to (``DDTreeRuntimeState.enable_arm_counters_``)."""
+        return self.arms[1:]
 
     # -- feeds --------------------------------------------------------------------------
 
@@ -360,9 +379,11 @@ class SpeculationGate:
             self.marks.popleft()
 
     def record_acceptance_(self, accepted_sum: torch.Tensor, num_trees: torch.Tensor,
-                           num_reqs: int) -> None:
+                           num_reqs: int, arm_accepted: torch.Tensor | None = None) -> None:
         """At ``propose``, after the step's walk: start the copy of DDTree's cumulative
-        counters (int64 ``[1]`` each, on the device) to pinned memory. No host sync."""
+        counters (int64 ``[1]`` each, on the device) to pinned memory, and of
+        ``arm_accepted`` (int64 ``[A - 1]``, :attr:`speculative_arms`' order: the
+        accepted nodes of every tree cut to each arm's size) when given. No host sync."""
         slot = self._accept_slot
         self._accept_slot = (slot + 1) % _ACCEPT_SLOTS
         if slot in self._accept_pending:  # the host ran _ACCEPT_SLOTS steps ahead
@@ -370,6 +391,10 @@ class SpeculationGate:
         row = self._accept_host[slot]
         row[0:1].copy_(accepted_sum.reshape(1), non_blocking=True)
         row[1:2].copy_(num_trees.reshape(1), non_blocking=True)
+        if arm_accepted is not None:
+            row[2:].copy_(arm_accepted, non_blocking=True)
+        else:
+            row[2:].fill_(-1)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
@@ -381,21 +406,29 @@ class SpeculationGate:
 
     def _drain_acceptance(self) -> None:
         """Fold every completed counter copy into its bucket's and arm's committed
-        tokens per tree."""
+        tokens per tree, and, with the arm counters, every smaller speculative arm's:
+        what the same trees would have committed cut to that arm (paired with the
+        settled arm's figure, where a probe's few trees met other requests)."""
         while self._accept_pending:
             slot = self._accept_pending[0]
             event = self._accept_events[slot]
             if event is not None and not event.query():
                 break
             self._accept_pending.popleft()
-            accepted, trees = (int(x) for x in self._accept_host[slot].tolist())
-            last, self._accept_last = self._accept_last, (accepted, trees)
+            counts = self._accept_host[slot].numpy().copy()
+            last, self._accept_last = self._accept_last, counts
             arm = self._index.get(self._accept_arms[slot], 0)
-            if last is None or trees <= last[1] or arm == 0:
+            if last is None or counts[1] <= last[1] or arm == 0:
                 continue
-            new_trees = trees - last[1]
-            self.bucket(self._accept_reqs[slot]).add_committed(
-                arm, 1.0 + (accepted - last[0]) / new_trees)
+            new_trees = int(counts[1] - last[1])
+            stats = self.bucket(self._accept_reqs[slot])
+            stats.add_committed(arm, 1.0 + int(counts[0] - last[0]) / new_trees)
+            if counts[2] < 0 or last[2] < 0:
+                continue  # no arm counters in one of the two copies
+            for smaller in range(1, arm):
+                stats.add_committed(
+                    smaller, 1.0 + int(counts[1 + smaller] - last[1 + smaller]) / new_trees)
+            stats.add_smallest_cut(arm, 1.0 + int(counts[2] - last[2]) / new_trees)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
@@ -453,6 +486,15 @@ class SpeculationGate:
         seconds += stats.residual_seconds[:num_arms]
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
+        # Arms above the settled one last counted trees in their probes: scale what
+        # they accepted by how the smallest arm's figure (fresh from every speculative
+        # step) moved since, as measured on their own trees.
+        above = np.arange(num_arms) > stats.settled
+        ref = stats.smallest_cut_tokens[:num_arms]
+        scale = above & (ref > 1.0) & (stats.committed_count[:num_arms] > 0)
+        if scale.any() and num_arms > 1 and stats.committed_count[1] > 0:
+            now = stats.committed_tokens[1] - 1.0
+            committed[scale] = 1.0 + (committed[scale] - 1.0) * now / (ref[scale] - 1.0)
         counted = stats.committed_count[:num_arms] > 0
         counted[0] = True
         if not counted.all():

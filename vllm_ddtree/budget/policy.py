@@ -71,7 +71,11 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   attention growing with the prompt, would fill the settled arm's window alone. ``E(a)`` =
   tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
   copied to pinned memory each step and read once their copy completed; 1 for plain
-  decoding; for an arm without counted trees the nearest arm's figure). So the model
+  decoding; for an arm without counted trees the nearest arm's figure). The walk also
+  counts what each tree would have accepted cut to every arm's size (the accepted
+  path's nodes below it: a parent precedes its children in the tree's best-first
+  order), so each step of an arm gives every smaller arm's figure from the same trees,
+  paired with its own, not from a probe's few trees of other requests. So the model
   carries the batch-size and row dependence of the GPU work, the residuals what no
   start-up measurement sees; neither needs a host sync.
 * **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest

@@ -269,6 +269,7 @@ class DDTreeSpeculator(DFlashSpeculator):
             from vllm_ddtree.budget.gate import SpeculationGate
 
             gate = SpeculationGate(self.budget_policy.cost_model(), device, arms=shapes)
+            self.state.enable_arm_counters_(gate.speculative_arms, device)
         return StepPlan(self.budget, shapes, schedule, self.verify_shape, gate)
 
     def capture(self) -> None:
@@ -497,7 +498,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         num_reqs = input_batch.num_reqs
         if plan.gate is not None and walk is not None and self.state.accepted_sum is not None:
             plan.gate.record_acceptance_(self.state.accepted_sum, self.state.num_drafts,
-                                         num_reqs)
+                                         num_reqs, self.state.arm_accepted_sum)
         computed = getattr(input_batch, "num_computed_tokens_np", None)
         contexts = None if computed is None else computed[:num_reqs]
         return plan.draft_next(num_reqs, contexts)

@@ -418,10 +418,18 @@ class DDTreeVerifier:
             self.max_depth, self.budget, self.state.walk_kv_src_rows,
             input_batch.seq_lens, self.sampler.req_states.prefill_len.gpu,
             self.state.active_nodes if self.state.adaptive else None, counters,
-            self.state.active_nodes_sum,
+            self.state.active_nodes_sum, self._arm_counters(counters),
         )  # fmt: skip
         self.state.mark_walk_(input_batch.idx_mapping.shape[0])
         return out
+
+    def _arm_counters(self, counters: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(arm_sizes, arm_accepted_sum)`` where the round counts and the step gate
+        asked for them (``DDTreeRuntimeState.enable_arm_counters_``), else None."""
+        if counters is None or self.state.arm_sizes is None:
+            return None
+        assert self.state.arm_accepted_sum is not None
+        return self.state.arm_sizes, self.state.arm_accepted_sum
 
     def _counts(self, input_batch: Any) -> bool:
         """Whether this batch's walks go into DDTree's acceptance counters.
@@ -445,6 +453,11 @@ class DDTreeVerifier:
         has_tree = (cu[1 : num_reqs + 1] - cu[:num_reqs]) > 1
         self.state.accepted_sum += torch.where(has_tree, walk.accepted_depth, 0).sum()
         self.state.num_drafts += has_tree.sum()
+        if self.state.arm_sizes is not None:
+            assert self.state.arm_accepted_sum is not None
+            nodes = walk.accepted_nodes[:, :, None]  # [R, L, 1], -1 past the path
+            inside = (nodes >= 0) & (nodes < self.state.arm_sizes)  # [R, L, A]
+            self.state.arm_accepted_sum += (inside & has_tree[:, None, None]).sum((0, 1))
         if self.state.adaptive:
             assert self.state.active_nodes is not None and self.state.active_nodes_sum is not None
             num_nodes = cu[1 : num_reqs + 1] - cu[:num_reqs] - 1

@@ -108,6 +108,8 @@ def _verify_walk_kernel(
     accepted_sum_ptr,  # int64 [1]; with COUNT
     num_drafts_ptr,  # int64 [1]; with COUNT
     active_sum_ptr,  # int64 [1]; with COUNT and ADAPTIVE
+    arm_sizes_ptr,  # int64 [NUM_ARMS]; with COUNT
+    arm_accepted_ptr,  # int64 [NUM_ARMS]; with COUNT
     num_reqs,
     num_nodes,
     max_depth,
@@ -117,10 +119,12 @@ def _verify_walk_kernel(
     stride_walk_r,
     ADAPTIVE: tl.constexpr,
     COUNT: tl.constexpr,
+    NUM_ARMS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    BLOCK_A: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     start = tl.load(cu_ptr + r).to(tl.int64)
@@ -174,6 +178,15 @@ def _verify_walk_kernel(
         if ADAPTIVE:
             active = tl.load(active_nodes_ptr + slot)
             tl.atomic_add(active_sum_ptr, tl.where(is_tree, tl.minimum(active, num_drafts), 0))
+        if NUM_ARMS > 0:
+            # What a tree of its first s nodes would have accepted: the path's nodes
+            # below s (a parent precedes its children, so they are a prefix of it).
+            arms = tl.arange(0, BLOCK_A)
+            sizes = tl.load(arm_sizes_ptr + arms, mask=arms < NUM_ARMS, other=0)
+            inside = (path[:, None] >= 0) & (path[:, None] < sizes[None, :])
+            within = tl.sum(inside.to(tl.int64), axis=0)
+            tl.atomic_add(arm_accepted_ptr + arms, tl.where(is_tree, within, 0),
+                          mask=arms < NUM_ARMS)
 
     # vLLM's get_num_sampled_and_rejected: a chunked prefill samples and rejects nothing.
     chunked = tl.load(seq_lens_ptr + r) < tl.load(prefill_len_ptr + slot)
@@ -201,6 +214,7 @@ def verify_walk_triton(
     active_nodes: torch.Tensor | None = None,
     counters: tuple[torch.Tensor, torch.Tensor] | None = None,
     active_sum: torch.Tensor | None = None,
+    arm_counters: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     block_b: int | None = None,
 ) -> tuple[WalkResult, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,6 +242,11 @@ def verify_walk_triton(
             accepted nodes and tree count to, or None.
         active_sum: int64 ``[1]``, with counters and ``active_nodes``: the sum of each
             tree's verified nodes.
+        arm_counters: with counters, ``(sizes, accepted)`` int64 ``[A]`` each: adds to
+            ``accepted[a]`` the accepted nodes each tree would have had cut to its first
+            ``sizes[a]`` nodes (the accepted path's nodes below ``sizes[a]``), or None.
+            For ``auto``'s step gate: the committed tokens of every smaller arm from the
+            very trees the step verified.
         seq_lens: int32 ``[R]``; prefill_len: int32 ``[max_reqs]`` (slot-indexed): a
             request with ``seq_len < prefill_len`` is mid chunked prefill and samples
             nothing (vLLM's rule).
@@ -266,19 +285,25 @@ def verify_walk_triton(
         if count and adaptive and active_sum is None:
             raise ValueError("active_sum is needed with counters and active_nodes")
         accepted_sum, num_drafts = counters if count else (buffer, buffer)
+        if arm_counters is not None and not count:
+            raise ValueError("arm_counters need counters")
+        arm_sizes, arm_accepted = arm_counters if arm_counters is not None else (buffer, buffer)
+        num_arms = 0 if arm_counters is None else arm_sizes.shape[0]
         _verify_walk_kernel[(num_reqs,)](
             input_ids, logits_indices, drawn, cu_num_logits, idx_mapping, state_parents,
             active_nodes if adaptive else buffer, seq_lens, prefill_len, buffer, sampled,
             num_sampled, num_rejected, walk_rows_out, accepted_sum, num_drafts,
-            active_sum if count and adaptive else buffer,
+            active_sum if count and adaptive else buffer, arm_sizes, arm_accepted,
             num_reqs, num_nodes, max_depth, budget, walk_rows_out.shape[1],
             state_parents.stride(0), walk_rows_out.stride(0),
             ADAPTIVE=adaptive,
             COUNT=count,
+            NUM_ARMS=num_arms,
             BLOCK_B=block_b,
             BLOCK_L=triton.next_power_of_2(max_depth + 1),
             BLOCK_S=triton.next_power_of_2(max(budget, max_depth) + 1),
             BLOCK_W=triton.next_power_of_2(max(walk_rows_out.shape[1], 1)),
+            BLOCK_A=triton.next_power_of_2(max(num_arms, 1)),
             num_warps=4 if block_b >= 256 else 1,
         )  # fmt: skip
     walk = WalkResult(accepted_nodes=accepted, accepted_depth=depth,
