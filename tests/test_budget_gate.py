@@ -511,23 +511,38 @@ def test_arms_above_the_settled_one_follow_the_smallest_arms_acceptance():
     what it accepted then by how the smallest arm's figure moved since, as the probe's
     own trees cut to the smallest arm measured it: accepted 2.0 a tree when those trees
     cut to 1 draft accepted 0.5, and 1 draft now accepts 1.0 -> predicted 1 + 4.0.
-    Arms at or below the settled one keep their own (fresh) figures."""
+    Arms at or below the settled one keep their own (fresh) figures, the smallest arm
+    (the reference) too when the bucket decodes plainly; the factor stays within 2x
+    either way, never from a reference near a plain step's one token, and a larger arm
+    never falls below the settled one."""
     gate = SpeculationGate(cost_model(), "cpu", ARMS)
     stats = gate.bucket(1)
-    stats.settled = 3  # 4 drafts
     for arm, tokens in ((1, 2.0), (2, 2.5), (3, 3.0), (5, 3.0)):
-        stats.add_committed(arm, tokens)
+        for _ in range(3):
+            stats.add_committed(arm, tokens)
         stats.add_residual(arm, 0.0)
     stats.add_smallest_cut(5, 1.5)
     columns = gate.model.attention_columns(np.full(1, 1024))
-    rates = gate.rates(stats, 1, columns, len(ARMS))
     seconds = gate.model.step_seconds_by_drafts(1, np.asarray(ARMS), columns)
-    committed = rates * seconds
-    assert committed[5] == pytest.approx(5.0)
-    assert committed[1:4] == pytest.approx([2.0, 2.5, 3.0])
-    stats.settled = 5  # settled on 16 drafts: its figure is its own again
-    rates = gate.rates(stats, 1, columns, len(ARMS))
-    assert rates[5] * seconds[5] == pytest.approx(3.0)
+
+    def committed(settled):
+        stats.settled = settled
+        return gate.rates(stats, 1, columns, len(ARMS)) * seconds
+
+    got = committed(3)  # settled on 4 drafts
+    assert got[5] == pytest.approx(5.0)
+    assert got[1:4] == pytest.approx([2.0, 2.5, 3.0])
+    assert committed(5)[5] == pytest.approx(3.0)  # settled on 16: its own figure
+    got = committed(0)  # plain decoding: 1 draft is the reference, not scaled
+    assert got[1] == pytest.approx(2.0) and got[5] == pytest.approx(5.0)
+    for _ in range(20):  # 1 draft now accepts 2.0: 4x the reference, kept to 2x
+        stats.add_committed(1, 3.0)
+    assert committed(3)[5] == pytest.approx(5.0)
+    for _ in range(20):  # 1 draft accepts 0.1: 1/5 of the reference, kept to 1/2; and
+        stats.add_committed(1, 1.1)  # 16 drafts not below the settled 4 drafts' 3.0
+    assert committed(3)[5] == pytest.approx(3.0)
+    stats.smallest_cut[5], stats.smallest_cut_tokens[5] = stats.smallest_cut[5], 1.05
+    assert committed(3)[5] == pytest.approx(3.0)  # a reference near 1: unscaled
 
 
 def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():

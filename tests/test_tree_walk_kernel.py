@@ -77,10 +77,9 @@ def test_verifier_walk_with_the_kernel_matches_the_pytorch_walk(adaptive, monkey
     state_want = {n: getattr(sc.state, n).clone() for n in counters}
     rows_want = sc.state.take_walk(sc.batch.num_reqs).clone()
     assert any(int(state_want[n].sum()) > int(before[n].sum()) for n in counters)
-    if adaptive:  # cut to 1 node a tree accepts at most 1; past the deepest, the path
+    if adaptive:  # counted (PyTorch round) and growing with the cut
         arms = state_want["arm_accepted_sum"]
-        assert int(arms[0]) <= int(state_want["num_drafts"])
-        assert int(arms[-1]) == int(state_want["accepted_sum"]) and int(arms[-1]) > 0
+        assert 0 <= int(arms[0]) < int(arms[-1]) <= int(state_want["accepted_sum"])
         assert bool((arms[1:] >= arms[:-1]).all())
     for n in counters:  # the forced run must count the same from the same start
         getattr(sc.state, n).copy_(before[n])
@@ -196,10 +195,14 @@ def test_fused_verify_walk_equals_the_pytorch_round(adaptive, count, block_b, wa
         if adaptive:
             verified = torch.minimum(active[idx.long()], cu[1:] - cu[:-1] - 1)
             assert int(active_sum) == 3 + int(torch.where(has_tree, verified, 0).sum())
-        # each tree cut to its first s nodes accepts the path's nodes below s
-        cut = [sum(int((path_nodes[(path_nodes >= 0) & (path_nodes < s)]).numel())
-                   for path_nodes, tree in zip(want.accepted_nodes, has_tree, strict=True)
-                   if tree) for s in arm_sizes.tolist()]
+        # against walks of the trees actually cut to their first s nodes
+        cut = []
+        for size in arm_sizes.tolist():
+            cut_tree = DraftTree(tokens=mask_inactive_nodes(tokens, torch.tensor(size)),
+                                 parents=tree.parents, depths=tree.depths,
+                                 scores=tree.scores)
+            walked = follow_tree(cut_tree, targets, max_depth=max_depth)
+            cut.append(int(torch.where(has_tree, walked.accepted_depth, 0).sum()))
         assert arm_counters[1].cpu().tolist() == [a + c for a, c in zip(
             [1, 0, 4, 0, 7], cut, strict=True)]
         assert cut[-1] == int(torch.where(has_tree, want.accepted_depth, 0).sum()) > cut[0]

@@ -93,6 +93,10 @@ TYPICAL_PREFILL = 4.0
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
+# An arm above the settled one follows the smallest arm's acceptance (accepted nodes per
+# tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
+SCALE_LIMIT = 2.0
+MIN_REFERENCE = 0.1
 # The settled arms are logged when one changes, at most this often.
 LOG_SECONDS = 60.0
 # Timing marks kept at most (the host runs a step or two ahead of the GPU).
@@ -345,10 +349,13 @@ class SpeculationGate:
         """What each batch-size bucket measured and chose, as plain data for reports
         (``evals/e2e_sweep.py``): ``{batches: {"settled": arm, "arms": [{"arm",
         "chosen" (decisions), "residual_ms", "residual_samples", "committed" (tokens
-        per tree; 1 for plain decoding), "committed_samples"}, ...]}}``, arms measured
-        or chosen only."""
+        per tree as counted, before :meth:`_follow_smallest_arm`; 1 for plain
+        decoding), "committed_samples"}, ...]}}``, for the buckets the gate decided in
+        and their arms timed or chosen (not those known only from the arm counters)."""
         out = {}
         for b, stats in sorted(self.stats.items()):
+            if not stats.decisions:  # only the schedule's plain steps: not decided here
+                continue
             arms = []
             for i, arm in enumerate(self.arms):
                 if not (stats.chosen[i] or stats.residual_count[i]):
@@ -478,23 +485,16 @@ class SpeculationGate:
               num_arms: int) -> np.ndarray:
         """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
         at this batch size, ``committed / (model + residual)`` (an arm without a residual:
-        the model alone; without counted trees: the committed tokens of the nearest arm
-        with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
+        the model alone; above the settled arm: scaled by :meth:`_follow_smallest_arm`;
+        without counted trees: the committed tokens of the nearest arm with some, else
+        ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
         seconds += stats.residual_seconds[:num_arms]
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
-        # Arms above the settled one last counted trees in their probes: scale what
-        # they accepted by how the smallest arm's figure (fresh from every speculative
-        # step) moved since, as measured on their own trees.
-        above = np.arange(num_arms) > stats.settled
-        ref = stats.smallest_cut_tokens[:num_arms]
-        scale = above & (ref > 1.0) & (stats.committed_count[:num_arms] > 0)
-        if scale.any() and num_arms > 1 and stats.committed_count[1] > 0:
-            now = stats.committed_tokens[1] - 1.0
-            committed[scale] = 1.0 + (committed[scale] - 1.0) * now / (ref[scale] - 1.0)
+        self._follow_smallest_arm(stats, committed, num_arms)
         counted = stats.committed_count[:num_arms] > 0
         counted[0] = True
         if not counted.all():
@@ -506,6 +506,31 @@ class SpeculationGate:
                 near = np.abs(missing[:, None] - have[None, :]).argmin(axis=1)
                 committed[missing] = committed[have[near]]
         return committed / np.maximum(seconds, 1e-6)
+
+    @staticmethod
+    def _follow_smallest_arm(stats: GateStats, committed: np.ndarray, num_arms: int) -> None:
+        """Arms above the settled one (and above the smallest, the reference) last
+        counted trees in their probes: scale what they accepted by how the smallest
+        arm's figure (fresh from every speculative step) moved since, as their own
+        trees cut to the smallest arm measured it. The factor is kept within
+        ``SCALE_LIMIT`` and taken only from references ``MIN_REFERENCE`` above a plain
+        step's one token and a smallest-arm figure of ``SWITCH_SAMPLES`` trees; a larger
+        arm never falls below the settled arm's figure (the same trees accept at least
+        as much). In place on ``committed`` (fp64 ``[num_arms]``)."""
+        if num_arms < 3 or stats.committed_count[1] < SWITCH_SAMPLES:
+            return
+        index = np.arange(num_arms)
+        ref = stats.smallest_cut_tokens[:num_arms] - 1.0
+        scale = ((index > max(stats.settled, 1)) & (ref >= MIN_REFERENCE)
+                 & (stats.committed_count[:num_arms] > 0))
+        if not scale.any():
+            return
+        factor = np.clip((stats.committed_tokens[1] - 1.0) / ref[scale],
+                         1.0 / SCALE_LIMIT, SCALE_LIMIT)
+        scaled = 1.0 + (committed[scale] - 1.0) * factor
+        if stats.settled > 0:
+            scaled = np.maximum(scaled, committed[stats.settled])
+        committed[scale] = scaled
 
     def decide(self, num_reqs: int, contexts: np.ndarray, cap: int) -> int:
         """At ``propose``: the next step's arm (0: plain decoding, the drafter's block
@@ -523,7 +548,7 @@ class SpeculationGate:
         columns = self.model.attention_columns(contexts)
         arm = self._choose(num_reqs, contexts, cap, columns)
         stats = self.stats.get(batch_bucket(num_reqs))
-        if stats is not None and arm in self._index:  # for the report (snapshot)
+        if cap > 0 and stats is not None:  # the gate's decisions, for the report
             stats.chosen[self._index[arm]] += 1
         if mark is not None:
             mark.drafted = arm > 0

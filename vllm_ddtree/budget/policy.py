@@ -75,7 +75,9 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   counts what each tree would have accepted cut to every arm's size (the accepted
   path's nodes below it: a parent precedes its children in the tree's best-first
   order), so each step of an arm gives every smaller arm's figure from the same trees,
-  paired with its own, not from a probe's few trees of other requests. So the model
+  paired with its own, not from a probe's few trees of other requests; an arm above the
+  settled one, counted in its probes only, follows how the smallest arm's figure moved
+  since (at most 2x either way). So the model
   carries the batch-size and row dependence of the GPU work, the residuals what no
   start-up measurement sees; neither needs a host sync.
 * **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
