@@ -24,7 +24,7 @@ from vllm_ddtree.attention_backends.mla_tree.kernels import (
     LN2,
     _resplit_active_rows,
 )
-from vllm_ddtree.attention_backends.mla_tree.tiles import _dot, _page_ids
+from vllm_ddtree.attention_backends.mla_tree.tiles import _dot, _page_ids, _tree_visible
 
 LOG2E = 1.4426950408889634
 M1 = tl.constexpr(0x5555555555555555)
@@ -242,18 +242,12 @@ def _gqa_tree_fwd_kernel(
         )  # fmt: skip
         qk = _dot(q, tl.trans(k), None, DOT_PRECISION, DOT_UPCAST) * qk_scale
 
-        new_idx = offs_n - ctx_len
-        is_new = new_idx >= 0
-        bit_idx = tl.maximum(new_idx, 0)
-        word_lo = tl.maximum(start_n - ctx_len, 0) // 64
-        bits_row = AncestorBits + q_row * stride_bits
-        lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
-        hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
-        words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
-        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
-        visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
-        visible = visible & (new_idx[None, :] <= tok[:, None])
+        visible = _tree_visible(AncestorBits, q_row, tok, row_active, offs_n, key_valid,
+                                start_n, ctx_len, num_words, stride_bits, False)
         if HAS_WINDOW:
+            new_idx = offs_n - ctx_len
+            is_new = new_idx >= 0
+            bit_idx = tl.maximum(new_idx, 0)
             key_rows = (q_start + bit_idx).to(tl.int64)
             key_depth = _tree_depth(
                 AncestorBits, key_rows, stride_bits, num_words, is_new & key_valid

@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from . import configs, fp8_transposed
-from .tiles import _dot, _page_ids, _tile_row_ptrs
+from .tiles import _dot, _page_ids, _tile_row_ptrs, _tree_visible
 
 LOG2E = 1.4426950408889634
 LN2 = tl.constexpr(0.6931471805599453)
@@ -428,19 +428,8 @@ def _mla_tree_fwd_kernel(
                 qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
             qk = qk * qk_scale
 
-            new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
-            is_new = new_idx >= 0
-            bit_idx = tl.maximum(new_idx, 0)
-            # BLOCK_N <= 64: the tile's new tokens span at most two mask words per row.
-            word_lo = tl.maximum(start_n - ctx_len, 0) // 64
-            bits_row = AncestorBits + q_row * stride_bits
-            lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
-            hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words),
-                         other=0)
-            words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
-            bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
-            visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
-            visible = visible & (new_idx[None, :] <= tok[:, None])
+            visible = _tree_visible(AncestorBits, q_row, tok, row_active, offs_n, key_valid,
+                                    start_n, ctx_len, num_words, stride_bits, False)
             qk = tl.where(visible, qk, float("-inf"))
 
             m_new = tl.maximum(m_i, tl.max(qk, 1))

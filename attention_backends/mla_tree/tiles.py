@@ -46,3 +46,34 @@ def _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE: tl.con
     offs_n = start_n + tl.arange(0, BLOCK_N)
     row_off = pages.to(tl.int64) * stride_kvb + (offs_n % PAGE_SIZE) * stride_kvp
     return KV + row_off[:, None]
+
+
+@triton.jit
+def _tree_visible(AncestorBits, q_row, tok, row_active, offs_n, key_valid, start_n, ctx_len,
+                  num_words, stride_bits, KEYS_FIRST: tl.constexpr):
+    """Which keys each query row sees: bool ``[M, N]`` (``KEYS_FIRST``: ``[N, M]``, for
+    products computed transposed). Row ``m`` is tree node ``tok[m]`` (int ``[M]``) of
+    its request, its ancestor-bit row at ``q_row[m]`` (int64 ``[M]``; rows not
+    ``row_active`` read no words); key ``n`` is token ``offs_n[n]`` (``[N]``, from
+    ``start_n``) of a request whose first new token is at ``ctx_len``. A context key
+    is always seen, a new token where it is the row's ancestor (its bit set) and not
+    after the row's node; ``key_valid`` masks keys past the split. ``N <= 64``: the
+    tile's new tokens span at most two mask words of a row."""
+    new_idx = offs_n - ctx_len  # index among the request's new tokens; < 0: context
+    is_new = new_idx >= 0
+    bit_idx = tl.maximum(new_idx, 0)
+    word_lo = tl.maximum(start_n - ctx_len, 0) // 64
+    bits_row = AncestorBits + q_row * stride_bits
+    lo = tl.load(bits_row + word_lo, mask=row_active, other=0)
+    hi = tl.load(bits_row + word_lo + 1, mask=row_active & (word_lo + 1 < num_words), other=0)
+    if KEYS_FIRST:
+        words = tl.where(((bit_idx // 64) == word_lo)[:, None], lo[None, :], hi[None, :])
+        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[:, None]) & 1) != 0
+        visible = key_valid[:, None] & ((~is_new)[:, None] | bit_set)
+        visible = visible & (new_idx[:, None] <= tok[None, :])
+    else:
+        words = tl.where(((bit_idx // 64) == word_lo)[None, :], lo[:, None], hi[:, None])
+        bit_set = ((words >> (bit_idx % 64).to(tl.int64)[None, :]) & 1) != 0
+        visible = key_valid[None, :] & ((~is_new)[None, :] | bit_set)
+        visible = visible & (new_idx[None, :] <= tok[:, None])
+    return visible
