@@ -221,6 +221,55 @@ def _resplit_active_rows(
     return run, num_active, item // splits, item % splits, splits, part_row
 
 
+@triton.jit
+def _attend_tile(
+    KV, AncestorBits, pages, start_n, offs_n, key_valid, q_nope, q_rope, qk_scale, acc, m_i,
+    l_i, offs_l, offs_r, q_row, tok, row_active, ctx_len, num_words, stride_kvb, stride_kvp,
+    stride_bits, KV_LORA: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+    BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One KV tile of ``BLOCK_N`` keys from ``start_n`` (its ``pages``) into the rows'
+    online softmax: ``(acc fp32 [M, L], m_i fp32 [M], l_i fp32 [M])`` updated. Without
+    ``MASKED`` every key is a context key the rows all see (phase 1: whole context
+    tiles; ``offs_n`` and ``key_valid`` None); with it the keys ``offs_n`` not
+    ``key_valid`` (past the split) are masked, new tokens follow the tree mask
+    (``tiles._tree_visible``), and a row that has seen nothing yet keeps its exp2
+    arguments finite."""
+    k_nope, k_rope = _load_kv_tile(
+        KV, pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
+        KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, MASKED,
+    )  # fmt: skip
+    if KV_FP8:
+        k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
+    qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
+    if ROPE > 0:
+        qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
+    qk = qk * qk_scale
+    if MASKED:
+        visible = _tree_visible(AncestorBits, q_row, tok, row_active, offs_n, key_valid,
+                                start_n, ctx_len, num_words, stride_bits, False)
+        qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_base = m_new
+    alpha = tl.exp2(m_i - m_base)
+    p = tl.exp2(qk - m_base[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    v = k_nope
+    if KV_FP8:
+        v = _fp8_value_tile(
+            KV, pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
+            KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, MASKED,
+        ).to(q_nope.dtype)  # fmt: skip
+    acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
+    return acc, m_new, l_i
+
+
 # Arguments that change with the KV split count (context length, batch) are not
 # specialized (== 1 / multiple of 16), so eager launches do not JIT a new variant when a
 # step's split count crosses a class. Only scalar LSE strides: the 512-wide partial rows
@@ -387,29 +436,12 @@ def _mla_tree_fwd_kernel(
         for start_n in range(split_start, ctx_tiles_end, BLOCK_N):
             cur_pages = pages
             pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-            k_nope, k_rope = _load_kv_tile(
-                KV, cur_pages, start_n, None, offs_l, offs_r, stride_kvb, stride_kvp,
-                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, False,
+            acc, m_i, l_i = _attend_tile(
+                KV, AncestorBits, cur_pages, start_n, None, None, q_nope, q_rope, qk_scale,
+                acc, m_i, l_i, offs_l, offs_r, q_row, tok, row_active, ctx_len, num_words,
+                stride_kvb, stride_kvp, stride_bits, KV_LORA, ROPE, BLOCK_L, BLOCK_R,
+                PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_FP8, False,
             )  # fmt: skip
-            if KV_FP8:
-                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-            if ROPE > 0:
-                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-            qk = qk * qk_scale
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = k_nope
-            if KV_FP8:
-                v = _fp8_value_tile(
-                    KV, cur_pages, start_n, None, offs_l, stride_kvb, stride_kvp,
-                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, False,
-                ).to(q_nope.dtype)  # fmt: skip
-            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
 
         # Phase 2: the partial context tile and the new tokens; seq_len bound + tree mask.
         for start_n in range(ctx_tiles_end, split_end, BLOCK_N):
@@ -417,36 +449,12 @@ def _mla_tree_fwd_kernel(
             key_valid = offs_n < split_end
             cur_pages = pages
             pages = _page_ids(BlockTable, bt_row, start_n + BLOCK_N, split_end, PAGE_SIZE, BLOCK_N)
-            k_nope, k_rope = _load_kv_tile(
-                KV, cur_pages, start_n, key_valid, offs_l, offs_r, stride_kvb, stride_kvp,
-                KV_LORA, ROPE, BLOCK_L, BLOCK_R, PAGE_SIZE, BLOCK_N, True,
+            acc, m_i, l_i = _attend_tile(
+                KV, AncestorBits, cur_pages, start_n, offs_n, key_valid, q_nope, q_rope,
+                qk_scale, acc, m_i, l_i, offs_l, offs_r, q_row, tok, row_active, ctx_len,
+                num_words, stride_kvb, stride_kvp, stride_bits, KV_LORA, ROPE, BLOCK_L,
+                BLOCK_R, PAGE_SIZE, BLOCK_N, DOT_PRECISION, DOT_UPCAST, KV_FP8, True,
             )  # fmt: skip
-            if KV_FP8:
-                k_nope, k_rope = k_nope.to(q_nope.dtype), k_rope.to(q_nope.dtype)
-            qk = _dot(q_nope, tl.trans(k_nope), None, DOT_PRECISION, DOT_UPCAST)
-            if ROPE > 0:
-                qk = _dot(q_rope, tl.trans(k_rope), qk, DOT_PRECISION, DOT_UPCAST)
-            qk = qk * qk_scale
-
-            visible = _tree_visible(AncestorBits, q_row, tok, row_active, offs_n, key_valid,
-                                    start_n, ctx_len, num_words, stride_bits, False)
-            qk = tl.where(visible, qk, float("-inf"))
-
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # A row may have seen nothing yet: keep exp2 arguments finite.
-            m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_base)
-            p = tl.exp2(qk - m_base[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            v = k_nope
-            if KV_FP8:
-                v = _fp8_value_tile(
-                    KV, cur_pages, start_n, key_valid, offs_l, stride_kvb, stride_kvp,
-                    KV_LORA, BLOCK_L, PAGE_SIZE, BLOCK_N, True,
-                ).to(q_nope.dtype)  # fmt: skip
-            acc = _dot(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
-            m_i = m_new
 
     seen = l_i > 0.0
     if KV_FP8:
