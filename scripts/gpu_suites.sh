@@ -105,7 +105,11 @@
 #              9 min; cells past --max-minutes are listed as not run); one 10-minute
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; SWEEP_REPEATS (1) measures each cell
-#              that many times, the tables taking the median; E2E_OUT_DIR receives
+#              that many times (the runs taking turns), the tables taking the median,
+#              and SWEEP_POOL_FACTOR (8 and 2) sets the requests per cell as a multiple
+#              of the batch: REPEATS 3 with POOL_FACTOR 3 takes about the time of one
+#              repeat of 8 and spreads each run over three moments of the host's
+#              speed, which moved up to 2.4x between cells; E2E_OUT_DIR receives
 #              e2e_batch_sweep[_v2lite].md / .png / .json.
 #   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
 #              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
@@ -261,7 +265,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   start=$(date +%s)
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
-    --batches "${b[@]}" --prompts "$prompts" --pool-factor "$pool" --min-pool "$minpool" \
+    --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
+    --min-pool "$minpool" \
     --repeats "${SWEEP_REPEATS:-1}" \
     ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
