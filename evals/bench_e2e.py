@@ -27,8 +27,8 @@ without the scheduler's common-prefix scan), ``+perbatch`` (below), ``+dflash2``
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target
 with 64 / 8 heads and a Kimi-K2.6-shaped DFlash drafter, dummy weights: step latency,
-compared with ``shared/docs/anchors.md``), ``v2lite`` / ``v2lite_moe``
-(DeepSeek-V2-Lite-shaped MLA target, dense-MLP variant / MoE, dummy weights with the
+compared with reference step times of vLLM 0.26.0, ``e2e_report.ANCHORS``), ``v2lite`` /
+``v2lite_moe`` (DeepSeek-V2-Lite-shaped MLA target, dense-MLP variant / MoE, dummy weights with the
 rank oracle: the embedded drafter's measured acceptance at V2-Lite's cost;
 ``evals/e2e_v2lite.py``, ``evals/e2e_oracle.py``).
 

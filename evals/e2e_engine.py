@@ -77,6 +77,20 @@ def engine_gate_snapshot(worker: Any) -> dict | None:
     return None if gate is None else gate.snapshot()
 
 
+def engine_gate_trace_start(worker: Any = None) -> None:
+    """Start (or restart) the step gate's trace in this process (``gate_trace``)."""
+    import gate_trace
+
+    gate_trace.install()
+
+
+def engine_gate_trace_take(worker: Any = None) -> list[list]:
+    """The step gate's trace records since the start or the last take."""
+    import gate_trace
+
+    return gate_trace.take()
+
+
 def engine_threads(worker: Any = None) -> list[str]:
     """Names of this process's live Python threads: Triton's launcher releases the GIL
     around every launch, so any of them that wants it can run inside a round."""

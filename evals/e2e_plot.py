@@ -74,10 +74,10 @@ def write_plot(data: dict, path: str) -> bool:
                 continue
             (line,) = ax.plot(*zip(*pts, strict=True), marker="o",
                               label=run_label(runs[run][0]))
-            if run in anchors:  # vLLM's own figure from anchors.md, same colour
+            if run in anchors:  # vLLM's own reference figure, same colour
                 apts = sorted(anchors[run].items())
                 ax.plot(*zip(*apts, strict=True), linestyle=":", marker="x", alpha=0.7,
-                        color=line.get_color(), label=f"anchors.md: {run_label(runs[run][0])}")
+                        color=line.get_color(), label=f"reference: {run_label(runs[run][0])}")
                 ticks.update(anchors[run])
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(ticks), [ctx_label(c) for c in sorted(ticks)])

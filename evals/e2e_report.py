@@ -55,7 +55,8 @@ METHOD_ORDER = {"ar": 0, "dflash": 1, "ddtree": 2}
 BACKEND_ORDER = {"FLASH_ATTN_MLA": 0, "TRITON_MLA": 1, "CUSTOM": 2}
 BACKEND_SHORT = {"FLASH_ATTN_MLA": "FA-MLA", "TRITON_MLA": "Triton-MLA", "CUSTOM": "CUSTOM"}
 
-# vLLM 0.26.0 on an H200, batch 1, ms per step (shared/docs/anchors.md, "End to end").
+# vLLM 0.26.0 on an H200, batch 1, ms per step: reference figures measured with the same
+# shapes in an earlier run (the anchors the kimi setups compare vLLM's own paths with).
 ANCHORS: dict[str, dict[str, dict[int, float]]] = {
     "kimi64": {
         "ar@FLASH_ATTN_MLA": {1024: 1.86, 16384: 2.23, 65536: 2.22, 131072: 2.37},
@@ -483,7 +484,7 @@ def _anchor_table(data: dict) -> list[str]:
         method, backend = run.split("@")
         label = run_label({"method": method, "backend": backend})
         head.append(f"{label}: ours / anchor")
-    lines = ["## vLLM's own paths against `anchors.md` (batch 1, ms per step)", "",
+    lines = ["## vLLM's own paths against the reference figures (batch 1, ms per step)", "",
              "| context | " + " | ".join(head) + " |", "|---|" + "---|" * len(runs)]
     for c in contexts:
         cells = [f"{_f(measured.get((run, c)))} / {_f(anchors[run].get(c))}" for run in runs]

@@ -24,6 +24,7 @@ it (the cell is then skipped with the refusal as its note).
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections.abc import Callable
@@ -249,7 +250,13 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     """One sweep cell in a child (GPU): prime the pool's prompts, then :func:`drive`
     through ``llm.llm_engine``; the row has the window's tokens/s, acceptance from vLLM's
     spec-decode counters and the correctness figures."""
-    from e2e_engine import engine_active_counters, engine_gate_snapshot, engine_host_speed
+    from e2e_engine import (
+        engine_active_counters,
+        engine_gate_snapshot,
+        engine_gate_trace_start,
+        engine_gate_trace_take,
+        engine_host_speed,
+    )
     from e2e_models import SETUPS
     from e2e_runs import STATUS_OK, RunSpec, counter_delta, spec_base_row
     from vllm import SamplingParams
@@ -286,10 +293,18 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     tag = f"sweep-{context}x{batch}-{spec.get('repeat', 0)}-"
+    trace_dir = os.environ.get("BENCH_E2E_GATE_TRACE") if run.budget == "auto" else None
+    if trace_dir:
+        llm.collective_rpc(engine_gate_trace_start)
     python_ms = engine.call(engine_host_speed)[0]  # steps here are mostly host-bound
     got = drive(llm.llm_engine, pool, batch, params,
                 prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag)
     python_ms_after = engine.call(engine_host_speed)[0]
+    if trace_dir:
+        from gate_trace import write
+
+        write(llm.collective_rpc(engine_gate_trace_take)[0], trace_dir, spec["run"],
+              context, batch, spec.get("repeat", 0))
     counters = counter_delta(before, spec_counters(llm))
     row = dict(spec_base_row(spec, cell), status=STATUS_OK, pool=len(pool),
                tokens=got["tokens"], decode_s=got["wall_s"], steps=got["steps"],

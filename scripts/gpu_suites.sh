@@ -109,6 +109,8 @@
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; SWEEP_REPEATS (1) measures each cell
 #              that many times (the runs taking turns), the tables taking the median,
+#              auto's step gate traced step by step (evals/gate_trace.py) into
+#              gate_traces_<stage>.tgz in the log folder,
 #              and SWEEP_POOL_FACTOR (8 and 2) sets the requests per cell as a multiple
 #              of the batch: REPEATS 3 with POOL_FACTOR 3 takes about the time of one
 #              repeat of 8 and spreads each run over three moments of the host's
@@ -284,6 +286,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   read -ra c <<< "${SWEEP_CONTEXTS:-$contexts}"
   read -ra b <<< "${SWEEP_BATCHES:-1 4 8 16 32 64}"
   start=$(date +%s)
+  BENCH_E2E_GATE_TRACE="$LOG_DIR/gate_traces" \
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
@@ -292,6 +295,9 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
+  # auto's step gate, step by step (evals/gate_trace.py), as one archive
+  [ -d "$LOG_DIR/gate_traces" ] && tar czf "$LOG_DIR/gate_traces_$stage.tgz" -C "$LOG_DIR" \
+    gate_traces && rm -rf "$LOG_DIR/gate_traces"
   grep -A9 "^## Tokens per second" "$e2e_dir/$stem.md" 2>/dev/null | head -24
 }
 

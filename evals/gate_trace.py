@@ -1,0 +1,118 @@
+"""Step by step, what ``ddtree_budget: "auto"``'s step gate decided and measured, for
+offline study of its choices (``BENCH_E2E_GATE_TRACE=<dir>`` in ``evals/bench_e2e.py
+--sweep``: one ``gate_trace_<run>_<context>x<batch>_r<repeat>.json`` per auto cell).
+
+The product code keeps no trace; :func:`install` wraps, in the engine's process,
+``SpeculationGate.decide`` (host time, batch, cap, the arm chosen) and
+``GateStats.add_residual`` / ``add_committed`` (the bucket's measured step residual of an
+arm, its committed tokens per tree). The host times of successive decisions are the
+step intervals as the host saw them: with the arms chosen, they show how the host's
+speed moved under each arm, which the gate's medians summarize away.
+
+Record layout (JSON lists): ``["d", t_s, num_reqs, cap, arm]``,
+``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``; ``t_s`` from
+the first record of the trace, ``bucket`` the gate's batch-size bucket
+(``vllm_ddtree.budget.gate.bucket_batches``), ``arm`` drafts per request (0: plain).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+_RECORDS: list[list] | None = None
+_STATS_OWNER: dict[int, Any] = {}  # id(GateStats) -> its SpeculationGate
+_ORIGINALS: dict[tuple[type, str], Any] = {}  # the methods install() replaced
+
+
+def install() -> None:
+    """Wrap the gate's methods in this process (once) and start an empty trace."""
+    global _RECORDS
+    from vllm_ddtree.budget import gate as gate_module
+
+    _RECORDS = []
+    gate_cls, stats_cls = gate_module.SpeculationGate, gate_module.GateStats
+    if getattr(gate_cls.decide, "_traced", False):
+        return
+    decide, bucket = gate_cls.decide, gate_cls.bucket
+    add_residual, add_committed = stats_cls.add_residual, stats_cls.add_committed
+
+    def traced_decide(self, num_reqs, contexts, cap):
+        arm = decide(self, num_reqs, contexts, cap)
+        if _RECORDS is not None:
+            _RECORDS.append(["d", time.perf_counter(), int(num_reqs), int(cap), int(arm)])
+        return arm
+
+    def traced_bucket(self, num_reqs, cap=None):
+        stats = bucket(self, num_reqs, cap)
+        _STATS_OWNER[id(stats)] = self
+        return stats
+
+    def traced_residual(self, arm, seconds):
+        add_residual(self, arm, seconds)
+        if _RECORDS is not None:
+            _RECORDS.append(["r", time.perf_counter(), id(self), int(arm), float(seconds)])
+
+    def traced_committed(self, arm, tokens):
+        add_committed(self, arm, tokens)
+        if _RECORDS is not None:
+            _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens)])
+
+    originals = {(gate_cls, "decide"): decide, (gate_cls, "bucket"): bucket,
+                 (stats_cls, "add_residual"): add_residual,
+                 (stats_cls, "add_committed"): add_committed}
+    for fn in (traced_decide, traced_bucket, traced_residual, traced_committed):
+        fn._traced = True
+    _ORIGINALS.update(originals)
+    gate_cls.decide, gate_cls.bucket = traced_decide, traced_bucket
+    stats_cls.add_residual, stats_cls.add_committed = traced_residual, traced_committed
+
+
+def uninstall() -> None:
+    """Restore the gate's methods and drop the trace."""
+    global _RECORDS
+    for (cls, name), fn in _ORIGINALS.items():
+        setattr(cls, name, fn)
+    _ORIGINALS.clear()
+    _STATS_OWNER.clear()
+    _RECORDS = None
+
+
+def take() -> list[list]:
+    """The records since :func:`install` or the last take (then cleared), with buckets
+    and arms resolved (see the module docstring); [] without a trace."""
+    global _RECORDS
+    from vllm_ddtree.budget.gate import bucket_batches
+
+    if not _RECORDS:
+        return []
+    records, _RECORDS = _RECORDS, []
+    t0 = records[0][1]
+    out = []
+    for kind, t, *rest in records:
+        if kind == "d":
+            out.append([kind, round(t - t0, 6), *rest])
+            continue
+        stats_id, arm, value = rest
+        gate = _STATS_OWNER.get(stats_id)
+        if gate is None:
+            continue
+        buckets = [b for b, s in gate.stats.items() if id(s) == stats_id]
+        if buckets:
+            out.append([kind, round(t - t0, 6), bucket_batches(buckets[0]), gate.arms[arm],
+                        round(value, 7)])
+    return out
+
+
+def write(records: list[list], directory: str | Path, run: str, context: int, batch: int,
+          repeat: int) -> Path:
+    """``gate_trace_<run>_<context>x<batch>_r<repeat>.json`` in ``directory``."""
+    name = f"gate_trace_{run}_{context}x{batch}_r{repeat}.json".replace("@", "_").replace(
+        "+", "_")
+    path = Path(directory) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"run": run, "context": context, "batch": batch,
+                                "repeat": repeat, "records": records}))
+    return path

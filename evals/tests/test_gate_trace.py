@@ -1,0 +1,79 @@
+"""``evals/gate_trace.py``: the step gate's decisions and measurements, step by step
+(CPU: a gate driven as vLLM drives it, on a fake GPU clock)."""
+
+import json
+
+import gate_trace
+import numpy as np
+import torch
+
+from vllm_ddtree.budget.gate import SpeculationGate
+from vllm_ddtree.budget.step_cost import StepCostModel
+from vllm_ddtree.verify.shape import StepPlan
+
+ARMS = [0, 1, 2, 4, 8, 16, 32, 64]
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def event(self):
+        clock = self
+
+        class Event:
+            t = clock.now
+
+            def query(self):
+                return True
+
+            def elapsed_time(self, end):
+                return 1e3 * (end.t - self.t)
+
+        return Event()
+
+
+def _drive(steps: int, num_reqs: int) -> SpeculationGate:
+    budgets = ARMS[1:]
+    model = StepCostModel(2, [1024, 2048], [1e-7, 2e-7],
+                          [[1e-7] * len(budgets), [2e-7] * len(budgets)], budgets)
+    model.set_graph_costs({n: 3e-4 + 1e-7 * n for n in (1, 64, 4160)}, {1: 2e-4, 64: 3e-4})
+    clock = _Clock()
+    gate = SpeculationGate(model, "cpu", ARMS, make_event=clock.event)
+    plan = StepPlan(64, ARMS, gate=gate)
+    accepted, trees = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    for step in range(steps):
+        shape = plan.step_shape(num_reqs)
+        if shape > 0:
+            trees += num_reqs
+            accepted += 2 * num_reqs
+            gate.record_acceptance_(accepted, trees, num_reqs)
+        plan.draft_next(num_reqs, np.full(num_reqs, 1024))
+        clock.now += 1e-3 * (1.0 + 0.01 * shape) * (1.5 if step % 50 < 25 else 1.0)
+    return gate
+
+
+def test_trace_holds_every_decision_and_the_gates_measurements(tmp_path):
+    gate_trace.install()
+    try:
+        gate = _drive(300, 3)
+        records = gate_trace.take()
+    finally:
+        gate_trace.uninstall()
+    assert not getattr(SpeculationGate.decide, "_traced", False)
+    decisions = [r for r in records if r[0] == "d"]
+    assert len(decisions) == 300
+    assert all(r[2] == 3 and r[3] == 64 and r[4] in ARMS for r in decisions)
+    assert [r[1] for r in records] == sorted(r[1] for r in records)
+    residuals = [r for r in records if r[0] == "r"]
+    committed = [r for r in records if r[0] == "c"]
+    assert len(residuals) > 200 and {r[2] for r in residuals} == {"3-4"}
+    assert {r[3] for r in residuals} <= set(ARMS) and len({r[3] for r in residuals}) > 1
+    assert committed and all(r[4] == 3.0 for r in committed)  # 1 + 2 accepted a tree
+    # the slow half of every 50 steps shows in the residuals
+    assert max(r[4] for r in residuals) - min(r[4] for r in residuals) > 4e-4
+    assert gate_trace.take() == []  # uninstalled: nothing recorded
+    path = gate_trace.write(records, tmp_path, "ddtree-auto-64", 1024, 3, 0)
+    assert path.name == "gate_trace_ddtree-auto-64_1024x3_r0.json"
+    assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
+    assert gate.settled_arms()  # the wrapped gate still decides
