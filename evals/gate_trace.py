@@ -116,3 +116,84 @@ def write(records: list[list], directory: str | Path, run: str, context: int, ba
     path.write_text(json.dumps({"run": run, "context": context, "batch": batch,
                                 "repeat": repeat, "records": records}))
     return path
+
+
+def summary(records: list[list]) -> str:
+    """Markdown: per bucket and arm, the decisions, the host-side interval after each
+    decision (median and 10-90 % range, ms) and the residuals the gate measured (median
+    and range, ms), and how often the decided arm changed. Where an arm's residuals span
+    far more than its neighbours' at the same time, the host's speed moved."""
+    import numpy as np
+
+    lines = ["| arm | decisions | interval after it, ms (median, 10-90 %) | "
+             "residuals, ms (median, 10-90 %) |", "|---|---|---|---|"]
+    decisions = [r for r in records if r[0] == "d"]
+    intervals: dict[int, list[float]] = {}
+    for first, second in zip(decisions, decisions[1:], strict=False):
+        intervals.setdefault(first[4], []).append(1e3 * (second[1] - first[1]))
+    residuals: dict[int, list[float]] = {}
+    for r in records:
+        if r[0] == "r":
+            residuals.setdefault(r[3], []).append(1e3 * r[4])
+
+    def spread(values: list[float]) -> str:
+        if not values:
+            return "—"
+        q10, q50, q90 = np.percentile(values, [10, 50, 90])
+        return f"{q50:.2f} ({q10:.2f}-{q90:.2f})"
+
+    for arm in sorted(set(intervals) | set(residuals)):
+        lines.append(f"| {arm} | {sum(1 for d in decisions if d[4] == arm)} | "
+                     f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
+    changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
+    return "\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} times.\n"
+
+
+def plot(records: list[list], path: str | Path, title: str) -> None:
+    """PNG: each residual the gate measured against time, one colour per arm, and the
+    arm decided at each step (below)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 1]})
+    arms = sorted({r[3] for r in records if r[0] == "r"})
+    for arm in arms:
+        points = [(r[1], 1e3 * r[4]) for r in records if r[0] == "r" and r[3] == arm]
+        top.plot(*zip(*points, strict=True), ".", markersize=3, label=f"arm {arm}")
+    top.set_ylabel("residual, ms")
+    top.legend(fontsize=7, ncol=4)
+    top.set_title(title)
+    decided = [(r[1], r[4]) for r in records if r[0] == "d"]
+    if decided:
+        bottom.step(*zip(*decided, strict=True), where="post")
+    bottom.set_ylabel("arm")
+    bottom.set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python evals/gate_trace.py TRACE.json ... [--plot-dir DIR]``: :func:`summary` of
+    each trace (and :func:`plot` into DIR)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("traces", nargs="+", type=Path)
+    p.add_argument("--plot-dir", type=Path, default=None)
+    args = p.parse_args(argv)
+    for path in args.traces:
+        data = json.loads(path.read_text())
+        title = f"{data['run']}, context {data['context']}, batch {data['batch']}"
+        print(f"## {title}\n\n{summary(data['records'])}")
+        if args.plot_dir is not None:
+            args.plot_dir.mkdir(parents=True, exist_ok=True)
+            plot(data["records"], args.plot_dir / f"{path.stem}.png", title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -110,7 +110,8 @@
 #              SWEEP_BATCHES replace the defaults; SWEEP_REPEATS (1) measures each cell
 #              that many times (the runs taking turns), the tables taking the median,
 #              auto's step gate traced step by step (evals/gate_trace.py) into
-#              gate_traces_<stage>.tgz in the log folder,
+#              gate_traces_<stage>.tgz in the log folder (`python evals/gate_trace.py
+#              TRACE.json --plot-dir DIR` tables and plots one),
 #              and SWEEP_POOL_FACTOR (8 and 2) sets the requests per cell as a multiple
 #              of the batch: REPEATS 3 with POOL_FACTOR 3 takes about the time of one
 #              repeat of 8 and spreads each run over three moments of the host's

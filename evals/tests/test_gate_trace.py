@@ -77,3 +77,20 @@ def test_trace_holds_every_decision_and_the_gates_measurements(tmp_path):
     assert path.name == "gate_trace_ddtree-auto-64_1024x3_r0.json"
     assert json.loads(path.read_text())["records"] == json.loads(json.dumps(records))
     assert gate.settled_arms()  # the wrapped gate still decides
+
+
+def test_summary_and_plot_of_a_trace(tmp_path):
+    gate_trace.install()
+    try:
+        _drive(200, 1)
+        records = gate_trace.take()
+    finally:
+        gate_trace.uninstall()
+    path = gate_trace.write(records, tmp_path, "ddtree-auto-64", 1024, 1, 0)
+    text = gate_trace.summary(records)
+    decided = {r[4] for r in records if r[0] == "d"}
+    for arm in decided:
+        assert f"| {arm} | " in text
+    assert "200 decisions" in text
+    assert gate_trace.main([str(path), "--plot-dir", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / f"{path.stem}.png").stat().st_size > 1000
