@@ -22,7 +22,9 @@ Run-name suffixes (``e2e_report.RUN_VARIANTS``): ``+skipprefix`` (``ar`` / ``dfl
 without the scheduler's common-prefix scan), ``+perbatch`` (below), ``+dflash2``,
 ``+marginals``, ``+top1`` (the shipped DFlash2 drafter and its tree kinds), ``+hybrid``
 (``ddtree``: vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group,
-``vllm_ddtree/kv_group_choice.py``; e.g. ``ddtree-64 ddtree-64+hybrid`` compares them).
+``vllm_ddtree/kv_group_choice.py``; e.g. ``ddtree-64 ddtree-64+hybrid`` compares them),
+``+pairedgate`` (``ddtree-auto``: the step gate with paired residuals,
+``evals/gate_variants.py``; ``ddtree-auto ddtree-auto+pairedgate`` is the A/B).
 
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target

@@ -307,7 +307,7 @@ def skip_common_prefix_in_every_engine() -> None:
 
 def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
     """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
-    for variant in ("+skipprefix", "+marginals"):
+    for variant in ("+skipprefix", "+marginals", "+pairedgate"):
         if variant in run.variants and engine_process:
             raise ValueError(f"{run.name}: {variant} patches the run's process; drop "
                              "--engine-process")
@@ -315,6 +315,10 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         skip_common_prefix_in_every_engine()
     if "+marginals" in run.variants:
         marginal_trees_over_dflash2()
+    if "+pairedgate" in run.variants:
+        from gate_variants import apply_paired_gate
+
+        apply_paired_gate()
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -34,6 +34,8 @@ RUN_VARIANTS = (
     # vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group
     # (vllm_ddtree/kv_group_choice.py): --no-disable-hybrid-kv-cache-manager
     ("+hybrid", "hybrid KV-cache manager", ("ddtree",)),
+    # ddtree-auto: the step gate with paired residuals (evals/gate_variants.py), an A/B
+    ("+pairedgate", "paired step gate", ("ddtree",)),
 )
 
 

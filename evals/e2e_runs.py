@@ -78,6 +78,9 @@ class RunSpec:
                 if suffix in variants and run.method not in methods:
                     raise ValueError(f"{text!r}: {suffix} applies to "
                                      f"{' / '.join(methods)} runs only")
+            if "+pairedgate" in variants and run.budget != "auto":
+                raise ValueError(f"{text!r}: +pairedgate changes auto's step gate: "
+                                 "ddtree-auto runs only")
             return dataclasses.replace(run, variants=variants)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)

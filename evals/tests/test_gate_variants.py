@@ -1,0 +1,47 @@
+"""``evals/gate_variants.py``: the ``+pairedgate`` A/B of ``ddtree-auto`` runs (CPU)."""
+
+import pytest
+from e2e_runs import RunSpec
+from gate_variants import PAIR_WINDOW, apply_paired_gate, remove_paired_gate
+
+from vllm_ddtree.budget.gate import GateStats
+
+
+def test_pairedgate_parses_for_auto_runs_only():
+    run = RunSpec.parse("ddtree-auto+pairedgate")
+    assert run.budget == "auto" and run.variants == ("+pairedgate",)
+    assert run.name.endswith("+pairedgate")
+    with pytest.raises(ValueError, match="ddtree-auto runs only"):
+        RunSpec.parse("ddtree-64+pairedgate")
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
+        RunSpec.parse("ar@FLASH_ATTN_MLA+pairedgate")
+
+
+def test_paired_residuals_follow_the_settled_arm():
+    """An interval of another arm is paired with the median of the settled arm's last
+    ``PAIR_WINDOW`` intervals; its prediction is the mean of its own residual and the
+    settled arm's plus its pairing; settling elsewhere moves the pairings to the new
+    reference; without the patch the prediction is the own residual."""
+    stats = GateStats(4, settled=2)
+    apply_paired_gate()
+    try:
+        for seconds in [1.0] * 10 + [2.0] * PAIR_WINDOW:  # the host slows down
+            stats.add_residual(2, seconds)
+        stats.add_residual(3, 2.5)  # probed in the slow spell: 0.5 above the settled arm
+        stats.add_residual(1, 1.5)  # 0.5 below
+        predicted = stats.predicted_residuals(4)
+        assert predicted[2] == 1.0  # the lower median of its 15
+        assert predicted[3] == pytest.approx(0.5 * (2.5 + 1.5))
+        assert predicted[1] == pytest.approx(0.5 * (1.5 + 0.5))
+        assert predicted[0] == 0.0  # never timed
+        stats.settled = 3
+        stats.add_residual(3, 1.2)  # an interval of the new settled arm
+        predicted = stats.predicted_residuals(4)
+        assert predicted[3] == 1.2  # its own: the lower median of (2.5, 1.2)
+        # the old settled arm: 0.5 below 3; arm 1: 1.0 below 3
+        assert predicted[2] == pytest.approx(0.5 * (1.0 + (1.2 - 0.5)))
+        assert predicted[1] == pytest.approx(0.5 * (1.5 + (1.2 - 1.0)))
+    finally:
+        remove_paired_gate()
+    own = stats.predicted_residuals(4)
+    assert list(own) == list(stats.residual_seconds)
