@@ -50,13 +50,15 @@ def labels(rows: list[dict]) -> dict[str, str]:
 def auto_ratios(speed: dict[tuple, float], runs: list[str], context: int, kind: str,
                 batch: int) -> list[tuple[str, float | None, float | None]]:
     """``(auto run, auto / best other run, auto / AR)`` of one cell, for every
-    ``ddtree-auto`` run."""
+    ``ddtree-auto`` run; the other runs are those that are not ``auto`` (an A/B of two
+    gates, ``+pairedgate``, is held to the same fixed methods)."""
     out = []
     ar = [speed.get((r, context, kind, batch)) for r in runs if r.startswith("ar@")]
     ar_best = max((v for v in ar if v), default=None)
     for auto in (r for r in runs if r.startswith("ddtree-auto")):
         mine = speed.get((auto, context, kind, batch))
-        others = [speed.get((r, context, kind, batch)) for r in runs if r != auto]
+        others = [speed.get((r, context, kind, batch)) for r in runs
+                  if not r.startswith("ddtree-auto")]
         best = max((v for v in others if v), default=None)
         out.append((auto, mine / best if mine and best else None,
                     mine / ar_best if mine and ar_best else None))

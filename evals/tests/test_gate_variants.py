@@ -45,3 +45,17 @@ def test_paired_residuals_follow_the_settled_arm():
         remove_paired_gate()
     own = stats.predicted_residuals(4)
     assert list(own) == list(stats.residual_seconds)
+
+
+def test_two_auto_runs_are_each_held_to_the_fixed_methods():
+    """An A/B of two step gates: each auto run's ratio is to the best run that is not
+    auto, not to the other gate."""
+    from e2e_sweep_report import auto_ratios
+
+    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto-64", "ddtree-auto-64+pairedgate"]
+    speed = {(r, 1024, "code", 1): v for r, v in zip(runs, (100.0, 200.0, 180.0, 300.0),
+                                                      strict=True)}
+    ratios = dict((run, (best, ar)) for run, best, ar
+                  in auto_ratios(speed, runs, 1024, "code", 1))
+    assert ratios["ddtree-auto-64"] == pytest.approx((0.9, 1.8))
+    assert ratios["ddtree-auto-64+pairedgate"] == pytest.approx((1.5, 3.0))
