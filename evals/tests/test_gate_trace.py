@@ -6,6 +6,7 @@ import json
 import gate_trace
 import numpy as np
 import torch
+from test_budget_gate import Clock
 
 from vllm_ddtree.budget.gate import SpeculationGate
 from vllm_ddtree.budget.step_cost import StepCostModel
@@ -14,31 +15,12 @@ from vllm_ddtree.verify.shape import StepPlan
 ARMS = [0, 1, 2, 4, 8, 16, 32, 64]
 
 
-class _Clock:
-    def __init__(self):
-        self.now = 0.0
-
-    def event(self):
-        clock = self
-
-        class Event:
-            t = clock.now
-
-            def query(self):
-                return True
-
-            def elapsed_time(self, end):
-                return 1e3 * (end.t - self.t)
-
-        return Event()
-
-
 def _drive(steps: int, num_reqs: int) -> SpeculationGate:
     budgets = ARMS[1:]
     model = StepCostModel(2, [1024, 2048], [1e-7, 2e-7],
                           [[1e-7] * len(budgets), [2e-7] * len(budgets)], budgets)
     model.set_graph_costs({n: 3e-4 + 1e-7 * n for n in (1, 64, 4160)}, {1: 2e-4, 64: 3e-4})
-    clock = _Clock()
+    clock = Clock()
     gate = SpeculationGate(model, "cpu", ARMS, make_event=clock.event)
     plan = StepPlan(64, ARMS, gate=gate)
     accepted, trees = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
