@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -90,19 +91,19 @@ def take() -> list[list]:
         return []
     records, _RECORDS = _RECORDS, []
     t0 = records[0][1]
+    # id(GateStats) -> (its bucket's batches, its gate's arms), once per take
+    where = {id(stats): (bucket_batches(b), gate.arms)
+             for gate in {id(g): g for g in _STATS_OWNER.values()}.values()
+             for b, stats in gate.stats.items()}
     out = []
     for kind, t, *rest in records:
         if kind == "d":
             out.append([kind, round(t - t0, 6), *rest])
             continue
         stats_id, arm, value = rest
-        gate = _STATS_OWNER.get(stats_id)
-        if gate is None:
-            continue
-        buckets = [b for b, s in gate.stats.items() if id(s) == stats_id]
-        if buckets:
-            out.append([kind, round(t - t0, 6), bucket_batches(buckets[0]), gate.arms[arm],
-                        round(value, 7)])
+        if stats_id in where:
+            batches, arms = where[stats_id]
+            out.append([kind, round(t - t0, 6), batches, arms[arm], round(value, 7)])
     return out
 
 
@@ -142,8 +143,9 @@ def summary(records: list[list]) -> str:
         q10, q50, q90 = np.percentile(values, [10, 50, 90])
         return f"{q50:.2f} ({q10:.2f}-{q90:.2f})"
 
+    chosen = Counter(d[4] for d in decisions)
     for arm in sorted(set(intervals) | set(residuals)):
-        lines.append(f"| {arm} | {sum(1 for d in decisions if d[4] == arm)} | "
+        lines.append(f"| {arm} | {chosen[arm]} | "
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
     return "\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} times.\n"

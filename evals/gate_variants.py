@@ -20,19 +20,12 @@ square-wave host speed: the shape of the real drift decides, hence the GPU A/B.
 from __future__ import annotations
 
 from collections import deque
+from statistics import median
 
 import numpy as np
 
 PAIR_WINDOW = 5
 _ORIGINALS: dict[str, object] = {}
-
-
-def _median(samples) -> float:
-    ordered = sorted(samples)
-    half = (len(ordered) - 1) // 2
-    if len(ordered) % 2:
-        return ordered[half]
-    return 0.5 * (ordered[half] + ordered[half + 1])
 
 
 class _Pairing:
@@ -54,7 +47,7 @@ class _Pairing:
         if not base:
             self.offsets = [deque(maxlen=self.window) for _ in self.offsets]
             return
-        shift = _median(base)
+        shift = median(base)
         for i, offsets in enumerate(self.offsets):
             if i not in (new, old):
                 self.offsets[i] = deque((x - shift for x in offsets), maxlen=self.window)
@@ -89,7 +82,7 @@ def apply_paired_gate() -> None:
         if arm == state.reference:
             state.recent.append(seconds)
         elif state.recent:
-            state.offsets[arm].append(seconds - _median(state.recent))
+            state.offsets[arm].append(seconds - median(state.recent))
 
     def paired_predicted_residuals(self, num_arms: int) -> np.ndarray:
         out = self.residual_seconds[:num_arms].copy()
@@ -99,7 +92,7 @@ def apply_paired_gate() -> None:
             return out
         for arm in range(num_arms):
             if arm != ref and state.offsets[arm]:
-                paired = self.residual_seconds[ref] + _median(state.offsets[arm])
+                paired = self.residual_seconds[ref] + median(state.offsets[arm])
                 out[arm] = 0.5 * (out[arm] + paired)
         return out
 
