@@ -72,6 +72,10 @@ def test_attention_columns_equal_per_request_interpolation():
     assert model.attention_seconds(ctx, 6) == pytest.approx(3 * (want[3] + want[4]) / 2)
     single = StepCostModel(1, [1024], [2e-6], [[3e-6]], [4])
     assert single.attention_columns(np.array([100, 5000])).tolist() == [4e-6, 6e-6]
+    # a batch of one takes a scalar path: the same figures as the per-request reference
+    for c in ctx:
+        got = model.attention_columns(np.array([c]))
+        assert got == pytest.approx([one(c, k) for k in range(table.shape[1])], rel=1e-12)
 
 
 @pytest.mark.parametrize("graphs", [True, False])
@@ -91,6 +95,29 @@ def test_step_seconds_by_drafts_equals_step_seconds_per_count(graphs):
     got = single.step_seconds_by_drafts(3, np.array([0, 4, 9]), single.attention_columns(
         np.full(3, 1024)))
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def test_step_seconds_by_drafts_follows_new_graph_costs_and_batch_sizes():
+    """The per-batch-size arm costs the gate reads every step are kept between calls:
+    new start-up timings replace them, and each batch size and draft set has its own
+    (counts that are all timed budgets, and counts between them)."""
+    model = cost_model()
+    ctx = np.array([1024])
+    columns = model.attention_columns(ctx)
+    for drafts in (np.array([0, 1, 2, 4, 8]), np.array([0, 3, 5])):
+        for num_reqs in (1, 3, 1):
+            want = [model.step_seconds(num_reqs, np.full(num_reqs, 1024), int(d), d > 0)
+                    for d in drafts]
+            got = model.step_seconds_by_drafts(num_reqs, drafts,
+                                               model.attention_columns(np.full(num_reqs, 1024)))
+            assert got == pytest.approx(want, rel=1e-12)
+    before = model.step_seconds_by_drafts(1, np.array([0, 4]), columns)
+    model.set_graph_costs({n: 5e-4 + 1e-6 * n for n in (1, 2, 4, 9, 16, 36)},
+                          {r: 3e-4 for r in (1, 2, 4)})
+    after = model.step_seconds_by_drafts(1, np.array([0, 4]), columns)
+    assert after == pytest.approx([model.step_seconds(1, ctx, 0, False),
+                                   model.step_seconds(1, ctx, 4, True)], rel=1e-12)
+    assert after[0] > before[0] + 3e-4
 
 
 def test_prefill_tokens_are_priced_as_more_forward_rows():

@@ -308,7 +308,7 @@ class SpeculationGate:
         self._accept_arms = [0] * _ACCEPT_SLOTS
         self._accept_pending: deque[int] = deque()
         self._accept_slot = 0
-        self._accept_last: np.ndarray | None = None
+        self._accept_last: list[int] | None = None
 
     @property
     def speculative_arms(self) -> list[int]:
@@ -426,20 +426,20 @@ class SpeculationGate:
             if event is not None and not event.query():
                 break
             self._accept_pending.popleft()
-            counts = self._accept_host[slot].numpy().copy()
+            counts = self._accept_host[slot].tolist()
             last, self._accept_last = self._accept_last, counts
             arm = self._index.get(self._accept_arms[slot], 0)
             if last is None or counts[1] <= last[1] or arm == 0:
                 continue
-            new_trees = int(counts[1] - last[1])
+            new_trees = counts[1] - last[1]
             stats = self.bucket(self._accept_reqs[slot])
-            stats.add_committed(arm, 1.0 + int(counts[0] - last[0]) / new_trees)
+            stats.add_committed(arm, 1.0 + (counts[0] - last[0]) / new_trees)
             if counts[2] < 0 or last[2] < 0:
                 continue  # no arm counters in one of the two copies
             for smaller in range(1, arm):
                 stats.add_committed(
-                    smaller, 1.0 + int(counts[1 + smaller] - last[1 + smaller]) / new_trees)
-            stats.add_smallest_cut(arm, 1.0 + int(counts[2] - last[2]) / new_trees)
+                    smaller, 1.0 + (counts[1 + smaller] - last[1 + smaller]) / new_trees)
+            stats.add_smallest_cut(arm, 1.0 + (counts[2] - last[2]) / new_trees)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
@@ -523,18 +523,19 @@ class SpeculationGate:
         as much). In place on ``committed`` (fp64 ``[num_arms]``)."""
         if num_arms < 3 or stats.committed_count[1] < SWITCH_SAMPLES:
             return
-        index = np.arange(num_arms)
-        ref = stats.smallest_cut_tokens[:num_arms] - 1.0
-        scale = ((index > max(stats.settled, 1)) & (ref >= MIN_REFERENCE)
-                 & (stats.committed_count[:num_arms] > 0))
-        if not scale.any():
-            return
-        factor = np.clip((stats.committed_tokens[1] - 1.0) / ref[scale],
-                         1.0 / SCALE_LIMIT, SCALE_LIMIT)
-        scaled = 1.0 + (committed[scale] - 1.0) * factor
-        if stats.settled > 0:
-            scaled = np.maximum(scaled, committed[stats.settled])
-        committed[scale] = scaled
+        # A Python loop: at most a few arms, and numpy's per-call cost is the step's
+        # host time at batch 1.
+        smallest = float(stats.committed_tokens[1]) - 1.0
+        refs = stats.smallest_cut_tokens.tolist()
+        counts = stats.committed_count.tolist()
+        floor = float(committed[stats.settled]) if stats.settled > 0 else None
+        for i in range(max(stats.settled, 1) + 1, num_arms):
+            ref = refs[i] - 1.0
+            if ref < MIN_REFERENCE or counts[i] <= 0:
+                continue
+            factor = min(max(smallest / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
+            scaled = 1.0 + (float(committed[i]) - 1.0) * factor
+            committed[i] = scaled if floor is None else max(scaled, floor)
 
     def decide(self, num_reqs: int, contexts: np.ndarray, cap: int) -> int:
         """At ``propose``: the next step's arm (0: plain decoding, the drafter's block
@@ -642,10 +643,11 @@ class SpeculationGate:
         neighbours (from plain decoding: also the best measured speculative arm, the arm
         below the smallest measured one, and the smallest measured arm not probed since
         plain decoding began or the requests changed)."""
-        spec_measured = np.flatnonzero(measured[1:]) + 1
-        below = None
-        if current == 0 and spec_measured.size > 0 and spec_measured[0] > 1:
-            below = int(spec_measured[0]) - 1
+        spec_measured = below = None
+        if current == 0:
+            spec_measured = np.flatnonzero(measured[1:]) + 1
+            if spec_measured.size > 0 and spec_measured[0] > 1:
+                below = int(spec_measured[0]) - 1
         if stats.residual_count[current] >= CALIBRATION_SAMPLES:
             for step in (-1, 1):
                 j = current + step

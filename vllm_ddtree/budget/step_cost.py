@@ -10,6 +10,7 @@ of every verify shape at several request counts), the drafter's block pass by re
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ __all__ = ["StepCostModel"]
 
 # The slope past the last timed point spans at least this fraction of its x.
 _TAIL_SPAN = 0.25
+# Batch sizes whose arm costs step_seconds_by_drafts keeps (it is cleared when full).
+_ARM_COST_CACHE = 1024
 
 
 def _tail_slope(xs: np.ndarray, ys: np.ndarray) -> float:
@@ -80,6 +83,7 @@ class StepCostModel:
                  budgets: Sequence[int]) -> None:
         self.num_layers = num_layers
         self.contexts = np.asarray(contexts, dtype=np.float64)
+        self._context_list = self.contexts.tolist()
         attention = np.asarray(tree_attention, dtype=np.float64).reshape(len(contexts), -1)
         # column 0: b = 0 (one row), then the candidates
         self.attention = np.concatenate(
@@ -89,6 +93,8 @@ class StepCostModel:
         self.verify_seconds = np.zeros(0)
         self.draft_reqs = np.zeros(0)
         self.draft_seconds = np.zeros(0)
+        # (num_reqs, drafts' int64 bytes) -> step_seconds_by_drafts' parts but attention
+        self._arm_costs: dict[tuple[int, bytes], tuple[Any, ...]] = {}
 
     def set_graph_costs(self, verify_by_rows: dict[int, float],
                         draft_by_reqs: dict[int, float]) -> None:
@@ -99,6 +105,7 @@ class StepCostModel:
             self.verify_rows, self.verify_seconds = _monotone_points(verify_by_rows)
         if draft_by_reqs:
             self.draft_reqs, self.draft_seconds = _monotone_points(draft_by_reqs)
+        self._arm_costs.clear()
 
     @property
     def has_graph_costs(self) -> bool:
@@ -115,6 +122,11 @@ class StepCostModel:
             return np.zeros(table.shape[1])
         if xs.size == 1:
             return table[0] * ctx.size
+        if ctx.size == 1:  # batch 1, where the host's time is the step's: no vector pass
+            points, c = self._context_list, float(ctx[0])
+            lo = min(max(bisect.bisect_right(points, c) - 1, 0), len(points) - 2)
+            frac = max((c - points[lo]) / (points[lo + 1] - points[lo]), 0.0)
+            return (1.0 - frac) * table[lo] + frac * table[lo + 1]
         lo = np.clip(np.searchsorted(xs, ctx, side="right") - 1, 0, xs.size - 2)
         frac = np.maximum((ctx - xs[lo]) / (xs[lo + 1] - xs[lo]), 0.0)
         return (1.0 - frac) @ table[lo] + frac @ table[lo + 1]
@@ -157,10 +169,35 @@ class StepCostModel:
         ``[A]``) at once, the drafter's block pass included exactly where the count is
         above 0 (the step gate's arms); ``columns``: :meth:`attention_columns` of the
         step's contexts."""
-        drafts = np.asarray(num_drafts, dtype=np.float64)
-        seconds = _interp_many(num_reqs * (1.0 + drafts), self.verify_rows, self.verify_seconds)
-        budgets = np.minimum(drafts, self.budgets[-1])
-        seconds += self.num_layers * np.interp(budgets, self.budgets, columns)
-        if self.draft_reqs.size > 0:
-            seconds += (drafts > 0) * _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        drafts = np.asarray(num_drafts, dtype=np.int64)
+        costs = self._arm_costs.get((num_reqs, drafts.tobytes()))
+        if costs is None:
+            costs = self._arm_costs_of(num_reqs, drafts)
+        verify, attention_index, budgets, draft = costs
+        if attention_index is not None:
+            attention = columns[attention_index]
+        else:
+            attention = np.interp(budgets, self.budgets, columns)
+        seconds = verify + self.num_layers * attention
+        seconds += draft
         return seconds
+
+    def _arm_costs_of(self, num_reqs: int, drafts: np.ndarray) -> tuple[Any, ...]:
+        """The parts of :meth:`step_seconds_by_drafts` that depend on the batch size and
+        the draft counts (int64 ``[A]``) alone, kept per ``(num_reqs, drafts)``: the verify forward
+        (fp64 ``[A]``), where the attention is read from the columns (int64 ``[A]``
+        indices where every count is a timed budget, else None and the clipped counts,
+        fp64 ``[A]``, to interpolate at) and the drafter's block pass (fp64 ``[A]``)."""
+        values = np.asarray(drafts, dtype=np.float64)
+        verify = _interp_many(num_reqs * (1.0 + values), self.verify_rows, self.verify_seconds)
+        budgets = np.minimum(values, self.budgets[-1])
+        index = np.searchsorted(self.budgets, budgets)
+        exact = bool(np.all(self.budgets[np.minimum(index, self.budgets.size - 1)] == budgets))
+        draft = np.zeros(values.shape)
+        if self.draft_reqs.size > 0:
+            draft = (values > 0) * _interp(num_reqs, self.draft_reqs, self.draft_seconds)
+        if len(self._arm_costs) >= _ARM_COST_CACHE:
+            self._arm_costs.clear()
+        costs = (verify, index if exact else None, budgets, draft)
+        self._arm_costs[(num_reqs, drafts.tobytes())] = costs
+        return costs
