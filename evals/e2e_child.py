@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 
 from e2e_models import SETUPS, cell_seed
+from e2e_report import GATE_VARIANTS
 from e2e_runs import (
     STATUS_FAILED,
     STATUS_NOT_RUN,
@@ -307,7 +308,7 @@ def skip_common_prefix_in_every_engine() -> None:
 
 def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
     """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
-    for variant in ("+skipprefix", "+marginals", "+pairedgate"):
+    for variant in ("+skipprefix", "+marginals", *GATE_VARIANTS):
         if variant in run.variants and engine_process:
             raise ValueError(f"{run.name}: {variant} patches the run's process; drop "
                              "--engine-process")
@@ -319,6 +320,11 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         from gate_variants import apply_paired_gate
 
         apply_paired_gate()
+    for pin in ("+pin16", "+pin32"):
+        if pin in run.variants:
+            from gate_variants import apply_pinned_gate
+
+            apply_pinned_gate(int(pin.removeprefix("+pin")))
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 
 from e2e_models import CHECKPOINTS, Setup, parse_prompt_kind
-from e2e_report import RUN_VARIANTS, split_run_variants
+from e2e_report import GATE_VARIANTS, RUN_VARIANTS, split_run_variants
 
 from vllm_ddtree.metrics import SPEC_DECODE_COUNTERS
 
@@ -78,9 +78,12 @@ class RunSpec:
                 if suffix in variants and run.method not in methods:
                     raise ValueError(f"{text!r}: {suffix} applies to "
                                      f"{' / '.join(methods)} runs only")
-            if "+pairedgate" in variants and run.budget != "auto":
-                raise ValueError(f"{text!r}: +pairedgate changes auto's step gate: "
+            gate = [v for v in variants if v in GATE_VARIANTS]
+            if gate and run.budget != "auto":
+                raise ValueError(f"{text!r}: {gate[0]} changes auto's step gate: "
                                  "ddtree-auto runs only")
+            if len(gate) > 1:
+                raise ValueError(f"{text!r}: one step-gate variant a run, got {gate}")
             return dataclasses.replace(run, variants=variants)
         m = re.fullmatch(r"ddtree-(\d+|auto(?:fixed)?(?:-(\d+))?)(?:@([A-Za-z0-9_]+))?",
                          text)

@@ -9,20 +9,29 @@ makes each step: ``StepPlan.step_shape`` (``execute_model``),
 engine's own simulation is not timed. CPU host time only (no CUDA events, no pinned
 copies): compare versions on one machine, not across machines.
 
+``--baseline REV`` times the package as committed at ``REV`` beside the working tree's,
+alternating child processes run by run (the host's speed drifts over minutes), and adds
+their ratio: an A/B of a change to the gate in one run.
+
     python evals/gate_host_cost.py [--batches 1 16 64] [--steps 3000] [--repeats 3]
+    python evals/gate_host_cost.py --baseline main~1
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from test_budget_gate import Engine  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
 
 CALLS = ("step_shape", "record_acceptance_", "draft_next")
 
@@ -30,6 +39,8 @@ CALLS = ("step_shape", "record_acceptance_", "draft_next")
 def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str, float]:
     """Mean host microseconds per step of each of :data:`CALLS` over ``steps`` steps
     at batch ``num_reqs``, after ``warmup`` steps in which the gate settles."""
+    from test_budget_gate import Engine
+
     engine = Engine(seed=0)
     engine.run(num_reqs, warmup)
     spent = dict.fromkeys(CALLS, 0.0)
@@ -50,20 +61,64 @@ def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str,
     return {name: 1e6 * seconds / steps for name, seconds in spent.items()}
 
 
+def _measure(batches: list[int], steps: int, package_root: Path | None) -> dict:
+    """``{batch: {call: us}}`` from a child process importing ``vllm_ddtree`` from
+    ``package_root`` (the working tree: None)."""
+    env = dict(os.environ)
+    if package_root is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(package_root), env.get("PYTHONPATH", "")])
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", "--steps", str(steps), "--batches",
+         *map(str, batches)], env=env, check=True, capture_output=True, text=True).stdout
+    return {int(b): calls for b, calls in json.loads(out.splitlines()[-1]).items()}
+
+
+def _checkout(rev: str, into: Path) -> Path:
+    """``vllm_ddtree`` as committed at ``rev``, unpacked under ``into``."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "vllm_ddtree"],
+                             check=True, capture_output=True).stdout
+    with tempfile.TemporaryFile() as f:
+        f.write(archive)
+        f.seek(0)
+        with tarfile.open(fileobj=f) as tar:
+            tar.extractall(into, filter="data")
+    return into
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=3,
-                        help="runs per batch size; the table shows their median")
+                        help="runs per version; the table shows their median")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time vllm_ddtree as committed at this git revision")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    print("| batch | " + " | ".join(f"`{c}` us" for c in CALLS) + " | total us |")
-    print("|---|" + "---|" * (len(CALLS) + 1))
-    for num_reqs in args.batches:
-        runs = [host_microseconds(num_reqs, args.steps) for _ in range(args.repeats)]
-        medians = [statistics.median(run[c] for run in runs) for c in CALLS]
-        print(f"| {num_reqs} | " + " | ".join(f"{m:.1f}" for m in medians)
-              + f" | {sum(medians):.1f} |")
+    if args.child:
+        print(json.dumps({b: host_microseconds(b, args.steps) for b in args.batches}))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        versions = {"working tree": None}
+        if args.baseline:
+            versions = {args.baseline: _checkout(args.baseline, Path(tmp)), **versions}
+        runs: dict[str, list[dict]] = {name: [] for name in versions}
+        for _ in range(args.repeats):
+            for name, root in versions.items():
+                runs[name].append(_measure(args.batches, args.steps, root))
+    print(f"command: python evals/gate_host_cost.py {' '.join(argv or sys.argv[1:])}")
+    print("host microseconds per step, median of the runs\n")
+    head = ["batch", "version", *(f"`{c}`" for c in CALLS), "total"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for b in args.batches:
+        totals = {}
+        for name in versions:
+            medians = [statistics.median(run[b][c] for run in runs[name]) for c in CALLS]
+            totals[name] = sum(medians)
+            print(f"| {b} | {name} | " + " | ".join(f"{m:.1f}" for m in medians)
+                  + f" | {totals[name]:.1f} |")
+        if args.baseline:
+            print(f"| {b} | ratio | | | | {totals['working tree'] / totals[args.baseline]:.2f} |")
 
 
 if __name__ == "__main__":

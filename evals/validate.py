@@ -1,7 +1,7 @@
 """lm-eval validation: each task without speculation, then with DDTree; compare.
 
     python evals/validate.py --tasks ddtree_humaneval --limit 8 --max-gen-toks 64   # CPU
-    python evals/validate.py                                   # all three tasks, full, CPU
+    python evals/validate.py                                   # the four default tasks, CPU
     python evals/validate.py --backend vllm \\
         --model-args '{"pretrained": "PATH/target", "dtype": "bfloat16"}' \\
         --speculative-config '{"method": "ddtree", "model": "PATH/drafter",

@@ -2,7 +2,13 @@
 
 import pytest
 from e2e_runs import RunSpec
-from gate_variants import PAIR_WINDOW, apply_paired_gate, remove_paired_gate
+from gate_variants import (
+    PAIR_WINDOW,
+    apply_paired_gate,
+    apply_pinned_gate,
+    remove_paired_gate,
+    remove_pinned_gate,
+)
 
 from vllm_ddtree.budget.gate import GateStats
 
@@ -59,3 +65,39 @@ def test_two_auto_runs_are_each_held_to_the_fixed_methods():
                   in auto_ratios(speed, runs, 1024, "code", 1))
     assert ratios["ddtree-auto-64"] == pytest.approx((0.9, 1.8))
     assert ratios["ddtree-auto-64+pairedgate"] == pytest.approx((1.5, 3.0))
+
+
+def test_pinned_gate_parses_for_auto_runs_only_and_one_gate_variant():
+    run = RunSpec.parse("ddtree-auto-64+pin32")
+    assert run.auto_max == 64 and run.variants == ("+pin32",)
+    with pytest.raises(ValueError, match="ddtree-auto runs only"):
+        RunSpec.parse("ddtree-32+pin32")
+    with pytest.raises(ValueError, match="one step-gate variant"):
+        RunSpec.parse("ddtree-auto+pairedgate+pin16")
+
+
+def test_pinned_gate_runs_its_arm_every_step_and_still_times_it():
+    """Pinned to 16: every step verifies 16 drafts at batch 1 and 64 (where the product
+    gate settles on 8 and 4), the arm's residuals and trees are still measured; with the
+    batch schedule's cap below the pin, the largest arm within the cap, and plain
+    decoding below every speculative arm; removing the patch restores the product
+    gate."""
+    from test_budget_gate import Engine
+
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    apply_pinned_gate(16)
+    try:
+        engine = Engine()
+        assert engine.run(1, 50)[1:] == [16] * 49  # the first step precedes any decision
+        assert engine.run(64, 50) == [16] * 50
+        stats = engine.gate.stats[0]
+        arm = engine.gate.arms.index(16)
+        assert stats.residual_count[arm] > 40 and stats.committed_count[arm] > 40
+        assert engine.gate.settled_arms() == {0: 16, 6: 16}
+        capped = Engine(schedule=BatchSchedule([(1, 4, 4), (5, 8, 0), (9, 64, 64)], 64, 64))
+        assert set(capped.run(2, 30)[1:]) == {4}
+        assert set(capped.run(6, 30)[1:]) == {0}
+    finally:
+        remove_pinned_gate()
+    assert Engine().run(1, 600)[-100:].count(8) >= 90  # the product gate again
