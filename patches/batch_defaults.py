@@ -44,7 +44,8 @@ def fit_batch_to_tree(budget: int, block_size: int, max_num_seqs: int,
 
     Raises:
         ValueError: the user's limits leave fewer than ``1 + budget`` schedulable
-            tokens, so no tree could ever be verified.
+            tokens, so no tree could ever be verified, or fewer tokens than the drafter's
+            block pass takes with every sequence (``max_num_seqs * block_size``).
     """
     from vllm_ddtree.config import DDTreeConfigError
 
@@ -66,6 +67,13 @@ def fit_batch_to_tree(budget: int, block_size: int, max_num_seqs: int,
             f"{seqs} leave {tokens - seqs * slots}: raise --max-num-batched-tokens to at "
             f"least {seqs * per_request}, lower --max-num-seqs, or lower "
             f"num_speculative_tokens")
+    if tokens < seqs * block_size:  # the drafter's block pass: block_size rows a request
+        raise DDTreeConfigError(
+            f"DDTree's drafter (block_size {block_size}) drafts every running request in "
+            f"one pass of {block_size} rows each, but max_num_seqs={seqs} x {block_size} = "
+            f"{seqs * block_size} exceeds max_num_batched_tokens={tokens}: raise "
+            f"--max-num-batched-tokens to at least {seqs * block_size} or lower "
+            f"--max-num-seqs to at most {tokens // block_size}")
     if (seqs, tokens) == (max_num_seqs, max_num_batched_tokens):
         return seqs, tokens, None
     note = (f"DDTree (num_speculative_tokens={budget}, drafter block_size {block_size}): "

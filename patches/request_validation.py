@@ -30,6 +30,9 @@ def chain_only_features(params) -> list[str]:
         problems.append("bad_words")
     if params.structured_outputs is not None:
         problems.append("structured_outputs (guided decoding)")
+    if getattr(params, "logprob_token_ids", None):
+        # the tree verifier's logprobs are the top-n of the committed rows only
+        problems.append("logprob_token_ids")
     return problems
 
 
@@ -44,8 +47,9 @@ def check_request_for_ddtree(vllm_config, params) -> None:
     if problems:
         raise ValueError(
             f"this server decodes with speculative method 'ddtree', which cannot honour "
-            f"{', '.join(problems)} (they assume the draft tokens form a chain): drop "
-            "them from the request, or serve without --speculative-config"
+            f"{', '.join(problems)} (penalties, bad words and guided decoding assume the "
+            "draft tokens form a chain; logprobs are the top-n only): drop them from the "
+            "request, or serve without --speculative-config"
         )
 
 

@@ -28,7 +28,7 @@ def checked_spec(engine_args):
 
     spec = engine_args.speculative_config
     if isinstance(spec, dict):
-        spec = {k.replace("-", "_"): v for k, v in spec.items()}
+        spec = normalised_keys(spec)
         check_method(spec.get("method"))
     check_method(engine_args.spec_method, "--spec-method")
     shorthands = {"spec_method": engine_args.spec_method,
@@ -39,6 +39,23 @@ def checked_spec(engine_args):
     spec = merge_shorthands(spec, shorthands)
     engine_args.spec_method = engine_args.spec_model = engine_args.spec_tokens = None
     return spec
+
+
+def normalised_keys(spec: dict) -> dict:
+    """``spec`` with dashes in its keys turned into underscores (as vLLM's CLI does);
+    two spellings of one key (``ddtree-top-k`` and ``ddtree_top_k``) are refused."""
+    from vllm_ddtree.config import DDTreeConfigError
+
+    out: dict = {}
+    spelled: dict = {}
+    for key, value in spec.items():
+        name = key.replace("-", "_") if isinstance(key, str) else key
+        if name in out:
+            raise DDTreeConfigError(
+                f"speculative config: {spelled[name]!r} and {key!r} are one key "
+                f"({name}): give it once")
+        out[name], spelled[name] = value, key
+    return out
 
 
 def apply() -> None:
@@ -54,6 +71,7 @@ def apply() -> None:
         from vllm_ddtree.config import (
             check_drafter_for_target,
             check_parallel_setup,
+            check_target,
             split_ddtree_spec,
         )
         from vllm_ddtree.drafter_config import block_size_of, refuse_dflash2_outside_ddtree
@@ -64,8 +82,10 @@ def apply() -> None:
             vllm_spec, ddtree = split_ddtree_spec(spec)
             if ddtree is not None:
                 check_parallel_setup(
-                    ddtree, getattr(target_parallel_config, "data_parallel_size", 1),
-                    getattr(target_parallel_config, "pipeline_parallel_size", 1))
+                    ddtree, *(getattr(target_parallel_config, name, 1) for name in (
+                        "data_parallel_size", "pipeline_parallel_size",
+                        "decode_context_parallel_size", "prefill_context_parallel_size")))
+                check_target(target_model_config)
                 drafter = check_drafter_for_target(
                     vllm_spec["model"], target_model_config.hf_config, ddtree,
                     getattr(target_model_config, "max_model_len", None))
@@ -139,10 +159,32 @@ def choose_target_attention_backend(engine_args, target_model_config) -> None:
                 f"--attention-backend {TREE_ATTENTION_BACKEND}"
             )
     kind = "mla" if target_model_config.use_mla else "gqa"
+    if kind == "gqa":
+        check_gqa_target(engine_args, target_model_config)
     settings.set_for_children("VLLM_DDTREE_TREE_BACKEND", kind)
     register_tree_backend(kind)
     if chosen is None and config_backend is None:
         engine_args.attention_backend = TREE_ATTENTION_BACKEND
+
+
+def check_gqa_target(engine_args, target_model_config) -> None:
+    """The GQA / MHA tree backend keeps a 16-bit KV cache of head sizes 32..256
+    (``attention_backends/gqa_tree``): refuse other caches and heads here, before the
+    target loads (vLLM would ask the backend only in the worker)."""
+    from vllm_ddtree.attention_backends.gqa_tree.backend import TreeGQABackend
+    from vllm_ddtree.config import DDTreeConfigError
+
+    dtype = getattr(engine_args, "kv_cache_dtype", "auto")
+    if dtype not in (None, "auto"):
+        raise DDTreeConfigError(
+            f"kv_cache_dtype={dtype!r} is not allowed with method 'ddtree' on a GQA / MHA "
+            "target (DDTree's GQA tree backend keeps the model's 16-bit cache): use "
+            "--kv-cache-dtype auto (an fp8 cache is supported for MLA targets)")
+    head_size = target_model_config.get_head_size()
+    if not TreeGQABackend.supports_head_size(head_size):
+        raise DDTreeConfigError(
+            f"head size {head_size} of this GQA / MHA target is not supported by DDTree's "
+            "GQA tree backend (allowed: 32..256)")
 
 
 def create_ddtree_speculative_config(
@@ -164,14 +206,23 @@ def create_ddtree_speculative_config(
     """
     import os
 
+    from vllm_ddtree import settings
     from vllm_ddtree.config import DDTreeConfigError
 
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0":
-        raise DDTreeConfigError(
-            "speculative method 'ddtree' runs on vLLM's V2 model runner only: unset "
-            "VLLM_USE_V2_MODEL_RUNNER=0"
-        )
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    settings.check_all()
+    runner = os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip()
+    if runner:  # vLLM reads it as bool(int(value)) (envs.py)
+        try:
+            v2 = bool(int(runner))
+        except ValueError:
+            v2 = None
+        if not v2:
+            raise DDTreeConfigError(
+                f"VLLM_USE_V2_MODEL_RUNNER={os.environ['VLLM_USE_V2_MODEL_RUNNER']!r}: "
+                "speculative method 'ddtree' runs on vLLM's V2 model runner only: set it "
+                "to 1 or unset it")
+    else:
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     from vllm_ddtree.kv_group_choice import prefer_one_kv_cache_group
     from vllm_ddtree.patches import apply_runner_patches
 

@@ -63,6 +63,18 @@ def test_user_limits_that_cannot_verify_a_tree_name_the_budget_and_the_fix():
         assert part in message
 
 
+def test_user_limits_below_the_drafters_block_pass_name_both_fixes():
+    """Enough tokens for the trees but not for every sequence's drafter block (the worker
+    would refuse it after loading the model)."""
+    with pytest.raises(DDTreeConfigError) as err:
+        fit_batch_to_tree(8, 16, 64, 1000, seqs_set=True, tokens_set=True)
+    message = str(err.value)
+    for part in ("max_num_seqs=64 x 16 = 1024", "max_num_batched_tokens=1000",
+                 "at least 1024", "--max-num-seqs to at most 62"):
+        assert part in message, message
+    assert fit_batch_to_tree(8, 16, 62, 1000, seqs_set=True, tokens_set=True)[:2] == (62, 1000)
+
+
 def _engine_args(monkeypatch, **kwargs):
     from vllm.engine.arg_utils import EngineArgs
 

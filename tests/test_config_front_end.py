@@ -25,7 +25,7 @@ def pair_dirs(tmp_path_factory):
     import vllm_ddtree
 
     vllm_ddtree.register()
-    target = tiny_target("qwen3")
+    target = tiny_target("qwen3", head_dim=32)  # the GQA tree backend's smallest head
     root = tmp_path_factory.mktemp("pair")
     target.save_pretrained(root / "target")
     drafter_config(target.config).save_pretrained(root / "drafter")
@@ -348,3 +348,108 @@ def test_sliding_window_from_dflash_config_needs_no_use_sliding_window(front_end
     with pytest.raises(DrafterModelConfigReached):
         front_end(SPEC, drafter_json=changed(front_end.good_json, use_sliding_window=False,
                                              dflash_config={"swa_window_size": 4}))
+
+
+# -- what the worker could not run, refused before the target loads ---------------------
+
+
+@pytest.mark.parametrize("attr, kind", [
+    ("is_hybrid", "hybrid"), ("is_encoder_decoder", "encoder-decoder"),
+    ("uses_mrope", "M-RoPE")])
+def test_targets_the_runner_cannot_verify_are_refused(front_end, monkeypatch, attr, kind):
+    """Hybrid, encoder-decoder and M-RoPE targets would reach the worker and fail after
+    the model loaded (DDTree patches vLLM's default model state only)."""
+    from vllm.config import ModelConfig
+
+    monkeypatch.setattr(ModelConfig, attr, property(lambda self: True), raising=False)
+    message = refused(front_end, spec=SPEC)
+    assert kind in message and "Qwen3ForCausalLM" in message
+    assert "without --speculative-config" in message
+
+
+def test_a_default_repetition_penalty_is_refused_at_start_up():
+    """A generation config's repetition_penalty becomes every request's: each would be
+    refused (penalties assume a chain), so the server is refused at start-up with the
+    flag that drops it; a neutral 1.0 passes."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.config import check_target
+
+    def target(defaults):
+        return SimpleNamespace(hf_config=SimpleNamespace(architectures=["X"]),
+                               get_diff_sampling_param=lambda: defaults)
+
+    with pytest.raises(DDTreeConfigError) as info:
+        check_target(target({"repetition_penalty": 1.05, "temperature": 0.7}))
+    assert "repetition_penalty=1.05" in str(info.value)
+    assert "--generation-config vllm" in str(info.value)
+    check_target(target({"repetition_penalty": 1.0, "temperature": 0.7}))
+    check_target(target({}))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("use_local_argmax_reduction", True), ("draft_sample_method", "gumbel"),
+    ("rejection_sample_method", "synthetic")])
+def test_chain_only_speculative_keys_are_refused_unless_vllms_default(front_end, key, value):
+    message = refused(front_end, spec={**SPEC, key: value})
+    assert f"{key}={value!r} is not allowed" in message
+    default = {"use_local_argmax_reduction": False, "draft_sample_method": "greedy",
+               "rejection_sample_method": "standard"}[key]
+    with pytest.raises(DrafterModelConfigReached):
+        front_end({**SPEC, key: default})
+
+
+def test_one_key_spelled_twice_is_refused(front_end):
+    message = refused(front_end, spec={**SPEC, "ddtree-top-k": 2, "ddtree_top_k": 4})
+    assert "'ddtree-top-k' and 'ddtree_top_k' are one key" in message
+
+
+def test_numpy_integers_become_ints():
+    """The workers compare types (``top_k must be an int``): NumPy integers from a
+    Python caller are taken as ints."""
+    np = pytest.importorskip("numpy")
+    from vllm_ddtree.config import split_ddtree_spec
+
+    _, ddtree = split_ddtree_spec({"method": "ddtree", "model": "d",
+                                   "num_speculative_tokens": np.int64(8),
+                                   "ddtree_top_k": np.int32(4)})
+    assert (type(ddtree.budget), type(ddtree.top_k)) == (int, int)
+
+
+@pytest.mark.parametrize("field", ["decode_context_parallel_size",
+                                   "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused(field):
+    from vllm_ddtree.config import DDTreeConfig, check_parallel_setup
+
+    sizes = {"decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
+             field: 2}
+    with pytest.raises(DDTreeConfigError, match=f"{field}=2 is not allowed"):
+        check_parallel_setup(DDTreeConfig(budget=8), 1, 1, **sizes)
+
+
+def test_gqa_target_cache_and_head_size_are_checked_before_loading(front_end):
+    """DDTree's GQA tree backend keeps a 16-bit cache of heads 32..256: an fp8 cache or a
+    16-wide head would fail only in the worker."""
+    from types import SimpleNamespace
+
+    from vllm_ddtree.patches.speculative_config import check_gqa_target
+
+    message = refused(front_end, spec=SPEC, kv_cache_dtype="fp8")
+    assert "kv_cache_dtype='fp8' is not allowed" in message and "auto" in message
+    with pytest.raises(DDTreeConfigError, match="head size 16 .* 32..256"):
+        check_gqa_target(SimpleNamespace(kv_cache_dtype="auto"),
+                         SimpleNamespace(get_head_size=lambda: 16))
+
+
+@pytest.mark.parametrize("value", ["0", "00", " 0", "no"])
+def test_any_value_that_selects_the_v1_runner_is_refused(front_end, monkeypatch, value):
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", value)
+    assert "V2 model runner only" in refused(front_end, spec=SPEC)
+
+
+def test_a_bad_switch_fails_at_start_up_not_in_the_worker(front_end, monkeypatch):
+    from vllm_ddtree.settings import SettingError
+
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "gluon")
+    message = refused(front_end, SettingError, spec=SPEC)
+    assert "VLLM_DDTREE_MLA_KERNEL='gluon' is not allowed" in message

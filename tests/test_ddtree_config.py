@@ -166,9 +166,11 @@ def test_chain_only_sampling_features_refused_per_request():
         (SamplingParams(bad_words=["x"]), "bad_words"),
         (SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")),
          "structured_outputs"),
+        (SamplingParams(logprobs=2, logprob_token_ids=[3, 4]), "logprob_token_ids"),
     ]:
         with pytest.raises(ValueError, match=field):
             check_request_for_ddtree(ddtree, params)
         check_request_for_ddtree(plain, params)  # without DDTree: vLLM's business
     check_request_for_ddtree(ddtree, SamplingParams(temperature=0.8, top_p=0.9, top_k=5,
-                                                    seed=3, min_tokens=4, stop=["\n"]))
+                                                    seed=3, min_tokens=4, stop=["\n"],
+                                                    logprobs=2))

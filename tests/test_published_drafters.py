@@ -93,8 +93,12 @@ def test_unsupported_published_fields_are_named(tmp_path):
         read_drafter_config_json(both)
 
 
-def test_vllm_front_end_takes_a_dflash2_drafter_with_a_budget_its_selector_holds(tmp_path):
+def test_vllm_front_end_takes_a_dflash2_drafter_with_a_budget_its_tree_holds(tmp_path):
+    """A DFlash2 tree ranks as many candidates a position as a node may have children
+    (``tree_candidates``: B or ddtree_top_k, at least the checkpoint's selector_top_k), so
+    its budget is bounded as a DFlash drafter's: by ddtree_top_k, not selector_top_k."""
     from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, check_drafter_for_target
+    from vllm_ddtree.tree.selector_tree import tree_candidates
 
     shutil.copy(PUBLISHED / DFLASH2, tmp_path / "config.json")
     config = check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=64))
@@ -107,8 +111,13 @@ def test_vllm_front_end_takes_a_dflash2_drafter_with_a_budget_its_selector_holds
     narrow = json.loads((PUBLISHED / DFLASH2).read_text())
     narrow["dflash_config"]["selector_top_k"] = 2
     (tmp_path / "config.json").write_text(json.dumps(narrow))
-    with pytest.raises(DDTreeConfigError, match=r"=255 .*1\.\.254.*selector_top_k 2"):
-        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=255))
+    # a checkpoint that walks 2 candidates still drafts trees of 255 nodes: its tree ranks
+    # 255 candidates a position, more than 2 children a node
+    check_drafter_for_target(str(tmp_path), DFLASH2_TARGET, DDTreeConfig(budget=255))
+    assert tree_candidates(2, 255, None, DFLASH2_TARGET.vocab_size) == 255
+    with pytest.raises(DDTreeConfigError, match=r"=255 .*1\.\.254.*ddtree_top_k=2"):
+        check_drafter_for_target(str(tmp_path), DFLASH2_TARGET,
+                                 DDTreeConfig(budget=255, top_k=2))
 
 
 def test_a_dflash2_drafter_under_another_method_is_refused(tmp_path):

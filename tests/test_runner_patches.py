@@ -83,7 +83,7 @@ def test_target_backend_choice_per_target(monkeypatch, custom_backend_slot):
     # value choose_target_attention_backend writes is undone after the test
     monkeypatch.setenv(TREE_BACKEND_ENV, "")
     args = NS(attention_backend=None, attention_config=NS(backend=None))
-    choose_target_attention_backend(args, NS(use_mla=False))
+    choose_target_attention_backend(args, NS(use_mla=False, get_head_size=lambda: 64))
     assert args.attention_backend == "CUSTOM"
     assert os.environ[TREE_BACKEND_ENV] == "gqa"
     assert AttentionBackendEnum.CUSTOM.get_class() is TreeGQABackend

@@ -11,8 +11,9 @@ VOCAB = 96
 HIDDEN = 64
 
 
-def tiny_target(kind: str, seed: int = 0, num_layers: int = 3):
-    """A tiny ``Qwen3ForCausalLM`` (``kind="qwen3"``) or MLA ``DeepseekV3ForCausalLM``."""
+def tiny_target(kind: str, seed: int = 0, num_layers: int = 3, head_dim: int = 16):
+    """A tiny ``Qwen3ForCausalLM`` (``kind="qwen3"``, ``head_dim`` per head) or MLA
+    ``DeepseekV3ForCausalLM``."""
     torch.manual_seed(seed)
     common = dict(
         vocab_size=VOCAB,
@@ -25,7 +26,7 @@ def tiny_target(kind: str, seed: int = 0, num_layers: int = 3):
         tie_word_embeddings=False,
     )
     if kind == "qwen3":
-        config = Qwen3Config(num_key_value_heads=2, head_dim=16, **common)
+        config = Qwen3Config(num_key_value_heads=2, head_dim=head_dim, **common)
         model = Qwen3ForCausalLM(config)
     elif kind == "deepseek_v3":
         config = DeepseekV3Config(

@@ -36,10 +36,13 @@ BATCH_SCHEDULE_ALLOWED = (
     "the first starting at 1; k an int >= 0, the tree nodes each request verifies at those "
     "batch sizes (capped at num_speculative_tokens; 0 = plain decoding, no drafter pass; "
     'with ddtree_budget "auto" the largest budget auto may pick there)')
-# vLLM speculative-config keys that assume a chain or another drafter kind.
+# vLLM speculative-config keys that assume a chain or another drafter kind: key ->
+# (vLLM's default, the only value allowed; why).
 UNSUPPORTED_KEYS = {
-    "draft_sample_method": "DDTree drafts greedily (its tree covers the alternatives)",
-    "rejection_sample_method": "DDTree verifies by walking the tree",
+    "draft_sample_method": ("greedy", "DDTree drafts greedily (its tree covers the "
+                                      "alternatives)"),
+    "rejection_sample_method": ("standard", "DDTree verifies by walking the tree"),
+    "use_local_argmax_reduction": (False, "the tree ranks the drafter's full logits"),
 }
 MODEL_ALLOWED = ('the local directory of a DFlash drafter (config.json with '
                  '"architectures": ["DFlashDraftModel"] or ["DFlash2DraftModel"])')
@@ -109,7 +112,7 @@ def _check_int(field: str, value: Any, lo: int, hi: int | None, allowed: str) ->
     """``value`` is an int (not a bool) in ``lo..hi`` (``hi`` None: no upper bound)."""
     if not is_int(value) or value < lo or (hi is not None and value > hi):
         raise refuse(field, value, allowed)
-    return value
+    return int(value)  # a NumPy integer too: the workers compare types
 
 
 def is_ddtree_key(key: str) -> bool:
@@ -192,9 +195,10 @@ def split_ddtree_spec(spec: dict[str, Any]) -> tuple[dict[str, Any], DDTreeConfi
         raise DDTreeConfigError(
             f"speculative config: unknown DDTree key(s) {unknown} (keys are case-sensitive); "
             f"known keys: {known}")
-    for key, why in UNSUPPORTED_KEYS.items():
-        if spec.get(key) is not None:
-            raise refuse(key, spec[key], f"left out with method ddtree: {why}")
+    for key, (default, why) in UNSUPPORTED_KEYS.items():
+        if spec.get(key) is not None and spec[key] != default:
+            raise refuse(key, spec[key], f"left out (or vLLM's default {default!r}) with "
+                         f"method ddtree: {why}")
     if not isinstance(spec.get("model"), str) or not spec["model"]:
         raise refuse("model", spec.get("model"), MODEL_ALLOWED)
     budget = _check_int("num_speculative_tokens", spec.get("num_speculative_tokens"), 1,
@@ -237,23 +241,60 @@ def batch_schedule(value: Any) -> tuple[tuple[int, int, int], ...] | None:
 
 
 def check_parallel_setup(ddtree: DDTreeConfig, data_parallel_size: int,
-                         pipeline_parallel_size: int = 1) -> None:
-    """Refuse pipeline parallelism, and a batch schedule with data parallelism.
+                         pipeline_parallel_size: int = 1,
+                         decode_context_parallel_size: int = 1,
+                         prefill_context_parallel_size: int = 1) -> None:
+    """Refuse pipeline and context parallelism, and a batch schedule with data
+    parallelism.
 
     vLLM's V2 runner builds the speculator on the last pipeline stage only
     (``v1/worker/gpu/model_runner.py:194-195``), so earlier stages would run the
     scheduler's ``1 + B`` rows without the tree's positions, mask or step shape. With
     data parallelism the ranks' batch sizes differ, so a schedule would give them
     different budgets and plain steps (vLLM drops its own dynamic speculative decoding
-    there for the same reason, ``config/vllm.py:838-855``)."""
+    there for the same reason, ``config/vllm.py:838-855``). Context parallelism splits a
+    request's KV cache across ranks, which the tree's KV compaction does not follow."""
     if pipeline_parallel_size != 1:
         raise refuse("pipeline_parallel_size", pipeline_parallel_size,
                      "1 with method 'ddtree' (the tree speculator runs on the last pipeline "
                      "stage only); use tensor parallelism")
+    for field, size in (("decode_context_parallel_size", decode_context_parallel_size),
+                        ("prefill_context_parallel_size", prefill_context_parallel_size)):
+        if size != 1:
+            raise refuse(field, size, "1 with method 'ddtree' (the tree's KV compaction "
+                         "keeps a request's KV cache on one rank); use tensor parallelism")
     if ddtree.batch_schedule is not None and data_parallel_size > 1:
         raise refuse(BATCH_SCHEDULE_KEY, [list(e) for e in ddtree.batch_schedule],
                      f"left out with data parallelism (data_parallel_size="
                      f"{data_parallel_size}): each rank would pick its own budget")
+
+
+def check_target(model_config) -> None:
+    """Refuse, before vLLM loads the target, what DDTree's runner cannot verify: a hybrid
+    (Mamba / linear-attention), encoder-decoder or M-RoPE target (the worker patches
+    only vLLM's default model state and one position per token), and a generation config
+    whose default ``repetition_penalty`` every request would inherit (penalties assume
+    the draft tokens form a chain; each request would be refused)."""
+    arch = ", ".join(getattr(getattr(model_config, "hf_config", None), "architectures",
+                             None) or []) or "this target"
+    kinds = (("is_hybrid", "a hybrid (Mamba / linear-attention) target"),
+             ("is_encoder_decoder", "an encoder-decoder target"),
+             ("uses_mrope", "a target with M-RoPE (multimodal) positions"))
+    for attr, kind in kinds:
+        if getattr(model_config, attr, False):
+            raise DDTreeConfigError(
+                f"speculative method 'ddtree' cannot verify {kind} ({arch}): it supports "
+                "decoder-only attention targets with one position a token; serve this "
+                "model without --speculative-config or with one of vLLM's methods")
+    get_defaults = getattr(model_config, "get_diff_sampling_param", None)
+    penalty = (get_defaults() if get_defaults else {}).get("repetition_penalty")
+    if penalty is not None and penalty != 1.0:
+        raise DDTreeConfigError(
+            f"the target's generation config sets repetition_penalty={penalty}, the "
+            "default of every request, which speculative method 'ddtree' cannot honour "
+            "(penalties assume the draft tokens form a chain): serve with "
+            "--generation-config vllm, or --override-generation-config "
+            "'{\"repetition_penalty\": 1.0}'")
 
 
 def _verify_shape(value: Any, adaptive: bool) -> str | None:
@@ -294,21 +335,19 @@ def _series(k: int, depth: int) -> str:
     return " + ".join(terms) if depth <= 3 else f"{terms[0]} + {terms[1]} + ... + {terms[-1]}"
 
 
-def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: int,
-                           cap_name: str = "the vocabulary size") -> None:
+def check_budget_fits_tree(ddtree: DDTreeConfig, block_size: int, vocab_size: int) -> None:
     """The budget B fits a tree of depth ``block_size - 1`` (the drafter's mask
     queries) whose nodes have at most ``k`` children, ``k = min(ddtree_top_k or B, V)``:
-    ``B <= k + k^2 + ... + k^(block_size - 1)``. ``vocab_size`` is the children's cap,
-    named ``cap_name`` (a DFlash2 drafter's: its ``selector_top_k`` candidates)."""
+    ``B <= k + k^2 + ... + k^(block_size - 1)``."""
     depth = block_size - 1
     k = min(ddtree.top_k or ddtree.budget, vocab_size)
     most = tree_capacity(k, depth)
     if ddtree.budget <= most:
         return
     if ddtree.top_k is None:
-        why = f"{cap_name} {vocab_size}"
+        why = f"the vocabulary size {vocab_size}"
     elif ddtree.top_k > vocab_size:
-        why = f"ddtree_top_k={ddtree.top_k} capped at {cap_name} {vocab_size}"
+        why = f"ddtree_top_k={ddtree.top_k} capped at the vocabulary size {vocab_size}"
     else:
         why = f"ddtree_top_k={ddtree.top_k}"
     fix = " or raise ddtree_top_k" if ddtree.top_k is not None and k < vocab_size else ""
@@ -334,8 +373,6 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
     from vllm_ddtree.drafter_config import (
         block_size_of,
         check_drafter_target_pair,
-        dflash2_config_of,
-        is_dflash2,
         load_drafter_config,
     )
 
@@ -348,12 +385,9 @@ def check_drafter_for_target(drafter: str, target_hf_config, ddtree: DDTreeConfi
     check_drafter_target_pair(drafter_config, target_hf_config)
     if max_model_len is not None:
         check_drafter_positions(drafter, drafter_config, max_model_len)
-    if ddtree is not None and is_dflash2(drafter_config):
-        # A DFlash2 tree's children are the selector's candidates of the next position.
-        check_budget_fits_tree(ddtree, block_size_of(drafter_config),
-                               dflash2_config_of(drafter_config)["selector_top_k"],
-                               "the drafter's selector_top_k")
-    elif ddtree is not None:
+    if ddtree is not None:
+        # A DFlash2 tree ranks as many candidates a position as a node may have children
+        # (vllm_ddtree.tree.selector_tree.tree_candidates): the same bound as DFlash's.
         check_budget_fits_tree(ddtree, block_size_of(drafter_config),
                                target_hf_config.vocab_size)
     return drafter_config

@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["SWITCHES", "SettingError", "Switch", "get", "markdown_table", "set_for_children"]
+__all__ = ["SWITCHES", "SettingError", "Switch", "check_all", "get", "markdown_table",
+           "set_for_children"]
 
 
 class SettingError(ValueError):
@@ -77,6 +78,14 @@ def get(name: str) -> str:
         raise SettingError(f"{name}={value!r} is not allowed: choose one of "
                            f"{', '.join(switch.choices)} (default {switch.default})")
     return value
+
+
+def check_all() -> None:
+    """Read every declared switch (:func:`get`): a value outside its choices raises
+    :class:`SettingError` now, at a DDTree run's start-up, not at its first use inside
+    a worker."""
+    for switch in SWITCHES:
+        get(switch.name)
 
 
 def set_for_children(name: str, value: str) -> None:
