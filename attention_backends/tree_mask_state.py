@@ -64,6 +64,14 @@ class TreeMaskState:
         self.adaptive = False
         self.mostly_active = False
 
+    def clear_unless_ddtree(self, vllm_config) -> None:
+        """At a tree backend's builder: an engine without DDTree (its target alone on the
+        tree backend) clears what an earlier DDTree engine of this process left set,
+        which would apply that engine's tree mask to this one's batches."""
+        spec = getattr(vllm_config, "speculative_config", None)
+        if getattr(spec, "ddtree", None) is None:
+            self.active = self.adaptive = self.mostly_active = False
+
     def allocate(self, max_num_tokens: int, max_query_len: int, device) -> torch.Tensor:
         words = max(1, -(-max_query_len // BITS_PER_WORD))
         if (

@@ -70,6 +70,7 @@ def apply() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         from vllm_ddtree.config import (
             check_drafter_for_target,
+            check_long_prefill_threshold,
             check_parallel_setup,
             check_target,
             split_ddtree_spec,
@@ -86,6 +87,9 @@ def apply() -> None:
                         "data_parallel_size", "pipeline_parallel_size",
                         "decode_context_parallel_size", "prefill_context_parallel_size")))
                 check_target(target_model_config)
+                check_long_prefill_threshold(
+                    ddtree.budget, self.long_prefill_token_threshold or 0,
+                    self.max_num_partial_prefills or 1, target_model_config.max_model_len)
                 drafter = check_drafter_for_target(
                     vllm_spec["model"], target_model_config.hf_config, ddtree,
                     getattr(target_model_config, "max_model_len", None))

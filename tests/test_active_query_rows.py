@@ -526,7 +526,8 @@ def _fake_vllm_config():
         parallel_config=NS(decode_context_parallel_size=1),
         compilation_config=NS(cudagraph_mode=CUDAGraphMode.NONE, static_forward_context={}),
         scheduler_config=NS(max_num_seqs=8, max_num_batched_tokens=64),
-        speculative_config=NS(num_speculative_tokens=4, parallel_drafting=True),
+        speculative_config=NS(num_speculative_tokens=4, parallel_drafting=True,
+                              ddtree={"budget": 4}),
     )
 
 

@@ -453,3 +453,19 @@ def test_a_bad_switch_fails_at_start_up_not_in_the_worker(front_end, monkeypatch
     monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "gluon")
     message = refused(front_end, SettingError, spec=SPEC)
     assert "VLLM_DDTREE_MLA_KERNEL='gluon' is not allowed" in message
+
+
+def test_a_long_prefill_threshold_below_a_verify_step_is_refused(front_end):
+    """vLLM cuts every request's tokens at long_prefill_token_threshold, decodes too:
+    below 1 + B a tree's verify rows are cut (and a padded new decode cannot run). Set
+    by hand, or by vLLM (4 % of max_model_len 4096 = 163) with partial prefills."""
+    message = refused(front_end, spec=SPEC, long_prefill_token_threshold=5)
+    assert "long_prefill_token_threshold=5 (--long-prefill-token-threshold)" in message
+    assert "at least 9" in message
+    big = {**SPEC, "num_speculative_tokens": 255, "ddtree_top_k": 4}
+    message = refused(front_end, spec=big, max_num_partial_prefills=2)
+    assert "long_prefill_token_threshold=163 (vLLM's default" in message
+    assert "at least 256" in message
+    for ok in (dict(long_prefill_token_threshold=9), dict(max_num_partial_prefills=2)):
+        with pytest.raises(DrafterModelConfigReached):
+            front_end(SPEC, **ok)

@@ -657,3 +657,30 @@ def test_tree_caches_warm_before_graph_capture():
         build_ddtree(logits, BUDGET).ancestor_bits()
     assert tree_mod._beam_candidates.cache_info().misses == beams.misses
     assert tree_mod._bit_values.cache_info().misses == bits.misses
+
+
+def test_a_second_engine_in_the_process_starts_from_clean_tree_state():
+    """Engines built one after another in one process (``LLM`` twice,
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) share the module-level state: a fixed-budget
+    engine after an ``auto`` one must not keep its adaptive buffers (sized for the first
+    engine's batch), and a tree backend without DDTree must not apply the first
+    engine's tree mask."""
+    saved = (TREE_MASK_STATE.active, TREE_MASK_STATE.adaptive, TREE_MASK_STATE.mostly_active)
+    try:
+        state = DDTreeRuntimeState()
+        state.allocate(4, 64, 8, 3, 9, "cpu")
+        state.enable_adaptive_(4, "cpu")
+        TREE_MASK_STATE.mostly_active = True
+        state.allocate(16, 256, 8, 3, 9, "cpu")  # the next engine: fixed budget, 16 seqs
+        assert not state.adaptive and state.active_nodes is None
+        assert state.active_nodes_sum is None
+        assert not TREE_MASK_STATE.adaptive and not TREE_MASK_STATE.mostly_active
+        assert TREE_MASK_STATE.decode_active_query_lens(16) is None  # every row computed
+        assert TREE_MASK_STATE.active
+        TREE_MASK_STATE.clear_unless_ddtree(NS(speculative_config=NS(ddtree={"budget": 8})))
+        assert TREE_MASK_STATE.active  # a DDTree engine's builder keeps the tree state
+        TREE_MASK_STATE.clear_unless_ddtree(NS(speculative_config=None))
+        assert not TREE_MASK_STATE.active  # its target alone: causal bits again
+    finally:
+        (TREE_MASK_STATE.active, TREE_MASK_STATE.adaptive,
+         TREE_MASK_STATE.mostly_active) = saved

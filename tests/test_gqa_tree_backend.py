@@ -71,7 +71,8 @@ def fake_vllm_config(max_tokens=256):
         parallel_config=NS(decode_context_parallel_size=1),
         compilation_config=NS(cudagraph_mode=CUDAGraphMode.NONE, static_forward_context={}),
         scheduler_config=NS(max_num_seqs=8, max_num_batched_tokens=max_tokens),
-        speculative_config=NS(num_speculative_tokens=SPEC_TOKENS, parallel_drafting=True),
+        speculative_config=NS(num_speculative_tokens=SPEC_TOKENS, parallel_drafting=True,
+                              ddtree={"budget": SPEC_TOKENS}),
     )
 
 

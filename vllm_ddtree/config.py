@@ -269,6 +269,28 @@ def check_parallel_setup(ddtree: DDTreeConfig, data_parallel_size: int,
                      f"{data_parallel_size}): each rank would pick its own budget")
 
 
+def check_long_prefill_threshold(budget: int, threshold: int, max_num_partial_prefills: int,
+                                 max_model_len: int) -> None:
+    """vLLM's scheduler cuts every request's scheduled tokens at
+    ``long_prefill_token_threshold`` (``scheduler.py:861-863``), decodes too: below
+    ``1 + B`` it cuts the trees' verify rows (and a new decode padded to ``1 + B`` keeps
+    B drafts in fewer rows, which the runner cannot verify). With
+    ``max_num_partial_prefills > 1`` and no threshold vLLM sets 4 % of
+    ``max_model_len`` (``config/scheduler.py:257-259``). Raises ``DDTreeConfigError``."""
+    source = "--long-prefill-token-threshold"
+    if threshold == 0 and max_num_partial_prefills > 1:
+        threshold = int(max_model_len * 0.04)
+        source = (f"vLLM's default with --max-num-partial-prefills {max_num_partial_prefills}:"
+                  f" 4 % of max_model_len {max_model_len}")
+    if 0 < threshold < 1 + budget:
+        raise DDTreeConfigError(
+            f"long_prefill_token_threshold={threshold} ({source}) is not allowed with "
+            f"method 'ddtree' and num_speculative_tokens={budget}: vLLM cuts each request's "
+            f"scheduled tokens there, a tree's verify step needs 1 + {budget}; set "
+            f"--long-prefill-token-threshold to at least {1 + budget}, or lower "
+            "num_speculative_tokens")
+
+
 def check_target(model_config) -> None:
     """Refuse, before vLLM loads the target, what DDTree's runner cannot verify: a hybrid
     (Mamba / linear-attention), encoder-decoder or M-RoPE target (the worker patches

@@ -137,6 +137,11 @@ class DDTreeRuntimeState:
             max_query_len: longest query the tree backend treats as a decode
                 (its ``reorder_batch_threshold``); sizes the per-token mask words.
         """
+        # An earlier engine of this process may have been auto: this one is not until
+        # enable_adaptive_ says so (its buffers were sized for that engine's batch).
+        self.adaptive = False
+        self.active_nodes = self.active_nodes_sum = None
+        TREE_MASK_STATE.adaptive = TREE_MASK_STATE.mostly_active = False
         self.budget = budget
         self.max_depth = max_depth
         self.num_tree_words = num_mask_words(1 + budget)

@@ -85,6 +85,7 @@ class TreeGQAMetadataBuilder(TritonAttentionMetadataBuilder):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        TREE_MASK_STATE.clear_unless_ddtree(vllm_config)
         if self.rswa_window is not None:
             raise NotImplementedError(
                 "the DDTree GQA backend does not support R-SWA models (rswa_window); "

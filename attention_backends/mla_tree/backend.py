@@ -68,6 +68,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, TreeMLAMetadata)
+        TREE_MASK_STATE.clear_unless_ddtree(vllm_config)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._max_model_len = vllm_config.model_config.max_model_len
         self.reorder_batch_threshold = decode_query_limit(vllm_config,
