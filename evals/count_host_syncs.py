@@ -2,7 +2,7 @@
 baselines (GPU; torch.profiler trace of a window of decode steps).
 
     python evals/count_host_syncs.py [--methods ddtree dflash ar] [--budget 32]
-        [--top-k K] [--auto] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
+        [--top-k K] [--auto [--pin-arm S]] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
         [--with-stack/--no-with-stack] [--out evals/results/host_syncs.md]
         [--setup trained|kimi8|kimi64 [--context 16384] [--gpu-mem 0.6]]
 
@@ -174,6 +174,10 @@ def run_child(args: argparse.Namespace) -> None:
 
     labels = install_annotations()
     method = args.child
+    if args.pin_arm is not None:
+        from gate_variants import apply_pinned_gate
+
+        apply_pinned_gate(args.pin_arm)
     from e2e_models import SETUPS, prepare_setup, random_prompts
 
     setup = SETUPS[args.setup]
@@ -228,7 +232,8 @@ def run_child(args: argparse.Namespace) -> None:
     auto = args.auto or method == "ddtree-auto"
     result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
         method, (f"DDTree auto (B <= {args.budget})" if auto else f"DDTree B={args.budget}")
-        + (f" top_k={args.top_k}" if args.top_k else ""))
+        + (f" top_k={args.top_k}" if args.top_k else "")
+        + (f", gate pinned to {args.pin_arm}" if args.pin_arm is not None else ""))
     notes = [f"setup: {setup.name}" + (f", {args.context}-token prompts" if setup.dummy else ""),
              f"attention backend: {backend}", f"annotations: {len(labels)}"]
     if unfinished < len(prompts):
@@ -248,6 +253,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=None, help="DDTree children per node")
     p.add_argument("--auto", action="store_true",
                    help='DDTree with ddtree_budget "auto" (--budget is the maximum)')
+    p.add_argument("--pin-arm", type=int, default=None, metavar="S",
+                   help="with --auto: the step gate pinned to its largest arm <= S every "
+                        "step (evals/gate_variants.py): auto's steps below its maximum")
     p.add_argument("--steps", type=int, default=20, help="profiled engine steps")
     p.add_argument("--warmup-steps", type=int, default=8,
                    help="engine steps before the window (prefill, JIT, first rounds)")
@@ -281,7 +289,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.pin_arm is not None and not args.auto:
+        p.error(f"--pin-arm {args.pin_arm} pins auto's step gate: add --auto")
+    if args.pin_arm is not None and args.pin_arm < 0:
+        p.error(f"--pin-arm must be >= 0 (0: plain decoding), got {args.pin_arm}")
+    return args
 
 
 def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]:
@@ -299,6 +312,8 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
         cmd += ["--top-k", str(args.top_k)]
     if args.auto:
         cmd.append("--auto")
+    if args.pin_arm is not None:
+        cmd += ["--pin-arm", str(args.pin_arm)]
     return cmd
 
 

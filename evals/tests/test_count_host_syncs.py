@@ -336,3 +336,15 @@ def test_annotated_ddtree_functions_exist():
         obj = importlib.import_module(module)
         obj = getattr(obj, owner) if owner else obj
         assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
+
+
+def test_pin_arm_needs_auto_and_reaches_the_child(tmp_path):
+    """``--pin-arm S`` pins auto's step gate in the profiled child (auto's steps below
+    its maximum); without ``--auto`` it is refused by argparse."""
+    import pytest
+
+    with pytest.raises(SystemExit):
+        count_host_syncs.parse_args(["--pin-arm", "32"])
+    args = count_host_syncs.parse_args(["--auto", "--budget", "64", "--pin-arm", "32"])
+    cmd = count_host_syncs.child_command(args, "ddtree", tmp_path / "out.json")
+    assert cmd[cmd.index("--pin-arm") + 1] == "32" and "--auto" in cmd
