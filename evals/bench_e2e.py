@@ -62,8 +62,9 @@ Usage (GPU machine, project root; device-time estimates in evals/results/README.
 
 ``--lockstep``: every run's child starts at once (one ``LLM`` each on the one GPU, its KV
 cache fixed by ``kv_cache_memory_bytes``), then the parent has each cell measured by every
-run in turn, one engine working at a time (order reversed on alternate rounds), so that
-the methods of a cell are measured seconds apart, not minutes (the host's speed drifts).
+run in turn, one engine working at a time (order reversed on alternate rounds, rotated
+from cell to cell), so that the methods of a cell are measured seconds apart, not
+minutes (the host's speed drifts).
 
 Writes ``<out-dir>/e2e_<setup>.md``, ``.png``, ``.json`` (raw rows; later invocations
 merge into it, so a grid can be measured in several commands) and ``e2e_<setup>.log``
@@ -112,6 +113,7 @@ from e2e_models import (  # noqa: E402
     parse_prompt_kind,
     prepare_setup,
 )
+from e2e_report import GATE_VARIANTS  # noqa: E402
 from e2e_runs import (  # noqa: E402
     DEFAULT_AUTO_MAX,
     MAX_BUDGET,
@@ -465,9 +467,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     runs = resolve_auto_runs(runs, [] if args.runs else args.budgets, args.auto_max)
     if not runs:
         p.error("no runs selected")
-    if args.engine_process and any("+skipprefix" in r.variants for r in runs):
-        p.error("+skipprefix patches the scheduler in the run's process: drop "
-                "--engine-process")
+    patched = sorted({v for r in runs for v in r.variants
+                      if v in ("+skipprefix", "+marginals", *GATE_VARIANTS)})
+    if args.engine_process and patched:
+        p.error(f"{', '.join(patched)} patch the run's own process, not a separate engine "
+                "core: drop --engine-process")
     if args.max_tokens < 2:
         p.error("--max-tokens must be >= 2 (the first token comes with the prefill)")
     if min(args.batches) < 1:

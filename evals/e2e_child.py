@@ -68,6 +68,11 @@ def _versions() -> dict:
     return out
 
 
+# Tokens of refilled requests' prefills a sweep step may hold beside a full batch of
+# verify rows (the pools' prompt tails are 64-256 tokens past a cached prefix).
+SWEEP_PREFILL_HEADROOM = 512
+
+
 def llm_kwargs(spec: dict) -> dict:
     """Keyword arguments of ``LLM(...)`` for a child spec."""
     setup = SETUPS[spec["setup"]]
@@ -97,8 +102,13 @@ def llm_kwargs(spec: dict) -> dict:
     if not spec["eager"]:
         # vLLM captures decode graphs up to min(2 x max_num_seqs x (1 + spec), 512)
         # tokens (config/vllm.py:1793); a larger verify batch would run without graphs.
-        # Sizes step by 16 past 256, so round up to keep ``need`` inside the list.
+        # Sizes step by 16 past 256, so round up to keep ``need`` inside the list. The
+        # sweep refills requests beside full batches: their prefill tokens get headroom,
+        # else those steps of the widest verify shapes ran eagerly and narrower ones
+        # (auto's smaller arms) in graphs.
         need = spec["max_num_seqs"] * (1 + num_spec)
+        if spec.get("sweep"):
+            need += SWEEP_PREFILL_HEADROOM
         if need > 512:
             compilation["max_cudagraph_capture_size"] = -(-need // 16) * 16
     extra = dict(spec.get("llm_kwargs") or {})

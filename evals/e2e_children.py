@@ -192,8 +192,14 @@ def lockstep_order(cells: list[tuple[int, int, str]], runs: list[RunSpec],
     """``(cell, repeat, run)`` in the order ``--lockstep`` measures them: cell after
     cell, each by every run per round, alternate rounds reversed (A B C C B A), so that
     the runs of a cell are measured seconds apart and a drift within a cell falls on
-    every run alike."""
-    return [(cell, repeat, run) for cell in cells for repeat, run in interleaved(runs, repeats)]
+    every run alike; the runs' order rotates by one from cell to cell (B C A, then
+    C A B), so that with one round per cell no run always comes first or last."""
+    order = []
+    for i, cell in enumerate(cells):
+        shift = i % len(runs) if runs else 0
+        rotated = runs[shift:] + runs[:shift]
+        order += [(cell, repeat, run) for repeat, run in interleaved(rotated, repeats)]
+    return order
 
 
 @dataclass

@@ -22,6 +22,41 @@ from typing import Any
 
 _TIMER = None  # the StepTimer of this (engine) process
 _PROFILE = None  # the cProfile.Profile running in this process, if any
+_BATCH: list[int] | None = None  # [steps, requests scheduled in them] while counting
+
+
+def install_batch_counter(cls: Any = None) -> None:
+    """Count the requests each ``execute_model`` of ``cls`` (vLLM's V2
+    ``GPUModelRunner``) schedules while :func:`engine_batch_count_start` is on: the
+    engine's own batch, which a client's in-flight count cannot show (a refill waits
+    for a step, a preempted request leaves it). Two integer additions a step."""
+    if cls is None:
+        from vllm.v1.worker.gpu.model_runner import GPUModelRunner as cls
+    original = cls.execute_model
+    if getattr(original, "_e2e_batch_counter", False):
+        return
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        if _BATCH is not None and getattr(scheduler_output, "total_num_scheduled_tokens", 0):
+            _BATCH[0] += 1
+            _BATCH[1] += len(scheduler_output.num_scheduled_tokens)
+        return original(self, scheduler_output, *args, **kwargs)
+
+    execute_model._e2e_batch_counter = True
+    cls.execute_model = execute_model
+
+
+def engine_batch_count_start(worker: Any = None) -> None:
+    global _BATCH
+    install_batch_counter()
+    _BATCH = [0, 0]
+
+
+def engine_batch_count_take(worker: Any = None) -> float | None:
+    """Mean requests per step since :func:`engine_batch_count_start` (None: no step)."""
+    global _BATCH
+    got, _BATCH = _BATCH, None
+    return got[1] / got[0] if got and got[0] else None
 
 
 def engine_install_timer(worker: Any = None) -> list[str]:

@@ -79,9 +79,9 @@ class RunSpec:
                     raise ValueError(f"{text!r}: {suffix} applies to "
                                      f"{' / '.join(methods)} runs only")
             gate = [v for v in variants if v in GATE_VARIANTS]
-            if gate and run.budget != "auto":
+            if gate and (run.budget != "auto" or run.fixed_shape):
                 raise ValueError(f"{text!r}: {gate[0]} changes auto's step gate: "
-                                 "ddtree-auto runs only")
+                                 "ddtree-auto runs only (ddtree-autofixed has no gate)")
             if len(gate) > 1:
                 raise ValueError(f"{text!r}: one step-gate variant a run, got {gate}")
             return dataclasses.replace(run, variants=variants)

@@ -252,6 +252,8 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     spec-decode counters and the correctness figures."""
     from e2e_engine import (
         engine_active_counters,
+        engine_batch_count_start,
+        engine_batch_count_take,
         engine_gate_snapshot,
         engine_gate_trace_start,
         engine_gate_trace_take,
@@ -296,9 +298,13 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     trace_dir = os.environ.get("BENCH_E2E_GATE_TRACE") if run.budget == "auto" else None
     if trace_dir:
         llm.collective_rpc(engine_gate_trace_start)
+    gate_before = (llm.collective_rpc(engine_gate_snapshot)[0] if run.budget == "auto"
+                   else None)
     python_ms = engine.call(engine_host_speed)[0]  # steps here are mostly host-bound
+    engine.call(engine_batch_count_start)
     got = drive(llm.llm_engine, pool, batch, params,
                 prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag)
+    engine_mean_reqs = engine.call(engine_batch_count_take)
     python_ms_after = engine.call(engine_host_speed)[0]
     if trace_dir:
         from gate_trace import write
@@ -309,6 +315,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     row = dict(spec_base_row(spec, cell), status=STATUS_OK, pool=len(pool),
                tokens=got["tokens"], decode_s=got["wall_s"], steps=got["steps"],
                finished=got["finished"], mean_in_flight=got["mean_in_flight"],
+               engine_mean_reqs=engine_mean_reqs,
                prime_s=prime_s, sweep=pool_spec.to_json(), python_ms=python_ms,
                python_ms_after=python_ms_after)
     row["tokens_per_s"] = got["tokens"] / got["wall_s"] if got["wall_s"] else None
@@ -323,7 +330,11 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
             trees = after[1] - active_before[1]
             row["active_nodes_per_round"] = (after[0] - active_before[0]) / trees if trees \
                 else None
-        row["gate"] = llm.collective_rpc(engine_gate_snapshot)[0]
+        from e2e_sweep_report import gate_in_cell
+
+        after_gate = llm.collective_rpc(engine_gate_snapshot)[0]
+        row["gate"] = (gate_in_cell(gate_before, after_gate)
+                       if gate_before is not None and after_gate is not None else after_gate)
     row["output_crc"] = output_crcs(got["outputs"])
     notes = []
     if setup.oracle:

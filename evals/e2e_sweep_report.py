@@ -105,11 +105,32 @@ def _bucket_of(batch: int) -> str:
     return bucket_batches(batch_bucket(batch))
 
 
+def gate_in_cell(before: dict, after: dict) -> dict:
+    """``after`` (``SpeculationGate.snapshot`` at a cell's end) with each arm's
+    ``chosen_in_cell`` and ``samples_in_cell``: its decisions and residual samples
+    since ``before`` (the snapshot as the cell's timed window began). The gate lives as
+    long as its engine, through the warm-up and every earlier cell; an arm with no
+    sample in the cell shows a residual measured before it."""
+    out = {}
+    for bucket, state in after.items():
+        old = {a["arm"]: a for a in before.get(bucket, {}).get("arms", [])}
+        arms = []
+        for a in state["arms"]:
+            prev = old.get(a["arm"], {})
+            arms.append(dict(a, chosen_in_cell=a["chosen"] - prev.get("chosen", 0),
+                             samples_in_cell=a["residual_samples"]
+                             - prev.get("residual_samples", 0)))
+        out[bucket] = dict(state, arms=arms)
+    return out
+
+
 def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
     """Per ``auto`` run, what its step gate measured in each cell's own batch-size
-    bucket at the cell's end (``row["gate"]``, ``SpeculationGate.snapshot``): the
-    settled arm, and per arm the share of the bucket's decisions, the residual (step
-    time beyond the start-up model, ms) and the committed tokens per tree."""
+    bucket at the cell's end (``row["gate"]``, ``SpeculationGate.snapshot``, with
+    :func:`gate_in_cell`'s counts where the row has them): the settled arm, and per arm
+    its share of the cell's decisions, the residual (step time beyond the start-up
+    model, ms; "before" where no sample of the cell) and the committed tokens per
+    tree."""
     lines = []
     for run in (r for r in runs if r.startswith("ddtree-auto")):
         cells = sorted((r for r in rows if r["run"] == run and r.get("gate")
@@ -120,19 +141,31 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
             bucket = r["gate"].get(_bucket_of(r["batch"]))
             if not bucket:
                 continue
-            total = sum(a["chosen"] for a in bucket["arms"]) or 1
-            arms = sorted(bucket["arms"], key=lambda a: -a["chosen"])
+            def chosen(a):
+                return a.get("chosen_in_cell", a["chosen"])
+
+            def residual(a):
+                if not a["residual_samples"]:
+                    return f"{a['arm']}: —"
+                if a.get("samples_in_cell") == 0:
+                    return f"{a['arm']}: {a['residual_ms']:.2f} (before)"
+                return (f"{a['arm']}: {a['residual_ms']:.2f} "
+                        f"({a.get('samples_in_cell', a['residual_samples'])})")
+
+            total = sum(chosen(a) for a in bucket["arms"]) or 1
+            arms = sorted(bucket["arms"], key=lambda a: -chosen(a))
             table.append(
                 f"| {r['batch']} | {bucket['settled']} | "
-                + ", ".join(f"{a['arm']}: {100 * a['chosen'] / total:.0f} %" for a in arms)
-                + " | " + ", ".join(f"{a['arm']}: {a['residual_ms']:.2f} "
-                                    f"({a['residual_samples']})" for a in arms)
+                + ", ".join(f"{a['arm']}: {100 * chosen(a) / total:.0f} %" for a in arms)
+                + " | " + ", ".join(residual(a) for a in arms)
                 + " | " + ", ".join(f"{a['arm']}: {a['committed']:.2f}" for a in arms)
                 + " |")
         if table:
             lines += [f"{names[run]}: the step gate in each cell's batch-size bucket at the "
-                      "cell's end (arms by drafts per request, 0: plain decoding; residual: "
-                      "step time beyond the start-up cost model, median ms (samples)):", "",
+                      "cell's end (arms by drafts per request, 0: plain decoding; decisions "
+                      "in the cell; residual: step time beyond the start-up cost model, "
+                      "median ms (samples in the cell; \"before\": none, measured in the "
+                      "warm-up or an earlier cell)):", "",
                       "| batch | settled arm | decisions by arm | residual ms by arm | "
                       "committed tokens per tree by arm |", "|---|---|---|---|---|"]
             lines += table + [""]
@@ -175,6 +208,7 @@ def write_sweep_markdown(data: dict, path: str) -> None:
     speed = median_by_cell(rows, "tokens_per_s")
     accept = median_by_cell(rows, "acceptance_length")
     active = median_by_cell(rows, "active_nodes_per_round")
+    engine_reqs = median_by_cell(rows, "engine_mean_reqs")
     host = median_by_cell([dict(r, host_ms=(r["python_ms"] + r["python_ms_after"]) / 2)
                            for r in rows if r.get("python_ms") and r.get("python_ms_after")],
                           "host_ms")
@@ -221,6 +255,11 @@ def write_sweep_markdown(data: dict, path: str) -> None:
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]
         lines += gate_tables(rows, runs, names, context, kind)
+        table = _value_table(rows, engine_reqs, runs, names, context, kind, 1)
+        if table:
+            lines += [f"Requests per step as the engine scheduled them (mean over the window; "
+                      f"below the batch: refills waiting a step, preemptions), {title}:", ""]
+            lines += table + [""]
         table = _value_table(rows, host, runs, names, context, kind)
         if table:
             lines += [f"Host speed: ms of a fixed Python loop in the run's engine process "

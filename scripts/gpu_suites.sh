@@ -287,7 +287,9 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   read -ra c <<< "${SWEEP_CONTEXTS:-$contexts}"
   read -ra b <<< "${SWEEP_BATCHES:-1 4 8 16 32 64}"
   start=$(date +%s)
-  BENCH_E2E_GATE_TRACE="$LOG_DIR/gate_traces" \
+  local traces="$LOG_DIR/gate_traces_$stage"  # this stage's own: never another's files
+  rm -rf "$traces" "$traces.tgz"
+  BENCH_E2E_GATE_TRACE="$traces" \
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
@@ -297,8 +299,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
   # auto's step gate, step by step (evals/gate_trace.py), as one archive
-  [ -d "$LOG_DIR/gate_traces" ] && tar czf "$LOG_DIR/gate_traces_$stage.tgz" -C "$LOG_DIR" \
-    gate_traces && rm -rf "$LOG_DIR/gate_traces"
+  [ -d "$traces" ] && tar czf "$traces.tgz" -C "$LOG_DIR" "gate_traces_$stage" \
+    && rm -rf "$traces"
   grep -A9 "^## Tokens per second" "$e2e_dir/$stem.md" 2>/dev/null | head -24
 }
 

@@ -175,6 +175,9 @@ def test_llm_kwargs_for_each_method():
     assert kw["speculative_config"]["method"] == "ddtree" and kw["enable_prefix_caching"]
     # 8 x (1 + 128) = 1032 verify tokens: graphs must be captured past vLLM's 512 default
     assert kw["compilation_config"]["max_cudagraph_capture_size"] == 1040
+    # a sweep's steps also prefill refilled requests beside the full batch
+    kw = e2e_child.llm_kwargs(dict(spec, sweep={"pool_factor": 8}))
+    assert kw["compilation_config"]["max_cudagraph_capture_size"] == 1552
     kw = e2e_child.llm_kwargs(dict(spec, run="ar@TRITON_MLA", prime="none",
                                    llm_kwargs={"compilation_config": {"mode": 0}}))
     assert kw["attention_backend"] == "TRITON_MLA" and kw["speculative_config"] is None
@@ -512,15 +515,19 @@ def _lockstep(tmp_path, *extra):
     return json.loads((tmp_path / "e2e_kimi8.json").read_text())
 
 
-def test_lockstep_order_alternates_runs_per_round_within_each_cell():
+def test_lockstep_order_alternates_runs_per_round_and_rotates_them_per_cell():
     runs = [RunSpec.parse(r) for r in ("ar@CUSTOM", "ddtree-32", "ddtree-64")]
     cells = [(1024, 1, "random"), (16384, 1, "random")]
     order = [(c[0], r, run.name) for c, r, run in e2e_children.lockstep_order(cells, runs, 2)]
     assert order == [(1024, 0, "ar@CUSTOM"), (1024, 0, "ddtree-32"), (1024, 0, "ddtree-64"),
                      (1024, 1, "ddtree-64"), (1024, 1, "ddtree-32"), (1024, 1, "ar@CUSTOM"),
-                     (16384, 0, "ar@CUSTOM"), (16384, 0, "ddtree-32"),
-                     (16384, 0, "ddtree-64"), (16384, 1, "ddtree-64"),
-                     (16384, 1, "ddtree-32"), (16384, 1, "ar@CUSTOM")]
+                     (16384, 0, "ddtree-32"), (16384, 0, "ddtree-64"),
+                     (16384, 0, "ar@CUSTOM"), (16384, 1, "ar@CUSTOM"),
+                     (16384, 1, "ddtree-64"), (16384, 1, "ddtree-32")]
+    # one round per cell: over as many cells as runs, each run is measured first once
+    cells = [(1024, b, "random") for b in (1, 2, 3)]
+    firsts = [run.name for _, _, run in e2e_children.lockstep_order(cells, runs, 1)][::3]
+    assert sorted(firsts) == sorted(r.name for r in runs)
 
 
 def test_lockstep_measures_each_cell_by_every_run_in_turn(tmp_path):
@@ -539,9 +546,10 @@ def test_lockstep_measures_each_cell_by_every_run_in_turn(tmp_path):
     assert [r["measured_seq"] for r in by_time] == list(range(len(rows)))
     for before, after in zip(by_time[:-1], by_time[1:], strict=True):  # one at a time
         assert after["measure_start"] >= before["measured_at"]
+    rotated = {1024: names, 16384: names[1:] + names[:1]}  # one step further per cell
     assert [(r["context"], r["repeat"], r["run"]) for r in by_time] == [
         (c, rep, n) for c in (1024, 16384) for rep in (0, 1)
-        for n in (names if rep == 0 else names[::-1])]
+        for n in (rotated[c] if rep == 0 else rotated[c][::-1])]
     inv = data["invocations"][-1]
     assert inv["lockstep"] is True
     setup = e2e_models.SETUPS["kimi8"]

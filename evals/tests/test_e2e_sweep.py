@@ -335,3 +335,49 @@ def test_oracle_tokens_per_round_chain_matches_the_table_and_trees_go_deeper():
     stored = table["oracle_tokens_per_round"]
     assert stored["chain"] == table["tokens_per_round"]["chain (leading rank-0 depths + 1)"]
     assert stored["command"].startswith("python evals/e2e_oracle.py")
+
+
+def test_gate_table_counts_the_cells_own_decisions_and_marks_older_residuals():
+    """The gate lives through the warm-up and every earlier cell: a cell's table counts
+    its own decisions and marks residuals with no sample in the cell."""
+    from e2e_sweep_report import gate_in_cell, gate_tables
+
+    def arm(a, chosen, ms, samples):
+        return {"arm": a, "chosen": chosen, "residual_ms": ms, "residual_samples": samples,
+                "committed": 3.0 if a else 1.0, "committed_samples": 5}
+
+    before = {"1": {"settled": 64, "arms": [arm(0, 12, 3.1, 8), arm(64, 50, 3.0, 40)]}}
+    after = {"1": {"settled": 64, "arms": [arm(0, 12, 3.1, 8), arm(64, 150, 2.5, 130),
+                                            arm(0 + 32, 0, 0.0, 0)]}}
+    cell = gate_in_cell(before, after)
+    counts = {a["arm"]: (a["chosen_in_cell"], a["samples_in_cell"]) for a in cell["1"]["arms"]}
+    assert counts == {0: (0, 0), 64: (100, 90), 32: (0, 0)}
+    row = {"run": "ddtree-auto-64", "context": 1024, "kind": "code", "batch": 1,
+           "gate": cell}
+    md = "\n".join(gate_tables([row], ["ddtree-auto-64"], {"ddtree-auto-64": "auto"},
+                               1024, "code"))
+    assert "| 1 | 64 | 64: 100 %, 0: 0 %, 32: 0 % |" in md
+    assert "64: 2.50 (90), 0: 3.10 (before), 32: —" in md
+
+
+def test_engine_batch_counter_counts_requests_per_scheduled_step():
+    """The engine's own batch per step (the client's in-flight count is the batch by
+    construction): steps without tokens are not counted; installing twice wraps once."""
+    from types import SimpleNamespace as NS
+
+    import e2e_engine
+
+    class Runner:
+        def execute_model(self, scheduler_output, dummy_run=False):
+            return "ran"
+
+    e2e_engine.install_batch_counter(Runner)
+    e2e_engine.install_batch_counter(Runner)
+    e2e_engine._BATCH = [0, 0]
+    runner = Runner()
+    for reqs in (4, 4, 3):
+        assert runner.execute_model(NS(total_num_scheduled_tokens=reqs * 9,
+                                       num_scheduled_tokens=dict.fromkeys(range(reqs), 9)))
+    runner.execute_model(NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}))
+    assert e2e_engine.engine_batch_count_take() == pytest.approx(11 / 3)
+    assert e2e_engine.engine_batch_count_take() is None  # stopped

@@ -101,3 +101,14 @@ def test_pinned_gate_runs_its_arm_every_step_and_still_times_it():
     finally:
         remove_pinned_gate()
     assert Engine().run(1, 600)[-100:].count(8) >= 90  # the product gate again
+
+
+def test_gate_variants_need_a_gate_and_the_runs_own_process():
+    """ddtree-autofixed builds no step gate, and --engine-process runs the engine core in
+    another process: a gate variant there would silently not apply."""
+    import bench_e2e
+
+    with pytest.raises(ValueError, match="autofixed has no gate"):
+        RunSpec.parse("ddtree-autofixed-64+pin32")
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--runs", "ddtree-auto+pin16", "--engine-process"])
