@@ -95,6 +95,9 @@
 #              runs on CPUs 2-7 (E2E_PIN_CPUS replaces them; empty: unpinned; the sweeps too).
 #              Give each e2e stage a GPU of its own: timings of engines sharing a GPU with
 #              other work mean nothing.
+#   autopin    e2e_trained_yarn at batch 1, lockstep, 3 repeats: ddtree-32, ddtree-64,
+#              ddtree-auto+pin32 (the gate pinned to 32) and ddtree-auto; then
+#              count_host_syncs for auto pinned to 32 and to 64 (host_syncs_pin*.md)
 #   autoprofile e2e_trained_yarn for ddtree-64 and ddtree-auto at batch 1 and 8 with
 #              BENCH_E2E_HOST_PROFILE: after each measured cell, cProfile of the same
 #              generate (host time per function and step: profiles/host_profile_*.md, archived
@@ -478,6 +481,18 @@ for stage in "$@"; do
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_dflash2|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;
+    autopin)  # auto's machinery at a shape below its maximum: the gate pinned to 32
+      # against fixed B = 32 (and 64 against 64), batch 1, lockstep; then host syncs of
+      # the pinned steps (evals/gate_variants.py, count_host_syncs.py --pin-arm)
+      E2E_RUNS="${E2E_RUNS:-ddtree-32 ddtree-64 ddtree-auto+pin32 ddtree-auto}" \
+        E2E_PROMPTS="${E2E_PROMPTS:-code code@1}" E2E_REPEATS="${E2E_REPEATS:-3}" \
+        STAGE_LIMIT="${STAGE_LIMIT:-420}" run_e2e e2e_trained_yarn
+      for pin in 32 64; do
+        stage_cmd "syncs_pin$pin" 120 python3 evals/count_host_syncs.py --auto --budget 64 \
+          --pin-arm "$pin" --methods ddtree --graphs --prompts 1 \
+          --out "$LOG_DIR/host_syncs_pin$pin.md"
+        grep -E "^\| DDTree" "$LOG_DIR/host_syncs_pin$pin.md" 2>/dev/null
+      done ;;
     autoprofile)  # where auto's steps lose time against B = 64 (host profile per function)
       E2E_RUNS="${E2E_RUNS:-ddtree-64 ddtree-auto}" E2E_BATCHES="${E2E_BATCHES:-1 8}" \
         BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" run_e2e e2e_trained_yarn
