@@ -65,6 +65,28 @@ def auto_ratios(speed: dict[tuple, float], runs: list[str], context: int, kind: 
     return out
 
 
+def repeat_ratio_ranges(rows: list[dict], runs: list[str], context: int, kind: str,
+                        batch: int) -> dict[str, tuple[float, float]]:
+    """``{auto run: (lowest, highest)}`` of its tokens/s over the best run that is not
+    auto, repeat by repeat (lockstep measures a repeat's runs seconds apart), where a
+    cell has two repeats or more: the spread the median ratio hides."""
+    by_repeat: dict[int, dict[str, float]] = {}
+    for r in rows:
+        if ((r["context"], r["kind"], r["batch"]) == (context, kind, batch)
+                and r.get("status") == "ok" and r.get("tokens_per_s")):
+            by_repeat.setdefault(r.get("repeat", 0), {})[r["run"]] = float(r["tokens_per_s"])
+    out: dict[str, tuple[float, float]] = {}
+    for auto in (r for r in runs if r.startswith("ddtree-auto")):
+        ratios = []
+        for speeds in by_repeat.values():
+            others = [v for run, v in speeds.items() if not run.startswith("ddtree-auto")]
+            if auto in speeds and others:
+                ratios.append(speeds[auto] / max(others))
+        if len(ratios) >= 2:
+            out[auto] = (min(ratios), max(ratios))
+    return out
+
+
 def _fmt(v, digits: int = 0) -> str:
     return "—" if v is None else f"{v:,.{digits}f}"
 
@@ -78,9 +100,11 @@ def _speed_table(rows, speed, runs, names, context, kind) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in batches:
         cells = [str(b)] + [_fmt(speed.get((r, context, kind, b))) for r in runs]
-        for _, best, ar in auto_ratios(speed, runs, context, kind, b):
+        spread = repeat_ratio_ranges(rows, runs, context, kind, b)
+        for auto, best, ar in auto_ratios(speed, runs, context, kind, b):
             mark = "" if best is None or best >= AUTO_BAR else " (below 0.97)"
-            cells += [_fmt(best, 2) + mark, _fmt(ar, 2)]
+            lo_hi = f" [{spread[auto][0]:.2f}-{spread[auto][1]:.2f}]" if auto in spread else ""
+            cells += [_fmt(best, 2) + lo_hi + mark, _fmt(ar, 2)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -160,12 +184,18 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
                 + " | " + ", ".join(residual(a) for a in arms)
                 + " | " + ", ".join(f"{a['arm']}: {a['committed']:.2f}" for a in arms)
                 + " |")
+        per_cell = any("chosen_in_cell" in a for r in cells
+                       for b in r["gate"].values() for a in b["arms"])
+        counts = ("decisions in the cell; residual: step time beyond the start-up cost "
+                  "model, median ms (samples in the cell; \"before\": none, measured in the "
+                  "warm-up or an earlier cell)" if per_cell else
+                  "decisions and samples since the engine started, warm-up and earlier "
+                  "cells included; residual: step time beyond the start-up cost model, "
+                  "median ms (samples)")
         if table:
             lines += [f"{names[run]}: the step gate in each cell's batch-size bucket at the "
-                      "cell's end (arms by drafts per request, 0: plain decoding; decisions "
-                      "in the cell; residual: step time beyond the start-up cost model, "
-                      "median ms (samples in the cell; \"before\": none, measured in the "
-                      "warm-up or an earlier cell)):", "",
+                      f"cell's end (arms by drafts per request, 0: plain decoding; {counts}):",
+                      "",
                       "| batch | settled arm | decisions by arm | residual ms by arm | "
                       "committed tokens per tree by arm |", "|---|---|---|---|---|"]
             lines += table + [""]
@@ -247,6 +277,10 @@ def write_sweep_markdown(data: dict, path: str) -> None:
         title = f"{ctx_label(context)} context, {kind} prompts"
         lines += [f"## Tokens per second, {title}", ""]
         lines += _speed_table(rows, speed, runs, names, context, kind) + [""]
+        if any(r.get("repeat", 0) > 0 for r in rows):
+            lines += ["Tokens/s: the median over repeats; auto / best other: the ratio of the "
+                      "medians, [lowest-highest] of the ratio repeat by repeat (a repeat's "
+                      "runs measured seconds apart).", ""]
         table = _value_table(rows, accept, runs, names, context, kind)
         if table:
             lines += [f"Tokens per round (1 + accepted drafts per draft), {title}:", ""]

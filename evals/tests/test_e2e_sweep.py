@@ -381,3 +381,22 @@ def test_engine_batch_counter_counts_requests_per_scheduled_step():
     runner.execute_model(NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}))
     assert e2e_engine.engine_batch_count_take() == pytest.approx(11 / 3)
     assert e2e_engine.engine_batch_count_take() is None  # stopped
+
+
+def test_auto_ratio_spread_over_repeats():
+    """With repeats, auto's ratio to the best other run is also given repeat by repeat:
+    the median of a few noisy cells hides a repeat below the bar."""
+    from e2e_sweep_report import repeat_ratio_ranges
+
+    def row(run, repeat, speed):
+        return {"run": run, "context": 1024, "kind": "code", "batch": 1, "repeat": repeat,
+                "status": "ok", "tokens_per_s": speed}
+
+    rows = [row("ddtree-64", 0, 100.0), row("ddtree-auto-64", 0, 99.0),
+            row("ddtree-64", 1, 120.0), row("ddtree-auto-64", 1, 90.0),
+            row("ar@FLASH_ATTN_MLA", 1, 130.0), row("ddtree-auto-64", 2, 50.0)]
+    got = repeat_ratio_ranges(rows, ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto-64"],
+                              1024, "code", 1)
+    assert got["ddtree-auto-64"] == pytest.approx((90 / 130, 0.99))
+    assert repeat_ratio_ranges(rows[:2], ["ddtree-64", "ddtree-auto-64"], 1024, "code",
+                               1) == {}
