@@ -11,6 +11,7 @@ from test_mla_fp8_kernel import fp8_batch
 from test_mla_tree_kernel import MIXED, make_batch
 
 from vllm_ddtree.attention_backends.mla_tree import (
+    SM120_SHARED_MEMORY_BYTES,
     dispatch,
     dispatch_table,
     gluon_kernel,
@@ -189,3 +190,26 @@ def test_fp8_past_the_transposed_kernels_latent_width_takes_the_widening_kernel(
     check_fp8(batch, **LENS, max_seq_len=9000 if entry else 2000)  # 2000: no entry
     assert launches["configs"][-1][0] == "rule"
     assert not launches["configs"][-1][1].fp8_transposed
+
+
+@pytest.mark.parametrize("arch, optin, want", [
+    ("sm_90", 227 * 1024, 227 * 1024), ("sm_100", 227 * 1024, SM120_SHARED_MEMORY_BYTES),
+    ("sm_80", 163 * 1024, SM120_SHARED_MEMORY_BYTES),
+    ("sm_120", 99 * 1024, SM120_SHARED_MEMORY_BYTES)])
+def test_large_tiles_are_planned_only_where_they_were_measured(monkeypatch, arch, optin, want):
+    """The tile choice plans with the device's opt-in shared memory on sm_90 only: its
+    estimate models mma.sync, so a 64-row tile it fits in an sm_80 / sm_100 opt-in was
+    never compiled there; elsewhere sm_120's tiles (compiled for sm_120). The rule the
+    grid reports as dispatched agrees with what launches."""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(dispatch, "device_arch", lambda device: arch)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: NS(shared_memory_per_block_optin=optin))
+    budget = ops._max_shared_memory(NS(type="cuda"))
+    assert budget == want
+    rows = 16 * 5  # DeepSeek at TP 8: 16 heads, B = 4
+    launched = ops.select_config(rows, 576, 512, torch.bfloat16, budget)
+    if arch != "sm_90":
+        assert dispatch.rule_method(arch, "bf16", 16, 5) == f"triton_m{launched.block_m}"
+        assert launched.block_m < 64

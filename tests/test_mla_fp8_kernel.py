@@ -279,16 +279,27 @@ def test_fp8_variant_compiles_to_fp16_mmas_within_the_16_bit_estimate():
 # The vLLM backend: accepts vLLM's fp8 MLA cache and hands the layer's scale to the kernel.
 
 
-def _impl(kv_cache_dtype):
+def _impl(kv_cache_dtype, kv_lora_rank=64, rope=16):
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLAImpl
 
     with set_current_vllm_config(VllmConfig()):
-        return TreeMLAImpl(2, 80, 0.1, 1, None, None, kv_cache_dtype, None, "decoder", None,
-                           q_lora_rank=None, kv_lora_rank=64, qk_nope_head_dim=16,
-                           qk_rope_head_dim=16, qk_head_dim=32, v_head_dim=16,
-                           kv_b_proj=None, indexer=None)
+        return TreeMLAImpl(2, kv_lora_rank + rope, 0.1, 1, None, None, kv_cache_dtype, None,
+                           "decoder", None, q_lora_rank=None, kv_lora_rank=kv_lora_rank,
+                           qk_nope_head_dim=16, qk_rope_head_dim=rope, qk_head_dim=16 + rope,
+                           v_head_dim=16, kv_b_proj=None, indexer=None)
+
+
+@pytest.mark.parametrize("kv_lora_rank, rope", [(64, 128), (72, 16), (8, 8)])
+def test_backend_refuses_mla_shapes_its_kernels_cannot_take_as_the_model_is_built(
+        kv_lora_rank, rope):
+    """A rope dim past 64 or a latent not a multiple of 16: refused when vLLM builds the
+    attention layer, not at the first launch (under --enforce-eager, the first request)."""
+    with pytest.raises(NotImplementedError,
+                       match=f"kv_lora_rank={kv_lora_rank} and qk_rope_head_dim={rope}"):
+        _impl("auto", kv_lora_rank, rope)
+    _impl("auto", 128, 64)  # a small model's latent with DeepSeek's rope dim
 
 
 def test_backend_accepts_vllm_fp8_cache_and_keeps_q_unquantized():

@@ -31,7 +31,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
-from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_verify
+from vllm_ddtree.attention_backends.mla_tree.ops import MAX_ROPE_DIM, mla_tree_verify
 from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
     causal_bits_,
@@ -166,6 +166,14 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             )
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError("the DDTree MLA backend supports decoder attention only")
+        # What the kernels take (ops._check_mla_inputs), checked as the model is built
+        # rather than at its first launch (under --enforce-eager: the first request).
+        lora, rope = self.kv_lora_rank, self.qk_rope_head_dim
+        if lora < 16 or lora % 16 or not 0 <= rope <= MAX_ROPE_DIM:
+            raise NotImplementedError(
+                f"the DDTree MLA backend takes kv_lora_rank a multiple of 16 and a rope dim "
+                f"in [0, {MAX_ROPE_DIM}], this model has kv_lora_rank={lora} and "
+                f"qk_rope_head_dim={rope}; pick another --attention-backend for it")
         if kv_cache_dtype not in TreeMLABackend.supported_kv_cache_dtypes:
             raise NotImplementedError(
                 f"the DDTree MLA backend has no {kv_cache_dtype!r} KV cache; "
