@@ -148,7 +148,27 @@ def summary(records: list[list]) -> str:
         lines.append(f"| {arm} | {chosen[arm]} | "
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
-    return "\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} times.\n"
+    return ("\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} "
+            "times.\n\n" + switch_table(decisions, spread))
+
+
+def switch_table(decisions: list[list], spread) -> str:
+    """Markdown: per arm, the host interval after a decision that changed the arm (the
+    first step of the new arm) against one that repeated it. A step that costs more
+    just after a change (a new verify shape's first use) inflates a probe's few
+    samples far more than the settled arm's many: the gate then favours the arm it is
+    on."""
+    first: dict[int, list[float]] = {}
+    repeat: dict[int, list[float]] = {}
+    for prev, cur, nxt in zip(decisions, decisions[1:], decisions[2:], strict=False):
+        target = first if cur[4] != prev[4] else repeat
+        target.setdefault(cur[4], []).append(1e3 * (nxt[1] - cur[1]))
+    lines = ["| arm | interval after a change to it, ms (n) | after repeating it, ms (n) |",
+             "|---|---|---|"]
+    for arm in sorted(set(first) | set(repeat)):
+        a, b = first.get(arm, []), repeat.get(arm, [])
+        lines.append(f"| {arm} | {spread(a)} ({len(a)}) | {spread(b)} ({len(b)}) |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(records: list[list], path: str | Path, title: str) -> None:

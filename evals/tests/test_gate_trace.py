@@ -76,3 +76,16 @@ def test_summary_and_plot_of_a_trace(tmp_path):
     assert "200 decisions" in text
     assert gate_trace.main([str(path), "--plot-dir", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / f"{path.stem}.png").stat().st_size > 1000
+
+
+def test_switch_table_separates_the_first_step_of_an_arm():
+    """A step that costs more just after the arm changed shows in the first column:
+    here every change to an arm costs 5 ms more than repeating it."""
+    arms = [64] * 10 + [32] * 3 + [64] * 10 + [32] * 3 + [64] * 5
+    t, records = 0.0, []
+    for i, arm in enumerate(arms):
+        records.append(["d", t, 1, 64, arm])
+        t += 0.003 + (0.005 if i and arm != arms[i - 1] else 0.0)
+    text = gate_trace.summary(records)
+    assert "| 32 | 8.00 (8.00-8.00) (2) | 3.00 (3.00-3.00) (4) |" in text
+    assert "| 64 | 8.00 (8.00-8.00) (2) | 3.00 (3.00-3.00) (21) |" in text
