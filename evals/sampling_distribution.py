@@ -15,10 +15,13 @@ position, a chi-square test of homogeneity compares the arm's token histogram wi
 plain decoding's (2 x k table; tokens whose pooled count is below ``MIN_POOLED`` share
 one tail bin). An arm is rejected when any of its p-values is below
 ``--alpha / (prompts * positions)`` (Bonferroni); DDTree must not be rejected, the lossy
-arm must be. Power: with 2,000 samples a shift of about 3 % of a position's probability
-mass is detected; the lossy verifier moves at most ``rate`` of it (only rounds where
-the target's token is not the drafter's first child change), so the GPU stage uses
-rate 0.25; a 2 % rate would need tens of thousands of samples.
+arm must be. Power: with 2,000 samples per arm and 4 prompts x 3 positions (Bonferroni
+level 0.01 / 12), a shift of about 7 % of a position's probability mass between two
+tokens is detected 80 % of the time (a 3 % shift: under 10 %); the lossy verifier moves
+at most ``rate`` of it (only rounds where the target's token is not the drafter's first
+child change), so the GPU stage uses rate 0.25; a 2 % rate would need about 20,000 to
+100,000 samples per arm. Position 1 comes from the prefill (no verification), so its
+tests cannot differ but count in the Bonferroni denominator (conservative).
 
 Backends: ``vllm`` (``LLM()`` in this process, bf16 on the embedded pair, one engine
 without and one with DDTree; the lossy arm patches the DDTree engine's verifier) and
