@@ -23,8 +23,6 @@ without the scheduler's common-prefix scan), ``+perbatch`` (below), ``+dflash2``
 ``+marginals``, ``+top1`` (the shipped DFlash2 drafter and its tree kinds), ``+hybrid``
 (``ddtree``: vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group,
 ``vllm_ddtree/kv_group_choice.py``; e.g. ``ddtree-64 ddtree-64+hybrid`` compares them),
-``+pairedgate`` (``ddtree-auto``: the step gate with paired residuals,
-``evals/gate_variants.py``; ``ddtree-auto ddtree-auto+pairedgate`` is the A/B),
 ``+pin16`` / ``+pin32`` (``ddtree-auto``: the gate pinned to that arm every step; against
 ``ddtree-16`` / ``ddtree-32`` it isolates what auto's machinery costs a step).
 

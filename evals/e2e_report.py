@@ -34,15 +34,13 @@ RUN_VARIANTS = (
     # vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group
     # (vllm_ddtree/kv_group_choice.py): --no-disable-hybrid-kv-cache-manager
     ("+hybrid", "hybrid KV-cache manager", ("ddtree",)),
-    # ddtree-auto: the step gate with paired residuals (evals/gate_variants.py), an A/B
-    ("+pairedgate", "paired step gate", ("ddtree",)),
     # ddtree-auto: the step gate pinned to one arm, every step (evals/gate_variants.py):
     # auto's machinery at a verify shape below its maximum, against ddtree-16 / ddtree-32
     ("+pin16", "gate pinned to 16", ("ddtree",)),
     ("+pin32", "gate pinned to 32", ("ddtree",)),
 )
 # Suffixes that change auto's step gate (ddtree-auto runs only): evals/gate_variants.py
-GATE_VARIANTS = ("+pairedgate", "+pin16", "+pin32")
+GATE_VARIANTS = ("+pin16", "+pin32")
 
 
 def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:

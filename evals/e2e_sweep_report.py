@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import statistics
 
-from e2e_report import ctx_label, run_label, run_sort_key
+from e2e_report import EQUAL_HOST_SPREAD, _host_spread, ctx_label, run_label, run_sort_key
 
 AUTO_BAR = 0.97  # issue 42: auto >= 0.97 x the best other run, at every batch
 
@@ -51,7 +51,7 @@ def auto_ratios(speed: dict[tuple, float], runs: list[str], context: int, kind: 
                 batch: int) -> list[tuple[str, float | None, float | None]]:
     """``(auto run, auto / best other run, auto / AR)`` of one cell, for every
     ``ddtree-auto`` run; the other runs are those that are not ``auto`` (an A/B of two
-    gates, ``+pairedgate``, is held to the same fixed methods)."""
+    gates, ``+pin32`` beside plain auto, is held to the same fixed methods)."""
     out = []
     ar = [speed.get((r, context, kind, batch)) for r in runs if r.startswith("ar@")]
     ar_best = max((v for v in ar if v), default=None)
@@ -87,6 +87,41 @@ def repeat_ratio_ranges(rows: list[dict], runs: list[str], context: int, kind: s
     return out
 
 
+def equal_host_ratios(rows: list[dict], runs: list[str], context: int, kind: str,
+                      batch: int) -> dict[str, list[float]]:
+    """``{auto run: ratios}``: for each of auto's rows of the cell, its tokens/s over the
+    best other run's, each run taken only from its rows (any repeat) whose fixed Python
+    loop, before and after, agreed with auto's row within :data:`EQUAL_HOST_SPREAD`
+    (the median of a run's matching rows; runs without a match left out); an auto row
+    gives no ratio where the best other run by the cell's medians has no match. The
+    host's single-thread speed toggled about 2x within seconds on the GPU hosts, and a
+    small target's steps follow it."""
+    cell = [r for r in rows if (r["context"], r["kind"], r["batch"]) == (context, kind, batch)
+            and r.get("status") == "ok" and r.get("tokens_per_s")
+            and r.get("python_ms") and r.get("python_ms_after")]
+    others = [run for run in runs if not run.startswith("ddtree-auto")]
+    medians = {run: statistics.median(float(r["tokens_per_s"]) for r in cell
+                                      if r["run"] == run)
+               for run in others if any(r["run"] == run for r in cell)}
+    out: dict[str, list[float]] = {}
+    if not medians:
+        return out
+    yardstick = max(medians, key=medians.get)
+    for auto in (run for run in runs if run.startswith("ddtree-auto")):
+        ratios = []
+        for mine in (r for r in cell if r["run"] == auto):
+            best = {}
+            for run in medians:
+                matched = [float(r["tokens_per_s"]) for r in cell if r["run"] == run
+                           and _host_spread(mine, r) <= EQUAL_HOST_SPREAD]
+                if matched:
+                    best[run] = statistics.median(matched)
+            if yardstick in best:
+                ratios.append(float(mine["tokens_per_s"]) / max(best.values()))
+        out[auto] = ratios
+    return out
+
+
 def _fmt(v, digits: int = 0) -> str:
     return "—" if v is None else f"{v:,.{digits}f}"
 
@@ -95,16 +130,23 @@ def _speed_table(rows, speed, runs, names, context, kind) -> list[str]:
     batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
     autos = [r for r in runs if r.startswith("ddtree-auto")]
     head = ["batch"] + [names[r] for r in runs]
+    equal_host = any(r.get("python_ms") for r in rows)
     for a in autos:
         head += [f"{names[a]} / best other", f"{names[a]} / AR"]
+        head += [f"{names[a]} / best other, equal host"] if equal_host else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for b in batches:
         cells = [str(b)] + [_fmt(speed.get((r, context, kind, b))) for r in runs]
         spread = repeat_ratio_ranges(rows, runs, context, kind, b)
+        matched = equal_host_ratios(rows, runs, context, kind, b) if equal_host else {}
         for auto, best, ar in auto_ratios(speed, runs, context, kind, b):
             mark = "" if best is None or best >= AUTO_BAR else " (below 0.97)"
             lo_hi = f" [{spread[auto][0]:.2f}-{spread[auto][1]:.2f}]" if auto in spread else ""
             cells += [_fmt(best, 2) + lo_hi + mark, _fmt(ar, 2)]
+            if equal_host:
+                ratios = matched.get(auto) or []
+                cells.append(f"{statistics.median(ratios):.2f} (n={len(ratios)})" if ratios
+                             else "none")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -208,8 +250,9 @@ def lossless_lines(rows: list[dict]) -> list[str]:
     ar = {(r["context"], r["kind"], r["batch"], r.get("repeat", 0)): r["output_crc"]
           for r in rows if r.get("status") == "ok" and r["run"].startswith("ar@")
           and r.get("output_crc") is not None}
-    out = []
-    for r in sorted(rows, key=lambda r: (r["context"], r["kind"], r["batch"], r["run"])):
+    out: list[str] = []
+    for r in sorted(rows, key=lambda r: (r["context"], r["kind"], r["batch"], r["run"],
+                                         r.get("repeat", 0))):
         if r.get("status") != "ok":
             continue
         where = f"{r['run']}, {ctx_label(r['context'])}, batch {r['batch']}"
@@ -228,7 +271,10 @@ def lossless_lines(rows: list[dict]) -> list[str]:
         if diff:
             out.append(f"- {where}: {diff} of {len(both)} requests differ from AR in their "
                        "first 16 tokens (bf16: batch shapes differ, ties can flip)")
-    return out
+    counts: dict[str, int] = {}
+    for line in out:  # the same finding in several repeats: once, with its count
+        counts[line] = counts.get(line, 0) + 1
+    return [line if n == 1 else f"{line} (in {n} repeats)" for line, n in counts.items()]
 
 
 def write_sweep_markdown(data: dict, path: str) -> None:
@@ -273,6 +319,8 @@ def write_sweep_markdown(data: dict, path: str) -> None:
     lines += [f"Date {inv.get('date', '?')}, GPU {inv.get('gpu', '?')}, "
               f"versions {inv.get('versions', '?')}.", "", "Command:", "```"]
     lines += [i.get("command", "?") for i in data.get("invocations", [])] + ["```", ""]
+    lines += [f"{i['left_out']}" for i in data.get("invocations", []) if i.get("left_out")]
+    lines += [""] if any(i.get("left_out") for i in data.get("invocations", [])) else []
     for context, kind in panels(rows):
         title = f"{ctx_label(context)} context, {kind} prompts"
         lines += [f"## Tokens per second, {title}", ""]
@@ -281,6 +329,14 @@ def write_sweep_markdown(data: dict, path: str) -> None:
             lines += ["Tokens/s: the median over repeats; auto / best other: the ratio of the "
                       "medians, [lowest-highest] of the ratio repeat by repeat (a repeat's "
                       "runs measured seconds apart).", ""]
+        if any(r.get("python_ms") for r in rows):
+            lines += ["*Equal host*: auto's rows against the other runs' rows of the same cell "
+                      "(any repeat) whose fixed Python loop, before and after both windows, "
+                      f"agreed within {EQUAL_HOST_SPREAD:g}x (the median of the ratios over "
+                      "auto's rows, n of them; none: the best other run by the medians had "
+                      "no row on auto's host speed). The loop's time toggles between two "
+                      "levels about 2x apart within seconds on the GPU hosts (table below), "
+                      "and steps of a small target follow it.", ""]
         table = _value_table(rows, accept, runs, names, context, kind)
         if table:
             lines += [f"Tokens per round (1 + accepted drafts per draft), {title}:", ""]

@@ -400,3 +400,35 @@ def test_auto_ratio_spread_over_repeats():
     assert got["ddtree-auto-64"] == pytest.approx((90 / 130, 0.99))
     assert repeat_ratio_ranges(rows[:2], ["ddtree-64", "ddtree-auto-64"], 1024, "code",
                                1) == {}
+
+
+def test_auto_ratio_at_equal_host_speed():
+    """Auto's rows are held only to rows whose fixed Python loop agreed with theirs
+    (within 1.25x): a fixed run measured while the host ran twice as fast is not the
+    yardstick of an auto row on the slow host; an auto row gives no ratio where the
+    cell's best other run (by the medians) has no row on its host speed."""
+    from e2e_sweep_report import equal_host_ratios, lossless_lines
+
+    def row(run, repeat, speed, host):
+        return {"run": run, "context": 1024, "kind": "code", "batch": 1, "repeat": repeat,
+                "status": "ok", "tokens_per_s": speed, "python_ms": host,
+                "python_ms_after": host}
+
+    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto-64"]
+    rows = [row("ar@FLASH_ATTN_MLA", 0, 50.0, 3.6), row("ddtree-64", 0, 150.0, 1.8),
+            row("ddtree-auto-64", 0, 80.0, 3.6),    # slow host: against 110 (repeat 1)
+            row("ar@FLASH_ATTN_MLA", 1, 60.0, 1.9), row("ddtree-64", 1, 110.0, 3.5),
+            row("ddtree-auto-64", 1, 140.0, 1.7),   # fast host: against 150 (repeat 0)
+            row("ddtree-auto-64", 2, 100.0, 3.3),   # slow: against 110
+            row("ddtree-auto-64", 3, 400.0, 5.0)]   # no run on so slow a host
+    got = equal_host_ratios(rows, runs, 1024, "code", 1)
+    assert got["ddtree-auto-64"] == pytest.approx([80 / 110, 140 / 150, 100 / 110])
+    rows[1]["python_ms_after"] = 3.6  # its loop toggled within the window: no match
+    rows.append(row("ar@FLASH_ATTN_MLA", 2, 200.0, 5.0))  # the only run on that host
+    assert equal_host_ratios(rows, runs, 1024, "code", 1)["ddtree-auto-64"] == \
+        pytest.approx([80 / 110, 100 / 110])
+    crc = {"ar@FLASH_ATTN_MLA": [1, 2], "ddtree-64": [1, 3]}
+    checks = lossless_lines([dict(r, output_crc=crc.get(r["run"], [1, 2])) for r in rows])
+    assert checks == ["- ddtree-64, 1k, batch 1: 1 of 2 requests differ from AR in their "
+                      "first 16 tokens (bf16: batch shapes differ, ties can flip) "
+                      "(in 2 repeats)"]

@@ -1,56 +1,8 @@
-"""``evals/gate_variants.py``: the ``+pairedgate`` A/B of ``ddtree-auto`` runs (CPU)."""
+"""``evals/gate_variants.py``: ``ddtree-auto`` runs with the gate pinned (CPU)."""
 
 import pytest
 from e2e_runs import RunSpec
-from gate_variants import (
-    PAIR_WINDOW,
-    apply_paired_gate,
-    apply_pinned_gate,
-    remove_paired_gate,
-    remove_pinned_gate,
-)
-
-from vllm_ddtree.budget.gate import GateStats
-
-
-def test_pairedgate_parses_for_auto_runs_only():
-    run = RunSpec.parse("ddtree-auto+pairedgate")
-    assert run.budget == "auto" and run.variants == ("+pairedgate",)
-    assert run.name.endswith("+pairedgate")
-    with pytest.raises(ValueError, match="ddtree-auto runs only"):
-        RunSpec.parse("ddtree-64+pairedgate")
-    with pytest.raises(ValueError, match="applies to ddtree runs only"):
-        RunSpec.parse("ar@FLASH_ATTN_MLA+pairedgate")
-
-
-def test_paired_residuals_follow_the_settled_arm():
-    """An interval of another arm is paired with the median of the settled arm's last
-    ``PAIR_WINDOW`` intervals; its prediction is the mean of its own residual and the
-    settled arm's plus its pairing; settling elsewhere moves the pairings to the new
-    reference; without the patch the prediction is the own residual."""
-    stats = GateStats(4, settled=2)
-    apply_paired_gate()
-    try:
-        for seconds in [1.0] * 10 + [2.0] * PAIR_WINDOW:  # the host slows down
-            stats.add_residual(2, seconds)
-        stats.add_residual(3, 2.5)  # probed in the slow spell: 0.5 above the settled arm
-        stats.add_residual(1, 1.5)  # 0.5 below
-        predicted = stats.predicted_residuals(4)
-        assert predicted[2] == 1.0  # the lower median of its 15
-        assert predicted[3] == pytest.approx(0.5 * (2.5 + 1.5))
-        assert predicted[1] == pytest.approx(0.5 * (1.5 + 0.5))
-        assert predicted[0] == 0.0  # never timed
-        stats.settled = 3
-        stats.add_residual(3, 1.2)  # an interval of the new settled arm
-        predicted = stats.predicted_residuals(4)
-        assert predicted[3] == 1.2  # its own: the lower median of (2.5, 1.2)
-        # the old settled arm: 0.5 below 3; arm 1: 1.0 below 3
-        assert predicted[2] == pytest.approx(0.5 * (1.0 + (1.2 - 0.5)))
-        assert predicted[1] == pytest.approx(0.5 * (1.5 + (1.2 - 1.0)))
-    finally:
-        remove_paired_gate()
-    own = stats.predicted_residuals(4)
-    assert list(own) == list(stats.residual_seconds)
+from gate_variants import apply_pinned_gate, remove_pinned_gate
 
 
 def test_two_auto_runs_are_each_held_to_the_fixed_methods():
@@ -58,13 +10,13 @@ def test_two_auto_runs_are_each_held_to_the_fixed_methods():
     auto, not to the other gate."""
     from e2e_sweep_report import auto_ratios
 
-    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto-64", "ddtree-auto-64+pairedgate"]
+    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto-64", "ddtree-auto-64+pin32"]
     speed = {(r, 1024, "code", 1): v for r, v in zip(runs, (100.0, 200.0, 180.0, 300.0),
                                                       strict=True)}
     ratios = dict((run, (best, ar)) for run, best, ar
                   in auto_ratios(speed, runs, 1024, "code", 1))
     assert ratios["ddtree-auto-64"] == pytest.approx((0.9, 1.8))
-    assert ratios["ddtree-auto-64+pairedgate"] == pytest.approx((1.5, 3.0))
+    assert ratios["ddtree-auto-64+pin32"] == pytest.approx((1.5, 3.0))
 
 
 def test_pinned_gate_parses_for_auto_runs_only_and_one_gate_variant():
@@ -73,7 +25,7 @@ def test_pinned_gate_parses_for_auto_runs_only_and_one_gate_variant():
     with pytest.raises(ValueError, match="ddtree-auto runs only"):
         RunSpec.parse("ddtree-32+pin32")
     with pytest.raises(ValueError, match="one step-gate variant"):
-        RunSpec.parse("ddtree-auto+pairedgate+pin16")
+        RunSpec.parse("ddtree-auto+pin32+pin16")
 
 
 def test_pinned_gate_runs_its_arm_every_step_and_still_times_it():

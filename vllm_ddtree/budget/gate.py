@@ -209,10 +209,6 @@ class GateStats:
         ema.add(tokens)
         self.smallest_cut_tokens[arm] = ema.value
 
-    def predicted_residuals(self, num_arms: int) -> np.ndarray:
-        """fp64 ``[num_arms]``: the residuals the rates add to the model (a view)."""
-        return self.residual_seconds[:num_arms]
-
     def reset_committed(self, arm: int) -> None:
         self.committed[arm] = _Ema()
         self.committed_tokens[arm] = 0.0
@@ -495,7 +491,7 @@ class SpeculationGate:
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
-        seconds += stats.predicted_residuals(num_arms)
+        seconds += stats.residual_seconds[:num_arms]
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
         self._follow_smallest_arm(stats, committed, num_arms)
