@@ -13,17 +13,22 @@ is clearly above the margin. Documents whose generations part at a bf16 tie of p
 decoding (``evals/lm_eval_ties.py``, a fixed rule with a cap) are ``excused``: their
 difference is set to 0 before the bootstrap, the document count unchanged.
 
-Known limits of this rule (to be tightened): with no document worse the interval is
-``[0, 0]`` at any count, though ``n`` clean documents bound the share of documents a
-verifier could spoil only below ``1 - 0.025 ** (1 / n)`` (0.17 at 20, under 0.05 from
-72); a task whose baseline sits at its floor (HumanEval's pass@1 0 on the embedded pair)
-cannot show a loss at all; graded metrics against the ground truth (edit similarity)
-can move either way under a lossy verifier. ``ddtree_target_agreement`` (exact match of
-plain decoding's own continuation, 96 documents) is the task that catches one.
+Beside the interval, the verdict states how large a loss the sample can rule out: the
+Stringer bound (as in statistical auditing) on the mean loss, at the same one-sided
+level, from the documents DDTree made worse and not excused, each weighed by its loss
+(``loss_bound``): ``1 - ((1 - confidence) / 2) ** (1 / n)`` when none is worse, 0.17 at
+20 documents, below 0.05 from 72. A PASS whose bound is above the margin (``bounded``
+false) says that no loss was seen, not that none larger than the margin could hide in
+so few documents: the report names the documents needed. A task whose baseline sits at
+its floor (HumanEval's pass@1 0 on the embedded pair) cannot show a loss at all, and a
+graded metric against the ground truth (edit similarity) can move either way under a
+lossy verifier; ``ddtree_target_agreement`` (exact match of plain decoding's own
+continuation, 96 documents) is the task that catches one.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,13 +67,64 @@ class PairedVerdict:
     confidence: float
     passed: bool
     excused: int = 0
+    loss_bound: float = float("nan")
+
+    @property
+    def bounded(self) -> bool:
+        """Whether the documents rule out a loss as large as the margin
+        (``loss_bound < margin``)."""
+        return self.loss_bound < self.margin
+
+    def docs_needed(self) -> int:
+        """Documents, none worse, that bound the loss below the margin."""
+        return docs_to_bound(self.margin, self.confidence)
 
     def text(self) -> str:
+        level = (1 + self.confidence) / 2
+        bound = (f"; the loss is at most {self.loss_bound:.3f} at {level:.1%} (Stringer "
+                 "bound" + ("" if self.bounded or not self.passed else
+                            f": no loss seen, {self.docs_needed()} documents none worse "
+                            "would bound it below the margin") + ")")
         return (f"{self.metric} {self.baseline:.4f} -> {self.speculative:.4f}, difference "
                 f"{self.mean_difference:+.4f} [{self.low:+.4f}, {self.high:+.4f}] "
                 f"({self.confidence:.0%} bootstrap, {self.docs} docs, {self.changed} changed, "
                 f"{self.excused} excused at ties; "
-                f"PASS needs the lower bound > -{self.margin})")
+                f"PASS needs the lower bound > -{self.margin}){bound}")
+
+
+def docs_to_bound(margin: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
+    """The fewest documents, none worse, whose Stringer bound is below ``margin``."""
+    alpha = (1 - confidence) / 2
+    return math.floor(math.log(alpha) / math.log1p(-margin)) + 1
+
+
+def stringer_bound(losses: np.ndarray, docs: int,
+                   confidence: float = DEFAULT_CONFIDENCE) -> float:
+    """Upper confidence bound, at the one-sided level ``(1 + confidence) / 2``, on the mean
+    per-document loss of ``docs`` documents of which those in ``losses`` (float, each in
+    (0, 1]: how much the metric fell) got worse: the Stringer bound,
+    ``p(0) + sum_i (p(i) - p(i - 1)) * t_i`` over the losses ``t_i`` in decreasing order,
+    ``p(i)`` the Clopper-Pearson upper bound of a rate with ``i`` events in ``docs``."""
+    from scipy.stats import beta
+
+    if docs < 1:
+        raise ValueError(f"stringer_bound: docs={docs} is not allowed: at least 1")
+    losses = np.sort(np.clip(np.asarray(losses, np.float64), 0.0, 1.0))[::-1]
+    losses = losses[losses > 0]
+    if losses.size > docs:
+        raise ValueError(f"stringer_bound: {losses.size} losses among docs={docs} documents "
+                         "is not allowed: at most one a document")
+    level = (1 + confidence) / 2
+
+    def upper(events: int) -> float:
+        return 1.0 if events >= docs else float(beta.ppf(level, events + 1, docs - events))
+
+    bound, previous = upper(0), upper(0)
+    for i, loss in enumerate(losses, start=1):
+        current = upper(i)
+        bound += (current - previous) * float(loss)
+        previous = current
+    return min(bound, 1.0)
 
 
 def bootstrap_interval(differences: np.ndarray, confidence: float = DEFAULT_CONFIDENCE,
@@ -125,6 +181,7 @@ def paired_verdict(task: str, baseline: dict[int, dict[str, float]],
     changed = int(np.count_nonzero(diff))
     diff[[i for i, d in enumerate(docs) if d in excused]] = 0.0
     low, high = bootstrap_interval(diff, confidence, resamples)
+    bound = stringer_bound(-diff[diff < 0], len(docs), confidence)
     return PairedVerdict(metric, len(docs), float(base.mean()), float(spec.mean()),
                          float(diff.mean()), low, high, changed, margin, confidence,
-                         low > -margin, len(excused))
+                         low > -margin, len(excused), bound)

@@ -4,6 +4,7 @@ prefill (a Hugging Face model standing in for vLLM's prompt log-probs)."""
 
 import math
 
+import numpy as np
 import pytest
 from evals_scripts import load_evals_script
 
@@ -164,6 +165,36 @@ def test_the_verdict_counts_excused_documents_as_unchanged():
     assert still.low < -still.margin
     with pytest.raises(ValueError, match=r"excused=\[25\] is not allowed"):
         verdicts.paired_verdict(task, base, tied, excused={25})
+
+
+def test_the_loss_bound_says_how_much_loss_the_documents_rule_out():
+    """With none worse, n documents bound the mean loss only below 1 - 0.025 ** (1 / n)
+    (0.46 at 6, 0.17 at 20; 72 are needed for 0.05): a PASS on 20 identical documents
+    says no loss was seen, not that none could hide; on 96 it is bounded. With every
+    loss a whole document, the Stringer bound is the exact binomial (Clopper-Pearson)
+    bound on the share of documents spoiled; smaller losses give a smaller bound, and
+    an excused document adds nothing."""
+    from scipy.stats import beta
+
+    task = "ddtree_target_agreement"
+    assert verdicts.stringer_bound(np.array([]), 6) == pytest.approx(1 - 0.025 ** (1 / 6))
+    assert verdicts.docs_to_bound(0.05) == 72
+    assert verdicts.stringer_bound([], 72) < 0.05 < verdicts.stringer_bound([], 71)
+    assert verdicts.stringer_bound([1.0, 1.0], 20) == pytest.approx(beta.ppf(0.975, 3, 18))
+    whole, part = verdicts.stringer_bound([1.0], 20), verdicts.stringer_bound([0.2], 20)
+    assert verdicts.stringer_bound([], 20) < part < whole
+    few = verdicts.paired_verdict(task, items([1.0] * 20), items([1.0] * 20))
+    assert few.passed and not few.bounded and few.loss_bound == pytest.approx(0.168, abs=1e-3)
+    assert "no loss seen, 72 documents none worse would bound it" in few.text()
+    many = verdicts.paired_verdict(task, items([1.0] * 96), items([1.0] * 96))
+    assert many.passed and many.bounded and "no loss seen" not in many.text()
+    tied = verdicts.paired_verdict(task, items([1.0] * 96), items([0.0] + [1.0] * 95),
+                                   excused={0})
+    assert tied.loss_bound == pytest.approx(many.loss_bound)
+    lossy = verdicts.paired_verdict(task, items([1.0] * 96), items([0.0] * 30 + [1.0] * 66))
+    assert not lossy.passed and lossy.loss_bound > 0.3
+    with pytest.raises(ValueError, match="docs=0 is not allowed"):
+        verdicts.stringer_bound([], 0)
 
 
 def test_validate_judges_with_the_excused_documents():
