@@ -93,16 +93,17 @@ def equal_host_ratios(rows: list[dict], runs: list[str], context: int, kind: str
     best other run's, each run taken only from its rows (any repeat) whose fixed Python
     loop, before and after, agreed with auto's row within :data:`EQUAL_HOST_SPREAD`
     (the median of a run's matching rows; runs without a match left out); an auto row
-    gives no ratio where the best other run by the cell's medians has no match. The
+    gives no ratio where the best other run by the cell's medians (over all its rows)
+    has no match, or where its own loop moved past that spread within its window. The
     host's single-thread speed toggled about 2x within seconds on the GPU hosts, and a
     small target's steps follow it."""
-    cell = [r for r in rows if (r["context"], r["kind"], r["batch"]) == (context, kind, batch)
-            and r.get("status") == "ok" and r.get("tokens_per_s")
-            and r.get("python_ms") and r.get("python_ms_after")]
+    measured = [r for r in rows if (r["context"], r["kind"], r["batch"]) == (context, kind, batch)
+                and r.get("status") == "ok" and r.get("tokens_per_s")]
+    cell = [r for r in measured if r.get("python_ms") and r.get("python_ms_after")]
     others = [run for run in runs if not run.startswith("ddtree-auto")]
-    medians = {run: statistics.median(float(r["tokens_per_s"]) for r in cell
+    medians = {run: statistics.median(float(r["tokens_per_s"]) for r in measured
                                       if r["run"] == run)
-               for run in others if any(r["run"] == run for r in cell)}
+               for run in others if any(r["run"] == run for r in measured)}
     out: dict[str, list[float]] = {}
     if not medians:
         return out
@@ -246,16 +247,19 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
 
 def lossless_lines(rows: list[dict]) -> list[str]:
     """The checks of every measured row: off-chain requests (oracle setups) or requests
-    whose first tokens' CRC differs from AR's in the same cell (repeat 0)."""
+    whose first tokens' CRC differs from AR's in the same cell and repeat; a finding
+    that repeats word for word over repeats of one cell is listed once, with its count."""
     ar = {(r["context"], r["kind"], r["batch"], r.get("repeat", 0)): r["output_crc"]
           for r in rows if r.get("status") == "ok" and r["run"].startswith("ar@")
           and r.get("output_crc") is not None}
     out: list[str] = []
+    kinds = {r["kind"] for r in rows}
     for r in sorted(rows, key=lambda r: (r["context"], r["kind"], r["batch"], r["run"],
                                          r.get("repeat", 0))):
         if r.get("status") != "ok":
             continue
         where = f"{r['run']}, {ctx_label(r['context'])}, batch {r['batch']}"
+        where += f", {r['kind']} prompts" if len(kinds) > 1 else ""
         if r.get("requests_off_chain") is not None:
             if r["requests_off_chain"]:
                 out.append(f"- {where}: {r['requests_off_chain']} of {r['pool']} requests "
@@ -334,7 +338,8 @@ def write_sweep_markdown(data: dict, path: str) -> None:
                       "(any repeat) whose fixed Python loop, before and after both windows, "
                       f"agreed within {EQUAL_HOST_SPREAD:g}x (the median of the ratios over "
                       "auto's rows, n of them; none: the best other run by the medians had "
-                      "no row on auto's host speed). The loop's time toggles between two "
+                      "no row on the host speed of any auto row, or auto's own loop moved "
+                      "past that spread within its windows). The loop's time toggles between two "
                       "levels about 2x apart within seconds on the GPU hosts (table below), "
                       "and steps of a small target follow it.", ""]
         table = _value_table(rows, accept, runs, names, context, kind)

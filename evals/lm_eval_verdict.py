@@ -18,8 +18,9 @@ Stringer bound (as in statistical auditing) on the mean loss, at the same one-si
 level, from the documents DDTree made worse and not excused, each weighed by its loss
 (``loss_bound``): ``1 - ((1 - confidence) / 2) ** (1 / n)`` when none is worse, 0.17 at
 20 documents, below 0.05 from 72. A PASS whose bound is above the margin (``bounded``
-false) says that no loss was seen, not that none larger than the margin could hide in
-so few documents: the report names the documents needed. A task whose baseline sits at
+false) with none worse says that no loss was seen, not that none larger than the margin
+could hide in so few documents (the report names the documents needed); with some worse
+it says how many. A task whose baseline sits at
 its floor (HumanEval's pass@1 0 on the embedded pair) cannot show a loss at all, and a
 graded metric against the ground truth (edit similarity) can move either way under a
 lossy verifier; ``ddtree_target_agreement`` (exact match of plain decoding's own
@@ -68,6 +69,7 @@ class PairedVerdict:
     passed: bool
     excused: int = 0
     loss_bound: float = float("nan")
+    worse: int = 0  # documents made worse and not excused
 
     @property
     def bounded(self) -> bool:
@@ -75,26 +77,39 @@ class PairedVerdict:
         (``loss_bound < margin``)."""
         return self.loss_bound < self.margin
 
-    def docs_needed(self) -> int:
+    def docs_needed(self) -> int | None:
         """Documents, none worse, that bound the loss below the margin."""
         return docs_to_bound(self.margin, self.confidence)
 
-    def text(self) -> str:
+    def bound_text(self) -> str:
+        """The loss bound's clause: ``bounded below the margin`` or ``not bounded ...``
+        (with none worse: no loss seen, and the documents that would bound it)."""
+        if math.isnan(self.loss_bound):
+            return ""
         level = (1 + self.confidence) / 2
-        bound = (f"; the loss is at most {self.loss_bound:.3f} at {level:.1%} (Stringer "
-                 "bound" + ("" if self.bounded or not self.passed else
-                            f": no loss seen, {self.docs_needed()} documents none worse "
-                            "would bound it below the margin") + ")")
+        head = f"; the loss is at most {self.loss_bound:.3f} at {level:.1%} (Stringer bound; "
+        if self.bounded:
+            return head + "bounded below the margin)"
+        if self.worse:
+            return head + f"not bounded below the margin: {self.worse} documents worse)"
+        needed = self.docs_needed()
+        return head + ("not bounded below the margin: no loss seen" + (
+            f", {needed} documents none worse would bound it)" if needed else ")"))
+
+    def text(self) -> str:
         return (f"{self.metric} {self.baseline:.4f} -> {self.speculative:.4f}, difference "
                 f"{self.mean_difference:+.4f} [{self.low:+.4f}, {self.high:+.4f}] "
                 f"({self.confidence:.0%} bootstrap, {self.docs} docs, {self.changed} changed, "
                 f"{self.excused} excused at ties; "
-                f"PASS needs the lower bound > -{self.margin}){bound}")
+                f"PASS needs the lower bound > -{self.margin}){self.bound_text()}")
 
 
-def docs_to_bound(margin: float, confidence: float = DEFAULT_CONFIDENCE) -> int:
-    """The fewest documents, none worse, whose Stringer bound is below ``margin``."""
+def docs_to_bound(margin: float, confidence: float = DEFAULT_CONFIDENCE) -> int | None:
+    """The fewest documents, none worse, whose Stringer bound is below ``margin`` (None
+    for a margin or confidence at the ends of 0..1, where no count does)."""
     alpha = (1 - confidence) / 2
+    if not (0 < margin < 1 and 0 < alpha < 1):
+        return None
     return math.floor(math.log(alpha) / math.log1p(-margin)) + 1
 
 
@@ -181,7 +196,8 @@ def paired_verdict(task: str, baseline: dict[int, dict[str, float]],
     changed = int(np.count_nonzero(diff))
     diff[[i for i, d in enumerate(docs) if d in excused]] = 0.0
     low, high = bootstrap_interval(diff, confidence, resamples)
-    bound = stringer_bound(-diff[diff < 0], len(docs), confidence)
+    losses = -diff[diff < 0]
+    bound = stringer_bound(losses, len(docs), confidence)
     return PairedVerdict(metric, len(docs), float(base.mean()), float(spec.mean()),
                          float(diff.mean()), low, high, changed, margin, confidence,
-                         low > -margin, len(excused), bound)
+                         low > -margin, len(excused), bound, int(losses.size))

@@ -69,7 +69,8 @@
 #              the stage passes when validate.py reports FAIL (exit status 1)
 #   lmevalagree ddtree_target_agreement, all 96 documents, exact DDTree, bf16 with CUDA
 #              graphs: passes on a PASS whose loss bound is below the margin (at 20
-#              documents none worse bound it only below 0.17; 72 are needed for 0.05)
+#              documents none worse bound it only below 0.17; 72 are needed for 0.05; at
+#              96 one unexcused document worse already lifts it to 0.057)
 #              (every lmeval stage: DDTree B = LMEVAL_BUDGET, default 64; LMEVAL_AUTO=1
 #              adds ddtree_budget "auto")
 #   lmeval16k  ddtree_target_agreement_16k (16k-token contexts) on the pair with the target
@@ -432,8 +433,9 @@ for stage in "$@"; do
         --speculative-config "$(lmeval_spec vllm_ddtree/checkpoints/drafter)" \
         --out-dir "$LOG_DIR/$stage" > "$LOG_DIR/$stage.log" 2>&1
       rc=$?
-      # PASS alone is not enough here: "no loss seen" marks a bound above the margin
-      summary "$stage" "$([ "$rc" -eq 0 ] && grep "^PASS ddtree_target_agreement" "$LOG_DIR/$stage.log" | grep -qv "no loss seen" && echo 0 || echo "${rc/#0/9}")" "$start"
+      # PASS alone is not enough here: the verdict must bound the loss below the margin
+      # (with exact-match losses at 96 documents: no unexcused document worse)
+      summary "$stage" "$([ "$rc" -eq 0 ] && grep "^PASS ddtree_target_agreement" "$LOG_DIR/$stage.log" | grep -q "; bounded below the margin)" && echo 0 || echo "${rc/#0/9}")" "$start"
       grep -E "^(PASS|FAIL)" "$LOG_DIR/$stage.log" | tail -3 ;;
     lmevallossy|lmevallossy32)  # a correct validation FAILS the lossy verifier: rc 1 -> 0
       if [ "$stage" = lmevallossy ]; then

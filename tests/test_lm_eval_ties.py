@@ -185,9 +185,15 @@ def test_the_loss_bound_says_how_much_loss_the_documents_rule_out():
     assert verdicts.stringer_bound([], 20) < part < whole
     few = verdicts.paired_verdict(task, items([1.0] * 20), items([1.0] * 20))
     assert few.passed and not few.bounded and few.loss_bound == pytest.approx(0.168, abs=1e-3)
-    assert "no loss seen, 72 documents none worse would bound it" in few.text()
+    assert "not bounded below the margin: no loss seen, 72 documents none worse" in few.text()
     many = verdicts.paired_verdict(task, items([1.0] * 96), items([1.0] * 96))
-    assert many.passed and many.bounded and "no loss seen" not in many.text()
+    assert many.passed and many.bounded and "; bounded below the margin)" in many.text()
+    one = verdicts.paired_verdict(task, items([1.0] * 96), items([0.0] + [1.0] * 95))
+    assert one.passed and not one.bounded and one.worse == 1  # a loss seen, not bounded
+    assert "not bounded below the margin: 1 documents worse" in one.text()
+    assert verdicts.docs_to_bound(0.0) is None  # --margin 0: no count bounds it
+    zero = verdicts.paired_verdict(task, items([1.0] * 6), items([1.0] * 6), margin=0.0)
+    assert "no loss seen)" in zero.text()
     tied = verdicts.paired_verdict(task, items([1.0] * 96), items([0.0] + [1.0] * 95),
                                    excused={0})
     assert tied.loss_bound == pytest.approx(many.loss_bound)

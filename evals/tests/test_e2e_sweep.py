@@ -432,3 +432,12 @@ def test_auto_ratio_at_equal_host_speed():
     assert checks == ["- ddtree-64, 1k, batch 1: 1 of 2 requests differ from AR in their "
                       "first 16 tokens (bf16: batch shapes differ, ties can flip) "
                       "(in 2 repeats)"]
+    other_kind = [dict(r, kind="random") for r in rows]  # two prompt kinds: kept apart
+    checks = lossless_lines([dict(r, output_crc=crc.get(r["run"], [1, 2]))
+                             for r in rows + other_kind])
+    assert [c.split(": ")[0] for c in checks] == ["- ddtree-64, 1k, batch 1, code prompts",
+                                                  "- ddtree-64, 1k, batch 1, random prompts"]
+    rows[1] = {k: v for k, v in rows[1].items() if k != "python_ms"}  # no host timing:
+    # the yardstick is still ddtree-64, the best by all its rows
+    assert equal_host_ratios(rows, runs, 1024, "code", 1)["ddtree-auto-64"] == \
+        pytest.approx([80 / 110, 100 / 110])
