@@ -261,6 +261,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     )
     from e2e_models import SETUPS
     from e2e_runs import STATUS_OK, RunSpec, counter_delta, spec_base_row
+    from e2e_timing import host_cpu_delta, host_cpu_state
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -300,12 +301,16 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
         llm.collective_rpc(engine_gate_trace_start)
     gate_before = (llm.collective_rpc(engine_gate_snapshot)[0] if run.budget == "auto"
                    else None)
-    python_ms = engine.call(engine_host_speed)[0]  # steps here are mostly host-bound
+    # steps here are mostly host-bound: the interpreter's speed and the CPU it ran on,
+    # before and after, and the machine's load over the window
+    python_ms, cpu, _ = engine.call(engine_host_speed)
     engine.call(engine_batch_count_start)
+    cpu_before = host_cpu_state()
     got = drive(llm.llm_engine, pool, batch, params,
                 prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag)
+    host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
     engine_mean_reqs = engine.call(engine_batch_count_take)
-    python_ms_after = engine.call(engine_host_speed)[0]
+    python_ms_after, cpu_after, _ = engine.call(engine_host_speed)
     if trace_dir:
         from gate_trace import write
 
@@ -317,7 +322,8 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
                finished=got["finished"], mean_in_flight=got["mean_in_flight"],
                engine_mean_reqs=engine_mean_reqs,
                prime_s=prime_s, sweep=pool_spec.to_json(), python_ms=python_ms,
-               python_ms_after=python_ms_after)
+               python_ms_after=python_ms_after, cpu=cpu, cpu_after=cpu_after,
+               **{f"host_{k}": v for k, v in host_cpu.items()})
     row["tokens_per_s"] = got["tokens"] / got["wall_s"] if got["wall_s"] else None
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
