@@ -152,6 +152,7 @@ def engine_profile_stop(worker: Any, path: str, title: str) -> str:
     profile.disable()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(summarize(profile, title + " (engine-core process)"))
+    profile.dump_stats(Path(path).with_suffix(".prof"))  # host_profile.py diff reads it
     return path
 
 

@@ -112,4 +112,63 @@ def profile_generate(llm: Any, inputs: list, params: Any, out_path: Path, title:
     if threads_before:
         report += "\n" + thread_report(threads_before, _thread_times(), wall)
     out_path.write_text(report)
+    profile.dump_stats(out_path.with_suffix(".prof"))
     return out_path
+
+
+def per_step(stats: pstats.Stats) -> dict[tuple[str, int, str], tuple[float, float, float]]:
+    """``{(file, line, function): (calls, own ms, cumulative ms)}`` per engine step."""
+    steps = max(1, engine_steps(stats))
+    return {key: (ncalls / steps, 1e3 * tottime / steps, 1e3 * cumtime / steps)
+            for key, (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items()}
+
+
+def diff_table(first: pstats.Stats, second: pstats.Stats, limit: int = 40,
+               names: tuple[str, str] = ("A", "B")) -> str:
+    """Markdown: own ms per engine step of every function in ``first`` and ``second``
+    (a function missing from one run counts 0 there), sorted by how much more the
+    first spends (its surplus first, then its savings); calls per step beside them.
+    The two totals of own time head the table."""
+    a, b = per_step(first), per_step(second)
+    keys = set(a) | set(b)
+    zero = (0.0, 0.0, 0.0)
+    rows = sorted(keys, key=lambda k: a.get(k, zero)[1] - b.get(k, zero)[1], reverse=True)
+    total_a = sum(v[1] for v in a.values())
+    total_b = sum(v[1] for v in b.values())
+    lines = [f"Own host ms per engine step: {names[0]} {total_a:.3f} "
+             f"({engine_steps(first)} steps), {names[1]} {total_b:.3f} "
+             f"({engine_steps(second)} steps), difference {total_a - total_b:+.3f} "
+             "(profiler overhead included).", "",
+             f"| function | {names[0]} calls / step | {names[1]} calls / step | "
+             f"{names[0]} own ms | {names[1]} own ms | difference |", "|---|---|---|---|---|---|"]
+    shown = rows[:limit // 2] + [k for k in rows[-(limit // 2):] if k not in rows[:limit // 2]]
+    for key in shown:
+        (ca, oa, _), (cb, ob, _) = a.get(key, zero), b.get(key, zero)
+        path, line, name = key
+        short = "/".join(Path(path).parts[-3:]) if path != "~" else "builtin"
+        lines.append(f"| `{short}:{line} {name}` | {ca:.1f} | {cb:.1f} | {oa:.3f} | {ob:.3f} | "
+                     f"{oa - ob:+.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``diff A.prof B.prof``: where A's host time per engine step differs from B's."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("diff", help="per-function own time per step, A minus B")
+    d.add_argument("first", type=Path)
+    d.add_argument("second", type=Path)
+    d.add_argument("--limit", type=int, default=40)
+    args = p.parse_args(argv)
+    for path in (args.first, args.second):
+        if not path.is_file():
+            p.error(f"{path}: no such profile (the .prof beside a host_profile_*.md)")
+    print(diff_table(pstats.Stats(str(args.first)), pstats.Stats(str(args.second)),
+                     args.limit, (args.first.stem, args.second.stem)), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -104,8 +104,10 @@
 #              count_host_syncs for auto pinned to 32 and to 64 (host_syncs_pin*.md)
 #   autoprofile e2e_trained_yarn for ddtree-64 and ddtree-auto at batch 1 and 8 with
 #              BENCH_E2E_HOST_PROFILE: after each measured cell, cProfile of the same
-#              generate (host time per function and step: profiles/host_profile_*.md, archived
-#              as profiles.tgz in the log folder); the GPU to itself for the step times
+#              generate (host time per function and step: profiles/host_profile_*.md and
+#              .prof, archived as profiles.tgz in the log folder; `python
+#              evals/host_profile.py diff AUTO.prof B64.prof` tables auto's surplus per
+#              function); the GPU to itself for the step times
 #   sweep_trained / sweep_v2lite / sweep_v2lite_moe
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
