@@ -101,9 +101,8 @@ def equal_host_ratios(rows: list[dict], runs: list[str], context: int, kind: str
                 and r.get("status") == "ok" and r.get("tokens_per_s")]
     cell = [r for r in measured if r.get("python_ms") and r.get("python_ms_after")]
     others = [run for run in runs if not run.startswith("ddtree-auto")]
-    medians = {run: statistics.median(float(r["tokens_per_s"]) for r in measured
-                                      if r["run"] == run)
-               for run in others if any(r["run"] == run for r in measured)}
+    medians = {run: v for (run, *_), v in median_by_cell(measured, "tokens_per_s").items()
+               if run in others}
     out: dict[str, list[float]] = {}
     if not medians:
         return out

@@ -24,20 +24,21 @@ from typing import Any
 OWN_PATHS = ("vllm_ddtree", "patches", "attention_backends", "spec_decode")
 
 
-def _rows(stats: pstats.Stats, steps: int, sort: str, limit: int,
+def _label(key: tuple[str, int, str]) -> str:
+    path, line, name = key
+    short = "/".join(Path(path).parts[-3:]) if path != "~" else "builtin"
+    return f"`{short}:{line} {name}`"
+
+
+def _rows(stats: pstats.Stats, sort: str, limit: int,
           only: tuple[str, ...] | None) -> list[str]:
-    entries = []
-    for (path, line, name), (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
-        if only is not None and not any(part in path for part in only):
-            continue
-        entries.append((path, line, name, ncalls, tottime, cumtime))
-    key = 4 if sort == "tottime" else 5
-    entries.sort(key=lambda e: e[key], reverse=True)
+    entries = [(key, values) for key, values in per_step(stats).items()
+               if only is None or any(part in key[0] for part in only)]
+    column = 1 if sort == "tottime" else 2
+    entries.sort(key=lambda e: e[1][column], reverse=True)
     lines = ["| function | calls / step | own ms / step | cum ms / step |", "|---|---|---|---|"]
-    for path, line, name, ncalls, tottime, cumtime in entries[:limit]:
-        short = "/".join(Path(path).parts[-3:]) if path != "~" else "builtin"
-        lines.append(f"| `{short}:{line} {name}` | {ncalls / steps:.1f} | "
-                     f"{1e3 * tottime / steps:.3f} | {1e3 * cumtime / steps:.3f} |")
+    for key, (calls, own, cum) in entries[:limit]:
+        lines.append(f"| {_label(key)} | {calls:.1f} | {own:.3f} | {cum:.3f} |")
     return lines
 
 
@@ -55,11 +56,11 @@ def summarize(profile: cProfile.Profile, title: str, limit: int = 40) -> str:
     out = [f"# Host profile: {title}", "",
            f"{steps} engine steps under cProfile (times include the profiler's overhead).",
            "", "## By own time", ""]
-    out += _rows(stats, steps, "tottime", limit, None)
+    out += _rows(stats, "tottime", limit, None)
     out += ["", "## By cumulative time", ""]
-    out += _rows(stats, steps, "cumtime", limit, None)
+    out += _rows(stats, "cumtime", limit, None)
     out += ["", "## Speculator, patches and backends by cumulative time", ""]
-    out += _rows(stats, steps, "cumtime", limit, OWN_PATHS)
+    out += _rows(stats, "cumtime", limit, OWN_PATHS)
     return "\n".join(out) + "\n"
 
 
@@ -144,9 +145,7 @@ def diff_table(first: pstats.Stats, second: pstats.Stats, limit: int = 40,
     shown = rows[:limit // 2] + [k for k in rows[-(limit // 2):] if k not in rows[:limit // 2]]
     for key in shown:
         (ca, oa, _), (cb, ob, _) = a.get(key, zero), b.get(key, zero)
-        path, line, name = key
-        short = "/".join(Path(path).parts[-3:]) if path != "~" else "builtin"
-        lines.append(f"| `{short}:{line} {name}` | {ca:.1f} | {cb:.1f} | {oa:.3f} | {ob:.3f} | "
+        lines.append(f"| {_label(key)} | {ca:.1f} | {cb:.1f} | {oa:.3f} | {ob:.3f} | "
                      f"{oa - ob:+.3f} |")
     return "\n".join(lines) + "\n"
 
