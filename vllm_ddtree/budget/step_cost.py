@@ -170,9 +170,10 @@ class StepCostModel:
         above 0 (the step gate's arms); ``columns``: :meth:`attention_columns` of the
         step's contexts."""
         drafts = np.asarray(num_drafts, dtype=np.int64)
-        costs = self._arm_costs.get((num_reqs, drafts.tobytes()))
+        key = (num_reqs, drafts.tobytes())
+        costs = self._arm_costs.get(key)
         if costs is None:
-            costs = self._arm_costs_of(num_reqs, drafts)
+            costs = self._arm_costs_of(num_reqs, drafts, key)
         verify, attention_index, budgets, draft = costs
         if attention_index is not None:
             attention = columns[attention_index]
@@ -182,12 +183,14 @@ class StepCostModel:
         seconds += draft
         return seconds
 
-    def _arm_costs_of(self, num_reqs: int, drafts: np.ndarray) -> tuple[Any, ...]:
+    def _arm_costs_of(self, num_reqs: int, drafts: np.ndarray,
+                      key: tuple[int, bytes]) -> tuple[Any, ...]:
         """The parts of :meth:`step_seconds_by_drafts` that depend on the batch size and
         the draft counts (int64 ``[A]``) alone, kept per ``(num_reqs, drafts)``: the verify forward
         (fp64 ``[A]``), where the attention is read from the columns (int64 ``[A]``
         indices where every count is a timed budget, else None and the clipped counts,
-        fp64 ``[A]``, to interpolate at) and the drafter's block pass (fp64 ``[A]``)."""
+        fp64 ``[A]``, to interpolate at) and the drafter's block pass (fp64 ``[A]``),
+        cached under ``key``."""
         values = np.asarray(drafts, dtype=np.float64)
         verify = _interp_many(num_reqs * (1.0 + values), self.verify_rows, self.verify_seconds)
         budgets = np.minimum(values, self.budgets[-1])
@@ -199,5 +202,5 @@ class StepCostModel:
         if len(self._arm_costs) >= _ARM_COST_CACHE:
             self._arm_costs.clear()
         costs = (verify, index if exact else None, budgets, draft)
-        self._arm_costs[(num_reqs, drafts.tobytes())] = costs
+        self._arm_costs[key] = costs
         return costs
