@@ -173,7 +173,7 @@ def _bucket_of(batch: int) -> str:
 
 def gate_in_cell(before: dict, after: dict) -> dict:
     """``after`` (``SpeculationGate.snapshot`` at a cell's end) with each arm's
-    ``chosen_in_cell`` and ``samples_in_cell``: its decisions and residual samples
+    ``chosen_in_cell`` and ``samples_in_cell``: its steps and residual samples
     since ``before`` (the snapshot as the cell's timed window began). The gate lives as
     long as its engine, through the warm-up and every earlier cell; an arm with no
     sample in the cell shows a residual measured before it."""
@@ -194,7 +194,7 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
     """Per ``auto`` run, what its step gate measured in each cell's own batch-size
     bucket at the cell's end (``row["gate"]``, ``SpeculationGate.snapshot``, with
     :func:`gate_in_cell`'s counts where the row has them): the settled arm, and per arm
-    its share of the cell's decisions, the residual (step time beyond the start-up
+    its share of the cell's steps, the residual (step time beyond the start-up
     model, ms; "before" where no sample of the cell) and the committed tokens per
     tree."""
     lines = []
@@ -228,17 +228,17 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
                 + " |")
         per_cell = any("chosen_in_cell" in a for r in cells
                        for b in r["gate"].values() for a in b["arms"])
-        counts = ("decisions in the cell; residual: step time beyond the start-up cost "
+        counts = ("steps in the cell; residual: step time beyond the start-up cost "
                   "model, median ms (samples in the cell; \"before\": none, measured in the "
                   "warm-up or an earlier cell)" if per_cell else
-                  "decisions and samples since the engine started, warm-up and earlier "
+                  "steps and samples since the engine started, warm-up and earlier "
                   "cells included; residual: step time beyond the start-up cost model, "
                   "median ms (samples)")
         if table:
             lines += [f"{names[run]}: the step gate in each cell's batch-size bucket at the "
                       f"cell's end (arms by drafts per request, 0: plain decoding; {counts}):",
                       "",
-                      "| batch | settled arm | decisions by arm | residual ms by arm | "
+                      "| batch | settled arm | steps by arm | residual ms by arm | "
                       "committed tokens per tree by arm |", "|---|---|---|---|---|"]
             lines += table + [""]
     return lines

@@ -96,12 +96,16 @@ class Engine:
     request and, when its propose drafts, the drafter's pass) times log-normal noise
     of ``noise`` (seeded), and its trees commit ``committed[shape]`` tokens each (cut to
     a smaller arm ``a``, ``committed[a]``: the walk's arm counters, unless
-    ``arm_counters`` is False)."""
+    ``arm_counters`` is False). ``host_clock`` times the gate's decisions (default:
+    none take time, so every step decides; None: the gate's own, the real clock)."""
 
     def __init__(self, seconds=true_seconds, committed=COMMITTED, noise=0.0, seed=0,
-                 arms=ARMS, schedule=None, prefill_tokens=None, arm_counters=True):
+                 arms=ARMS, schedule=None, prefill_tokens=None, arm_counters=True,
+                 host_clock=lambda: 0.0):
         self.clock = Clock()
-        self.gate = SpeculationGate(cost_model(), "cpu", arms, make_event=self.clock.event)
+        timing = {} if host_clock is None else {"host_clock": host_clock}
+        self.gate = SpeculationGate(cost_model(), "cpu", arms, make_event=self.clock.event,
+                                    **timing)
         self.plan = StepPlan(max(arms), arms, schedule, gate=self.gate)
         self.seconds, self.committed = seconds, dict(committed)
         self.noise, self.rng = noise, np.random.default_rng(seed)
@@ -611,3 +615,80 @@ def test_plain_decoding_is_reached_past_slower_small_arms(noise):
     assert engine.gate.settled_arms()[batch_bucket(256)] == 0
     got = engine.throughput(256, 600)
     assert got >= 0.95 * rates[0] / noise_mean(noise), got / rates[0]
+
+
+class DecisionClock:
+    """A host clock on which each gate decision takes ``seconds`` (the gate reads it at a
+    decision's start and end); counts the decisions."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.now, self.reads = seconds, 0.0, 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        if self.reads % 2 == 0:
+            self.now += self.seconds
+        return self.now
+
+    @property
+    def decisions(self) -> int:
+        return self.reads // 2
+
+
+def test_a_decision_holds_for_the_steps_that_hide_its_host_time():
+    """At batch 1 (steps of about 1 ms) a decision that takes 50 us holds for 5 steps
+    (1 % of their time; probes still decide every step): the gate then decides on
+    about a fifth of the steps, copies the counters and times a step only then, still
+    settles where it does deciding every step and holds its throughput. At batch 64
+    (longer steps) it decides more often."""
+    clock = DecisionClock(50e-6)
+    engine = Engine(host_clock=clock)
+    copies = 0
+    copy = engine.gate._copy_acceptance
+
+    def counted_copy():
+        nonlocal copies
+        copies += engine.gate._accept_source is not None
+        copy()
+
+    engine.gate._copy_acceptance = counted_copy
+    engine.run(1, 400)
+    assert engine.gate.settled_arms() == {0: 8}
+    step = true_seconds(1, 8, True)
+    want_hold = int(np.ceil(50e-6 / (gate_module.DECISION_HOST_SHARE * step)))
+    assert 3 <= want_hold <= 10
+    decisions, marks = clock.decisions, len(engine.gate.marks)
+    rate = engine.throughput(1, 1000)
+    held = clock.decisions - decisions
+    assert held <= 1000 / want_hold + 3 * PROBE_STEPS * 4  # probes decide every step
+    assert copies <= 400 + held  # counters copied only where the gate decided
+    assert len(engine.gate.marks) <= marks + 2
+    assert engine.gate.settled_arms() == {0: 8}
+    assert rate >= 0.97 * true_rates(1)[8]
+    # batch 64's longer steps hide a decision in fewer of them
+    hold_64 = int(np.ceil(50e-6 / (gate_module.DECISION_HOST_SHARE
+                                   * true_seconds(64, 4, True))))
+    assert hold_64 < want_hold
+    decisions = clock.decisions
+    engine.run(64, 600)
+    assert clock.decisions - decisions >= 600 / hold_64
+    assert engine.gate.settled_arms()[batch_bucket(64)] == 4
+
+
+def test_a_held_decision_ends_when_the_batch_changes_bucket_or_cap():
+    """Held at batch 1 on 8 drafts, the first propose of batch 64 decides in its own
+    bucket (which settles on 4 drafts), and a schedule's cap of 0 is plain at once."""
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    engine = Engine(host_clock=DecisionClock(50e-6))
+    engine.run(1, 400)
+    assert engine.gate._hold >= 0 and engine.gate.settled_arms() == {0: 8}
+    engine.run(64, 600)
+    engine.run(1, 20)
+    assert engine.gate._hold > 0  # holding again at batch 1
+    shapes = engine.run(64, 5)
+    assert shapes[1:] == [4] * 4  # the step after the first propose of batch 64
+    engine.plan.schedule = BatchSchedule([(1, 32, 64), (33, 64, 0)], 64, 64)
+    engine.run(1, 20)
+    assert engine.gate._hold > 0
+    assert engine.run(64, 3)[1:] == [0, 0]

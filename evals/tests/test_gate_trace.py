@@ -21,7 +21,8 @@ def _drive(steps: int, num_reqs: int) -> SpeculationGate:
                           [[1e-7] * len(budgets), [2e-7] * len(budgets)], budgets)
     model.set_graph_costs({n: 3e-4 + 1e-7 * n for n in (1, 64, 4160)}, {1: 2e-4, 64: 3e-4})
     clock = Clock()
-    gate = SpeculationGate(model, "cpu", ARMS, make_event=clock.event)
+    gate = SpeculationGate(model, "cpu", ARMS, make_event=clock.event,
+                           host_clock=lambda: 0.0)  # every step decides
     plan = StepPlan(64, ARMS, gate=gate)
     accepted, trees = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     for step in range(steps):

@@ -30,6 +30,13 @@ module holds the decision, :class:`SpeculationGate`:
   again (acceptance changes with the requests) and plain decoding where the settled arm
   is predicted at most ``PLAIN_PROBE_MARGIN`` faster.
 
+A decision holds for several steps where the gate's own host time would otherwise
+show in the step's (:meth:`SpeculationGate.decide`): at batch 1 the step's time is the
+host's, and a decision (draining the counters and the timing events, rating every arm)
+costs about a twentieth of it. Between decisions the gate only counts the steps; the
+trees of the held steps are counted together at the next decision (DDTree's counters
+are cumulative), and one step of each hold is timed.
+
 Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
 so a batch that jumps every few steps between far-apart buckets (say 3 and 200
 requests) runs each step with the previous step's bucket's decision.
@@ -99,6 +106,11 @@ SCALE_LIMIT = 2.0
 MIN_REFERENCE = 0.1
 # The settled arms are logged when one changes, at most this often.
 LOG_SECONDS = 60.0
+# A decision holds for as many steps as keep the gate's host time per decision at most
+# this share of those steps' time (measured decision time over the settled arm's
+# predicted step), up to MAX_HOLD_STEPS; probes and calibration decide every step.
+DECISION_HOST_SHARE = 0.01
+MAX_HOLD_STEPS = 16
 # Timing marks kept at most (the host runs a step or two ahead of the GPU).
 _MARKS = 64
 _ACCEPT_SLOTS = 8
@@ -166,7 +178,7 @@ class GateStats:
         # per arm: its own trees cut to the smallest speculative arm (same EMA weights)
         self.smallest_cut = [_Ema() for _ in range(num_arms)]
         self.smallest_cut_tokens = np.zeros(num_arms)
-        self.chosen = np.zeros(num_arms, dtype=np.int64)  # decisions per arm
+        self.chosen = np.zeros(num_arms, dtype=np.int64)  # steps per arm
         self.settled = settled
         self.decisions = 0
         self.steps = 0  # decisions since the last scheduled probe
@@ -237,6 +249,7 @@ class _Mark:
     arm: int  # the arm chosen for it (its shape's cap)
     drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
     model: float | None = None  # modeled seconds of the step at its shape
+    timed: bool = True  # False: it only closes the timed step before it
 
 
 @dataclass
@@ -270,10 +283,13 @@ class SpeculationGate:
         make_event: ``() -> event`` with ``record()`` (optional), ``query()`` and
             ``elapsed_time(end) -> ms``; default CUDA timing events on CUDA, the host
             clock elsewhere. Tests pass a fake clock.
+        host_clock: ``() -> seconds`` timing the gate's own decisions (how many steps
+            one holds); tests pass a fixed one (0 s: every step decides).
     """
 
     def __init__(self, model: StepCostModel, device: torch.device | str, arms: Sequence[int],
-                 make_event: Callable[[], Any] | None = None) -> None:
+                 make_event: Callable[[], Any] | None = None,
+                 host_clock: Callable[[], float] = time.perf_counter) -> None:
         bad = [a for a in arms if not isinstance(a, (int, np.integer)) or a < 0]
         if bad or not any(a > 0 for a in arms):
             raise ValueError(f"arms must be verify shapes (integers >= 0), at least one "
@@ -291,6 +307,7 @@ class SpeculationGate:
         self.stats: dict[int, GateStats] = {}
         self.arm = self.arms[-1]  # the last decision: the cap of the next step's shape
         self.probe: _Probe | None = None
+        self._step_seconds: float | None = None  # the settled arm's predicted step
         self.marks: deque[_Mark] = deque()
         self.clock: Callable[[], float] = time.monotonic  # for the log's pace
         self._logged_at: float | None = None
@@ -305,6 +322,15 @@ class SpeculationGate:
         self._accept_pending: deque[int] = deque()
         self._accept_slot = 0
         self._accept_last: list[int] | None = None
+        # the last propose's counters, copied at the next decision
+        self._accept_source: tuple[Any, ...] | None = None
+        # the decision in force: proposes it still holds, and what ends it early
+        self.host_clock = host_clock
+        self._hold = 0
+        self._hold_key: tuple[int, int] = (-1, -1)  # (bucket, cap)
+        self._hold_stats: GateStats | None = None
+        self._decision_seconds = _Ema()
+        self._close_next = False  # the next step's start closes a timed step
 
     @property
     def speculative_arms(self) -> list[int]:
@@ -348,8 +374,8 @@ class SpeculationGate:
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """What each batch-size bucket measured and chose, as plain data for reports
         (``evals/e2e_sweep.py``): ``{batches: {"settled": arm, "arms": [{"arm",
-        "chosen" (decisions), "residual_ms", "residual_samples", "committed" (tokens
-        per tree as counted, before :meth:`_follow_smallest_arm`; 1 for plain
+        "chosen" (steps it ran, held ones included), "residual_ms", "residual_samples",
+        "committed" (tokens per tree as counted, before :meth:`_follow_smallest_arm`; 1 for plain
         decoding), "committed_samples"}, ...]}}``, for the buckets the gate decided in
         and their arms timed or chosen (not those known only from the arm counters)."""
         out = {}
@@ -371,26 +397,45 @@ class SpeculationGate:
 
     def step_started(self, num_reqs: int, shape: int, prefill_reqs: int = 0,
                      prefill_tokens: int = 0, prefill_pairs: int = 0) -> None:
-        """At ``execute_model``: mark the step's start on the stream (a timing event).
+        """At ``execute_model``: mark the step's start on the stream (a timing event)
+        where the gate times it (its propose decides) or it ends a timed step.
         ``shape``: the drafts each request verifies; ``prefill_reqs`` of the
         ``num_reqs`` requests are not decodes and take ``prefill_tokens`` tokens, whose
         attention spans ``prefill_pairs`` query-key pairs
         (``vllm_ddtree.verify.shape.prefill_load``)."""
+        timed = self._hold == 0  # this step's propose decides: time the step
+        if not (timed or self._close_next):
+            return
+        self._close_next = timed
         event = self.make_event()
         record = getattr(event, "record", None)
         if record is not None:
             record()
-        self.marks.append(_Mark(event, num_reqs, shape, prefill_reqs, prefill_tokens,
-                                prefill_pairs, self.arm))
+        mark = _Mark(event, num_reqs, shape, prefill_reqs, prefill_tokens, prefill_pairs,
+                     self.arm)
+        if not timed:
+            mark.drafted, mark.timed = False, False
+        self.marks.append(mark)
         while len(self.marks) > _MARKS:
             self.marks.popleft()
 
     def record_acceptance_(self, accepted_sum: torch.Tensor, num_trees: torch.Tensor,
                            num_reqs: int, arm_accepted: torch.Tensor | None = None) -> None:
-        """At ``propose``, after the step's walk: start the copy of DDTree's cumulative
-        counters (int64 ``[1]`` each, on the device) to pinned memory, and of
-        ``arm_accepted`` (int64 ``[A - 1]``, :attr:`speculative_arms`' order: the
-        accepted nodes of every tree cut to each arm's size) when given. No host sync."""
+        """At ``propose``, after the step's walk: DDTree's cumulative counters (int64
+        ``[1]`` each, on the device) and ``arm_accepted`` (int64 ``[A - 1]``,
+        :attr:`speculative_arms`' order: the accepted nodes of every tree cut to each
+        arm's size) when given, for :meth:`decide` to copy to pinned memory if it
+        decides at this propose (the counters are cumulative: a copy at each decision
+        counts the held steps' trees too). No host sync."""
+        self._accept_source = (accepted_sum, num_trees, num_reqs, arm_accepted)
+
+    def _copy_acceptance(self) -> None:
+        """Start the copy of the counters :meth:`record_acceptance_` took at this
+        propose, if it took any. No host sync."""
+        if self._accept_source is None:
+            return
+        accepted_sum, num_trees, num_reqs, arm_accepted = self._accept_source
+        self._accept_source = None
         slot = self._accept_slot
         self._accept_slot = (slot + 1) % _ACCEPT_SLOTS
         if slot in self._accept_pending:  # the host ran _ACCEPT_SLOTS steps ahead
@@ -492,6 +537,7 @@ class SpeculationGate:
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
         seconds += stats.residual_seconds[:num_arms]
+        self._step_seconds = float(seconds[min(stats.settled, num_arms - 1)])
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
         self._follow_smallest_arm(stats, committed, num_arms)
@@ -538,7 +584,20 @@ class SpeculationGate:
         pass does not run now; else a cap on its verify shape). ``contexts``: the
         requests' context lengths (host array); ``cap``: the batch schedule's budget for
         this batch (B without one). Records the step's modeled time for its interval.
-        No host sync."""
+        No host sync.
+
+        While a decision holds (:meth:`_hold_steps`) and the batch stays in its bucket
+        under the same cap, the arm is returned at once: nothing is drained, timed or
+        rated."""
+        if self._hold > 0:
+            if (batch_bucket(num_reqs), cap) == self._hold_key:
+                self._hold -= 1
+                self._accept_source = None  # counted at the next decision
+                self._hold_stats.chosen[self._index[self.arm]] += 1
+                return self.arm
+            self._hold = 0
+        start = self.host_clock()
+        self._copy_acceptance()
         self._drain_acceptance()
         mark = None
         for m in self.marks:  # steps that reached no propose (no forward): left out
@@ -547,10 +606,13 @@ class SpeculationGate:
         if mark is not None:
             mark.drafted = None
         columns = self.model.attention_columns(contexts)
+        self._step_seconds = None
         arm = self._choose(num_reqs, contexts, cap, columns)
         stats = self.stats.get(batch_bucket(num_reqs))
-        if cap > 0 and stats is not None:  # the gate's decisions, for the report
+        if cap > 0 and stats is not None:  # the gate's steps by arm, for the report
             stats.chosen[self._index[arm]] += 1
+            self._hold = self._hold_steps(stats, arm, self.host_clock() - start)
+            self._hold_key, self._hold_stats = (batch_bucket(num_reqs), cap), stats
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
@@ -606,6 +668,19 @@ class SpeculationGate:
             stats.probed_figure = (target, float(stats.committed_tokens[target]))
         stats.reset_committed(target)  # its trees now replace the old figure
         return self.arms[target]
+
+    def _hold_steps(self, stats: GateStats, arm: int, seconds: float) -> int:
+        """The proposes after this one that keep ``arm`` (an arm's value) without
+        deciding: enough that the decisions' host time (``seconds`` this one, averaged)
+        is at most ``DECISION_HOST_SHARE`` of the steps' (the settled arm's predicted
+        step), at most ``MAX_HOLD_STEPS - 1``; 0 for a probe or an arm other than the
+        settled one (calibrating, confirming)."""
+        self._decision_seconds.add(seconds)
+        step = self._step_seconds
+        if self.probe is not None or step is None or self._index[arm] != stats.settled:
+            return 0
+        steps = self._decision_seconds.value / (DECISION_HOST_SHARE * max(step, 1e-6))
+        return int(min(max(math.ceil(steps), 1), MAX_HOLD_STEPS)) - 1
 
     def _restart_interval(self, stats: GateStats, current: int) -> None:
         """Back to ``PROBE_INTERVAL`` when the settled arm's committed tokens per tree
