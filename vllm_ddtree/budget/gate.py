@@ -50,12 +50,13 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_ddtree.budget.gate_stats import Ema, GateStats, batch_bucket, bucket_batches
 from vllm_ddtree.budget.step_cost import StepCostModel
 
 __all__ = ["GateStats", "SpeculationGate", "batch_bucket"]
@@ -85,18 +86,8 @@ CALIBRATION_SAMPLES = 2
 # reverse, gives two clean intervals, and the lower median of two is their minimum:
 # under noise that made such arms look faster than they are).
 SWITCH_SAMPLES = 3
-EMA_WEIGHT = 0.2
-# Residual samples an arm's estimate is the (lower) median of: one interval stretched
-# by a host stall (a GC pause, a log flush) must not move it.
-RESIDUAL_WINDOW = 15
 # Intervals longer than this are an idle engine, not a step.
 MAX_STEP_SECONDS = 2.0
-# A step holding a prefill counts toward the residuals only when its prefill's attention
-# work (query-key pairs, ``vllm_ddtree.verify.shape.prefill_load``) is at most
-# TYPICAL_PREFILL times the lower median of its bucket's last PREFILL_WINDOW timed steps
-# (0 for a step without one): typical of the bucket.
-PREFILL_WINDOW = 128
-TYPICAL_PREFILL = 4.0
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
@@ -114,126 +105,6 @@ MAX_HOLD_STEPS = 16
 # Timing marks kept at most (the host runs a step or two ahead of the GPU).
 _MARKS = 64
 _ACCEPT_SLOTS = 8
-
-
-def batch_bucket(num_reqs: int) -> int:
-    """``ceil(log2(num_reqs))``: batches of 1, 2, 3-4, 5-8, ... share statistics."""
-    return max(0, math.ceil(math.log2(max(1, num_reqs))))
-
-
-def bucket_batches(bucket: int) -> str:
-    """The batch sizes of a bucket as text: ``"1"``, ``"2"``, ``"3-4"``, ``"5-8"``..."""
-    if bucket <= 1:
-        return str(bucket + 1)
-    return f"{2 ** (bucket - 1) + 1}-{2 ** bucket}"
-
-
-@dataclass
-class _Ema:
-    """An EMA that averages its first ``1 / EMA_WEIGHT`` samples equally: a probe's
-    few trees (one a step at batch 1) must not rest on the first one."""
-
-    value: float = 0.0
-    count: int = 0
-
-    def add(self, sample: float) -> None:
-        self.count += 1
-        self.value += max(EMA_WEIGHT, 1.0 / self.count) * (sample - self.value)
-
-
-@dataclass
-class _Median:
-    """The lower median of the last ``RESIDUAL_WINDOW`` samples (of two: the smaller).
-    An EMA carried one stalled interval for tens of steps, long enough to keep the
-    stalled arm looking slow until it was measured again."""
-
-    samples: deque = field(default_factory=lambda: deque(maxlen=RESIDUAL_WINDOW))
-    value: float = 0.0
-    count: int = 0
-
-    def add(self, sample: float) -> None:
-        self.samples.append(sample)
-        self.count += 1
-        ordered = sorted(self.samples)
-        self.value = ordered[(len(ordered) - 1) // 2]
-
-
-class GateStats:
-    """What the gate measured in one batch-size bucket, per arm (index into the gate's
-    sorted arms, 0: plain decoding), and the bucket's decision state.
-
-    Args:
-        num_arms: ``A``, the gate's arms.
-        settled: the index of the arm the bucket starts from.
-    """
-
-    def __init__(self, num_arms: int, settled: int) -> None:
-        self.residuals = [_Median() for _ in range(num_arms)]
-        self.committed = [_Ema() for _ in range(num_arms)]
-        # the same as arrays for the vectorized rates: fp64 / int64 [A]
-        self.residual_seconds = np.zeros(num_arms)
-        self.residual_count = np.zeros(num_arms, dtype=np.int64)
-        self.committed_tokens = np.zeros(num_arms)
-        self.committed_count = np.zeros(num_arms, dtype=np.int64)
-        # per arm: its own trees cut to the smallest speculative arm (same EMA weights)
-        self.smallest_cut = [_Ema() for _ in range(num_arms)]
-        self.smallest_cut_tokens = np.zeros(num_arms)
-        self.chosen = np.zeros(num_arms, dtype=np.int64)  # steps per arm
-        self.settled = settled
-        self.decisions = 0
-        self.steps = 0  # decisions since the last scheduled probe
-        self.interval = PROBE_INTERVAL
-        self.reference: float | None = None  # committed tokens when the interval restarted
-        # decision since which arms' committed figures are suspect: plain decoding began
-        # or the interval restarted (the requests changed)
-        self.stale_since = 0
-        self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
-        self.probed: set[int] = set()  # arms probed here (first-time probes run once)
-        self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
-        # prefill attention pairs of the bucket's last timed steps (0: none)
-        self.prefill_pairs: deque[int] = deque(maxlen=PREFILL_WINDOW)
-
-    def typical_prefill(self, pairs: int) -> bool:
-        """Record a timed step's prefill attention pairs (0 without a prefill); whether
-        they are at most ``TYPICAL_PREFILL`` times the lower median of the bucket's last
-        ``PREFILL_WINDOW`` steps, this one included (a step without a prefill always
-        is; where fewer than half of the steps hold one, no step with one is)."""
-        self.prefill_pairs.append(pairs)
-        if pairs <= 0:
-            return True
-        ordered = sorted(self.prefill_pairs)
-        return pairs <= TYPICAL_PREFILL * ordered[(len(ordered) - 1) // 2]
-
-    def add_residual(self, arm: int, seconds: float) -> None:
-        median = self.residuals[arm]
-        median.add(seconds)
-        self.residual_seconds[arm] = median.value
-        self.residual_count[arm] = median.count
-
-    def add_committed(self, arm: int, tokens: float) -> None:
-        ema = self.committed[arm]
-        ema.add(tokens)
-        self.committed_tokens[arm] = ema.value
-        self.committed_count[arm] = ema.count
-
-    def add_smallest_cut(self, arm: int, tokens: float) -> None:
-        ema = self.smallest_cut[arm]
-        ema.add(tokens)
-        self.smallest_cut_tokens[arm] = ema.value
-
-    def reset_committed(self, arm: int) -> None:
-        self.committed[arm] = _Ema()
-        self.committed_tokens[arm] = 0.0
-        self.committed_count[arm] = 0
-        self.smallest_cut[arm] = _Ema()
-        self.smallest_cut_tokens[arm] = 0.0
-
-    def measured(self, num_arms: int) -> np.ndarray:
-        """bool ``[num_arms]``: the first arms with a residual, and (speculative arms)
-        trees counted."""
-        done = self.residual_count[:num_arms] > 0
-        done[1:] &= self.committed_count[1:num_arms] > 0
-        return done
 
 
 @dataclass
@@ -329,7 +200,7 @@ class SpeculationGate:
         self._hold = 0
         self._hold_key: tuple[int, int] = (-1, -1)  # (bucket, cap)
         self._hold_stats: GateStats | None = None
-        self._decision_seconds = _Ema()
+        self._decision_seconds = Ema()
         self._close_next = False  # the next step's start closes a timed step
 
     @property
@@ -362,7 +233,7 @@ class SpeculationGate:
             else:
                 limit = self.arms[-1] if cap is None else cap
                 settled = bisect.bisect_right(self.arms, limit) - 1
-            stats = self.stats[home] = GateStats(len(self.arms), settled)
+            stats = self.stats[home] = GateStats(len(self.arms), settled, PROBE_INTERVAL)
         return stats
 
     def settled_arms(self) -> dict[int, int]:
