@@ -646,10 +646,10 @@ def test_a_decision_holds_for_the_steps_that_hide_its_host_time():
     copies = 0
     copy = engine.gate._copy_acceptance
 
-    def counted_copy():
+    def counted_copy(mixed=False):
         nonlocal copies
         copies += engine.gate._accept_source is not None
-        copy()
+        copy(mixed)
 
     engine.gate._copy_acceptance = counted_copy
     engine.run(1, 400)
@@ -682,7 +682,10 @@ def test_a_held_decision_ends_when_the_batch_changes_bucket_or_cap():
 
     engine = Engine(host_clock=DecisionClock(50e-6))
     engine.run(1, 400)
-    assert engine.gate._hold >= 0 and engine.gate.settled_arms() == {0: 8}
+    assert engine.gate._held > 0 and engine.gate.settled_arms() == {0: 8}
+    engine.run(64, 1)
+    # the held batch-1 trees and this step's were copied together: counted nowhere
+    assert not engine.gate.stats[batch_bucket(64)].committed_count.any()
     engine.run(64, 600)
     engine.run(1, 20)
     assert engine.gate._hold > 0  # holding again at batch 1

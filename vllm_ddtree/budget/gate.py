@@ -198,6 +198,7 @@ class SpeculationGate:
         # the decision in force: proposes it still holds, and what ends it early
         self.host_clock = host_clock
         self._hold = 0
+        self._held = 0  # proposes held since the last decision
         self._hold_key: tuple[int, int] = (-1, -1)  # (bucket, cap)
         self._hold_stats: GateStats | None = None
         self._decision_seconds = Ema()
@@ -300,9 +301,11 @@ class SpeculationGate:
         counts the held steps' trees too). No host sync."""
         self._accept_source = (accepted_sum, num_trees, num_reqs, arm_accepted)
 
-    def _copy_acceptance(self) -> None:
+    def _copy_acceptance(self, mixed: bool = False) -> None:
         """Start the copy of the counters :meth:`record_acceptance_` took at this
-        propose, if it took any. No host sync."""
+        propose, if it took any; ``mixed``: the trees since the last copy came from
+        another bucket or cap than this step's (a hold that the batch left), so they
+        count nowhere. No host sync."""
         if self._accept_source is None:
             return
         accepted_sum, num_trees, num_reqs, arm_accepted = self._accept_source
@@ -324,7 +327,8 @@ class SpeculationGate:
             event.record()
         self._accept_events[slot] = event
         self._accept_reqs[slot] = num_reqs
-        self._accept_arms[slot] = self.arm  # the arm this step's trees were cut to
+        # the arm these trees were cut to (0: counted nowhere)
+        self._accept_arms[slot] = 0 if mixed else self.arm
         self._accept_pending.append(slot)
 
     def _drain_acceptance(self) -> None:
@@ -463,12 +467,14 @@ class SpeculationGate:
         if self._hold > 0:
             if (batch_bucket(num_reqs), cap) == self._hold_key:
                 self._hold -= 1
+                self._held += 1
                 self._accept_source = None  # counted at the next decision
                 self._hold_stats.chosen[self._index[self.arm]] += 1
                 return self.arm
             self._hold = 0
         start = self.host_clock()
-        self._copy_acceptance()
+        self._copy_acceptance(self._held > 0 and (batch_bucket(num_reqs), cap) != self._hold_key)
+        self._held = 0
         self._drain_acceptance()
         mark = None
         for m in self.marks:  # steps that reached no propose (no forward): left out
