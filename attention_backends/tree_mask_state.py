@@ -70,7 +70,12 @@ class TreeMaskState:
         which would apply that engine's tree mask to this one's batches."""
         spec = getattr(vllm_config, "speculative_config", None)
         if getattr(spec, "ddtree", None) is None:
-            self.active = self.adaptive = self.mostly_active = False
+            self.reset_modes()
+
+    def reset_modes(self) -> None:
+        """No tree mask, no active-row cut: what an engine starts from before its own
+        DDTree state (if any) sets them."""
+        self.active = self.adaptive = self.mostly_active = False
 
     def allocate(self, max_num_tokens: int, max_query_len: int, device) -> torch.Tensor:
         words = max(1, -(-max_query_len // BITS_PER_WORD))

@@ -141,7 +141,7 @@ class DDTreeRuntimeState:
         # enable_adaptive_ says so (its buffers were sized for that engine's batch).
         self.adaptive = False
         self.active_nodes = self.active_nodes_sum = None
-        TREE_MASK_STATE.adaptive = TREE_MASK_STATE.mostly_active = False
+        TREE_MASK_STATE.reset_modes()
         self.budget = budget
         self.max_depth = max_depth
         self.num_tree_words = num_mask_words(1 + budget)
