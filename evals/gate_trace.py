@@ -5,12 +5,18 @@ offline study of its choices (``BENCH_E2E_GATE_TRACE=<dir>`` in ``evals/bench_e2
 The product code keeps no trace; :func:`install` wraps, in the engine's process,
 ``SpeculationGate.decide`` (host time, batch, cap, the arm chosen) and
 ``GateStats.add_residual`` / ``add_committed`` (the bucket's measured step residual of an
-arm, its committed tokens per tree). The host times of successive decisions are the
-step intervals as the host saw them: with the arms chosen, they show how the host's
-speed moved under each arm, which the gate's medians summarize away.
+arm, its committed tokens per tree), ``SpeculationGate.step_started`` where it times a
+step and ``GateStats.typical_prefill`` (a timed interval's prefill check): from timed
+step to residual sample, where each bucket's timing samples were lost. The host times
+of successive decisions are the step intervals as the host saw them: with the arms
+chosen, they show how the host's speed moved under each arm, which the gate's medians
+summarize away.
 
 Record layout (JSON lists): ``["d", t_s, num_reqs, cap, arm]``,
-``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``; ``t_s`` from
+``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``,
+``["s", t_s, num_reqs, shape, prefill_reqs]`` (a step the gate timed),
+``["p", t_s, bucket, prefill_pairs, typical]`` (its interval reached the prefill check,
+``typical`` 1 or 0); ``t_s`` from
 the first record of the trace, ``bucket`` the gate's batch-size bucket
 (``vllm_ddtree.budget.gate.bucket_batches``), ``arm`` drafts per request (0: plain).
 """
@@ -39,6 +45,22 @@ def install() -> None:
         return
     decide, bucket = gate_cls.decide, gate_cls.bucket
     add_residual, add_committed = stats_cls.add_residual, stats_cls.add_committed
+    step_started, typical_prefill = gate_cls.step_started, stats_cls.typical_prefill
+
+    def traced_step_started(self, num_reqs, shape, prefill_reqs=0, prefill_tokens=0,
+                            prefill_pairs=0):
+        last = self.marks[-1] if self.marks else None
+        step_started(self, num_reqs, shape, prefill_reqs, prefill_tokens, prefill_pairs)
+        mark = self.marks[-1] if self.marks else None
+        if _RECORDS is not None and mark is not None and mark is not last and mark.timed:
+            _RECORDS.append(["s", time.perf_counter(), int(num_reqs), int(shape),
+                             int(prefill_reqs)])
+
+    def traced_typical(self, pairs):
+        typical = typical_prefill(self, pairs)
+        if _RECORDS is not None:
+            _RECORDS.append(["p", time.perf_counter(), id(self), int(pairs), int(typical)])
+        return typical
 
     def traced_decide(self, num_reqs, contexts, cap):
         arm = decide(self, num_reqs, contexts, cap)
@@ -62,13 +84,18 @@ def install() -> None:
             _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens)])
 
     originals = {(gate_cls, "decide"): decide, (gate_cls, "bucket"): bucket,
+                 (gate_cls, "step_started"): step_started,
                  (stats_cls, "add_residual"): add_residual,
-                 (stats_cls, "add_committed"): add_committed}
-    for fn in (traced_decide, traced_bucket, traced_residual, traced_committed):
+                 (stats_cls, "add_committed"): add_committed,
+                 (stats_cls, "typical_prefill"): typical_prefill}
+    for fn in (traced_decide, traced_bucket, traced_residual, traced_committed,
+               traced_step_started, traced_typical):
         fn._traced = True
     _ORIGINALS.update(originals)
     gate_cls.decide, gate_cls.bucket = traced_decide, traced_bucket
+    gate_cls.step_started = traced_step_started
     stats_cls.add_residual, stats_cls.add_committed = traced_residual, traced_committed
+    stats_cls.typical_prefill = traced_typical
 
 
 def uninstall() -> None:
@@ -97,12 +124,16 @@ def take() -> list[list]:
              for b, stats in gate.stats.items()}
     out = []
     for kind, t, *rest in records:
-        if kind == "d":
+        if kind in ("d", "s"):
             out.append([kind, round(t - t0, 6), *rest])
             continue
         stats_id, arm, value = rest
-        if stats_id in where:
-            batches, arms = where[stats_id]
+        if stats_id not in where:
+            continue
+        batches, arms = where[stats_id]
+        if kind == "p":  # (pairs, typical), no arm
+            out.append([kind, round(t - t0, 6), batches, arm, value])
+        else:
             out.append([kind, round(t - t0, 6), batches, arms[arm], round(value, 7)])
     return out
 
@@ -149,7 +180,31 @@ def summary(records: list[list]) -> str:
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
     return ("\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} "
-            "times.\n\n" + switch_table(decisions, spread))
+            "times.\n\n" + switch_table(decisions, spread) + "\n" + sample_table(records))
+
+
+def sample_table(records: list[list]) -> str:
+    """Markdown: per bucket, the steps the gate timed, the intervals that reached the
+    prefill check (those with no decode, no propose or past ``MAX_STEP_SECONDS`` stop
+    before it), how many of them it found atypical, and the residual samples taken
+    (the rest: a step whose arm, draft and shape disagreed, e.g. the last step before
+    plain decoding). Where residuals are few against timed steps, the gate decided
+    blind."""
+    from vllm_ddtree.budget.gate import batch_bucket, bucket_batches
+
+    timed = Counter(bucket_batches(batch_bucket(r[2])) for r in records if r[0] == "s")
+    checked = Counter(r[2] for r in records if r[0] == "p")
+    atypical = Counter(r[2] for r in records if r[0] == "p" and not r[4])
+    sampled = Counter(r[2] for r in records if r[0] == "r")
+    lines = ["| batches | steps timed | reached the prefill check | atypical prefill | "
+             "residual samples |", "|---|---|---|---|---|"]
+    for b in sorted(set(timed) | set(checked) | set(sampled), key=_bucket_order):
+        lines.append(f"| {b} | {timed[b]} | {checked[b]} | {atypical[b]} | {sampled[b]} |")
+    return "\n".join(lines) + "\n"
+
+
+def _bucket_order(batches: str) -> int:
+    return int(batches.split("-")[0])
 
 
 def switch_table(decisions: list[list], spread) -> str:

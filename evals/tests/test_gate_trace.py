@@ -53,6 +53,13 @@ def test_trace_holds_every_decision_and_the_gates_measurements(tmp_path):
     assert len(residuals) > 200 and {r[2] for r in residuals} == {"3-4"}
     assert {r[3] for r in residuals} <= set(ARMS) and len({r[3] for r in residuals}) > 1
     assert committed and all(r[4] == 3.0 for r in committed)  # 1 + 2 accepted a tree
+    # every step decides (no hold) and is timed; each interval met the prefill check
+    # (none holds a prefill: typical) unless its step mixed kinds; residuals follow
+    timed = [r for r in records if r[0] == "s"]
+    checked = [r for r in records if r[0] == "p"]
+    assert len(timed) == 300 and all(r[2:] == [3, r[3], 0] for r in timed)
+    assert len(residuals) <= len(checked) <= len(timed) and len(checked) > 250
+    assert all(r[2] == "3-4" and r[3:] == [0, 1] for r in checked)
     # the slow half of every 50 steps shows in the residuals
     assert max(r[4] for r in residuals) - min(r[4] for r in residuals) > 4e-4
     assert gate_trace.take() == []  # uninstalled: nothing recorded
@@ -90,3 +97,14 @@ def test_switch_table_separates_the_first_step_of_an_arm():
     text = gate_trace.summary(records)
     assert "| 32 | 8.00 (8.00-8.00) (2) | 3.00 (3.00-3.00) (4) |" in text
     assert "| 64 | 8.00 (8.00-8.00) (2) | 3.00 (3.00-3.00) (21) |" in text
+
+
+def test_sample_table_shows_where_timing_samples_were_lost():
+    """Per bucket: steps timed, intervals that reached the prefill check, those found
+    atypical, residual samples taken."""
+    records = [["s", 0.0, 3, 16, 0], ["s", 0.1, 4, 16, 1], ["s", 0.2, 3, 16, 1],
+               ["p", 0.15, "3-4", 0, 1], ["p", 0.25, "3-4", 90000, 0],
+               ["r", 0.15, "3-4", 16, 0.001], ["s", 0.3, 64, 4, 0]]
+    text = gate_trace.summary(records)
+    assert "| 3-4 | 3 | 2 | 1 | 1 |" in text
+    assert "| 33-64 | 1 | 0 | 0 | 0 |" in text
