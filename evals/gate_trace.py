@@ -12,7 +12,8 @@ of successive decisions are the step intervals as the host saw them: with the ar
 chosen, they show how the host's speed moved under each arm, which the gate's medians
 summarize away.
 
-Record layout (JSON lists): ``["d", t_s, num_reqs, cap, arm]``,
+Record layout (JSON lists): ``["d", t_s, num_reqs, cap, arm]`` (every step's ``decide``,
+held or not),
 ``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``,
 ``["s", t_s, num_reqs, shape, prefill_reqs]`` (a step the gate timed),
 ``["p", t_s, bucket, prefill_pairs, typical]`` (its interval reached the prefill check,
@@ -151,13 +152,14 @@ def write(records: list[list], directory: str | Path, run: str, context: int, ba
 
 
 def summary(records: list[list]) -> str:
-    """Markdown: per bucket and arm, the decisions, the host-side interval after each
+    """Markdown: per bucket and arm, the steps (``decide`` calls, held ones included),
+    the host-side interval after each
     decision (median and 10-90 % range, ms) and the residuals the gate measured (median
     and range, ms), and how often the decided arm changed. Where an arm's residuals span
     far more than its neighbours' at the same time, the host's speed moved."""
     import numpy as np
 
-    lines = ["| arm | decisions | interval after it, ms (median, 10-90 %) | "
+    lines = ["| arm | steps | interval after it, ms (median, 10-90 %) | "
              "residuals, ms (median, 10-90 %) |", "|---|---|---|---|"]
     decisions = [r for r in records if r[0] == "d"]
     intervals: dict[int, list[float]] = {}
@@ -179,7 +181,7 @@ def summary(records: list[list]) -> str:
         lines.append(f"| {arm} | {chosen[arm]} | "
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
-    return ("\n".join(lines) + f"\n\n{len(decisions)} decisions, the arm changed {changes} "
+    return ("\n".join(lines) + f"\n\n{len(decisions)} steps, the arm changed {changes} "
             "times.\n\n" + switch_table(decisions, spread) + "\n" + sample_table(records))
 
 

@@ -8,9 +8,9 @@ cost about the same: either the host's speed drifted between the arms' turns, or
 of ``auto`` at a verify shape below its maximum (drafts cut per step,
 ``vllm_ddtree.verify.shape.truncate_drafts``) costs more than the same shape run as a
 fixed budget. ``ddtree-auto+pin32`` against ``ddtree-32`` (and ``+pin16`` against
-``ddtree-16``), in lockstep, tells which: the gate still times and counts every step,
-but every decision is the pinned arm (the largest arm at most the pin and the batch
-schedule's cap).
+``ddtree-16``), in lockstep, tells which: the gate still times and counts steps and
+holds its decisions as the product gate does, but every decision is the pinned arm
+(the largest arm at most the pin and the batch schedule's cap).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ def apply_pinned_gate(pin: int) -> None:
         # no speculative arm within the cap: plain decoding, as the product gate does
         arm = self.arms[bisect.bisect_right(self.arms, min(pin, cap)) - 1]
         stats.settled = self._index[arm]
+        # rated as the product gate rates, so that the decision holds as long
+        self.rates(stats, num_reqs, columns, bisect.bisect_right(self.arms, cap))
         return arm
 
     gate_cls._choose = pinned_choose

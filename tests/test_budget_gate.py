@@ -695,3 +695,30 @@ def test_a_held_decision_ends_when_the_batch_changes_bucket_or_cap():
     engine.run(1, 20)
     assert engine.gate._hold > 0
     assert engine.run(64, 3)[1:] == [0, 0]
+
+
+def test_trees_of_a_hold_that_ends_on_a_plain_step_count_nowhere():
+    """A hold at batch 1 that a plain step of batch 64 ends (the schedule's cap 0: no
+    trees, no counters recorded at that propose): the held steps' trees must not reach
+    the next copy, in another bucket (batch 32) and arm. Wherever the hold stood when
+    the batch jumped, each of batch 32's counted figures is its own arm's."""
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    # accepted nodes per tree in quarters: every count is exact (no integer rounding)
+    committed = {0: 1.0, 1: 1.5, 2: 2.0, 4: 3.25, 8: 4.0, 16: 4.0, 32: 4.0, 64: 4.0}
+    engine = Engine(host_clock=DecisionClock(50e-6), committed=committed,
+                    schedule=BatchSchedule([(1, 32, 64), (33, 64, 0)], 64, 64))
+    engine.run(1, 400)
+    engine.run(32, 400)
+    stats = engine.gate.stats[batch_bucket(32)]
+    counted = []
+    add = stats.add_committed
+    stats.add_committed = lambda arm, tokens: (counted.append((arm, tokens)),
+                                               add(arm, tokens))
+    for offset in range(6):
+        engine.run(1, 30 + offset)  # the hold stands at a different step each time
+        engine.run(64, 3)
+        engine.run(32, 3)
+    assert len(counted) > 6
+    for arm, tokens in counted:
+        assert tokens == committed[engine.gate.arms[arm]]

@@ -81,7 +81,7 @@ def test_summary_and_plot_of_a_trace(tmp_path):
     decided = {r[4] for r in records if r[0] == "d"}
     for arm in decided:
         assert f"| {arm} | " in text
-    assert "200 decisions" in text
+    assert "200 steps" in text
     assert gate_trace.main([str(path), "--plot-dir", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / f"{path.stem}.png").stat().st_size > 1000
 

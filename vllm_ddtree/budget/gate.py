@@ -8,8 +8,8 @@ The design and its reasons are in ``vllm_ddtree.budget.policy``'s docstring; thi
 module holds the decision, :class:`SpeculationGate`:
 
 * per batch-size bucket (:func:`batch_bucket`) and arm it keeps a *residual*, what the
-  arm's steps took on the GPU timeline (CUDA events between step starts, read once
-  completed: no host sync) beyond the start-up model's time of that step
+  arm's steps took on the GPU timeline (CUDA events at the start of a timed step and of
+  the next, read once completed: no host sync) beyond the start-up model's time of that step
   (``vllm_ddtree.budget.step_cost.StepCostModel`` at the shape the step verified, which
   the device's budget or the schedule may have cut below the arm: an arm above the
   device's choice is then predicted no faster than the step it runs; a prefill's tokens
@@ -178,12 +178,13 @@ class SpeculationGate:
         self.stats: dict[int, GateStats] = {}
         self.arm = self.arms[-1]  # the last decision: the cap of the next step's shape
         self.probe: _Probe | None = None
-        self._step_seconds: float | None = None  # the settled arm's predicted step
+        # fp64 [arms <= cap]: each arm's predicted step at the last rated decision
+        self._arm_seconds: np.ndarray | None = None
         self.marks: deque[_Mark] = deque()
         self.clock: Callable[[], float] = time.monotonic  # for the log's pace
         self._logged_at: float | None = None
         self._log_pending = False
-        # accepted-depth counters, copied each propose: (accepted_sum, trees, then what
+        # accepted-depth counters, copied at each decision: (accepted_sum, trees, then what
         # the trees would have accepted cut to each speculative arm) per slot
         self._accept_host = torch.zeros(_ACCEPT_SLOTS, 2 + len(self.arms) - 1,
                                         dtype=torch.int64, pin_memory=cuda)
@@ -412,7 +413,7 @@ class SpeculationGate:
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
         seconds += stats.residual_seconds[:num_arms]
-        self._step_seconds = float(seconds[min(stats.settled, num_arms - 1)])
+        self._arm_seconds = seconds
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
         self._follow_smallest_arm(stats, committed, num_arms)
@@ -432,7 +433,7 @@ class SpeculationGate:
     def _follow_smallest_arm(stats: GateStats, committed: np.ndarray, num_arms: int) -> None:
         """Arms above the settled one (and above the smallest, the reference) last
         counted trees in their probes: scale what they accepted by how the smallest
-        arm's figure (fresh from every speculative step) moved since, as their own
+        arm's figure (fresh from every speculative decision) moved since, as their own
         trees cut to the smallest arm measured it. The factor is kept within
         ``SCALE_LIMIT`` and taken only from references ``MIN_REFERENCE`` above a plain
         step's one token and a smallest-arm figure of ``SWITCH_SAMPLES`` trees; a larger
@@ -468,7 +469,8 @@ class SpeculationGate:
             if (batch_bucket(num_reqs), cap) == self._hold_key:
                 self._hold -= 1
                 self._held += 1
-                self._accept_source = None  # counted at the next decision
+                # _accept_source stays: the counters are cumulative, and the next decision
+                # copies them even where its own step verified no trees
                 self._hold_stats.chosen[self._index[self.arm]] += 1
                 return self.arm
             self._hold = 0
@@ -483,7 +485,7 @@ class SpeculationGate:
         if mark is not None:
             mark.drafted = None
         columns = self.model.attention_columns(contexts)
-        self._step_seconds = None
+        self._arm_seconds = None
         arm = self._choose(num_reqs, contexts, cap, columns)
         stats = self.stats.get(batch_bucket(num_reqs))
         if cap > 0 and stats is not None:  # the gate's steps by arm, for the report
@@ -549,13 +551,13 @@ class SpeculationGate:
     def _hold_steps(self, stats: GateStats, arm: int, seconds: float) -> int:
         """The proposes after this one that keep ``arm`` (an arm's value) without
         deciding: enough that the decisions' host time (``seconds`` this one, averaged)
-        is at most ``DECISION_HOST_SHARE`` of the steps' (the settled arm's predicted
-        step), at most ``MAX_HOLD_STEPS - 1``; 0 for a probe or an arm other than the
-        settled one (calibrating, confirming)."""
+        is at most ``DECISION_HOST_SHARE`` of the steps' (``arm``'s predicted step at
+        this decision), at most ``MAX_HOLD_STEPS - 1``; 0 for a probe and where the
+        decision rated no arm (calibrating, a probe's last step)."""
         self._decision_seconds.add(seconds)
-        step = self._step_seconds
-        if self.probe is not None or step is None or self._index[arm] != stats.settled:
+        if self.probe is not None or self._arm_seconds is None:
             return 0
+        step = float(self._arm_seconds[self._index[arm]])
         steps = self._decision_seconds.value / (DECISION_HOST_SHARE * max(step, 1e-6))
         return int(min(max(math.ceil(steps), 1), MAX_HOLD_STEPS)) - 1
 

@@ -64,13 +64,17 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   that arm in that bucket minus ``T`` of each at the shape it verified (the device's
   budget may cut an arm's trees further; a prefill's tokens in the step priced as more
   rows of the forward): what they actually took beyond the model, from CUDA timing
-  events at each step's start, read only once completed (``Event.query``). A step that
+  events at the start of each step the gate times and of the step after it, read only
+  once completed (``Event.query``); the gate times the step whose propose decides, and a
+  decision holds for as many steps as keep its own host time at 1 % of theirs (several
+  at batch 1, where the step's time is the host's). A step that
   holds a prefill counts only where at least half of the bucket's last 128 steps hold
   one (continuous batching at large batch) and its prefill's attention (query-key
   pairs) is at most 4x their median: a long prompt's chunks on consecutive steps, their
   attention growing with the prompt, would fill the settled arm's window alone. ``E(a)`` =
   tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
-  copied to pinned memory each step and read once their copy completed; 1 for plain
+  copied to pinned memory at each decision, the held steps' trees with it, and read once
+  their copy completed; 1 for plain
   decoding; for an arm without counted trees the nearest arm's figure). The walk also
   counts what each tree would have accepted cut to every arm's size (the accepted
   path's nodes below it: a parent precedes its children in the tree's best-first
@@ -94,7 +98,8 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   or the requests changed: plain steps count no trees, so the way back must be probed,
   and where one draft loses to plain decoding a larger tree may still win. The
   interval doubles up to 1,024 and restarts when the settled arm's committed tokens per
-  tree (from plain decoding: a probed arm's) move by 20 % (the requests changed). A
+  tree (from plain decoding: a probed arm's) move by 20 % (the requests changed);
+  decisions, not steps: under a hold of up to 16 steps they are further apart. A
   speculative step after plain ones loses nothing: a plain step's ``propose`` still
   writes the drafter's context K/V of the tokens it committed
   (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
