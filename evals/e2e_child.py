@@ -331,6 +331,10 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
             from gate_variants import apply_pinned_gate
 
             apply_pinned_gate(int(pin.removeprefix("+pin")))
+    if "+maxprior" in run.variants:
+        from gate_variants import apply_max_prior_gate
+
+        apply_max_prior_gate()
 
 
 def marginal_trees_over_dflash2() -> None:

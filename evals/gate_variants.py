@@ -1,6 +1,16 @@
 """Step-gate variants for A/B runs of ``evals/bench_e2e.py`` (never in the product):
-``+pin16`` / ``+pin32`` on a ``ddtree-auto`` run applies :func:`apply_pinned_gate` in the
-run's process before its engine starts.
+``+pin16`` / ``+pin32`` on a ``ddtree-auto`` run applies :func:`apply_pinned_gate`,
+``+maxprior`` :func:`apply_max_prior_gate`, in the run's process before its engine
+starts.
+
+**Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
+settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64
+was the fastest method at every batch: a new bucket starts on the nearest bucket's
+settled arm, and the few probes of a short cell left the larger arms untimed (8 timed
+steps at batch 64, none of arms 16-64). ``ddtree-auto+maxprior`` starts every new bucket
+on the largest arm within the cap instead: from there the smaller arms' committed
+tokens come from the same trees (the walk's arm counters), so only their step times
+need probes.
 
 **Pinned gate.** In the batch sweep at batch 1 the gate's arms 4-32 measured residuals
 1.1-1.7 ms above arms 64 and 0 within one cell of a few seconds, and fixed budgets' steps
@@ -44,6 +54,44 @@ def apply_pinned_gate(pin: int) -> None:
         return arm
 
     gate_cls._choose = pinned_choose
+
+
+_MAX_PRIOR: dict[str, object] = {}
+
+
+def apply_max_prior_gate() -> None:
+    """Patch ``SpeculationGate.bucket`` in this process (idempotent): a new bucket
+    settles on the largest arm at most its cap (every arm: no cap), whatever the other
+    buckets settled on; the rest of the gate is the product's."""
+    import bisect
+
+    from vllm_ddtree.budget import gate as gate_module
+
+    gate_cls = gate_module.SpeculationGate
+    if _MAX_PRIOR:
+        return
+    _MAX_PRIOR.update(bucket=gate_cls.bucket)
+    original = gate_cls.bucket
+
+    def bucket(self, num_reqs, cap=None):
+        home = gate_module.batch_bucket(num_reqs)
+        if home not in self.stats:
+            limit = self.arms[-1] if cap is None else cap
+            settled = bisect.bisect_right(self.arms, limit) - 1
+            self.stats[home] = gate_module.GateStats(len(self.arms), settled,
+                                                     gate_module.PROBE_INTERVAL)
+        return original(self, num_reqs, cap)
+
+    gate_cls.bucket = bucket
+
+
+def remove_max_prior_gate() -> None:
+    """Undo :func:`apply_max_prior_gate`."""
+    from vllm_ddtree.budget import gate as gate_module
+
+    for name, fn in _MAX_PRIOR.items():
+        setattr(gate_module.SpeculationGate, name, fn)
+    _MAX_PRIOR.clear()
 
 
 def remove_pinned_gate() -> None:

@@ -2,7 +2,12 @@
 
 import pytest
 from e2e_runs import RunSpec
-from gate_variants import apply_pinned_gate, remove_pinned_gate
+from gate_variants import (
+    apply_max_prior_gate,
+    apply_pinned_gate,
+    remove_max_prior_gate,
+    remove_pinned_gate,
+)
 
 
 def test_two_auto_runs_are_each_held_to_the_fixed_methods():
@@ -64,3 +69,32 @@ def test_gate_variants_need_a_gate_and_the_runs_own_process():
         RunSpec.parse("ddtree-autofixed-64+pin32")
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--runs", "ddtree-auto+pin16", "--engine-process"])
+
+
+def test_max_prior_gate_starts_new_buckets_at_the_largest_arm_and_still_descends():
+    """After batch 1 settled on 8 drafts, the product gate opens batch 64's bucket on 8
+    (the nearest bucket's arm); with +maxprior it opens on 64, and both settle on 4 (the
+    simulated engine's best at batch 64). With a cap, the largest arm within it."""
+    from test_budget_gate import Engine
+
+    from vllm_ddtree.budget.schedule import BatchSchedule
+
+    product = Engine()
+    product.run(1, 400)
+    assert product.run(64, 2)[1] == 8
+    apply_max_prior_gate()
+    try:
+        engine = Engine()
+        engine.run(1, 400)
+        assert engine.gate.settled_arms() == {0: 8}
+        assert engine.run(64, 2)[1] == 64
+        engine.run(64, 1000)
+        assert engine.gate.settled_arms()[6] == 4
+        capped = Engine(schedule=BatchSchedule([(1, 4, 64), (5, 64, 16)], 64, 64))
+        capped.run(1, 400)
+        assert capped.run(64, 2)[1] == 16
+    finally:
+        remove_max_prior_gate()
+    fresh = Engine()
+    fresh.run(1, 400)
+    assert fresh.run(64, 2)[1] == 8  # the product gate again
