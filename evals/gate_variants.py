@@ -60,29 +60,16 @@ _MAX_PRIOR: dict[str, object] = {}
 
 
 def apply_max_prior_gate() -> None:
-    """Patch ``SpeculationGate.bucket`` in this process (idempotent): a new bucket
-    settles on the largest arm at most its cap (every arm: no cap), whatever the other
-    buckets settled on; the rest of the gate is the product's."""
-    import bisect
-
+    """Patch ``SpeculationGate._opening_arm`` in this process (idempotent): a new
+    bucket settles on the largest arm at most its cap (every arm: no cap), whatever the
+    other buckets settled on; the rest of the gate is the product's."""
     from vllm_ddtree.budget import gate as gate_module
 
     gate_cls = gate_module.SpeculationGate
     if _MAX_PRIOR:
         return
-    _MAX_PRIOR.update(bucket=gate_cls.bucket)
-    original = gate_cls.bucket
-
-    def bucket(self, num_reqs, cap=None):
-        home = gate_module.batch_bucket(num_reqs)
-        if home not in self.stats:
-            limit = self.arms[-1] if cap is None else cap
-            settled = bisect.bisect_right(self.arms, limit) - 1
-            self.stats[home] = gate_module.GateStats(len(self.arms), settled,
-                                                     gate_module.PROBE_INTERVAL)
-        return original(self, num_reqs, cap)
-
-    gate_cls.bucket = bucket
+    _MAX_PRIOR.update(_opening_arm=gate_cls._opening_arm)
+    gate_cls._opening_arm = lambda self, home, cap: self._largest_arm(cap)
 
 
 def remove_max_prior_gate() -> None:

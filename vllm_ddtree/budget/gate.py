@@ -201,7 +201,6 @@ class SpeculationGate:
         self._hold = 0
         self._held = 0  # proposes held since the last decision
         self._hold_key: tuple[int, int] = (-1, -1)  # (bucket, cap)
-        self._hold_stats: GateStats | None = None
         self._decision_seconds = Ema()
         self._close_next = False  # the next step's start closes a timed step
 
@@ -229,14 +228,21 @@ class SpeculationGate:
         home = batch_bucket(num_reqs)
         stats = self.stats.get(home)
         if stats is None:
-            if self.stats:
-                near = min(self.stats, key=lambda b: (abs(b - home), b))
-                settled = self.stats[near].settled
-            else:
-                limit = self.arms[-1] if cap is None else cap
-                settled = bisect.bisect_right(self.arms, limit) - 1
-            stats = self.stats[home] = GateStats(len(self.arms), settled, PROBE_INTERVAL)
+            stats = self.stats[home] = GateStats(len(self.arms),
+                                                 self._opening_arm(home, cap), PROBE_INTERVAL)
         return stats
+
+    def _opening_arm(self, home: int, cap: int | None) -> int:
+        """The arm (index) a new bucket ``home`` settles on: the nearest bucket's, else
+        :meth:`_largest_arm`."""
+        if self.stats:
+            near = min(self.stats, key=lambda b: (abs(b - home), b))
+            return self.stats[near].settled
+        return self._largest_arm(cap)
+
+    def _largest_arm(self, cap: int | None) -> int:
+        """The index of the largest arm <= ``cap`` (all arms: None)."""
+        return bisect.bisect_right(self.arms, self.arms[-1] if cap is None else cap) - 1
 
     def settled_arms(self) -> dict[int, int]:
         """``{bucket: arm}``: the arm each batch-size bucket has settled on, for the
@@ -465,17 +471,18 @@ class SpeculationGate:
         While a decision holds (:meth:`_hold_steps`) and the batch stays in its bucket
         under the same cap, the arm is returned at once: nothing is drained, timed or
         rated."""
+        key = (batch_bucket(num_reqs), cap)
         if self._hold > 0:
-            if (batch_bucket(num_reqs), cap) == self._hold_key:
+            if key == self._hold_key:
                 self._hold -= 1
                 self._held += 1
                 # _accept_source stays: the counters are cumulative, and the next decision
                 # copies them even where its own step verified no trees
-                self._hold_stats.chosen[self._index[self.arm]] += 1
+                self.stats[key[0]].chosen[self._index[self.arm]] += 1
                 return self.arm
             self._hold = 0
         start = self.host_clock()
-        self._copy_acceptance(self._held > 0 and (batch_bucket(num_reqs), cap) != self._hold_key)
+        self._copy_acceptance(self._held > 0 and key != self._hold_key)
         self._held = 0
         self._drain_acceptance()
         mark = None
@@ -487,11 +494,11 @@ class SpeculationGate:
         columns = self.model.attention_columns(contexts)
         self._arm_seconds = None
         arm = self._choose(num_reqs, contexts, cap, columns)
-        stats = self.stats.get(batch_bucket(num_reqs))
+        stats = self.stats.get(key[0])
         if cap > 0 and stats is not None:  # the gate's steps by arm, for the report
             stats.chosen[self._index[arm]] += 1
             self._hold = self._hold_steps(stats, arm, self.host_clock() - start)
-            self._hold_key, self._hold_stats = (batch_bucket(num_reqs), cap), stats
+            self._hold_key = key
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:
