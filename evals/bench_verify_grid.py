@@ -13,7 +13,10 @@ through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). fp8 cells also ti
 transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 rows:
 ``configs.FP8_TRANSPOSED_TILE_CONFIGS``, sm_90's fp8 rule) and, as the bf16 reference of
 an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
-(``bf16_gluon``). Ours use the DDTree-like tree mask, FlashMLA a causal chain.
+(``bf16_gluon``). Both caches time the cascade (``cascade``: FlashMLA over the context,
+our kernel over the tree; sm_90). Ours use the DDTree-like tree mask, FlashMLA a causal
+chain. ``--grid-keep`` keeps the JSON's cells of the cache dtypes a run does not measure
+(a run per dtype fits the 10-minute limit of a device call).
 ``--force-sm120-configs`` times instead the Triton config sm_120 would pick
 (``select_config`` at 99 KB of shared memory), a proxy.
 
@@ -125,6 +128,30 @@ def flashmla_fp8(inp, kv_cache, kv_scale):
     return run
 
 
+def cascade_method(inp, kv_cache, kv_scale):
+    """``cascade.mla_tree_verify_cascade`` as a layer after the step's first launches it:
+    the step's plan (context lengths, FlashMLA's schedule) made by a first call."""
+    from bench_verify_attention import KV_LORA, Unavailable
+
+    from vllm_ddtree.attention_backends.mla_tree import cascade
+
+    cell = inp.cell
+    if not cascade.cascade_supported(inp.q, kv_cache, KV_LORA, 1, cell.qlen):
+        raise Unavailable("the cascade needs FlashMLA's dense decode (sm_90)")
+    out = torch.empty(cell.qlen, cell.heads, KV_LORA, dtype=inp.q.dtype, device="cuda")
+    lse = torch.empty(cell.qlen, cell.heads, dtype=torch.float32, device="cuda")
+    plan = cascade.CascadePlan()
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+
+    def run():
+        return cascade.mla_tree_verify_cascade(
+            inp.q, kv_cache, inp.block_table, inp.seq_lens, inp.query_start_loc,
+            inp.bits_tree, inp.scale, out, lse, cell.qlen, plan, kv_scale, smem)
+
+    run()
+    return run
+
+
 def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     """``{method: maker}`` of one cell; a maker returns the callable to time."""
     from bench_verify_attention import flashmla, gluon_all_rows
@@ -143,6 +170,8 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     for config in configs:
         makers["triton_sm120" if sm120 else config_name(config)] = (
             lambda c=config: triton_method(inp, kv_cache, kv_scale, c))
+    if not sm120:
+        makers["cascade"] = lambda: cascade_method(inp, kv_cache, kv_scale)
     makers["flashmla"] = ((lambda: flashmla(inp)) if dtype == "bf16"
                           else (lambda: flashmla_fp8(inp, kv_cache, kv_scale)))
     return makers
@@ -257,6 +286,8 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     out = args.grid_out + ("_sm120" if sm120 else "")
     report = dict(gpu=gpu, command=command, arch=_arch(), force_sm120_configs=sm120,
                   page=PAGE, rep_ms=REP_MS, cells=[])
+    if args.grid_keep:
+        report = keep_other_cells(report, out + ".json", set(axes["dtype"]))
     start = time.time()
     last_ctx = None
     for dtype, ctx, heads, rows in tqdm(cells, desc="grid cells"):
@@ -289,6 +320,26 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     write_outputs(report, out)
     print(f"wrote {out}.md, {out}.png and {out}.json ({time.time() - start:.0f} s)")
     return 0
+
+
+def keep_other_cells(report: dict, path: str, dtypes: set[str]) -> dict:
+    """``--grid-keep``: ``report`` with the cells of the JSON at ``path`` whose cache dtype
+    this run does not measure (one grid from runs per dtype, each under the 10-minute
+    limit of a call), and both commands; nothing from a JSON of another GPU."""
+    import os
+
+    if not os.path.exists(path):
+        return report
+    with open(path) as f:
+        old = json.load(f)
+    if (old.get("gpu"), old.get("arch")) != (report["gpu"], report["arch"]):
+        print(f"--grid-keep: {path} was measured on {old.get('gpu')}, this is "
+              f"{report['gpu']}: nothing kept")
+        return report
+    kept = [c for c in old["cells"] if c["dtype"] not in dtypes]
+    command = " && ".join(dict.fromkeys([old["command"], report["command"]])) if kept else (
+        report["command"])
+    return {**report, "command": command, "cells": kept}
 
 
 def _arch() -> str:

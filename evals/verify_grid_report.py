@@ -12,8 +12,8 @@ import math
 
 from vllm_ddtree.attention_backends.mla_tree.dispatch import dispatch_method
 
-OURS_ORDER = ("gluon", "triton_m16", "triton_m32", "triton_m64", "triton_sm120", "fp8t_m16",
-              "fp8t_m32")
+OURS_ORDER = ("gluon", "cascade", "triton_m16", "triton_m32", "triton_m64", "triton_sm120",
+              "fp8t_m16", "fp8t_m32")
 # Timed for comparison, not ours for the cell's cache: the Gluon kernel on the bf16 cache of
 # an fp8 cell (``bench_verify_grid.cell_methods``).
 REFERENCE_ORDER = ("bf16_gluon",)
@@ -72,6 +72,11 @@ def write_markdown(report: dict, path: str) -> None:
              "FlashMLA's dense fp8 path also takes fp8 queries",
              "- dispatched: what `mla_tree_verify` launches for the cell today "
              "(`attention_backends/mla_tree/dispatch_table.py`, else the rule)",
+             "- cascade: FlashMLA's dense decode over the context (fp8 cells: its fp8 path, "
+             "q quantized with one dynamic scale) and our Triton kernel over the tree, "
+             "folding the context in (`attention_backends/mla_tree/cascade.py`); its step "
+             "plan (context lengths, FlashMLA's schedule) made once per step by the first "
+             "layer and not timed here",
              "- fp8t_m16 / fp8t_m32 (fp8 cells): the fp8 kernel with transposed products "
              "(`configs.FP8_TRANSPOSED_TILE_CONFIGS`, sm_90's fp8 rule); bf16_gluon: the Gluon "
              "kernel on the fp8 cell's bf16 cache, not counted as ours, the fp8 / bf16 "

@@ -22,6 +22,9 @@
 #   backend    the CUSTOM attention backends in vLLM: MLA against TRITON_MLA /
 #              FLASH_ATTN_MLA, GQA against FLASH_ATTN (tiny models, 4 engines each)
 #   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference
+#   cascade    the cascade (FlashMLA over the context, our kernel over the tree; sm_90)
+#              against the reference, bf16 and fp8, CUDA graphs; then in vLLM against the
+#              FLASHMLA backend (tiny MLA model, bf16 and fp8, eager and graphs)
 #   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
 #   fp8backend --kv-cache-dtype fp8: CUSTOM against TRITON_MLA on the embedded target
 #              (eager, and CUSTOM with CUDA graphs; 3 engines)
@@ -84,6 +87,8 @@
 #   grid       evals/bench_verify_attention.py --grid: every MLA kernel and tile config vs
 #              FlashMLA, H 8-128, 2-257 rows, 8k-128k, bf16 and fp8 caches (about 8 minutes;
 #              the GPU to itself); verify_attention_grid.md / .png / .json in the log folder
+#   gridbf16, gridfp8  the grid of one cache dtype, keeping the other's cells of the
+#              grid JSON (log folder, else evals/results; same GPU): two calls, one grid
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
@@ -378,6 +383,9 @@ for stage in "$@"; do
       stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
       stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;
     fp8) stage_pytest fp8 240 tests/gpu/test_mla_tree_kernel_gpu.py -k "fp8 and not sm120" ;;
+    cascade)
+      stage_pytest cascade 240 tests/gpu/test_mla_cascade_gpu.py
+      stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
     fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k triton_mla ;;
     fp8ddtree) stage_pytest fp8ddtree 240 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
@@ -493,6 +501,13 @@ for stage in "$@"; do
       stage_cmd bench 400 python3 evals/bench_verify_attention.py "${bargs[@]}" \
         --out-md "$LOG_DIR/verify_attention.md" --out-png "$LOG_DIR/verify_attention.png"
       tail -12 "$LOG_DIR/verify_attention.md" 2>/dev/null ;;
+    gridbf16|gridfp8)  # one cache dtype (each fits a call), the other's cells kept from
+      # the grid JSON in the log folder, else from evals/results (same GPU only)
+      [ -f "$LOG_DIR/verify_attention_grid.json" ] ||
+        cp evals/results/verify_attention_grid.json "$LOG_DIR/" 2> /dev/null
+      stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py --grid --grid-keep \
+        --grid-dtype "${stage#grid}" --grid-out "$LOG_DIR/verify_attention_grid"
+      tail -5 "$LOG_DIR/$stage.log" ;;
     grid|grid120|gridsplits)
       gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")
       [ "$stage" = grid120 ] && gargs+=(--force-sm120-configs)

@@ -36,11 +36,11 @@ class Switch:
 
 SWITCHES: tuple[Switch, ...] = (
     Switch(
-        "VLLM_DDTREE_MLA_KERNEL", "auto", ("auto", "triton"),
-        "MLA tree-verify kernel. `auto`: on sm_90 the kernel and tile measured fastest for the "
-        "launch's heads, rows and context (`mla_tree/dispatch_table.py`), else the Gluon "
-        "kernel (16-bit cache) or the transposed fp8 kernel (fp8 cache); Triton elsewhere "
-        "(sm_120, other shapes); `triton`: always a Triton kernel.",
+        "VLLM_DDTREE_MLA_KERNEL", "auto", ("auto", "triton", "cascade"),
+        "MLA tree-verify kernel. `auto`: on sm_90 the kernel measured fastest for the launch "
+        "(`mla_tree/dispatch_table.py`), else Gluon (16-bit cache) or the transposed fp8 "
+        "kernel; Triton elsewhere; `triton`: always Triton; `cascade`: FlashMLA over the "
+        "context, ours over the tree, wherever that applies.",
     ),
     Switch(
         "VLLM_DDTREE_TREE_BACKEND", "mla", ("mla", "gqa"),

@@ -11,8 +11,10 @@ kernel also gets the speculator's per-request active query rows
 (``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
 ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
 (faster on sm_90; nothing reads them). ``--kv-cache-dtype fp8`` (``fp8_e4m3``): vLLM's
-e4m3 latent cache with the layer's ``_k_scale``, verified by the Triton kernel (the Gluon
-kernel is 16-bit only).
+e4m3 latent cache with the layer's ``_k_scale`` (the Gluon kernel is 16-bit only). On
+sm_90, where the measured dispatch table says so and every request has the same number
+of new tokens, the context goes through FlashMLA and only the tree through our kernel
+(``mla_tree/cascade.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 )
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType
 
+from vllm_ddtree.attention_backends.mla_tree.cascade import CascadePlan
 from vllm_ddtree.attention_backends.mla_tree.ops import MAX_ROPE_DIM, mla_tree_verify
 from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
@@ -55,6 +58,9 @@ class TreeMLADecodeMetadata(MLACommonDecodeMetadata):
     # int32 [num_decodes], a view of TREE_MASK_STATE.active_query_lens (adaptive
     # budget), or None: every query row is active.
     active_query_lens: torch.Tensor | None = None
+    # The cascade's per-step state (FlashMLA over the context), shared by the layers;
+    # None unless every request has max_query_len new tokens (FlashMLA's q layout).
+    cascade_plan: CascadePlan | None = None
 
 
 @dataclass
@@ -96,7 +102,9 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
         # gives each MLA layer beside a DFlash drafter its own group), three torch CPU
         # ops cost several times more.
         starts = query_start_loc_cpu.numpy()
-        max_query_len = int((starts[1:] - starts[:-1]).max()) if starts.shape[0] > 1 else 0
+        query_lens = starts[1:] - starts[:-1]
+        max_query_len = int(query_lens.max()) if query_lens.shape[0] else 0
+        uniform = max_query_len > 0 and bool((query_lens == max_query_len).all())
         if TREE_MASK_STATE.active and TREE_MASK_STATE.ancestor_bits is not None:
             bits = TREE_MASK_STATE.ancestor_bits[:num_decode_tokens]
         else:
@@ -111,6 +119,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             max_seq_len=max_seq_len,
             max_model_len=self._max_model_len,
             active_query_lens=TREE_MASK_STATE.decode_active_query_lens(seq_lens_device.shape[0]),
+            cascade_plan=CascadePlan() if uniform else None,
         )
 
 
@@ -225,6 +234,7 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             # MLAAttention.forward_impl hands us the uint8 cache viewed as e4m3; rows are
             # fp8(x / layer._k_scale) (concat_and_cache_mla).
             kv_scale=layer._k_scale if self._fp8_cache else None,
+            cascade_plan=decode.cascade_plan,
         )
 
 

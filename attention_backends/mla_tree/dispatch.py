@@ -6,7 +6,9 @@ grid of ``evals/bench_verify_attention.py --grid``) names, per GPU architecture,
 class (``"bf16"``: any 16-bit cache; ``"fp8"``) and bucket ``(heads, query rows, context)``,
 the fastest of our methods: ``"gluon"`` or a Triton tile config (``"triton_m16"``,
 ``"triton_m32"``, ``"triton_m64"``: the config of that row tile; ``"fp8t_m16"``,
-``"fp8t_m32"``: the fp8 kernel with transposed products). A launch outside the table
+``"fp8t_m32"``: the fp8 kernel with transposed products; ``"cascade"``: FlashMLA over the
+context and our kernel over the tree, ``cascade.py``, where the launch allows it, else
+the rule). A launch outside the table
 (another architecture, such as sm_120; heads or lengths the grid did not measure) takes
 the rule: on sm_90 Gluon where it applies and the transposed fp8 kernel on an fp8 cache
 (:func:`fp8_transposed_method`), else Triton with ``configs.select_config``.
@@ -45,7 +47,7 @@ TRITON_CONFIGS: dict[str, MLATileConfig] = {
 }
 assert len(TRITON_CONFIGS) == (len(MLA_TILE_CONFIGS) + len(LARGE_SMEM_TILE_CONFIGS)
                                + len(FP8_TRANSPOSED_TILE_CONFIGS))
-METHODS = ("gluon", *TRITON_CONFIGS)
+METHODS = ("gluon", "cascade", *TRITON_CONFIGS)
 
 
 def row_bucket(query_rows: int) -> int | None:

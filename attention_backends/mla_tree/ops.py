@@ -11,7 +11,7 @@ import triton
 
 from vllm_ddtree import settings
 
-from . import dispatch, fp8_transposed, gluon_kernel, kernels
+from . import cascade, dispatch, fp8_transposed, gluon_kernel, kernels
 from .configs import (
     MAX_KV_SPLITS,
     MIN_TILES_PER_SPLIT,
@@ -256,6 +256,7 @@ def mla_tree_verify(
     kernel: str = "auto",
     runtime_kv_splits: bool = False,
     kv_scale: torch.Tensor | None = None,
+    cascade_plan: cascade.CascadePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of tree-verify query tokens against a latent paged cache.
 
@@ -300,13 +301,17 @@ def mla_tree_verify(
         kernel: ``"auto"``: the kernel and tile config measured fastest for the launch's
             architecture, cache dtype, heads, rows and context (``dispatch``: a table
             generated from the H200 grid; consulted when ``max_query_len`` and
-            ``max_seq_len`` are given, as the backend does); without an entry the Gluon
+            ``max_seq_len`` are given, as the backend does; its ``"cascade"``, FlashMLA
+            over the context and our kernel over the tree (``cascade``), runs only with
+            a ``cascade_plan`` where ``cascade.cascade_supported``, else the rule does);
+            without an entry the Gluon
             kernel (``gluon_kernel``) where it applies (sm_90, 16-bit, 512 + 64 dims, no
             ``config``: :func:`gluon_kernel.gluon_supported`), else the Triton one (on
             sm_90 with an fp8 cache the transposed-products tile,
             ``dispatch.fp8_transposed_method``, where ``kv_lora_rank`` allows it);
             ``"triton"`` forces Triton. ``VLLM_DDTREE_MLA_KERNEL=triton``
-            (``vllm_ddtree.settings``) does the same globally. A launch with
+            (``vllm_ddtree.settings``) does the same globally; ``=cascade`` takes the
+            cascade wherever it can run. A launch with
             ``active_query_lens`` takes the Gluon kernel only when ``mostly_active``.
         mostly_active: more than half of each request's rows are active (adaptive verify
             shapes). The Gluon kernel then computes the inactive rows too (never read: the
@@ -322,6 +327,9 @@ def mla_tree_verify(
         kv_scale: fp32 one-element tensor on q's device, required with an fp8 cache and
             refused otherwise: keys and values are ``kv_scale * row`` (read on the device
             at each launch, so a CUDA graph follows later updates of the scale).
+        cascade_plan: a :class:`cascade.CascadePlan` shared by the launches of one step
+            (the caller vouches that every request has ``max_query_len`` new tokens);
+            None: never the cascade.
 
     Returns:
         ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
@@ -340,16 +348,31 @@ def mla_tree_verify(
             raise ValueError(f"config.fp8_transposed takes kv_lora_rank up to "
                              f"{fp8_transposed.MAX_KV_LORA_RANK}, got {kv_lora_rank}")
     choice = None
-    if kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto":
-        if max_query_len is not None and max_seq_len is not None:
-            choice = dispatch.lookup(dispatch.device_arch(q.device),
-                                     dispatch.cache_class(kv_cache.dtype), q.shape[1],
-                                     max_query_len, max_seq_len)
-        if choice in dispatch.TRITON_CONFIGS:
-            config = dispatch.TRITON_CONFIGS[choice]
-            if config.fp8_transposed and not _fp8_transposed_fits(kv_scale, kv_lora_rank):
-                config = None  # an entry measured at other dims: the rule below
-    if (kernel == "auto" and config is None and settings.get(KERNEL_ENV) == "auto"
+    mode = settings.get(KERNEL_ENV) if kernel == "auto" and config is None else "off"
+    if mode == "cascade":
+        choice = "cascade"
+    elif mode == "auto" and max_query_len is not None and max_seq_len is not None:
+        choice = dispatch.lookup(dispatch.device_arch(q.device),
+                                 dispatch.cache_class(kv_cache.dtype), q.shape[1],
+                                 max_query_len, max_seq_len)
+    if choice in dispatch.TRITON_CONFIGS:
+        config = dispatch.TRITON_CONFIGS[choice]
+        if config.fp8_transposed and not _fp8_transposed_fits(kv_scale, kv_lora_rank):
+            config = None  # an entry measured at other dims: the rule below
+    elif (choice == "cascade" and cascade_plan is not None
+          and (active_query_lens is None or mostly_active)
+          and (out is None or out.is_contiguous())
+          and cascade.cascade_supported(q, kv_cache, kv_lora_rank, seq_lens.shape[0],
+                                        max_query_len)):
+        _, out, lse = prepare_outputs(
+            q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
+            kv_lora_rank, max_query_len, max_seq_len, validate_values, out)
+        _log_launch_once("cascade", q, kv_cache, requests=seq_lens.shape[0],
+                         max_query_len=max_query_len, max_seq_len=max_seq_len)
+        return cascade.mla_tree_verify_cascade(
+            q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
+            out, lse, max_query_len, cascade_plan, kv_scale, _max_shared_memory(q.device))
+    if (mode in ("auto", "cascade") and config is None
             and (active_query_lens is None or mostly_active)
             and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):
         return mla_tree_fwd_gluon(

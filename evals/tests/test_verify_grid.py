@@ -133,8 +133,9 @@ def test_fp8_cells_time_the_transposed_kernel_and_bf16_gluon(monkeypatch, heads,
     monkeypatch.setattr(grid_module, "fp8_inputs", lambda inp: (None, None))
     inp = SimpleNamespace(cell=SimpleNamespace(heads=heads, qlen=rows), kv_cache=None)
     fp8 = grid_module.cell_methods(inp, "fp8", sm120=False)
-    assert list(fp8) == ["bf16_gluon", *want, "flashmla"]
+    assert list(fp8) == ["bf16_gluon", *want, "cascade", "flashmla"]
     assert not [m for m in grid_module.cell_methods(inp, "bf16", sm120=False) if "fp8t" in m]
+    assert "cascade" in grid_module.cell_methods(inp, "bf16", sm120=False)
     assert list(grid_module.cell_methods(inp, "fp8", sm120=True)) == ["triton_sm120", "flashmla"]
 
 
@@ -159,3 +160,29 @@ def test_transposed_and_reference_methods_in_the_report_not_the_table(tmp_path):
     # ours best 0.06 (fp8t_m32), / FlashMLA; dispatched (the rule) fp8t_m32, / FlashMLA;
     # fp8 best / bf16 Gluon 0.06 / 0.08
     assert cols[-6:] == ["0.0600", "0.0400", "1.50", "fp8t_m32", "1.50", "0.75"]
+
+
+def test_cascade_is_ours_and_a_table_entry_where_fastest():
+    cells = [cell("bf16", 64, 257, 131072, gluon=8.5, cascade=7.5, flashmla=7.4),
+             cell("bf16", 8, 2, 8192, gluon=0.031, cascade=0.045, flashmla=0.037),
+             cell("fp8", 8, 2, 131072, fp8t_m16=0.15, cascade=0.055, flashmla=0.047)]
+    table = gen.build_table(grid(cells=cells), margin=0.03)
+    assert table == {"bf16": {(64, 257, 131072): "cascade", (8, 2, 8192): "gluon"},
+                     "fp8": {(8, 2, 131072): "cascade"}}
+    assert report_module.best_ours(cells[0]["times"]) == ("cascade", 7.5)
+
+
+def test_grid_keep_merges_the_other_dtypes_cells(tmp_path):
+    import bench_verify_grid as grid_module
+
+    path = tmp_path / "grid.json"
+    old = grid()
+    path.write_text(json.dumps(old))
+    new = {**grid(command="python evals/bench_verify_attention.py --grid --grid-dtype fp8"),
+           "cells": []}
+    merged = grid_module.keep_other_cells(new, str(path), {"fp8"})
+    assert [c["dtype"] for c in merged["cells"]] == ["bf16"] * 3
+    assert merged["command"] == (old["command"] + " && " + new["command"])
+    assert grid_module.keep_other_cells(new, str(tmp_path / "none.json"), {"fp8"}) is new
+    h100 = {**new, "gpu": "NVIDIA H100"}
+    assert grid_module.keep_other_cells(h100, str(path), {"fp8"}) is h100

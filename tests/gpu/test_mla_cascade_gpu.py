@@ -1,0 +1,130 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The cascade (FlashMLA over the context, our kernel over the tree; sm_90) against the
+fp32 reference: bf16 and fp8 caches, DeepSeek/Kimi head counts, odd tree sizes, requests
+without context, and the backend's CUDA-graph launch replayed at other lengths.
+
+fp8: FlashMLA's fp8 path takes fp8 queries, quantized by the cascade with one dynamic
+scale; the reference is computed on the same quantization of q (made here, independently)
+and on the dequantized cache, and the distance to the 16-bit-q reference is reported."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("TRITON_INTERPRET=1: run tests/gpu in its own process", allow_module_level=True)
+
+from test_mla_tree_kernel_gpu import (  # noqa: E402
+    LSE_TOL,
+    OUT_TOL,
+    fp8_reference,
+    make_batch,
+    to_fp8,
+)
+
+from vllm_ddtree.attention_backends.mla_tree import cascade, mla_tree_verify  # noqa: E402
+from vllm_ddtree.attention_backends.mla_tree.reference import (  # noqa: E402
+    mla_tree_verify_reference,
+)
+
+if not cascade.flashmla_dense_available(torch.device("cuda")):
+    pytest.skip("the cascade needs FlashMLA's dense decode (sm_90)", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True)
+def force_cascade(monkeypatch):
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "cascade")
+
+
+def launch(batch, plan=None, **kwargs):
+    qlens = batch["query_start_loc"].diff()
+    max_query_len = int(qlens.max())
+    assert bool((qlens == max_query_len).all())
+    plan = plan if plan is not None else cascade.CascadePlan()
+    lens = dict(validate_values=False, max_query_len=max_query_len,
+                max_seq_len=int(batch["seq_lens"].max()))
+    return mla_tree_verify(**batch, **{**lens, **kwargs}, cascade_plan=plan), plan
+
+
+def fp8_query_reference(batch):
+    """The reference on the dequantized cache with q as FlashMLA sees it: e4m3 at
+    ``amax / 448`` (for the context; the tree keys see the 16-bit q, so this is the
+    reference for rows whose mass is almost all context)."""
+    q = batch["q"].float()
+    scale = q.abs().max() / 448.0
+    q8 = (q / scale).to(torch.float8_e4m3fn).float() * scale
+    return fp8_reference({**batch, "q": q8})
+
+
+SHAPES = [  # heads, context, new tokens per request, kind
+    (8, 9000, 2, "tree"),
+    (16, 5000, 17, "tree"),
+    (16, 33000, 33, "chain"),
+    (64, 3000, 65, "tree"),
+    (128, 2000, 9, "tree"),
+    (8, 1000, 129, "tree"),
+    (128, 70, 5, "tree"),
+]
+
+
+@pytest.mark.parametrize("heads,ctx,qlen,kind", SHAPES)
+def test_bf16_matches_reference(heads, ctx, qlen, kind):
+    batch = make_batch([(ctx, kind, qlen), (ctx // 3 + 7, kind, qlen), (1, kind, qlen)],
+                       heads=heads, page_size=64, seed=heads + qlen)
+    (out, lse), plan = launch(batch)
+    assert plan.ctx_lens is not None  # the cascade ran
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("heads,ctx,qlen,kind", SHAPES[:5])
+def test_fp8_matches_reference(heads, ctx, qlen, kind):
+    batch = to_fp8(make_batch([(ctx, kind, qlen), (ctx // 3 + 7, kind, qlen)], heads=heads,
+                              page_size=64, seed=heads))
+    (out, lse), _ = launch(batch)
+    ref_out, ref_lse = fp8_reference(batch)
+    err = (out.float() - ref_out.float()).abs().max().item()
+    print(f"H{heads} ctx {ctx} qlen {qlen}: max |out - ref(16-bit q)| {err:.3g}, "
+          f"lse {(lse - ref_lse).abs().max().item():.3g}")
+    q8_out, q8_lse = fp8_query_reference(batch)
+    torch.testing.assert_close(out.float(), q8_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, q8_lse, **LSE_TOL)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_graph_replays_plan_at_other_lengths(fp8):
+    """The backend's launch in a CUDA graph (one plan per step, planned inside the
+    capture), replayed after the contexts shrink and the query changes: FlashMLA's
+    schedule and the context lengths follow, the result matches the reference."""
+    batch = make_batch([(30000, "tree", 17), (2000, "chain", 17)], heads=16, page_size=64)
+    if fp8:
+        batch = to_fp8(batch)
+    reference = fp8_query_reference if fp8 else mla_tree_verify_reference
+    launch(batch)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        (out, lse), _ = launch(batch, max_seq_len=131072)
+    for step in range(2):
+        if step == 1:
+            batch["seq_lens"][0] = 5017  # its first 5000 keys stay the context
+            batch["q"].mul_(-0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference(batch)
+        torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+        torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
+
+
+def test_request_without_context_is_the_tree_alone():
+    """A request with no context keys (FlashMLA sees length 0) beside others. Last in
+    the file: a fault here would poison the CUDA context of every later test."""
+    batch = make_batch([(4000, "tree", 9), (0, "chain", 9), (64, "tree", 9)], heads=16,
+                       page_size=64)
+    (out, lse), _ = launch(batch)
+    ref_out, ref_lse = mla_tree_verify_reference(**batch)
+    torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
