@@ -204,3 +204,16 @@ def test_env_cascade_forces_it_without_an_entry(cascade_entry, monkeypatch):
     torch.testing.assert_close(out, mla_tree_verify_reference(**batch)[0], **TOLS[torch.float32])
     mla_tree_verify(**batch, **lens)
     assert cascade_entry["cascade"] == 1 and cascade_entry["gluon"] == 1
+
+
+def test_quantize_kernel_scale_and_quotients():
+    """The fused quantization kernel (CUDA path of ``quantize_query_fp8``) with an fp32
+    output: its scale and quotients are torch's, bit for bit (the e4m3 cast itself is
+    checked on the GPU: the interpreter rounds it wrongly)."""
+    q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
+    amax = torch.linalg.vector_norm(q, ord=float("inf"))
+    out, scale = torch.empty(q.shape), torch.empty(1)
+    cascade_kernel._quantize_e4m3_kernel[(3,)](q, amax, out, scale, q.numel(),
+                                               E4M3_MAX=448.0, BLOCK=4096)
+    assert torch.equal(scale, (q.float().abs().max() / 448.0).reshape(1))
+    assert torch.equal(out, q.float() / scale)

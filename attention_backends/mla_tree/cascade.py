@@ -98,10 +98,22 @@ def context_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q / s)`` in e4m3 and ``s = amax(|q|) / 448`` fp32 ``[1]`` (its descale factor):
-    the largest entry maps to e4m3's largest finite value; on the device, no sync."""
-    scale = (q.abs().amax().float() / E4M3_MAX).clamp_(min=1e-12).reshape(1)
-    return (q.float() / scale).to(FP8_KV_DTYPE), scale
+    """``(q / s)`` in e4m3 (q's shape, contiguous) and ``s = amax(|q|) / 448`` fp32
+    ``[1]`` (its descale factor): the largest entry maps to e4m3's largest finite value.
+    Two launches (the max, then ``cascade_kernel._quantize_e4m3_kernel``), no sync.
+    Off CUDA in torch: Triton's interpreter rounds e4m3 wrongly where rounding carries into
+    the exponent (124.04 -> 64, not 128)."""
+    q = q.contiguous()
+    amax = torch.linalg.vector_norm(q, ord=float("inf"))
+    if not q.is_cuda:
+        scale = (amax.float() / E4M3_MAX).clamp_(min=1e-12).reshape(1)
+        return (q.float() / scale).to(FP8_KV_DTYPE), scale
+    out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
+    scale = torch.empty(1, dtype=torch.float32, device=q.device)
+    block = 4096
+    cascade_kernel._quantize_e4m3_kernel[(max(1, triton.cdiv(q.numel(), block)),)](
+        q, amax, out, scale, q.numel(), E4M3_MAX=E4M3_MAX, BLOCK=block)
+    return out, scale
 
 
 def flashmla_context(

@@ -111,3 +111,18 @@ def _mla_tree_suffix_kernel(
              out.to(Out.dtype.element_ty),
              mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA))
     tl.store(Lse + q_row * stride_lt + head * stride_lh, lse, mask=row_valid)
+
+
+@triton.jit
+def _quantize_e4m3_kernel(X, Amax, Out, Scale, numel, E4M3_MAX: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """``Out = e4m3(X / s)`` with ``s = max(Amax / E4M3_MAX, 1e-12)`` (``Amax``: a
+    one-element tensor, ``max |X|``), written to ``Scale [1]`` fp32 by program 0: the
+    queries of FlashMLA's fp8 path and their descale factor in one launch."""
+    # Correctly rounded divisions (``/`` is approximate on fp32): torch's quotients.
+    scale = tl.maximum(tl.div_rn(tl.load(Amax).to(tl.float32), E4M3_MAX), 1e-12)
+    if tl.program_id(0) == 0:
+        tl.store(Scale, scale)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)

@@ -119,6 +119,16 @@ def test_cuda_graph_replays_plan_at_other_lengths(fp8):
         torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
 
 
+def test_query_quantization_rounds_as_torch():
+    """The fused quantization kernel against torch's e4m3 conversion of the same ratio
+    (round to nearest even, saturating at 448 by construction)."""
+    q = torch.randn(257, 64, 576, device="cuda", dtype=torch.bfloat16) * 7
+    q8, scale = cascade.quantize_query_fp8(q)
+    assert torch.equal(scale, (q.float().abs().max() / 448.0).reshape(1))
+    ref = (q.float() / scale).to(torch.float8_e4m3fn)
+    assert torch.equal(q8.view(torch.uint8), ref.view(torch.uint8))
+
+
 def test_request_without_context_is_the_tree_alone():
     """A request with no context keys (FlashMLA sees length 0) beside others. Last in
     the file: a fault here would poison the CUDA context of every later test."""
