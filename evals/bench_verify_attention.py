@@ -492,6 +492,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for axis in ("heads", "rows", "ctx"):
         p.add_argument(f"--grid-{axis}", type=positive_int, nargs="+", help="--grid: narrow")
     p.add_argument("--grid-dtype", nargs="+", choices=("bf16", "fp8"), help="--grid: narrow")
+    p.add_argument("--grid-methods", nargs="+",
+                   help="--grid: time only these methods (e.g. gluon cascade flashmla)")
     p.add_argument("--grid-keep", action="store_true",
                    help="--grid: keep the existing JSON's cells of the other cache dtypes")
     p.add_argument("--grid-out", default=os.path.join(REPO_ROOT,

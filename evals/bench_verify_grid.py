@@ -15,8 +15,9 @@ transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 ro
 an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
 (``bf16_gluon``). Both caches time the cascade (``cascade``: FlashMLA over the context,
 our kernel over the tree; sm_90). Ours use the DDTree-like tree mask, FlashMLA a causal
-chain. ``--grid-keep`` keeps the JSON's cells of the cache dtypes a run does not measure
-(a run per dtype fits the 10-minute limit of a device call).
+chain. ``--grid-methods`` times only the methods named (a shorter run: the tiles that
+never win a cell left out). ``--grid-keep`` keeps the JSON's cells of the cache dtypes a
+run does not measure (a run per dtype fits the 10-minute limit of a device call).
 ``--force-sm120-configs`` times instead the Triton config sm_120 would pick
 (``select_config`` at 99 KB of shared memory), a proxy.
 
@@ -299,7 +300,10 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
         last_ctx = (dtype, ctx)
         inp = make_inputs(Cell(heads, ctx, rows, PAGE), torch.bfloat16)
         entry = dict(dtype=dtype, heads=heads, rows=rows, ctx=ctx, times={}, notes={})
-        for method, maker in cell_methods(inp, dtype, sm120).items():
+        makers = cell_methods(inp, dtype, sm120)
+        if args.grid_methods:
+            makers = {m: f for m, f in makers.items() if m in args.grid_methods}
+        for method, maker in makers.items():
             try:
                 entry["times"][method] = bench(maker())
             except Unavailable as e:

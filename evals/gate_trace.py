@@ -49,9 +49,10 @@ def install() -> None:
     step_started, typical_prefill = gate_cls.step_started, stats_cls.typical_prefill
 
     def traced_step_started(self, num_reqs, shape, prefill_reqs=0, prefill_tokens=0,
-                            prefill_pairs=0):
+                            prefill_pairs=0, cap=None):
         last = self.marks[-1] if self.marks else None
-        step_started(self, num_reqs, shape, prefill_reqs, prefill_tokens, prefill_pairs)
+        step_started(self, num_reqs, shape, prefill_reqs, prefill_tokens, prefill_pairs,
+                     cap)
         mark = self.marks[-1] if self.marks else None
         if _RECORDS is not None and mark is not None and mark is not last and mark.timed:
             _RECORDS.append(["s", time.perf_counter(), int(num_reqs), int(shape),

@@ -88,7 +88,8 @@
 #              FlashMLA, H 8-128, 2-257 rows, 8k-128k, bf16 and fp8 caches (about 8 minutes;
 #              the GPU to itself); verify_attention_grid.md / .png / .json in the log folder
 #   gridbf16, gridfp8  the grid of one cache dtype, keeping the other's cells of the
-#              grid JSON (log folder, else evals/results; same GPU): two calls, one grid
+#              grid JSON (log folder, else evals/results; same GPU): two calls, one grid;
+#              GRID_METHODS narrows the methods timed
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
@@ -505,8 +506,10 @@ for stage in "$@"; do
       # the grid JSON in the log folder, else from evals/results (same GPU only)
       [ -f "$LOG_DIR/verify_attention_grid.json" ] ||
         cp evals/results/verify_attention_grid.json "$LOG_DIR/" 2> /dev/null
+      read -ra gmethods <<< "${GRID_METHODS:-}"
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py --grid --grid-keep \
-        --grid-dtype "${stage#grid}" --grid-out "$LOG_DIR/verify_attention_grid"
+        --grid-dtype "${stage#grid}" --grid-out "$LOG_DIR/verify_attention_grid" \
+        ${GRID_METHODS:+--grid-methods "${gmethods[@]}"}
       tail -5 "$LOG_DIR/$stage.log" ;;
     grid|grid120|gridsplits)
       gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")
