@@ -722,3 +722,84 @@ def test_trees_of_a_hold_that_ends_on_a_plain_step_count_nowhere():
     assert len(counted) > 6
     for arm, tokens in counted:
         assert tokens == committed[engine.gate.arms[arm]]
+
+
+def serve(engine: Engine, steps: int, rng: np.random.Generator, batches=(60, 68)) -> None:
+    """Continuous batching around the 64 | 65 bucket edge: each step the batch moves by
+    up to 2 requests within ``batches`` (requests finish, others arrive), and on about
+    every third step a new request's uncached prompt tail (1-63 tokens after 1,024
+    cached ones) is prefilled beside the decodes."""
+    num_reqs = 64
+    for _ in range(steps):
+        num_reqs = int(np.clip(num_reqs + rng.integers(-2, 3), *batches))
+        if rng.random() < 1 / 3:
+            engine.prompt_chunks.append((int(rng.integers(1, 64)), 1024))
+        engine.run(num_reqs, 1)
+
+
+def residual_samples(engine: Engine) -> int:
+    return sum(int(stats.residual_count.sum()) for stats in engine.gate.stats.values())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_continuous_batching_around_a_bucket_edge_keeps_each_decisions_sample(seed):
+    """Held decisions of 200 us (about 5 steps a hold at batch 64; the gate of the H100
+    sweep decided about once in 6 steps there) at a batch crossing 64 | 65 every few
+    steps, a third of the steps prefilling a prompt tail. A cell of 140 steps took 3-15
+    residual samples from 30-42 decisions (seeds 0-3; the sweep's gate: 7-17 in
+    123-140 steps): a hold that the crossing ended decided on a step that was not timed
+    (it had started held), and every prefill step was atypical (fewer than half of the
+    steps held one). Now each decision's step is timed and the typical prefills count:
+    17-52 samples from 19-54 decisions (fewer decisions where the bucket settled on
+    plain decoding, whose shorter steps hold longer)."""
+    clock = DecisionClock(200e-6)
+    engine = Engine(host_clock=clock, seed=seed)
+    rng = np.random.default_rng(seed)
+    serve(engine, 300, rng)
+    samples, decisions = residual_samples(engine), clock.decisions
+    serve(engine, 140, rng)
+    samples, decisions = residual_samples(engine) - samples, clock.decisions - decisions
+    assert 140 / 8 <= decisions < 140 / 2, decisions  # the decisions held
+    assert samples >= 0.85 * decisions, (samples, decisions)
+
+
+def test_a_step_that_leaves_the_held_bucket_or_cap_is_timed():
+    """The propose of a step whose batch left the held decision's bucket (or cap)
+    decides: its start is marked as a timed step, not only as the end of one."""
+    engine = Engine(host_clock=DecisionClock(200e-6))
+    gate = engine.gate
+
+    def run_until_held(num_reqs: int, hold: int) -> None:
+        for _ in range(100):
+            if gate._hold >= hold:
+                return
+            engine.run(num_reqs, 1)
+        raise AssertionError(f"no hold of {hold} at batch {num_reqs}")
+
+    engine.run(64, 200)
+    run_until_held(64, 2)
+    gate.step_started(64, 4, cap=64)  # held: no mark
+    assert gate._hold > 0 and not any(m.drafted is None for m in gate.marks)
+    gate.decide(64, np.full(64, 1024), 64)
+    gate.step_started(65, 4, cap=64)
+    assert gate._hold == 0 and gate.marks[-1].timed and gate.marks[-1].drafted is None
+    gate.decide(65, np.full(65, 1024), 64)
+    run_until_held(65, 1)
+    gate.step_started(65, 2, cap=2)  # the schedule's budget changed inside the bucket
+    assert gate._hold == 0 and gate.marks[-1].timed
+
+
+def test_prefill_steps_count_where_a_quarter_of_the_steps_hold_one():
+    """A bucket where every third step prefills a prompt tail of similar size: those
+    steps are typical (the median of all steps, zeros included, was 0 there and put
+    them all out); where one step in ten prefills, none is; and a prefill over
+    TYPICAL_PREFILL times the prefill steps' median is not."""
+    from vllm_ddtree.budget.gate_stats import TYPICAL_PREFILL, GateStats
+
+    stats = GateStats(len(ARMS), 0, 32)
+    kept = [stats.typical_prefill(1000 + i if i % 3 == 0 else 0) for i in range(300)]
+    assert all(kept[i] for i in range(102, 300, 3))
+    assert not stats.typical_prefill(int(TYPICAL_PREFILL * 2000))
+    stats = GateStats(len(ARMS), 0, 32)
+    kept = [stats.typical_prefill(1000 if i % 10 == 0 else 0) for i in range(300)]
+    assert not any(kept[i] for i in range(100, 300, 10))
