@@ -3,10 +3,14 @@
 At batch 1 the embedded pair's steps wait on the host, so every microsecond the gate
 spends in ``propose`` is a microsecond of the step. This drives the gate through the
 CPU test suite's simulated engine (``tests/test_budget_gate.Engine``: a fake GPU clock,
-steps of the durations that suite uses), lets it settle, then times the three calls it
-makes each step: ``StepPlan.step_shape`` (``execute_model``),
-``SpeculationGate.record_acceptance_`` and ``StepPlan.draft_next`` (``propose``). The
-engine's own simulation is not timed. The gate times its decisions on the real host
+steps of the durations that suite uses), lets it settle, then times the calls auto
+makes each step: ``StepPlan.step_shape`` (``execute_model``; with a
+``VerifyShapeChooser`` holding B, so the arms cap the shape as without one),
+``SpeculationGate.record_acceptance_``, ``BudgetPolicy.observe_round``,
+``StepPlan.draft_next`` and the chooser's ``record_`` of the device's choice after a
+drafted round (``propose``; the last two skipped where the gate holds its decision,
+in versions whose ``StepPlan`` has ``holding``, as ``DDTreeSpeculator.propose`` does).
+The engine's own simulation is not timed. The gate times its decisions on the real host
 clock, as in vLLM, so a decision holds for as many of the simulated steps (about 1 ms
 at batch 1, 4 ms at 64) as in a run with steps that long. CPU host time only (no
 CUDA events, no pinned copies): compare versions on one machine, not across machines.
@@ -35,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-CALLS = ("step_shape", "record_acceptance_", "draft_next")
+CALLS = ("step_shape", "record_acceptance_", "observe_round", "draft_next", "shape_record_")
 
 
 def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str, float]:
@@ -44,7 +48,8 @@ def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str,
     from test_budget_gate import Engine
 
     engine = Engine(seed=0, host_clock=None)  # the gate's own clock: its decisions hold
-    engine.run(num_reqs, warmup)
+    policy, chooser, chosen = _auto_parts(engine.plan.max_budget)
+    engine.plan.chooser = chooser
     spent = dict.fromkeys(CALLS, 0.0)
 
     def timed(name, call):
@@ -55,12 +60,52 @@ def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str,
             return result
         return wrapper
 
+    observe = timed("observe_round", lambda plan: _observe(policy, plan))
+    record = timed("shape_record_", chooser.record_)
+    draft_next = timed("draft_next", engine.plan.draft_next)
+
+    def propose(num_reqs, contexts=None):  # DDTreeSpeculator.propose's order
+        held = observe(engine.plan)
+        drafted = draft_next(num_reqs, contexts)
+        if drafted and not held:
+            record(chosen)
+        return drafted
+
+    engine.plan.draft_next = propose
+    engine.run(num_reqs, warmup)
+    spent = dict.fromkeys(CALLS, 0.0)
     engine.plan.step_shape = timed("step_shape", engine.plan.step_shape)
-    engine.plan.draft_next = timed("draft_next", engine.plan.draft_next)
     engine.gate.record_acceptance_ = timed("record_acceptance_",
                                            engine.gate.record_acceptance_)
     engine.run(num_reqs, steps)
     return {name: 1e6 * seconds / steps for name, seconds in spent.items()}
+
+
+def _auto_parts(max_budget: int):
+    """``(BudgetPolicy, VerifyShapeChooser, the device's choice)`` on the CPU: a policy
+    over a linear attention table, a chooser of B, and the choice: int64 ``[1]`` B."""
+    import torch
+
+    from vllm_ddtree.budget.attention_timing import measure_attention_table
+    from vllm_ddtree.budget.policy import BudgetPolicy, candidate_budgets
+    from vllm_ddtree.verify.shape import VerifyShapeChooser
+
+    table = measure_attention_table(lambda c, q: 1e-9 * c * q, [1024, 4096],
+                                    candidate_budgets(max_budget))
+    chosen = torch.full((1,), max_budget, dtype=torch.int64)
+    return BudgetPolicy(table, num_layers=2), VerifyShapeChooser(max_budget, "cpu"), chosen
+
+
+def _observe(policy, plan) -> bool:
+    """``observe_round`` as the speculator calls it; whether the gate holds (versions
+    before ``StepPlan.holding``: never, every round sampled)."""
+    held = getattr(plan, "holding", False)
+    verified = plan.last_shape > 0
+    if held:
+        policy.observe_round(time.perf_counter(), verified=verified, sample=False)
+    else:
+        policy.observe_round(time.perf_counter(), verified=verified)
+    return held
 
 
 def _measure(batches: list[int], steps: int, package_root: Path | None) -> dict:
@@ -120,7 +165,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {b} | {name} | " + " | ".join(f"{m:.1f}" for m in medians)
                   + f" | {totals[name]:.1f} |")
         if args.baseline:
-            print(f"| {b} | ratio | | | | {totals['working tree'] / totals[args.baseline]:.2f} |")
+            ratio = totals["working tree"] / totals[args.baseline]
+            print("| " + " | ".join([str(b), "ratio", *[""] * len(CALLS), f"{ratio:.2f}"])
+                  + " |")
 
 
 if __name__ == "__main__":

@@ -516,6 +516,34 @@ def test_fixed_budget_verifier_is_unchanged_by_active_nodes():
     assert int(walk.accepted_depth[0]) == int(sc.trees.depths[0, deep])
 
 
+@pytest.mark.parametrize("in_graph", [False, True])
+def test_a_round_sample_dispatches_one_torch_op(in_graph):
+    """observe_round writes the round's seconds (and the graph's pending flag) through a
+    NumPy view of its pinned slot and copies that slot to the device: one torch op (it
+    dispatched eight in the graph's form: a select, two element writes, the copy).
+    ``sample=False`` (the step gate holds its decision) only restarts the round clock:
+    no op, no sample, and the next sample spans one round."""
+    from test_verify_shape import TorchOps
+
+    table = measure_attention_table(lambda c, q: 1e-5 * q, [1024, 4096], [1, 2, 4])
+    policy = BudgetPolicy(table, num_layers=10, ema_weight=0.5)
+    policy.in_graph = in_graph  # enable_in_graph_ refuses CPU tensors
+    policy.observe_round(1.0)
+    with TorchOps() as counted:
+        policy.observe_round(1.004)
+    assert counted.ops == ["aten.copy_.default"]
+    sample = policy._wall_flagged if in_graph else policy._wall_device
+    assert sample.tolist()[:2] == pytest.approx([0.004, 1.0][: sample.numel()], rel=1e-5)
+    policy._wall_flagged.zero_()  # the graph consumed it
+    policy._sample_pending = False
+    with TorchOps() as counted:
+        policy.observe_round(1.010, sample=False)
+    assert counted.ops == [] and not policy._sample_pending
+    assert float(policy._wall_flagged[1]) == 0.0
+    policy.observe_round(1.013)
+    assert float(sample[0]) == pytest.approx(0.003, rel=1e-4)
+
+
 def test_auto_round_path_has_no_host_sync():
     """Observe the round time, choose b, store it, fill the verify inputs and walk:
     no host sync on the way (the detector treats CPU tensors as device tensors)."""

@@ -803,3 +803,27 @@ def test_prefill_steps_count_where_a_quarter_of_the_steps_hold_one():
     stats = GateStats(len(ARMS), 0, 32)
     kept = [stats.typical_prefill(1000 if i % 10 == 0 else 0) for i in range(300)]
     assert not any(kept[i] for i in range(100, 300, 10))
+
+
+def test_holding_is_true_exactly_at_the_proposes_that_keep_the_decision():
+    """``StepPlan.holding`` (read by the speculator before the gate's propose, to skip
+    the verify shape's copy and the round's wall sample) is False exactly where the
+    gate then decides, at batch 1, 64 and around the 64 | 65 edge."""
+    clock = DecisionClock(200e-6)
+    engine = Engine(host_clock=clock)
+    draft_next = engine.plan.draft_next
+    held, decided = [], []
+
+    def propose(num_reqs, contexts=None):
+        held.append(engine.plan.holding)
+        reads = clock.reads
+        drafted = draft_next(num_reqs, contexts)
+        decided.append(clock.reads > reads)
+        return drafted
+
+    engine.plan.draft_next = propose
+    engine.run(1, 300)
+    engine.run(64, 200)
+    serve(engine, 200, np.random.default_rng(0))
+    assert [not h for h in held] == decided
+    assert 0.1 * len(held) < sum(decided) < 0.5 * len(held)

@@ -463,6 +463,42 @@ def test_auto_chooses_and_stores_inside_the_draft_step(monkeypatch):
     assert recorded == [int(want)] and torch.equal(state.active_nodes, stored)
 
 
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_propose_of_a_held_gate_decision_skips_the_shape_copy_and_the_round_sample(
+        monkeypatch, in_graph):
+    """While auto's step gate holds its decision (``StepPlan.holding``), propose neither
+    copies the device's budget choice to the verify-shape chooser nor samples the
+    round's wall time (it restarts the round clock); at a propose where the gate
+    decides, both happen, as before the gate held."""
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    state = new_state()
+    state.enable_adaptive_(MAX_REQS, "cpu")
+    spec = fake_speculator(state)
+    spec.adaptive = spec.store_trees_in_graph = in_graph
+    policy = _auto_policy()
+    observed, recorded = [], []
+    monkeypatch.setattr(policy, "observe_round",
+                        lambda now, verified=True, sample=True: observed.append(sample))
+    spec.budget_policy = policy
+    spec.verify_shape = NS(record_=lambda b: recorded.append(int(b.reshape(-1)[0])))
+    if not in_graph:
+        monkeypatch.setattr(spec.state, "store_trees_", lambda *a, **k: None)
+    plan = NS(holding=True, gate=None, draft_next=lambda num_reqs, contexts: True)
+    spec.step_plan = plan
+    monkeypatch.setattr(DFlashSpeculator, "propose",
+                        lambda self, input_batch, *a, **k: self.draft_tokens[:2])
+    batch = NS(num_reqs=2, query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+               idx_mapping=torch.tensor([4, 1], dtype=torch.int32),
+               seq_lens=torch.tensor([900, 1000], dtype=torch.int32))
+    ones = torch.ones(2, dtype=torch.int32)
+    for holding in (True, True, False, True):
+        plan.holding = holding
+        spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None)
+    assert observed == [False, False, True, False]
+    assert len(recorded) == 1
+
+
 def test_the_in_graph_choice_refuses_cpu_tensors():
     with pytest.raises(NotImplementedError, match="CUDA"):
         _auto_policy().enable_in_graph_()

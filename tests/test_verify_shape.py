@@ -9,6 +9,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_ddtree.config import DDTreeConfig, DDTreeConfigError, split_ddtree_spec
 from vllm_ddtree.verify.shape import VerifyShapeChooser, truncate_drafts
@@ -84,6 +85,89 @@ def test_chooser_with_a_budget_that_is_not_a_power_of_two():
     assert chooser.shapes == [1, 2, 4, 8, 16, 24]
     chooser.record_(torch.tensor(17))
     assert chooser.next_shape() == 24
+
+
+class TorchOps(TorchDispatchMode):
+    """The aten ops dispatched inside the block (``ops``: their names)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class FakeEvent:
+    """A CUDA event's stand-in: counts the events made and their records; complete
+    unless ``done`` is cleared."""
+
+    made = 0
+
+    def __init__(self):
+        FakeEvent.made += 1
+        self.records, self.done = 0, True
+
+    def record(self, stream=None):
+        self.records += 1
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+
+
+def test_a_shape_round_dispatches_one_torch_op():
+    """record_ of the device's choice (int64 [1], as ``BudgetPolicy.chosen``) and
+    next_shape cost one torch op a round, the copy: the slot's view and the read back
+    (a NumPy view of the pinned slots) dispatch none (five ops a round before: a slice,
+    the copy, a select and the scalar read, microseconds each of the host's round)."""
+    chooser = VerifyShapeChooser(64, "cpu")
+    chosen = torch.tensor([8])
+    for b in (4, 8):
+        chooser.record_(torch.tensor([b]))
+    with TorchOps() as counted:
+        chooser.record_(chosen)
+        assert chooser.next_shape() == 8
+    assert counted.ops == ["aten.copy_.default"]
+
+
+def test_chooser_records_each_slots_event_again():
+    """One event a slot, made with the chooser and recorded again at each use (an event
+    made per round cost its creation and destruction); a copy whose event has not
+    completed holds the shape at the last completed one."""
+    FakeEvent.made = 0
+    chooser = VerifyShapeChooser(64, "cpu", make_event=FakeEvent)
+    for b in [2, 8, 1, 32, 2, 4, 8, 1, 2, 64, 8, 16]:  # more rounds than slots
+        chooser.record_(torch.tensor(b))
+        assert chooser.next_shape() == b
+    assert FakeEvent.made == len(chooser._events) < 12
+    assert sum(e.records for e in chooser._events) == 12
+    chooser.record_(torch.tensor(4))
+    chooser._events[(chooser._next_slot - 1) % len(chooser._events)].done = False
+    assert chooser.next_shape() == 16
+    lagged = VerifyShapeChooser(64, "cpu", lag=1, make_event=FakeEvent)
+    lagged.record_(torch.tensor(4))
+    lagged._events[0].done = False
+    assert lagged.next_shape() == 4 and lagged._events[0].done  # waited on its event
+
+
+def test_current_stream_is_built_again_only_when_it_changed(monkeypatch):
+    """``torch.cuda.current_stream`` builds a Stream object at each call; the chooser's
+    events take it from ``_CurrentStream``, which compares the raw handle."""
+    from vllm_ddtree.verify import shape
+
+    handle, built = [1], []
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: handle[0],
+                        raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda index: built.append(index) or f"stream {handle[0]}")
+    current = shape._CurrentStream(torch.device("cuda", 3))
+    assert [current() for _ in range(5)] == ["stream 1"] * 5 and built == [3]
+    handle[0] = 2  # e.g. a side stream
+    assert current() == "stream 2" and built == [3, 3]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned slots, events)")

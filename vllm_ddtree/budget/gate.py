@@ -14,8 +14,8 @@ module holds the decision, :class:`SpeculationGate`:
   the device's budget or the schedule may have cut below the arm: an arm above the
   device's choice is then predicted no faster than the step it runs; a prefill's tokens
   beside the decodes as more rows of the forward; a step holding a prefill counts only
-  where at least half of the bucket's steps hold one and its prefill's attention is
-  typical of them), and the tokens committed per tree (DDTree's device counters, copied
+  where at least a quarter of the bucket's steps hold one and its prefill's attention
+  is typical of theirs), and the tokens committed per tree (DDTree's device counters, copied
   to pinned memory and read once the copy completed; a step's trees cut to each smaller
   arm's size give that arm's figure too: the walk's arm counters);
 * the predicted rate of arm ``a`` is ``committed(a) / (model(a) + residual(a))`` at this
@@ -35,7 +35,9 @@ show in the step's (:meth:`SpeculationGate.decide`): at batch 1 the step's time 
 host's, and a decision (draining the counters and the timing events, rating every arm)
 costs about a twentieth of it. Between decisions the gate only counts the steps; the
 trees of the held steps are counted together at the next decision (DDTree's counters
-are cumulative), and one step of each hold is timed.
+are cumulative), and the step whose propose decides is timed: the one after the hold,
+or one whose batch left the hold's bucket or cap (its start ends the hold,
+:meth:`SpeculationGate.step_started`).
 
 Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
 so a batch that jumps every few steps between far-apart buckets (say 3 and 200
@@ -56,7 +58,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_ddtree.budget.gate_stats import Ema, GateStats, batch_bucket, bucket_batches
+from vllm_ddtree.budget.gate_stats import (
+    Ema,
+    GateStats,
+    batch_bucket,
+    bucket_batches,
+    bucket_bounds,
+)
 from vllm_ddtree.budget.step_cost import StepCostModel
 
 __all__ = ["GateStats", "SpeculationGate", "batch_bucket"]
@@ -201,6 +209,7 @@ class SpeculationGate:
         self._hold = 0
         self._held = 0  # proposes held since the last decision
         self._hold_key: tuple[int, int] = (-1, -1)  # (bucket, cap)
+        self._hold_batches = (0, -1)  # the bucket's batch sizes (gate_stats.bucket_bounds)
         self._decision_seconds = Ema()
         self._close_next = False  # the next step's start closes a timed step
 
@@ -209,6 +218,16 @@ class SpeculationGate:
         """The arms above 0 (verify shapes), in order: the sizes the walk's arm
         counters cut each tree to (``DDTreeRuntimeState.enable_arm_counters_``)."""
         return self.arms[1:]
+
+    @property
+    def holding(self) -> bool:
+        """Whether the next :meth:`decide` keeps the held decision (after this step's
+        :meth:`step_started`, which ends a hold that the batch left). The speculator
+        then also skips the round's copy of the device's budget choice and its wall
+        time sample: the step runs the held arm, and a copy and a sample a decision
+        are enough for the verify shape and the base time (``VerifyShapeChooser``,
+        ``BudgetPolicy.observe_round``)."""
+        return self._hold > 0
 
     # -- feeds --------------------------------------------------------------------------
 
@@ -275,13 +294,22 @@ class SpeculationGate:
         return out
 
     def step_started(self, num_reqs: int, shape: int, prefill_reqs: int = 0,
-                     prefill_tokens: int = 0, prefill_pairs: int = 0) -> None:
+                     prefill_tokens: int = 0, prefill_pairs: int = 0,
+                     cap: int | None = None) -> None:
         """At ``execute_model``: mark the step's start on the stream (a timing event)
         where the gate times it (its propose decides) or it ends a timed step.
         ``shape``: the drafts each request verifies; ``prefill_reqs`` of the
         ``num_reqs`` requests are not decodes and take ``prefill_tokens`` tokens, whose
         attention spans ``prefill_pairs`` query-key pairs
-        (``vllm_ddtree.verify.shape.prefill_load``)."""
+        (``vllm_ddtree.verify.shape.prefill_load``); ``cap``: the batch schedule's
+        budget for this batch (None: the held decision's). A batch that left the held
+        decision's bucket or cap ends the hold here, so the step whose propose then
+        decides is timed: under continuous batching around a bucket's edge the batch
+        crosses it every few steps, and each crossing cost the decision its sample."""
+        if self._hold > 0:
+            lo, hi = self._hold_batches
+            if not lo <= num_reqs <= hi or (cap is not None and cap != self._hold_key[1]):
+                self._hold = 0
         timed = self._hold == 0  # this step's propose decides: time the step
         if not (timed or self._close_next):
             return
@@ -371,8 +399,8 @@ class SpeculationGate:
         counts where its prefill is typical of the bucket (:meth:`GateStats.
         typical_prefill`): under continuous batching at large batch nearly every step
         holds one, and their unmodeled part (the prefill's attention) is what each arm's
-        steps pay there. Other prefills are left out, and where fewer than half of the
-        steps hold one, all are: a long prompt's chunks (their attention growing with
+        steps pay there. Other prefills are left out, and where fewer than a quarter of
+        the steps hold one, all are: a long prompt's chunks (their attention growing with
         the prompt) fill consecutive steps, more than the lower median of the settled
         arm's window holds, while the other arms' windows keep the bucket's usual steps,
         and the bucket moved to a slower arm for thousands of steps. Steps that mix kinds
@@ -498,7 +526,7 @@ class SpeculationGate:
         if cap > 0 and stats is not None:  # the gate's steps by arm, for the report
             stats.chosen[self._index[arm]] += 1
             self._hold = self._hold_steps(stats, arm, self.host_clock() - start)
-            self._hold_key = key
+            self._hold_key, self._hold_batches = key, bucket_bounds(key[0])
         if mark is not None:
             mark.drafted = arm > 0
             if mark.arm in self._index:

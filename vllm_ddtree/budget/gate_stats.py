@@ -10,24 +10,31 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches"]
+__all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds"]
 
 # Weight of a new sample in an arm's committed tokens per tree (after the first 1 / it).
 EMA_WEIGHT = 0.2
 # Residual samples an arm's estimate is the (lower) median of: one interval stretched
 # by a host stall (a GC pause, a log flush) must not move it.
 RESIDUAL_WINDOW = 15
-# A step holding a prefill counts toward the residuals only when its prefill's attention
+# A step holding a prefill counts toward the residuals only where at least PREFILL_SHARE
+# of its bucket's last PREFILL_WINDOW timed steps held one, and its prefill's attention
 # work (query-key pairs, ``vllm_ddtree.verify.shape.prefill_load``) is at most
-# TYPICAL_PREFILL times the lower median of its bucket's last PREFILL_WINDOW timed steps
-# (0 for a step without one): typical of the bucket.
+# TYPICAL_PREFILL times the lower median of theirs: typical of the bucket.
 PREFILL_WINDOW = 128
+PREFILL_SHARE = 0.25
 TYPICAL_PREFILL = 4.0
 
 
 def batch_bucket(num_reqs: int) -> int:
     """``ceil(log2(num_reqs))``: batches of 1, 2, 3-4, 5-8, ... share statistics."""
     return max(0, math.ceil(math.log2(max(1, num_reqs))))
+
+
+def bucket_bounds(bucket: int) -> tuple[int, int]:
+    """``(lo, hi)``: the batch sizes :func:`batch_bucket` puts in ``bucket``, ``lo <= n
+    <= hi`` (bucket 0 from 0 requests): two comparisons where a step asks."""
+    return (0, 1) if bucket <= 0 else (2 ** (bucket - 1) + 1, 2 ** bucket)
 
 
 def bucket_batches(bucket: int) -> str:
@@ -105,14 +112,23 @@ class GateStats:
 
     def typical_prefill(self, pairs: int) -> bool:
         """Record a timed step's prefill attention pairs (0 without a prefill); whether
-        they are at most ``TYPICAL_PREFILL`` times the lower median of the bucket's last
-        ``PREFILL_WINDOW`` steps, this one included (a step without a prefill always
-        is; where fewer than half of the steps hold one, no step with one is)."""
+        they are typical of the bucket's last ``PREFILL_WINDOW`` steps, this one
+        included: a step without a prefill always is; one with a prefill where at least
+        ``PREFILL_SHARE`` of the steps hold one and its pairs are at most
+        ``TYPICAL_PREFILL`` times the lower median of theirs. (The lower median of all
+        the steps, zeros included, put every prefill out where fewer than half of the
+        steps held one, and where just over half did it was one of the smallest: under
+        continuous batching at large batch, a new request's prompt tail every second or
+        third step, most timed steps were lost. A long prompt's chunks on consecutive
+        steps of a bucket where prefills are otherwise rare stay out while they are
+        under a quarter of the window: 32 timed steps.)"""
         self.prefill_pairs.append(pairs)
         if pairs <= 0:
             return True
-        ordered = sorted(self.prefill_pairs)
-        return pairs <= TYPICAL_PREFILL * ordered[(len(ordered) - 1) // 2]
+        held = sorted(p for p in self.prefill_pairs if p > 0)
+        if len(held) < PREFILL_SHARE * len(self.prefill_pairs):
+            return False
+        return pairs <= TYPICAL_PREFILL * held[(len(held) - 1) // 2]
 
     def add_residual(self, arm: int, seconds: float) -> None:
         median = self.residuals[arm]

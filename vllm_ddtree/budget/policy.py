@@ -68,10 +68,11 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   once completed (``Event.query``); the gate times the step whose propose decides, and a
   decision holds for as many steps as keep its own host time at 1 % of theirs (several
   at batch 1, where the step's time is the host's). A step that
-  holds a prefill counts only where at least half of the bucket's last 128 steps hold
-  one (continuous batching at large batch) and its prefill's attention (query-key
-  pairs) is at most 4x their median: a long prompt's chunks on consecutive steps, their
-  attention growing with the prompt, would fill the settled arm's window alone. ``E(a)`` =
+  holds a prefill counts only where at least a quarter of the bucket's last 128 timed
+  steps hold one (continuous batching at large batch) and its prefill's attention
+  (query-key pairs) is at most 4x the median of theirs: a long prompt's chunks on
+  consecutive steps, their attention growing with the prompt, would fill the settled
+  arm's window alone. ``E(a)`` =
   tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
   copied to pinned memory at each decision, the held steps' trees with it, and read once
   their copy completed; 1 for plain
@@ -231,6 +232,12 @@ class BudgetPolicy:
         self._wall_host_flagged = torch.zeros(
             _WALL_SLOTS, 2, dtype=torch.float32, pin_memory=device.type == "cuda"
         )
+        # The pinned slots as views the copies read and as NumPy arrays written without
+        # a torch op (observe_round ran eight: microseconds of the host's round).
+        self._wall_host_slots = [self._wall_host[i : i + 1] for i in range(_WALL_SLOTS)]
+        self._wall_host_values = self._wall_host.numpy()
+        self._wall_flagged_slots = list(self._wall_host_flagged.unbind(0))
+        self._wall_flagged_values = self._wall_host_flagged.numpy()
         self._slot = 0
         self._last_round_start: float | None = None
         # A wall sample copied to _wall_device that the next choose folds into base.
@@ -370,25 +377,28 @@ class BudgetPolicy:
             torch.where(known, (1 - w) * self.base_seconds + w * sample, sample)
         )
 
-    def observe_round(self, now: float | None = None, verified: bool = True) -> None:
+    def observe_round(self, now: float | None = None, verified: bool = True,
+                      sample: bool = True) -> None:
         """Host hook at the start of every ``propose``: the time since the previous
         call is one round when ``verified`` (this step verified trees) and the engine
-        was not idle in between. Copies it to the device without a sync; the next
-        :meth:`choose` folds it into the base time (:meth:`update_base_`)."""
+        was not idle in between. Copies it to the device without a sync (one torch op);
+        the next :meth:`choose` folds it into the base time (:meth:`update_base_`).
+        ``sample`` False: only restart the round clock (the step gate holds its
+        decision: one sample a decision is enough for the base time's EMA)."""
         now = time.perf_counter() if now is None else now
         last, self._last_round_start = self._last_round_start, now
-        if last is None or not verified or not 0 < now - last <= MAX_ROUND_SECONDS:
+        if (last is None or not (verified and sample)
+                or not 0 < now - last <= MAX_ROUND_SECONDS):
             return
+        slot = self._slot
+        self._slot = (slot + 1) % _WALL_SLOTS
         if self.in_graph:  # (seconds, pending) for the graph's choice
-            pair = self._wall_host_flagged[self._slot]
-            self._slot = (self._slot + 1) % _WALL_SLOTS
+            pair = self._wall_flagged_values[slot]
             pair[0], pair[1] = now - last, 1.0
-            self._wall_flagged.copy_(pair, non_blocking=True)
+            self._wall_flagged.copy_(self._wall_flagged_slots[slot], non_blocking=True)
             return
-        slot = self._wall_host[self._slot : self._slot + 1]
-        self._slot = (self._slot + 1) % _WALL_SLOTS
-        slot.fill_(now - last)
-        self._wall_device.copy_(slot, non_blocking=True)
+        self._wall_host_values[slot] = now - last
+        self._wall_device.copy_(self._wall_host_slots[slot], non_blocking=True)
         self._sample_pending = True
 
     def reset_round_clock(self) -> None:

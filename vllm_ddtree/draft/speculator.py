@@ -568,11 +568,15 @@ class DDTreeSpeculator(DFlashSpeculator):
         draft tokens int64 ``[R, B]`` (a view of ``draft_tokens``)."""
         num_reqs = input_batch.num_reqs
         walk = None if dummy_run else self.state.take_walk(num_reqs)
+        # auto's step gate keeps its held decision at this propose: the round's wall
+        # time and the device's budget choice are taken where it decides
+        held = not dummy_run and self.step_plan is not None and self.step_plan.holding
         if self.budget_policy is not None:
             if dummy_run:
                 self.budget_policy.reset_round_clock()
             else:
-                self.budget_policy.observe_round(time.perf_counter(), verified=walk is not None)
+                self.budget_policy.observe_round(time.perf_counter(), verified=walk is not None,
+                                                 sample=not held)
         draft = dummy_run or self._draft_next(input_batch, walk)
         if walk is not None:
             query_start_loc = input_batch.query_start_loc[: num_reqs + 1]
@@ -642,7 +646,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         finally:
             if group_ids is not None:
                 self.draft_kv_cache_group_ids = group_ids
-        if not dummy_run and self.store_trees_in_graph and self.verify_shape is not None:
+        record = not (dummy_run or held) and self.verify_shape is not None
+        if record and self.store_trees_in_graph:
             self.verify_shape.record_(self.budget_policy.chosen)  # auto, in graph
         if not dummy_run and not self.store_trees_in_graph:
             active = None
@@ -650,7 +655,7 @@ class DDTreeSpeculator(DFlashSpeculator):
                 active = self.budget_policy.choose(
                     self.batch_scores[:num_reqs], input_batch.seq_lens[:num_reqs]
                 )
-                if self.verify_shape is not None:
+                if record:
                     self.verify_shape.record_(active)
             self.state.store_trees_(
                 input_batch.idx_mapping,

@@ -21,11 +21,13 @@ device chose in the newest round whose choice has reached the host:
   does for its dynamic speculative decoding (``cudagraph_utils.py:196-220``).
 
 The choice reaches the host without a sync: each ``propose`` copies ``b`` into a
-pinned slot (non-blocking) and records an event; at TP = 1 the host takes the newest
-slot whose event has completed (``Event.query``, never a wait): usually the round
-before the last one, since the host runs about one step ahead of the GPU. The device
-still picks ``b`` every round and masks the rows past it, so a lagging shape costs
-rows, never correctness.
+pinned slot (non-blocking) and records the slot's event; at TP = 1 the host takes the
+newest slot whose event has completed (``Event.query``, never a wait): usually the
+round before the last one, since the host runs about one step ahead of the GPU. The
+device still picks ``b`` every round and masks the rows past it, so a lagging shape
+costs rows, never correctness. Where auto's step gate holds its decision
+(``StepPlan.holding``) the speculator skips the copy: the held steps keep the shape of
+the choice copied at the decision (and the held arm caps it).
 
 Ranks of a tensor-parallel group must cut the same drafts (their collectives need
 equal shapes), but could see different slots complete. With ``lag`` set (TP > 1)
@@ -130,6 +132,23 @@ def truncate_drafts(scheduler_output: Any, num_drafts: int) -> Any:
     )
 
 
+class _CurrentStream:
+    """``torch.cuda.current_stream(device)`` for a call every round:
+    ``torch.cuda.current_stream`` builds a new ``Stream`` object at each call, this one
+    only when the device's current stream changed (a raw handle compared)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self._handle: int | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    def __call__(self) -> torch.cuda.Stream:
+        handle = torch._C._cuda_getCurrentRawStream(self.index)
+        if handle != self._handle:
+            self._handle, self._stream = handle, torch.cuda.current_stream(self.index)
+        return self._stream
+
+
 class VerifyShapeChooser:
     """The verify shape of the next step, from the device's recent budget choices.
 
@@ -141,10 +160,13 @@ class VerifyShapeChooser:
         lag: None: the newest completed choice (TP = 1); an int in
             ``1.._SLOTS - 1``: the choice of exactly that many rounds before, the same
             on every rank (TP > 1).
+        make_event: ``() -> event`` with ``record(stream)``, ``query()`` and
+            ``synchronize()``, one made per slot and recorded again at each use of the
+            slot; default CUDA events on CUDA, none elsewhere. Tests pass fakes.
     """
 
     def __init__(self, max_budget: int, device: torch.device | str,
-                 lag: int | None = None) -> None:
+                 lag: int | None = None, make_event: Any = None) -> None:
         if lag is not None and not 1 <= lag < _SLOTS:
             raise ValueError(f"lag must be in 1..{_SLOTS - 1} or None, got {lag}")
         self.lag = lag
@@ -154,7 +176,14 @@ class VerifyShapeChooser:
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self._host = torch.full((_SLOTS,), max_budget, dtype=torch.int64, pin_memory=cuda)
-        self._events: list[torch.cuda.Event | None] = [None] * _SLOTS
+        # The same pinned memory as int64 [1] views the copies land in and as a NumPy
+        # array read back without a torch op (two a read, microseconds each).
+        self._host_slots = [self._host[i : i + 1] for i in range(_SLOTS)]
+        self._host_values = self._host.numpy()
+        if make_event is None and cuda:
+            make_event = torch.cuda.Event
+        self._events = [None if make_event is None else make_event() for _ in range(_SLOTS)]
+        self._stream = _CurrentStream(self.device) if cuda else lambda: None
         self._pending: deque[int] = deque()
         self._next_slot = 0
         self._latest = max_budget
@@ -166,12 +195,12 @@ class VerifyShapeChooser:
         self._next_slot = (slot + 1) % _SLOTS
         if slot in self._pending:  # the host ran _SLOTS rounds ahead: drop the oldest
             self._pending.remove(slot)
-        self._host[slot : slot + 1].copy_(budget.reshape(1), non_blocking=True)
-        event = None
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-        self._events[slot] = event
+        if budget.dim() != 1:
+            budget = budget.reshape(1)
+        self._host_slots[slot].copy_(budget, non_blocking=True)
+        event = self._events[slot]
+        if event is not None:
+            event.record(self._stream())
         self._pending.append(slot)
         self._num_recorded += 1
 
@@ -188,7 +217,7 @@ class VerifyShapeChooser:
             if event is not None and not event.query():
                 break
             self._pending.popleft()
-            self._latest = int(self._host[slot])
+            self._latest = int(self._host_values[slot])
         return self._latest
 
     def _lagged_budget(self) -> int:
@@ -199,7 +228,7 @@ class VerifyShapeChooser:
         event = self._events[slot]
         if event is not None:
             event.synchronize()  # recorded `lag` rounds ago: normally long complete
-        return int(self._host[slot])
+        return int(self._host_values[slot])
 
     def next_shape(self) -> int:
         """Drafts to verify per request next step: the smallest candidate budget
@@ -269,6 +298,12 @@ class StepPlan:
         self.arm = max_budget  # the gate's last arm (the cap of a drafted step's shape)
         self.last_shape = max_budget
 
+    @property
+    def holding(self) -> bool:
+        """Whether the next ``propose`` keeps the gate's held decision (does not
+        decide): see :attr:`vllm_ddtree.budget.gate.SpeculationGate.holding`."""
+        return self.gate is not None and self.gate.holding
+
     def cap(self, num_reqs: int) -> int:
         """The schedule's budget for a batch of ``num_reqs`` (B without a schedule)."""
         return self.max_budget if self.schedule is None else self.schedule.budget_for(num_reqs)
@@ -278,17 +313,18 @@ class StepPlan:
         pass, else ``min(cap, chooser's shape, the gate's arm)`` (a member of
         ``shapes``). ``prefill``: the step's :func:`prefill_load` (for the gate's
         timing). Host only, no sync."""
+        cap = self.cap(num_reqs)
         if not self.drafted:
             shape = 0
         else:
-            shape = self.cap(num_reqs)
+            shape = cap
             if self.chooser is not None:
                 shape = min(shape, self.chooser.next_shape())
             if self.gate is not None and self.arm > 0:  # arm 0: a warm-up's forced draft
                 shape = min(shape, self.arm)
         self.last_shape = shape
         if self.gate is not None:
-            self.gate.step_started(num_reqs, shape, *prefill)
+            self.gate.step_started(num_reqs, shape, *prefill, cap=cap)
         return shape
 
     def draft_next(self, num_reqs: int, contexts: Any = None) -> bool:
