@@ -116,7 +116,7 @@ def test_context_lens_and_query_quantization():
     seq_lens = torch.tensor([40, 9, 0], dtype=torch.int32)
     qsl = torch.tensor([0, 9, 18, 27], dtype=torch.int32)
     lens = cascade.context_lens(seq_lens, qsl)
-    assert lens.dtype == torch.int32 and lens.tolist() == [31, 0, 0]
+    assert lens.dtype == torch.int32 and lens.tolist() == [31, 1, 1]
     q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
     q8, scale = cascade.quantize_query_fp8(q)
     assert q8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
@@ -149,7 +149,7 @@ def cascade_entry(monkeypatch):
 
     def fake_context(q, kv_cache, block_table, scale, query_len, plan, out, kv_scale):
         record["cascade"] += 1
-        assert plan.ctx_lens.tolist() == [s - query_len for s in record["seq_lens"]]
+        assert plan.ctx_lens.tolist() == [max(1, s - query_len) for s in record["seq_lens"]]
         ctx_out, ctx_lse = context_partial(record["batch"])
         out.copy_(ctx_out.nan_to_num())
         return out, ctx_lse

@@ -93,8 +93,11 @@ def cascade_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int
 
 
 def context_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
-    """int32 ``[R]``: the keys before each request's new tokens (0 for an empty one)."""
-    return (seq_lens - query_start_loc.diff()).clamp_(min=0).to(torch.int32)
+    """int32 ``[R]``: FlashMLA's lengths, the keys before each request's new tokens, at
+    least 1: FlashMLA's fp8 path faulted on a length of 0 (CUDA-graph padding, vLLM's
+    dummy runs). A request without context keys gets its first key's partial, which
+    the tree part never reads (it checks the length itself)."""
+    return (seq_lens - query_start_loc.diff()).clamp_(min=1).to(torch.int32)
 
 
 def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +124,9 @@ def flashmla_context(
     query_len: int, plan: CascadePlan, out: torch.Tensor, kv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode over each request's ``plan.ctx_lens`` context keys, every
-    row seeing all of them. Returns ``out [T, H, 512]`` (``out`` itself in bf16; a new
-    bf16 tensor on the fp8 path) and ``lse`` fp32 ``[R, H, query_len]`` (natural log)."""
+    row seeing all of them. Returns ``out [T, H, 512]`` bf16 (FlashMLA's own buffer:
+    its ``out`` argument takes its internal layout) and ``lse`` fp32 ``[R, H,
+    query_len]`` (natural log). ``out`` is unused."""
     from vllm.v1.attention.ops import flashmla as fm
 
     num_tokens, num_heads, head_dim = q.shape
@@ -134,15 +138,14 @@ def flashmla_context(
             plan.sched_meta = fm.get_mla_metadata()[0]
         ctx_out, lse = fm.flash_mla_with_kvcache(
             q4, k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, plan.sched_meta,
-            softmax_scale=scale, causal=False, is_fp8_kvcache=False,
-            out=out.view(num_reqs, query_len, num_heads, KV_LORA_RANK))
-        return out, lse
+            softmax_scale=scale, causal=False, is_fp8_kvcache=False)
+        return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
     if plan.fp8_meta is None:
         plan.fp8_meta = fm.get_mla_metadata_dense_fp8(plan.ctx_lens, query_len * num_heads, 1)
     q8, q_scale = quantize_query_fp8(q4)
     ctx_out, lse = fm.flash_mla_with_kvcache_fp8(
         q8, k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, *plan.fp8_meta,
-        softmax_scale=scale, causal=False, descale_q=q_scale, descale_k=kv_scale)
+        softmax_scale=scale, causal=False, descale_q=q_scale, descale_k=kv_scale.reshape(1))
     return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
 
 

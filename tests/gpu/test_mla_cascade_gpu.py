@@ -39,14 +39,19 @@ def force_cascade(monkeypatch):
     monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "cascade")
 
 
-def launch(batch, plan=None, **kwargs):
+def host_lens(batch) -> dict:
+    """The host-side maxima the backend passes (a sync: outside any capture)."""
     qlens = batch["query_start_loc"].diff()
     max_query_len = int(qlens.max())
     assert bool((qlens == max_query_len).all())
-    plan = plan if plan is not None else cascade.CascadePlan()
-    lens = dict(validate_values=False, max_query_len=max_query_len,
+    return dict(validate_values=False, max_query_len=max_query_len,
                 max_seq_len=int(batch["seq_lens"].max()))
-    return mla_tree_verify(**batch, **{**lens, **kwargs}, cascade_plan=plan), plan
+
+
+def launch(batch, plan=None, lens=None, **kwargs):
+    plan = plan if plan is not None else cascade.CascadePlan()
+    lens = {**(lens or host_lens(batch)), **kwargs}
+    return mla_tree_verify(**batch, **lens, cascade_plan=plan), plan
 
 
 def fp8_query_reference(batch):
@@ -103,11 +108,12 @@ def test_cuda_graph_replays_plan_at_other_lengths(fp8):
     batch = make_batch([(30000, "tree", 17), (2000, "chain", 17)], heads=16, page_size=64)
     if fp8:
         batch = to_fp8(batch)
-    reference = fp8_query_reference if fp8 else mla_tree_verify_reference
-    launch(batch)  # compiles outside the capture
+    reference = fp8_query_reference if fp8 else (lambda b: mla_tree_verify_reference(**b))
+    lens = {**host_lens(batch), "max_seq_len": 131072}
+    launch(batch, lens=lens)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        (out, lse), _ = launch(batch, max_seq_len=131072)
+        (out, lse), _ = launch(batch, lens=lens)
     for step in range(2):
         if step == 1:
             batch["seq_lens"][0] = 5017  # its first 5000 keys stay the context
@@ -124,7 +130,8 @@ def test_query_quantization_rounds_as_torch():
     (round to nearest even, saturating at 448 by construction)."""
     q = torch.randn(257, 64, 576, device="cuda", dtype=torch.bfloat16) * 7
     q8, scale = cascade.quantize_query_fp8(q)
-    assert torch.equal(scale, (q.float().abs().max() / 448.0).reshape(1))
+    # On the CPU: CUDA divides a tensor by a Python scalar as a product by its reciprocal.
+    assert torch.equal(scale.cpu(), (q.float().abs().max().cpu() / 448.0).reshape(1))
     ref = (q.float() / scale).to(torch.float8_e4m3fn)
     assert torch.equal(q8.view(torch.uint8), ref.view(torch.uint8))
 
