@@ -14,7 +14,8 @@ transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 ro
 ``configs.FP8_TRANSPOSED_TILE_CONFIGS``, sm_90's fp8 rule) and, as the bf16 reference of
 an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
 (``bf16_gluon``). Both caches time the cascade (``cascade``: FlashMLA over the context,
-our kernel over the tree; sm_90). Ours use the DDTree-like tree mask, FlashMLA a causal
+our kernel over the tree; sm_90) and its context part alone (``cascade_context``, a
+reference: the rest is the tree part's cost). Ours use the DDTree-like tree mask, FlashMLA a causal
 chain. ``--grid-methods`` times only the methods named (a shorter run: the tiles that
 never win a cell left out). ``--grid-keep`` keeps the JSON's cells of the cache dtypes a
 run does not measure (a run per dtype fits the 10-minute limit of a device call).
@@ -153,6 +154,27 @@ def cascade_method(inp, kv_cache, kv_scale):
     return run
 
 
+def cascade_context_method(inp, kv_cache, kv_scale):
+    """The cascade's context part alone (``cascade.flashmla_context``: FlashMLA over the
+    context, with an fp8 cache the query quantization too): ``cascade`` minus this is
+    what its tree part and the launches between cost."""
+    from bench_verify_attention import KV_LORA, Unavailable
+
+    from vllm_ddtree.attention_backends.mla_tree import cascade
+
+    cell = inp.cell
+    if not cascade.cascade_supported(inp.q, kv_cache, KV_LORA, 1, cell.qlen):
+        raise Unavailable("the cascade needs FlashMLA's dense decode (sm_90)")
+    plan = cascade.CascadePlan(ctx_lens=cascade.context_lens(inp.seq_lens, inp.query_start_loc))
+
+    def run():
+        return cascade.flashmla_context(inp.q, kv_cache, inp.block_table, inp.scale,
+                                        cell.qlen, plan, kv_scale)
+
+    run()
+    return run
+
+
 def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     """``{method: maker}`` of one cell; a maker returns the callable to time."""
     from bench_verify_attention import flashmla, gluon_all_rows
@@ -173,6 +195,7 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
             lambda c=config: triton_method(inp, kv_cache, kv_scale, c))
     if not sm120:
         makers["cascade"] = lambda: cascade_method(inp, kv_cache, kv_scale)
+        makers["cascade_context"] = lambda: cascade_context_method(inp, kv_cache, kv_scale)
     makers["flashmla"] = ((lambda: flashmla(inp)) if dtype == "bf16"
                           else (lambda: flashmla_fp8(inp, kv_cache, kv_scale)))
     return makers

@@ -7,9 +7,9 @@ for, with a bf16 or an fp8 latent cache. Only the request's own new tokens need 
 ancestor mask. So the cascade runs FlashMLA's dense decode over the first
 ``ctx_len = seq_len - qlen`` keys of each request (``causal=False``: all of them for
 every row), then ``cascade_kernel._mla_tree_suffix_kernel`` over the new tokens, which
-folds FlashMLA's ``(out, lse)`` into its own online softmax and writes the result: no
-partial buffers, no merge launch. At long context the step costs FlashMLA's time plus a
-kernel over at most ``qlen`` keys.
+folds FlashMLA's ``(out, lse)`` into its own online softmax and writes the result (no
+merge launch). At long context the step costs FlashMLA's time plus a kernel over at
+most ``qlen`` keys.
 
 With an fp8 cache FlashMLA takes fp8 queries (its dense fp8 path, as vLLM's FLASHMLA
 backend): q is quantized per launch with one dynamic scale, ``amax(|q|) / 448``, passed
@@ -121,12 +121,12 @@ def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def flashmla_context(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float,
-    query_len: int, plan: CascadePlan, out: torch.Tensor, kv_scale: torch.Tensor | None,
+    query_len: int, plan: CascadePlan, kv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode over each request's ``plan.ctx_lens`` context keys, every
     row seeing all of them. Returns ``out [T, H, 512]`` bf16 (FlashMLA's own buffer:
     its ``out`` argument takes its internal layout) and ``lse`` fp32 ``[R, H,
-    query_len]`` (natural log). ``out`` is unused."""
+    query_len]`` (natural log)."""
     from vllm.v1.attention.ops import flashmla as fm
 
     num_tokens, num_heads, head_dim = q.shape
@@ -205,7 +205,7 @@ def mla_tree_verify_cascade(
     if plan.ctx_lens is None:
         plan.ctx_lens = context_lens(seq_lens, query_start_loc)
     ctx_out, ctx_lse = flashmla_context(q, kv_cache, block_table, scale, query_len, plan,
-                                        out, kv_scale)
+                                        kv_scale)
     tree_suffix(q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
                 out.shape[2], ctx_out, ctx_lse, out, lse, query_len, kv_scale,
                 max_shared_memory)

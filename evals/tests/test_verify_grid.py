@@ -133,7 +133,7 @@ def test_fp8_cells_time_the_transposed_kernel_and_bf16_gluon(monkeypatch, heads,
     monkeypatch.setattr(grid_module, "fp8_inputs", lambda inp: (None, None))
     inp = SimpleNamespace(cell=SimpleNamespace(heads=heads, qlen=rows), kv_cache=None)
     fp8 = grid_module.cell_methods(inp, "fp8", sm120=False)
-    assert list(fp8) == ["bf16_gluon", *want, "cascade", "flashmla"]
+    assert list(fp8) == ["bf16_gluon", *want, "cascade", "cascade_context", "flashmla"]
     assert not [m for m in grid_module.cell_methods(inp, "bf16", sm120=False) if "fp8t" in m]
     assert "cascade" in grid_module.cell_methods(inp, "bf16", sm120=False)
     assert list(grid_module.cell_methods(inp, "fp8", sm120=True)) == ["triton_sm120", "flashmla"]
