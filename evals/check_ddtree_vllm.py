@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -394,6 +395,9 @@ def main() -> None:
         # (config/vllm.py enable_allreduce_rms_fusion); its IPC all-reduce faults there
         # too (the first op of the compiled forward).
         extra["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
+    # The MLA launcher's debug record of each distinct launch (its kernel kind first):
+    # which kernels the target's verify took, for the JSON (engine in this process).
+    logging.getLogger("vllm_ddtree.attention_backends.mla_tree.ops").setLevel(logging.DEBUG)
     llm = LLM(model=str(target), speculative_config=spec, enforce_eager=not args.graphs,
               dtype=args.dtype, max_model_len=4096, **gpu_memory_args(),
               max_num_seqs=max_num_seqs, seed=0, disable_log_stats=False,
@@ -452,10 +456,19 @@ def main() -> None:
                    "verify_dispatches": verify_dispatches, "step_plan": step_plan,
                    "schedule": json.loads(args.schedule) if args.schedule else None,
                    **kv_cache_grouping(llm),
-                   "vllm_metrics": spec_decode_metrics(llm), "trace": trace}, f)
+                   "vllm_metrics": spec_decode_metrics(llm), "trace": trace,
+                   "mla_kernels": mla_kernels_launched()}, f)
     from check_mla_backend import exit_now
 
     exit_now()
+
+
+def mla_kernels_launched() -> list[str]:
+    """The MLA tree-verify kernel kinds launched in this process ("gluon", "triton",
+    "cascade"), from the launcher's once-per-launch debug record."""
+    from vllm_ddtree.attention_backends.mla_tree import ops
+
+    return sorted({key[0] for key in ops._LOGGED_LAUNCHES})
 
 
 if __name__ == "__main__":

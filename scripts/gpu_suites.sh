@@ -24,7 +24,8 @@
 #   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference
 #   cascade    the cascade (FlashMLA over the context, our kernel over the tree; sm_90)
 #              against the reference, bf16 and fp8, CUDA graphs; then in vLLM against the
-#              FLASHMLA backend (tiny MLA model, bf16 and fp8, eager and graphs)
+#              vLLM backends (tiny MLA model, CUDA graphs: FLASHMLA in bf16, TRITON_MLA in
+#              fp8) and DDTree through it against AR (tiny MLA pair, bf16 and fp8)
 #   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
 #   fp8backend --kv-cache-dtype fp8: CUSTOM against TRITON_MLA on the embedded target
 #              (eager, and CUSTOM with CUDA graphs; 3 engines)
@@ -386,7 +387,8 @@ for stage in "$@"; do
     fp8) stage_pytest fp8 240 tests/gpu/test_mla_tree_kernel_gpu.py -k "fp8 and not sm120" ;;
     cascade)
       stage_pytest cascade 240 tests/gpu/test_mla_cascade_gpu.py
-      stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade ;;
+      stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade
+      stage_pytest cascade_ddtree 400 tests/gpu/test_ddtree_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
     fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k triton_mla ;;
     fp8ddtree) stage_pytest fp8ddtree 240 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;

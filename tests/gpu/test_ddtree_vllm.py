@@ -364,6 +364,31 @@ def test_tiny_random_pairs_equal_ar(pair, tmp_path):
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_tiny_mla_pair_cascade_equals_ar(kv_cache_dtype, tmp_path, monkeypatch):
+    """DDTree verifying through the cascade (``VLLM_DDTREE_MLA_KERNEL=cascade``: FlashMLA
+    over the context, our kernel over the tree; sm_90), CUDA graphs, bf16 and fp8 caches:
+    the tiny MLA pair's mixed batch equals AR's greedy tokens (AR through the same
+    backend, its single-token decodes through the cascade too)."""
+    from vllm_ddtree.attention_backends.mla_tree.cascade import flashmla_dense_available
+
+    if not flashmla_dense_available(torch.device("cuda")):
+        pytest.skip("the cascade needs FlashMLA's dense decode (sm_90)")
+    monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "cascade")
+    common = ["--mixed", "--pair", "deepseek_v3", "--kv-cache-dtype", kv_cache_dtype]
+    ar = run_script("check_ddtree_vllm.py", [*common, "--method", "ar"], tmp_path / "ar.json")
+    got = run_script("check_ddtree_vllm.py", [*common, "--budget", "16", "--graphs"],
+                     tmp_path / "dd.json")
+    assert "cascade" in got["mla_kernels"] and "cascade" in ar["mla_kernels"], (
+        got["mla_kernels"], ar["mla_kernels"])  # the cascade did run
+    greedy, _ = split_by_temperature(got)
+    ref_greedy, _ = split_by_temperature(ar)
+    print(f"cascade {kv_cache_dtype}: greedy first mismatch "
+          f"{first_mismatches(greedy, ref_greedy)}")
+    problems = unexplained_mismatches(greedy, ref_greedy)
+    assert not problems, "\n".join(problems)
+
+
 def test_gumbel_flip_margin_matches_vllm_draws():
     """``gumbel_flip_margin`` against vLLM's own draw of a full row: the drawn token
     leads every other token (margin > 0), and moving the closest rival's logit just
