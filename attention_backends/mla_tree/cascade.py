@@ -28,6 +28,7 @@ graphs capture it and replay it for each step's lengths).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +63,10 @@ class CascadePlan:
     fp8_meta: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+@functools.lru_cache(maxsize=16)
 def flashmla_dense_available(device: torch.device) -> bool:
-    """FlashMLA's dense decode is importable and runs on ``device`` (sm_90)."""
+    """FlashMLA's dense decode is importable and runs on ``device`` (sm_90). Cached: asked
+    at every launch."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     try:
