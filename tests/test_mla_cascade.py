@@ -215,3 +215,47 @@ def test_quantize_kernel_scale_and_quotients():
                                                E4M3_MAX=448.0, BLOCK=4096)
     assert torch.equal(scale, (q.float().abs().max() / 448.0).reshape(1))
     assert torch.equal(out, q.float() / scale)
+
+
+_SUFFIX_SPILLS_SCRIPT = """
+import json, sys
+sys.path.insert(0, "evals")
+from kernel_spills import launch_signature, ptxas_report, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from vllm_ddtree.attention_backends.mla_tree import cascade, cascade_kernel
+
+fn = cascade_kernel._mla_tree_suffix_kernel
+out = []
+for fp8 in (False, True):
+    for rows in (16, 40, 72, 8224):
+        cfg = cascade.suffix_config(rows, fp8)
+        consts = dict(NUM_HEADS=8, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
+                      PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                      DOT_PRECISION="tf32", DOT_UPCAST=False, KV_FP8=fp8)
+        ptrs = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "BlockTable": "*i32",
+                "SeqLens": "*i32", "QueryStartLoc": "*i32", "AncestorBits": "*i64",
+                "Out": "*bf16", "Lse": "*fp32", "CtxOut": "*bf16", "CtxLse": "*fp32",
+                "KVScale": "*fp32"}
+        sig, attrs = launch_signature(fn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kvb",
+                                                         "stride_kvp", "stride_ot", "stride_cot"))
+        k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),
+                           target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        report = ptxas_report(k.asm["ptx"], 90)
+        out.append([report["spill_stores"] + report["spill_loads"], k.metadata.shared])
+print(json.dumps(out))
+"""
+
+
+def test_suffix_tiles_do_not_spill_on_sm90():
+    """The tree part's tiles (``cascade.suffix_config``) compiled for sm_90a offline
+    (Triton's ptxas, no GPU): no register spills, shared memory within Hopper's 227 KB.
+    The tiles ``select_config`` gives the main kernel spilled here (up to 1 KB a thread
+    with an fp8 cache)."""
+    from kernel_testing import compiled_shared_memory
+
+    results = compiled_shared_memory(_SUFFIX_SPILLS_SCRIPT)
+    assert len(results) == 8
+    for spilled, shared in results:
+        assert spilled == 0 and shared <= 227 * 1024, (spilled, shared)

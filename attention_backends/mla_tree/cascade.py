@@ -35,7 +35,7 @@ import torch
 import triton
 
 from . import cascade_kernel, kernels
-from .configs import padded_dims, select_config
+from .configs import MLATileConfig, padded_dims, select_config
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -152,6 +152,21 @@ def flashmla_context(
     return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
 
 
+def suffix_config(rows_per_request: int, kv_fp8: bool, head_dim: int = 576,
+                  kv_lora_rank: int = KV_LORA_RANK) -> MLATileConfig:
+    """The tree part's tile for ``rows_per_request`` query rows (``qlen * H``) on sm_90.
+    It runs one to five key tiles per CTA, so it is latency-bound: small row tiles (more
+    CTAs), 8 warps, and with an fp8 cache no pipelining. Chosen from ptxas reports
+    (offline compile for sm_90a at DeepSeek's dims): none of these spills, where
+    ``select_config``'s tiles spilled 140-1,036 bytes a thread with an fp8 cache
+    (tests/test_mla_cascade.py checks it). Other dims: ``select_config``."""
+    if (head_dim, kv_lora_rank) != (KV_LORA_RANK + ROPE_DIM, KV_LORA_RANK):
+        return select_config(rows_per_request, head_dim, kv_lora_rank, torch.bfloat16)
+    block_m = 16 if rows_per_request <= 16 else 32 if kv_fp8 or rows_per_request <= 32 else 64
+    return MLATileConfig(block_m=block_m, block_n=64 if block_m == 64 else 32, num_warps=8,
+                         num_stages=1 if kv_fp8 else 2)
+
+
 def tree_suffix(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
@@ -169,8 +184,11 @@ def tree_suffix(
     if num_tokens == 0 or num_reqs == 0 or max_query_len == 0:
         return
     rows = max_query_len * num_heads
-    kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
-    config = select_config(rows, head_dim, kv_lora_rank, q.dtype, **kwargs)
+    if q.is_cuda and max_shared_memory is not None and max_shared_memory >= 227 * 1024:
+        config = suffix_config(rows, kv_scale is not None, head_dim, kv_lora_rank)
+    else:  # the interpreter (CPU tests), or a GPU without sm_90's shared memory
+        kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
+        config = select_config(rows, head_dim, kv_lora_rank, q.dtype, **kwargs)
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     interpreted = q.device.type == "cpu"
     grid = (triton.cdiv(rows, config.block_m), num_reqs)

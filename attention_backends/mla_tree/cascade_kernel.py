@@ -5,10 +5,10 @@ request under the ancestor mask, folded into the context's partial result.
 ``_mla_tree_suffix_kernel``: grid ``(row_blocks, requests)``; a CTA takes ``BLOCK_M``
 flattened rows ``row = token * H + head`` of one request (as ``kernels._mla_tree_fwd_kernel``)
 and only the keys ``ctx_len .. seq_len`` (at most the tree's ``qlen``; tiles start at the
-``BLOCK_N`` boundary below ``ctx_len``, whose context keys are masked out). After the
-keys, its online softmax state ``(acc, m, l)`` absorbs the context partial: ``CtxOut``
-(normalized, any float dtype) and ``CtxLse`` (natural log of its softmax denominator),
-which is what FlashMLA's dense decode returns for the context alone. A request with
+``BLOCK_N`` boundary below ``ctx_len``, whose context keys are masked out). Its online
+softmax starts from the context partial: ``CtxOut`` (normalized, any float dtype) and
+``CtxLse`` (natural log of its softmax denominator), which is what FlashMLA's dense decode
+returns for the context alone. A request with
 ``ctx_len == 0`` reads no context partial. ``CtxOut`` may alias ``Out``: each row is read
 before it is written, by the same CTA.
 """
@@ -70,9 +70,23 @@ def _mla_tree_suffix_kernel(
             q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
             qk_scale = qk_scale * q_unscale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_L], tl.float32)
+    # The context partial is the online softmax's starting state: one "key" of weight
+    # 2^lse (log2 units) and value CtxOut, i.e. m = lse, l = 1, acc = CtxOut. (Folded in
+    # after the keys instead, its [BLOCK_M, BLOCK_L] tile lives beside acc: ptxas spilled
+    # 0.5-1 KB a thread at 64-row tiles.) Without context: m = -inf, l = 0, acc = 0.
+    has_ctx = row_valid & (ctx_len > 0)
+    ctx_lse = tl.load(CtxLse + pid_r * stride_clr + head * stride_clh + tok * stride_cli,
+                      mask=has_ctx, other=float("-inf")) * LOG2E
+    m_i = tl.where(has_ctx, ctx_lse, float("-inf"))
+    l_i = tl.where(has_ctx, 1.0, 0.0)
+    acc = tl.load(CtxOut + q_row[:, None] * stride_cot + head[:, None] * stride_coh
+                  + offs_l[None, :],
+                  mask=has_ctx[:, None] & (offs_l[None, :] < KV_LORA), other=0.0)
+    acc = acc.to(tl.float32)
+    if KV_FP8:
+        # acc holds kv_scale-free sums of the tree keys (scaled once at the end): the
+        # context's already-scaled output enters divided by the scale.
+        acc = acc / kv_scale
     bt_row = pid_r.to(tl.int64) * stride_bt
     # Topological order: the CTA's last token sees no new token after itself.
     last_tok = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, num_rows - 1) // NUM_HEADS
@@ -89,24 +103,9 @@ def _mla_tree_suffix_kernel(
         )  # fmt: skip
     if KV_FP8:
         acc = acc * kv_scale
-
-    # The context partial as one more "key" of weight 2^lse (log2 units), value CtxOut.
-    has_ctx = row_valid & (ctx_len > 0)
-    ctx_lse = tl.load(CtxLse + pid_r * stride_clr + head * stride_clh + tok * stride_cli,
-                      mask=has_ctx, other=float("-inf")) * LOG2E
-    ctx_lse = tl.where(has_ctx, ctx_lse, float("-inf"))
-    ctx_out = tl.load(CtxOut + q_row[:, None] * stride_cot + head[:, None] * stride_coh
-                      + offs_l[None, :],
-                      mask=has_ctx[:, None] & (offs_l[None, :] < KV_LORA), other=0.0)
-    m_tot = tl.maximum(m_i, ctx_lse)
-    base = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-    w_tree = tl.exp2(m_i - base)
-    w_ctx = tl.exp2(ctx_lse - base)
-    denom = l_i * w_tree + w_ctx
-    seen = denom > 0.0
-    acc = acc * w_tree[:, None] + ctx_out.to(tl.float32) * w_ctx[:, None]
-    out = acc / tl.where(seen, denom, 1.0)[:, None]
-    lse = tl.where(seen, (base + tl.log2(tl.where(seen, denom, 1.0))) * LN2, float("-inf"))
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(Out + q_row[:, None] * stride_ot + head[:, None] * stride_oh + offs_l[None, :],
              out.to(Out.dtype.element_ty),
              mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA))
