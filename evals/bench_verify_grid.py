@@ -131,8 +131,10 @@ def flashmla_fp8(inp, kv_cache, kv_scale):
 
 
 def cascade_method(inp, kv_cache, kv_scale):
-    """``cascade.mla_tree_verify_cascade`` as a layer after the step's first launches it:
-    the step's plan (context lengths, FlashMLA's schedule) made by a first call."""
+    """``cascade.mla_tree_verify_cascade`` as a layer after its KV-cache group's first
+    launches it: the plan (context lengths, FlashMLA's schedule) made by a first call and
+    not timed (a group's first layer pays it once a step; under vLLM's hybrid KV-cache
+    manager every MLA layer is its own group)."""
     from bench_verify_attention import KV_LORA, Unavailable
 
     from vllm_ddtree.attention_backends.mla_tree import cascade
@@ -168,8 +170,9 @@ def cascade_context_method(inp, kv_cache, kv_scale):
     plan = cascade.CascadePlan(ctx_lens=cascade.context_lens(inp.seq_lens, inp.query_start_loc))
 
     def run():
-        return cascade.flashmla_context(inp.q, kv_cache, inp.block_table, inp.scale,
-                                        cell.qlen, plan, kv_scale)
+        return cascade.flashmla_context(inp.q, kv_cache, inp.block_table,
+                                        inp.query_start_loc, inp.scale, cell.qlen, plan,
+                                        kv_scale)
 
     run()
     return run

@@ -118,7 +118,7 @@ def test_context_lens_and_query_quantization():
     lens = cascade.context_lens(seq_lens, qsl)
     assert lens.dtype == torch.int32 and lens.tolist() == [31, 1, 1]
     q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
-    q8, scale = cascade.quantize_query_fp8(q)
+    q8, scale = cascade.quantize_query_fp8(q, torch.tensor([0, 5], dtype=torch.int32))
     assert q8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
     assert q8.float().abs().max() == 448.0
     # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 above its normal range.
@@ -127,16 +127,58 @@ def test_context_lens_and_query_quantization():
     assert ((back - q.float()).abs()[big] <= q.float().abs()[big] * 2**-4 + 1e-6).all()
 
 
-def test_cascade_not_supported_off_hopper():
+def query_scale_case():
+    """Two requests of 3 tokens and a CUDA-graph padding request: 9 rows, the last 3
+    (padding) holding inf, NaN and a huge value."""
+    q = torch.randn(9, 2, 576, dtype=torch.bfloat16)
+    q[6, 0, 0], q[7, 1, 5], q[8, 0, 9] = float("inf"), float("nan"), 1e30
+    q[4, 1, 3] = -13.0  # the real maximum
+    return q, torch.tensor([0, 3, 6, 6], dtype=torch.int32)
+
+
+def test_query_scale_ignores_padding_rows():
+    """One scale for the batch from its real tokens only: padding rows (past the last
+    request's tokens) may hold anything after a graph replay; a NaN or inf there must
+    not reach the real requests' scale (the CUDA kernel below computes the same)."""
+    q, qsl = query_scale_case()
+    want = (torch.tensor([13.0]) / 448.0).tolist()  # in fp32
+    assert cascade.query_scale(q, qsl).tolist() == want
+    q[2, 0, 0] = float("nan")  # a real row's NaN is ignored too: its own output is NaN
+    assert cascade.query_scale(q, qsl).tolist() == want
+
+
+def test_query_scale_kernel():
+    """``cascade_kernel._query_scale_kernel`` (the CUDA path of ``query_scale``) in the
+    interpreter: the same scale, bit for bit, with padding rows of inf / NaN / 1e30."""
+    q, qsl = query_scale_case()
+    token_amax = torch.linalg.vector_norm(q.reshape(9, -1), ord=float("inf"), dim=1)
+    scale = torch.empty(1)
+    cascade_kernel._query_scale_kernel[(1,)](token_amax, qsl, 3, 9, scale, E4M3_MAX=448.0,
+                                             BLOCK=4)
+    want = (torch.tensor([13.0]) / 448.0).tolist()  # in fp32
+    assert scale.tolist() == want == cascade.query_scale(q, qsl).tolist()
+
+
+def test_cascade_supported_shapes(monkeypatch):
+    """Where FlashMLA runs (stubbed here), the launch shapes it takes: bf16 q of
+    ``R * qlen`` rows, a bf16 or fp8 cache of 64-token pages, kv_lora_rank 512 + rope 64;
+    and never without FlashMLA."""
     q = torch.zeros(18, 8, 576, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=DEVICE)
-    supported = cascade.cascade_supported(q, kv, 512, num_reqs=2, max_query_len=9)
     on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
-    assert supported == (on_hopper and cascade.flashmla_dense_available(q.device))
-    # Never with unequal query lengths, another page size or kv_lora_rank.
+    assert cascade.cascade_supported(q, kv, 512, 2, 9) == (
+        on_hopper and cascade.flashmla_dense_available(q.device))
+    monkeypatch.setattr(cascade, "flashmla_dense_available", lambda device: True)
+    assert cascade.cascade_supported(q, kv, 512, num_reqs=2, max_query_len=9)
+    assert cascade.cascade_supported(q, kv.to(torch.float8_e4m3fn), 512, 2, 9)
+    # Not with unequal query lengths, another page size, kv_lora_rank, q dtype or layout.
     assert not cascade.cascade_supported(q, kv, 512, num_reqs=3, max_query_len=9)
+    assert not cascade.cascade_supported(q, kv, 512, num_reqs=2, max_query_len=None)
     assert not cascade.cascade_supported(q, kv[:, :16], 512, num_reqs=2, max_query_len=9)
     assert not cascade.cascade_supported(q, kv, 256, num_reqs=2, max_query_len=9)
+    assert not cascade.cascade_supported(q.half(), kv.half(), 512, 2, 9)
+    assert not cascade.cascade_supported(q.transpose(0, 1).contiguous().transpose(0, 1),
+                                         kv, 512, 2, 9)
 
 
 @pytest.fixture
@@ -147,7 +189,8 @@ def cascade_entry(monkeypatch):
 
     record = dict(cascade=0, gluon=0)
 
-    def fake_context(q, kv_cache, block_table, scale, query_len, plan, kv_scale):
+    def fake_context(q, kv_cache, block_table, query_start_loc, scale, query_len, plan,
+                     kv_scale):
         record["cascade"] += 1
         assert plan.ctx_lens.tolist() == [max(1, s - query_len) for s in record["seq_lens"]]
         return context_partial(record["batch"])
@@ -204,16 +247,14 @@ def test_env_cascade_forces_it_without_an_entry(cascade_entry, monkeypatch):
     assert cascade_entry["cascade"] == 1 and cascade_entry["gluon"] == 1
 
 
-def test_quantize_kernel_scale_and_quotients():
+def test_quantize_kernel_quotients():
     """The fused quantization kernel (CUDA path of ``quantize_query_fp8``) with an fp32
-    output: its scale and quotients are torch's, bit for bit (the e4m3 cast itself is
-    checked on the GPU: the interpreter rounds it wrongly)."""
+    output: its quotients are torch's, bit for bit (the e4m3 cast itself is checked on the
+    GPU: the interpreter rounds it wrongly)."""
     q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
-    amax = torch.linalg.vector_norm(q, ord=float("inf"))
-    out, scale = torch.empty(q.shape), torch.empty(1)
-    cascade_kernel._quantize_e4m3_kernel[(3,)](q, amax, out, scale, q.numel(),
-                                               E4M3_MAX=448.0, BLOCK=4096)
-    assert torch.equal(scale, (q.float().abs().max() / 448.0).reshape(1))
+    scale = torch.tensor([0.0517])
+    out = torch.empty(q.shape)
+    cascade_kernel._quantize_e4m3_kernel[(3,)](q, scale, out, q.numel(), BLOCK=4096)
     assert torch.equal(out, q.float() / scale)
 
 

@@ -12,18 +12,20 @@ merge launch). At long context the step costs FlashMLA's time plus a kernel over
 most ``qlen`` keys.
 
 With an fp8 cache FlashMLA takes fp8 queries (its dense fp8 path, as vLLM's FLASHMLA
-backend): q is quantized per launch with one dynamic scale, ``amax(|q|) / 448``, passed
-as its descale factor (vLLM's backend uses the layer's static ``_q_scale``). The tree part
-keeps q in 16 bits.
+backend): q is quantized per launch with one dynamic scale, ``amax(|q|) / 448`` over the
+real tokens (:func:`query_scale`), passed as its descale factor (vLLM's backend uses the
+layer's static ``_q_scale``). The tree part keeps q in 16 bits.
 
 FlashMLA needs 64-token pages, ``kv_lora_rank`` 512 + rope 64, a bf16 q and the same
 number of new tokens in every request (q viewed ``[R, qlen, H, 576]``): the launcher
 (``ops.mla_tree_verify``) takes the cascade only where :func:`cascade_supported` holds
 and the dispatch table measured it fastest.
 
-A :class:`CascadePlan` holds what the layers of one step share: the context lengths and
-FlashMLA's tile schedule (computed by the first layer's launch, on the device, so CUDA
-graphs capture it and replay it for each step's lengths).
+A :class:`CascadePlan` holds what the layers of one KV-cache group share in a step: the
+context lengths and FlashMLA's tile schedule (computed by the group's first launch, on
+the device, so CUDA graphs capture it and replay it for each step's lengths). DDTree's
+default keeps a target in one group; under vLLM's hybrid KV-cache manager each MLA layer
+beside a DFlash drafter is its own group and plans for itself.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ ROPE_DIM = 64
 
 @dataclass
 class CascadePlan:
-    """Per-step state of the cascade, shared by every layer of a step (the backend's
-    metadata carries one; a launch without one plans for itself).
+    """Per-step state of the cascade, shared by the layers of a KV-cache group (the
+    backend's metadata carries one per group and step; a launch without one plans for
+    itself).
 
     Attributes:
         ctx_lens: int32 ``[R]`` context lengths (FlashMLA's ``cache_seqlens``), set by
@@ -103,28 +106,47 @@ def context_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch
     return (seq_lens - query_start_loc.diff()).clamp_(min=1).to(torch.int32)
 
 
-def quantize_query_fp8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q / s)`` in e4m3 (q's shape, contiguous) and ``s = amax(|q|) / 448`` fp32
-    ``[1]`` (its descale factor): the largest entry maps to e4m3's largest finite value.
-    Two launches (the max, then ``cascade_kernel._quantize_e4m3_kernel``), no sync.
-    Off CUDA in torch: Triton's interpreter rounds e4m3 wrongly where rounding carries into
-    the exponent (124.04 -> 64, not 128)."""
-    q = q.contiguous()
-    amax = torch.linalg.vector_norm(q, ord=float("inf"))
+def query_scale(q: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[1]``: ``amax / 448`` (at least 1e-12), ``amax`` the largest finite
+    ``|q|`` of the real tokens (rows before ``query_start_loc[-1]``; CUDA-graph padding
+    rows may hold anything). Two launches on CUDA (each token's max, then
+    ``cascade_kernel._query_scale_kernel``), no sync; torch elsewhere."""
+    num_tokens = q.shape[0]
+    token_amax = torch.linalg.vector_norm(q.reshape(num_tokens, -1), ord=float("inf"), dim=1)
     if not q.is_cuda:
-        scale = (amax.float() / E4M3_MAX).clamp_(min=1e-12).reshape(1)
+        real = torch.arange(num_tokens, device=q.device) < query_start_loc[-1]
+        amax = torch.where(real & token_amax.isfinite(), token_amax.float(), 0.0).amax()
+        return (amax / E4M3_MAX).clamp_(min=1e-12).reshape(1)
+    scale = torch.empty(1, dtype=torch.float32, device=q.device)
+    cascade_kernel._query_scale_kernel[(1,)](
+        token_amax, query_start_loc, query_start_loc.shape[0] - 1, num_tokens, scale,
+        E4M3_MAX=E4M3_MAX, BLOCK=1024)
+    return scale
+
+
+def quantize_query_fp8(q: torch.Tensor, query_start_loc: torch.Tensor,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q / s)`` in e4m3 (q's shape, contiguous) and ``s`` (:func:`query_scale`, fp32
+    ``[1]``, its descale factor): the largest real entry maps to e4m3's largest finite
+    value. One more launch on CUDA (``cascade_kernel._quantize_e4m3_kernel``); torch
+    elsewhere: Triton's interpreter rounds e4m3 wrongly where rounding carries into the
+    exponent (124.04 -> 64, not 128). One scale for the batch (FlashMLA takes one), so a
+    request's rounding depends on the batch's largest query entry."""
+    q = q.contiguous()
+    scale = query_scale(q, query_start_loc)
+    if not q.is_cuda:
         return (q.float() / scale).to(FP8_KV_DTYPE), scale
     out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
-    scale = torch.empty(1, dtype=torch.float32, device=q.device)
     block = 4096
     cascade_kernel._quantize_e4m3_kernel[(max(1, triton.cdiv(q.numel(), block)),)](
-        q, amax, out, scale, q.numel(), E4M3_MAX=E4M3_MAX, BLOCK=block)
+        q, scale, out, q.numel(), BLOCK=block)
     return out, scale
 
 
 def flashmla_context(
-    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, scale: float,
-    query_len: int, plan: CascadePlan, kv_scale: torch.Tensor | None,
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    query_start_loc: torch.Tensor, scale: float, query_len: int, plan: CascadePlan,
+    kv_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode over each request's ``plan.ctx_lens`` context keys, every
     row seeing all of them. Returns ``out [T, H, 512]`` bf16 (FlashMLA's own buffer:
@@ -145,9 +167,9 @@ def flashmla_context(
         return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
     if plan.fp8_meta is None:
         plan.fp8_meta = fm.get_mla_metadata_dense_fp8(plan.ctx_lens, query_len * num_heads, 1)
-    q8, q_scale = quantize_query_fp8(q4)
+    q8, q_scale = quantize_query_fp8(q, query_start_loc)
     ctx_out, lse = fm.flash_mla_with_kvcache_fp8(
-        q8, k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, *plan.fp8_meta,
+        q8.view(q4.shape), k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, *plan.fp8_meta,
         softmax_scale=scale, causal=False, descale_q=q_scale, descale_k=kv_scale.reshape(1))
     return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
 
@@ -225,8 +247,8 @@ def mla_tree_verify_cascade(
     plan = plan if plan is not None else CascadePlan()
     if plan.ctx_lens is None:
         plan.ctx_lens = context_lens(seq_lens, query_start_loc)
-    ctx_out, ctx_lse = flashmla_context(q, kv_cache, block_table, scale, query_len, plan,
-                                        kv_scale)
+    ctx_out, ctx_lse = flashmla_context(q, kv_cache, block_table, query_start_loc, scale,
+                                        query_len, plan, kv_scale)
     tree_suffix(q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
                 out.shape[2], ctx_out, ctx_lse, out, lse, query_len, kv_scale,
                 max_shared_memory)

@@ -113,15 +113,28 @@ def _mla_tree_suffix_kernel(
 
 
 @triton.jit
-def _quantize_e4m3_kernel(X, Amax, Out, Scale, numel, E4M3_MAX: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """``Out = e4m3(X / s)`` with ``s = max(Amax / E4M3_MAX, 1e-12)`` (``Amax``: a
-    one-element tensor, ``max |X|``), written to ``Scale [1]`` fp32 by program 0: the
-    queries of FlashMLA's fp8 path and their descale factor in one launch."""
+def _query_scale_kernel(TokenAmax, QueryStartLoc, num_reqs, num_tokens, Scale,
+                        E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: ``Scale [1] = max(amax / E4M3_MAX, 1e-12)`` fp32, ``amax`` the largest
+    finite ``TokenAmax[t]`` (``max |q|`` of token ``t``) over the real tokens ``t <
+    QueryStartLoc[num_reqs]``. CUDA-graph padding rows (past the real tokens) hold what the
+    previous layer made of uninitialized outputs, possibly inf or NaN: a shared scale
+    taken over them would spoil every real request's queries."""
+    num_real = tl.load(QueryStartLoc + num_reqs)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, num_tokens, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(TokenAmax + offs, mask=offs < num_real, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.where((x == x) & (x < float("inf")), x, 0.0))
     # Correctly rounded divisions (``/`` is approximate on fp32): torch's quotients.
-    scale = tl.maximum(tl.div_rn(tl.load(Amax).to(tl.float32), E4M3_MAX), 1e-12)
-    if tl.program_id(0) == 0:
-        tl.store(Scale, scale)
+    tl.store(Scale, tl.maximum(tl.div_rn(tl.max(amax, 0), E4M3_MAX), 1e-12))
+
+
+@triton.jit
+def _quantize_e4m3_kernel(X, Scale, Out, numel, BLOCK: tl.constexpr):
+    """``Out = e4m3(X / Scale)`` elementwise (``Scale``: fp32 ``[1]``), correctly rounded
+    quotients: FlashMLA's fp8 queries."""
+    scale = tl.load(Scale)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < numel, other=0.0).to(tl.float32)
     tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)

@@ -271,7 +271,7 @@ def mla_tree_verify(
         q: ``[T, H, kv_lora_rank + rope_dim]`` bf16/fp16/fp32, rope_dim in 0..64.
         kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype, or
             ``torch.float8_e4m3fn`` (vLLM's ``--kv-cache-dtype fp8`` MLA cache: a
-            row holds ``x / kv_scale``; always the Triton kernel).
+            row holds ``x / kv_scale``; a Triton kernel, or on sm_90 the cascade).
         block_table: int32 ``[R, max_blocks]``.
         seq_lens: int32 ``[R]``: context + new tokens of each request.
         query_start_loc: int32 ``[R + 1]``.
@@ -300,7 +300,7 @@ def mla_tree_verify(
             over the idle CTAs too, so the splits differ). None: every row is active.
         kernel: ``"auto"``: the kernel and tile config measured fastest for the launch's
             architecture, cache dtype, heads, rows and context (``dispatch``: a table
-            generated from the H200 grid; consulted when ``max_query_len`` and
+            generated from the sm_90 grid; consulted when ``max_query_len`` and
             ``max_seq_len`` are given, as the backend does; its ``"cascade"``, FlashMLA
             over the context and our kernel over the tree (``cascade``), runs only with
             a ``cascade_plan`` where ``cascade.cascade_supported``, else the rule does);

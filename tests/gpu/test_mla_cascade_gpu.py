@@ -90,7 +90,8 @@ def test_bf16_matches_reference(heads, ctx, qlen, kind):
 def test_fp8_matches_reference(heads, ctx, qlen, kind):
     batch = to_fp8(make_batch([(ctx, kind, qlen), (ctx // 3 + 7, kind, qlen)], heads=heads,
                               page_size=64, seed=heads))
-    (out, lse), _ = launch(batch)
+    (out, lse), plan = launch(batch)
+    assert plan.fp8_meta is not None  # the cascade's fp8 path ran
     ref_out, ref_lse = fp8_reference(batch)
     err = (out.float() - ref_out.float()).abs().max().item()
     print(f"H{heads} ctx {ctx} qlen {qlen}: max |out - ref(16-bit q)| {err:.3g}, "
@@ -113,7 +114,8 @@ def test_cuda_graph_replays_plan_at_other_lengths(fp8):
     launch(batch, lens=lens)  # compiles outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        (out, lse), _ = launch(batch, lens=lens)
+        (out, lse), plan = launch(batch, lens=lens)
+    assert (plan.fp8_meta if fp8 else plan.sched_meta) is not None  # the cascade ran
     for step in range(2):
         if step == 1:
             batch["seq_lens"][0] = 5017  # its first 5000 keys stay the context
@@ -129,11 +131,41 @@ def test_query_quantization_rounds_as_torch():
     """The fused quantization kernel against torch's e4m3 conversion of the same ratio
     (round to nearest even, saturating at 448 by construction)."""
     q = torch.randn(257, 64, 576, device="cuda", dtype=torch.bfloat16) * 7
-    q8, scale = cascade.quantize_query_fp8(q)
+    qsl = torch.tensor([0, 257], dtype=torch.int32, device="cuda")
+    q8, scale = cascade.quantize_query_fp8(q, qsl)
     # On the CPU: CUDA divides a tensor by a Python scalar as a product by its reciprocal.
     assert torch.equal(scale.cpu(), (q.float().abs().max().cpu() / 448.0).reshape(1))
     ref = (q.float() / scale).to(torch.float8_e4m3fn)
     assert torch.equal(q8.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_graph_padding_rows_do_not_reach_real_requests(fp8):
+    """CUDA-graph padding as vLLM replays a uniform batch: a last request with no tokens
+    and no keys whose q rows (past the real tokens) hold inf / NaN, as a previous layer
+    can leave them. The real rows match the reference; with an fp8 cache the shared query
+    scale ignores the padding rows (a NaN or inf there would otherwise spoil every
+    request's context scores)."""
+    batch = make_batch([(6000, "tree", 9), (900, "chain", 9)], heads=16, page_size=64)
+    ref = fp8_query_reference if fp8 else (lambda b: mla_tree_verify_reference(**b))
+    if fp8:
+        batch = to_fp8(batch)
+    ref_out, ref_lse = ref(batch)
+    padded = dict(batch)
+    pad = torch.full((9, *batch["q"].shape[1:]), float("nan"), dtype=batch["q"].dtype,
+                     device="cuda")
+    pad[0, 0, 0] = float("inf")
+    padded["q"] = torch.cat([batch["q"], pad])
+    padded["seq_lens"] = torch.cat([batch["seq_lens"], batch["seq_lens"].new_zeros(1)])
+    padded["query_start_loc"] = torch.cat([batch["query_start_loc"],
+                                           batch["query_start_loc"][-1:]])
+    padded["block_table"] = torch.cat([batch["block_table"], batch["block_table"][:1]])
+    padded["ancestor_bits"] = torch.cat([batch["ancestor_bits"], batch["ancestor_bits"][:9]])
+    lens = dict(validate_values=False, max_query_len=9, max_seq_len=6009)
+    (out, lse), plan = launch(padded, lens=lens)
+    assert plan.ctx_lens is not None  # the cascade ran (27 rows = 3 requests x 9)
+    torch.testing.assert_close(out[:18].float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(lse[:18], ref_lse, **LSE_TOL)
 
 
 def test_request_without_context_is_the_tree_alone():
@@ -141,7 +173,8 @@ def test_request_without_context_is_the_tree_alone():
     the file: a fault here would poison the CUDA context of every later test."""
     batch = make_batch([(4000, "tree", 9), (0, "chain", 9), (64, "tree", 9)], heads=16,
                        page_size=64)
-    (out, lse), _ = launch(batch)
+    (out, lse), plan = launch(batch)
+    assert plan.sched_meta is not None  # the cascade ran
     ref_out, ref_lse = mla_tree_verify_reference(**batch)
     torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
     torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
