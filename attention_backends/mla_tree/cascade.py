@@ -212,7 +212,6 @@ def tree_suffix(
         kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
         config = select_config(rows, head_dim, kv_lora_rank, q.dtype, **kwargs)
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
-    interpreted = q.device.type == "cpu"
     grid = (triton.cdiv(rows, config.block_m), num_reqs)
     cascade_kernel._mla_tree_suffix_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, out, lse,
@@ -225,8 +224,7 @@ def tree_suffix(
         NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=head_dim - kv_lora_rank,
         BLOCK_L=block_l, BLOCK_R=block_r, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.dtype == torch.bfloat16 and interpreted,
+        **kernels.dot_options(q.dtype),
         KV_FP8=kv_scale is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

@@ -472,6 +472,15 @@ def _mla_tree_fwd_kernel(
     tl.store(Lse + offs_lse, lse, mask=row_valid)
 
 
+def dot_options(q_dtype) -> dict:
+    """``DOT_PRECISION`` / ``DOT_UPCAST`` of a launch whose q has ``q_dtype`` (a torch
+    dtype): IEEE dots for fp32 (exactness), tf32 otherwise; bf16 upcast where the kernels
+    run in Triton's interpreter (its bf16 dot)."""
+    interpreted = type(_mla_tree_fwd_kernel).__name__ == "InterpretedFunction"
+    return dict(DOT_PRECISION="ieee" if str(q_dtype) == "torch.float32" else "tf32",
+                DOT_UPCAST=str(q_dtype) == "torch.bfloat16" and interpreted)
+
+
 @triton.jit(do_not_specialize=("num_splits", "stride_lpt", "stride_lph", "stride_lps"))
 def _mla_tree_merge_kernel(
     OutPart,  # fp32 [T, H, S, L]; with HAS_ACTIVE compact [P, L]

@@ -54,10 +54,6 @@ def _log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **par
                      ", ".join(f"{k}={v}" for k, v in sorted(params.items())))
 
 
-def _interpreted() -> bool:
-    return type(kernels._mla_tree_fwd_kernel).__name__ == "InterpretedFunction"
-
-
 def _max_shared_memory(device: torch.device) -> int:
     """Shared memory per block the tile choice plans for: the device's opt-in on sm_90,
     where the large tiles were compiled and measured; elsewhere sm_120's budget, whose
@@ -221,8 +217,7 @@ def tree_launch_options(
     ``active_query_lens``), the re-split bounds and ``config``'s warps and stages."""
     has_active = active_query_lens is not None
     return dict(
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=q.dtype == torch.bfloat16 and _interpreted(),
+        **kernels.dot_options(q.dtype),
         ActiveQueryLens=active_query_lens if has_active else seq_lens,
         MergeBase=merge_base,
         MergeCount=merge_count,
