@@ -27,11 +27,21 @@ from test_mla_tree_kernel_gpu import (  # noqa: E402
 
 from vllm_ddtree.attention_backends.mla_tree import cascade, mla_tree_verify  # noqa: E402
 from vllm_ddtree.attention_backends.mla_tree.reference import (  # noqa: E402
+    gather_request_kv,
     mla_tree_verify_reference,
+    request_visibility,
 )
 
 if not cascade.flashmla_dense_available(torch.device("cuda")):
     pytest.skip("the cascade needs FlashMLA's dense decode (sm_90)", allow_module_level=True)
+
+
+# fp8 against fp8_query_reference, which rounds q as the cascade does but keeps fp32
+# elsewhere, while FlashMLA's fp8 kernel rounds its own intermediates (the softmax weights
+# enter P.V at low precision). On an H100 one element of 147,456 was 0.017 from an older
+# reference (e4m3 q for the tree keys too, itself up to 0.009 off on these shapes) at an
+# output of 0.12, just past OUT_TOL; a wrong scale or a lost context is 10-100x larger.
+FP8_OUT_TOL = dict(atol=2.5e-2, rtol=5e-2)
 
 
 @pytest.fixture(autouse=True)
@@ -55,13 +65,34 @@ def launch(batch, plan=None, lens=None, **kwargs):
 
 
 def fp8_query_reference(batch):
-    """The reference on the dequantized cache with q as FlashMLA sees it: e4m3 at
-    ``amax / 448`` (for the context; the tree keys see the 16-bit q, so this is the
-    reference for rows whose mass is almost all context)."""
+    """The cascade's fp8 result in fp32, computed independently: the dequantized cache;
+    the context keys scored with q as FlashMLA's fp8 path sees it (e4m3 at one scale,
+    the largest |q| of the real tokens / 448), the tree keys with the 16-bit q (the
+    tree kernel's). Rows past ``query_start_loc[-1]`` (graph padding) are left out."""
+    num_real = int(batch["query_start_loc"][-1])
     q = batch["q"].float()
-    scale = q.abs().max() / 448.0
+    scale = q[:num_real].abs().max() / 448.0
     q8 = (q / scale).to(torch.float8_e4m3fn).float() * scale
-    return fp8_reference({**batch, "q": q8})
+    kv_rank, sm_scale = batch["kv_lora_rank"], batch["scale"]
+    out = torch.zeros(num_real, q.shape[1], kv_rank, device=q.device)
+    lse = torch.full((num_real, q.shape[1]), float("-inf"), device=q.device)
+    qsl = batch["query_start_loc"].tolist()
+    for r, seq_len in enumerate(batch["seq_lens"].tolist()):
+        start, end = qsl[r], qsl[r + 1]
+        if end <= start:
+            continue
+        kv = gather_request_kv(batch["kv_cache"], batch["block_table"][r], seq_len).float()
+        kv = kv * batch["kv_scale"].float().reshape(())
+        ctx_len = seq_len - (end - start)
+        visible = request_visibility(batch["ancestor_bits"][start:end], end - start, seq_len)
+        scores = torch.cat([
+            torch.einsum("thd,sd->ths", q8[start:end], kv[:ctx_len]),
+            torch.einsum("thd,sd->ths", q[start:end], kv[ctx_len:])], dim=-1) * sm_scale
+        scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+        lse[start:end] = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[start:end, :, None])
+        out[start:end] = torch.einsum("ths,sd->thd", probs, kv[:, :kv_rank])
+    return out.to(batch["q"].dtype), lse
 
 
 SHAPES = [  # heads, context, new tokens per request, kind
@@ -97,7 +128,7 @@ def test_fp8_matches_reference(heads, ctx, qlen, kind):
     print(f"H{heads} ctx {ctx} qlen {qlen}: max |out - ref(16-bit q)| {err:.3g}, "
           f"lse {(lse - ref_lse).abs().max().item():.3g}")
     q8_out, q8_lse = fp8_query_reference(batch)
-    torch.testing.assert_close(out.float(), q8_out.float(), **OUT_TOL)
+    torch.testing.assert_close(out.float(), q8_out.float(), **FP8_OUT_TOL)
     torch.testing.assert_close(lse, q8_lse, **LSE_TOL)
 
 
@@ -123,7 +154,8 @@ def test_cuda_graph_replays_plan_at_other_lengths(fp8):
         graph.replay()
         torch.cuda.synchronize()
         ref_out, ref_lse = reference(batch)
-        torch.testing.assert_close(out.float(), ref_out.float(), **OUT_TOL)
+        torch.testing.assert_close(out.float(), ref_out.float(),
+                                   **(FP8_OUT_TOL if fp8 else OUT_TOL))
         torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
 
 
@@ -164,7 +196,8 @@ def test_graph_padding_rows_do_not_reach_real_requests(fp8):
     lens = dict(validate_values=False, max_query_len=9, max_seq_len=6009)
     (out, lse), plan = launch(padded, lens=lens)
     assert plan.ctx_lens is not None  # the cascade ran (27 rows = 3 requests x 9)
-    torch.testing.assert_close(out[:18].float(), ref_out.float(), **OUT_TOL)
+    torch.testing.assert_close(out[:18].float(), ref_out.float(),
+                               **(FP8_OUT_TOL if fp8 else OUT_TOL))
     torch.testing.assert_close(lse[:18], ref_lse, **LSE_TOL)
 
 
