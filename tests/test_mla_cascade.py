@@ -129,9 +129,9 @@ def test_context_lens_and_query_quantization():
 
 def query_scale_case():
     """Two requests of 3 tokens and a CUDA-graph padding request: 9 rows, the last 3
-    (padding) holding inf, NaN and a huge value."""
+    (padding) holding a huge value, inf and NaN."""
     q = torch.randn(9, 2, 576, dtype=torch.bfloat16)
-    q[6, 0, 0], q[7, 1, 5], q[8, 0, 9] = float("inf"), float("nan"), 1e30
+    q[6, 0, 9], q[7, 0, 0], q[8, 1, 5] = 1e30, float("inf"), float("nan")
     q[4, 1, 3] = -13.0  # the real maximum
     return q, torch.tensor([0, 3, 6, 6], dtype=torch.int32)
 
@@ -157,6 +157,64 @@ def test_query_scale_kernel():
                                              BLOCK=4)
     want = (torch.tensor([13.0]) / 448.0).tolist()  # in fp32
     assert scale.tolist() == want == cascade.query_scale(q, qsl).tolist()
+
+
+@pytest.mark.parametrize("block", [4096, 512])
+def test_small_query_kernel(block):
+    """``cascade_kernel._quantize_query_small_kernel`` (one launch for small queries) in
+    the interpreter, with an fp32 output: every program's scale is the general path's,
+    bit for bit, with padding rows of inf / NaN / 1e30 and a real token holding a NaN
+    (left out whole, as ``torch.linalg.vector_norm``'s per-token max leaves it); its
+    quotients are torch's (the e4m3 cast itself is checked on the GPU). ``block`` 512:
+    tokens of 1,152 entries span three blocks, and the grid has 21 programs."""
+    q, qsl = query_scale_case()
+    q[2, 1, 7] = float("nan")
+    q[2, 0, 0] = 20.0  # in the NaN token: not the maximum
+    want = cascade.query_scale(q, qsl)
+    assert want.tolist() == (torch.tensor([13.0]) / 448.0).tolist()
+    scale, out = torch.empty(1), torch.empty(q.shape)
+    grid = (triton.cdiv(q.numel(), block),)
+    cascade_kernel._quantize_query_small_kernel[grid](
+        q, qsl, 3, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
+    assert torch.equal(scale, want)
+    real = slice(0, 6)
+    torch.testing.assert_close(out[real], q[real].float() / want, rtol=0, atol=0,
+                               equal_nan=True)
+
+
+QUANTIZE_KERNELS = ("_quantize_query_small_kernel", "_query_scale_kernel",
+                    "_quantize_e4m3_kernel")
+
+
+class LaunchRecorder:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` records its name."""
+
+    def __init__(self, name: str, calls: list[str]):
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(self.name)
+
+
+@pytest.mark.parametrize("rows", [14, 15])
+def test_small_queries_take_one_launch(rows, monkeypatch):
+    """``quantize_query_fp8`` on CUDA launches the one-launch kernel up to
+    ``SMALL_QUERY_NUMEL`` entries (8 heads: 14 rows) and the general path's two kernels
+    above (meta tensors taken for CUDA ones; launches recorded, not run)."""
+    calls: list[str] = []
+    for name in QUANTIZE_KERNELS:
+        monkeypatch.setattr(cascade_kernel, name, LaunchRecorder(name, calls))
+    meta = torch.device("meta")
+    q = torch.empty(rows, 8, 576, dtype=torch.bfloat16, device=meta)
+    qsl = torch.tensor([0, rows], dtype=torch.int32).to(meta)
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
+        q8, scale = cascade.quantize_query_fp8(q, qsl)
+    assert q8.shape == q.shape and q8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
+    small = rows == 14
+    assert (q.numel() <= cascade.SMALL_QUERY_NUMEL) == small
+    assert calls == (["_quantize_query_small_kernel"] if small
+                     else ["_query_scale_kernel", "_quantize_e4m3_kernel"])
 
 
 def test_cascade_supported_shapes(monkeypatch):

@@ -41,6 +41,10 @@ from .configs import MLATileConfig, padded_dims, select_config
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+# Queries of at most this many entries (H 8 up to 14 rows, H 16 up to 7, H 64 at 1) are
+# quantized in one launch (``cascade_kernel._quantize_query_small_kernel``) instead of
+# three: at few rows the launches, not the bytes, were the fp8 cascade's overhead.
+SMALL_QUERY_NUMEL = 1 << 16
 PAGE_SIZE = 64
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -128,16 +132,25 @@ def quantize_query_fp8(q: torch.Tensor, query_start_loc: torch.Tensor,
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q / s)`` in e4m3 (q's shape, contiguous) and ``s`` (:func:`query_scale`, fp32
     ``[1]``, its descale factor): the largest real entry maps to e4m3's largest finite
-    value. One more launch on CUDA (``cascade_kernel._quantize_e4m3_kernel``); torch
-    elsewhere: Triton's interpreter rounds e4m3 wrongly where rounding carries into the
-    exponent (124.04 -> 64, not 128). One scale for the batch (FlashMLA takes one), so a
-    request's rounding depends on the batch's largest query entry."""
+    value. On CUDA one launch for at most ``SMALL_QUERY_NUMEL`` entries
+    (``cascade_kernel._quantize_query_small_kernel``), else :func:`query_scale`'s two and
+    ``cascade_kernel._quantize_e4m3_kernel``; torch elsewhere: Triton's interpreter
+    rounds e4m3 wrongly where rounding carries into the exponent (124.04 -> 64, not
+    128). One scale for the batch (FlashMLA takes one), so a request's rounding depends
+    on the batch's largest query entry."""
     q = q.contiguous()
+    block = 4096
+    if q.is_cuda and q.numel() <= SMALL_QUERY_NUMEL:
+        scale = torch.empty(1, dtype=torch.float32, device=q.device)
+        out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
+        cascade_kernel._quantize_query_small_kernel[(triton.cdiv(q.numel(), block),)](
+            q, query_start_loc, query_start_loc.shape[0] - 1, q[0].numel(), q.numel(),
+            scale, out, E4M3_MAX=E4M3_MAX, BLOCK=block)
+        return out, scale
     scale = query_scale(q, query_start_loc)
     if not q.is_cuda:
         return (q.float() / scale).to(FP8_KV_DTYPE), scale
     out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
-    block = 4096
     cascade_kernel._quantize_e4m3_kernel[(max(1, triton.cdiv(q.numel(), block)),)](
         q, scale, out, q.numel(), BLOCK=block)
     return out, scale

@@ -138,3 +138,37 @@ def _quantize_e4m3_kernel(X, Scale, Out, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(X + offs, mask=offs < numel, other=0.0).to(tl.float32)
     tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)
+
+
+@triton.jit
+def _quantize_query_small_kernel(Q, QueryStartLoc, num_reqs, token_numel, numel, Scale, Out,
+                                 E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """Small queries in one launch: every program finds the scale itself (the same as
+    ``_query_scale_kernel`` over ``torch.linalg.vector_norm``'s per-token max: the
+    largest ``|q|`` of the real tokens whose entries are all finite, ``/ E4M3_MAX``, at
+    least 1e-12), re-reading the real rows of ``Q`` (contiguous, ``token_numel``
+    entries a token) from L2, then quantizes its ``BLOCK`` entries as
+    ``_quantize_e4m3_kernel`` does. Program 0 stores ``Scale`` (fp32 ``[1]``). Two
+    launches fewer than the general path; the re-reads grow with the number of
+    programs, so it is for queries of a few tens of thousands of entries."""
+    num_real = tl.load(QueryStartLoc + num_reqs)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for t in range(0, num_real):
+        token_max = tl.zeros([BLOCK], tl.float32)
+        bad = tl.zeros([BLOCK], tl.int32)
+        for start in range(0, token_numel, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            x = tl.abs(tl.load(Q + t * token_numel + offs,  # small: int32 is enough
+                               mask=offs < token_numel, other=0.0).to(tl.float32))
+            bad = tl.maximum(bad, ((x != x) | (x == float("inf"))).to(tl.int32))
+            token_max = tl.maximum(token_max, tl.where(x == x, x, 0.0))
+        finite = tl.max(bad, 0) == 0
+        amax = tl.maximum(amax, tl.where(finite, token_max, 0.0))
+    # Correctly rounded divisions (``/`` is approximate on fp32): torch's quotients.
+    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), E4M3_MAX), 1e-12)
+    pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(Scale, scale)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(Q + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)

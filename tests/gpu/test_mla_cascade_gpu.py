@@ -159,11 +159,14 @@ def test_cuda_graph_replays_plan_at_other_lengths(fp8):
         torch.testing.assert_close(lse, ref_lse, **LSE_TOL)
 
 
-def test_query_quantization_rounds_as_torch():
-    """The fused quantization kernel against torch's e4m3 conversion of the same ratio
-    (round to nearest even, saturating at 448 by construction)."""
-    q = torch.randn(257, 64, 576, device="cuda", dtype=torch.bfloat16) * 7
-    qsl = torch.tensor([0, 257], dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("rows,heads", [(257, 64), (9, 8)])
+def test_query_quantization_rounds_as_torch(rows, heads):
+    """The quantization kernels against torch's e4m3 conversion of the same ratio
+    (round to nearest even, saturating at 448 by construction): the general path's
+    (257 rows at 64 heads) and the one-launch kernel of small queries (9 at 8)."""
+    assert (rows * heads * 576 <= cascade.SMALL_QUERY_NUMEL) == (rows == 9)
+    q = torch.randn(rows, heads, 576, device="cuda", dtype=torch.bfloat16) * 7
+    qsl = torch.tensor([0, rows], dtype=torch.int32, device="cuda")
     q8, scale = cascade.quantize_query_fp8(q, qsl)
     # On the CPU: CUDA divides a tensor by a Python scalar as a product by its reciprocal.
     assert torch.equal(scale.cpu(), (q.float().abs().max().cpu() / 448.0).reshape(1))
