@@ -7,7 +7,8 @@ The host picks the arm at each ``propose``, before the block pass, for the next 
 The design and its reasons are in ``vllm_ddtree.budget.policy``'s docstring; this
 module holds the decision, :class:`SpeculationGate`:
 
-* per batch-size bucket (:func:`batch_bucket`) and arm it keeps a *residual*, what the
+* per batch-size bucket (:func:`batch_bucket`) and arm it keeps a *residual* (the
+  bucket's level plus the arm's offset from paired samples, ``gate_stats``), what the
   arm's steps took on the GPU timeline (CUDA events at the start of a timed step and of
   the next, read once completed: no host sync) beyond the start-up model's time of that step
   (``vllm_ddtree.budget.step_cost.StepCostModel`` at the shape the step verified, which
@@ -99,7 +100,7 @@ MAX_STEP_SECONDS = 2.0
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
-# An arm above the settled one follows the smallest arm's acceptance (accepted nodes per
+# An arm above the settled one follows the settled arm's acceptance (accepted nodes per
 # tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
 SCALE_LIMIT = 2.0
 MIN_REFERENCE = 0.1
@@ -273,7 +274,7 @@ class SpeculationGate:
         """What each batch-size bucket measured and chose, as plain data for reports
         (``evals/e2e_sweep.py``): ``{batches: {"settled": arm, "arms": [{"arm",
         "chosen" (steps it ran, held ones included), "residual_ms", "residual_samples",
-        "committed" (tokens per tree as counted, before :meth:`_follow_smallest_arm`; 1 for plain
+        "committed" (tokens per tree as counted, before :meth:`_follow_reference_arm`; 1 for plain
         decoding), "committed_samples"}, ...]}}``, for the buckets the gate decided in
         and their arms timed or chosen (not those known only from the arm counters)."""
         out = {}
@@ -390,7 +391,9 @@ class SpeculationGate:
             for smaller in range(1, arm):
                 stats.add_committed(
                     smaller, 1.0 + (counts[1 + smaller] - last[1 + smaller]) / new_trees)
-            stats.add_smallest_cut(arm, 1.0 + (counts[2] - last[2]) / new_trees)
+            ref = stats.settled if 0 < stats.settled < arm else 1
+            stats.add_reference_cut(
+                arm, ref, 1.0 + (counts[1 + ref] - last[1 + ref]) / new_trees)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
@@ -439,10 +442,10 @@ class SpeculationGate:
     def rates(self, stats: GateStats, num_reqs: int, columns: np.ndarray,
               num_arms: int) -> np.ndarray:
         """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
-        at this batch size, ``committed / (model + residual)`` (an arm without a residual:
-        the model alone; above the settled arm: scaled by :meth:`_follow_smallest_arm`;
-        without counted trees: the committed tokens of the nearest arm with some, else
-        ``PRIOR_COMMITTED``); ``columns``: the contexts'
+        at this batch size, ``committed / (model + residual)`` (an arm without a residual
+        sample: the bucket's level, ``gate_stats``; above the settled arm: scaled by
+        :meth:`_follow_reference_arm`; without counted trees: the committed tokens of the
+        nearest arm with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
@@ -450,7 +453,7 @@ class SpeculationGate:
         self._arm_seconds = seconds
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
-        self._follow_smallest_arm(stats, committed, num_arms)
+        self._follow_reference_arm(stats, committed, num_arms)
         counted = stats.committed_count[:num_arms] > 0
         counted[0] = True
         if not counted.all():
@@ -464,28 +467,34 @@ class SpeculationGate:
         return committed / np.maximum(seconds, 1e-6)
 
     @staticmethod
-    def _follow_smallest_arm(stats: GateStats, committed: np.ndarray, num_arms: int) -> None:
-        """Arms above the settled one (and above the smallest, the reference) last
-        counted trees in their probes: scale what they accepted by how the smallest
-        arm's figure (fresh from every speculative decision) moved since, as their own
-        trees cut to the smallest arm measured it. The factor is kept within
-        ``SCALE_LIMIT`` and taken only from references ``MIN_REFERENCE`` above a plain
-        step's one token and a smallest-arm figure of ``SWITCH_SAMPLES`` trees; a larger
-        arm never falls below the settled arm's figure (the same trees accept at least
-        as much). In place on ``committed`` (fp64 ``[num_arms]``)."""
-        if num_arms < 3 or stats.committed_count[1] < SWITCH_SAMPLES:
+    def _follow_reference_arm(stats: GateStats, committed: np.ndarray, num_arms: int) -> None:
+        """Arms above the settled one last counted trees in their probes: scale what they
+        accepted by how the settled arm's figure (fresh from every decision) moved
+        since, as their own trees cut to the settled arm measured it (paired: the same
+        trees). The smallest speculative arm is the reference where the bucket decodes
+        plainly. The factor is kept within ``SCALE_LIMIT`` and taken only from references
+        ``MIN_REFERENCE`` above a plain step's one token, a reference figure of
+        ``SWITCH_SAMPLES`` trees, and cuts to the present reference (a probe taken from
+        another settled arm stays unscaled); a larger arm never falls below the settled
+        arm's figure (the same trees accept at least as much). In place on
+        ``committed`` (fp64 ``[num_arms]``). (The smallest arm was the reference for
+        every arm: at batch 1 its fraction of a token a tree, counted in whole tokens,
+        moved by half from step to step and scaled the larger arms with it.)"""
+        reference = max(stats.settled, 1)
+        if num_arms <= reference + 1 or stats.committed_count[reference] < SWITCH_SAMPLES:
             return
         # A Python loop: at most a few arms, and numpy's per-call cost is the step's
         # host time at batch 1.
-        smallest = float(stats.committed_tokens[1]) - 1.0
-        refs = stats.smallest_cut_tokens.tolist()
+        now = float(stats.committed_tokens[reference]) - 1.0
+        refs = stats.reference_cut_tokens.tolist()
+        ref_arms = stats.reference_arm.tolist()
         counts = stats.committed_count.tolist()
         floor = float(committed[stats.settled]) if stats.settled > 0 else None
-        for i in range(max(stats.settled, 1) + 1, num_arms):
+        for i in range(reference + 1, num_arms):
             ref = refs[i] - 1.0
-            if ref < MIN_REFERENCE or counts[i] <= 0:
+            if ref_arms[i] != reference or ref < MIN_REFERENCE or counts[i] <= 0:
                 continue
-            factor = min(max(smallest / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
+            factor = min(max(now / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
             scaled = 1.0 + (float(committed[i]) - 1.0) * factor
             committed[i] = scaled if floor is None else max(scaled, floor)
 
@@ -565,6 +574,7 @@ class SpeculationGate:
         if best != current and rates[best] >= rates[current] * (1 + HYSTERESIS):
             if stats.residual_count[best] >= SWITCH_SAMPLES:
                 current = stats.settled = best
+                stats.refresh_residuals()
                 if best == 0:
                     stats.stale_since = stats.decisions
                 self._log_pending = True

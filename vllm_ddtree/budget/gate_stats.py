@@ -1,6 +1,15 @@
 """What ``ddtree_budget: "auto"``'s step gate (``vllm_ddtree.budget.gate``) measures per
 batch-size bucket: the residual step time and the committed tokens per tree of each arm,
-and the bucket's decision state (:class:`GateStats`), with the bucketing itself."""
+and the bucket's decision state (:class:`GateStats`), with the bucketing itself.
+
+An arm's residual is the bucket's *level* plus the arm's *offset*. The host's speed, most
+of a small target's step, moves by up to 2x within seconds (H100 traces of the batch
+sweep: every arm's steps went from 9 to 16 ms together at batch 64), so a median of each
+arm's own samples compared arms measured at different times: the arm that ran while the
+host was fast looked cheap long after. The level follows every timed step of any arm;
+an arm's offset is what its steps took beyond the level of the moment (the steps just
+before, mostly the settled arm's): a paired difference, which the host's drift leaves
+alone while a cost of the arm that the start-up model misses stays in it."""
 
 from __future__ import annotations
 
@@ -14,9 +23,12 @@ __all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds"
 
 # Weight of a new sample in an arm's committed tokens per tree (after the first 1 / it).
 EMA_WEIGHT = 0.2
-# Residual samples an arm's estimate is the (lower) median of: one interval stretched
-# by a host stall (a GC pause, a log flush) must not move it.
+# Samples the residual level and each arm's offset are the (lower) median of: one
+# interval stretched by a host stall (a GC pause, a log flush) must not move them.
 RESIDUAL_WINDOW = 15
+# Standard error of a median of n samples, per median absolute deviation over sqrt(n):
+# 1.25 (a median's error over a mean's, normal samples) x 1.4826 (sigma per MAD).
+MEDIAN_ERROR = 1.25 * 1.4826
 # A step holding a prefill counts toward the residuals only where at least PREFILL_SHARE
 # of its bucket's last PREFILL_WINDOW timed steps held one, and its prefill's attention
 # work (query-key pairs, ``vllm_ddtree.verify.shape.prefill_load``) is at most
@@ -85,16 +97,24 @@ class GateStats:
     """
 
     def __init__(self, num_arms: int, settled: int, interval: int) -> None:
-        self.residuals = [_Median() for _ in range(num_arms)]
+        # every arm's samples less its offset; per arm, its samples less the level before
+        self.level = _Median()
+        self.offsets = [_Median() for _ in range(num_arms)]
         self.committed = [Ema() for _ in range(num_arms)]
-        # the same as arrays for the vectorized rates: fp64 / int64 [A]
+        # the same as arrays for the vectorized rates: fp64 / int64 [A]; an arm's residual
+        # is the level plus its offset (the level alone before its first sample)
+        self.residual_offsets = np.zeros(num_arms)
+        self.offset_count = np.zeros(num_arms, dtype=np.int64)  # samples in each offset
         self.residual_seconds = np.zeros(num_arms)
         self.residual_count = np.zeros(num_arms, dtype=np.int64)
         self.committed_tokens = np.zeros(num_arms)
         self.committed_count = np.zeros(num_arms, dtype=np.int64)
-        # per arm: its own trees cut to the smallest speculative arm (same EMA weights)
-        self.smallest_cut = [Ema() for _ in range(num_arms)]
-        self.smallest_cut_tokens = np.zeros(num_arms)
+        # per arm: its own trees cut to its reference arm (same EMA weights), the arm the
+        # bucket was settled on when they were counted (the smallest speculative arm
+        # where that was plain decoding or not below it); -1: none yet
+        self.reference_cut = [Ema() for _ in range(num_arms)]
+        self.reference_cut_tokens = np.zeros(num_arms)
+        self.reference_arm = np.full(num_arms, -1, dtype=np.int64)
         self.chosen = np.zeros(num_arms, dtype=np.int64)  # steps per arm
         self.settled = settled
         self.decisions = 0
@@ -131,10 +151,44 @@ class GateStats:
         return pairs <= TYPICAL_PREFILL * held[(len(held) - 1) // 2]
 
     def add_residual(self, arm: int, seconds: float) -> None:
-        median = self.residuals[arm]
-        median.add(seconds)
-        self.residual_seconds[arm] = median.value
-        self.residual_count[arm] = median.count
+        """A timed step of ``arm`` (index) took ``seconds`` beyond the model. An arm
+        other than the settled one (a probe) first adds the sample less the level
+        before it to its offset; the settled arm's offset stays, so that its steps, most
+        of the bucket's, move the level when the host's speed moves (its offset would
+        otherwise take the move first and keep the level, and every other arm's
+        residual, where it was). The bucket's first sample sets the level (offset 0).
+        Then the level takes the sample less the arm's offset."""
+        offset = self.offsets[arm]
+        if not self.level.count:
+            offset.add(0.0)
+        elif arm != self.settled or not offset.count:
+            offset.add(seconds - self.level.value)
+        self.level.add(seconds - offset.value)
+        self.residual_offsets[arm] = offset.value
+        self.offset_count[arm] = offset.count
+        self.residual_count[arm] += 1
+        self.refresh_residuals()
+
+    def refresh_residuals(self) -> None:
+        """``residual_seconds`` from the level and the offsets, after a sample or a new
+        settled arm: the settled arm's residual is the level plus its offset; another
+        arm differs from it by its offset's difference less one standard error of the
+        median of its samples (the bucket's spread, as the level's median absolute
+        deviation, over the root of its sample count), none where that error covers it.
+        At batch 64 on a small target one interval's spread was half the step (H100
+        traces): a probe's three samples then made offsets of several ms either way,
+        and the gate moved on them; where steps are steady the offsets count whole."""
+        samples = self.level.samples
+        spread = 0.0
+        if samples:
+            deviations = sorted(abs(x - self.level.value) for x in samples)
+            spread = deviations[(len(deviations) - 1) // 2]
+        base = self.residual_offsets[self.settled] if self.residual_count[self.settled] else 0.0
+        diff = self.residual_offsets - base
+        error = MEDIAN_ERROR * spread / np.sqrt(np.maximum(self.offset_count, 1))
+        np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
+        diff[self.residual_count == 0] = 0.0
+        np.add(self.level.value + base, diff, out=self.residual_seconds)
 
     def add_committed(self, arm: int, tokens: float) -> None:
         ema = self.committed[arm]
@@ -142,17 +196,23 @@ class GateStats:
         self.committed_tokens[arm] = ema.value
         self.committed_count[arm] = ema.count
 
-    def add_smallest_cut(self, arm: int, tokens: float) -> None:
-        ema = self.smallest_cut[arm]
+    def add_reference_cut(self, arm: int, reference: int, tokens: float) -> None:
+        """``arm``'s trees cut to ``reference`` (indices) committed ``tokens`` a tree; a
+        new reference arm starts the figure afresh."""
+        if self.reference_arm[arm] != reference:
+            self.reference_arm[arm] = reference
+            self.reference_cut[arm] = Ema()
+        ema = self.reference_cut[arm]
         ema.add(tokens)
-        self.smallest_cut_tokens[arm] = ema.value
+        self.reference_cut_tokens[arm] = ema.value
 
     def reset_committed(self, arm: int) -> None:
         self.committed[arm] = Ema()
         self.committed_tokens[arm] = 0.0
         self.committed_count[arm] = 0
-        self.smallest_cut[arm] = Ema()
-        self.smallest_cut_tokens[arm] = 0.0
+        self.reference_cut[arm] = Ema()
+        self.reference_cut_tokens[arm] = 0.0
+        self.reference_arm[arm] = -1
 
     def measured(self, num_arms: int) -> np.ndarray:
         """bool ``[num_arms]``: the first arms with a residual, and (speculative arms)

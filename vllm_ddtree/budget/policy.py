@@ -60,8 +60,12 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   CUDA graphs of every verify shape at 1, 2, 4, ... requests; the drafter's block pass
   by requests, timed on its graphs; the verify attention per request, layer and context
   at 1 and ``1 + b`` rows, the table above plus a one-row column), the arm taken as the
-  step's shape. ``residual(a)`` = the lower median of the last 15 intervals of steps of
-  that arm in that bucket minus ``T`` of each at the shape it verified (the device's
+  step's shape. ``residual(a)`` = what steps of that arm in that bucket took beyond
+  ``T`` of each at the shape it verified: the bucket's level (the lower median of the
+  last 15 intervals of any arm, each less its arm's offset) plus the arm's offset (the
+  lower median of its probe steps less the level of the moment; the settled arm's steps
+  move the level), so that the host's speed, which moves every arm's steps together,
+  moves every arm's residual (the device's
   budget may cut an arm's trees further; a prefill's tokens in the step priced as more
   rows of the forward): what they actually took beyond the model, from CUDA timing
   events at the start of each step the gate times and of the step after it, read only
@@ -81,8 +85,9 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   path's nodes below it: a parent precedes its children in the tree's best-first
   order), so each step of an arm gives every smaller arm's figure from the same trees,
   paired with its own, not from a probe's few trees of other requests; an arm above the
-  settled one, counted in its probes only, follows how the smallest arm's figure moved
-  since (at most 2x either way). So the model
+  settled one, counted in its probes only, follows how the settled arm's figure moved
+  since, as its probe's trees cut to the settled arm measured it (at most 2x either
+  way). So the model
   carries the batch-size and row dependence of the GPU work, the residuals what no
   start-up measurement sees; neither needs a host sync.
 * **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
