@@ -91,13 +91,13 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   carries the batch-size and row dependence of the GPU work, the residuals what no
   start-up measurement sees; neither needs a host sync.
 * **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
-  bucket's) and moves to its best measured arm when that is predicted 5 % faster and
+  bucket's) and moves to its best measured arm when that is predicted 2 % faster and
   was measured on at least 3 intervals (else it is probed again first).
 * **probes** (three steps of another arm; the middle ones are clean intervals of it;
   the probe's trees replace the arm's committed figure): the first time in a bucket,
   every unmeasured neighbour of the settled arm (the next smaller and larger arms), the
   arm beyond a neighbour that measured faster (so a slope where each hop gains less
-  than 5 % is still followed) and, from plain decoding, the arm below the smallest
+  than 2 % is still followed) and, from plain decoding, the arm below the smallest
   measured one; then every 32 decisions of a bucket the least recently probed of the
   neighbours and, from plain decoding, of the best measured speculative arm, that arm
   below and (smallest first) the measured arms not probed since plain decoding began
