@@ -194,9 +194,9 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
     """Per ``auto`` run, what its step gate measured in each cell's own batch-size
     bucket at the cell's end (``row["gate"]``, ``SpeculationGate.snapshot``, with
     :func:`gate_in_cell`'s counts where the row has them): the settled arm, and per arm
-    its share of the cell's steps, the residual (step time beyond the start-up
-    model, ms; "before" where no sample of the cell) and the committed tokens per
-    tree."""
+    its share of the cell's steps, the residual (the gate's estimate of the step time
+    beyond the start-up model, ms; "before" where no sample of the cell) and the
+    committed tokens per tree."""
     lines = []
     for run in (r for r in runs if r.startswith("ddtree-auto")):
         cells = sorted((r for r in rows if r["run"] == run and r.get("gate")
@@ -228,12 +228,14 @@ def gate_tables(rows: list[dict], runs, names, context, kind) -> list[str]:
                 + " |")
         per_cell = any("chosen_in_cell" in a for r in cells
                        for b in r["gate"].values() for a in b["arms"])
-        counts = ("steps in the cell; residual: step time beyond the start-up cost "
-                  "model, median ms (samples in the cell; \"before\": none, measured in the "
+        counts = ("steps in the cell; residual: the gate's estimate of the step time "
+                  "beyond the start-up cost model (the bucket's level plus the arm's "
+                  "offset), ms (samples in the cell; \"before\": none, measured in the "
                   "warm-up or an earlier cell)" if per_cell else
                   "steps and samples since the engine started, warm-up and earlier "
-                  "cells included; residual: step time beyond the start-up cost model, "
-                  "median ms (samples)")
+                  "cells included; residual: the gate's estimate of the step time beyond "
+                  "the start-up cost model (the bucket's level plus the arm's offset), ms "
+                  "(samples)")
         if table:
             lines += [f"{names[run]}: the step gate in each cell's batch-size bucket at the "
                       f"cell's end (arms by drafts per request, 0: plain decoding; {counts}):",
