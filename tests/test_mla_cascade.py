@@ -175,7 +175,13 @@ def test_small_query_kernel(block):
     scale, out = torch.empty(1), torch.empty(q.shape)
     grid = (triton.cdiv(q.numel(), block),)
     cascade_kernel._quantize_query_small_kernel[grid](
-        q, qsl, 3, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
+        q, qsl, 3, 9, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
+    assert torch.equal(scale, want)
+    # query_start_loc past the rows (a corrupt plan) reads no row beyond them
+    beyond = torch.tensor([0, 3, 6, 50], dtype=torch.int32)
+    q[6:] = 0.5
+    cascade_kernel._quantize_query_small_kernel[grid](
+        q, beyond, 3, 9, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
     assert torch.equal(scale, want)
     real = slice(0, 6)
     torch.testing.assert_close(out[real], q[real].float() / want, rtol=0, atol=0,

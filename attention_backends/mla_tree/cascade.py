@@ -140,12 +140,12 @@ def quantize_query_fp8(q: torch.Tensor, query_start_loc: torch.Tensor,
     on the batch's largest query entry."""
     q = q.contiguous()
     block = 4096
-    if q.is_cuda and q.numel() <= SMALL_QUERY_NUMEL:
+    if q.is_cuda and 0 < q.numel() <= SMALL_QUERY_NUMEL:
         scale = torch.empty(1, dtype=torch.float32, device=q.device)
         out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
         cascade_kernel._quantize_query_small_kernel[(triton.cdiv(q.numel(), block),)](
-            q, query_start_loc, query_start_loc.shape[0] - 1, q[0].numel(), q.numel(),
-            scale, out, E4M3_MAX=E4M3_MAX, BLOCK=block)
+            q, query_start_loc, query_start_loc.shape[0] - 1, q.shape[0], q[0].numel(),
+            q.numel(), scale, out, E4M3_MAX=E4M3_MAX, BLOCK=block)
         return out, scale
     scale = query_scale(q, query_start_loc)
     if not q.is_cuda:

@@ -141,17 +141,17 @@ def _quantize_e4m3_kernel(X, Scale, Out, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _quantize_query_small_kernel(Q, QueryStartLoc, num_reqs, token_numel, numel, Scale, Out,
-                                 E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_query_small_kernel(Q, QueryStartLoc, num_reqs, num_tokens, token_numel, numel,
+                                 Scale, Out, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """Small queries in one launch: every program finds the scale itself (the same as
     ``_query_scale_kernel`` over ``torch.linalg.vector_norm``'s per-token max: the
     largest ``|q|`` of the real tokens whose entries are all finite, ``/ E4M3_MAX``, at
-    least 1e-12), re-reading the real rows of ``Q`` (contiguous, ``token_numel``
-    entries a token) from L2, then quantizes its ``BLOCK`` entries as
+    least 1e-12), re-reading the real rows of ``Q`` (contiguous, ``num_tokens`` of
+    ``token_numel`` entries; never past them) from L2, then quantizes its ``BLOCK`` entries as
     ``_quantize_e4m3_kernel`` does. Program 0 stores ``Scale`` (fp32 ``[1]``). Two
     launches fewer than the general path; the re-reads grow with the number of
     programs, so it is for queries of a few tens of thousands of entries."""
-    num_real = tl.load(QueryStartLoc + num_reqs)
+    num_real = tl.minimum(tl.load(QueryStartLoc + num_reqs), num_tokens)
     amax = tl.zeros([BLOCK], tl.float32)
     for t in range(0, num_real):
         token_max = tl.zeros([BLOCK], tl.float32)

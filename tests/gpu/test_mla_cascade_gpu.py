@@ -71,7 +71,10 @@ def fp8_query_reference(batch):
     tree kernel's). Rows past ``query_start_loc[-1]`` (graph padding) are left out."""
     num_real = int(batch["query_start_loc"][-1])
     q = batch["q"].float()
-    scale = q[:num_real].abs().max() / 448.0
+    # the kernel's scale: the largest |q| of the real tokens whose entries are all
+    # finite, divided on the CPU (CUDA divides by a scalar as a product by its inverse)
+    token_max = q[:num_real].abs().amax(dim=(1, 2)).cpu()
+    scale = (token_max[token_max.isfinite()].max() / 448.0).to(q.device)
     q8 = (q / scale).to(torch.float8_e4m3fn).float() * scale
     kv_rank, sm_scale = batch["kv_lora_rank"], batch["scale"]
     out = torch.zeros(num_real, q.shape[1], kv_rank, device=q.device)
@@ -92,7 +95,7 @@ def fp8_query_reference(batch):
         lse[start:end] = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse[start:end, :, None])
         out[start:end] = torch.einsum("ths,sd->thd", probs, kv[:, :kv_rank])
-    return out.to(batch["q"].dtype), lse
+    return out, lse  # fp32
 
 
 SHAPES = [  # heads, context, new tokens per request, kind
@@ -174,20 +177,43 @@ def test_query_quantization_rounds_as_torch(rows, heads):
     assert torch.equal(q8.view(torch.uint8), ref.view(torch.uint8))
 
 
+def test_fp8_tree_keys_see_the_16_bit_query():
+    """The tree keys are scored with the 16-bit q (the tree kernel's), the context with
+    e4m3 q (FlashMLA's): on a short context, where the tree holds much of the mass, the
+    output is closer to that reference than to one scoring every key with e4m3 q."""
+    batch = to_fp8(make_batch([(40, "tree", 33), (17, "tree", 33)], heads=16,
+                              page_size=64, seed=5))
+    (out, _), plan = launch(batch)
+    assert plan.fp8_meta is not None
+    exact, _ = fp8_query_reference(batch)
+    q = batch["q"].float()
+    scale = q.abs().max().cpu() / 448.0
+    q8 = ((q / scale.to(q.device)).to(torch.float8_e4m3fn).float() * scale.to(q.device))
+    every_key_e4m3, _ = fp8_reference({**batch, "q": q8})
+    to_exact = (out.float() - exact.float()).abs().mean().item()
+    to_e4m3 = (out.float() - every_key_e4m3.float()).abs().mean().item()
+    print(f"mean |out - ref|: e4m3 q for the context only {to_exact:.3g}, "
+          f"for every key {to_e4m3:.3g}")
+    assert to_exact < to_e4m3
+
+
+@pytest.mark.parametrize("heads,qlen", [(16, 9), (8, 2)])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_graph_padding_rows_do_not_reach_real_requests(fp8):
+def test_graph_padding_rows_do_not_reach_real_requests(fp8, heads, qlen):
     """CUDA-graph padding as vLLM replays a uniform batch: a last request with no tokens
     and no keys whose q rows (past the real tokens) hold inf / NaN, as a previous layer
     can leave them. The real rows match the reference; with an fp8 cache the shared query
     scale ignores the padding rows (a NaN or inf there would otherwise spoil every
-    request's context scores)."""
-    batch = make_batch([(6000, "tree", 9), (900, "chain", 9)], heads=16, page_size=64)
+    request's context scores). 8 heads at 2 rows: fp8 queries take the one-launch
+    quantization of small queries."""
+    batch = make_batch([(6000, "tree", qlen), (900, "chain", qlen)], heads=heads,
+                       page_size=64)
     ref = fp8_query_reference if fp8 else (lambda b: mla_tree_verify_reference(**b))
     if fp8:
         batch = to_fp8(batch)
     ref_out, ref_lse = ref(batch)
     padded = dict(batch)
-    pad = torch.full((9, *batch["q"].shape[1:]), float("nan"), dtype=batch["q"].dtype,
+    pad = torch.full((qlen, *batch["q"].shape[1:]), float("nan"), dtype=batch["q"].dtype,
                      device="cuda")
     pad[0, 0, 0] = float("inf")
     padded["q"] = torch.cat([batch["q"], pad])
@@ -195,13 +221,17 @@ def test_graph_padding_rows_do_not_reach_real_requests(fp8):
     padded["query_start_loc"] = torch.cat([batch["query_start_loc"],
                                            batch["query_start_loc"][-1:]])
     padded["block_table"] = torch.cat([batch["block_table"], batch["block_table"][:1]])
-    padded["ancestor_bits"] = torch.cat([batch["ancestor_bits"], batch["ancestor_bits"][:9]])
-    lens = dict(validate_values=False, max_query_len=9, max_seq_len=6009)
+    padded["ancestor_bits"] = torch.cat([batch["ancestor_bits"],
+                                         batch["ancestor_bits"][:qlen]])
+    lens = dict(validate_values=False, max_query_len=qlen, max_seq_len=6000 + qlen)
     (out, lse), plan = launch(padded, lens=lens)
-    assert plan.ctx_lens is not None  # the cascade ran (27 rows = 3 requests x 9)
-    torch.testing.assert_close(out[:18].float(), ref_out.float(),
+    assert plan.ctx_lens is not None  # the cascade ran (3 requests x qlen rows)
+    small = padded["q"].numel() <= cascade.SMALL_QUERY_NUMEL
+    assert small == (heads == 8)
+    real = 2 * qlen
+    torch.testing.assert_close(out[:real].float(), ref_out.float(),
                                **(FP8_OUT_TOL if fp8 else OUT_TOL))
-    torch.testing.assert_close(lse[:18], ref_lse, **LSE_TOL)
+    torch.testing.assert_close(lse[:real], ref_lse, **LSE_TOL)
 
 
 def test_request_without_context_is_the_tree_alone():

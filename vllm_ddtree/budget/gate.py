@@ -74,8 +74,9 @@ __all__ = ["GateStats", "SpeculationGate", "batch_bucket"]
 logger = logging.getLogger("vllm.ddtree.budget_gate")
 
 # Predicted rate margin before a bucket moves to another arm. Offsets within their noise
-# count as none (``gate_stats``), so the margin only guards the committed figures: at 5 %
-# a host-bound batch 64 stayed on 32 drafts where 64 committed 6 % more at the same step.
+# count as none (``gate_stats``), so the margin mostly guards the committed figures: at
+# 5 % a host-bound batch 64 stayed on 32 drafts where 64 committed 6 % more at about the
+# same step (a CPU world shaped by the H100 sweep's traces; not yet measured on a GPU).
 HYSTERESIS = 0.02
 # Steps a probe runs its arm: the middle ones are intervals of that arm alone.
 PROBE_STEPS = 3
@@ -391,11 +392,9 @@ class SpeculationGate:
             if counts[2] < 0 or last[2] < 0:
                 continue  # no arm counters in one of the two copies
             for smaller in range(1, arm):
-                stats.add_committed(
-                    smaller, 1.0 + (counts[1 + smaller] - last[1 + smaller]) / new_trees)
-            ref = stats.settled if 0 < stats.settled < arm else 1
-            stats.add_reference_cut(
-                arm, ref, 1.0 + (counts[1 + ref] - last[1 + ref]) / new_trees)
+                tokens = 1.0 + (counts[1 + smaller] - last[1 + smaller]) / new_trees
+                stats.add_committed(smaller, tokens)
+                stats.add_reference_cut(arm, smaller, tokens)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's
@@ -406,9 +405,9 @@ class SpeculationGate:
         holds one, and their unmodeled part (the prefill's attention) is what each arm's
         steps pay there. Other prefills are left out, and where fewer than a quarter of
         the steps hold one, all are: a long prompt's chunks (their attention growing with
-        the prompt) fill consecutive steps, more than the lower median of the settled
-        arm's window holds, while the other arms' windows keep the bucket's usual steps,
-        and the bucket moved to a slower arm for thousands of steps. Steps that mix kinds
+        the prompt) fill consecutive steps, more than a lower median of 15 samples holds,
+        and (with each arm's own window, as the gate then kept) the bucket moved to a
+        slower arm for thousands of steps. Steps that mix kinds
         (a tree verified without a new draft, or the reverse), have no decode, or span an
         idle engine are left out."""
         while len(self.marks) >= 2:
@@ -444,14 +443,16 @@ class SpeculationGate:
     def rates(self, stats: GateStats, num_reqs: int, columns: np.ndarray,
               num_arms: int) -> np.ndarray:
         """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
-        at this batch size, ``committed / (model + residual)`` (an arm without a residual
-        sample: the bucket's level, ``gate_stats``; above the settled arm: scaled by
+        at this batch size, ``committed / (model + residual)`` (at least half the model;
+        residuals: ``GateStats.refresh_residuals``; above the settled arm: scaled by
         :meth:`_follow_reference_arm`; without counted trees: the committed tokens of the
         nearest arm with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
-        seconds += stats.residual_seconds[:num_arms]
+        # a residual far below zero (a stall in a few samples' level) must not make a
+        # step free: no arm is predicted below half its model time
+        seconds = np.maximum(seconds + stats.residual_seconds[:num_arms], 0.5 * seconds)
         self._arm_seconds = seconds
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
@@ -473,28 +474,27 @@ class SpeculationGate:
         """Arms above the settled one last counted trees in their probes: scale what they
         accepted by how the settled arm's figure (fresh from every decision) moved
         since, as their own trees cut to the settled arm measured it (paired: the same
-        trees). The smallest speculative arm is the reference where the bucket decodes
-        plainly. The factor is kept within ``SCALE_LIMIT`` and taken only from references
-        ``MIN_REFERENCE`` above a plain step's one token, a reference figure of
-        ``SWITCH_SAMPLES`` trees, and cuts to the present reference (a probe taken from
-        another settled arm stays unscaled); a larger arm never falls below the settled
-        arm's figure (the same trees accept at least as much). In place on
-        ``committed`` (fp64 ``[num_arms]``). (The smallest arm was the reference for
-        every arm: at batch 1 its fraction of a token a tree, counted in whole tokens,
-        moved by half from step to step and scaled the larger arms with it.)"""
+        trees; the walk's arm counters cut each tree to every smaller arm). The
+        smallest speculative arm is the reference where the bucket decodes plainly. The
+        factor is kept within ``SCALE_LIMIT`` and taken only from references
+        ``MIN_REFERENCE`` above a plain step's one token and a reference figure of
+        ``SWITCH_SAMPLES`` trees; a larger arm never falls below the settled arm's figure
+        (the same trees accept at least as much). In place on ``committed`` (fp64
+        ``[num_arms]``). (The smallest arm was the reference for every arm: at batch 1
+        its fraction of a token a tree, counted in whole tokens, moved by half from step
+        to step and scaled the larger arms with it.)"""
         reference = max(stats.settled, 1)
         if num_arms <= reference + 1 or stats.committed_count[reference] < SWITCH_SAMPLES:
             return
         # A Python loop: at most a few arms, and numpy's per-call cost is the step's
         # host time at batch 1.
         now = float(stats.committed_tokens[reference]) - 1.0
-        refs = stats.reference_cut_tokens.tolist()
-        ref_arms = stats.reference_arm.tolist()
+        refs = stats.reference_cut_tokens[:, reference].tolist()
         counts = stats.committed_count.tolist()
         floor = float(committed[stats.settled]) if stats.settled > 0 else None
         for i in range(reference + 1, num_arms):
-            ref = refs[i] - 1.0
-            if ref_arms[i] != reference or ref < MIN_REFERENCE or counts[i] <= 0:
+            ref = refs[i] - 1.0  # -1 where never counted
+            if ref < MIN_REFERENCE or counts[i] <= 0:
                 continue
             factor = min(max(now / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
             scaled = 1.0 + (float(committed[i]) - 1.0) * factor

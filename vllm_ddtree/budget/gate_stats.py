@@ -29,6 +29,12 @@ RESIDUAL_WINDOW = 15
 # Standard error of a median of n samples, per median absolute deviation over sqrt(n):
 # 1.25 (a median's error over a mean's, normal samples) x 1.4826 (sigma per MAD).
 MEDIAN_ERROR = 1.25 * 1.4826
+# Level samples before their spread is known: with fewer, offsets count as none (the
+# arms compare on the start-up model alone; the lower median of two deviations is 0).
+SPREAD_SAMPLES = 5
+# An arm's offset takes samples until it has this many even while the arm is settled:
+# an offset frozen from one sample kept a host stall in it for good.
+OFFSET_SAMPLES = 3
 # A step holding a prefill counts toward the residuals only where at least PREFILL_SHARE
 # of its bucket's last PREFILL_WINDOW timed steps held one, and its prefill's attention
 # work (query-key pairs, ``vllm_ddtree.verify.shape.prefill_load``) is at most
@@ -102,19 +108,18 @@ class GateStats:
         self.offsets = [_Median() for _ in range(num_arms)]
         self.committed = [Ema() for _ in range(num_arms)]
         # the same as arrays for the vectorized rates: fp64 / int64 [A]; an arm's residual
-        # is the level plus its offset (the level alone before its first sample)
+        # (refresh_residuals) is the settled arm's, the level plus its offset, and the
+        # offsets' difference beyond their noise
         self.residual_offsets = np.zeros(num_arms)
         self.offset_count = np.zeros(num_arms, dtype=np.int64)  # samples in each offset
         self.residual_seconds = np.zeros(num_arms)
         self.residual_count = np.zeros(num_arms, dtype=np.int64)
         self.committed_tokens = np.zeros(num_arms)
         self.committed_count = np.zeros(num_arms, dtype=np.int64)
-        # per arm: its own trees cut to its reference arm (same EMA weights), the arm the
-        # bucket was settled on when they were counted (the smallest speculative arm
-        # where that was plain decoding or not below it); -1: none yet
-        self.reference_cut = [Ema() for _ in range(num_arms)]
-        self.reference_cut_tokens = np.zeros(num_arms)
-        self.reference_arm = np.full(num_arms, -1, dtype=np.int64)
+        # [arm][smaller arm]: an arm's own trees cut to each smaller speculative arm (same
+        # EMA weights; fp64 [A, A]), the reference its figure follows the settled arm by
+        self.reference_cut = [[Ema() for _ in range(num_arms)] for _ in range(num_arms)]
+        self.reference_cut_tokens = np.zeros((num_arms, num_arms))
         self.chosen = np.zeros(num_arms, dtype=np.int64)  # steps per arm
         self.settled = settled
         self.decisions = 0
@@ -153,15 +158,16 @@ class GateStats:
     def add_residual(self, arm: int, seconds: float) -> None:
         """A timed step of ``arm`` (index) took ``seconds`` beyond the model. An arm
         other than the settled one (a probe) first adds the sample less the level
-        before it to its offset; the settled arm's offset stays, so that its steps, most
-        of the bucket's, move the level when the host's speed moves (its offset would
-        otherwise take the move first and keep the level, and every other arm's
-        residual, where it was). The bucket's first sample sets the level (offset 0).
-        Then the level takes the sample less the arm's offset."""
+        before it to its offset; the settled arm's offset stays once it has
+        ``OFFSET_SAMPLES``, so that its steps, most of the bucket's, move the level when
+        the host's speed moves (its offset would otherwise take the move first and keep
+        the level, and every other arm's residual, where it was). The bucket's first
+        sample sets the level (its arm's offset sample 0). Then the level takes the
+        sample less the arm's offset."""
         offset = self.offsets[arm]
         if not self.level.count:
             offset.add(0.0)
-        elif arm != self.settled or not offset.count:
+        elif arm != self.settled or offset.count < OFFSET_SAMPLES:
             offset.add(seconds - self.level.value)
         self.level.add(seconds - offset.value)
         self.residual_offsets[arm] = offset.value
@@ -172,21 +178,27 @@ class GateStats:
     def refresh_residuals(self) -> None:
         """``residual_seconds`` from the level and the offsets, after a sample or a new
         settled arm: the settled arm's residual is the level plus its offset; another
-        arm differs from it by its offset's difference less one standard error of the
-        median of its samples (the bucket's spread, as the level's median absolute
-        deviation, over the root of its sample count), none where that error covers it.
-        At batch 64 on a small target one interval's spread was half the step (H100
-        traces): a probe's three samples then made offsets of several ms either way,
-        and the gate moved on them; where steps are steady the offsets count whole."""
+        arm differs from it by the offsets' difference less one standard error of the
+        arm's own offset (the bucket's spread, as the level's median absolute
+        deviation, over the root of its sample count), none where that error covers it,
+        and none before ``SPREAD_SAMPLES`` level samples. At batch 64 on a small target
+        one interval's spread was half the step (H100 traces): a probe's three samples
+        then made offsets of several ms either way, and the gate moved on them; where
+        steps are steady the offsets count whole. (Counting the settled arm's error
+        too shrank real differences the start-up model misses, and the committed tokens
+        alone chose: ``tests/test_budget_gate.py``'s prefill case.) An arm without
+        samples takes the settled arm's residual."""
         samples = self.level.samples
-        spread = 0.0
-        if samples:
+        settled = self.settled
+        base = self.residual_offsets[settled] if self.residual_count[settled] else 0.0
+        diff = self.residual_offsets - base
+        if len(samples) < SPREAD_SAMPLES:
+            diff[:] = 0.0
+        else:
             deviations = sorted(abs(x - self.level.value) for x in samples)
             spread = deviations[(len(deviations) - 1) // 2]
-        base = self.residual_offsets[self.settled] if self.residual_count[self.settled] else 0.0
-        diff = self.residual_offsets - base
-        error = MEDIAN_ERROR * spread / np.sqrt(np.maximum(self.offset_count, 1))
-        np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
+            error = MEDIAN_ERROR * spread / np.sqrt(np.maximum(self.offset_count, 1))
+            np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
         diff[self.residual_count == 0] = 0.0
         np.add(self.level.value + base, diff, out=self.residual_seconds)
 
@@ -197,22 +209,18 @@ class GateStats:
         self.committed_count[arm] = ema.count
 
     def add_reference_cut(self, arm: int, reference: int, tokens: float) -> None:
-        """``arm``'s trees cut to ``reference`` (indices) committed ``tokens`` a tree; a
-        new reference arm starts the figure afresh."""
-        if self.reference_arm[arm] != reference:
-            self.reference_arm[arm] = reference
-            self.reference_cut[arm] = Ema()
-        ema = self.reference_cut[arm]
+        """``arm``'s trees cut to ``reference`` (indices, ``reference < arm``) committed
+        ``tokens`` a tree."""
+        ema = self.reference_cut[arm][reference]
         ema.add(tokens)
-        self.reference_cut_tokens[arm] = ema.value
+        self.reference_cut_tokens[arm, reference] = ema.value
 
     def reset_committed(self, arm: int) -> None:
         self.committed[arm] = Ema()
         self.committed_tokens[arm] = 0.0
         self.committed_count[arm] = 0
-        self.reference_cut[arm] = Ema()
+        self.reference_cut[arm] = [Ema() for _ in self.reference_cut[arm]]
         self.reference_cut_tokens[arm] = 0.0
-        self.reference_arm[arm] = -1
 
     def measured(self, num_arms: int) -> np.ndarray:
         """bool ``[num_arms]``: the first arms with a residual, and (speculative arms)

@@ -65,7 +65,8 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   last 15 intervals of any arm, each less its arm's offset) plus the arm's offset (the
   lower median of its probe steps less the level of the moment; the settled arm's steps
   move the level), so that the host's speed, which moves every arm's steps together,
-  moves every arm's residual (the device's
+  moves every arm's residual; an offset's difference from the settled arm's counts
+  only beyond one standard error of its median (the device's
   budget may cut an arm's trees further; a prefill's tokens in the step priced as more
   rows of the forward): what they actually took beyond the model, from CUDA timing
   events at the start of each step the gate times and of the step after it, read only
@@ -75,8 +76,8 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   holds a prefill counts only where at least a quarter of the bucket's last 128 timed
   steps hold one (continuous batching at large batch) and its prefill's attention
   (query-key pairs) is at most 4x the median of theirs: a long prompt's chunks on
-  consecutive steps, their attention growing with the prompt, would fill the settled
-  arm's window alone. ``E(a)`` =
+  consecutive steps, their attention growing with the prompt, would fill the level's
+  window. ``E(a)`` =
   tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
   copied to pinned memory at each decision, the held steps' trees with it, and read once
   their copy completed; 1 for plain
