@@ -112,6 +112,8 @@ class GateStats:
         # offsets' difference beyond their noise
         self.residual_offsets = np.zeros(num_arms)
         self.offset_count = np.zeros(num_arms, dtype=np.int64)  # samples in each offset
+        # the settled arm as add_residual last saw it, and its samples since it settled
+        self._settled_arm, self._settled_samples = -1, 0
         self.residual_seconds = np.zeros(num_arms)
         self.residual_count = np.zeros(num_arms, dtype=np.int64)
         self.committed_tokens = np.zeros(num_arms)
@@ -159,15 +161,23 @@ class GateStats:
         """A timed step of ``arm`` (index) took ``seconds`` beyond the model. An arm
         other than the settled one (a probe) first adds the sample less the level
         before it to its offset; the settled arm's offset stays once it has
-        ``OFFSET_SAMPLES``, so that its steps, most of the bucket's, move the level when
-        the host's speed moves (its offset would otherwise take the move first and keep
+        ``OFFSET_SAMPLES`` and the arm has been settled for as many samples (its first
+        ones after a switch are paired with the level its predecessor set: with a
+        probe's three samples alone its offset, which every other arm is compared
+        with, was 2 ms off at 40 % noise on 9 ms steps), so that its steps, most of the
+        bucket's, move the level when the host's speed moves (its offset would otherwise take the move first and keep
         the level, and every other arm's residual, where it was). The bucket's first
         sample sets the level (its arm's offset sample 0). Then the level takes the
         sample less the arm's offset."""
         offset = self.offsets[arm]
+        if arm == self.settled:
+            if self._settled_arm != arm:
+                self._settled_arm, self._settled_samples = arm, 0
+            self._settled_samples += 1
         if not self.level.count:
             offset.add(0.0)
-        elif arm != self.settled or offset.count < OFFSET_SAMPLES:
+        elif (arm != self.settled or offset.count < OFFSET_SAMPLES
+              or self._settled_samples <= OFFSET_SAMPLES):
             offset.add(seconds - self.level.value)
         self.level.add(seconds - offset.value)
         self.residual_offsets[arm] = offset.value
