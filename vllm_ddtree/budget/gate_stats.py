@@ -165,8 +165,9 @@ class GateStats:
         ones after a switch are paired with the level its predecessor set: with a
         probe's three samples alone its offset, which every other arm is compared
         with, was 2 ms off at 40 % noise on 9 ms steps), so that its steps, most of the
-        bucket's, move the level when the host's speed moves (its offset would otherwise take the move first and keep
-        the level, and every other arm's residual, where it was). The bucket's first
+        bucket's, move the level when the host's speed moves (its offset would
+        otherwise take the move first and keep the level, and every other arm's
+        residual, where it was). The bucket's first
         sample sets the level (its arm's offset sample 0). Then the level takes the
         sample less the arm's offset."""
         offset = self.offsets[arm]
