@@ -167,9 +167,8 @@ class GateStats:
         with, was 2 ms off at 40 % noise on 9 ms steps), so that its steps, most of the
         bucket's, move the level when the host's speed moves (its offset would
         otherwise take the move first and keep the level, and every other arm's
-        residual, where it was). The bucket's first
-        sample sets the level (its arm's offset sample 0). Then the level takes the
-        sample less the arm's offset."""
+        residual, where it was). The bucket's first sample sets the level (its arm's
+        offset sample 0). Then the level takes the sample less the arm's offset."""
         offset = self.offsets[arm]
         if arm == self.settled:
             if self._settled_arm != arm:
