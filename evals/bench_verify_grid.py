@@ -9,7 +9,8 @@ replayed, median of 5 replays).
 Methods per cell: the Gluon kernel (bf16 only), the Triton kernel forced to each tile
 config that fits the rows (``triton_m16`` / ``m32`` / ``m64``: the configs of
 ``configs.MLA_TILE_CONFIGS`` and ``LARGE_SMEM_TILE_CONFIGS``), FlashMLA causal (bf16; fp8
-through vLLM's dense fp8 FlashMLA, whose queries are fp8 too). fp8 cells also time the
+through vLLM's dense fp8 FlashMLA). With an fp8 cache every method reads vLLM's e4m3
+query (``operands``). fp8 cells also time the
 transposed-products fp8 kernel (``fp8t_m16`` everywhere, ``fp8t_m32`` from 32 rows:
 ``configs.FP8_TRANSPOSED_TILE_CONFIGS``, sm_90's fp8 rule) and, as the bf16 reference of
 an fp8-only run (``--grid-dtype fp8``), the Gluon kernel on the same cell's bf16 cache
@@ -79,31 +80,41 @@ def candidate_configs(rows: int, heads: int, sm120: bool):
     return [c for c in configs if c.block_m <= max(16, total) and 4 * c.block_m > min(total, 64)]
 
 
-def fp8_inputs(inp):
-    """``inp`` with its cache quantized as vLLM's ``concat_and_cache_mla`` (saturating)."""
+def operands(inp, dtype: str) -> dict:
+    """The launch's ``q``, ``kv_cache``, ``kv_scale`` and ``q_scale`` for a cache of
+    ``dtype``: "bf16" as made; "fp8" with the cache quantized as vLLM's
+    ``concat_and_cache_mla`` (saturating) and q as ``MLAAttention`` quantizes it
+    (``ops.quantize_query``: every fp8 kernel, FlashMLA's too, reads the e4m3 query;
+    vLLM fuses that quantization into its query concatenation, so it is not timed)."""
+    if dtype != "fp8":
+        return dict(q=inp.q, kv_cache=inp.kv_cache, kv_scale=None, q_scale=None)
+    from vllm_ddtree.attention_backends.mla_tree.ops import quantize_query
+
     kv_scale = torch.tensor([FP8_KV_SCALE], dtype=torch.float32, device="cuda")
+    q_scale = torch.tensor([FP8_Q_SCALE], dtype=torch.float32, device="cuda")
     cache = (inp.kv_cache.float() / kv_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return cache, kv_scale
+    return dict(q=quantize_query(inp.q, q_scale), kv_cache=cache, kv_scale=kv_scale,
+                q_scale=q_scale)
 
 
-def triton_method(inp, kv_cache, kv_scale, config):
+def triton_method(inp, ops, config):
     from bench_verify_attention import KV_LORA
 
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
     kwargs = dict(validate_values=False, max_query_len=inp.cell.qlen,
                   max_seq_len=inp.cell.ctx + inp.cell.qlen, config=config, kernel="triton",
-                  kv_scale=kv_scale)
+                  kv_scale=ops["kv_scale"], q_scale=ops["q_scale"])
 
     def run():
-        return mla_tree_verify(inp.q, kv_cache, inp.block_table, inp.seq_lens,
+        return mla_tree_verify(ops["q"], ops["kv_cache"], inp.block_table, inp.seq_lens,
                                inp.query_start_loc, inp.bits_tree, inp.scale, KV_LORA,
                                **kwargs)
 
     return run
 
 
-def flashmla_fp8(inp, kv_cache, kv_scale):
+def flashmla_fp8(inp, ops):
     """vLLM 0.26's dense fp8 FlashMLA (``FlashMLAImpl.forward_mqa`` with an fp8 cache):
     fp8 q and cache, descale factors, causal."""
     from bench_verify_attention import HEAD_DIM, KV_LORA, Unavailable
@@ -115,22 +126,20 @@ def flashmla_fp8(inp, kv_cache, kv_scale):
     except Exception as e:  # noqa: BLE001 - any import failure means "not available"
         raise Unavailable(f"import vllm.v1.attention.ops.flashmla failed: {e}") from e
     cell = inp.cell
-    q_scale = torch.tensor([FP8_Q_SCALE], dtype=torch.float32, device="cuda")
-    q = (inp.q.float() / q_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    q = q.view(1, cell.qlen, cell.heads, HEAD_DIM)
+    q = ops["q"].view(1, cell.qlen, cell.heads, HEAD_DIM)
     meta, num_splits = fm.get_mla_metadata_dense_fp8(inp.seq_lens, cell.qlen * cell.heads, 1)
 
     def run():
         return fm.flash_mla_with_kvcache_fp8(
-            q, kv_cache.unsqueeze(2), inp.block_table, inp.seq_lens, KV_LORA, meta,
-            num_splits, softmax_scale=inp.scale, causal=True, descale_q=q_scale,
-            descale_k=kv_scale)
+            q, ops["kv_cache"].unsqueeze(2), inp.block_table, inp.seq_lens, KV_LORA, meta,
+            num_splits, softmax_scale=inp.scale, causal=True, descale_q=ops["q_scale"],
+            descale_k=ops["kv_scale"])
 
     run()
     return run
 
 
-def cascade_method(inp, kv_cache, kv_scale):
+def cascade_method(inp, ops):
     """``cascade.mla_tree_verify_cascade`` as a layer after its KV-cache group's first
     launches it: the plan (context lengths, FlashMLA's schedule) made by a first call and
     not timed (a group's first layer pays it once a step; under vLLM's hybrid KV-cache
@@ -140,7 +149,7 @@ def cascade_method(inp, kv_cache, kv_scale):
     from vllm_ddtree.attention_backends.mla_tree import cascade
 
     cell = inp.cell
-    if not cascade.cascade_supported(inp.q, kv_cache, KV_LORA, 1, cell.qlen):
+    if not cascade.cascade_supported(ops["q"], ops["kv_cache"], KV_LORA, 1, cell.qlen):
         raise Unavailable("the cascade needs FlashMLA's dense decode (sm_90)")
     out = torch.empty(cell.qlen, cell.heads, KV_LORA, dtype=inp.q.dtype, device="cuda")
     lse = torch.empty(cell.qlen, cell.heads, dtype=torch.float32, device="cuda")
@@ -149,30 +158,31 @@ def cascade_method(inp, kv_cache, kv_scale):
 
     def run():
         return cascade.mla_tree_verify_cascade(
-            inp.q, kv_cache, inp.block_table, inp.seq_lens, inp.query_start_loc,
-            inp.bits_tree, inp.scale, out, lse, cell.qlen, plan, kv_scale, smem)
+            ops["q"], ops["kv_cache"], inp.block_table, inp.seq_lens, inp.query_start_loc,
+            inp.bits_tree, inp.scale, out, lse, cell.qlen, plan, ops["kv_scale"],
+            ops["q_scale"], smem)
 
     run()
     return run
 
 
-def cascade_context_method(inp, kv_cache, kv_scale):
+def cascade_context_method(inp, ops):
     """The cascade's context part alone (``cascade.flashmla_context``: FlashMLA over the
-    context, with an fp8 cache the query quantization too): ``cascade`` minus this is
-    what its tree part and the launches between cost."""
+    context): ``cascade`` minus this is what its tree part and the launches between
+    cost."""
     from bench_verify_attention import KV_LORA, Unavailable
 
     from vllm_ddtree.attention_backends.mla_tree import cascade
 
     cell = inp.cell
-    if not cascade.cascade_supported(inp.q, kv_cache, KV_LORA, 1, cell.qlen):
+    if not cascade.cascade_supported(ops["q"], ops["kv_cache"], KV_LORA, 1, cell.qlen):
         raise Unavailable("the cascade needs FlashMLA's dense decode (sm_90)")
     plan = cascade.CascadePlan(ctx_lens=cascade.context_lens(inp.seq_lens, inp.query_start_loc))
 
     def run():
-        return cascade.flashmla_context(inp.q, kv_cache, inp.block_table,
-                                        inp.query_start_loc, inp.scale, cell.qlen, plan,
-                                        kv_scale)
+        return cascade.flashmla_context(ops["q"], ops["kv_cache"], inp.block_table,
+                                        inp.scale, cell.qlen, plan, ops["kv_scale"],
+                                        ops["q_scale"])
 
     run()
     return run
@@ -182,10 +192,7 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
     """``{method: maker}`` of one cell; a maker returns the callable to time."""
     from bench_verify_attention import flashmla, gluon_all_rows
 
-    if dtype == "fp8":
-        kv_cache, kv_scale = fp8_inputs(inp)
-    else:
-        kv_cache, kv_scale = inp.kv_cache, None
+    ops = operands(inp, dtype)
     makers = {}
     if dtype == "bf16" and not sm120:
         makers["gluon"] = lambda: gluon_all_rows(inp)
@@ -195,12 +202,12 @@ def cell_methods(inp, dtype: str, sm120: bool) -> dict:
         makers["bf16_gluon"] = lambda: gluon_all_rows(inp)
     for config in configs:
         makers["triton_sm120" if sm120 else config_name(config)] = (
-            lambda c=config: triton_method(inp, kv_cache, kv_scale, c))
+            lambda c=config: triton_method(inp, ops, c))
     if not sm120:
-        makers["cascade"] = lambda: cascade_method(inp, kv_cache, kv_scale)
-        makers["cascade_context"] = lambda: cascade_context_method(inp, kv_cache, kv_scale)
+        makers["cascade"] = lambda: cascade_method(inp, ops)
+        makers["cascade_context"] = lambda: cascade_context_method(inp, ops)
     makers["flashmla"] = ((lambda: flashmla(inp)) if dtype == "bf16"
-                          else (lambda: flashmla_fp8(inp, kv_cache, kv_scale)))
+                          else (lambda: flashmla_fp8(inp, ops)))
     return makers
 
 
@@ -253,11 +260,11 @@ def split_sweep(args, bench, gpu: str, command: str) -> int:
     records = []
     for dtype, ctx, heads, rows, method, choices in tqdm(cells, desc="split sweep"):
         inp = make_inputs(Cell(heads, ctx, rows, PAGE), torch.bfloat16)
-        kv_cache, kv_scale = fp8_inputs(inp) if dtype == "fp8" else (inp.kv_cache, None)
+        ops = operands(inp, dtype)
         times = {}
         for min_tiles, splits in choices.items():
             try:
-                times[min_tiles] = bench(split_method(inp, method, kv_cache, kv_scale, splits))
+                times[min_tiles] = bench(split_method(inp, method, ops, splits))
             except (Unavailable, RuntimeError, ValueError) as e:
                 print(f"{dtype} H{heads} {rows} {ctx} {method} s{splits}: {e}"[:300])
                 times[min_tiles] = None
@@ -282,7 +289,7 @@ def split_sweep(args, bench, gpu: str, command: str) -> int:
     return 0
 
 
-def split_method(inp, method: str, kv_cache, kv_scale, splits: int):
+def split_method(inp, method: str, ops, splits: int):
     """``method`` (``"gluon"`` or a ``triton_m*`` tile) forced to ``splits`` KV splits."""
     from bench_verify_attention import KV_LORA
 
@@ -292,13 +299,13 @@ def split_method(inp, method: str, kv_cache, kv_scale, splits: int):
 
     lens = dict(validate_values=False, max_query_len=inp.cell.qlen,
                 max_seq_len=inp.cell.ctx + inp.cell.qlen, num_kv_splits=splits)
-    args = (inp.q, kv_cache, inp.block_table, inp.seq_lens, inp.query_start_loc,
+    args = (ops["q"], ops["kv_cache"], inp.block_table, inp.seq_lens, inp.query_start_loc,
             inp.bits_tree, inp.scale, KV_LORA)
     if method == "gluon":
         return lambda: mla_tree_fwd_gluon(*args, **lens)
     config = TRITON_CONFIGS[method]
     return lambda: mla_tree_verify(*args, **lens, kernel="triton", config=config,
-                                   kv_scale=kv_scale)
+                                   kv_scale=ops["kv_scale"], q_scale=ops["q_scale"])
 
 
 def run_grid(args, bench, gpu: str, command: str) -> int:

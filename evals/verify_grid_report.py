@@ -72,8 +72,8 @@ def write_markdown(report: dict, path: str) -> None:
              "FlashMLA's dense fp8 path also takes fp8 queries",
              "- dispatched: what `mla_tree_verify` launches for the cell today "
              "(`attention_backends/mla_tree/dispatch_table.py`, else the rule)",
-             "- cascade: FlashMLA's dense decode over the context (fp8 cells: its fp8 path, "
-             "q quantized with one dynamic scale) and our Triton kernel over the tree, "
+             "- cascade: FlashMLA's dense decode over the context (fp8 cells: its fp8 path; "
+             "every fp8 method reads vLLM's e4m3 query) and our Triton kernel over the tree, "
              "folding the context in (`attention_backends/mla_tree/cascade.py`); its step "
              "plan (context lengths, FlashMLA's schedule) made once per step by the first "
              "layer and not timed here",

@@ -24,10 +24,10 @@
 #   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference
 #   cascade    the cascade (FlashMLA over the context, our kernel over the tree; sm_90)
 #              against the reference, bf16 and fp8, CUDA graphs; then in vLLM against the
-#              vLLM backends (tiny MLA model, CUDA graphs: FLASHMLA in bf16, TRITON_MLA in
+#              vLLM backends (tiny MLA model, CUDA graphs: FLASHMLA in bf16 and in
 #              fp8) and DDTree through it against AR (tiny MLA pair, bf16 and fp8)
 #   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
-#   fp8backend --kv-cache-dtype fp8: CUSTOM against TRITON_MLA on the embedded target
+#   fp8backend --kv-cache-dtype fp8: CUSTOM against FLASHMLA on the embedded target (sm_90)
 #              (eager, and CUSTOM with CUDA graphs; 3 engines)
 #   fp8ddtree  --kv-cache-dtype fp8: DDTree with CUDA graphs against AR (2 engines)
 #   ddtree     DDTree on the embedded pair against AR and the reference engine (mixed
@@ -390,7 +390,7 @@ for stage in "$@"; do
       stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade
       stage_pytest cascade_ddtree 400 tests/gpu/test_ddtree_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
-    fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k triton_mla ;;
+    fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k flashmla ;;
     fp8ddtree) stage_pytest fp8ddtree 240 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;

@@ -25,10 +25,12 @@ MLA_COMPILE_PRELUDE = textwrap.dedent(
 
 
     def compiled(cfg, arch=120, page=64, has_active=False, runtime=False, kv_fp8=False):
-        ptrs = {"Q": "*bf16", "KV": "*fp8e4nv" if kv_fp8 else "*bf16", "BlockTable": "*i32",
+        elem = "*fp8e4nv" if kv_fp8 else "*bf16"  # an fp8 cache takes vLLM's e4m3 query
+        ptrs = {"Q": elem, "KV": elem, "BlockTable": "*i32",
                 "SeqLens": "*i32", "QueryStartLoc": "*i32", "AncestorBits": "*i64",
                 "Out": "*fp32", "Lse": "*fp32", "ActiveQueryLens": "*i32",
-                "MergeBase": "*i32", "MergeCount": "*i32", "KVScale": "*fp32"}
+                "MergeBase": "*i32", "MergeCount": "*i32", "KVScale": "*fp32",
+                "QScale": "*fp32"}
         consts = dict(NUM_HEADS=16, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                       PAGE_SIZE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       DOT_PRECISION="tf32", DOT_UPCAST=False, HAS_ACTIVE=has_active,

@@ -44,6 +44,8 @@ def context_partial(batch):
     keys only. Returns ``out [T, H, L]`` (fp32) and ``lse [R, H, QLEN]`` (FlashMLA's
     layout); a request without context gets NaN rows and +inf (what must not be read)."""
     q = batch["q"].float()
+    if batch.get("q_scale") is not None:  # vLLM's e4m3 query, as FlashMLA takes it
+        q = q * batch["q_scale"]
     kv_scale = batch.get("kv_scale")
     num_reqs = batch["seq_lens"].shape[0]
     lora = batch["kv_lora_rank"]
@@ -68,12 +70,13 @@ def context_partial(batch):
 def run_suffix(batch, ctx_out, ctx_lse, alias=False):
     q = batch["q"]
     out = ctx_out if alias else torch.empty(*q.shape[:2], batch["kv_lora_rank"],
-                                             dtype=q.dtype, device=q.device)
+                                             dtype=ctx_out.dtype, device=q.device)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
     cascade.tree_suffix(
         q, batch["kv_cache"], batch["block_table"], batch["seq_lens"],
         batch["query_start_loc"], batch["ancestor_bits"], batch["scale"],
-        batch["kv_lora_rank"], ctx_out, ctx_lse, out, lse, QLEN, batch.get("kv_scale"))
+        batch["kv_lora_rank"], ctx_out, ctx_lse, out, lse, QLEN, batch.get("kv_scale"),
+        batch.get("q_scale"))
     return out, lse
 
 
@@ -102,8 +105,9 @@ def test_suffix_without_context_partial_is_wrong():
 
 
 def test_suffix_on_fp8_cache():
-    """An fp8 cache (vLLM's layout, one scale): the tree keys widened as in the main
-    kernel, against the reference on the dequantized cache."""
+    """An fp8 cache (vLLM's layout, one scale) and vLLM's e4m3 query: the tree keys
+    widened as in the main kernel and scored with the same e4m3 query as the context,
+    against the reference on the dequantized cache and query."""
     batch = fp8_batch(uniform_specs([37, 64, 3]), page_size=16)
     ctx_out, ctx_lse = context_partial(batch)
     out, lse = run_suffix(batch, ctx_out.to(torch.bfloat16), ctx_lse)
@@ -112,121 +116,34 @@ def test_suffix_on_fp8_cache():
     torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])
 
 
-def test_context_lens_and_query_quantization():
+def test_context_lens():
     seq_lens = torch.tensor([40, 9, 0], dtype=torch.int32)
     qsl = torch.tensor([0, 9, 18, 27], dtype=torch.int32)
     lens = cascade.context_lens(seq_lens, qsl)
     assert lens.dtype == torch.int32 and lens.tolist() == [31, 1, 1]
-    q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
-    q8, scale = cascade.quantize_query_fp8(q, torch.tensor([0, 5], dtype=torch.int32))
-    assert q8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
-    assert q8.float().abs().max() == 448.0
-    # e4m3 keeps 3 mantissa bits: relative error at most 2^-4 above its normal range.
-    back = q8.float() * scale
-    big = q.float().abs() > scale * 2**-6
-    assert ((back - q.float()).abs()[big] <= q.float().abs()[big] * 2**-4 + 1e-6).all()
 
 
-def query_scale_case():
-    """Two requests of 3 tokens and a CUDA-graph padding request: 9 rows, the last 3
-    (padding) holding a huge value, inf and NaN."""
-    q = torch.randn(9, 2, 576, dtype=torch.bfloat16)
-    q[6, 0, 9], q[7, 0, 0], q[8, 1, 5] = 1e30, float("inf"), float("nan")
-    q[4, 1, 3] = -13.0  # the real maximum
-    return q, torch.tensor([0, 3, 6, 6], dtype=torch.int32)
+def test_suffix_equals_the_triton_kernel_on_fp8():
+    """The cascade's tree part and the Triton kernel score the keys with the same e4m3
+    query: fed the context partial of that query, the cascade's softmax denominators
+    are the Triton kernel's up to summation order (1e-5 in fp32; the outputs differ by
+    the kernel's fp16 probabilities). Plain decoding and a tree verify may
+    take different kernels for the same token's keys; a 16-bit query for the tree keys
+    (the cascade's former rule) moved its scores by e4m3's rounding of the query."""
+    from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
 
-
-def test_query_scale_ignores_padding_rows():
-    """One scale for the batch from its real tokens only: padding rows (past the last
-    request's tokens) may hold anything after a graph replay; a NaN or inf there must
-    not reach the real requests' scale (the CUDA kernel below computes the same)."""
-    q, qsl = query_scale_case()
-    want = (torch.tensor([13.0]) / 448.0).tolist()  # in fp32
-    assert cascade.query_scale(q, qsl).tolist() == want
-    q[2, 0, 0] = float("nan")  # a real row's NaN is ignored too: its own output is NaN
-    assert cascade.query_scale(q, qsl).tolist() == want
-
-
-def test_query_scale_kernel():
-    """``cascade_kernel._query_scale_kernel`` (the CUDA path of ``query_scale``) in the
-    interpreter: the same scale, bit for bit, with padding rows of inf / NaN / 1e30."""
-    q, qsl = query_scale_case()
-    token_amax = torch.linalg.vector_norm(q.reshape(9, -1), ord=float("inf"), dim=1)
-    scale = torch.empty(1)
-    cascade_kernel._query_scale_kernel[(1,)](token_amax, qsl, 3, 9, scale, E4M3_MAX=448.0,
-                                             BLOCK=4)
-    want = (torch.tensor([13.0]) / 448.0).tolist()  # in fp32
-    assert scale.tolist() == want == cascade.query_scale(q, qsl).tolist()
-
-
-@pytest.mark.parametrize("block", [4096, 512])
-def test_small_query_kernel(block):
-    """``cascade_kernel._quantize_query_small_kernel`` (one launch for small queries) in
-    the interpreter, with an fp32 output: every program's scale is the general path's,
-    bit for bit, with padding rows of inf / NaN / 1e30 and a real token holding a NaN
-    (left out whole, as ``torch.linalg.vector_norm``'s per-token max leaves it); its
-    quotients are torch's (the e4m3 cast itself is checked on the GPU). ``block`` 512:
-    tokens of 1,152 entries span three blocks, and the grid has 21 programs."""
-    q, qsl = query_scale_case()
-    q[2, 1, 7] = float("nan")
-    q[2, 0, 0] = 20.0  # in the NaN token: not the maximum
-    want = cascade.query_scale(q, qsl)
-    assert want.tolist() == (torch.tensor([13.0]) / 448.0).tolist()
-    scale, out = torch.empty(1), torch.empty(q.shape)
-    grid = (triton.cdiv(q.numel(), block),)
-    cascade_kernel._quantize_query_small_kernel[grid](
-        q, qsl, 3, 9, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
-    assert torch.equal(scale, want)
-    # query_start_loc past the rows (a corrupt plan) reads no row beyond them
-    beyond = torch.tensor([0, 3, 6, 50], dtype=torch.int32)
-    q[6:] = 0.5
-    cascade_kernel._quantize_query_small_kernel[grid](
-        q, beyond, 3, 9, q[0].numel(), q.numel(), scale, out, E4M3_MAX=448.0, BLOCK=block)
-    assert torch.equal(scale, want)
-    real = slice(0, 6)
-    torch.testing.assert_close(out[real], q[real].float() / want, rtol=0, atol=0,
-                               equal_nan=True)
-
-
-QUANTIZE_KERNELS = ("_quantize_query_small_kernel", "_query_scale_kernel",
-                    "_quantize_e4m3_kernel")
-
-
-class LaunchRecorder:
-    """Stands in for a Triton kernel: ``kernel[grid](...)`` records its name."""
-
-    def __init__(self, name: str, calls: list[str]):
-        self.name, self.calls = name, calls
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.calls.append(self.name)
-
-
-@pytest.mark.parametrize("rows", [14, 15])
-def test_small_queries_take_one_launch(rows, monkeypatch):
-    """``quantize_query_fp8`` on CUDA launches the one-launch kernel up to
-    ``SMALL_QUERY_NUMEL`` entries (8 heads: 14 rows) and the general path's two kernels
-    above (meta tensors taken for CUDA ones; launches recorded, not run)."""
-    calls: list[str] = []
-    for name in QUANTIZE_KERNELS:
-        monkeypatch.setattr(cascade_kernel, name, LaunchRecorder(name, calls))
-    meta = torch.device("meta")
-    q = torch.empty(rows, 8, 576, dtype=torch.bfloat16, device=meta)
-    qsl = torch.tensor([0, rows], dtype=torch.int32).to(meta)
-    with monkeypatch.context() as m:
-        m.setattr(torch.Tensor, "is_cuda", property(lambda t: True))
-        q8, scale = cascade.quantize_query_fp8(q, qsl)
-    assert q8.shape == q.shape and q8.dtype == torch.float8_e4m3fn and scale.shape == (1,)
-    small = rows == 14
-    assert (q.numel() <= cascade.SMALL_QUERY_NUMEL) == small
-    assert calls == (["_quantize_query_small_kernel"] if small
-                     else ["_query_scale_kernel", "_quantize_e4m3_kernel"])
+    batch = fp8_batch(uniform_specs([37, 64, 3]), page_size=16, out_dtype=torch.float32)
+    ctx_out, ctx_lse = context_partial(batch)
+    out, lse = run_suffix(batch, ctx_out, ctx_lse)
+    triton_out, triton_lse = mla_tree_verify(**batch, kernel="triton", num_kv_splits=1)
+    torch.testing.assert_close(lse, triton_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, triton_out, **TOLS[torch.float16])  # P in fp16
 
 
 def test_cascade_supported_shapes(monkeypatch):
-    """Where FlashMLA runs (stubbed here), the launch shapes it takes: bf16 q of
-    ``R * qlen`` rows, a bf16 or fp8 cache of 64-token pages, kv_lora_rank 512 + rope 64;
-    and never without FlashMLA."""
+    """Where FlashMLA runs (stubbed here), the launch shapes it takes: q of ``R * qlen``
+    rows, bf16 with a bf16 cache or e4m3 with an fp8 one, 64-token pages, kv_lora_rank
+    512 + rope 64; and never without FlashMLA."""
     q = torch.zeros(18, 8, 576, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16, device=DEVICE)
     on_hopper = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] == 9
@@ -234,7 +151,10 @@ def test_cascade_supported_shapes(monkeypatch):
         on_hopper and cascade.flashmla_dense_available(q.device))
     monkeypatch.setattr(cascade, "flashmla_dense_available", lambda device: True)
     assert cascade.cascade_supported(q, kv, 512, num_reqs=2, max_query_len=9)
-    assert cascade.cascade_supported(q, kv.to(torch.float8_e4m3fn), 512, 2, 9)
+    fp8 = torch.float8_e4m3fn
+    assert cascade.cascade_supported(q.to(fp8), kv.to(fp8), 512, 2, 9)
+    assert not cascade.cascade_supported(q, kv.to(fp8), 512, 2, 9)
+    assert not cascade.cascade_supported(q.to(fp8), kv, 512, 2, 9)
     # Not with unequal query lengths, another page size, kv_lora_rank, q dtype or layout.
     assert not cascade.cascade_supported(q, kv, 512, num_reqs=3, max_query_len=9)
     assert not cascade.cascade_supported(q, kv, 512, num_reqs=2, max_query_len=None)
@@ -253,8 +173,7 @@ def cascade_entry(monkeypatch):
 
     record = dict(cascade=0, gluon=0)
 
-    def fake_context(q, kv_cache, block_table, query_start_loc, scale, query_len, plan,
-                     kv_scale):
+    def fake_context(q, kv_cache, block_table, scale, query_len, plan, kv_scale, q_scale):
         record["cascade"] += 1
         assert plan.ctx_lens.tolist() == [max(1, s - query_len) for s in record["seq_lens"]]
         return context_partial(record["batch"])
@@ -311,17 +230,6 @@ def test_env_cascade_forces_it_without_an_entry(cascade_entry, monkeypatch):
     assert cascade_entry["cascade"] == 1 and cascade_entry["gluon"] == 1
 
 
-def test_quantize_kernel_quotients():
-    """The fused quantization kernel (CUDA path of ``quantize_query_fp8``) with an fp32
-    output: its quotients are torch's, bit for bit (the e4m3 cast itself is checked on the
-    GPU: the interpreter rounds it wrongly)."""
-    q = torch.randn(5, 3, 576, dtype=torch.bfloat16) * 7
-    scale = torch.tensor([0.0517])
-    out = torch.empty(q.shape)
-    cascade_kernel._quantize_e4m3_kernel[(3,)](q, scale, out, q.numel(), BLOCK=4096)
-    assert torch.equal(out, q.float() / scale)
-
-
 _SUFFIX_SPILLS_SCRIPT = """
 import json, sys
 sys.path.insert(0, "evals")
@@ -338,10 +246,11 @@ for fp8 in (False, True):
         consts = dict(NUM_HEADS=8, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                       PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                       DOT_PRECISION="tf32", DOT_UPCAST=False, KV_FP8=fp8)
-        ptrs = {"Q": "*bf16", "KV": "*fp8e4nv" if fp8 else "*bf16", "BlockTable": "*i32",
+        elem = "*fp8e4nv" if fp8 else "*bf16"  # an fp8 cache takes vLLM's e4m3 query
+        ptrs = {"Q": elem, "KV": elem, "BlockTable": "*i32",
                 "SeqLens": "*i32", "QueryStartLoc": "*i32", "AncestorBits": "*i64",
                 "Out": "*bf16", "Lse": "*fp32", "CtxOut": "*bf16", "CtxLse": "*fp32",
-                "KVScale": "*fp32"}
+                "KVScale": "*fp32", "QScale": "*fp32"}
         sig, attrs = launch_signature(fn, consts, ptrs, ("stride_qt", "stride_qh", "stride_kvb",
                                                          "stride_kvp", "stride_ot", "stride_cot"))
         k = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs),

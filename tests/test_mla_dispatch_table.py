@@ -140,7 +140,7 @@ def test_without_host_lengths_the_rule_applies(launches):
 
 
 def test_fp8_cache_takes_its_own_entry(launches):
-    batch = fp8_batch(SPECS, page_size=4, dtype=torch.float32)
+    batch = fp8_batch(SPECS, page_size=4, out_dtype=torch.float32)
     mla_tree_verify(**batch, **LENS, max_seq_len=9000)
     assert launches["gluon"] == 0
     assert launches["configs"] == [dispatch.TRITON_CONFIGS["triton_m64"]]
@@ -153,7 +153,7 @@ def test_fp8_rule_elsewhere_is_select_config(launches, monkeypatch):
     """Off sm_90 (sm_120: no wgmma) the fp8 rule is ``select_config``'s widening
     kernel."""
     monkeypatch.setattr(dispatch, "device_arch", lambda device: "sm_120")
-    check_fp8(fp8_batch(SPECS, page_size=4, dtype=torch.float32), **LENS, max_seq_len=2000)
+    check_fp8(fp8_batch(SPECS, page_size=4, out_dtype=torch.float32), **LENS, max_seq_len=2000)
     assert launches["configs"][-1][0] == "rule"
     assert not launches["configs"][-1][1].fp8_transposed
 

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """MLA tree-verify kernel on an fp8 (e4m3) latent cache, vLLM's ``--kv-cache-dtype fp8``
 layout: rows ``x / k_scale`` in ``[num_blocks, page_size, kv_lora_rank + rope]``, one fp32
-scale per layer. Checked against the fp32 reference on the dequantized cache (``kv_scale
-* row``), which is independent of the kernel's folding of the scale into the softmax
-scale and the output.
+scale per layer, and vLLM's e4m3 query (``q / q_scale``). Checked against the fp32
+reference on the dequantized cache and query (``kv_scale * row``, ``q_scale * q``), which
+is independent of the kernel's folding of the scales into the softmax scale and the
+output.
 
 Without a GPU the kernel runs in Triton's interpreter (tests/conftest.py); small shapes.
 """
@@ -32,6 +33,7 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     kernels,
     mla_tree_verify,
     mla_tree_verify_reference,
+    quantize_query,
 )
 
 pytestmark = [
@@ -42,29 +44,37 @@ pytestmark = [
 FP8 = torch.float8_e4m3fn
 
 
-def fp8_batch(specs, *, scale_value=0.05, dtype=torch.bfloat16, **kwargs):
+def fp8_batch(specs, *, scale_value=0.05, q_scale_value=0.01, out_dtype=torch.bfloat16,
+              **kwargs):
     """``make_batch`` with its cache quantized as vLLM's ``concat_and_cache_mla`` does
-    (``fp8(x / k_scale)``), the scale as a one-element fp32 device tensor."""
+    (``fp8(x / k_scale)``) and its query as ``MLAAttention`` does (``quantize_query``),
+    the scales as one-element fp32 device tensors; outputs in ``out_dtype``."""
     batch = make_batch(specs, dtype=torch.float32, **kwargs)
     kv_scale = torch.tensor([scale_value], dtype=torch.float32, device=DEVICE)
+    q_scale = torch.tensor([q_scale_value], dtype=torch.float32, device=DEVICE)
     cache = batch["kv_cache"] * 3.0  # values spread over e4m3's range after / scale
     # Saturating, as vLLM's CUDA conversion (__NV_SATFINITE); torch's gives NaN instead.
     batch["kv_cache"] = (cache / kv_scale).clamp(-448, 448).to(FP8)
-    batch["q"] = batch["q"].to(dtype)
-    batch["kv_scale"] = kv_scale
+    batch["q"] = quantize_query(batch["q"], q_scale)
+    batch.update(kv_scale=kv_scale, q_scale=q_scale, out_dtype=out_dtype)
     return batch
 
 
 def dequantized(batch):
-    """The same batch with the cache dequantized to fp32 (``kv_scale * row``)."""
+    """The same batch with the cache and query dequantized to fp32 (``kv_scale * row``,
+    ``q_scale * q``)."""
     kv = batch["kv_cache"].float() * batch["kv_scale"]
-    return {**batch, "kv_cache": kv, "q": batch["q"].float(), "kv_scale": None}
+    q = batch["q"].float() * batch["q_scale"]
+    return {**batch, "kv_cache": kv, "q": q, "kv_scale": None, "q_scale": None,
+            "out_dtype": None}
 
 
 def check(batch, **kwargs):
     out, lse = mla_tree_verify(**batch, **kwargs)
+    assert out.dtype == batch["out_dtype"]
     ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
-    tol = TOLS[batch["q"].dtype]
+    # fp16 MMAs (p in fp16) whatever the output's dtype
+    tol = TOLS[torch.float16 if batch["out_dtype"] == torch.float32 else batch["out_dtype"]]
     torch.testing.assert_close(out.float(), ref_out.float(), **tol)
     torch.testing.assert_close(lse, ref_lse, **tol)
     return out, lse
@@ -76,22 +86,58 @@ def test_fixture_cache_uses_e4m3_range():
     batch = fp8_batch(MIXED[:2], page_size=4)
     raw = batch["kv_cache"].float()
     assert raw.abs().max() > 100 and raw.abs().max() <= 448
+    q = batch["q"].float()
+    assert q.abs().max() > 100 and q.abs().max() <= 448
     ref, _ = mla_tree_verify_reference(**dequantized(batch))
     unscaled, _ = mla_tree_verify_reference(**{**dequantized(batch), "kv_cache": raw})
     assert not torch.allclose(ref, unscaled, atol=1e-2)
 
 
+def test_query_quantization_saturates_as_vllm():
+    """``quantize_query``: ``q / q_scale`` rounded to e4m3 as torch rounds it, clamped to
+    +-448 (vLLM's static quantization saturates; torch's cast alone gives NaN), NaN kept."""
+    q = torch.tensor([[[0.0, 1.0, -3.3, 5.0, -5.0, 1e9, float("nan"), 2.2e-3]]])
+    scale = torch.tensor(0.01)
+    got = quantize_query(q, scale)
+    assert got.dtype == FP8
+    want = torch.tensor([0.0, 100.0, -330.0, 448.0, -448.0, 448.0, 0.0, 0.22]).to(FP8)
+    assert got.float()[0, 0, :6].tolist() == want.float()[:6].tolist()
+    assert got.float()[0, 0, 6].isnan()
+    assert got.float()[0, 0, 7] == torch.tensor(0.22).to(FP8).float()
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_mixed_batch_bf16_queries(page_size):
+def test_mixed_batch(page_size):
     batch = fp8_batch(MIXED, page_size=page_size, seed=page_size)
     check(batch, num_kv_splits=1)
     check(batch)  # automatic split count
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fp32_and_fp16_queries(dtype):
-    batch = fp8_batch(MIXED[:3], dtype=dtype, page_size=4, heads=3)
+def test_fp32_and_fp16_outputs(dtype):
+    batch = fp8_batch(MIXED[:3], out_dtype=dtype, page_size=4, heads=3)
     check(batch, num_kv_splits=2)
+
+
+def test_a_request_does_not_see_the_other_queries():
+    """A request's result is bit for bit the same alone and beside a request whose
+    queries are 100x larger (same length, so the same tile and split count): the query's
+    scale is the layer's, not the batch's, so its rounding cannot move with the batch
+    (a per-launch scale did; plain decoding and a tree verify then scored the same keys
+    with differently rounded queries)."""
+    pair = fp8_batch([MIXED[2], MIXED[2]], page_size=4, seed=21)
+    tokens = int(pair["query_start_loc"][1])
+    big = pair["q"].float()
+    big[tokens:] = (big[tokens:] * 100.0).clamp(-448, 448)
+    loud = {**pair, "q": big.to(FP8)}
+    alone = {**pair, "q": pair["q"][:tokens], "seq_lens": pair["seq_lens"][:1],
+             "query_start_loc": pair["query_start_loc"][:2],
+             "block_table": pair["block_table"][:1],
+             "ancestor_bits": pair["ancestor_bits"][:tokens]}
+    results = [mla_tree_verify(**batch, num_kv_splits=1, kernel="triton")
+               for batch in (alone, loud)]
+    assert torch.equal(results[0][0], results[1][0][:tokens])
+    assert torch.equal(results[0][1], results[1][1][:tokens])
 
 
 @pytest.mark.parametrize("seed", range(2))
@@ -136,27 +182,19 @@ def test_scale_is_read_on_the_device():
     batch["kv_scale"].mul_(2.0)
     second, _ = check(batch)
     assert not torch.allclose(first.float(), second.float(), atol=1e-2)
-
-
-@pytest.mark.parametrize("magnitude", [3e5, 1e-6, 1e20, 1e-20])
-def test_query_magnitudes_outside_fp16(magnitude):
-    """The kernel multiplies in fp16, whose range a bf16 q may leave (above 65504, or
-    below its subnormals): q at ``magnitude`` times its usual size, the softmax scale
-    divided by it (the same well-conditioned attention), matches the fp32 reference."""
-    batch = fp8_batch(MIXED[:4], page_size=4, seed=7)
-    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
-    batch["scale"] = batch["scale"] / magnitude
-    check(batch, num_kv_splits=2)
+    batch["q_scale"].mul_(0.5)
+    third, _ = check(batch)
+    assert not torch.allclose(second.float(), third.float(), atol=1e-2)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf / NaN
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_query_stays_in_its_row(bad):
-    """One q entry inf / NaN: every other row of its tile (the same request, the same
-    CTA) still matches the reference; only the bad row's result is undefined."""
+def test_non_finite_query_stays_in_its_row():
+    """One q entry NaN (e4m3 has no inf: vLLM's quantization saturates it): every other
+    row of its tile (the same request, the same CTA) still matches the reference; only
+    the bad row's result is undefined."""
     batch = fp8_batch(MIXED[2:4], page_size=4, heads=2, seed=11)
     token, head = 3, 1  # request 0 (9 tokens x 2 heads: one 16- or 32-row tile)
-    batch["q"][token, head, 5] = bad
+    batch["q"].view(torch.uint8)[token, head, 5] = 0x7F  # e4m3 NaN
     out, lse = mla_tree_verify(**batch, num_kv_splits=2)
     ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
     good = torch.ones(lse.shape, dtype=torch.bool, device=lse.device)
@@ -187,7 +225,7 @@ def test_fp8_never_takes_the_gluon_kernel(monkeypatch):
 
     calls = []
     monkeypatch.setattr(ops, "mla_tree_fwd_gluon", lambda *a, **k: calls.append(1))
-    monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda q, kv, rank: kv.dtype == q.dtype)
+    monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda q, kv, rank: True)
     check(fp8_batch(MIXED[:2], page_size=4))
     assert not calls
 
@@ -196,7 +234,8 @@ def test_gluon_launcher_names_the_fp8_cache():
     from vllm_ddtree.attention_backends.mla_tree.ops import mla_tree_fwd_gluon
 
     batch = fp8_batch(MIXED[:2], page_size=4)
-    del batch["kv_scale"]
+    for name in ("kv_scale", "q_scale", "out_dtype"):
+        del batch[name]
     with pytest.raises(ValueError, match="16-bit caches only"):
         mla_tree_fwd_gluon(**batch)
 
@@ -204,13 +243,23 @@ def test_gluon_launcher_names_the_fp8_cache():
 def test_bad_scales_name_the_field():
     batch = fp8_batch(MIXED[:2], page_size=4)
     cases = [
+        (dict(q_scale=None), "q_scale must be a one-element float32.*layer._q_scale"),
+        (dict(q=batch["q"].float().to(torch.bfloat16)),
+         "q must be torch.float8_e4m3fn with an torch.float8_e4m3fn kv_cache"),
+        (dict(out_dtype=torch.int8), "out_dtype must be bf16, fp16 or fp32"),
         (dict(kv_scale=None), "kv_scale must be a one-element float32"),
         (dict(kv_scale=batch["kv_scale"].double()), "kv_scale must be a one-element float32"),
         (dict(kv_scale=torch.ones(2, device=DEVICE)), "kv_scale must be a one-element float32"),
         (dict(kv_scale=1.0), "kv_scale must be a one-element float32"),
-        (dict(kv_cache=batch["kv_cache"].float().to(batch["q"].dtype)),
+        (dict(kv_cache=batch["kv_cache"].float().to(torch.bfloat16),
+              q=batch["q"].float().to(torch.bfloat16)),
          "kv_scale applies to an torch.float8_e4m3fn kv_cache only"),
-        (dict(kv_cache=batch["kv_cache"].view(torch.uint8)), "kv_cache dtype torch.uint8"),
+        (dict(kv_cache=batch["kv_cache"].float().to(torch.bfloat16),
+              q=batch["q"].float().to(torch.bfloat16), kv_scale=None),
+         "q_scale applies to an torch.float8_e4m3fn kv_cache only"),
+        (dict(kv_cache=batch["kv_cache"].view(torch.uint8),
+              q=batch["q"].float().to(torch.bfloat16), kv_scale=None, q_scale=None,
+              out_dtype=None), "kv_cache dtype torch.uint8"),
     ]
     for override, message in cases:
         with pytest.raises(ValueError, match=message):
@@ -249,8 +298,8 @@ def test_fp8_variant_compiles_to_fp16_mmas_within_the_16_bit_estimate():
     """The fp8 variant compiled for sm_120 (every table config, pages 1 / 16 / 64, the
     graph's run-time splits and the active-row re-split) and sm_90 (the 64-row tile):
 
-    - its MMAs take fp16 operands, the tiles are widened by e4m3x2 -> f16x2 conversions
-      and nothing is converted to bf16 (the bf16 q becomes fp16 through fp32);
+    - its MMAs take fp16 operands, the tiles and the e4m3 query are widened by e4m3x2 ->
+      f16x2 conversions and nothing is converted to bf16;
     - its shared memory (K and V staged as fp8) stays within the bf16 estimate the
       configs are chosen by on sm_120 (measured: 54.5 / 74 KB against 56.5 / 76 KB in
       bf16) and within Hopper's 227 KB for the 64-row tile (218 against 222 KB)."""
@@ -302,23 +351,24 @@ def test_backend_refuses_mla_shapes_its_kernels_cannot_take_as_the_model_is_buil
     _impl("auto", 128, 64)  # a small model's latent with DeepSeek's rope dim
 
 
-def test_backend_accepts_vllm_fp8_cache_and_keeps_q_unquantized():
+def test_backend_accepts_vllm_fp8_cache_and_takes_the_quantized_query():
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLABackend
 
     for name in ("fp8", "fp8_e4m3"):
         assert name in TreeMLABackend.supported_kv_cache_dtypes
         impl = _impl(name)
-        # MLACommonImpl would quantize q to fp8 before forward_mqa otherwise.
-        assert impl._fp8_cache and not impl.supports_quant_query_input
-    assert not _impl("auto")._fp8_cache and _impl("auto").supports_quant_query_input
+        # MLAAttention hands forward_mqa the e4m3 query (q / layer._q_scale), as FLASHMLA.
+        assert impl._fp8_cache and impl.supports_quant_query_input
+    assert not _impl("auto")._fp8_cache
     for name in ("fp8_e5m2", "fp8_ds_mla"):
         with pytest.raises(NotImplementedError, match=f"no '{name}' KV cache.*'fp8_e4m3'"):
             _impl(name)
 
 
 def test_backend_forward_reads_the_layer_scale():
-    """``forward_mqa`` on the e4m3 view vLLM hands it, with ``layer._k_scale``: the
-    fp32 reference on the dequantized cache."""
+    """``forward_mqa`` on the e4m3 cache view and the e4m3 query vLLM hands it, with
+    ``layer._k_scale`` and ``layer._q_scale``: the fp32 reference on the dequantized
+    cache and query; the output in the model's dtype (bf16 here)."""
     from types import SimpleNamespace as NS
 
     from vllm_ddtree.attention_backends.mla_tree.backend import TreeMLADecodeMetadata
@@ -330,8 +380,11 @@ def test_backend_forward_reads_the_layer_scale():
         block_table=batch["block_table"], seq_lens=batch["seq_lens"], dcp_tot_seq_lens=None,
         query_start_loc=batch["query_start_loc"], ancestor_bits=batch["ancestor_bits"],
         max_query_len=9, max_seq_len=int(batch["seq_lens"].max()), max_model_len=4096)
-    layer = NS(_k_scale=batch["kv_scale"].reshape(()))  # vLLM's: a 0-d fp32 buffer
+    layer = NS(_k_scale=batch["kv_scale"].reshape(()),  # vLLM's: 0-d fp32 buffers
+               _q_scale=batch["q_scale"].reshape(()))
+    impl._out_dtype = torch.bfloat16
     out, lse = impl.forward_mqa(batch["q"], batch["kv_cache"], NS(decode=decode), layer)
+    assert out.dtype == torch.bfloat16
     ref_out, ref_lse = mla_tree_verify_reference(**dequantized(batch))
     torch.testing.assert_close(out.float(), ref_out.float(), **TOLS[torch.bfloat16])
     torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])
@@ -356,133 +409,3 @@ def test_backend_refuses_fp8_before_sm89(monkeypatch):
     monkeypatch.setattr(current_platform, "has_device_capability",
                         lambda capability, device_id=0: capability <= 90)
     assert _impl("fp8")._fp8_cache
-
-
-# ---------------------------------------------------------------------------------------
-# _fp16_query_rows alone, at the edges of its fp32 exponent arithmetic.
-
-
-@triton.jit
-def _query_rows_probe(Q, Scaled, Unscale, BLOCK_M: tl.constexpr, BLOCK_L: tl.constexpr,
-                      BLOCK_R: tl.constexpr, ROPE: tl.constexpr):
-    rows = tl.arange(0, BLOCK_M)[:, None]
-    offs_l = tl.arange(0, BLOCK_L)[None, :]
-    offs_r = tl.arange(0, BLOCK_R)[None, :]
-    width = BLOCK_L + BLOCK_R
-    q_nope = tl.load(Q + rows * width + offs_l)
-    q_rope = tl.load(Q + rows * width + BLOCK_L + offs_r)
-    q_nope, q_rope, unscale = kernels._fp16_query_rows(q_nope, q_rope, ROPE)
-    tl.store(Scaled + rows * width + offs_l, q_nope)
-    if ROPE > 0:
-        tl.store(Scaled + rows * width + BLOCK_L + offs_r, q_rope)
-    tl.store(Unscale + rows, unscale)
-
-
-def _bf16_rows(rows):
-    """bf16 ``[len(rows), 16 + 16]`` (nope, rope) from lists of values, zero-padded;
-    the values must be bf16 values."""
-    q = torch.zeros(len(rows), 32, dtype=torch.float64)
-    for i, values in enumerate(rows):
-        q[i, : len(values)] = torch.tensor(values, dtype=torch.float64)
-    out = q.to(torch.bfloat16)
-    torch.testing.assert_close(out.double(), q, rtol=0, atol=0, equal_nan=True)
-    return out
-
-
-BF16_MAX = torch.finfo(torch.bfloat16).max
-EDGE_ROWS = [
-    [0.0],  # all zero (a masked row)
-    [2.0**-126, -(2.0**-125)],  # the smallest normals: e capped at 126
-    [2.0**-112 * 1.5, 2.0**-120],  # e = 126 exactly at the cap's edge
-    [1.0, -0.5, 0.25, 2.0**-20],  # the largest entry exactly a power of two
-    [-(2.0**15), 3.0, -(2.0**-10)],  # a negative largest entry, fp16's own scale
-    [2.0**16, -1.5 * 2.0**16, -1.0],  # beyond fp16's range
-    [BF16_MAX, -BF16_MAX, 2.0**100],  # bf16's (and fp32's) largest finite exponent
-    [1.9921875 * 2.0**20, -1.0],  # largest entry just below a power of two
-    [float("nan"), 3.0, -7.0],  # NaN: only finite entries choose e
-    [float("inf"), -2.0**-20, float("-inf"), 5.0],
-    [float("nan")] * 4,  # no finite entry at all
-]
-# bf16 subnormals (fp32 subnormals after the widening): on the GPU only, as Triton's
-# interpreter widens a subnormal bf16 wrongly (its _convert_float renormalizes the
-# significand, then clamps the exponent). A GPU flushing them to zero (ftz) is allowed.
-SUBNORMAL_ROWS = [
-    [-0.0, 2.0**-133, -(2.0**-130), 3 * 2.0**-133],  # subnormals only: e = 126
-    [2.0**-120, -(2.0**-130), 2.0**-133],  # a normal largest entry, capped e
-]
-ROPE_ROWS = [
-    # The largest entry in the rope part (columns 16..): it chooses e for the row.
-    [0.5] * 4 + [0.0] * 12 + [-(2.0**20), 1.0],
-    [2.0**-100] + [0.0] * 15 + [2.0**-90, -(2.0**-95)],
-    [3.0] + [0.0] * 15 + [float("-inf"), 2.0**-5],  # inf in the rope part
-]
-
-
-def _expected_exponent(row: torch.Tensor) -> tuple[int, bool]:
-    """``(e, capped)`` of the docstring, from the row's largest finite ``|q|`` in
-    float64: its floor(log2) ``E`` (fp32 subnormals and 0 count as ``E = -127``),
-    ``e = min(14 - E, 126)``."""
-    values = row.double()
-    finite = values.abs()[torch.isfinite(values)]
-    largest = float(finite.max()) if finite.numel() else 0.0
-    exponent = -127 if largest < 2.0**-126 else int(torch.tensor(largest).log2().floor())
-    return min(14 - exponent, 126), 14 - exponent > 126
-
-
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on inf / NaN
-@pytest.mark.parametrize("rope", [16, 0])
-def test_fp16_query_rows_at_the_fp32_exponent_edges(rope):
-    """Each row times ``2^e`` (``e = 14 - floor(log2 max finite |q|)``, at most 126),
-    checked against a float64 reference: the scale is exact (every finite entry comes
-    back bit for bit times ``2^-e``; none overflows fp16), the largest finite entry lands
-    in ``[2^14, 2^15)`` wherever ``e`` is not capped, ``2^-e`` is a normal fp32, the sign
-    and zeros are kept, inf / NaN stay in their entries. ``rope = 0``: the rope columns
-    are neither read for ``e`` nor written."""
-    rows = EDGE_ROWS + (ROPE_ROWS if rope else []) + (SUBNORMAL_ROWS if DEVICE == "cuda" else [])
-    block_m = triton.next_power_of_2(len(rows))
-    q = torch.zeros(block_m, 32, dtype=torch.bfloat16)
-    q[: len(rows)] = _bf16_rows(rows)
-    scaled = torch.full((block_m, 32), 7.0, dtype=torch.float16, device=DEVICE)
-    unscale = torch.zeros(block_m, dtype=torch.float32, device=DEVICE)
-    _query_rows_probe[(1,)](q.to(DEVICE), scaled, unscale, BLOCK_M=block_m, BLOCK_L=16,
-                            BLOCK_R=16, ROPE=rope)
-    scaled, unscale = scaled.cpu(), unscale.cpu()
-    width = 32 if rope else 16
-    assert bool((scaled[:, width:] == 7.0).all())  # rope = 0: nothing stored there
-    for i, row in enumerate(q[: len(rows), :width]):
-        e, capped = _expected_exponent(row)
-        assert float(unscale[i]) == 2.0**-e, (i, rows[i], float(unscale[i]), e)
-        got, want = scaled[i, :width].double(), row.double()
-        finite = torch.isfinite(want)
-        if rows[i] in SUBNORMAL_ROWS and not bool(got.ne(0).any()):
-            continue  # flushed to zero (ftz): the row attends uniformly, as it nearly does
-        torch.testing.assert_close(got[finite] * 2.0**-e, want[finite], rtol=0, atol=0)
-        assert bool(torch.isfinite(got[finite]).all()), (i, rows[i])
-        assert torch.equal(torch.signbit(got[finite]), torch.signbit(want[finite])), i
-        assert torch.equal(got[~finite].isnan(), want[~finite].isnan()), i
-        assert torch.equal(got[want.isinf()], want[want.isinf()]), i
-        largest = float(got[finite].abs().max()) if bool(finite.any()) else 0.0
-        if capped:
-            assert largest < 2.0**14, (i, rows[i], largest)
-        else:
-            assert 2.0**14 <= largest < 2.0**15, (i, rows[i], largest)
-
-
-def test_rows_of_one_tile_scaled_apart():
-    """Rows of one CTA tile whose largest entries sit far apart (a zero row, 2^-100,
-    exactly 1, exactly 2^16 past fp16's range, 3e5): each row takes its own power of two
-    (the softmax scale becomes a ``[BLOCK_M, 1]`` column, used in both phases and the
-    LSE), and every row matches the fp32 reference, with one and several splits."""
-    batch = fp8_batch(MIXED[2:4], page_size=4, heads=2, seed=17)
-    q = batch["q"].float()
-    q[0, 0] = 0.0
-    q[1, 1] *= 2.0**-100
-    q[2, 0] = q[2, 0].clamp(-0.9, 0.9)
-    q[2, 0, 7] = 1.0  # the largest entry exactly a power of two
-    q[3, 1] = q[3, 1].clamp(-0.9, 0.9) * 100.0
-    q[3, 1, -1] = -(2.0**16)  # in the rope part, beyond fp16
-    q[5, 0] *= 3e5 / q[5, 0].abs().max()
-    batch["q"] = q.to(torch.bfloat16)
-    batch["scale"] = 2e-3  # logits of the large rows stay well conditioned
-    for splits in (1, 3):
-        check(batch, num_kv_splits=splits)

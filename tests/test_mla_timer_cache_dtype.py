@@ -13,9 +13,11 @@ from test_adaptive_budget import clock, fake_vllm_config
 @pytest.mark.parametrize("cache_dtype", ["fp8", "fp8_e4m3", "auto", None, "bfloat16"])
 def test_mla_timer_verifies_with_the_runs_kv_cache_dtype(monkeypatch, cache_dtype):
     """The MLA timer's launch gets the cache ``--kv-cache-dtype`` gives the run: for fp8,
-    uint8 storage viewed as e4m3 with a 0-d fp32 scale of 1.0 (the fp8 Triton kernel
-    the run verifies with, not the bf16 cache's Gluon kernel on sm_90); "auto" (or no
-    cache_config): the model dtype, no scale. The launch is mocked (timing needs a GPU)."""
+    uint8 storage viewed as e4m3 with a 0-d fp32 scale of 1.0 and an e4m3 query with
+    its own (as MLAAttention hands the backend; the fp8 Triton kernel the run verifies
+    with, not the bf16 cache's Gluon kernel on sm_90), outputs in the model dtype;
+    "auto" (or no cache_config): the model dtype, no scales. The launch is mocked
+    (timing needs a GPU)."""
     from vllm_ddtree.attention_backends import mla_tree
     from vllm_ddtree.budget.attention_timing import target_attention_timer
 
@@ -29,15 +31,18 @@ def test_mla_timer_verifies_with_the_runs_kv_cache_dtype(monkeypatch, cache_dtyp
                                      time_fn=lambda run: clock(run))
     assert measure(24, 1 + 2) > 0
     (q, kv_cache, *_), kwargs = launches[-1]
-    assert q.dtype == torch.float32 and kv_cache.shape[-1] == 16 + 16
+    assert kv_cache.shape[-1] == 16 + 16
     if cache_dtype in ("fp8", "fp8_e4m3"):
-        assert kv_cache.dtype == torch.float8_e4m3fn
-        assert kv_cache.float().abs().max() > 0
-        scale = kwargs["kv_scale"]
-        assert scale.dtype == torch.float32 and scale.shape == () and float(scale) == 1.0
+        assert kv_cache.dtype == torch.float8_e4m3fn and q.dtype == torch.float8_e4m3fn
+        assert kv_cache.float().abs().max() > 0 and q.float().abs().max() > 0
+        for name in ("kv_scale", "q_scale"):
+            scale = kwargs[name]
+            assert scale.dtype == torch.float32 and scale.shape == () and float(scale) == 1.0
+        assert kwargs["out_dtype"] == torch.float32
     else:
         want = torch.bfloat16 if cache_dtype == "bfloat16" else torch.float32
-        assert kv_cache.dtype == want and kwargs["kv_scale"] is None
+        assert q.dtype == torch.float32 and kv_cache.dtype == want
+        assert kwargs["kv_scale"] is None and kwargs["q_scale"] is None
 
 
 def test_mla_timer_names_an_unknown_kv_cache_dtype():

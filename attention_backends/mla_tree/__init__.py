@@ -10,7 +10,7 @@ from .configs import (
     select_config,
     select_num_kv_splits,
 )
-from .ops import mla_tree_verify
+from .ops import mla_tree_verify, quantize_query
 from .reference import mla_tree_verify_reference
 from .tree_mask import (
     ancestor_bits_from_parents,
@@ -29,6 +29,7 @@ __all__ = [
     "estimate_shared_memory_bytes",
     "mla_tree_verify",
     "mla_tree_verify_reference",
+    "quantize_query",
     "num_mask_words",
     "select_config",
     "select_num_kv_splits",

@@ -11,7 +11,8 @@ kernel also gets the speculator's per-request active query rows
 (``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
 ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
 (faster on sm_90; nothing reads them). ``--kv-cache-dtype fp8`` (``fp8_e4m3``): vLLM's
-e4m3 latent cache with the layer's ``_k_scale`` (the Gluon kernel is 16-bit only). On
+e4m3 latent cache with the layer's ``_k_scale``, and the e4m3 query ``MLAAttention``
+quantizes with its ``_q_scale`` (as for FLASHMLA; the Gluon kernel is 16-bit only). On
 sm_90, where the measured dispatch table says so and every request has the same number
 of new tokens, the context goes through FlashMLA and only the tree through our kernel
 (``mla_tree/cascade.py``).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from vllm.config import get_current_vllm_config
 from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonBackend,
     MLACommonDecodeMetadata,
@@ -191,9 +193,12 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
         self._fp8_cache = kv_cache_dtype in FP8_KV_CACHE_DTYPES
         if self._fp8_cache:
             _check_fp8_capability(kv_cache_dtype)
-            # The kernel widens the fp8 cache to fp16 and takes q unquantized
-            # (MLACommonImpl would otherwise hand forward_mqa an fp8 q), as TRITON_MLA.
-            self.supports_quant_query_input = False
+            # MLACommonImpl's supports_quant_query_input stays True: MLAAttention hands
+            # forward_mqa the e4m3 query (q / layer._q_scale), as FLASHMLA gets it, so
+            # every kernel (the cascade's FlashMLA part included) scores keys with the
+            # same query whatever the batch; the output takes the model's dtype.
+            model_config = get_current_vllm_config().model_config
+            self._out_dtype = model_config.dtype if model_config is not None else None
 
     def forward_mqa(
         self,
@@ -234,6 +239,8 @@ class TreeMLAImpl(MLACommonImpl[TreeMLAMetadata]):
             # MLAAttention.forward_impl hands us the uint8 cache viewed as e4m3; rows are
             # fp8(x / layer._k_scale) (concat_and_cache_mla).
             kv_scale=layer._k_scale if self._fp8_cache else None,
+            q_scale=layer._q_scale if self._fp8_cache else None,
+            out_dtype=self._out_dtype if self._fp8_cache else None,
             cascade_plan=decode.cascade_plan,
         )
 

@@ -11,12 +11,13 @@ folds FlashMLA's ``(out, lse)`` into its own online softmax and writes the resul
 merge launch). At long context the step costs FlashMLA's time plus a kernel over at
 most ``qlen`` keys.
 
-With an fp8 cache FlashMLA takes fp8 queries (its dense fp8 path, as vLLM's FLASHMLA
-backend): q is quantized per launch with one dynamic scale, ``amax(|q|) / 448`` over the
-real tokens (:func:`query_scale`), passed as its descale factor (vLLM's backend uses the
-layer's static ``_q_scale``). The tree part keeps q in 16 bits.
+With an fp8 cache both parts take vLLM's e4m3 query (``q / layer._q_scale``, quantized by
+``MLAAttention``, as for vLLM's FLASHMLA backend) and its scale: FlashMLA's dense fp8
+path over the context, the tree part over the new tokens, so every key is scored with
+the query plain decoding uses.
 
-FlashMLA needs 64-token pages, ``kv_lora_rank`` 512 + rope 64, a bf16 q and the same
+FlashMLA needs 64-token pages, ``kv_lora_rank`` 512 + rope 64, a bf16 (e4m3 with an fp8
+cache) q and the same
 number of new tokens in every request (q viewed ``[R, qlen, H, 576]``): the launcher
 (``ops.mla_tree_verify``) takes the cascade only where :func:`cascade_supported` holds
 and the dispatch table measured it fastest.
@@ -40,11 +41,6 @@ from . import cascade_kernel, kernels
 from .configs import MLATileConfig, padded_dims, select_config
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-E4M3_MAX = 448.0
-# Queries of at most this many entries (H 8 up to 14 rows, H 16 up to 7, H 64 at 1) are
-# quantized in one launch (``cascade_kernel._quantize_query_small_kernel``) instead of
-# three: at few rows the launches, not the bytes, were the fp8 cascade's overhead.
-SMALL_QUERY_NUMEL = 1 << 16
 PAGE_SIZE = 64
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -85,13 +81,14 @@ def flashmla_dense_available(device: torch.device) -> bool:
 
 def cascade_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int,
                       num_reqs: int, max_query_len: int | None) -> bool:
-    """Whether the cascade can run this launch: bf16 ``q [T, H, 576]`` with
+    """Whether the cascade can run this launch: ``q [T, H, 576]``, bf16 with a bf16
+    cache or e4m3 with an fp8 one, with
     ``T == num_reqs * max_query_len`` (every request ``max_query_len`` new tokens: the
-    caller knows), a bf16 or fp8 ``[num_blocks, 64, 576]`` cache, ``kv_lora_rank`` 512,
+    caller knows), a ``[num_blocks, 64, 576]`` cache, ``kv_lora_rank`` 512,
     FlashMLA's dense decode on this (sm_90) GPU."""
     if kv_lora_rank != KV_LORA_RANK or q.dim() != 3 or kv_cache.dim() != 3:
         return False
-    if q.dtype != torch.bfloat16 or kv_cache.dtype not in (torch.bfloat16, FP8_KV_DTYPE):
+    if (q.dtype, kv_cache.dtype) not in ((torch.bfloat16,) * 2, (FP8_KV_DTYPE,) * 2):
         return False
     if q.shape[2] != KV_LORA_RANK + ROPE_DIM or kv_cache.shape[1:] != (PAGE_SIZE, q.shape[2]):
         return False
@@ -110,56 +107,10 @@ def context_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> torch
     return (seq_lens - query_start_loc.diff()).clamp_(min=1).to(torch.int32)
 
 
-def query_scale(q: torch.Tensor, query_start_loc: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[1]``: ``amax / 448`` (at least 1e-12), ``amax`` the largest finite
-    ``|q|`` of the real tokens (rows before ``query_start_loc[-1]``; CUDA-graph padding
-    rows may hold anything). Two launches on CUDA (each token's max, then
-    ``cascade_kernel._query_scale_kernel``), no sync; torch elsewhere."""
-    num_tokens = q.shape[0]
-    token_amax = torch.linalg.vector_norm(q.reshape(num_tokens, -1), ord=float("inf"), dim=1)
-    if not q.is_cuda:
-        real = torch.arange(num_tokens, device=q.device) < query_start_loc[-1]
-        amax = torch.where(real & token_amax.isfinite(), token_amax.float(), 0.0).amax()
-        return (amax / E4M3_MAX).clamp_(min=1e-12).reshape(1)
-    scale = torch.empty(1, dtype=torch.float32, device=q.device)
-    cascade_kernel._query_scale_kernel[(1,)](
-        token_amax, query_start_loc, query_start_loc.shape[0] - 1, num_tokens, scale,
-        E4M3_MAX=E4M3_MAX, BLOCK=1024)
-    return scale
-
-
-def quantize_query_fp8(q: torch.Tensor, query_start_loc: torch.Tensor,
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q / s)`` in e4m3 (q's shape, contiguous) and ``s`` (:func:`query_scale`, fp32
-    ``[1]``, its descale factor): the largest real entry maps to e4m3's largest finite
-    value. On CUDA one launch for at most ``SMALL_QUERY_NUMEL`` entries
-    (``cascade_kernel._quantize_query_small_kernel``), else :func:`query_scale`'s two and
-    ``cascade_kernel._quantize_e4m3_kernel``; torch elsewhere: Triton's interpreter
-    rounds e4m3 wrongly where rounding carries into the exponent (124.04 -> 64, not
-    128). One scale for the batch (FlashMLA takes one), so a request's rounding depends
-    on the batch's largest query entry."""
-    q = q.contiguous()
-    block = 4096
-    if q.is_cuda and 0 < q.numel() <= SMALL_QUERY_NUMEL:
-        scale = torch.empty(1, dtype=torch.float32, device=q.device)
-        out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
-        cascade_kernel._quantize_query_small_kernel[(triton.cdiv(q.numel(), block),)](
-            q, query_start_loc, query_start_loc.shape[0] - 1, q.shape[0], q[0].numel(),
-            q.numel(), scale, out, E4M3_MAX=E4M3_MAX, BLOCK=block)
-        return out, scale
-    scale = query_scale(q, query_start_loc)
-    if not q.is_cuda:
-        return (q.float() / scale).to(FP8_KV_DTYPE), scale
-    out = torch.empty(q.shape, dtype=FP8_KV_DTYPE, device=q.device)
-    cascade_kernel._quantize_e4m3_kernel[(max(1, triton.cdiv(q.numel(), block)),)](
-        q, scale, out, q.numel(), BLOCK=block)
-    return out, scale
-
-
 def flashmla_context(
     q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-    query_start_loc: torch.Tensor, scale: float, query_len: int, plan: CascadePlan,
-    kv_scale: torch.Tensor | None,
+    scale: float, query_len: int, plan: CascadePlan,
+    kv_scale: torch.Tensor | None, q_scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's dense decode over each request's ``plan.ctx_lens`` context keys, every
     row seeing all of them. Returns ``out [T, H, 512]`` bf16 (FlashMLA's own buffer:
@@ -180,10 +131,10 @@ def flashmla_context(
         return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
     if plan.fp8_meta is None:
         plan.fp8_meta = fm.get_mla_metadata_dense_fp8(plan.ctx_lens, query_len * num_heads, 1)
-    q8, q_scale = quantize_query_fp8(q, query_start_loc)
     ctx_out, lse = fm.flash_mla_with_kvcache_fp8(
-        q8.view(q4.shape), k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, *plan.fp8_meta,
-        softmax_scale=scale, causal=False, descale_q=q_scale, descale_k=kv_scale.reshape(1))
+        q4, k_cache, block_table, plan.ctx_lens, KV_LORA_RANK, *plan.fp8_meta,
+        softmax_scale=scale, causal=False, descale_q=q_scale.reshape(1),
+        descale_k=kv_scale.reshape(1))
     return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
 
 
@@ -207,12 +158,13 @@ def tree_suffix(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
     scale: float, kv_lora_rank: int, ctx_out: torch.Tensor, ctx_lse: torch.Tensor,
     out: torch.Tensor, lse: torch.Tensor, max_query_len: int,
-    kv_scale: torch.Tensor | None = None, max_shared_memory: int | None = None,
+    kv_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+    max_shared_memory: int | None = None,
 ) -> None:
     """The tree part: each request's new tokens under the ancestor mask, folded into the
     context partial ``ctx_out [T, H, kv_lora_rank]`` / ``ctx_lse [R, H, max_query_len]``
     (natural log; the layout FlashMLA returns), written to ``out [T, H, kv_lora_rank]``
-    (q's dtype; may be ``ctx_out``) and ``lse [T, H]`` fp32. Any GPU Triton runs on, and
+    (bf16; may be ``ctx_out``) and ``lse [T, H]`` fp32. Any GPU Triton runs on, and
     the interpreter (the CPU tests give it a reference context partial)."""
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = seq_lens.shape[0]
@@ -223,7 +175,8 @@ def tree_suffix(
         config = suffix_config(rows, kv_scale is not None, head_dim, kv_lora_rank)
     else:  # the interpreter (CPU tests), or a GPU without sm_90's shared memory
         kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
-        config = select_config(rows, head_dim, kv_lora_rank, q.dtype, **kwargs)
+        config = select_config(rows, head_dim, kv_lora_rank,
+                               torch.float16 if kv_scale is not None else q.dtype, **kwargs)
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     grid = (triton.cdiv(rows, config.block_m), num_reqs)
     cascade_kernel._mla_tree_suffix_kernel[grid](
@@ -233,7 +186,8 @@ def tree_suffix(
         block_table.stride(0), ancestor_bits.stride(0), ancestor_bits.shape[1],
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         ctx_out.stride(0), ctx_out.stride(1), *ctx_lse.stride(),
-        kv_scale if kv_scale is not None else seq_lens,  # dummy: unread in 16 bits
+        kv_scale if kv_scale is not None else seq_lens,  # dummies: unread in 16 bits
+        q_scale if q_scale is not None else seq_lens,
         NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=head_dim - kv_lora_rank,
         BLOCK_L=block_l, BLOCK_R=block_r, PAGE_SIZE=kv_cache.shape[1],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -248,7 +202,7 @@ def mla_tree_verify_cascade(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
     scale: float, out: torch.Tensor, lse: torch.Tensor, query_len: int,
     plan: CascadePlan | None = None, kv_scale: torch.Tensor | None = None,
-    max_shared_memory: int | None = None,
+    q_scale: torch.Tensor | None = None, max_shared_memory: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree-verify attention as the cascade (module docstring) into ``out [T, H, 512]``
     bf16 (contiguous) and ``lse [T, H]`` fp32; same contract as ``ops.mla_tree_verify``
@@ -258,9 +212,9 @@ def mla_tree_verify_cascade(
     plan = plan if plan is not None else CascadePlan()
     if plan.ctx_lens is None:
         plan.ctx_lens = context_lens(seq_lens, query_start_loc)
-    ctx_out, ctx_lse = flashmla_context(q, kv_cache, block_table, query_start_loc, scale,
-                                        query_len, plan, kv_scale)
+    ctx_out, ctx_lse = flashmla_context(q, kv_cache, block_table, scale, query_len, plan,
+                                        kv_scale, q_scale)
     tree_suffix(q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
-                out.shape[2], ctx_out, ctx_lse, out, lse, query_len, kv_scale,
+                out.shape[2], ctx_out, ctx_lse, out, lse, query_len, kv_scale, q_scale,
                 max_shared_memory)
     return out, lse

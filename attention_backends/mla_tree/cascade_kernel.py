@@ -16,7 +16,7 @@ before it is written, by the same CTA.
 import triton
 import triton.language as tl
 
-from .kernels import LN2, _attend_tile, _fp16_query_rows
+from .kernels import LN2, _attend_tile
 from .tiles import _page_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -29,7 +29,7 @@ def _mla_tree_suffix_kernel(
     stride_qt, stride_qh, stride_kvb, stride_kvp, stride_bt, stride_bits, num_words,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_cot, stride_coh,
     stride_clr, stride_clh, stride_cli,  # CtxLse: per request, head, token of the request
-    KVScale,  # fp32 [1]; read only with KV_FP8
+    KVScale, QScale,  # fp32 [1] each (the cache's, the e4m3 query's); read only with KV_FP8
     NUM_HEADS: tl.constexpr, KV_LORA: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -56,7 +56,7 @@ def _mla_tree_suffix_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     if KV_FP8:
         kv_scale = tl.load(KVScale)
-        qk_scale = qk_scale * kv_scale
+        qk_scale = qk_scale * kv_scale * tl.load(QScale)
 
     q_ptrs = Q + q_row[:, None] * stride_qt + head[:, None] * stride_qh
     q_nope = tl.load(q_ptrs + offs_l[None, :],
@@ -65,10 +65,8 @@ def _mla_tree_suffix_kernel(
     if ROPE > 0:
         q_rope = tl.load(q_ptrs + KV_LORA + offs_r[None, :],
                          mask=row_valid[:, None] & (offs_r[None, :] < ROPE), other=0.0)
-    if KV_FP8:
-        if Q.dtype.element_ty == tl.bfloat16:
-            q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
-            qk_scale = qk_scale * q_unscale
+    if KV_FP8:  # the e4m3 query FlashMLA took, widened to fp16 (exact)
+        q_nope, q_rope = q_nope.to(tl.float16), q_rope.to(tl.float16)
 
     # The context partial is the online softmax's starting state: one "key" of weight
     # 2^lse (log2 units) and value CtxOut, i.e. m = lse, l = 1, acc = CtxOut. (Folded in
@@ -110,65 +108,3 @@ def _mla_tree_suffix_kernel(
              out.to(Out.dtype.element_ty),
              mask=row_valid[:, None] & (offs_l[None, :] < KV_LORA))
     tl.store(Lse + q_row * stride_lt + head * stride_lh, lse, mask=row_valid)
-
-
-@triton.jit
-def _query_scale_kernel(TokenAmax, QueryStartLoc, num_reqs, num_tokens, Scale,
-                        E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: ``Scale [1] = max(amax / E4M3_MAX, 1e-12)`` fp32, ``amax`` the largest
-    finite ``TokenAmax[t]`` (``max |q|`` of token ``t``) over the real tokens ``t <
-    QueryStartLoc[num_reqs]``. CUDA-graph padding rows (past the real tokens) hold what the
-    previous layer made of uninitialized outputs, possibly inf or NaN: a shared scale
-    taken over them would spoil every real request's queries."""
-    num_real = tl.load(QueryStartLoc + num_reqs)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, num_tokens, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        x = tl.load(TokenAmax + offs, mask=offs < num_real, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.where((x == x) & (x < float("inf")), x, 0.0))
-    # Correctly rounded divisions (``/`` is approximate on fp32): torch's quotients.
-    tl.store(Scale, tl.maximum(tl.div_rn(tl.max(amax, 0), E4M3_MAX), 1e-12))
-
-
-@triton.jit
-def _quantize_e4m3_kernel(X, Scale, Out, numel, BLOCK: tl.constexpr):
-    """``Out = e4m3(X / Scale)`` elementwise (``Scale``: fp32 ``[1]``), correctly rounded
-    quotients: FlashMLA's fp8 queries."""
-    scale = tl.load(Scale)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)
-
-
-@triton.jit
-def _quantize_query_small_kernel(Q, QueryStartLoc, num_reqs, num_tokens, token_numel, numel,
-                                 Scale, Out, E4M3_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """Small queries in one launch: every program finds the scale itself (the same as
-    ``_query_scale_kernel`` over ``torch.linalg.vector_norm``'s per-token max: the
-    largest ``|q|`` of the real tokens whose entries are all finite, ``/ E4M3_MAX``, at
-    least 1e-12), re-reading the real rows of ``Q`` (contiguous, ``num_tokens`` of
-    ``token_numel`` entries; never past them) from L2, then quantizes its ``BLOCK`` entries as
-    ``_quantize_e4m3_kernel`` does. Program 0 stores ``Scale`` (fp32 ``[1]``). Two
-    launches fewer than the general path; the re-reads grow with the number of
-    programs, so it is for queries of a few tens of thousands of entries."""
-    num_real = tl.minimum(tl.load(QueryStartLoc + num_reqs), num_tokens)
-    amax = tl.zeros([BLOCK], tl.float32)
-    for t in range(0, num_real):
-        token_max = tl.zeros([BLOCK], tl.float32)
-        bad = tl.zeros([BLOCK], tl.int32)
-        for start in range(0, token_numel, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            x = tl.abs(tl.load(Q + t * token_numel + offs,  # small: int32 is enough
-                               mask=offs < token_numel, other=0.0).to(tl.float32))
-            bad = tl.maximum(bad, ((x != x) | (x == float("inf"))).to(tl.int32))
-            token_max = tl.maximum(token_max, tl.where(x == x, x, 0.0))
-        finite = tl.max(bad, 0) == 0
-        amax = tl.maximum(amax, tl.where(finite, token_max, 0.0))
-    # Correctly rounded divisions (``/`` is approximate on fp32): torch's quotients.
-    scale = tl.maximum(tl.div_rn(tl.max(amax, 0), E4M3_MAX), 1e-12)
-    pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(Scale, scale)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(Q + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    tl.store(Out + offs, tl.div_rn(x, scale).to(Out.dtype.element_ty), mask=offs < numel)

@@ -202,8 +202,8 @@ def _attend_transposed(
     """The keys ``split_start .. split_end`` of one CTA's rows (the kernel's two phases:
     whole context tiles unmasked, then the partial context tile and the new tokens).
 
-    ``q_nope [BLOCK_M, BLOCK_L]`` / ``q_rope [BLOCK_M, BLOCK_R]``: the MMA dtype (fp16, or
-    fp32 for an fp32 q); ``qk_scale``: fp32 scalar or ``[BLOCK_M, 1]``. Returns ``(acc
+    ``q_nope [BLOCK_M, BLOCK_L]`` / ``q_rope [BLOCK_M, BLOCK_R]``: the MMA dtype (fp16:
+    the e4m3 query widened); ``qk_scale``: fp32 scalar. Returns ``(acc
     [BLOCK_M, BLOCK_L], m_i [BLOCK_M], l_i [BLOCK_M])`` fp32, as the kernel's own loops
     leave them (unnormalized output, running maximum in log2 units, softmax
     denominator)."""

@@ -30,20 +30,19 @@ the waves of 4x shorter splits the host would give it.
 
 ``KV_FP8`` (constexpr): the cache holds fp8 (e4m3) latent rows, vLLM's ``--kv-cache-dtype
 fp8`` layout for MLA (``concat_and_cache_mla``: ``row = fp8(x / k_scale)``, one fp32 scale
-per layer, for the latent and rope parts alike). The scale is applied once, not per
-key: ``q . (s k) = s (q . k)`` folds into the softmax scale and ``sum p (s v) = s sum p
-v`` into the output. With a 16-bit q the MMAs take fp16 operands (fp32 accumulation):
-e4m3 -> fp16 is exact (every e4m3 value is an fp16 value) and one ``cvt`` per pair of
-values on sm_89+, whereas e4m3 -> bf16 has no conversion instruction on sm_90 / sm_120
-and goes through fp16 with one more conversion per value, a cost that would bound a
-kernel reading half the bytes of the 16-bit cache. A bf16 q is made fp16 row by row
-(``_fp16_query_rows``): a power of two per row brings its largest finite entry into
-fp16's range, so nothing overflows and the row keeps its significant bits, and that row's
-softmax scale undoes it exactly; an fp16 q is used as it is. ``p`` is cast to fp16 (11
-significant bits, bf16 has 8). V is not the widened K tile: the fp8 tile is loaded
+per layer, for the latent and rope parts alike), and q is vLLM's e4m3 query (``q /
+q_scale``, quantized by ``MLAAttention`` as for FlashMLA's fp8 path, one static scale per
+layer: its rounding depends on neither the batch nor the kernel). The scales are applied
+once, not per key: ``(s_q q) . (s k) = s_q s (q . k)`` folds into the softmax scale and
+``sum p (s v) = s sum p v`` into the output. The MMAs take fp16 operands (fp32
+accumulation): e4m3 -> fp16 is exact (every e4m3 value is an fp16 value) and one ``cvt``
+per pair of values on sm_89+, whereas e4m3 -> bf16 has no conversion instruction on
+sm_90 / sm_120 and goes through fp16 with one more conversion per value, a cost that
+would bound a kernel reading half the bytes of the 16-bit cache. ``p`` is cast to fp16
+(11 significant bits, bf16 has 8). V is not the widened K tile: the fp8 tile is loaded
 again (``.cg``, from L2) and widened just before the PV MMA, so no widened 16-bit tile
 stays live from the QK MMA to the PV MMA; the pipeline stages two fp8 tiles (K, V)
-where the 16-bit cache stages one 16-bit tile. An fp32 q keeps fp32 operands.
+where the 16-bit cache stages one 16-bit tile.
 
 ``KV_FP8_TRANSPOSED`` (constexpr, with ``KV_FP8``; a tile config's ``fp8_transposed``):
 the KV loop of ``fp8_transposed.py`` instead, with transposed products (``S^T = K q^T``,
@@ -135,38 +134,6 @@ def _fp8_value_tile(KV, pages, start_n, key_valid, offs_l, stride_kvb, stride_kv
     (their probability is 0, but 0 * NaN is NaN and past ``seq_len`` a slot is garbage)."""
     ptrs = _tile_row_ptrs(KV, pages, start_n, stride_kvb, stride_kvp, PAGE_SIZE, BLOCK_N)
     return _load_latent(ptrs, key_valid, offs_l, KV_LORA, BLOCK_L, MASKED, ".cg")
-
-
-@triton.jit
-def _fp16_query_rows(q_nope, q_rope, ROPE: tl.constexpr):
-    """bf16 query rows ``q_nope [BLOCK_M, BLOCK_L]``, ``q_rope [BLOCK_M, BLOCK_R]`` made
-    fp16 MMA operands: each row times the power of two ``2^e`` that brings its largest
-    finite ``|q|`` into ``[2^14, 2^15)``. No entry overflows fp16 (max 65504), and every
-    entry down to ``2^-31`` of the row's largest keeps all its bits (bf16's 8 significant
-    bits fit fp16's 11 above ``2^-17``, where fp16's subnormals run out of them); smaller
-    ones are rounded, far below the row's rounding of its sum. Returns ``(q_nope,
-    q_rope, unscale)``: fp16 rows and ``2^-e`` fp32 ``[BLOCK_M, 1]``, which undoes the
-    scaling in the fp32 scores exactly.
-
-    Only finite entries choose ``e``: an inf / NaN entry stays in its own row and leaves
-    the other rows alone (that row's output means nothing: NaN from one split, 0 with
-    ``lse = -inf`` after a merge of several). ``e`` is at
-    most 126 (``2^-e`` stays a normal fp32): an all-zero row (a masked one) stays zero."""
-    mag = tl.abs(q_nope.to(tl.float32))
-    row_max = tl.max(tl.where(mag < float("inf"), mag, 0.0), 1)
-    if ROPE > 0:
-        mag = tl.abs(q_rope.to(tl.float32))
-        row_max = tl.maximum(row_max, tl.max(tl.where(mag < float("inf"), mag, 0.0), 1))
-    # Biased fp32 exponents: row_max has 127 + E (E = floor(log2), 0 for 0 / subnormals),
-    # 2^e with e = 14 - E has 127 + e = 268 - (127 + E), 2^-e has 254 - (127 + e).
-    biased = (row_max.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    up_biased = tl.minimum(268 - biased, 253)
-    up = (up_biased << 23).to(tl.float32, bitcast=True)[:, None]
-    down = ((254 - up_biased) << 23).to(tl.float32, bitcast=True)[:, None]
-    q_nope = (q_nope.to(tl.float32) * up).to(tl.float16)
-    if ROPE > 0:
-        q_rope = (q_rope.to(tl.float32) * up).to(tl.float16)
-    return q_nope, q_rope, down
 
 
 @triton.jit
@@ -321,6 +288,7 @@ def _mla_tree_fwd_kernel(
     split_slots=0,  # resident CTA slots; read only with RUNTIME_SPLITS
     RUNTIME_SPLITS: tl.constexpr = False,
     KVScale=None,  # fp32 [1]: the fp8 cache's dequantization scale; read only with KV_FP8
+    QScale=None,  # fp32 [1]: the e4m3 query's dequantization scale; read only with KV_FP8
     KV_FP8: tl.constexpr = False,
     KV_FP8_TRANSPOSED: tl.constexpr = False,
 ):
@@ -385,7 +353,7 @@ def _mla_tree_fwd_kernel(
 
     if KV_FP8:
         kv_scale = tl.load(KVScale)
-        qk_scale = qk_scale * kv_scale
+        qk_scale = qk_scale * kv_scale * tl.load(QScale)
 
     if split_start >= split_end:
         # Nothing to attend in this split; the merge kernel skips it.
@@ -407,12 +375,8 @@ def _mla_tree_fwd_kernel(
             mask=row_active[:, None] & (offs_r[None, :] < ROPE),
             other=0.0,
         )
-    if KV_FP8:
-        if Q.dtype.element_ty == tl.bfloat16:
-            # fp16 MMAs (module docstring): q rows scaled into fp16's range, the scale
-            # undone per row with the softmax scale.
-            q_nope, q_rope, q_unscale = _fp16_query_rows(q_nope, q_rope, ROPE)
-            qk_scale = qk_scale * q_unscale
+    if KV_FP8:  # the e4m3 query widened to fp16 MMA operands (exact)
+        q_nope, q_rope = q_nope.to(tl.float16), q_rope.to(tl.float16)
 
     bt_row = pid_r.to(tl.int64) * stride_bt
     if KV_FP8_TRANSPOSED:

@@ -29,6 +29,7 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # vLLM's MLA cache under --kv-cache-dtype fp8 / fp8_e4m3 (allocated uint8, viewed as
 # this dtype by MLAAttention.forward_impl before forward_mqa).
 FP8_KV_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
 MAX_ROPE_DIM = 64
 
 
@@ -74,20 +75,29 @@ def _fp8_transposed_fits(kv_scale: torch.Tensor | None, kv_lora_rank: int) -> bo
 
 def _check_mla_inputs(
     q: torch.Tensor, kv_cache: torch.Tensor, scale: float, kv_lora_rank: int,
-    kv_scale: torch.Tensor | None = None,
-) -> None:
+    kv_scale: torch.Tensor | None = None, q_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.dtype:
+    """Checks a launch's tensors and scales; returns the output's dtype (q's, or with
+    an fp8 cache ``out_dtype``, default bf16)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [T, H, D], got {getattr(q, 'shape', q)}")
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
     if not isinstance(kv_cache, torch.Tensor) or kv_cache.dim() != 3:
         raise ValueError(
             "kv_cache must be a 3-D latent cache [num_blocks, page_size, D], "
             f"got {getattr(kv_cache, 'shape', kv_cache)}"
         )
-    if kv_cache.dtype != q.dtype and kv_cache.dtype != FP8_KV_DTYPE:
+    fp8 = kv_cache.dtype == FP8_KV_DTYPE
+    if fp8 and q.dtype != FP8_KV_DTYPE:
+        raise ValueError(
+            f"q must be {FP8_KV_DTYPE} with an {FP8_KV_DTYPE} kv_cache (vLLM's quantized "
+            f"query, e4m3(q / q_scale): quantize_query), got {q.dtype}")
+    if not fp8 and q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q must be bf16, fp16 or fp32 (or {FP8_KV_DTYPE} with an fp8 "
+                         f"kv_cache), got {q.dtype}")
+    if not fp8 and kv_cache.dtype != q.dtype:
         raise ValueError(f"kv_cache dtype {kv_cache.dtype} must equal q dtype {q.dtype} "
-                         f"or be {FP8_KV_DTYPE} (an fp8 cache, with kv_scale)")
+                         f"or be {FP8_KV_DTYPE} (an fp8 cache, with kv_scale and q_scale)")
     if kv_cache.device != q.device:
         raise ValueError(f"kv_cache is on {kv_cache.device}, q on {q.device}")
     head_dim = q.shape[2]
@@ -107,15 +117,39 @@ def _check_mla_inputs(
         raise ValueError("q and kv_cache must be contiguous along the head dim")
     if not isinstance(scale, (int, float)) or not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float, got {scale!r}")
-    if kv_cache.dtype == FP8_KV_DTYPE:
-        if (not isinstance(kv_scale, torch.Tensor) or kv_scale.numel() != 1
-                or kv_scale.dtype != torch.float32 or kv_scale.device != q.device):
+    if not fp8:
+        for name, value in (("kv_scale", kv_scale), ("q_scale", q_scale)):
+            if value is not None:
+                raise ValueError(f"{name} applies to an {FP8_KV_DTYPE} kv_cache only; "
+                                 f"kv_cache is {kv_cache.dtype}")
+        if out_dtype is not None and out_dtype != q.dtype:
+            raise ValueError(f"out_dtype applies to an {FP8_KV_DTYPE} kv_cache only (the "
+                             f"output takes q's dtype {q.dtype}), got {out_dtype}")
+        return q.dtype
+    for name, value, source in (("kv_scale", kv_scale, "layer._k_scale"),
+                                ("q_scale", q_scale, "layer._q_scale")):
+        if (not isinstance(value, torch.Tensor) or value.numel() != 1
+                or value.dtype != torch.float32 or value.device != q.device):
             raise ValueError(
-                "kv_scale must be a one-element float32 tensor on q's device (the fp8 "
-                f"cache's per-layer scale, vLLM's layer._k_scale), got {_describe(kv_scale)}")
-    elif kv_scale is not None:
-        raise ValueError(f"kv_scale applies to an {FP8_KV_DTYPE} kv_cache only; kv_cache is "
-                         f"{kv_cache.dtype}")
+                f"{name} must be a one-element float32 tensor on q's device (vLLM's "
+                f"{source}), got {_describe(value)}")
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    if out_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    return out_dtype
+
+
+def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' query operand: an e4m3 q is widened to fp16 (exact)."""
+    return torch.float16 if q_dtype == FP8_KV_DTYPE else q_dtype
+
+
+def quantize_query(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 ``clamp(q / q_scale, +-448)``, q's shape: the query an fp8 cache's launch
+    takes, as vLLM's ``MLAAttention`` quantizes it (static per-tensor ``layer._q_scale``)
+    for backends with ``supports_quant_query_input`` (benchmarks and tests; vLLM fuses
+    it into its query concatenation)."""
+    return (q.float() / q_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_KV_DTYPE)
 
 
 def _describe(value) -> str:
@@ -129,12 +163,12 @@ def prepare_outputs(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
     kv_lora_rank: int, max_query_len: int | None, max_seq_len: int | None,
     validate_values: bool, out: torch.Tensor | None,
-    active_query_lens: torch.Tensor | None = None,
+    active_query_lens: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ):
     """The tree-batch checks of a launch (``check_tree_batch``: its stats, with the
-    maxima) and its results' buffers: ``out [T, H, kv_lora_rank]`` in q's dtype (the
-    caller's, checked, or new) and ``lse [T, H]`` fp32. Shared by the Triton and Gluon
-    launchers (:func:`mla_tree_verify`, :func:`mla_tree_fwd_gluon`)."""
+    maxima) and its results' buffers: ``out [T, H, kv_lora_rank]`` in ``out_dtype``
+    (default q's; the caller's, checked, or new) and ``lse [T, H]`` fp32. Shared by the
+    Triton and Gluon launchers (:func:`mla_tree_verify`, :func:`mla_tree_fwd_gluon`)."""
     num_tokens, num_heads, _ = q.shape
     num_blocks, page_size, _ = kv_cache.shape
     stats = check_tree_batch(
@@ -151,11 +185,12 @@ def prepare_outputs(
         validate_values=validate_values,
         active_query_lens=active_query_lens,
     )
+    out_dtype = q.dtype if out_dtype is None else out_dtype
     if out is None:
-        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=q.dtype, device=q.device)
-    elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != q.dtype:
+        out = torch.empty(num_tokens, num_heads, kv_lora_rank, dtype=out_dtype, device=q.device)
+    elif out.shape != (num_tokens, num_heads, kv_lora_rank) or out.dtype != out_dtype:
         raise ValueError(
-            f"out must be [{num_tokens}, {num_heads}, {kv_lora_rank}] {q.dtype}, "
+            f"out must be [{num_tokens}, {num_heads}, {kv_lora_rank}] {out_dtype}, "
             f"got {tuple(out.shape)} {out.dtype}"
         )
     elif out.stride(2) != 1:
@@ -251,6 +286,8 @@ def mla_tree_verify(
     kernel: str = "auto",
     runtime_kv_splits: bool = False,
     kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     cascade_plan: cascade.CascadePlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA attention of tree-verify query tokens against a latent paged cache.
@@ -263,7 +300,11 @@ def mla_tree_verify(
     ``ancestor_bits[t]`` is set (and ``j <= t``, topological order).
 
     Args:
-        q: ``[T, H, kv_lora_rank + rope_dim]`` bf16/fp16/fp32, rope_dim in 0..64.
+        q: ``[T, H, kv_lora_rank + rope_dim]`` bf16/fp16/fp32, rope_dim in 0..64; with
+            an fp8 cache ``torch.float8_e4m3fn``: vLLM's quantized query, ``q / q_scale``
+            (:func:`quantize_query`), the one every fp8 kernel reads, as FlashMLA's
+            fp8 path does (its rounding does not depend on the batch or on the kernel
+            the launch takes, so a tree verify scores its keys as plain decoding does).
         kv_cache: ``[num_blocks, page_size, kv_lora_rank + rope_dim]``, q's dtype, or
             ``torch.float8_e4m3fn`` (vLLM's ``--kv-cache-dtype fp8`` MLA cache: a
             row holds ``x / kv_scale``; a Triton kernel, or on sm_90 the cascade).
@@ -283,7 +324,7 @@ def mla_tree_verify(
             the device's shared memory per block (the estimate models mma.sync GPUs).
             One with ``fp8_transposed`` (``configs.FP8_TRANSPOSED_TILE_CONFIGS``, fp8
             caches only) runs the fp8 kernel with transposed products.
-        out: optional ``[T, H, kv_lora_rank]`` output buffer in q's dtype.
+        out: optional ``[T, H, kv_lora_rank]`` output buffer in the output's dtype.
         active_query_lens: optional int32 ``[R]``, ``1 <= active_query_lens[r] <= qlen_r``
             (adaptive tree budget): only the first ``active_query_lens[r]`` new tokens of
             request ``r`` are real; the Triton kernel gives the others (inactive rows) no KV
@@ -322,17 +363,23 @@ def mla_tree_verify(
         kv_scale: fp32 one-element tensor on q's device, required with an fp8 cache and
             refused otherwise: keys and values are ``kv_scale * row`` (read on the device
             at each launch, so a CUDA graph follows later updates of the scale).
+        q_scale: the same for the quantized query (vLLM's ``layer._q_scale``): queries
+            are ``q_scale * q``.
+        out_dtype: the output's dtype with an fp8 cache (default bf16); a 16-bit or
+            fp32 q's output takes q's dtype.
         cascade_plan: a :class:`cascade.CascadePlan` shared by the launches of one step
             (the caller vouches that every request has ``max_query_len`` new tokens);
             None: never the cascade.
 
     Returns:
-        ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32, the natural
-        log of the softmax denominator ``sum_k exp(scale * q.k)`` over visible keys. A row
-        that sees no key, or is inactive on the Triton kernel, gets ``out = 0, lse = -inf``.
-        Rows not covered by ``query_start_loc`` (padding) hold unspecified values.
+        ``out [T, H, kv_lora_rank]`` (q's dtype, or ``out_dtype``) and ``lse [T, H]``
+        fp32, the natural log of the softmax denominator ``sum_k exp(scale * q.k)`` over
+        visible keys. A row that sees no key, or is inactive on the Triton kernel, gets
+        ``out = 0, lse = -inf``. Rows not covered by ``query_start_loc`` (padding) hold
+        unspecified values.
     """
-    _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale)
+    out_dtype = _check_mla_inputs(q, kv_cache, scale, kv_lora_rank, kv_scale, q_scale,
+                                  out_dtype)
     if kernel not in KERNEL_CHOICES:
         raise ValueError(f"kernel must be one of {KERNEL_CHOICES}, got {kernel!r}")
     if config is not None and config.fp8_transposed:
@@ -357,17 +404,20 @@ def mla_tree_verify(
     elif (choice == "cascade" and cascade_plan is not None
           and (active_query_lens is None or mostly_active)
           and (out is None or out.is_contiguous())
+          and (kv_scale is None or out_dtype == torch.bfloat16)  # FlashMLA's fp8 output
           and cascade.cascade_supported(q, kv_cache, kv_lora_rank, seq_lens.shape[0],
                                         max_query_len)):
         _, out, lse = prepare_outputs(
             q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits,
-            kv_lora_rank, max_query_len, max_seq_len, validate_values, out)
+            kv_lora_rank, max_query_len, max_seq_len, validate_values, out,
+            out_dtype=out_dtype)
         _log_launch_once("cascade", q, kv_cache, requests=seq_lens.shape[0],
                          max_query_len=max_query_len, max_seq_len=max_seq_len)
         return cascade.mla_tree_verify_cascade(
             q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
-            out, lse, max_query_len, cascade_plan, kv_scale, _max_shared_memory(q.device))
-    if (mode in ("auto", "cascade") and config is None
+            out, lse, max_query_len, cascade_plan, kv_scale, q_scale,
+            _max_shared_memory(q.device))
+    if (mode in ("auto", "cascade") and config is None and kv_scale is None
             and (active_query_lens is None or mostly_active)
             and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):
         return mla_tree_fwd_gluon(
@@ -379,7 +429,7 @@ def mla_tree_verify(
     page_size = kv_cache.shape[1]
     stats, out, lse = prepare_outputs(
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, kv_lora_rank,
-        max_query_len, max_seq_len, validate_values, out, active_query_lens)
+        max_query_len, max_seq_len, validate_values, out, active_query_lens, out_dtype)
     num_reqs = seq_lens.shape[0]
     if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
         return out, lse
@@ -388,11 +438,13 @@ def mla_tree_verify(
     if (config is None and _fp8_transposed_fits(kv_scale, kv_lora_rank)
             and dispatch.device_arch(q.device) == "sm_90"):
         config = dispatch.TRITON_CONFIGS[dispatch.fp8_transposed_method(rows)]
+    mma_dtype = mma_dtype_of(q.dtype)
     if config is None:
-        config = select_config(rows, head_dim, kv_lora_rank, q.dtype, _max_shared_memory(q.device))
+        config = select_config(rows, head_dim, kv_lora_rank, mma_dtype,
+                               _max_shared_memory(q.device))
     else:
         budget = _max_shared_memory(q.device)
-        config = fit_config(config, head_dim, kv_lora_rank, q.dtype, budget=budget)
+        config = fit_config(config, head_dim, kv_lora_rank, mma_dtype, budget=budget)
     row_blocks = triton.cdiv(rows, config.block_m)
     num_kv_splits = resolve_num_kv_splits(
         num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
@@ -457,6 +509,7 @@ def mla_tree_verify(
         split_slots=split_slots(q.device, config.ctas_per_sm),
         RUNTIME_SPLITS=runtime_kv_splits and not has_active and num_kv_splits > 1,
         KVScale=kv_scale if kv_scale is not None else seq_lens,  # dummy: unread in 16 bits
+        QScale=q_scale if q_scale is not None else seq_lens,
         KV_FP8=kv_scale is not None,
         KV_FP8_TRANSPOSED=config.fp8_transposed,
     )  # fmt: skip

@@ -52,6 +52,8 @@ def mla_tree_verify_reference(
     num_kv_splits: int | None = None,
     active_query_lens: torch.Tensor | None = None,
     kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
     **_unused,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`mla_tree_verify`: fp32 math, one dense softmax per request.
@@ -72,14 +74,19 @@ def mla_tree_verify_reference(
             its other rows are zero / ``-inf``.
         kv_scale: fp32 one-element tensor: the cache is dequantized as
             ``kv_scale * row`` in fp32 (vLLM's fp8 MLA cache); None: rows as stored.
+        q_scale: the same for an e4m3 q (``q_scale * q``); None: q as it is.
+        out_dtype: the output's dtype (default q's; bf16 for an e4m3 q).
 
     Returns:
-        ``out [T, H, kv_lora_rank]`` in q's dtype and ``lse [T, H]`` fp32 (natural log of
+        ``out [T, H, kv_lora_rank]`` in ``out_dtype`` and ``lse [T, H]`` fp32 (natural log of
         the softmax denominator of ``scale * q.k``). A row that sees no key gets ``out = 0``
         and ``lse = -inf``; rows outside ``query_start_loc`` and inactive rows are zero /
         ``-inf``.
     """
     del num_kv_splits
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if q.dtype == torch.float8_e4m3fn else q.dtype
+    q = q.float() if q_scale is None else q.float() * q_scale.float().reshape(())
     num_tokens, num_heads, _ = q.shape
     out = torch.zeros(num_tokens, num_heads, kv_lora_rank, dtype=torch.float32, device=q.device)
     lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=q.device)
@@ -104,4 +111,4 @@ def mla_tree_verify_reference(
         probs = torch.exp(scores - torch.where(seen, row_lse, 0.0)[..., None])
         out[start:end] = torch.einsum("ths,sd->thd", probs, kv[:, :kv_lora_rank])
         lse[start:end] = row_lse
-    return out.to(q.dtype), lse
+    return out.to(out_dtype), lse

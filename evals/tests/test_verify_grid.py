@@ -130,7 +130,7 @@ def test_fp8_cells_time_the_transposed_kernel_and_bf16_gluon(monkeypatch, heads,
 
     import bench_verify_grid as grid_module
 
-    monkeypatch.setattr(grid_module, "fp8_inputs", lambda inp: (None, None))
+    monkeypatch.setattr(grid_module, "operands", lambda inp, dtype: {})
     inp = SimpleNamespace(cell=SimpleNamespace(heads=heads, qlen=rows), kv_cache=None)
     fp8 = grid_module.cell_methods(inp, "fp8", sm120=False)
     assert list(fp8) == ["bf16_gluon", *want, "cascade", "cascade_context", "flashmla"]

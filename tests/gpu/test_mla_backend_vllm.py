@@ -54,17 +54,14 @@ def test_custom_backend_matches_vllm_mla_backends(tiny_mla, tmp_path):
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_cascade_matches_vllm_backends(tiny_mla, tmp_path, monkeypatch, kv_cache_dtype):
     """``VLLM_DDTREE_MLA_KERNEL=cascade`` (FlashMLA over the context, our kernel over the
-    new tokens; sm_90) with CUDA graphs gives vLLM's greedy tokens on the same cache:
-    FLASHMLA's in bf16; in fp8 TRITON_MLA's (bf16 queries on the dequantized cache, the
-    accurate one), since the cascade's fp8 queries (one dynamic scale) and FLASHMLA's
-    (the layer's static scale) round differently: on the H100 each matched TRITON_MLA up
-    to ties while the two parted at one position where TRITON_MLA's top-2 gap was a
-    tie."""
+    new tokens; sm_90) with CUDA graphs gives FLASHMLA's greedy tokens on the same cache,
+    bf16 and fp8 (both take the e4m3 query MLAAttention quantizes with the layer's
+    static scale)."""
     from vllm_ddtree.attention_backends.mla_tree.cascade import flashmla_dense_available
 
     if not flashmla_dense_available(torch.device("cuda")):
         pytest.skip("FlashMLA's dense decode runs on sm_90 only")
-    reference = "FLASHMLA" if kv_cache_dtype == "auto" else "TRITON_MLA"
+    reference = "FLASHMLA"
     ref = run_backend(tiny_mla, reference, tmp_path, kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setenv("VLLM_DDTREE_MLA_KERNEL", "cascade")
     ours = run_backend(tiny_mla, "CUSTOM", tmp_path, graphs=True,

@@ -22,6 +22,7 @@ from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     mla_tree_verify,
     mla_tree_verify_reference,
     num_mask_words,
+    quantize_query,
 )
 from vllm_ddtree.attention_backends.mla_tree.configs import (  # noqa: E402
     FP8_TRANSPOSED_TILE_CONFIGS,
@@ -216,21 +217,29 @@ def test_active_rows_resplit_at_long_context(heads, page_size):
 
 # ---------------------------------------------------------------------------------------
 # fp8 (e4m3) latent cache, vLLM's --kv-cache-dtype fp8 layout: rows fp8(x / k_scale), one
-# fp32 scale per layer. Reference: fp32 on the dequantized cache.
+# fp32 scale per layer, and vLLM's e4m3 query (q / q_scale). Reference: fp32 on the
+# dequantized cache and query.
 
 FP8_SCALE = 0.02  # randn / 0.02 spans e4m3's range (|x| <= 448) without saturating much
+FP8_Q_SCALE = 0.02
 
 
 def to_fp8(batch, scale=FP8_SCALE):
-    """``batch`` with its cache quantized as ``concat_and_cache_mla`` does (saturating)."""
+    """``batch`` with its cache quantized as ``concat_and_cache_mla`` does (saturating)
+    and its query as ``MLAAttention`` does (``quantize_query``); outputs in q's dtype."""
     kv_scale = torch.tensor([scale], dtype=torch.float32, device="cuda")
+    q_scale = torch.tensor([FP8_Q_SCALE], dtype=torch.float32, device="cuda")
     cache = (batch["kv_cache"].float() / kv_scale).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return {**batch, "kv_cache": cache, "kv_scale": kv_scale}
+    return {**batch, "kv_cache": cache, "kv_scale": kv_scale, "q_scale": q_scale,
+            "q": quantize_query(batch["q"], q_scale), "out_dtype": batch["q"].dtype}
 
 
 def fp8_reference(batch):
     deq = batch["kv_cache"].float() * batch["kv_scale"]
-    return mla_tree_verify_reference(**{**batch, "kv_cache": deq, "kv_scale": None})
+    q = batch["q"].float() * batch["q_scale"]
+    out, lse = mla_tree_verify_reference(**{**batch, "kv_cache": deq, "q": q,
+                                            "kv_scale": None, "q_scale": None})
+    return out.to(batch["out_dtype"]), lse
 
 
 def check_fp8(batch, **kwargs):
@@ -258,7 +267,7 @@ def test_fp8_mixed_batch(page_size):
     check_fp8(to_fp8(make_batch(specs, heads=16, page_size=page_size, seed=page_size)))
 
 
-def test_fp8_fp16_queries_and_forced_splits():
+def test_fp8_fp16_outputs_and_forced_splits():
     batch = make_batch([(9000, "tree", 65), (100, "decode", 1)], heads=8, page_size=64,
                        dtype=torch.float16)
     for splits in (1, 32):
@@ -279,6 +288,7 @@ def test_fp8_cuda_graph_runtime_splits_and_scale_update():
     for scale in (None, 2 * FP8_SCALE):
         if scale is not None:
             batch["kv_scale"].fill_(scale)
+            batch["q_scale"].fill_(0.5 * FP8_Q_SCALE)
         graph.replay()
         torch.cuda.synchronize()
         ref_out, ref_lse = fp8_reference(batch)
@@ -299,34 +309,44 @@ def test_fp8_active_rows():
     torch.testing.assert_close(lse[rows], ref_lse[rows], **LSE_TOL)
 
 
-# The fp8 kernel multiplies in fp16: a bf16 q is scaled per row into fp16's range and the
-# scale undone in the softmax scale (kernels._fp16_query_rows). Mirrors the CPU tests in
-# tests/test_mla_fp8_kernel.py at DeepSeek's dims, on the dispatched kernel (config None:
-# the transposed-products tiles on sm_90) and the widening tiles of the table forced.
+# vLLM's e4m3 query at its edges (zero rows, subnormals, saturated rows), and a NaN entry,
+# on the dispatched kernel (config None: the transposed-products tiles on sm_90) and the
+# widening tiles of the table forced. Mirrors the CPU tests in tests/test_mla_fp8_kernel.py
+# at DeepSeek's dims.
+
+
+def e4m3_extremes(batch):
+    """``batch`` (already ``to_fp8``) with q rows at e4m3's edges: a zero row, a row of
+    subnormals (2^-9 .. 7 * 2^-9), a row saturated at +-448 (the rope part too)."""
+    q = batch["q"].float()
+    q[0, 0] = 0.0
+    steps = torch.randint(1, 8, q[1, 1].shape, device="cuda")
+    q[1, 1] = q[1, 1].sign() * 2.0**-9 * steps
+    q[3, 2] = q[3, 2].sign() * 448.0
+    assert q.to(torch.float8_e4m3fn).float().equal(q)
+    return {**batch, "q": q.to(torch.float8_e4m3fn)}
 
 
 @pytest.mark.parametrize("config", [None, *MLA_TILE_CONFIGS], ids=str)
-@pytest.mark.parametrize("magnitude", [3e5, 1e-6, 1e20, 1e-20])
-def test_fp8_query_magnitudes_outside_fp16(magnitude, config):
-    """q at ``magnitude`` times its usual size (beyond fp16's 65504, or down in its
-    subnormals), the softmax scale divided by it: the same attention as at magnitude 1,
-    which matches the fp32 reference."""
-    batch = make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16, page_size=64,
-                       seed=5)
-    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
-    batch["scale"] = batch["scale"] / magnitude
-    check_fp8(to_fp8(batch), config=config)
+def test_fp8_query_at_the_e4m3_extremes(config):
+    batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
+                              page_size=64, seed=5))
+    check_fp8(e4m3_extremes(batch), config=config)
+
+
+def nan_query_entry(batch, token, head):
+    """One e4m3 NaN byte (0x7F) in q (e4m3 has no inf: vLLM's quantization saturates)."""
+    batch["q"].view(torch.uint8)[token, head, 100] = 0x7F
 
 
 @pytest.mark.parametrize("config", [None, MLA_TILE_CONFIGS[0]], ids=str)
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_fp8_non_finite_query_stays_in_its_row(bad, config):
-    """One q entry inf / NaN: every other row (its tile's included) matches the
-    reference; the bad row's result is undefined."""
+def test_fp8_non_finite_query_stays_in_its_row(config):
+    """One q entry NaN: every other row (its tile's included) matches the reference; the
+    bad row's result is undefined."""
     batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
                               page_size=64, seed=9))
     token, head = 3, 5
-    batch["q"][token, head, 100] = bad
+    nan_query_entry(batch, token, head)
     out, lse = mla_tree_verify(**batch, config=config)
     ref_out, ref_lse = fp8_reference(batch)
     good = torch.ones(lse.shape, dtype=torch.bool, device="cuda")
@@ -387,25 +407,21 @@ def test_fp8t_nan_bytes_past_the_keys_are_not_read(page_size, name):
 
 
 @pytest.mark.parametrize("name", FP8T)
-@pytest.mark.parametrize("magnitude", [3e5, 1e-20])
-def test_fp8t_query_magnitudes_and_fp16_queries(magnitude, name):
-    batch = make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16, page_size=64,
-                       seed=5)
-    batch["q"] = (batch["q"].float() * magnitude).to(torch.bfloat16)
-    batch["scale"] = batch["scale"] / magnitude
-    check_fp8(to_fp8(batch), config=FP8T[name])
+def test_fp8t_query_extremes_and_fp16_outputs(name):
+    batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
+                              page_size=64, seed=5))
+    check_fp8(e4m3_extremes(batch), config=FP8T[name])
     half = make_batch([(9000, "tree", 65), (100, "decode", 1)], heads=8, page_size=64,
                       dtype=torch.float16)
     check_fp8(to_fp8(half), config=FP8T[name], num_kv_splits=32)
 
 
 @pytest.mark.parametrize("name", FP8T)
-@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_fp8t_non_finite_query_stays_in_its_row(bad, name):
+def test_fp8t_non_finite_query_stays_in_its_row(name):
     batch = to_fp8(make_batch([(8192, "tree", 65), (700, "chain", 16)], heads=16,
                               page_size=64, seed=9))
     token, head = 3, 5
-    batch["q"][token, head, 100] = bad
+    nan_query_entry(batch, token, head)
     out, lse = mla_tree_verify(**batch, config=FP8T[name])
     ref_out, ref_lse = fp8_reference(batch)
     good = torch.ones(lse.shape, dtype=torch.bool, device="cuda")

@@ -389,12 +389,17 @@ def mla_attention_timer(
     kernel compute every row (it ignores the active count): timing it on ``1 + B`` rows
     would give every budget the cost of B. ``time_fn``: default :func:`cuda_time_fn`."""
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
+    from vllm_ddtree.attention_backends.mla_tree.ops import quantize_query
 
     batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device,
                              adaptive_shapes)
     head_dim = kv_lora_rank + rope_dim
     kv_cache, kv_scale = _mla_timer_cache(batch, page_size, head_dim, kv_cache_dtype)
     q = batch.randn(max_query_len, num_heads, head_dim)
+    q_scale = None
+    if kv_scale is not None:  # the e4m3 query MLAAttention hands an fp8 cache's backend
+        q_scale = torch.ones((), dtype=torch.float32, device=batch.device)
+        q = quantize_query(q, q_scale)
     scale = head_dim ** -0.5
 
     def attend(rows, query_start_loc, seq_lens, active, seq_len):
@@ -402,7 +407,8 @@ def mla_attention_timer(
             q[:rows], kv_cache, batch.block_table, seq_lens, query_start_loc, batch.bits,
             scale, kv_lora_rank, max_query_len=rows,
             max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
-            active_query_lens=active, kv_scale=kv_scale, mostly_active=adaptive_shapes,
+            active_query_lens=active, kv_scale=kv_scale, q_scale=q_scale,
+            out_dtype=None if kv_scale is None else dtype, mostly_active=adaptive_shapes,
             runtime_kv_splits=graph_max_seq_len is not None,
         )
 
