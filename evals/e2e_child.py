@@ -466,6 +466,10 @@ def child_main(spec_path: str) -> None:
             engine = RemoteEngine(llm)
         result["meta"]["hooks"] = engine.hooks
         warm_up(llm, spec)
+        if run.budget == "auto":
+            from e2e_engine import engine_gate_forget
+
+            llm.collective_rpc(engine_gate_forget)
         tokenizer = load_tokenizer(spec["tokenizer_file"]) if spec["tokenizer_file"] else None
     except Exception as e:  # noqa: BLE001 - report the failure in every cell
         traceback.print_exc()

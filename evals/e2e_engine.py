@@ -112,6 +112,18 @@ def engine_gate_snapshot(worker: Any) -> dict | None:
     return None if gate is None else gate.snapshot()
 
 
+def engine_gate_forget(worker: Any) -> bool:
+    """Drops what ``ddtree_budget: "auto"``'s step gate learned (``SpeculationGate.forget``)
+    after the warm-up's random prompts, so the cells start as a fresh server does;
+    False without a gate. Through ``LLM.collective_rpc``."""
+    runner = getattr(worker, "model_runner", None)
+    plan = getattr(getattr(runner, "speculator", None), "step_plan", None)
+    gate = getattr(plan, "gate", None)
+    if gate is not None:
+        gate.forget()
+    return gate is not None
+
+
 def engine_gate_trace_start(worker: Any = None) -> None:
     """Start (or restart) the step gate's trace in this process (``gate_trace``)."""
     import gate_trace

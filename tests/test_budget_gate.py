@@ -624,6 +624,52 @@ def test_arms_above_the_settled_one_follow_the_settled_arms_acceptance():
     assert committed(3)[5] == pytest.approx(2.0, abs=1e-3)
     stats.reference_cut_tokens[5] = 1.05
     assert committed(3)[5] == pytest.approx(3.0)  # a reference near 1: unscaled
+    # ... and never below the settled arm's figure, also without a factor: a probe on
+    # other prompts (the warm-up's random ones) left 16 drafts at 1.33 a tree
+    stats.reset_committed(5)
+    stats.add_committed(5, 1.33)
+    for _ in range(40):
+        stats.add_committed(3, 2.6)
+    assert committed(3)[5] == pytest.approx(float(stats.committed_tokens[3]))
+    assert float(stats.committed_tokens[3]) > 2.5
+
+
+def slow_33_rows(num_reqs: int, shape: int, drafted: bool) -> float:
+    """``true_seconds`` with the 32-draft verify 1.6x slower (a slow graph at 33 rows):
+    rates do not fall monotonically past it."""
+    return true_seconds(num_reqs, shape, drafted) * (1.6 if shape == 32 else 1.0)
+
+
+def test_an_arm_past_a_slower_neighbour_is_probed_when_the_requests_change():
+    """Warm-up requests whose trees commit 1.3 tokens at every size, then requests whose
+    64-draft trees commit 8.0 (32 drafts 4.8, 16 drafts 4.3) while 32 drafts verify
+    1.6x slower: the bucket must find 64 past its slower neighbour (scheduled probes
+    visited only the neighbours, so the settled arm stayed on 16 for good)."""
+    warm = {a: (1.0 if a == 0 else min(1.3, COMMITTED[a])) for a in ARMS}
+    code = {0: 1.0, 1: 1.4, 2: 2.0, 4: 3.0, 8: 3.8, 16: 4.3, 32: 4.8, 64: 8.0}
+    engine = Engine(seconds=slow_33_rows, committed=warm)
+    engine.run(1, 600)
+    engine.committed = dict(code)
+    engine.run(1, 3000)
+    shapes = engine.run(1, 1000)
+    rates = true_rates(1, slow_33_rows, code)
+    assert max(rates, key=rates.get) == 64 and rates[64] > 1.2 * rates[16] > rates[32]
+    assert shapes.count(64) >= 900, {a: shapes.count(a) for a in set(shapes)}
+
+
+def test_forget_starts_every_bucket_afresh():
+    """``forget`` (the benchmarks call it after their warm-up on random prompts) drops
+    every bucket's measurements: the gate then settles where a fresh one does."""
+    warm = {a: (1.0 if a == 0 else min(1.3, COMMITTED[a])) for a in ARMS}
+    engine, fresh = Engine(committed=warm), Engine()
+    engine.run(1, 600)
+    engine.run(64, 300)
+    engine.gate.forget()
+    assert engine.gate.stats == {} and engine.gate.probe is None
+    engine.committed = dict(COMMITTED)
+    engine.run(1, 600)
+    fresh.run(1, 600)
+    assert engine.gate.settled_arms() == fresh.gate.settled_arms() == {0: 8}
 
 
 def test_acceptance_is_counted_per_arm_and_a_probe_replaces_the_arms_figure():

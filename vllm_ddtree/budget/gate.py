@@ -60,11 +60,13 @@ import numpy as np
 import torch
 
 from vllm_ddtree.budget.gate_stats import (
+    SCALE_LIMIT,
     Ema,
     GateStats,
     batch_bucket,
     bucket_batches,
     bucket_bounds,
+    follow_settled_arm,
 )
 from vllm_ddtree.budget.step_cost import StepCostModel
 
@@ -103,10 +105,6 @@ MAX_STEP_SECONDS = 2.0
 # Committed tokens per tree of an arm before any of its trees (and of no arm near it)
 # was counted in the bucket.
 PRIOR_COMMITTED = 2.0
-# An arm above the settled one follows the settled arm's acceptance (accepted nodes per
-# tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
-SCALE_LIMIT = 2.0
-MIN_REFERENCE = 0.1
 # The settled arms are logged when one changes, at most this often.
 LOG_SECONDS = 60.0
 # A decision holds for as many steps as keep the gate's host time per decision at most
@@ -273,12 +271,18 @@ class SpeculationGate:
         timings of those plain steps alone open a bucket)."""
         return {b: self.arms[s.settled] for b, s in sorted(self.stats.items()) if s.decisions}
 
+    def forget(self) -> None:
+        """Drops every bucket's measurements and the probe in force, as at start-up
+        (between workloads, e.g. after a benchmark's warm-up on random prompts)."""
+        self.stats.clear()
+        self.probe, self._hold, self._arm_seconds = None, 0, None
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """What each batch-size bucket measured and chose, as plain data for reports
         (``evals/e2e_sweep.py``): ``{batches: {"settled": arm, "arms": [{"arm",
         "chosen" (steps it ran, held ones included), "residual_ms", "residual_samples",
-        "committed" (tokens per tree as counted, before :meth:`_follow_reference_arm`; 1 for plain
-        decoding), "committed_samples"}, ...]}}``, for the buckets the gate decided in
+        "committed" (tokens per tree as counted, before ``follow_settled_arm``; 1 for
+        plain decoding), "committed_samples"}, ...]}}``, for the buckets the gate decided in
         and their arms timed or chosen (not those known only from the arm counters)."""
         out = {}
         for b, stats in sorted(self.stats.items()):
@@ -445,7 +449,7 @@ class SpeculationGate:
         """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
         at this batch size, ``committed / (model + residual)`` (at least half the model;
         residuals: ``GateStats.refresh_residuals``; above the settled arm: scaled by
-        :meth:`_follow_reference_arm`; without counted trees: the committed tokens of the
+        ``gate_stats.follow_settled_arm``; without counted trees: the committed tokens of the
         nearest arm with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
@@ -456,7 +460,7 @@ class SpeculationGate:
         self._arm_seconds = seconds
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
-        self._follow_reference_arm(stats, committed, num_arms)
+        follow_settled_arm(stats, committed, num_arms, SWITCH_SAMPLES)
         counted = stats.committed_count[:num_arms] > 0
         counted[0] = True
         if not counted.all():
@@ -468,37 +472,6 @@ class SpeculationGate:
                 near = np.abs(missing[:, None] - have[None, :]).argmin(axis=1)
                 committed[missing] = committed[have[near]]
         return committed / np.maximum(seconds, 1e-6)
-
-    @staticmethod
-    def _follow_reference_arm(stats: GateStats, committed: np.ndarray, num_arms: int) -> None:
-        """Arms above the settled one last counted trees in their probes: scale what they
-        accepted by how the settled arm's figure (fresh from every decision) moved
-        since, as their own trees cut to the settled arm measured it (paired: the same
-        trees; the walk's arm counters cut each tree to every smaller arm). The
-        smallest speculative arm is the reference where the bucket decodes plainly. The
-        factor is kept within ``SCALE_LIMIT`` and taken only from references
-        ``MIN_REFERENCE`` above a plain step's one token and a reference figure of
-        ``SWITCH_SAMPLES`` trees; a larger arm never falls below the settled arm's figure
-        (the same trees accept at least as much). In place on ``committed`` (fp64
-        ``[num_arms]``). (The smallest arm was the reference for every arm: at batch 1
-        its fraction of a token a tree, counted in whole tokens, moved by half from step
-        to step and scaled the larger arms with it.)"""
-        reference = max(stats.settled, 1)
-        if num_arms <= reference + 1 or stats.committed_count[reference] < SWITCH_SAMPLES:
-            return
-        # A Python loop: at most a few arms, and numpy's per-call cost is the step's
-        # host time at batch 1.
-        now = float(stats.committed_tokens[reference]) - 1.0
-        refs = stats.reference_cut_tokens[:, reference].tolist()
-        counts = stats.committed_count.tolist()
-        floor = float(committed[stats.settled]) if stats.settled > 0 else None
-        for i in range(reference + 1, num_arms):
-            ref = refs[i] - 1.0  # -1 where never counted
-            if ref < MIN_REFERENCE or counts[i] <= 0:
-                continue
-            factor = min(max(now / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
-            scaled = 1.0 + (float(committed[i]) - 1.0) * factor
-            committed[i] = scaled if floor is None else max(scaled, floor)
 
     def decide(self, num_reqs: int, contexts: np.ndarray, cap: int) -> int:
         """At ``propose``: the next step's arm (0: plain decoding, the drafter's block
@@ -639,7 +612,9 @@ class SpeculationGate:
         pace). Then every ``interval`` decisions the least recently probed of the
         neighbours (from plain decoding: also the best measured speculative arm, the arm
         below the smallest measured one, and the smallest measured arm not probed since
-        plain decoding began or the requests changed)."""
+        plain decoding began or the requests changed; from a speculative arm also the
+        smallest measured arm beyond the neighbours not probed since the requests
+        changed that would be faster at twice its predicted acceptance)."""
         spec_measured = below = None
         if current == 0:
             spec_measured = np.flatnonzero(measured[1:]) + 1
@@ -675,6 +650,16 @@ class SpeculationGate:
                     candidates.add(int(stale[0]))
             if below is not None:
                 candidates.add(below)
+        else:
+            # the smallest measured arm beyond the neighbours not probed since the
+            # requests changed that would win at twice its predicted acceptance: rates
+            # need not fall monotonically past a slower neighbour, and a figure from
+            # other requests (the warm-up's random prompts) is never beaten else
+            far = np.arange(current + 2, num_arms)
+            stale = far[measured[far] & (stats.last_probe[far] < stats.stale_since)
+                        & (SCALE_LIMIT * rates[far] > rates[current])]
+            if stale.size > 0:
+                candidates.add(int(stale[0]))
         if not candidates:
             return None
         return min(candidates, key=lambda j: (stats.last_probe[j], j))

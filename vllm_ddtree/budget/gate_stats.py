@@ -19,8 +19,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds"]
+__all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds",
+           "follow_settled_arm"]
 
+# An arm above the settled one follows the settled arm's acceptance (accepted nodes per
+# tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
+SCALE_LIMIT = 2.0
+MIN_REFERENCE = 0.1
 # Weight of a new sample in an arm's committed tokens per tree (after the first 1 / it).
 EMA_WEIGHT = 0.2
 # Samples the residual level and each arm's offset are the (lower) median of: one
@@ -238,3 +243,36 @@ class GateStats:
         done = self.residual_count[:num_arms] > 0
         done[1:] &= self.committed_count[1:num_arms] > 0
         return done
+
+
+def follow_settled_arm(stats: GateStats, committed: np.ndarray, num_arms: int,
+                       min_trees: int) -> None:
+    """Arms above the settled one last counted trees in their probes: scale what they
+    accepted by how the settled arm's figure (fresh from every decision) moved since,
+    as their own trees cut to the settled arm measured it (paired: the same trees; the
+    walk's arm counters cut each tree to every smaller arm). The smallest speculative
+    arm is the reference where the bucket decodes plainly. The factor is kept within
+    ``SCALE_LIMIT`` and taken only from references ``MIN_REFERENCE`` above a plain
+    step's one token and a reference figure of ``min_trees`` trees. A larger arm never
+    falls below the settled arm's figure (the same trees accept at least as much), also
+    where no factor applies: a probe on the warm-up's random prompts left the largest
+    arm at 1.33 tokens a tree at batch 1 beside the settled arm's 2.5, which it then
+    never beat. In place on ``committed`` (fp64 ``[num_arms]``)."""
+    reference = max(stats.settled, 1)
+    if num_arms <= reference + 1 or stats.committed_count[reference] < min_trees:
+        return
+    # A Python loop: at most a few arms, and numpy's per-call cost is the step's host
+    # time at batch 1.
+    now = float(stats.committed_tokens[reference]) - 1.0
+    refs = stats.reference_cut_tokens[:, reference].tolist()
+    counts = stats.committed_count.tolist()
+    floor = float(committed[stats.settled]) if stats.settled > 0 else None
+    for i in range(reference + 1, num_arms):
+        if counts[i] <= 0:
+            continue
+        ref = refs[i] - 1.0  # -1 where never counted
+        if ref >= MIN_REFERENCE:
+            factor = min(max(now / ref, 1.0 / SCALE_LIMIT), SCALE_LIMIT)
+            committed[i] = 1.0 + (float(committed[i]) - 1.0) * factor
+        if floor is not None:
+            committed[i] = max(float(committed[i]), floor)
