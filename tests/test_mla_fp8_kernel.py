@@ -106,6 +106,24 @@ def test_query_quantization_saturates_as_vllm():
     assert got.float()[0, 0, 7] == torch.tensor(0.22).to(FP8).float()
 
 
+def test_query_quantization_is_vllms_bit_for_bit():
+    """``quantize_query`` against vLLM's own static per-tensor ``QuantFP8`` (what
+    ``MLAAttention``'s decode concatenation quantizes the query with): the same bytes,
+    saturated entries included."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.quantization.input_quant_fp8 import QuantFP8
+    from vllm.model_executor.layers.quantization.utils.quant_utils import GroupShape
+
+    with set_current_vllm_config(VllmConfig()):
+        op = QuantFP8(static=True, group_shape=GroupShape.PER_TENSOR)
+    q = torch.randn(7, 4, 80, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    q[0, 0, :3] = torch.tensor([1e4, -1e4, 0.0])
+    scale = torch.tensor(0.037)
+    want, _ = op.forward_native(q.reshape(-1, 80) * 30, scale)
+    got = quantize_query(q * 30, scale)
+    assert torch.equal(got.reshape(-1, 80).view(torch.uint8), want.view(torch.uint8))
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_mixed_batch(page_size):
     batch = fp8_batch(MIXED, page_size=page_size, seed=page_size)

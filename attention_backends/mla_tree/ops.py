@@ -145,11 +145,13 @@ def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
 
 
 def quantize_query(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 ``clamp(q / q_scale, +-448)``, q's shape: the query an fp8 cache's launch
-    takes, as vLLM's ``MLAAttention`` quantizes it (static per-tensor ``layer._q_scale``)
-    for backends with ``supports_quant_query_input`` (benchmarks and tests; vLLM fuses
-    it into its query concatenation)."""
-    return (q.float() / q_scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_KV_DTYPE)
+    """e4m3 ``clamp(q * (1 / q_scale), +-448)``, q's shape: the query an fp8 cache's
+    launch takes, as vLLM's ``MLAAttention`` quantizes it (``QuantFP8``'s static
+    per-tensor path with ``layer._q_scale``) for backends with
+    ``supports_quant_query_input`` (benchmarks and tests; vLLM fuses it into its query
+    concatenation)."""
+    inverse = q_scale.float().reciprocal()
+    return (q.float() * inverse).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_KV_DTYPE)
 
 
 def _describe(value) -> str:
