@@ -8,17 +8,21 @@ scale (1.0 here: the checkpoint carries no KV scales).
    (trained weights, 4 heads, kv_lora_rank 512 + rope 64).
 2. DDTree with the fp8 cache and CUDA graphs gives plain decoding's tokens (AR on the same
    fp8 cache and backend, eager) on the embedded pair's mixed batch, its verify steps in FULL
-   graphs.
-
-A mismatch is allowed only at a measured tie (``vllm_ddtree.testing.compare``).
+   graphs. A mismatch is allowed only at a measured tie (``vllm_ddtree.testing.compare``).
+3. The same in fp32 (model dtype; the cache fp8): every token equal, greedy and seeded.
+   In bf16 the e4m3 query amplifies the batch shape's rounding of q (an entry near an
+   e4m3 rounding boundary flips by a whole e4m3 step), so bf16 ties are a loose check;
+   fp32 leaves no such flips, so the cache's and query's quantization are shown to
+   score every key alike in a tree verify and in plain decoding.
 """
 
 import pytest
 import torch
-from test_ddtree_vllm import run_mixed_vs_ar, run_script
+from test_ddtree_vllm import first_mismatches, run_mixed_vs_ar, run_script
 from test_mla_backend_vllm import compare, run_backend
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
+from vllm_ddtree.testing.compare import mismatch_problems, tie_gap_of
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -50,4 +54,17 @@ def test_ddtree_fp8_cache_with_cuda_graphs_equals_ar(tmp_path):
     got = run_mixed_vs_ar(ar, ["--mixed", "--budget", "32", "--graphs", *FP8],
                           tmp_path / "ddtree.json", "graphs B=32, fp8 KV cache")
     # Trees are accepted beyond the root (bf16 eager B=32 on this batch: 1.93 per round).
+    assert got["ddtree_mean_acceptance_length"] > 1.5
+
+
+def test_ddtree_fp8_cache_fp32_equals_ar_token_for_token(tmp_path):
+    fp32 = ["--dtype", "float32", *FP8]
+    ar = run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar", *fp32],
+                    tmp_path / "ar32.json")
+    got = run_script("check_ddtree_vllm.py", ["--mixed", "--budget", "32", *fp32],
+                     tmp_path / "ddtree32.json")
+    print(f"fp32, fp8 KV cache: first mismatch per request {first_mismatches(got, ar)}; "
+          f"mean acceptance length {got['ddtree_mean_acceptance_length']:.3f}")
+    problems = mismatch_problems(got["outputs"], ar["outputs"], tie_gap_of("float32"))
+    assert not problems, "\n".join(problems)
     assert got["ddtree_mean_acceptance_length"] > 1.5
