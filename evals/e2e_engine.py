@@ -102,13 +102,18 @@ def engine_active_counters(worker: Any = None) -> tuple[int, int] | None:
     return int(DDTREE_STATE.active_nodes_sum.item()), int(DDTREE_STATE.num_drafts.item())
 
 
+def _worker_gate(worker: Any) -> Any:
+    """The worker's ``SpeculationGate`` (``ddtree_budget: "auto"``), or None."""
+    runner = getattr(worker, "model_runner", None)
+    plan = getattr(getattr(runner, "speculator", None), "step_plan", None)
+    return getattr(plan, "gate", None)
+
+
 def engine_gate_snapshot(worker: Any) -> dict | None:
     """``ddtree_budget: "auto"``'s step gate per batch-size bucket
     (``SpeculationGate.snapshot``), or None without one. Needs the worker: call it
     through ``LLM.collective_rpc``, in-process too."""
-    runner = getattr(worker, "model_runner", None)
-    plan = getattr(getattr(runner, "speculator", None), "step_plan", None)
-    gate = getattr(plan, "gate", None)
+    gate = _worker_gate(worker)
     return None if gate is None else gate.snapshot()
 
 
@@ -116,9 +121,7 @@ def engine_gate_forget(worker: Any) -> bool:
     """Drops what ``ddtree_budget: "auto"``'s step gate learned (``SpeculationGate.forget``)
     after the warm-up's random prompts, so the cells start as a fresh server does;
     False without a gate. Through ``LLM.collective_rpc``."""
-    runner = getattr(worker, "model_runner", None)
-    plan = getattr(getattr(runner, "speculator", None), "step_plan", None)
-    gate = getattr(plan, "gate", None)
+    gate = _worker_gate(worker)
     if gate is not None:
         gate.forget()
     return gate is not None

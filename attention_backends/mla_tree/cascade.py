@@ -38,7 +38,7 @@ import torch
 import triton
 
 from . import cascade_kernel, kernels
-from .configs import MLATileConfig, padded_dims, select_config
+from .configs import MLATileConfig, mma_dtype_of, padded_dims, select_config
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
 PAGE_SIZE = 64
@@ -175,8 +175,7 @@ def tree_suffix(
         config = suffix_config(rows, kv_scale is not None, head_dim, kv_lora_rank)
     else:  # the interpreter (CPU tests), or a GPU without sm_90's shared memory
         kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
-        config = select_config(rows, head_dim, kv_lora_rank,
-                               torch.float16 if kv_scale is not None else q.dtype, **kwargs)
+        config = select_config(rows, head_dim, kv_lora_rank, mma_dtype_of(q.dtype), **kwargs)
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     grid = (triton.cdiv(rows, config.block_m), num_reqs)
     cascade_kernel._mla_tree_suffix_kernel[grid](

@@ -82,6 +82,12 @@ FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 )
 
 
+
+def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the kernels' query operand, which the tile estimates size: an e4m3
+    q (an fp8 cache's) is widened to fp16 (exact)."""
+    return torch.float16 if q_dtype == torch.float8_e4m3fn else q_dtype
+
 def _next_pow2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 

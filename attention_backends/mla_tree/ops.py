@@ -18,6 +18,7 @@ from .configs import (
     SM120_SHARED_MEMORY_BYTES,
     MLATileConfig,
     fit_config,
+    mma_dtype_of,
     padded_dims,
     resolve_num_kv_splits,
     select_config,
@@ -137,11 +138,6 @@ def _check_mla_inputs(
     if out_dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     return out_dtype
-
-
-def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the kernels' query operand: an e4m3 q is widened to fp16 (exact)."""
-    return torch.float16 if q_dtype == FP8_KV_DTYPE else q_dtype
 
 
 def quantize_query(q: torch.Tensor, q_scale: torch.Tensor) -> torch.Tensor:
