@@ -82,7 +82,6 @@ FP8_TRANSPOSED_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 )
 
 
-
 def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the kernels' query operand, which the tile estimates size: an e4m3
     q (an fp8 cache's) is widened to fp16 (exact)."""
