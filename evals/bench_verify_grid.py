@@ -32,6 +32,7 @@ interrupted run keeps what it measured.
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import torch
@@ -374,9 +375,23 @@ def keep_other_cells(report: dict, path: str, dtypes: set[str]) -> dict:
               f"{report['gpu']}: nothing kept")
         return report
     kept = [c for c in old["cells"] if c["dtype"] not in dtypes]
-    command = " && ".join(dict.fromkeys([old["command"], report["command"]])) if kept else (
-        report["command"])
-    return {**report, "command": command, "cells": kept}
+    if not kept:
+        return report
+    return {**report, "command": kept_commands(old["command"], report["command"], dtypes),
+            "cells": kept}
+
+
+def kept_commands(old: str, new: str, dtypes: set[str]) -> str:
+    """The commands that made a kept grid: of ``old`` (``" && "``-joined), the last one
+    per set of cache dtypes measured that still has cells this run does not replace,
+    then ``new``. Reruns replace their dtype's command instead of piling up."""
+    latest: dict[tuple[str, ...], str] = {}
+    for part in old.split(" && "):
+        found = re.search(r"--grid-dtype ((?:[\w]+ ?)+)", part)
+        measured = tuple(found.group(1).split()) if found else ("bf16", "fp8")
+        if set(measured) - dtypes:
+            latest[measured] = part
+    return " && ".join([*latest.values(), new])
 
 
 def _arch() -> str:

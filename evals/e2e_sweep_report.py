@@ -293,6 +293,11 @@ def write_sweep_markdown(data: dict, path: str) -> None:
     host = median_by_cell([dict(r, host_ms=(r["python_ms"] + r["python_ms_after"]) / 2)
                            for r in rows if r.get("python_ms") and r.get("python_ms_after")],
                           "host_ms")
+    stepped = [r for r in rows if r.get("steps") and r.get("decode_s")]
+    per_step = median_by_cell([dict(r, tokens_per_step=r["tokens"] / r["steps"])
+                               for r in stepped], "tokens_per_step")
+    step_ms = median_by_cell([dict(r, step_ms=1000 * r["decode_s"] / r["steps"])
+                              for r in stepped], "step_ms")
     sweep = data.get("sweep") or {}
     inv = (data.get("invocations") or [{}])[-1]
     lines = [f"# Batch sweep: {data.get('setup_title', data.get('setup'))}", "",
@@ -347,6 +352,14 @@ def write_sweep_markdown(data: dict, path: str) -> None:
         if table:
             lines += [f"Tokens per round (1 + accepted drafts per draft), {title}:", ""]
             lines += table + [""]
+        table = _value_table(rows, per_step, runs, names, context, kind, 1)
+        if table:
+            lines += [f"Tokens per engine step and ms per engine step (medians over "
+                      f"repeats), {title}. Every run serves the same requests, so tokens per "
+                      f"step depends only on the drafts chosen and accepted (auto's choices "
+                      f"against a fixed B), ms per step also on the host's speed:", ""]
+            lines += table + [""] + _value_table(rows, step_ms, runs, names, context,
+                                                 kind) + [""]
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]

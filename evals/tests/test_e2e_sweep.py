@@ -441,3 +441,26 @@ def test_auto_ratio_at_equal_host_speed():
     # the yardstick is still ddtree-64, the best by all its rows
     assert equal_host_ratios(rows, runs, 1024, "code", 1)["ddtree-auto-64"] == \
         pytest.approx([80 / 110, 100 / 110])
+
+
+def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
+    """Tokens per engine step (the drafts chosen and accepted) and ms per step (also the
+    host) are tabled apart, medians over repeats, so a ratio below the bar shows which
+    of the two lost it."""
+    from e2e_sweep_report import write_sweep_markdown
+
+    def row(run, repeat, tokens, steps, seconds):
+        return {"run": run, "method": "ar" if run.startswith("ar@") else "ddtree",
+                "backend": "FLASH_ATTN_MLA", "budget": None, "context": 1024,
+                "kind": "code", "batch": 4, "repeat": repeat, "status": "ok",
+                "tokens": tokens, "steps": steps, "decode_s": seconds,
+                "tokens_per_s": tokens / seconds}
+
+    rows = [row("ar@FLASH_ATTN_MLA", 0, 400, 100, 0.2), row("ddtree-auto-64", 0, 400, 40, 0.16),
+            row("ddtree-auto-64", 1, 400, 50, 0.2), row("ddtree-auto-64", 2, 400, 25, 0.1)]
+    path = tmp_path / "sweep.md"
+    write_sweep_markdown({"rows": rows, "invocations": [], "sweep": {}}, str(path))
+    text = path.read_text()
+    tables = text.split("Tokens per engine step")[1].split("\n\n")
+    assert "| 4 | 4.0 | 10.0 |" in tables[1]   # 400 / 40: the median of 8, 10, 16
+    assert "| 4 | 2.00 | 4.00 |" in tables[2]  # 1000 * 0.16 / 40, of 4.0, 4.0, 4.0

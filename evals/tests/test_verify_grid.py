@@ -187,3 +187,18 @@ def test_grid_keep_merges_the_other_dtypes_cells(tmp_path):
     assert grid_module.keep_other_cells(new, str(tmp_path / "none.json"), {"fp8"}) is new
     h100 = {**new, "gpu": "NVIDIA H100"}
     assert grid_module.keep_other_cells(h100, str(path), {"fp8"}) is h100
+
+
+def test_grid_keep_replaces_the_rerun_dtypes_command():
+    import bench_verify_grid as grid_module
+
+    bf16 = "python evals/bench_verify_attention.py --grid --grid-dtype bf16 --grid-keep"
+    fp8 = "python evals/bench_verify_attention.py --grid --grid-dtype fp8 --grid-keep"
+    fp8_again = fp8 + " --grid-methods cascade"
+    both = "python evals/bench_verify_attention.py --grid"
+    assert grid_module.kept_commands(f"{bf16} && {fp8}", fp8_again, {"fp8"}) == (
+        f"{bf16} && {fp8_again}")
+    assert grid_module.kept_commands(f"{bf16} && {fp8} && {bf16}", fp8_again, {"fp8"}) == (
+        f"{bf16} && {fp8_again}")
+    assert grid_module.kept_commands(both, fp8, {"fp8"}) == f"{both} && {fp8}"
+    assert grid_module.kept_commands(f"{both} && {bf16}", fp8, {"bf16", "fp8"}) == fp8
