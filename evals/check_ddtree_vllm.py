@@ -296,6 +296,9 @@ def main() -> None:
                         help="12 prompts of 16..3000 tokens (stdlib source), varied max_tokens, "
                         "8 greedy then 4 seeded-sampled, max_num_seqs 8: requests arrive "
                         "while others run")
+    parser.add_argument("--max-num-seqs", type=int, default=8,
+                        help="vLLM's max_num_seqs (1: each request alone, the batch shape "
+                        "of a witness run; tests/gpu/test_fp8_kv_vllm.py)")
     parser.add_argument("--pair", choices=["embedded", "qwen3", "deepseek_v3"],
                         default="embedded",
                         help="embedded trained pair, or a tiny random target (GQA Qwen3 / MLA "
@@ -342,7 +345,7 @@ def main() -> None:
         force_budget_choices(forced_budgets)
 
     extra = {}
-    max_num_seqs = 8
+    max_num_seqs = args.max_num_seqs
     if args.pair == "embedded":
         target, drafter = CHECKPOINTS / "target", CHECKPOINTS / "drafter"
         tokenizer = AutoTokenizer.from_pretrained(target)

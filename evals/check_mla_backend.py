@@ -21,6 +21,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--graphs", action="store_true", help="CUDA graphs (default eager)")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--max-num-seqs", type=int, default=8,
+                        help="vLLM's max_num_seqs (1: each prompt alone, a witness run)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="vLLM's --kv-cache-dtype (fp8: e4m3 latent cache, scale 1.0)")
     args = parser.parse_args()
@@ -33,7 +35,8 @@ def main() -> None:
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enforce_eager=not args.graphs, **gpu_memory_args(), max_model_len=4096,
-              dtype="bfloat16", max_num_seqs=8, seed=0, kv_cache_dtype=args.kv_cache_dtype)
+              dtype="bfloat16", max_num_seqs=args.max_num_seqs, seed=0,
+              kv_cache_dtype=args.kv_cache_dtype)
     prompts = [
         [3 + (7 * i) % 900 for i in range(n)] for n in (5, 17, 64, 130, 700)
     ]

@@ -28,9 +28,10 @@
 #              fp8) and DDTree through it against AR (tiny MLA pair, bf16 and fp8)
 #   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
 #   fp8backend --kv-cache-dtype fp8: CUSTOM against FLASHMLA on the embedded target (sm_90)
-#              (eager, and CUSTOM with CUDA graphs; 3 engines)
-#   fp8ddtree  --kv-cache-dtype fp8: DDTree with CUDA graphs against AR (bf16, ties excused),
-#              and in fp32 token for token (4 engines)
+#              (eager, and CUSTOM with CUDA graphs; witnesses: FLASHMLA one prompt a step,
+#              TRITON_MLA; 5 engines)
+#   fp8ddtree  --kv-cache-dtype fp8: DDTree with CUDA graphs against AR (bf16, ties and
+#              witnessed flips excused), and in fp32 token for token (5 engines)
 #   ddtree     DDTree on the embedded pair against AR and the reference engine (mixed
 #              batch, greedy and seeded sampling, B = 32 and 8), eager
 #   graphs     the same with CUDA graphs (also one KV-cache group), after the graph-capture
@@ -389,10 +390,10 @@ for stage in "$@"; do
     cascade)
       stage_pytest cascade 240 tests/gpu/test_mla_cascade_gpu.py
       stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade
-      stage_pytest cascade_ddtree 400 tests/gpu/test_ddtree_vllm.py -k cascade ;;
+      stage_pytest cascade_ddtree 480 tests/gpu/test_ddtree_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
-    fp8backend) stage_pytest fp8backend 240 tests/gpu/test_fp8_kv_vllm.py -k flashmla ;;
-    fp8ddtree) stage_pytest fp8ddtree 480 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
+    fp8backend) stage_pytest fp8backend 400 tests/gpu/test_fp8_kv_vllm.py -k flashmla ;;
+    fp8ddtree) stage_pytest fp8ddtree 560 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;
     graphs)

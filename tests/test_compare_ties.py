@@ -173,3 +173,30 @@ def test_non_full_verify_steps_flags_uniform_steps_without_a_full_graph():
     assert non_full_verify_steps([full9, prefill, single, lone_prefill], shapes) == []
     assert non_full_verify_steps([full9, piecewise5, prefill], shapes) == [piecewise5]
     assert non_full_verify_steps([full9, piecewise5], [33]) == []
+
+
+def test_a_witness_excuses_only_where_the_reference_itself_moves():
+    """Past the tie gap, a divergence is excused only where a run of the reference
+    itself (another batch shape, another vLLM backend on the same fp8 cache) parts from
+    it at or before that token; never in fp32; witnessed outputs count toward the cap."""
+    want = [out([1, 2, 3, 4], [1.0, 0.31, 1.0, 1.0])] + [out([5, 6, 7], [1.0] * 3)] * 3
+    got = [out([1, 9, 3, 4], [1.0] * 4)] + want[1:]
+    assert "pos 1" in mismatch_problems(got, want)[0]  # 0.31 > TIE_GAP
+    stable = list(want)
+    assert "pos 1" in mismatch_problems(got, want, witnesses=[stable])[0]
+    late = [out([1, 2, 8, 4], [1.0] * 4)] + want[1:]       # moves after the divergence
+    assert "pos 1" in mismatch_problems(got, want, witnesses=[stable, late])[0]
+    other = [want[0], out([5, 0, 7], [1.0] * 3)] + want[2:]  # moves, but another output
+    assert "pos 1" in mismatch_problems(got, want, witnesses=[other])[0]
+    moved = [out([1, 7, 3, 4], [1.0] * 4)] + want[1:]      # the reference parts there too
+    assert mismatch_problems(got, want, witnesses=[stable, moved]) == []
+    earlier = [out([0, 2, 3, 4], [1.0] * 4)] + want[1:]
+    assert mismatch_problems(got, want, witnesses=[earlier]) == []
+    fp32 = mismatch_problems(got, want, tie_gap_of("float32"), witnesses=[moved])
+    assert len(fp32) == 1 and "pos 1" in fp32[0]
+    everywhere = [out([1, 9, 3], [1.0] * 3)] * 4          # every output parts, each witnessed
+    want4 = [out([1, 2, 3], [1.0, 0.5, 1.0])] * 4
+    shaky = [out([1, 8, 3], [1.0] * 3)] * 4
+    problems = mismatch_problems(everywhere, want4, witnesses=[shaky])
+    assert len(problems) == 1 and "4 of 4 outputs part at a tie" in problems[0]
+    assert mismatch_problems(everywhere[:2] + want4[2:], want4, witnesses=[shaky]) == []

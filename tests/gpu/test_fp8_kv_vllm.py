@@ -5,10 +5,14 @@ scale (1.0 here: the checkpoint carries no KV scales).
    cache (sm_90): both take the e4m3 query MLAAttention quantizes with the layer's
    static ``_q_scale`` (TRITON_MLA keeps a bf16 query; FLASH_ATTN_MLA has no fp8 cache),
    eager and with CUDA graphs. Target: the embedded DeepSeek-V3-architecture target
-   (trained weights, 4 heads, kv_lora_rank 512 + rope 64).
+   (trained weights, 4 heads, kv_lora_rank 512 + rope 64). Past the bf16 tie gap a
+   difference is excused only where vLLM itself has no single answer: FLASHMLA with one
+   prompt a step, or TRITON_MLA on the same fp8 cache, parts from FLASHMLA there too
+   (``compare.mismatch_problems``' witnesses; FLASHMLA's fp8 kernel rounds P to e4m3).
 2. DDTree with the fp8 cache and CUDA graphs gives plain decoding's tokens (AR on the same
    fp8 cache and backend, eager) on the embedded pair's mixed batch, its verify steps in FULL
-   graphs. A mismatch is allowed only at a measured tie (``vllm_ddtree.testing.compare``).
+   graphs. A mismatch is allowed only at a tie (``vllm_ddtree.testing.compare``) or
+   where AR with one request a step parts from AR too.
 3. The same in fp32 (model dtype; the cache fp8): every token equal, greedy and seeded.
    In bf16 the e4m3 query amplifies the batch shape's rounding of q (an entry near an
    e4m3 rounding boundary flips by a whole e4m3 step), so bf16 ties are a loose check;
@@ -22,7 +26,7 @@ from test_ddtree_vllm import first_mismatches, run_mixed_vs_ar, run_script
 from test_mla_backend_vllm import compare, run_backend
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
-from vllm_ddtree.testing.compare import mismatch_problems, tie_gap_of
+from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems, tie_gap_of
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -40,8 +44,15 @@ def test_custom_backend_fp8_matches_flashmla_fp8(tmp_path):
     target = CHECKPOINTS / "target"
     ours = run_backend(target, "CUSTOM", tmp_path, kv_cache_dtype="fp8")
     ref = run_backend(target, "FLASHMLA", tmp_path, kv_cache_dtype="fp8")
+    witnesses = (run_backend(target, "FLASHMLA", tmp_path, kv_cache_dtype="fp8",
+                             max_num_seqs=1),
+                 run_backend(target, "TRITON_MLA", tmp_path, kv_cache_dtype="fp8"))
     graphs = run_backend(target, "CUSTOM", tmp_path, graphs=True, kv_cache_dtype="fp8")
-    problems = {"CUSTOM fp8 vs FLASHMLA fp8": compare(ours, ref),
+    moved = [[first_mismatch(a["tokens"], b["tokens"])
+              for a, b in zip(w["outputs"], ref["outputs"], strict=True)] for w in witnesses]
+    print(f"FLASHMLA fp8 one prompt a step, TRITON_MLA fp8 vs FLASHMLA fp8: {moved}",
+          flush=True)
+    problems = {"CUSTOM fp8 vs FLASHMLA fp8": compare(ours, ref, witnesses),
                 "CUSTOM fp8 graphs vs eager": compare(graphs, ours)}
     for name, found in problems.items():  # printed at once: a time limit may cut pytest
         print(f"{name}: {found or 'equal up to ties'}", flush=True)
@@ -51,8 +62,12 @@ def test_custom_backend_fp8_matches_flashmla_fp8(tmp_path):
 def test_ddtree_fp8_cache_with_cuda_graphs_equals_ar(tmp_path):
     ar = run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar", *FP8],
                     tmp_path / "ar.json")
+    ar1 = run_script("check_ddtree_vllm.py", ["--mixed", "--method", "ar", "--max-num-seqs",
+                                              "1", *FP8], tmp_path / "ar1.json")
+    print(f"AR one request a step vs AR: {first_mismatches(ar1, ar)}", flush=True)
     got = run_mixed_vs_ar(ar, ["--mixed", "--budget", "32", "--graphs", *FP8],
-                          tmp_path / "ddtree.json", "graphs B=32, fp8 KV cache")
+                          tmp_path / "ddtree.json", "graphs B=32, fp8 KV cache",
+                          ar_witness=ar1)
     # Trees are accepted beyond the root (bf16 eager B=32 on this batch: 1.93 per round).
     assert got["ddtree_mean_acceptance_length"] > 1.5
 

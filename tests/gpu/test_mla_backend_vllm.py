@@ -16,18 +16,21 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
-                kv_cache_dtype: str = "auto") -> dict:
-    out = tmp_path / f"{backend}-{graphs}-{kv_cache_dtype}.json"
+                kv_cache_dtype: str = "auto", max_num_seqs: int = 8) -> dict:
+    out = tmp_path / f"{backend}-{graphs}-{kv_cache_dtype}-{max_num_seqs}.json"
     cmd = [sys.executable, str(ROOT / "evals/check_mla_backend.py"), str(model),
-           "--backend", backend, "--out", str(out), "--kv-cache-dtype", kv_cache_dtype]
+           "--backend", backend, "--out", str(out), "--kv-cache-dtype", kv_cache_dtype,
+           "--max-num-seqs", str(max_num_seqs)]
     cmd += ["--graphs"] if graphs else []
     subprocess.run(cmd, check=True, timeout=900)
     return json.loads(out.read_text())
 
 
-def compare(ours: dict, ref: dict) -> list[str]:
-    """Unexplained mismatches (the first differing position of each prompt)."""
-    return mismatch_problems(ours["outputs"], ref["outputs"])
+def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = ()) -> list[str]:
+    """Unexplained mismatches (the first differing position of each prompt);
+    ``witnesses``: runs of the reference's own kind (``vllm_ddtree.testing.compare``)."""
+    return mismatch_problems(ours["outputs"], ref["outputs"],
+                             witnesses=[w["outputs"] for w in witnesses])
 
 
 @pytest.fixture(scope="module")
