@@ -137,6 +137,22 @@ def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
     assert calls[1][2:4] == (-0.1, -2.0)
     short = [out([1, 2], ref[0]["top_logprobs"][:2])] + ref[1:]
     assert "lengths differ" in sampled_ties.sampled_mismatch_problems(short, ref, 0.07)[0]
+    # plain decoding itself parts on prompt 2 at that token: witnessed, then excused;
+    # one of the two outputs it moves on may be; never in fp32
+    shaky = [ref[0], out([4, 3], ref[1]["top_logprobs"]), out([6, 7], ref[2]["top_logprobs"])]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [shaky]) == []
+    late = [ref[0], ref[1], out([6, 6, 7], ref[2]["top_logprobs"])]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [late])[0].startswith(
+        "prompt 2: pos 1")
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.0, [shaky])[0].startswith(
+        "prompt 0: pos 1")
+    only_there = [ref[0], ref[1], shaky[2]]  # moves on one output: half of 1 rounds up
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [only_there]) == []
+    moves_both = [out([4, 8], ref[1]["top_logprobs"]), out([6, 8], ref[2]["top_logprobs"])]
+    wide = sampled_ties.sampled_mismatch_problems(
+        [out([4, 5], [{"4": -0.1}, {"5": -3.0}]), out([6, 5], [{"6": -0.1}, {"5": -3.0}])],
+        ref[1:], 0.07, [moves_both])
+    assert len(wide) == 1 and "2 sampled outputs part where plain decoding itself" in wide[0]
 
 
 def test_tokens_past_a_stop_string_are_not_a_mismatch():

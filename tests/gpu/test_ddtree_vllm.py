@@ -72,12 +72,15 @@ def first_mismatches(got: dict, ref: dict) -> list[int | None]:
             for a, b in zip(got["outputs"], ref["outputs"], strict=True)]
 
 
-def unexplained_sampled_mismatches(got: dict, ref: dict) -> list[str]:
+def unexplained_sampled_mismatches(got: dict, ref: dict,
+                                   witnesses: tuple[dict, ...] = ()) -> list[str]:
     """Seeded sampled outputs: a first mismatch must be a tie of vLLM's Gumbel-perturbed
-    scores (``sampled_ties``) within the fixed bf16 tie gap (``compare.TIE_GAP``)."""
+    scores (``sampled_ties``) within the fixed bf16 tie gap (``compare.TIE_GAP``), or
+    where a witness (AR at another batch shape) parts from ``ref`` too."""
     from vllm_ddtree.testing.sampled_ties import sampled_mismatch_problems
 
-    return sampled_mismatch_problems(got["outputs"], ref["outputs"], TIE_GAP)
+    return sampled_mismatch_problems(got["outputs"], ref["outputs"], TIE_GAP,
+                                     [w["outputs"] for w in witnesses])
 
 
 def split_by_temperature(result: dict) -> tuple[dict, dict]:
@@ -209,7 +212,8 @@ def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str,
           f"{got['vllm_metrics'].get('mean_acceptance_length')} (vLLM metrics)")
     witnesses = (split_by_temperature(ar_witness)[0],) if ar_witness else ()
     problems = unexplained_mismatches(greedy, ref_greedy, witnesses)
-    problems += unexplained_sampled_mismatches(sampled, ref_sampled)
+    problems += unexplained_sampled_mismatches(
+        sampled, ref_sampled, (split_by_temperature(ar_witness)[1],) if ar_witness else ())
     assert not problems, "\n".join(problems)
     if got.get("verify_dispatches") is not None:  # --graphs at TP = 1
         missed = non_full_verify_steps(got["verify_dispatches"], verify_query_lens)
