@@ -430,6 +430,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-lengths", nargs=2, type=positive_int, metavar=("LO", "HI"),
                    help="with --sweep: new tokens per request, uniform in LO..HI "
                    "(default 32 256)")
+    p.add_argument("--interleave-s", type=positive_float, default=None, metavar="S",
+                   help="with --sweep --lockstep: a cell's runs take turns, S seconds of "
+                   "steps each, until each has spent its pool (the host's speed toggles "
+                   "within seconds: turns put every run on it alike)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--fake", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -478,6 +482,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--repeats must be >= 1")
     if args.lockstep_kv_gib is not None and (not args.lockstep or args.lockstep_kv_gib <= 0):
         p.error("--lockstep-kv-gib needs --lockstep and a size > 0")
+    if args.interleave_s is not None and not (args.sweep and args.lockstep):
+        p.error(f"--interleave-s {args.interleave_s:g} needs --sweep and --lockstep: the runs' "
+                "engines alive at once, taking turns within a sweep cell")
     if args.pin_cpus:
         try:
             missing = parse_cpus(args.pin_cpus) - os.sched_getaffinity(0)
@@ -560,6 +567,8 @@ def main(argv=None) -> int:
                           "engine_process": args.engine_process}
             if args.lockstep:
                 invocation["lockstep"] = True
+            if args.interleave_s:
+                invocation["interleave_s"] = args.interleave_s
             if args.sweep:
                 invocation["sweep"] = args.pool_spec.to_json()
                 args.lockstep_kv_gib = args.lockstep_kv_gib_given  # per setup

@@ -264,15 +264,18 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
     by this engine's prefill is free for the next engine's: with five kimi64 engines
     at 128k a 768 MiB prefill allocation can otherwise find 0.6 GiB free)."""
     failed = None
+    stopping = []  # a "quit" read while a cell waited for its next slice
     for line in iter(sys.stdin.readline, ""):
         line = line.strip()
-        if line == "quit":
+        if line == "quit" or stopping:
             break
         if not line:
             continue
         command = json.loads(line)
         cell = tuple(command["cell"])
         cell_spec = dict(spec, repeat=int(command.get("repeat", 0)))
+        pause = (slice_pause(spec["out"], command.get("seq"), spec["interleave_s"], stopping)
+                 if spec.get("interleave_s") else None)
         measure_start = time.time()
         if len(result["rows"]) == crash_at:
             raise RuntimeError("fake crash")
@@ -283,7 +286,8 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
             print(f"[bench_e2e] {spec['run']}: cell {cell} repeat {cell_spec['repeat']}",
                   flush=True)
             try:
-                row = measure(cell_spec, cell)
+                row = measure(cell_spec, cell) if pause is None else measure(
+                    cell_spec, cell, pause)
             except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
                 traceback.print_exc()
                 failed = failure_note(e)
@@ -295,6 +299,37 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
         if after_cell is not None:
             after_cell()
     result["meta"]["finished"] = time.time()
+
+
+def slice_path(out: str) -> str:
+    """The file where a lockstep child acknowledges each slice of ``--interleave-s``."""
+    return out + ".slice"
+
+
+def slice_pause(out: str, seq, interleave_s: float, stopping: list):
+    """:func:`e2e_sweep.drive`'s ``pause`` for one command: once ``interleave_s`` of
+    steps have run since the last hand-over, acknowledge the slice in
+    :func:`slice_path` (``{"seq", "n"}``, atomically) and wait for the parent's
+    ``continue`` on stdin, while another run's engine steps; returns the seconds away
+    (0.0 when it did not hand over). Any other line stops the cell (it fails); a
+    ``quit`` also ends the child's command loop (``stopping``)."""
+    state = {"next": interleave_s, "n": 0}
+
+    def pause(stepped_s: float) -> float:
+        if stepped_s < state["next"]:
+            return 0.0
+        start = time.perf_counter()
+        state["n"] += 1
+        write_json_atomic(slice_path(out), {"seq": seq, "n": state["n"]})
+        line = sys.stdin.readline().strip()
+        if line != "continue":
+            if line == "quit" or not line:
+                stopping.append(line)
+            raise RuntimeError(f"--interleave-s: the parent sent {line!r}, not 'continue'")
+        state["next"] = stepped_s + interleave_s
+        return time.perf_counter() - start
+
+    return pause
 
 
 def skip_common_prefix_in_every_engine() -> None:
@@ -413,8 +448,8 @@ def child_main(spec_path: str) -> None:
         if spec.get("lockstep"):
             result["meta"]["ready"] = True
             write_json_atomic(out, result)
-            serve_commands(spec, result, lambda s, cell: fake(
-                spec_base_row(s, cell), run.num_spec_tokens(setup)), crash_after)
+            serve_commands(spec, result, lambda s, cell, *pause: fake(
+                spec_base_row(s, cell), run.num_spec_tokens(setup), *pause), crash_after)
             finish(0)
         for i, cell in enumerate(cells):
             if i == crash_after:  # tests: a child that dies mid-run
@@ -477,7 +512,8 @@ def child_main(spec_path: str) -> None:
     result["meta"]["ready"] = True
     write_json_atomic(out, result)
     if spec.get("lockstep"):
-        serve_commands(spec, result, lambda s, cell: measure(llm, engine, s, cell, tokenizer),
+        serve_commands(spec, result,
+                       lambda s, cell, *pause: measure(llm, engine, s, cell, tokenizer, *pause),
                        after_cell=torch.cuda.empty_cache)
         finish(0)
     failed = None

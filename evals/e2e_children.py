@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from itertools import groupby
 from pathlib import Path
 
 from e2e_models import Setup
@@ -168,7 +169,8 @@ def child_spec(setup: Setup, args: argparse.Namespace, run: RunSpec,
         spec["sweep"] = pool.to_json()
     if kv_bytes:
         spec.update(lockstep=True, kv_cache_memory_bytes=int(kv_bytes),
-                    gpu_mem=LOCKSTEP_GPU_MEM)
+                    gpu_mem=LOCKSTEP_GPU_MEM,
+                    interleave_s=getattr(args, "interleave_s", None))
     return spec
 
 
@@ -215,6 +217,7 @@ class LockstepChild:
     answered: int = 0
     why: str | None = None
     status: str = STATUS_FAILED
+    last_slice: tuple = (None, None)  # --interleave-s: the last (seq, n) acknowledged
 
 
 def start_lockstep_child(spec: dict, tmp: str, index: int, log_path: Path) -> LockstepChild:
@@ -312,6 +315,47 @@ def await_lockstep_rows(child: LockstepChild, hard: float, poll: float) -> list[
         time.sleep(poll)
 
 
+def await_lockstep_answer(child: LockstepChild, hard: float, poll: float
+                          ) -> tuple[str, list[dict] | None]:
+    """``--interleave-s``: a child's next answer, ``("rows", rows)`` (the cell is done),
+    ``("slice", None)`` (it acknowledged a slice in its ``.slice`` file and waits for
+    ``continue``) or ``("gone", None)`` (dead or past ``hard``; ``child.why`` says
+    which). Polls both files' stat, so that the parent costs the stepping child no CPU."""
+    from e2e_child import slice_path
+
+    stamps: dict[str, tuple | None] = {}
+
+    def changed(path: str) -> bool:
+        try:
+            st = os.stat(path)
+            now = (st.st_ino, st.st_mtime_ns, st.st_size)
+        except OSError:
+            now = None
+        moved, stamps[path] = stamps.get(path, "unset") != now, now
+        return moved
+
+    while True:
+        dead = child.proc.poll() is not None
+        if changed(child.out) or dead:
+            rows = (_read_result(child.out) or {}).get("rows", [])
+            if len(rows) > child.answered:
+                fresh, child.answered = rows[child.answered:], len(rows)
+                return "rows", fresh
+        if changed(slice_path(child.out)):
+            ack = _read_result(slice_path(child.out)) or {}
+            if (ack.get("seq"), ack.get("n")) != child.last_slice:
+                child.last_slice = (ack.get("seq"), ack.get("n"))
+                return "slice", None
+        if dead:
+            child.why = _exit_note(child)
+            return "gone", None
+        if time.time() > hard:
+            _kill_group(child.proc)
+            child.why = "child killed at the time limit"
+            return "gone", None
+        time.sleep(poll)
+
+
 def stop_lockstep_children(children: list[LockstepChild], log_path: Path, wait_s: float
                            ) -> None:
     """``quit`` to every child, ``wait_s`` for them to leave, then kill their process
@@ -345,8 +389,11 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
                  invocation: dict) -> None:
     """``--lockstep``: start every run's child at once, wait for their engines, then send
     each cell to every run in turn (:func:`lockstep_order`), waiting for one child's row
-    before the next command, so that one engine works at a time. ``add_rows(rows)``
-    gets every row (measured, failed, not run) as it comes."""
+    before the next command, so that one engine works at a time. ``--interleave-s S``
+    (sweeps): a cell's runs start one after another, each handing over after S s of
+    steps, and go round until each has spent its pool, so that the host's speed, which
+    toggles within seconds, falls on every run alike. ``add_rows(rows)`` gets every row
+    (measured, failed, not run) as it comes."""
     kv = lockstep_kv_bytes(models, max_model_len, max(c[1] for c in cells),
                            args.lockstep_kv_gib)
     invocation["lockstep_kv_cache_gib"] = round(kv / 2**30, 2)
@@ -364,7 +411,7 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
         if progress is not None:
             progress.update(len(order))
         return
-    poll = 0.05
+    poll = 0.002 if getattr(args, "interleave_s", 0) else 0.05  # slices: a prompt hand-over
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="bench_e2e_lockstep_") as tmp:
         children: list[LockstepChild] = []
@@ -385,28 +432,51 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
                     invocation["versions"] = meta["versions"]
                 invocation.setdefault("startup_s", {})[child.run.name] = meta.get("startup_s")
             by_run = {child.run: child for child in children}
-            for seq, (cell, repeat, run) in enumerate(order):
-                child = by_run[run]
-                if progress is not None:
-                    progress.set_postfix_str(f"{setup.name} {run.name}")
-                rows = None
+            interleave = bool(getattr(args, "interleave_s", 0))
+
+            def answer(child: LockstepChild, line: str) -> tuple[str, list[dict] | None]:
                 if child.why is not None:
-                    pass
-                elif deadline and time.time() > deadline:
-                    rows = [row(cell, repeat, run, STATUS_NOT_RUN, "--max-minutes reached")]
-                elif not _send(child, json.dumps({"cell": list(cell), "repeat": repeat,
-                                                  "seq": seq})):
+                    return "gone", None
+                if not _send(child, line):
                     child.why = _exit_note(child)
-                else:
-                    hard = time.time() + 60 * args.child_timeout_min
-                    if deadline:
-                        hard = min(hard, deadline + 60 * args.grace_minutes)
-                    rows = await_lockstep_rows(child, hard, poll)
-                if rows is None:
-                    rows = [row(cell, repeat, run, child.status, child.why)]
-                add_rows(rows)
+                    return "gone", None
+                hard = time.time() + 60 * args.child_timeout_min
+                if deadline:
+                    hard = min(hard, deadline + 60 * args.grace_minutes)
+                if interleave:
+                    return await_lockstep_answer(child, hard, poll)
+                rows = await_lockstep_rows(child, hard, poll)
+                return ("rows", rows) if rows is not None else ("gone", None)
+
+            def done(child, cell, repeat, run, rows) -> None:
+                add_rows(rows or [row(cell, repeat, run, child.status, child.why)])
                 if progress is not None:
                     progress.update(1)
+
+            # A cell's runs one after another; with --interleave-s each hands over after
+            # a slice of steps and they go round until each has spent its pool.
+            for _, group in groupby(enumerate(order), key=lambda e: e[1][:2]):
+                waiting = []
+                for seq, (cell, repeat, run) in group:
+                    child = by_run[run]
+                    if progress is not None:
+                        progress.set_postfix_str(f"{setup.name} {run.name}")
+                    if child.why is None and deadline and time.time() > deadline:
+                        done(child, cell, repeat, run,
+                             [row(cell, repeat, run, STATUS_NOT_RUN, "--max-minutes reached")])
+                        continue
+                    kind, rows = answer(child, json.dumps(
+                        {"cell": list(cell), "repeat": repeat, "seq": seq}))
+                    if kind == "slice":
+                        waiting.append((child, cell, repeat, run))
+                    else:
+                        done(child, cell, repeat, run, rows)
+                while waiting:
+                    for item in list(waiting):
+                        kind, rows = answer(item[0], "continue")
+                        if kind != "slice":
+                            waiting.remove(item)
+                            done(*item, rows)
         finally:
             stop_lockstep_children(children, log_path, 2.0 if args.fake else 30.0)
     if not args.fake:

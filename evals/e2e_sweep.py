@@ -125,7 +125,8 @@ def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
 
 def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request], object],
           prompt_of: Callable[[Request], object] = lambda r: r.prompt, tag: str = "sweep-",
-          clock: Callable[[], float] = time.perf_counter) -> dict:
+          clock: Callable[[], float] = time.perf_counter,
+          pause: Callable[[float], float] | None = None) -> dict:
     """Keep ``batch`` requests of ``pool`` in flight on ``engine`` (``add_request(id,
     prompt, params)``, ``step()`` -> outputs with ``request_id``, ``finished`` and
     ``outputs[0].token_ids`` holding the step's new tokens, ``abort_request(ids)``,
@@ -133,7 +134,12 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
     after the first step at which a finished request cannot be replaced. Returns
     ``wall_s`` and ``steps`` of the window, ``tokens`` generated in it, ``finished``
     requests, ``mean_in_flight`` (requests per step) and ``outputs`` (token ids per
-    pool request, as far as it got). The requests still in flight are aborted."""
+    pool request, as far as it got). The requests still in flight are aborted.
+
+    ``pause(stepped_s)``, between steps (``--interleave-s``: the lockstep child hands the
+    GPU to the next run's engine there): gets the window's stepping time so far and
+    returns the seconds it spent away, which the window does not count; ``slices`` is
+    then the number of pauses that handed over, plus one."""
     if not pool or batch < 1 or len(pool) < batch:
         raise ValueError(f"batch={batch} is not allowed with a pool of {len(pool)} "
                          "requests: 1 <= batch <= pool size")
@@ -156,7 +162,13 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
         add()
     start = clock()
     steps = finished = in_flight_sum = 0
+    away = 0.0
+    slices = 1
     while True:
+        if pause is not None and steps:
+            gone = pause(clock() - start - away)
+            away += gone
+            slices += gone > 0
         in_flight_sum += len(in_flight)
         outs = engine.step()
         steps += 1
@@ -172,14 +184,14 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
             add()
         if len(in_flight) < batch:
             break
-    wall = clock() - start
+    wall = clock() - start - away
     if in_flight:
         engine.abort_request([f"{tag}{i}" for i in sorted(in_flight)])
     while engine.has_unfinished_requests():
         engine.step()
     return {"wall_s": wall, "steps": steps, "tokens": sum(len(o) for o in outputs),
             "finished": finished, "mean_in_flight": in_flight_sum / steps,
-            "outputs": outputs}
+            "outputs": outputs, "slices": slices}
 
 
 def output_crcs(outputs: list[list[int]], n: int = CRC_TOKENS) -> list[int | None]:
@@ -215,11 +227,16 @@ def sweep_kv_bytes(models, max_context: int, batch: int, pool: PoolSpec, margin:
     return int(factor * kv["total"]) + 2**30
 
 
-def fake_sweep_row(base: dict, num_spec: int) -> dict:
+def fake_sweep_row(base: dict, num_spec: int,
+                   pause: Callable[[float], float] | None = None) -> dict:
     """Synthetic sweep figures (``--fake``: the plumbing without a GPU): AR gains with
-    the batch, speculation pays at small batches only."""
+    the batch, speculation pays at small batches only. ``pause``: :func:`drive`'s, called
+    as if 3 s of steps were taken in 1 s strides."""
     from e2e_runs import STATUS_OK
 
+    slices = 1
+    for stepped in (1.0, 2.0, 3.0) if pause is not None else ():
+        slices += pause(stepped) > 0
     batch, method = base["batch"], base["method"]
     ar = 100.0 * batch / (1 + batch / 32)
     gain = 1.0 if method == "ar" else (2.5 - 1.6 * min(batch, 64) / 64) * (
@@ -231,6 +248,7 @@ def fake_sweep_row(base: dict, num_spec: int) -> dict:
     row = dict(base, status=STATUS_OK, pool=3 * batch, tokens=tokens, decode_s=tokens / tps,
                tokens_per_s=tps, steps=tokens // batch, finished=2 * batch,
                mean_in_flight=float(batch), prime_s=0.1, python_ms=2.0, python_ms_after=2.2,
+               slices=slices,
                acceptance_length=None if method == "ar" else 3.0,
                output_crc=[7] * (3 * batch), note="")
     if base["budget"] == "auto":
@@ -245,11 +263,11 @@ def fake_sweep_row(base: dict, num_spec: int) -> dict:
     return row
 
 
-def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer
-                       ) -> dict:
+def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer,
+                       pause: Callable[[float], float] | None = None) -> dict:
     """One sweep cell in a child (GPU): prime the pool's prompts, then :func:`drive`
-    through ``llm.llm_engine``; the row has the window's tokens/s, acceptance from vLLM's
-    spec-decode counters and the correctness figures."""
+    through ``llm.llm_engine`` (``pause``: :func:`drive`'s); the row has the window's
+    tokens/s, acceptance from vLLM's spec-decode counters and the correctness figures."""
     from e2e_engine import (
         engine_active_counters,
         engine_batch_count_start,
@@ -307,7 +325,8 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     engine.call(engine_batch_count_start)
     cpu_before = host_cpu_state()
     got = drive(llm.llm_engine, pool, batch, params,
-                prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag)
+                prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag,
+                pause=pause)
     host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
     engine_mean_reqs = engine.call(engine_batch_count_take)
     python_ms_after, cpu_after, _ = engine.call(engine_host_speed)
@@ -320,6 +339,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     row = dict(spec_base_row(spec, cell), status=STATUS_OK, pool=len(pool),
                tokens=got["tokens"], decode_s=got["wall_s"], steps=got["steps"],
                finished=got["finished"], mean_in_flight=got["mean_in_flight"],
+               slices=got["slices"],
                engine_mean_reqs=engine_mean_reqs,
                prime_s=prime_s, sweep=pool_spec.to_json(), python_ms=python_ms,
                python_ms_after=python_ms_after, cpu=cpu, cpu_after=cpu_after,

@@ -314,7 +314,10 @@ def write_sweep_markdown(data: dict, path: str) -> None:
              "window that ends when the pool is spent (concurrency b throughout). Greedy, "
              "bf16, CUDA graphs" + (", every engine alive at once (`--lockstep`), each cell "
                                     "measured by every run seconds apart" if inv.get(
-                                        "lockstep") else "") + ".", ""]
+                                        "lockstep") else "") + (
+                 f", the runs of a cell taking turns of {inv['interleave_s']:g} s of steps "
+                 "(`--interleave-s`) until each has spent its pool, so that the host's "
+                 "speed falls on all alike" if inv.get("interleave_s") else "") + ".", ""]
     oracle = data.get("oracle")
     if oracle:
         measured, given = oracle.get("tokens_per_round") or {}, dict(

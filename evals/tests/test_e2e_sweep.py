@@ -98,6 +98,38 @@ def test_drive_keeps_the_batch_in_flight_until_the_pool_is_spent():
     assert got["mean_in_flight"] == 3.0 and got["wall_s"] == 1.0
 
 
+def test_drive_pauses_between_steps_and_leaves_the_time_away_out():
+    """``pause`` (``--interleave-s``) gets the stepping time so far before every step
+    but the first; the seconds it reports away are not the window's, and every pause
+    that handed over starts a slice."""
+    pool = [SimpleNamespace(prompt=[1], max_tokens=n) for n in (4, 4, 4, 4)]
+    now = [0.0]
+
+    def clock():
+        return now[0]
+
+    seen = []
+
+    def pause(stepped):
+        seen.append(stepped)
+        if len(seen) % 2:  # every other step: away for 10 s
+            now[0] += 10.0
+            return 10.0
+        return 0.0
+
+    class Ticking(FakeEngine):
+        def step(self):
+            now[0] += 1.0  # one second a step
+            return super().step()
+
+    got = drive(Ticking(), pool, 2, params_of=lambda r: r.max_tokens, clock=clock,
+                pause=pause)
+    assert got["steps"] == len(seen) + 1
+    assert seen == [float(k) for k in range(1, got["steps"])]  # stepping time only
+    assert got["wall_s"] == float(got["steps"])
+    assert got["slices"] == 1 + (len(seen) + 1) // 2
+
+
 def test_drive_refuses_a_pool_smaller_than_the_batch():
     with pytest.raises(ValueError, match="batch=4 is not allowed with a pool of 2"):
         drive(FakeEngine(), [SimpleNamespace(prompt=[1], max_tokens=2)] * 2, 4, lambda r: 2)
@@ -273,6 +305,41 @@ def test_sweep_arguments_are_checked(extra, message, capsys):
     with pytest.raises(SystemExit):
         bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ddtree-64"] + extra)
     assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_interleave_needs_a_lockstep_sweep(capsys):
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ddtree-64",
+                              "--interleave-s", "0.2"])
+    assert "--interleave-s 0.2 needs --sweep and --lockstep" in capsys.readouterr().err
+
+
+def test_fake_sweep_runs_take_turns_within_a_cell(tmp_path):
+    """``--interleave-s``: every run of a cell starts before any finishes, each hands
+    over after each slice (the fake cell: 3 s of steps in 1 s strides, slices of 0.5 s:
+    4 slices), and cells still come one after another."""
+    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64", "ddtree-auto"]
+    assert bench_e2e.main(["--fake", "--sweep", "--lockstep", "--interleave-s", "0.5",
+                           "--setup", "v2lite", "--batches", "1", "4", "--contexts", "1k",
+                           "--runs", *runs, "--repeats", "2", "--out-dir", str(tmp_path),
+                           "--model-dir", str(tmp_path / "m")]) == 0
+    data = json.loads((tmp_path / "e2e_batch_sweep_v2lite.json").read_text())
+    rows = [r for r in data["rows"] if r["status"] == "ok"]
+    assert len(rows) == 12 and {r["slices"] for r in rows} == {4}
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["batch"], r["repeat"]), []).append(r)
+    spans = []
+    for group in groups.values():
+        assert len(group) == 3
+        # turns: the last run started before the first one finished
+        assert max(r["measure_start"] for r in group) < min(r["measured_at"] for r in group)
+        spans.append((min(r["measure_start"] for r in group),
+                      max(r["measured_at"] for r in group)))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # one by one
+    md = (tmp_path / "e2e_batch_sweep_v2lite.md").read_text()
+    assert "taking turns of 0.5 s of steps (`--interleave-s`)" in md
 
 
 def test_sweep_only_flags_need_sweep(capsys):
