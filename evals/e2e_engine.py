@@ -127,6 +127,18 @@ def engine_gate_forget(worker: Any) -> bool:
     return gate is not None
 
 
+def engine_gate_skip_gap(worker: Any) -> bool:
+    """``--interleave-s``: the step gate leaves out the interval from the last step's
+    start to the next one's, which spans the other runs' turn (its timing events are
+    ``SpeculationGate.marks``; a mark without a modeled time is never a sample). False
+    without a gate or a mark. Through ``LLM.collective_rpc``."""
+    gate = _worker_gate(worker)
+    if gate is None or not gate.marks:
+        return False
+    gate.marks[-1].model = None
+    return True
+
+
 def engine_gate_trace_start(worker: Any = None) -> None:
     """Start (or restart) the step gate's trace in this process (``gate_trace``)."""
     import gate_trace

@@ -272,6 +272,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
         engine_active_counters,
         engine_batch_count_start,
         engine_batch_count_take,
+        engine_gate_skip_gap,
         engine_gate_snapshot,
         engine_gate_trace_start,
         engine_gate_trace_take,
@@ -324,6 +325,14 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     python_ms, cpu, _ = engine.call(engine_host_speed)
     engine.call(engine_batch_count_start)
     cpu_before = host_cpu_state()
+    if pause is not None and run.budget == "auto":
+        hand_over = pause
+
+        def pause(stepped_s: float) -> float:  # the gate times no step across a turn
+            away = hand_over(stepped_s)
+            if away > 0:
+                llm.collective_rpc(engine_gate_skip_gap)
+            return away
     got = drive(llm.llm_engine, pool, batch, params,
                 prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag,
                 pause=pause)

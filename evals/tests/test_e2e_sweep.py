@@ -531,3 +531,27 @@ def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
     tables = text.split("Tokens per engine step")[1].split("\n\n")
     assert "| 4 | 4.0 | 10.0 |" in tables[1]   # 400 / 40: the median of 8, 10, 16
     assert "| 4 | 2.00 | 4.00 |" in tables[2]  # 1000 * 0.16 / 40, of 4.0, 4.0, 4.0
+
+
+def test_a_turn_is_never_a_timed_step_of_autos_gate():
+    """``--interleave-s``: at a hand-over the gate's last step mark loses its modeled
+    time, so the interval that spans the other runs' turn is never a sample
+    (``SpeculationGate._drain_marks`` skips marks without one)."""
+    from collections import deque
+
+    from e2e_engine import engine_gate_skip_gap
+
+    def worker(gate):
+        return SimpleNamespace(model_runner=SimpleNamespace(
+            speculator=SimpleNamespace(step_plan=SimpleNamespace(gate=gate))))
+
+    marks = deque([SimpleNamespace(model=0.004), SimpleNamespace(model=0.005)])
+    assert engine_gate_skip_gap(worker(SimpleNamespace(marks=marks)))
+    assert [m.model for m in marks] == [0.004, None]
+    assert not engine_gate_skip_gap(worker(SimpleNamespace(marks=deque())))
+    assert not engine_gate_skip_gap(worker(None))
+    import inspect
+
+    from vllm_ddtree.budget.gate import SpeculationGate
+
+    assert "first.model is None" in inspect.getsource(SpeculationGate._drain_marks)
