@@ -489,6 +489,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--grid: time sm_120's Triton tile choice instead (a proxy)")
     p.add_argument("--split-sweep", action="store_true",
                    help="--grid: the rule's kernel at fewer KV tiles per split instead")
+    p.add_argument("--suffix-sweep", action="store_true",
+                   help="--grid: the cascade's tree part alone at its slow cells, its "
+                   "shipped tile against others, instead")
     for axis in ("heads", "rows", "ctx"):
         p.add_argument(f"--grid-{axis}", type=positive_int, nargs="+", help="--grid: narrow")
     p.add_argument("--grid-dtype", nargs="+", choices=("bf16", "fp8"), help="--grid: narrow")
@@ -606,9 +609,10 @@ def main(argv=None) -> int:
         return graph_time_ms(fn, args.rep) if args.timer == "graph" else host_bench(fn)
 
     if args.grid:
-        from bench_verify_grid import REP_MS, run_grid, split_sweep
+        from bench_verify_grid import REP_MS, run_grid, split_sweep, suffix_sweep
 
-        run = split_sweep if args.split_sweep else run_grid
+        run = (split_sweep if args.split_sweep else suffix_sweep if args.suffix_sweep
+               else run_grid)
         return run(args, lambda fn: graph_time_ms(fn, REP_MS), gpu, command)
     if args.inactive_rows_table:
         title = f"Inactive rows: Triton skipping them vs Gluon computing all {INACTIVE_BUDGET + 1}"

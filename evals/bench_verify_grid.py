@@ -290,6 +290,118 @@ def split_sweep(args, bench, gpu: str, command: str) -> int:
     return 0
 
 
+# The cells where the cascade's tree part decides: bf16 over 1.15x FlashMLA, fp8 slower
+# than bf16 at 8k (evals/results/verify_attention_grid.md). The tree part reads only the
+# tree's keys and the context partial, so 8k stands for every context.
+SUFFIX_CELLS = (("bf16", 32, 257), ("bf16", 64, 129), ("bf16", 8, 129), ("bf16", 128, 65),
+                ("fp8", 8, 257), ("fp8", 8, 65), ("fp8", 16, 33), ("fp8", 64, 9),
+                ("fp8", 128, 5))
+
+
+def suffix_candidates(dtype: str):
+    """Tile configs of the cascade's tree part to time beside ``cascade.suffix_config``'s:
+    row tiles 16 / 32 / 64, key tiles 32 / 64, 4 or 8 warps, 1 or 2 stages (fp8: the
+    64-row tile with 32-key tiles and one stage only; larger ones spilled, see
+    ``suffix_config``)."""
+    from vllm_ddtree.attention_backends.mla_tree.configs import MLATileConfig
+
+    out = []
+    for block_m in (16, 32, 64):
+        for block_n in (32, 64):
+            for num_warps in (4, 8):
+                for num_stages in (1, 2):
+                    if dtype == "fp8" and block_m == 64 and (block_n, num_stages) != (32, 1):
+                        continue
+                    out.append(MLATileConfig(block_m=block_m, block_n=block_n,
+                                             num_warps=num_warps, num_stages=num_stages))
+    return out
+
+
+def suffix_method(inp, ops, config):
+    """The cascade's tree part alone (``cascade.tree_suffix``) with ``config`` in place of
+    ``suffix_config``'s tile (None: its own), folding a context partial FlashMLA made
+    once (not timed)."""
+    from bench_verify_attention import KV_LORA, Unavailable
+
+    from vllm_ddtree.attention_backends.mla_tree import cascade
+
+    cell = inp.cell
+    if not cascade.cascade_supported(ops["q"], ops["kv_cache"], KV_LORA, 1, cell.qlen):
+        raise Unavailable("the cascade needs FlashMLA's dense decode (sm_90)")
+    plan = cascade.CascadePlan(ctx_lens=cascade.context_lens(inp.seq_lens, inp.query_start_loc))
+    ctx_out, ctx_lse = cascade.flashmla_context(ops["q"], ops["kv_cache"], inp.block_table,
+                                                inp.scale, cell.qlen, plan, ops["kv_scale"],
+                                                ops["q_scale"])
+    out = torch.empty_like(ctx_out)
+    lse = torch.empty(cell.qlen, cell.heads, dtype=torch.float32, device="cuda")
+    smem = torch.cuda.get_device_properties(0).shared_memory_per_block_optin
+    shipped = cascade.suffix_config
+
+    def run():
+        if config is not None:  # the module global tree_suffix looks up, for this call
+            cascade.suffix_config = lambda *a, **k: config
+        try:
+            cascade.tree_suffix(ops["q"], ops["kv_cache"], inp.block_table, inp.seq_lens,
+                                inp.query_start_loc, inp.bits_tree, inp.scale, KV_LORA,
+                                ctx_out, ctx_lse, out, lse, cell.qlen, ops["kv_scale"],
+                                ops["q_scale"], smem)
+        finally:
+            cascade.suffix_config = shipped
+
+    run()
+    return run
+
+
+def suffix_sweep(args, bench, gpu: str, command: str) -> int:
+    """``--suffix-sweep``: the cascade's tree part alone at :data:`SUFFIX_CELLS`, with
+    its shipped tile and each of :func:`suffix_candidates`. Writes
+    ``<grid-out>_suffix.md`` / ``.json``: the data for ``cascade.suffix_config``."""
+    from bench_verify_attention import Cell, Unavailable, make_inputs
+    from tqdm import tqdm
+    from triton.errors import TritonError
+
+    from vllm_ddtree.attention_backends.mla_tree import cascade
+
+    records, lines = [], []
+    for dtype, heads, rows in tqdm(SUFFIX_CELLS, desc="suffix sweep"):
+        inp = make_inputs(Cell(heads, 8192, rows, PAGE), torch.bfloat16)
+        ops = operands(inp, dtype)
+        shipped = cascade.suffix_config(rows * heads, dtype == "fp8")
+        times = {}
+        for config in [None, *suffix_candidates(dtype)]:
+            name = "shipped" if config is None else (
+                f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}")
+            try:
+                times[name] = bench(suffix_method(inp, ops, config))
+            except (Unavailable, RuntimeError, ValueError, TritonError) as e:
+                print(f"{dtype} H{heads} {rows} {name}: {e}"[:300])  # resources, no FlashMLA
+                times[name] = None
+        if times["shipped"] is None:
+            continue
+        best = min((t, n) for n, t in times.items() if t is not None and n != "shipped")
+        records.append(dict(dtype=dtype, heads=heads, rows=rows, times=times,
+                            shipped=f"m{shipped.block_m}n{shipped.block_n}"
+                                    f"w{shipped.num_warps}s{shipped.num_stages}"))
+        lines.append(f"| {dtype} | {heads} | {rows} | {records[-1]['shipped']} | "
+                     f"{1000 * times['shipped']:.1f} | {best[1]} | {1000 * best[0]:.1f} | "
+                     f"{best[0] / times['shipped']:.2f} |")
+        del inp
+        torch.cuda.empty_cache()
+    out = args.grid_out + "_suffix"
+    with open(out + ".json", "w") as f:
+        json.dump(dict(gpu=gpu, command=command, arch=_arch(), cells=records), f, indent=1)
+    with open(out + ".md", "w") as f:
+        f.write("\n".join([
+            "# The cascade's tree part alone: its shipped tile against the others", "",
+            f"- GPU: {gpu}", f"- command: `{command}`",
+            "- us per call in CUDA graphs as in the grid (8k context; the tree part reads "
+            "only the tree's keys and the context partial); every tile's time in the JSON",
+            "", "| cache | H | rows | shipped | us | best other | us | best / shipped |",
+            "|---|---|---|---|---|---|---|---|", *lines]) + "\n")
+    print(f"wrote {out}.md and {out}.json")
+    return 0
+
+
 def split_method(inp, method: str, ops, splits: int):
     """``method`` (``"gluon"`` or a ``triton_m*`` tile) forced to ``splits`` KV splits."""
     from bench_verify_attention import KV_LORA

@@ -96,6 +96,8 @@
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
+#   gridsuffix the cascade's tree part alone at its slow cells (9), its shipped tile
+#              against 16-24 others; verify_attention_grid_suffix.md / .json
 #   e2e_trained / e2e_trained_dflash2 / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; --lockstep unless
@@ -516,10 +518,11 @@ for stage in "$@"; do
         --grid-dtype "${stage#grid}" --grid-out "$LOG_DIR/verify_attention_grid" \
         ${GRID_METHODS:+--grid-methods "${gmethods[@]}"}
       tail -5 "$LOG_DIR/$stage.log" ;;
-    grid|grid120|gridsplits)
+    grid|grid120|gridsplits|gridsuffix)
       gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")
       [ "$stage" = grid120 ] && gargs+=(--force-sm120-configs)
       [ "$stage" = gridsplits ] && gargs+=(--split-sweep)
+      [ "$stage" = gridsuffix ] && gargs+=(--suffix-sweep)
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py "${gargs[@]}"
       tail -5 "$LOG_DIR/$stage.log" ;;
     e2e_trained|e2e_trained_dflash2|e2e_trained_yarn|e2e_kimi8|e2e_kimi64) run_e2e "$stage" ;;

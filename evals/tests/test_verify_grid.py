@@ -202,3 +202,20 @@ def test_grid_keep_replaces_the_rerun_dtypes_command():
         f"{bf16} && {fp8_again}")
     assert grid_module.kept_commands(both, fp8, {"fp8"}) == f"{both} && {fp8}"
     assert grid_module.kept_commands(f"{both} && {bf16}", fp8, {"bf16", "fp8"}) == fp8
+
+
+def test_suffix_sweep_candidates_hold_the_shipped_tiles():
+    """``--suffix-sweep`` times the cascade's tree part with every candidate tile; the
+    tiles ``cascade.suffix_config`` ships are among them, and fp8 leaves out the 64-row
+    tiles that spilled."""
+    import bench_verify_grid as grid_module
+
+    from vllm_ddtree.attention_backends.mla_tree.cascade import suffix_config
+
+    for dtype in ("bf16", "fp8"):
+        got = grid_module.suffix_candidates(dtype)
+        assert len(set(got)) == len(got) > 8
+        for _, heads, rows in (c for c in grid_module.SUFFIX_CELLS if c[0] == dtype):
+            assert suffix_config(rows * heads, dtype == "fp8") in got
+    fp8_64 = [c for c in grid_module.suffix_candidates("fp8") if c.block_m == 64]
+    assert {(c.block_n, c.num_stages) for c in fp8_64} == {(32, 1)}
