@@ -355,7 +355,8 @@ def suffix_method(inp, ops, config):
 def suffix_sweep(args, bench, gpu: str, command: str) -> int:
     """``--suffix-sweep``: the cascade's tree part alone at :data:`SUFFIX_CELLS`, with
     its shipped tile and each of :func:`suffix_candidates`. Writes
-    ``<grid-out>_suffix.md`` / ``.json``: the data for ``cascade.suffix_config``."""
+    ``<grid-out>_suffix.md`` / ``.json`` after every cell (``--max-minutes``: no cell
+    starts past it): the data for ``cascade.suffix_config``."""
     from bench_verify_attention import Cell, Unavailable, make_inputs
     from tqdm import tqdm
     from triton.errors import TritonError
@@ -363,7 +364,11 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
     from vllm_ddtree.attention_backends.mla_tree import cascade
 
     records, lines = [], []
+    start = time.time()
     for dtype, heads, rows in tqdm(SUFFIX_CELLS, desc="suffix sweep"):
+        if args.max_minutes and time.time() - start > 60 * args.max_minutes:
+            print(f"--max-minutes reached: stopping before {dtype} H{heads} {rows}")
+            break
         inp = make_inputs(Cell(heads, 8192, rows, PAGE), torch.bfloat16)
         ops = operands(inp, dtype)
         shipped = cascade.suffix_config(rows * heads, dtype == "fp8")
@@ -376,6 +381,8 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
             except (Unavailable, RuntimeError, ValueError, TritonError) as e:
                 print(f"{dtype} H{heads} {rows} {name}: {e}"[:300])  # resources, no FlashMLA
                 times[name] = None
+        del inp
+        torch.cuda.empty_cache()
         if times["shipped"] is None:
             continue
         best = min((t, n) for n, t in times.items() if t is not None and n != "shipped")
@@ -385,9 +392,13 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
         lines.append(f"| {dtype} | {heads} | {rows} | {records[-1]['shipped']} | "
                      f"{1000 * times['shipped']:.1f} | {best[1]} | {1000 * best[0]:.1f} | "
                      f"{best[0] / times['shipped']:.2f} |")
-        del inp
-        torch.cuda.empty_cache()
-    out = args.grid_out + "_suffix"
+        write_suffix_sweep(args.grid_out + "_suffix", gpu, command, records, lines)
+    print(f"wrote {args.grid_out}_suffix.md and .json ({len(records)} cells)")
+    return 0
+
+
+def write_suffix_sweep(out: str, gpu: str, command: str, records: list[dict],
+                       lines: list[str]) -> None:
     with open(out + ".json", "w") as f:
         json.dump(dict(gpu=gpu, command=command, arch=_arch(), cells=records), f, indent=1)
     with open(out + ".md", "w") as f:
@@ -398,8 +409,6 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
             "only the tree's keys and the context partial); every tile's time in the JSON",
             "", "| cache | H | rows | shipped | us | best other | us | best / shipped |",
             "|---|---|---|---|---|---|---|---|", *lines]) + "\n")
-    print(f"wrote {out}.md and {out}.json")
-    return 0
 
 
 def split_method(inp, method: str, ops, splits: int):
