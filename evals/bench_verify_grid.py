@@ -349,6 +349,7 @@ def suffix_method(inp, ops, config):
             cascade.suffix_config = shipped
 
     run()
+    run.out = out  # what the tile computed, for the sweep's check against the shipped one
     return run
 
 
@@ -372,12 +373,16 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
         inp = make_inputs(Cell(heads, 8192, rows, PAGE), torch.bfloat16)
         ops = operands(inp, dtype)
         shipped = cascade.suffix_config(rows * heads, dtype == "fp8")
-        times = {}
+        times, want = {}, None
         for config in [None, *suffix_candidates(dtype)]:
             name = "shipped" if config is None else (
                 f"m{config.block_m}n{config.block_n}w{config.num_warps}s{config.num_stages}")
             try:
-                times[name] = bench(suffix_method(inp, ops, config))
+                run = suffix_method(inp, ops, config)
+                want = run.out if config is None else want
+                if want is not None and (run.out.float() - want.float()).abs().max() > 0.02:
+                    raise ValueError("its output differs from the shipped tile's")
+                times[name] = bench(run)
             except (Unavailable, RuntimeError, ValueError, TritonError) as e:
                 print(f"{dtype} H{heads} {rows} {name}: {e}"[:300])  # resources, no FlashMLA
                 times[name] = None
