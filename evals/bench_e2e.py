@@ -485,6 +485,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.interleave_s is not None and not (args.sweep and args.lockstep):
         p.error(f"--interleave-s {args.interleave_s:g} needs --sweep and --lockstep: the runs' "
                 "engines alive at once, taking turns within a sweep cell")
+    if args.interleave_s is not None and args.engine_process:
+        p.error(f"--interleave-s {args.interleave_s:g} is not allowed with --engine-process: "
+                "an engine core in its own process keeps stepping while its run waits for "
+                "its turn")
     if args.pin_cpus:
         try:
             missing = parse_cpus(args.pin_cpus) - os.sched_getaffinity(0)

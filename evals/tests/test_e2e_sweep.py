@@ -312,6 +312,10 @@ def test_interleave_needs_a_lockstep_sweep(capsys):
         bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ddtree-64",
                               "--interleave-s", "0.2"])
     assert "--interleave-s 0.2 needs --sweep and --lockstep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--sweep", "--lockstep", "--setup", "trained", "--runs",
+                              "ddtree-64", "--interleave-s", "0.2", "--engine-process"])
+    assert "not allowed with --engine-process" in capsys.readouterr().err
 
 
 def test_fake_sweep_runs_take_turns_within_a_cell(tmp_path):
