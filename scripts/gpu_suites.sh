@@ -393,7 +393,7 @@ for stage in "$@"; do
     cascade)
       stage_pytest cascade 240 tests/gpu/test_mla_cascade_gpu.py
       stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade
-      stage_pytest cascade_ddtree 480 tests/gpu/test_ddtree_vllm.py -k cascade ;;
+      stage_pytest cascade_ddtree 590 tests/gpu/test_ddtree_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
     fp8backend) stage_pytest fp8backend 400 tests/gpu/test_fp8_kv_vllm.py -k flashmla ;;
     fp8ddtree) stage_pytest fp8ddtree 560 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
