@@ -274,8 +274,8 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
         command = json.loads(line)
         cell = tuple(command["cell"])
         cell_spec = dict(spec, repeat=int(command.get("repeat", 0)))
-        pause = (slice_pause(spec["out"], command.get("seq"), spec["interleave_s"], stopping)
-                 if spec.get("interleave_s") else None)
+        pause = (slice_pause(spec["out"], command.get("seq"), spec["interleave_s"], stopping,
+                             after_cell) if spec.get("interleave_s") else None)
         measure_start = time.time()
         if len(result["rows"]) == crash_at:
             raise RuntimeError("fake crash")
@@ -288,6 +288,9 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
             try:
                 row = measure(cell_spec, cell) if pause is None else measure(
                     cell_spec, cell, pause)
+            except TurnAborted as e:  # requests left in flight: no later cell here
+                failed = str(e)
+                row = dict(spec_base_row(cell_spec, cell), status=STATUS_NOT_RUN, note=failed)
             except Exception as e:  # noqa: BLE001 - the engine may be broken: stop here
                 traceback.print_exc()
                 failed = failure_note(e)
@@ -306,22 +309,33 @@ def slice_path(out: str) -> str:
     return out + ".slice"
 
 
-def slice_pause(out: str, seq, interleave_s: float, stopping: list):
+class TurnAborted(RuntimeError):
+    """``--interleave-s``: the parent stopped a cell between turns (``abort``: past
+    ``--max-minutes`` and its grace)."""
+
+
+def slice_pause(out: str, seq, interleave_s: float, stopping: list, hand_over=None):
     """:func:`e2e_sweep.drive`'s ``pause`` for one command: once ``interleave_s`` of
-    steps have run since the last hand-over, acknowledge the slice in
-    :func:`slice_path` (``{"seq", "n"}``, atomically) and wait for the parent's
-    ``continue`` on stdin, while another run's engine steps; returns the seconds away
-    (0.0 when it did not hand over). Any other line stops the cell (it fails); a
-    ``quit`` also ends the child's command loop (``stopping``)."""
+    steps have run since the last hand-over, run ``hand_over()`` (the GPU child:
+    ``torch.cuda.empty_cache``, so that the next engine finds this one's cached memory
+    free), acknowledge the slice in :func:`slice_path` (``{"seq", "n"}``, atomically) and
+    wait for the parent's ``continue`` on stdin, while another run's engine steps;
+    returns the seconds away (0.0 when it did not hand over). ``abort`` stops the cell
+    (:class:`TurnAborted`), any other line fails it; a ``quit`` or the end of stdin also
+    ends the child's command loop (``stopping``)."""
     state = {"next": interleave_s, "n": 0}
 
     def pause(stepped_s: float) -> float:
         if stepped_s < state["next"]:
             return 0.0
         start = time.perf_counter()
+        if hand_over is not None:
+            hand_over()
         state["n"] += 1
         write_json_atomic(slice_path(out), {"seq": seq, "n": state["n"]})
         line = sys.stdin.readline().strip()
+        if line == "abort":
+            raise TurnAborted("--max-minutes reached within the cell (its turns stopped)")
         if line != "continue":
             if line == "quit" or not line:
                 stopping.append(line)

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from itertools import groupby
 from pathlib import Path
 
 from e2e_models import Setup
@@ -202,6 +201,21 @@ def lockstep_order(cells: list[tuple[int, int, str]], runs: list[RunSpec],
         rotated = runs[shift:] + runs[:shift]
         order += [(cell, repeat, run) for repeat, run in interleaved(rotated, repeats)]
     return order
+
+
+def turn_groups(order: list) -> list[list[tuple[int, tuple]]]:
+    """``order`` (:func:`lockstep_order`) numbered and cut into the groups whose runs take
+    turns (``--interleave-s``): consecutive entries of one (cell, repeat), no run twice
+    in a group (two equal cells in a row, as ``--prompts random random`` makes, are
+    two groups)."""
+    groups: list[list[tuple[int, tuple]]] = []
+    for seq, entry in enumerate(order):
+        group = groups[-1] if groups else None
+        if (group is None or group[0][1][:2] != entry[:2]
+                or any(e[2] == entry[2] for _, e in group)):
+            groups.append([])
+        groups[-1].append((seq, entry))
+    return groups
 
 
 @dataclass
@@ -434,15 +448,17 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
             by_run = {child.run: child for child in children}
             interleave = bool(getattr(args, "interleave_s", 0))
 
-            def answer(child: LockstepChild, line: str) -> tuple[str, list[dict] | None]:
+            def cell_limit() -> float:  # a cell's hard limit, from its first command
+                hard = time.time() + 60 * args.child_timeout_min
+                return min(hard, deadline + 60 * args.grace_minutes) if deadline else hard
+
+            def answer(child: LockstepChild, line: str, hard: float
+                       ) -> tuple[str, list[dict] | None]:
                 if child.why is not None:
                     return "gone", None
                 if not _send(child, line):
                     child.why = _exit_note(child)
                     return "gone", None
-                hard = time.time() + 60 * args.child_timeout_min
-                if deadline:
-                    hard = min(hard, deadline + 60 * args.grace_minutes)
                 if interleave:
                     return await_lockstep_answer(child, hard, poll)
                 rows = await_lockstep_rows(child, hard, poll)
@@ -454,8 +470,8 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
                     progress.update(1)
 
             # A cell's runs one after another; with --interleave-s each hands over after
-            # a slice of steps and they go round until each has spent its pool.
-            for _, group in groupby(enumerate(order), key=lambda e: e[1][:2]):
+            # a turn of steps and they go round until each has spent its pool.
+            for group in turn_groups(order):
                 waiting = []
                 for seq, (cell, repeat, run) in group:
                     child = by_run[run]
@@ -465,18 +481,24 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
                         done(child, cell, repeat, run,
                              [row(cell, repeat, run, STATUS_NOT_RUN, "--max-minutes reached")])
                         continue
+                    hard = cell_limit()
                     kind, rows = answer(child, json.dumps(
-                        {"cell": list(cell), "repeat": repeat, "seq": seq}))
+                        {"cell": list(cell), "repeat": repeat, "seq": seq}), hard)
                     if kind == "slice":
-                        waiting.append((child, cell, repeat, run))
+                        waiting.append((child, cell, repeat, run, hard))
                     else:
                         done(child, cell, repeat, run, rows)
                 while waiting:
                     for item in list(waiting):
-                        kind, rows = answer(item[0], "continue")
+                        child, cell, repeat, run, hard = item
+                        # past --max-minutes and its grace the child stops the cell
+                        # itself (a not-run row), not killed at its hard limit
+                        late = deadline and time.time() > deadline + 60 * args.grace_minutes
+                        kind, rows = answer(child, "abort" if late else "continue",
+                                            hard + 60 if late else hard)
                         if kind != "slice":
                             waiting.remove(item)
-                            done(*item, rows)
+                            done(child, cell, repeat, run, rows)
         finally:
             stop_lockstep_children(children, log_path, 2.0 if args.fake else 30.0)
     if not args.fake:

@@ -208,6 +208,8 @@ def test_a_witness_excuses_only_where_the_reference_itself_moves():
     assert mismatch_problems(got, want, witnesses=[stable, moved]) == []
     earlier = [out([0, 2, 3, 4], [1.0] * 4)] + want[1:]
     assert mismatch_problems(got, want, witnesses=[earlier]) == []
+    short = [out([1, 2, 3], [1.0] * 3)] + want[1:]  # stops early: a length, not a token
+    assert "lengths differ" in mismatch_problems(short, want, witnesses=[moved])[0]
     fp32 = mismatch_problems(got, want, tie_gap_of("float32"), witnesses=[moved])
     assert len(fp32) == 1 and "pos 1" in fp32[0]
     everywhere = [out([1, 9, 3], [1.0] * 3)] * 4          # every output parts, each witnessed

@@ -559,3 +559,46 @@ def test_a_turn_is_never_a_timed_step_of_autos_gate():
     from vllm_ddtree.budget.gate import SpeculationGate
 
     assert "first.model is None" in inspect.getsource(SpeculationGate._drain_marks)
+
+
+def test_turn_groups_never_hold_a_run_twice():
+    """Two equal cells in a row (``--prompts random random`` at one context and batch)
+    are two groups of turns: a child mid-cell never gets another cell."""
+    from e2e_children import turn_groups
+
+    cell = (1024, 1, "random")
+    order = [(cell, 0, "a"), (cell, 0, "b"), (cell, 0, "a"), (cell, 0, "b"),
+             (cell, 1, "b"), ((1024, 4, "random"), 1, "b")]
+    got = [[seq for seq, _ in group] for group in turn_groups(order)]
+    assert got == [[0, 1], [2, 3], [4], [5]]
+
+
+def test_a_child_stops_a_cell_the_parent_aborts_between_turns(tmp_path, monkeypatch):
+    """Past --max-minutes and its grace the parent answers a turn with ``abort``: the
+    cell becomes a not-run row (its requests are left in flight, so the child's later
+    cells are not run either), and each hand-over first runs ``after_cell`` (the GPU
+    child empties its CUDA cache there)."""
+    import io
+
+    from e2e_child import serve_commands, slice_path
+
+    out = tmp_path / "result.json"
+    spec = {"out": str(out), "interleave_s": 0.5, "run": "ddtree-64", "setup": "v2lite",
+            "max_tokens": 8, "temperature": 0.0}
+    commands = [json.dumps({"cell": [1024, 1, "random"], "repeat": 0, "seq": 0}), "continue",
+                "abort", json.dumps({"cell": [1024, 4, "random"], "repeat": 0, "seq": 1})]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(commands) + "\n"))
+    emptied = []
+
+    def measure(cell_spec, cell, pause):
+        for stepped in (1.0, 2.0, 3.0):
+            pause(stepped)
+        return {"status": "ok"}
+
+    result = {"meta": {}, "rows": []}
+    serve_commands(spec, result, measure, after_cell=lambda: emptied.append(1))
+    assert [r["status"] for r in result["rows"]] == ["not run", "not run"]
+    assert "--max-minutes reached within the cell" in result["rows"][0]["note"]
+    assert "an earlier cell failed" in result["rows"][1]["note"]
+    assert json.loads((tmp_path / "result.json.slice").read_text())["n"] == 2
+    assert slice_path(str(out)).endswith(".slice") and len(emptied) >= 2

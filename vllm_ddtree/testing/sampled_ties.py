@@ -75,10 +75,12 @@ def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
     problems, witnessed, moved = [], 0, 0
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         pos = first_mismatch(a["tokens"], b["tokens"])
+        if past_stop_string(a, b):
+            continue
         compared = len(b["tokens"]) if pos is None else pos + 1
         shaky = tie_gap > 0 and witnessed_at(n, compared - 1, want, witnesses)
         moved += shaky
-        if pos is None or past_stop_string(a, b):
+        if pos is None:
             continue
         if pos >= min(len(a["tokens"]), len(b["tokens"])):
             problems.append(f"prompt {n}: lengths differ: {len(a['tokens'])} vs "
