@@ -251,7 +251,7 @@ def fake_crash_after(run: RunSpec) -> int:
 
 
 def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
-                   after_cell=None) -> None:
+                   after_cell=None, settle=None) -> None:
     """``--lockstep`` child, engine ready: answer one command per stdin line until
     ``quit`` or EOF. A command ``{"cell": [context, batch, kind], "repeat": r, "seq": n}``
     measures the cell (``measure(cell_spec, cell)`` -> its row, ``cell_spec`` the spec
@@ -262,7 +262,10 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
     (uncaught) on that command. ``after_cell()`` runs once the row is written, outside
     the measurement (the GPU child: ``torch.cuda.empty_cache``, so that memory cached
     by this engine's prefill is free for the next engine's: with five kimi64 engines
-    at 128k a 768 MiB prefill allocation can otherwise find 0.6 GiB free)."""
+    at 128k a 768 MiB prefill allocation can otherwise find 0.6 GiB free). With
+    ``--interleave-s`` each hand-over runs ``settle()`` inside the window (the GPU child:
+    ``torch.cuda.synchronize``, so that a step still running under async scheduling is
+    this run's) and ``after_cell()`` outside it."""
     failed = None
     stopping = []  # a "quit" read while a cell waited for its next slice
     for line in iter(sys.stdin.readline, ""):
@@ -275,7 +278,7 @@ def serve_commands(spec: dict, result: dict, measure, crash_at: int = -1,
         cell = tuple(command["cell"])
         cell_spec = dict(spec, repeat=int(command.get("repeat", 0)))
         pause = (slice_pause(spec["out"], command.get("seq"), spec["interleave_s"], stopping,
-                             after_cell) if spec.get("interleave_s") else None)
+                             after_cell, settle) if spec.get("interleave_s") else None)
         measure_start = time.time()
         if len(result["rows"]) == crash_at:
             raise RuntimeError("fake crash")
@@ -314,13 +317,15 @@ class TurnAborted(RuntimeError):
     ``--max-minutes`` and its grace)."""
 
 
-def slice_pause(out: str, seq, interleave_s: float, stopping: list, hand_over=None):
+def slice_pause(out: str, seq, interleave_s: float, stopping: list, hand_over=None,
+                settle=None):
     """:func:`e2e_sweep.drive`'s ``pause`` for one command: once ``interleave_s`` of
     steps have run since the last hand-over, run ``hand_over()`` (the GPU child:
     ``torch.cuda.empty_cache``, so that the next engine finds this one's cached memory
     free), acknowledge the slice in :func:`slice_path` (``{"seq", "n"}``, atomically) and
     wait for the parent's ``continue`` on stdin, while another run's engine steps;
-    returns the seconds away (0.0 when it did not hand over). ``abort`` stops the cell
+    returns the seconds away (0.0 when it did not hand over; ``settle()`` runs before
+    the time away starts). ``abort`` stops the cell
     (:class:`TurnAborted`), any other line fails it; a ``quit`` or the end of stdin also
     ends the child's command loop (``stopping``)."""
     state = {"next": interleave_s, "n": 0}
@@ -328,6 +333,8 @@ def slice_pause(out: str, seq, interleave_s: float, stopping: list, hand_over=No
     def pause(stepped_s: float) -> float:
         if stepped_s < state["next"]:
             return 0.0
+        if settle is not None:
+            settle()
         start = time.perf_counter()
         if hand_over is not None:
             hand_over()
@@ -528,7 +535,7 @@ def child_main(spec_path: str) -> None:
     if spec.get("lockstep"):
         serve_commands(spec, result,
                        lambda s, cell, *pause: measure(llm, engine, s, cell, tokenizer, *pause),
-                       after_cell=torch.cuda.empty_cache)
+                       after_cell=torch.cuda.empty_cache, settle=torch.cuda.synchronize)
         finish(0)
     failed = None
     for cell in cells:

@@ -596,7 +596,10 @@ def test_a_child_stops_a_cell_the_parent_aborts_between_turns(tmp_path, monkeypa
         return {"status": "ok"}
 
     result = {"meta": {}, "rows": []}
-    serve_commands(spec, result, measure, after_cell=lambda: emptied.append(1))
+    settled = []
+    serve_commands(spec, result, measure, after_cell=lambda: emptied.append(1),
+                   settle=lambda: settled.append(1))
+    assert len(settled) == 2  # each hand-over, inside the window
     assert [r["status"] for r in result["rows"]] == ["not run", "not run"]
     assert "--max-minutes reached within the cell" in result["rows"][0]["note"]
     assert "an earlier cell failed" in result["rows"][1]["note"]
