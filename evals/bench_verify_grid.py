@@ -278,14 +278,10 @@ def split_sweep(args, bench, gpu: str, command: str) -> int:
         del inp
         torch.cuda.empty_cache()
     out = args.grid_out + "_splits"
-    with open(out + ".json", "w") as f:
-        json.dump(dict(gpu=gpu, command=command, arch=_arch(), cells=records), f, indent=1)
-    with open(out + ".md", "w") as f:
-        f.write("\n".join([
-            "# KV split count at fewer tiles per split (the rule's kernel per cell)", "",
-            f"- GPU: {gpu}", f"- command: `{command}`",
-            "- ms per call in CUDA graphs as in the grid; cells where the minimum of KV tiles "
-            "per split changes the split count only", "", *rows_md]) + "\n")
+    write_sweep_files(out, gpu, command, records,
+                      "KV split count at fewer tiles per split (the rule's kernel per cell)",
+                      "ms per call in CUDA graphs as in the grid; cells where the minimum of "
+                      "KV tiles per split changes the split count only", rows_md)
     print(f"wrote {out}.md and {out}.json")
     return 0
 
@@ -398,23 +394,26 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
         lines.append(f"| {dtype} | {heads} | {rows} | {records[-1]['shipped']} | "
                      f"{1000 * times['shipped']:.1f} | {best[1]} | {1000 * best[0]:.1f} | "
                      f"{best[0] / times['shipped']:.2f} |")
-        write_suffix_sweep(args.grid_out + "_suffix", gpu, command, records, lines)
+        write_sweep_files(
+            args.grid_out + "_suffix", gpu, command, records,
+            "The cascade's tree part alone: its shipped tile against the others",
+            "us per call in CUDA graphs as in the grid (8k context; the tree part reads only "
+            "the tree's keys and the context partial); every tile's time in the JSON",
+            ["| cache | H | rows | shipped | us | best other | us | best / shipped |",
+             "|---|---|---|---|---|---|---|---|", *lines])
     print(f"wrote {args.grid_out}_suffix.md and .json ({len(records)} cells)")
     return 0
 
 
-def write_suffix_sweep(out: str, gpu: str, command: str, records: list[dict],
-                       lines: list[str]) -> None:
+def write_sweep_files(out: str, gpu: str, command: str, records: list[dict], title: str,
+                      note: str, table: list[str]) -> None:
+    """``<out>.json`` (the cells' records) and ``<out>.md`` (title, GPU, command, note,
+    table) of the grid's side sweeps (``--split-sweep``, ``--suffix-sweep``)."""
     with open(out + ".json", "w") as f:
         json.dump(dict(gpu=gpu, command=command, arch=_arch(), cells=records), f, indent=1)
     with open(out + ".md", "w") as f:
-        f.write("\n".join([
-            "# The cascade's tree part alone: its shipped tile against the others", "",
-            f"- GPU: {gpu}", f"- command: `{command}`",
-            "- us per call in CUDA graphs as in the grid (8k context; the tree part reads "
-            "only the tree's keys and the context partial); every tile's time in the JSON",
-            "", "| cache | H | rows | shipped | us | best other | us | best / shipped |",
-            "|---|---|---|---|---|---|---|---|", *lines]) + "\n")
+        f.write("\n".join([f"# {title}", "", f"- GPU: {gpu}", f"- command: `{command}`",
+                           f"- {note}", "", *table]) + "\n")
 
 
 def split_method(inp, method: str, ops, splits: int):
