@@ -137,22 +137,26 @@ def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
     assert calls[1][2:4] == (-0.1, -2.0)
     short = [out([1, 2], ref[0]["top_logprobs"][:2])] + ref[1:]
     assert "lengths differ" in sampled_ties.sampled_mismatch_problems(short, ref, 0.07)[0]
-    # plain decoding itself parts on prompt 2 at that token: witnessed, then excused;
-    # one of the two outputs it moves on may be; never in fp32
-    shaky = [ref[0], out([4, 3], ref[1]["top_logprobs"]), out([6, 7], ref[2]["top_logprobs"])]
-    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [shaky]) == []
-    late = [ref[0], ref[1], out([6, 6, 7], ref[2]["top_logprobs"])]
-    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [late])[0].startswith(
+    # plain decoding itself parts on prompt 1 at a margin of 1.0 (its own run listing
+    # both tokens): prompt 2's flip (margin 1.9) is wider than that spread, still a problem
+    calls.clear()
+    narrow = [ref[0], out([4, 3], [{"4": -0.1}, {"4": -0.1, "3": -1.1}]), ref[2]]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [narrow])[0].startswith(
         "prompt 2: pos 1")
-    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.0, [shaky])[0].startswith(
+    # a witness parting on prompt 1 at a margin of 2.5: one flip within the spread is
+    # excused; never in fp32; a witness without logprobs of its token widens nothing
+    wide = [ref[0], out([4, 3], [{"4": -0.1}, {"4": -0.1, "3": -2.6}]), ref[2]]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [wide]) == []
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.0, [wide])[0].startswith(
         "prompt 0: pos 1")
-    only_there = [ref[0], ref[1], shaky[2]]  # moves on one output: half of 1 rounds up
-    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [only_there]) == []
-    moves_both = [out([4, 8], ref[1]["top_logprobs"]), out([6, 8], ref[2]["top_logprobs"])]
-    wide = sampled_ties.sampled_mismatch_problems(
-        [out([4, 5], [{"4": -0.1}, {"5": -3.0}]), out([6, 5], [{"6": -0.1}, {"5": -3.0}])],
-        ref[1:], 0.07, [moves_both])
-    assert len(wide) == 1 and "2 sampled outputs part where plain decoding itself" in wide[0]
+    blind = [ref[0], out([4, 3], [{"4": -0.1}, {"4": -0.1}]), ref[2]]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [blind])[0].startswith(
+        "prompt 2: pos 1")
+    # two flips past the gap where plain decoding itself parts on one output: at most
+    # one may be excused, so both are reported
+    two = [out([4, 5], [{"4": -0.1}, {"5": -2.0}]), out([6, 5], [{"6": -0.1}, {"5": -2.0}])]
+    problems = sampled_ties.sampled_mismatch_problems(two, ref[1:], 0.07, [[wide[1], ref[2]]])
+    assert len(problems) == 2 and all("parts on 1 outputs" in p for p in problems)
 
 
 def test_tokens_past_a_stop_string_are_not_a_mismatch():
@@ -191,29 +195,45 @@ def test_non_full_verify_steps_flags_uniform_steps_without_a_full_graph():
     assert non_full_verify_steps([full9, piecewise5], [33]) == []
 
 
-def test_a_witness_excuses_only_where_the_reference_itself_moves():
-    """Past the tie gap, a divergence is excused only where a run of the reference
-    itself (another batch shape, another vLLM backend on the same fp8 cache) parts from
-    it at or before that token; never in fp32; witnessed outputs count toward the cap."""
-    want = [out([1, 2, 3, 4], [1.0, 0.31, 1.0, 1.0])] + [out([5, 6, 7], [1.0] * 3)] * 3
+def test_a_witness_excuses_only_within_the_references_own_spread():
+    """Past the tie gap, divergences are excused only within the spread of runs of the
+    reference itself (another batch shape, another vLLM backend on the same fp8 cache):
+    no more outputs than those runs part on, none at a wider reference gap than the
+    widest where they part; never a length, never in fp32; the cap still holds."""
+    from vllm_ddtree.testing.compare import witness_spread
+
+    want = [out([1, 2, 3, 4], [1.0, 0.31, 1.0, 1.0])] + [out([5, 6, 7], [1.0, 0.2, 1.0])] * 3
     got = [out([1, 9, 3, 4], [1.0] * 4)] + want[1:]
     assert "pos 1" in mismatch_problems(got, want)[0]  # 0.31 > TIE_GAP
     stable = list(want)
+    assert witness_spread(want, [stable]) == (0, 0.0)
     assert "pos 1" in mismatch_problems(got, want, witnesses=[stable])[0]
-    late = [out([1, 2, 8, 4], [1.0] * 4)] + want[1:]       # moves after the divergence
-    assert "pos 1" in mismatch_problems(got, want, witnesses=[stable, late])[0]
-    other = [want[0], out([5, 0, 7], [1.0] * 3)] + want[2:]  # moves, but another output
-    assert "pos 1" in mismatch_problems(got, want, witnesses=[other])[0]
-    moved = [out([1, 7, 3, 4], [1.0] * 4)] + want[1:]      # the reference parts there too
-    assert mismatch_problems(got, want, witnesses=[stable, moved]) == []
-    earlier = [out([0, 2, 3, 4], [1.0] * 4)] + want[1:]
-    assert mismatch_problems(got, want, witnesses=[earlier]) == []
+    narrow = [want[0], out([5, 0, 7], [1.0] * 3)] + want[2:]  # parts at a 0.2 gap only
+    assert witness_spread(want, [narrow]) == (1, 0.2)
+    problems = mismatch_problems(got, want, witnesses=[narrow])
+    assert len(problems) == 1 and "up to a gap of 0.200" in problems[0]
+    # parts at a 1.0 gap: on the same output later, or on another output: where a flip
+    # falls is the run's, not the prompt's
+    late = [out([1, 2, 8, 4], [1.0] * 4)] + want[1:]
+    other = [want[0], want[1], out([5, 6, 0], [1.0] * 3), want[3]]
+    for witness in (late, other):
+        assert witness_spread(want, [stable, witness]) == (1, 1.0)
+        assert mismatch_problems(got, want, witnesses=[stable, witness]) == []
+    assert witness_spread(want, [late, other]) == (2, 1.0)
     short = [out([1, 2, 3], [1.0] * 3)] + want[1:]  # stops early: a length, not a token
-    assert "lengths differ" in mismatch_problems(short, want, witnesses=[moved])[0]
-    fp32 = mismatch_problems(got, want, tie_gap_of("float32"), witnesses=[moved])
+    assert "lengths differ" in mismatch_problems(short, want, witnesses=[late])[0]
+    assert witness_spread(want, [short]) == (0, 0.0)  # nor does a witness's length count
+    fp32 = mismatch_problems(got, want, tie_gap_of("float32"), witnesses=[late])
     assert len(fp32) == 1 and "pos 1" in fp32[0]
-    everywhere = [out([1, 9, 3], [1.0] * 3)] * 4          # every output parts, each witnessed
+    # two outputs past the gap, the witnesses part on one: both are reported
+    two = [got[0], out([5, 6, 0], [1.0] * 3)] + want[2:]
+    want2 = [want[0], out([5, 6, 7], [1.0, 1.0, 0.5])] + want[2:]
+    problems = mismatch_problems(two, want2, witnesses=[late])
+    assert len(problems) == 2 and all("the witnesses part on 1 outputs" in p for p in problems)
+    # the witnesses part on all 4 outputs at a 0.5 gap; ours on all 4 too: each is
+    # within the spread, but the cap (half of the 4 opportunities) holds
     want4 = [out([1, 2, 3], [1.0, 0.5, 1.0])] * 4
+    everywhere = [out([1, 9, 3], [1.0] * 3)] * 4
     shaky = [out([1, 8, 3], [1.0] * 3)] * 4
     problems = mismatch_problems(everywhere, want4, witnesses=[shaky])
     assert len(problems) == 1 and "4 of 4 outputs part at a tie" in problems[0]

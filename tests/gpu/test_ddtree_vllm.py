@@ -76,7 +76,7 @@ def unexplained_sampled_mismatches(got: dict, ref: dict,
                                    witnesses: tuple[dict, ...] = ()) -> list[str]:
     """Seeded sampled outputs: a first mismatch must be a tie of vLLM's Gumbel-perturbed
     scores (``sampled_ties``) within the fixed bf16 tie gap (``compare.TIE_GAP``), or
-    where a witness (AR at another batch shape) parts from ``ref`` too."""
+    within the spread of a witness (AR at another batch shape) against ``ref``."""
     from vllm_ddtree.testing.sampled_ties import sampled_mismatch_problems
 
     return sampled_mismatch_problems(got["outputs"], ref["outputs"], TIE_GAP,

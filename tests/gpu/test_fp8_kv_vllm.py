@@ -6,13 +6,14 @@ scale (1.0 here: the checkpoint carries no KV scales).
    static ``_q_scale`` (TRITON_MLA keeps a bf16 query; FLASH_ATTN_MLA has no fp8 cache),
    eager and with CUDA graphs. Target: the embedded DeepSeek-V3-architecture target
    (trained weights, 4 heads, kv_lora_rank 512 + rope 64). Past the bf16 tie gap a
-   difference is excused only where vLLM itself has no single answer: FLASHMLA with one
-   prompt a step, or TRITON_MLA on the same fp8 cache, parts from FLASHMLA there too
+   difference is excused only within vLLM's own spread: FLASHMLA with one prompt a step
+   and TRITON_MLA on the same fp8 cache part from FLASHMLA on some outputs at some
+   reference gaps; ours may part on no more outputs, at no wider gap
    (``compare.mismatch_problems``' witnesses; FLASHMLA's fp8 kernel rounds P to e4m3).
 2. DDTree with the fp8 cache and CUDA graphs gives plain decoding's tokens (AR on the same
    fp8 cache and backend, eager) on the embedded pair's mixed batch, its verify steps in FULL
    graphs. A mismatch is allowed only at a tie (``vllm_ddtree.testing.compare``) or
-   where AR with one request a step parts from AR too.
+   within the spread of AR with one request a step against AR.
 3. The same in fp32 (model dtype; the cache fp8): every token equal, greedy and seeded.
    In bf16 the e4m3 query amplifies the batch shape's rounding of q (an entry near an
    e4m3 rounding boundary flips by a whole e4m3 step), so bf16 ties are a loose check;
@@ -26,7 +27,12 @@ from test_ddtree_vllm import first_mismatches, run_mixed_vs_ar, run_script
 from test_mla_backend_vllm import compare, run_backend
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
-from vllm_ddtree.testing.compare import first_mismatch, mismatch_problems, tie_gap_of
+from vllm_ddtree.testing.compare import (
+    first_mismatch,
+    mismatch_problems,
+    tie_gap_of,
+    witness_spread,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -50,8 +56,9 @@ def test_custom_backend_fp8_matches_flashmla_fp8(tmp_path):
     graphs = run_backend(target, "CUSTOM", tmp_path, graphs=True, kv_cache_dtype="fp8")
     moved = [[first_mismatch(a["tokens"], b["tokens"])
               for a, b in zip(w["outputs"], ref["outputs"], strict=True)] for w in witnesses]
-    print(f"FLASHMLA fp8 one prompt a step, TRITON_MLA fp8 vs FLASHMLA fp8: {moved}",
-          flush=True)
+    spread = witness_spread(ref["outputs"], [w["outputs"] for w in witnesses])
+    print(f"FLASHMLA fp8 one prompt a step, TRITON_MLA fp8 vs FLASHMLA fp8: {moved}; "
+          f"(outputs, widest reference gap): {spread}", flush=True)
     problems = {"CUSTOM fp8 vs FLASHMLA fp8": compare(ours, ref, witnesses),
                 "CUSTOM fp8 graphs vs eager": compare(graphs, ours)}
     for name, found in problems.items():  # printed at once: a time limit may cut pytest

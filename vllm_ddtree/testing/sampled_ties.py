@@ -19,7 +19,7 @@ from vllm_ddtree.testing.compare import (
     first_mismatch,
     max_excused,
     past_stop_string,
-    witnessed_at,
+    witness_spread,
 )
 
 __all__ = ["gumbel_flip_margin", "sampled_mismatch_problems"]
@@ -61,6 +61,27 @@ def _values(entry: dict) -> dict[int, float]:
     return {int(t): float(v) for t, v in entry.items()}
 
 
+def _flip_margin(got: dict, want: dict, pos: int) -> float:
+    """The perturbed-score margin of ``want``'s token over ``got``'s at ``pos``, the
+    first token where they part (:func:`gumbel_flip_margin`)."""
+    x, y = want["tokens"][pos], got["tokens"][pos]
+    ref_values = _values(want["top_logprobs"][pos])
+    got_values = _values(got["top_logprobs"][pos]) if got.get("top_logprobs") else {}
+    # Both logprobs from one run when it lists both tokens; else x's from the
+    # reference (which drew it) and y's from the other run: the same prefix, so the same
+    # distribution up to the rounding the tie gap allows for.
+    if y in ref_values:
+        values = ref_values
+    elif x in got_values and y in got_values:
+        values = got_values
+    elif y in got_values:
+        values = {x: ref_values[x], y: got_values[y]}
+    else:
+        return 0.0  # no logprob of y: a witness without them widens nothing
+    return gumbel_flip_margin(x, y, values[x], values[y], int(want["seed"]),
+                              len(want["prompt"]) + pos - 1, float(want["temperature"]))
+
+
 def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
                               tie_gap: float,
                               witnesses: Sequence[Sequence[dict]] = ()) -> list[str]:
@@ -69,42 +90,37 @@ def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
     (``{token: logprob}`` per position, the drawn token included); ``want`` is plain
     decoding. The drawn position of output token ``i`` is ``len(prompt) + i - 1``.
     ``witnesses``: as in ``compare.mismatch_problems`` (plain decoding itself at another
-    batch shape): a flip past the tie gap is excused where a witness parts from ``want``
-    at or before it (never when ``tie_gap`` is 0); at most half of the outputs a witness
-    moves on may be excused so."""
-    problems, witnessed, moved = [], 0, 0
+    batch shape): flips past the tie gap are excused within the witnesses' spread (no
+    more outputs than they part on, no margin wider than theirs; never when ``tie_gap``
+    is 0), and at most half of the outputs they part on may be excused so."""
+    moved, widest = 0, 0.0
+    if tie_gap > 0 and witnesses:
+        def margin_at(i: int, pos: int, token: int) -> float:
+            w = next(w[i] for w in witnesses if first_mismatch(w[i]["tokens"],
+                                                               want[i]["tokens"]) == pos
+                     and w[i]["tokens"][pos] == token)
+            return _flip_margin(w, want[i], pos)
+        moved, widest = witness_spread(want, witnesses, margin_at)
+    problems, past_gap = [], []
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
         pos = first_mismatch(a["tokens"], b["tokens"])
-        if past_stop_string(a, b):
-            continue
-        compared = len(b["tokens"]) if pos is None else pos + 1
-        shaky = tie_gap > 0 and witnessed_at(n, compared - 1, want, witnesses)
-        moved += shaky
-        if pos is None:
+        if past_stop_string(a, b) or pos is None:
             continue
         if pos >= min(len(a["tokens"]), len(b["tokens"])):
             problems.append(f"prompt {n}: lengths differ: {len(a['tokens'])} vs "
                             f"{len(b['tokens'])} tokens")
             continue
-        x, y = b["tokens"][pos], a["tokens"][pos]
-        ref_values, got_values = _values(b["top_logprobs"][pos]), _values(a["top_logprobs"][pos])
-        # Both logprobs from one run when it lists both tokens; else x's from the
-        # reference (which drew it) and y's from ours: the same prefix, so the same
-        # distribution up to the rounding the tie gap allows for.
-        if y in ref_values:
-            values = ref_values
-        elif x in got_values:
-            values = got_values
+        margin = _flip_margin(a, b, pos)
+        if abs(margin) <= tie_gap:
+            continue
+        problem = (f"prompt {n}: pos {pos}: drew {a['tokens'][pos]} vs {b['tokens'][pos]}, "
+                   f"perturbed margin {margin:.3f} > tie gap {tie_gap:.3f}")
+        if moved and abs(margin) <= widest:
+            past_gap.append(problem)
         else:
-            values = {x: ref_values[x], y: got_values[y]}
-        margin = gumbel_flip_margin(x, y, values[x], values[y], int(b["seed"]),
-                                    len(b["prompt"]) + pos - 1, float(b["temperature"]))
-        if abs(margin) > tie_gap and shaky:  # shaky: witnessed at pos (compared - 1)
-            witnessed += 1
-        elif abs(margin) > tie_gap:
-            problems.append(f"prompt {n}: pos {pos}: drew {y} vs {x}, perturbed margin "
-                            f"{margin:.3f} > tie gap {tie_gap:.3f}")
-    if witnessed > max_excused(moved):
-        problems.append(f"{witnessed} sampled outputs part where plain decoding itself "
-                        f"moved, of {moved} it moved on; at most {max_excused(moved)} may")
+            problems.append(problem)
+    if len(past_gap) > min(moved, max_excused(moved)):
+        problems += [f"{p} (plain decoding itself parts on {moved} outputs, up to a margin "
+                     f"of {widest:.3f}; at most {max_excused(moved)} may be excused)"
+                     for p in past_gap]
     return problems
