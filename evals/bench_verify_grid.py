@@ -398,7 +398,8 @@ def suffix_sweep(args, bench, gpu: str, command: str) -> int:
             args.grid_out + "_suffix", gpu, command, records,
             "The cascade's tree part alone: its shipped tile against the others",
             "us per call in CUDA graphs as in the grid (8k context; the tree part reads only "
-            "the tree's keys and the context partial); every tile's time in the JSON",
+            "the tree's keys and the context partial); every tile's time in the run's JSON "
+            "(not kept in evals/results)",
             ["| cache | H | rows | shipped | us | best other | us | best / shipped |",
              "|---|---|---|---|---|---|---|---|", *lines])
     print(f"wrote {args.grid_out}_suffix.md and .json ({len(records)} cells)")

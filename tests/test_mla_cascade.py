@@ -116,6 +116,30 @@ def test_suffix_on_fp8_cache():
     torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])
 
 
+SHIPPED_SUFFIX_TILES = sorted({(fp8, cascade.suffix_config(rows, fp8))
+                               for fp8 in (False, True) for rows in (16, 40, 1032, 8224)},
+                              key=str)
+
+
+@pytest.mark.parametrize(("fp8", "config"), SHIPPED_SUFFIX_TILES, ids=str)
+def test_every_shipped_suffix_tile_against_the_reference(fp8, config, monkeypatch):
+    """Each tile ``suffix_config`` ships for sm_90 (the CPU path picks ``select_config``'s
+    otherwise), forced here: row tiles that split the heads' rows mid-request, key tiles
+    past the tree's keys, one and two stages."""
+    chosen = []
+    monkeypatch.setattr(cascade, "select_config",
+                        lambda *args, **kwargs: chosen.append(config) or config)
+    specs = uniform_specs([37, 0, 70])
+    batch = fp8_batch(specs, page_size=16) if fp8 else make_batch(specs, page_size=16,
+                                                                  dtype=torch.bfloat16)
+    ctx_out, ctx_lse = context_partial(batch)
+    out, lse = run_suffix(batch, ctx_out.to(torch.bfloat16), ctx_lse)
+    ref_out, ref_lse = mla_tree_verify_reference(**(dequantized(batch) if fp8 else batch))
+    assert chosen == [config]
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOLS[torch.bfloat16])
+    torch.testing.assert_close(lse, ref_lse, **TOLS[torch.bfloat16])
+
+
 def test_context_lens():
     seq_lens = torch.tensor([40, 9, 0], dtype=torch.int32)
     qsl = torch.tensor([0, 9, 18, 27], dtype=torch.int32)
@@ -241,7 +265,7 @@ from vllm_ddtree.attention_backends.mla_tree import cascade, cascade_kernel
 fn = cascade_kernel._mla_tree_suffix_kernel
 out = []
 for fp8 in (False, True):
-    for rows in (16, 40, 72, 8224):
+    for rows in (16, 40, 1032, 2056, 8224):
         cfg = cascade.suffix_config(rows, fp8)
         consts = dict(NUM_HEADS=8, KV_LORA=512, ROPE=64, BLOCK_L=512, BLOCK_R=64,
                       PAGE_SIZE=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -270,6 +294,6 @@ def test_suffix_tiles_do_not_spill_on_sm90():
     from kernel_testing import compiled_shared_memory
 
     results = compiled_shared_memory(_SUFFIX_SPILLS_SCRIPT)
-    assert len(results) == 8
+    assert len(results) == 10
     for spilled, shared in results:
         assert spilled == 0 and shared <= 227 * 1024, (spilled, shared)

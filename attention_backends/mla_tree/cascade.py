@@ -138,19 +138,35 @@ def flashmla_context(
     return ctx_out.view(num_tokens, num_heads, KV_LORA_RANK), lse
 
 
+# Row tiles of the tree part up to this many rows per request (``qlen * H``) are 16 rows
+# tall: between the largest measured cell where 16 won (2,056 rows) and the smallest
+# where the 64-row tile was within 3 % of the best (8,224 rows).
+SMALL_ROW_TILE_ROWS = 2048
+
+
 def suffix_config(rows_per_request: int, kv_fp8: bool, head_dim: int = 576,
                   kv_lora_rank: int = KV_LORA_RANK) -> MLATileConfig:
     """The tree part's tile for ``rows_per_request`` query rows (``qlen * H``) on sm_90.
     It runs one to five key tiles per CTA, so it is latency-bound: small row tiles (more
-    CTAs), 8 warps, and with an fp8 cache no pipelining. Chosen from ptxas reports
-    (offline compile for sm_90a at DeepSeek's dims): none of these spills, where
-    ``select_config``'s tiles spilled 140-1,036 bytes a thread with an fp8 cache
-    (tests/test_mla_cascade.py checks it). Other dims: ``select_config``."""
+    CTAs) and 8 warps up to ``SMALL_ROW_TILE_ROWS``, 64-row tiles above. Timed alone on
+    the H100 (``bench_verify_attention.py --grid --suffix-sweep``, 8k context, every
+    candidate tile; ``evals/results/verify_attention_grid_suffix.md``): 16 x 64 with 2
+    stages took 0.56-0.66x the time of the 32 x 32 single-stage fp8 tile shipped before
+    at 520-2,056 rows (0.73-0.74x at 576-640 rows, where 16 x 32 led by 1 us) and 0.58x
+    the 64-row bf16 tile at 1,032 rows; at 8,224-8,320 rows the 64 x 64 bf16 tile was
+    within 3-5 % of the best. None of these spills compiled for sm_90a at DeepSeek's dims
+    (tests/test_mla_cascade.py), where ``select_config``'s tiles spilled 140-1,036 bytes
+    a thread with an fp8 cache. Other dims: ``select_config``."""
     if (head_dim, kv_lora_rank) != (KV_LORA_RANK + ROPE_DIM, KV_LORA_RANK):
         return select_config(rows_per_request, head_dim, kv_lora_rank, torch.bfloat16)
-    block_m = 16 if rows_per_request <= 16 else 32 if kv_fp8 or rows_per_request <= 32 else 64
-    return MLATileConfig(block_m=block_m, block_n=64 if block_m == 64 else 32, num_warps=8,
-                         num_stages=1 if kv_fp8 else 2)
+    if rows_per_request <= 16:  # as before the sweep, which measured no such cell
+        return MLATileConfig(block_m=16, block_n=32, num_warps=8,
+                             num_stages=1 if kv_fp8 else 2)
+    if rows_per_request <= SMALL_ROW_TILE_ROWS:
+        return MLATileConfig(block_m=16, block_n=64, num_warps=8, num_stages=2)
+    if kv_fp8:  # the 64-row tile with fp8 was not among the measured ones
+        return MLATileConfig(block_m=32, block_n=32, num_warps=8, num_stages=1)
+    return MLATileConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
 
 
 def tree_suffix(
