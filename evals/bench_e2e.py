@@ -23,8 +23,9 @@ without the scheduler's common-prefix scan), ``+perbatch`` (below), ``+dflash2``
 ``+marginals``, ``+top1`` (the shipped DFlash2 drafter and its tree kinds), ``+hybrid``
 (``ddtree``: vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group,
 ``vllm_ddtree/kv_group_choice.py``; e.g. ``ddtree-64 ddtree-64+hybrid`` compares them),
-``+pin16`` / ``+pin32`` (``ddtree-auto``: the gate pinned to that arm every step; against
-``ddtree-16`` / ``ddtree-32`` it isolates what auto's machinery costs a step).
+``+pin16`` / ``+pin32`` / ``+pin64`` (``ddtree-auto``: the gate pinned to that arm every
+step; against ``ddtree-16`` / ``-32`` / ``-64`` it isolates what auto's machinery costs a
+step, and ``ddtree-auto`` against ``+pin64`` what its choices cost).
 
 Setups (``evals/e2e_models.py``): ``trained`` (the embedded pair: acceptance; 1k context
 only, its target has 4096 positions), ``kimi64`` / ``kimi8`` (Kimi-K2-shaped MLA target

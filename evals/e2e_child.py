@@ -382,7 +382,7 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         skip_common_prefix_in_every_engine()
     if "+marginals" in run.variants:
         marginal_trees_over_dflash2()
-    for pin in ("+pin16", "+pin32"):
+    for pin in ("+pin16", "+pin32", "+pin64"):
         if pin in run.variants:
             from gate_variants import apply_pinned_gate
 

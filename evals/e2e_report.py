@@ -38,12 +38,15 @@ RUN_VARIANTS = (
     # auto's machinery at a verify shape below its maximum, against ddtree-16 / ddtree-32
     ("+pin16", "gate pinned to 16", ("ddtree",)),
     ("+pin32", "gate pinned to 32", ("ddtree",)),
+    # ... and to its maximum: against ddtree-64, what auto's machinery (the gate's timing
+    # and counters, the device's cut) costs where the arm is the same
+    ("+pin64", "gate pinned to 64", ("ddtree",)),
     # ddtree-auto: a new batch-size bucket starts on the largest arm within the cap, not
     # on the nearest bucket's arm (evals/gate_variants.py)
     ("+maxprior", "buckets start at B", ("ddtree",)),
 )
 # Suffixes that change auto's step gate (ddtree-auto runs only): evals/gate_variants.py
-GATE_VARIANTS = ("+pin16", "+pin32", "+maxprior")
+GATE_VARIANTS = ("+pin16", "+pin32", "+pin64", "+maxprior")
 
 
 def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:

@@ -1,5 +1,5 @@
 """Step-gate variants for A/B runs of ``evals/bench_e2e.py`` (never in the product):
-``+pin16`` / ``+pin32`` on a ``ddtree-auto`` run applies :func:`apply_pinned_gate`,
+``+pin16`` / ``+pin32`` / ``+pin64`` on a ``ddtree-auto`` run applies :func:`apply_pinned_gate`,
 ``+maxprior`` :func:`apply_max_prior_gate`, in the run's process before its engine
 starts.
 

@@ -27,6 +27,7 @@ def test_two_auto_runs_are_each_held_to_the_fixed_methods():
 def test_pinned_gate_parses_for_auto_runs_only_and_one_gate_variant():
     run = RunSpec.parse("ddtree-auto-64+pin32")
     assert run.auto_max == 64 and run.variants == ("+pin32",)
+    assert RunSpec.parse("ddtree-auto+pin64").variants == ("+pin64",)
     with pytest.raises(ValueError, match="ddtree-auto runs only"):
         RunSpec.parse("ddtree-32+pin32")
     with pytest.raises(ValueError, match="one step-gate variant"):
