@@ -128,8 +128,9 @@
 #              layers, which need vLLM's fused-MoE ops: scripts/kit_moe_ops.sh); one 10-minute
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; the runs of a cell take turns of
-#              SWEEP_INTERLEAVE_S (0.25) seconds of steps (--interleave-s: the repeats'
-#              auto / best-other ratios ranged 0.64-1.29 without turns, within 0.12 with);
+#              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
+#              repeats' auto / best-other ratios ranged 0.64-1.29 without turns, within
+#              0.12 with);
 #              SWEEP_REPEATS (1) measures each cell that many times (the runs taking
 #              turns), the tables taking the median, auto's step gate traced step by step (evals/gate_trace.py) into
 #              gate_traces_<stage>.tgz in the log folder (`python evals/gate_trace.py
@@ -302,7 +303,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     sweep_v2lite_moe) setup=v2lite_moe contexts="1k 32k" prompts=random pool=2 minpool=6 \
       stem=e2e_batch_sweep_v2lite_moe ;;
   esac
-  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b pin
+  local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b pin interleave="${SWEEP_INTERLEAVE_S-0.25}"
+  [ "$interleave" = 0 ] && interleave=""  # 0 or empty: no turns
   pin="$(pin_cpus)"
   mkdir -p "$e2e_dir"
   read -ra r <<< "${SWEEP_RUNS:-$runs}"
@@ -316,7 +318,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
     --min-pool "$minpool" \
-    --repeats "${SWEEP_REPEATS:-1}" --interleave-s "${SWEEP_INTERLEAVE_S:-0.25}" \
+    --repeats "${SWEEP_REPEATS:-1}" ${interleave:+--interleave-s "$interleave"} \
     ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"

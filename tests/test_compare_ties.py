@@ -157,6 +157,13 @@ def test_sampled_mismatches_judged_by_the_perturbed_margin(monkeypatch):
     two = [out([4, 5], [{"4": -0.1}, {"5": -2.0}]), out([6, 5], [{"6": -0.1}, {"5": -2.0}])]
     problems = sampled_ties.sampled_mismatch_problems(two, ref[1:], 0.07, [[wide[1], ref[2]]])
     assert len(problems) == 2 and all("parts on 1 outputs" in p for p in problems)
+    # a witness that stops where another parts (a length, not a flip) is skipped
+    stops = [ref[0], out([4], ref[1]["top_logprobs"][:1]), ref[2]]
+    assert sampled_ties.sampled_mismatch_problems(got, ref, 0.07, [stops, wide]) == []
+    # our drawn token without a log-prob in either run: reported, never excused as 0
+    unlisted = [got[0], ref[1], out([6, 8], [{"6": -0.1}, {"6": -0.1}])]
+    problems = sampled_ties.sampled_mismatch_problems(unlisted, ref, 0.07, [wide])
+    assert len(problems) == 1 and "neither run lists a log-prob of 8" in problems[0]
 
 
 def test_tokens_past_a_stop_string_are_not_a_mismatch():
@@ -220,6 +227,13 @@ def test_a_witness_excuses_only_within_the_references_own_spread():
         assert witness_spread(want, [stable, witness]) == (1, 1.0)
         assert mismatch_problems(got, want, witnesses=[stable, witness]) == []
     assert witness_spread(want, [late, other]) == (2, 1.0)
+    # a witness parting where the reference lists no gap counts, but widens nothing
+    unknown = [want[0], out([5, 6, 7, 8], [1.0] * 4), out([5, 6, 0], [1.0] * 3), want[3]]
+    want_unknown = [want[0], out([5, 6, 7, 9], [1.0, 1.0, 1.0]), want[2], want[3]]
+    assert witness_spread(want_unknown, [unknown]) == (2, 1.0)
+    assert witness_spread(want_unknown, [unknown[:2] + want_unknown[2:]]) == (1, 0.0)
+    with pytest.raises(ValueError, match="a witness has 3 outputs, the reference 4"):
+        witness_spread(want, [want[:3]])
     short = [out([1, 2, 3], [1.0] * 3)] + want[1:]  # stops early: a length, not a token
     assert "lengths differ" in mismatch_problems(short, want, witnesses=[late])[0]
     assert witness_spread(want, [short]) == (0, 0.0)  # nor does a witness's length count

@@ -141,14 +141,15 @@ def flashmla_context(
 # Row tiles of the tree part up to this many rows per request (``qlen * H``) are 16 rows
 # tall: between the largest measured cell where 16 won (2,056 rows) and the smallest
 # where the 64-row tile was within 3 % of the best (8,224 rows).
-SMALL_ROW_TILE_ROWS = 2048
+SMALL_ROW_TILE_ROWS = 4096
 
 
 def suffix_config(rows_per_request: int, kv_fp8: bool, head_dim: int = 576,
                   kv_lora_rank: int = KV_LORA_RANK) -> MLATileConfig:
     """The tree part's tile for ``rows_per_request`` query rows (``qlen * H``) on sm_90.
-    It runs one to five key tiles per CTA, so it is latency-bound: small row tiles (more
-    CTAs) and 8 warps up to ``SMALL_ROW_TILE_ROWS``, 64-row tiles above. Timed alone on
+    It runs one to five key tiles per CTA, so it is latency-bound: 8 warps, and 16-row
+    tiles (more CTAs) up to ``SMALL_ROW_TILE_ROWS``; above it 64 x 64 with a bf16 cache
+    and 32 x 32 single-stage with an fp8 one (the tiles shipped before). Timed alone on
     the H100 (``bench_verify_attention.py --grid --suffix-sweep``, 8k context, every
     candidate tile; ``evals/results/verify_attention_grid_suffix.md``): 16 x 64 with 2
     stages took 0.56-0.66x the time of the 32 x 32 single-stage fp8 tile shipped before

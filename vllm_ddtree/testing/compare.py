@@ -172,23 +172,29 @@ def vllm_top_logprobs(logprobs: Sequence[dict | None] | None) -> list[dict[int, 
 def witness_spread(want: Sequence[dict], witnesses: Sequence[Sequence[dict]],
                    margin_at=None) -> tuple[int, float]:
     """How far the reference's own runs part from it: the number of ``want``'s outputs
-    on which a witness (the reference engine run differently) parts on a token (not a
-    length, not past a stop string), and the widest reference margin at such a first
-    divergence (0.0 where none). ``margin_at(i, pos, token)``: the margin of the
-    reference's token at output ``i``'s ``pos`` over ``token``; by default the
-    reference's top-2 gap there (greedy).
+    on which a witness (the reference engine run differently; one output per prompt,
+    as ``want``) parts on a token (not a length, not past a stop string), and the
+    widest reference margin at such a first divergence (0.0 where none; a margin that
+    is not finite or not known counts the output but widens nothing).
+    ``margin_at(i, pos, witness_output)``: the margin of the reference's token over the
+    witness's at output ``i``'s ``pos``; by default the reference's top-2 gap there
+    (greedy).
 
     On the H100 with an fp8 cache, vLLM's FLASHMLA at one request a step and TRITON_MLA
     parted from FLASHMLA on 3 of 5 outputs, at tokens 2-18, at the same token on only one
     of them (and our backend on a fourth): where a flip falls is mostly a property of
     the run, not of the prompt, so the spread is a count and a width, not positions."""
     if margin_at is None:
-        def margin_at(i: int, pos: int, token: int) -> float:
+        def margin_at(i: int, pos: int, witness_output: dict) -> float:
             gaps = want[i].get("top2_gap") or []
             return gaps[pos] if pos < len(gaps) else float("inf")
     outputs, widest = 0, 0.0
+    for witness in witnesses:
+        if len(witness) != len(want):
+            raise ValueError(f"a witness has {len(witness)} outputs, the reference "
+                             f"{len(want)}: a witness runs the same prompts")
     for i, reference in enumerate(want):
-        first = None
+        moved = False
         for witness in witnesses:
             w = witness[i]
             if past_stop_string(w, reference):
@@ -196,11 +202,11 @@ def witness_spread(want: Sequence[dict], witnesses: Sequence[Sequence[dict]],
             pos = first_mismatch(w["tokens"], reference["tokens"])
             if pos is None or pos >= min(len(w["tokens"]), len(reference["tokens"])):
                 continue
-            margin = abs(margin_at(i, pos, w["tokens"][pos]))
-            first = margin if first is None else max(first, margin)
-        if first is not None:
-            outputs += 1
-            widest = max(widest, first)
+            moved = True
+            margin = abs(margin_at(i, pos, w))
+            if math.isfinite(margin):
+                widest = max(widest, margin)
+        outputs += moved
     return outputs, widest
 
 

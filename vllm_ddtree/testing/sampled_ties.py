@@ -61,9 +61,10 @@ def _values(entry: dict) -> dict[int, float]:
     return {int(t): float(v) for t, v in entry.items()}
 
 
-def _flip_margin(got: dict, want: dict, pos: int) -> float:
+def _flip_margin(got: dict, want: dict, pos: int) -> float | None:
     """The perturbed-score margin of ``want``'s token over ``got``'s at ``pos``, the
-    first token where they part (:func:`gumbel_flip_margin`)."""
+    first token where they part (:func:`gumbel_flip_margin`); None where neither run
+    lists a log-prob of ``got``'s token."""
     x, y = want["tokens"][pos], got["tokens"][pos]
     ref_values = _values(want["top_logprobs"][pos])
     got_values = _values(got["top_logprobs"][pos]) if got.get("top_logprobs") else {}
@@ -77,7 +78,7 @@ def _flip_margin(got: dict, want: dict, pos: int) -> float:
     elif y in got_values:
         values = {x: ref_values[x], y: got_values[y]}
     else:
-        return 0.0  # no logprob of y: a witness without them widens nothing
+        return None
     return gumbel_flip_margin(x, y, values[x], values[y], int(want["seed"]),
                               len(want["prompt"]) + pos - 1, float(want["temperature"]))
 
@@ -95,11 +96,9 @@ def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
     is 0), and at most half of the outputs they part on may be excused so."""
     moved, widest = 0, 0.0
     if tie_gap > 0 and witnesses:
-        def margin_at(i: int, pos: int, token: int) -> float:
-            w = next(w[i] for w in witnesses if first_mismatch(w[i]["tokens"],
-                                                               want[i]["tokens"]) == pos
-                     and w[i]["tokens"][pos] == token)
-            return _flip_margin(w, want[i], pos)
+        def margin_at(i: int, pos: int, witness_output: dict) -> float:
+            margin = _flip_margin(witness_output, want[i], pos)
+            return float("nan") if margin is None else margin  # counted, widens nothing
         moved, widest = witness_spread(want, witnesses, margin_at)
     problems, past_gap = [], []
     for n, (a, b) in enumerate(zip(got, want, strict=True)):
@@ -111,6 +110,11 @@ def sampled_mismatch_problems(got: Sequence[dict], want: Sequence[dict],
                             f"{len(b['tokens'])} tokens")
             continue
         margin = _flip_margin(a, b, pos)
+        if margin is None:
+            problems.append(f"prompt {n}: pos {pos}: drew {a['tokens'][pos]} vs "
+                            f"{b['tokens'][pos]}, and neither run lists a log-prob of "
+                            f"{a['tokens'][pos]} (top_logprobs must include the drawn token)")
+            continue
         if abs(margin) <= tie_gap:
             continue
         problem = (f"prompt {n}: pos {pos}: drew {a['tokens'][pos]} vs {b['tokens'][pos]}, "
