@@ -212,7 +212,12 @@ class GateStats:
         else:
             deviations = sorted(abs(x - self.level.value) for x in samples)
             spread = deviations[(len(deviations) - 1) // 2]
-            error = MEDIAN_ERROR * spread / np.sqrt(np.maximum(self.offset_count, 1))
+            # an offset is the median of at most RESIDUAL_WINDOW samples, however many
+            # it has seen: its error is that window's (with every sample counted, an
+            # arm's offset hundreds of samples old lost its error and the gate moved
+            # on noise)
+            error = MEDIAN_ERROR * spread / np.sqrt(
+                np.clip(self.offset_count, 1, RESIDUAL_WINDOW))
             np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
         diff[self.residual_count == 0] = 0.0
         np.add(self.level.value + base, diff, out=self.residual_seconds)
