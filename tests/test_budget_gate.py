@@ -145,13 +145,7 @@ class Engine:
                 prefill = tuple(a + b for a, b in zip(prefill, chunk, strict=True))
             shape = self.plan.step_shape(num_reqs, prefill)
             draws = self.rng.random(num_reqs) if self.tree_noise and shape > 0 else None
-
-            def accepted(arm: int) -> float:  # the step's trees cut to ``arm``
-                if draws is None:
-                    return num_reqs * (self.committed[arm] - 1)
-                return float(sum(accepted_drafts(u, self.committed[arm] - 1, arm)
-                                 for u in draws))
-
+            accepted = functools.partial(self.accepted_at, num_reqs, draws)
             tokens = num_reqs + (accepted(shape) if shape > 0 else 0.0)
             if shape > 0:
                 self.trees += num_reqs
@@ -173,6 +167,13 @@ class Engine:
             self.time += seconds
             shapes.append(shape)
         return shapes
+
+    def accepted_at(self, num_reqs: int, draws: np.ndarray | None, arm: int) -> float:
+        """Accepted drafts of a step's trees cut to ``arm``: the mean, or from each
+        tree's draw (``tree_noise``)."""
+        if draws is None:
+            return num_reqs * (self.committed[arm] - 1)
+        return float(sum(accepted_drafts(u, self.committed[arm] - 1, arm) for u in draws))
 
     def throughput(self, num_reqs: int, steps: int) -> float:
         """Tokens per second over ``steps`` more steps."""
