@@ -169,6 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter-continuation", type=non_negative_int, default=384,
                    help="greedy tokens after each corpus prefix (0: up to the sequence end)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
+    p.add_argument("--target-init", default=None,
+                   help="start the target from this checkpoint instead of random weights "
+                   "(fine-tune; e.g. vllm_ddtree/checkpoints/target on a corpus built with "
+                   "its tokenizer and --synthetic-docs); its shape and tokenizer must be "
+                   "the ones trained")
     p.add_argument("--drafter-init", default=None,
                    help="start the drafter from this checkpoint (fine-tune; e.g. the "
                    "embedded drafter on a YaRN copy of its target, long_context.py) "
@@ -197,6 +202,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "drafter.tar, results.tar into this folder (e.g. a GPU job's output folder)",
     )
     args = p.parse_args(argv)
+    if args.target_init and not (Path(args.target_init) / "config.json").exists():
+        p.error(f"--target-init {args.target_init}: no config.json there (a target "
+                "checkpoint directory, e.g. vllm_ddtree/checkpoints/target)")
     if args.selector_only:
         arch = None
         if args.drafter_init and (Path(args.drafter_init) / "config.json").exists():
@@ -320,11 +328,44 @@ def acceptance_estimate(target, drafter, prompts, max_new: int, budget: int = 32
     return out
 
 
+TARGET_INIT_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers",
+                      "num_attention_heads", "kv_lora_rank", "q_lora_rank",
+                      "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                      "intermediate_size", "moe_intermediate_size", "n_routed_experts",
+                      "n_shared_experts", "first_k_dense_replace")
+
+
+def init_target(model, path: Path, corpus_tokenizer: dict) -> None:
+    """Load ``path``'s target weights into ``model``. ValueError naming the first of
+    ``TARGET_INIT_FIELDS`` that differs, or a tokenizer other than the corpus's
+    (``corpus_tokenizer``: the manifest's entry; build the corpus with
+    ``--tokenizer <path>``)."""
+    import hashlib
+
+    saved = json.loads((path / "config.json").read_text())
+    for field in TARGET_INIT_FIELDS:
+        want, got = getattr(model.config, field, None), saved.get(field)
+        if got != want:
+            raise ValueError(f"--target-init {path}: {field} is {got!r}, the target being "
+                             f"trained has {want!r}")
+    tokenizer = path / "tokenizer.json"
+    want = corpus_tokenizer.get("tokenizer_json_sha256")
+    got = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.exists() else None
+    if got != want:
+        raise ValueError(f"--target-init {path}: its tokenizer.json (sha256 {got}) is not "
+                         f"the corpus's ({want}): build the corpus with --tokenizer {path}")
+    init = DeepseekV3ForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.load_state_dict(init.state_dict(), strict=True)
+
+
 def run_target(args, out, results, device, tok, splits, summary) -> None:
     tc, _ = train_configs(args)
     seed_everything(args.seed)
     cfg = configs.target_config(len(tok), tok.eos_token_id, tiny=args.tiny)
     model = DeepseekV3ForCausalLM(cfg)
+    if args.target_init:
+        init_target(model, Path(args.target_init), summary["corpus"]["tokenizer"])
+        print(f"[target] initialised from {args.target_init}")
     n_params = sum(p.numel() for p in model.parameters())
     print(
         f"[target] DeepseekV3ForCausalLM {n_params / 1e6:.2f} M params, "
@@ -345,6 +386,7 @@ def run_target(args, out, results, device, tok, splits, summary) -> None:
     plot_losses(results / "train_target_loss.png", log, "target (DeepseekV3 MLA) LM loss")
     summary["target"] = {
         "params": n_params,
+        "init": args.target_init,
         "train_config": {k: v for k, v in vars(tc).items()},
         "log": log.to_dict(),
         "reproduce_with": f"--target-steps {log.total_steps} --target-batch {tc.batch_size}",

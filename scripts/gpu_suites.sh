@@ -146,6 +146,10 @@
 #              ckpt.tar.part-* in the log folder (scripts/unpack_pair.sh installs them);
 #              SYNTHETIC_DOCS=N adds N exact-answer snippets (copy, lookup, brackets,
 #              sort: training/synthetic.py) to a new corpus (remove data/ first)
+#   trainsynthetic  fine-tunes the embedded pair (--target-init, --drafter-init) on the
+#              standard library beside SYNTHETIC_DOCS (20000) exact-answer snippets, the
+#              corpus rebuilt in data/ with the pair's tokenizer; packs like trainpair
+#              (then ddtree_synthetic's baseline and the pair's acceptance decide)
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -551,6 +555,14 @@ for stage in "$@"; do
     trainpair)  # the embedded pair's recipe: target, greedy pool decoded by vLLM, drafter
       build_corpus --vocab-size 4096 ${SYNTHETIC_DOCS:+--synthetic-docs "$SYNTHETIC_DOCS"}
       run_trainpair trainpair "--stage all --target-minutes 1.75 --drafter-minutes 2 --gen-sequences 6144" ;;
+    trainsynthetic)  # the embedded pair fine-tuned on the exact-answer mix
+      # (vllm_ddtree/training/synthetic.py, SYNTHETIC_DOCS snippets, 20000 by default)
+      # beside the standard library: target and drafter start from the shipped ones,
+      # data/ is rebuilt with their tokenizer
+      rm -rf data
+      build_corpus --tokenizer vllm_ddtree/checkpoints/target \
+        --synthetic-docs "${SYNTHETIC_DOCS:-20000}"
+      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-lr 5e-4 --target-minutes 1.5 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 2 --gen-sequences 6144" ;;
     trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
       # embedded one. The corpus reuses the target's tokenizer (another Python's standard
       # library would train another one).

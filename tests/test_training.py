@@ -3,6 +3,7 @@ training steps, checkpoints (CPU, fp32, tiny shapes)."""
 
 import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -518,3 +519,48 @@ def test_text_pool_rows_are_corpus_text_and_join_the_greedy_pool():
     anchors = sample_anchors(both.prefix_len, cfg.seq_len, drafter.block_size, 2,
                              torch.Generator().manual_seed(0), end=both.ends())
     assert bool((anchors + drafter.block_size <= both.ends()[:, None]).all())
+
+
+def test_train_pair_target_init_starts_from_the_checkpoint(tmp_path, monkeypatch):
+    """``--target-init``: the target trains from the given checkpoint's weights (the
+    shipped target fine-tuned on a new mix); a checkpoint of another shape or tokenizer,
+    or without a config, is refused before any training."""
+
+    data = tmp_path / "data"
+    tiny_corpus(data)
+    mod = load_evals_script("train_pair")
+    first = tmp_path / "first"
+    flags = "--tiny --no-progress --stage target --target-steps 3".split()
+    mod.main([*flags, "--data", str(data), "--out", str(first)])
+    started = {}
+    train_target = mod.train_target
+
+    def recording(model, *args, **kwargs):
+        started.update({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return train_target(model, *args, **kwargs)
+
+    monkeypatch.setattr(mod, "train_target", recording)
+    second = tmp_path / "second"
+    mod.main([*flags, "--data", str(data), "--out", str(second),
+              "--target-init", str(first / "target")])
+    saved = DeepseekV3ForCausalLM.from_pretrained(str(first / "target"), dtype=torch.float32)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(started[name], value), name
+    summary = json.loads((second / "results" / "train_pair.json").read_text())
+    assert summary["target"]["init"] == str(first / "target")
+    # another tokenizer than the corpus's
+    other = tmp_path / "other"
+    shutil.copytree(first / "target", other)
+    (other / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="build the corpus with --tokenizer"):
+        mod.main([*flags, "--data", str(data), "--out", str(tmp_path / "x"),
+                  "--target-init", str(other)])
+    # another shape
+    config = json.loads((first / "target" / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "hidden_size": 8}))
+    with pytest.raises(ValueError, match="hidden_size is 8"):
+        mod.main([*flags, "--data", str(data), "--out", str(tmp_path / "x"),
+                  "--target-init", str(other)])
+    with pytest.raises(SystemExit):
+        mod.main([*flags, "--data", str(data), "--out", str(tmp_path / "x"),
+                  "--target-init", str(tmp_path / "missing")])
