@@ -449,7 +449,7 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     report = dict(gpu=gpu, command=command, arch=_arch(), force_sm120_configs=sm120,
                   page=PAGE, rep_ms=REP_MS, cells=[])
     if args.grid_keep:
-        report = keep_other_cells(report, out + ".json", set(axes["dtype"]))
+        report = keep_other_cells(report, out + ".json", set(cells))
     start = time.time()
     last_ctx = None
     for dtype, ctx, heads, rows in tqdm(cells, desc="grid cells"):
@@ -487,10 +487,11 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     return 0
 
 
-def keep_other_cells(report: dict, path: str, dtypes: set[str]) -> dict:
-    """``--grid-keep``: ``report`` with the cells of the JSON at ``path`` whose cache dtype
-    this run does not measure (one grid from runs per dtype, each under the 10-minute
-    limit of a call), and both commands; nothing from a JSON of another GPU."""
+def keep_other_cells(report: dict, path: str, measured: set[tuple]) -> dict:
+    """``--grid-keep``: ``report`` with the cells of the JSON at ``path`` that this run
+    does not time (``measured``: its ``(dtype, ctx, heads, rows)`` cells; one grid from
+    runs per dtype, each under the 10-minute limit of a call, or a narrowed rerun of a
+    few cells), and the commands that made them; nothing from a JSON of another GPU."""
     import os
 
     if not os.path.exists(path):
@@ -501,23 +502,34 @@ def keep_other_cells(report: dict, path: str, dtypes: set[str]) -> dict:
         print(f"--grid-keep: {path} was measured on {old.get('gpu')}, this is "
               f"{report['gpu']}: nothing kept")
         return report
-    kept = [c for c in old["cells"] if c["dtype"] not in dtypes]
+    kept = [c for c in old["cells"]
+            if (c["dtype"], c["ctx"], c["heads"], c["rows"]) not in measured]
     if not kept:
         return report
-    return {**report, "command": kept_commands(old["command"], report["command"], dtypes),
+    replaced = {d for d, *_ in measured} - {c["dtype"] for c in kept}
+    return {**report, "command": kept_commands(old["command"], report["command"], replaced),
             "cells": kept}
+
+
+def _command_key(part: str) -> tuple:
+    """(cache dtypes, narrowed axes) of one grid command."""
+    found = re.search(r"--grid-dtype ((?:[\w]+ ?)+)", part)
+    measured = tuple(found.group(1).split()) if found else ("bf16", "fp8")
+    return measured, tuple(re.findall(r"--grid-(?:heads|rows|ctx) ((?:\d+ ?)+)", part))
 
 
 def kept_commands(old: str, new: str, dtypes: set[str]) -> str:
     """The commands that made a kept grid: of ``old`` (``" && "``-joined), the last one
-    per set of cache dtypes measured that still has cells this run does not replace,
-    then ``new``. Reruns replace their dtype's command instead of piling up."""
-    latest: dict[tuple[str, ...], str] = {}
+    per set of cache dtypes and narrowed axes measured that still has cells this run
+    does not replace (``dtypes``: those whose every cell it replaces), then ``new``.
+    Reruns replace their dtype's command instead of piling up; a narrowed rerun keeps
+    the full run's command beside its own."""
+    latest: dict[tuple, str] = {}
     for part in old.split(" && "):
-        found = re.search(r"--grid-dtype ((?:[\w]+ ?)+)", part)
-        measured = tuple(found.group(1).split()) if found else ("bf16", "fp8")
+        measured, narrowed = _command_key(part)
         if set(measured) - dtypes:
-            latest[measured] = part
+            latest[(measured, narrowed)] = part
+    latest.pop(_command_key(new), None)
     return " && ".join([*latest.values(), new])
 
 

@@ -92,7 +92,8 @@
 #              the GPU to itself); verify_attention_grid.md / .png / .json in the log folder
 #   gridbf16, gridfp8  the grid of one cache dtype, keeping the other's cells of the
 #              grid JSON (log folder, else evals/results; same GPU): two calls, one grid;
-#              GRID_METHODS narrows the methods timed
+#              GRID_METHODS narrows the methods timed, GRID_HEADS / GRID_ROWS / GRID_CTX
+#              the cells (re-timed cells replace theirs in the JSON)
 #   grid120    the same grid with sm_120's tile configs forced (a proxy; about 4 minutes)
 #   gridsplits the rule's kernel per grid cell at fewer KV tiles per split (cells with idle
 #              SMs: 41 cells, about 2 minutes); verify_attention_grid_splits.md / .json
@@ -521,9 +522,14 @@ for stage in "$@"; do
       [ -f "$LOG_DIR/verify_attention_grid.json" ] ||
         cp evals/results/verify_attention_grid.json "$LOG_DIR/" 2> /dev/null
       read -ra gmethods <<< "${GRID_METHODS:-}"
+      read -ra gheads <<< "${GRID_HEADS:-}"
+      read -ra grows <<< "${GRID_ROWS:-}"
+      read -ra gctx <<< "${GRID_CTX:-}"
       stage_cmd "$stage" 590 python3 evals/bench_verify_attention.py --grid --grid-keep \
         --grid-dtype "${stage#grid}" --grid-out "$LOG_DIR/verify_attention_grid" \
-        ${GRID_METHODS:+--grid-methods "${gmethods[@]}"}
+        ${GRID_METHODS:+--grid-methods "${gmethods[@]}"} \
+        ${GRID_HEADS:+--grid-heads "${gheads[@]}"} ${GRID_ROWS:+--grid-rows "${grows[@]}"} \
+        ${GRID_CTX:+--grid-ctx "${gctx[@]}"}
       tail -5 "$LOG_DIR/$stage.log" ;;
     grid|grid120|gridsplits|gridsuffix)
       gargs=(--grid --max-minutes 8.5 --grid-out "$LOG_DIR/verify_attention_grid")

@@ -181,12 +181,24 @@ def test_grid_keep_merges_the_other_dtypes_cells(tmp_path):
     path.write_text(json.dumps(old))
     new = {**grid(command="python evals/bench_verify_attention.py --grid --grid-dtype fp8"),
            "cells": []}
-    merged = grid_module.keep_other_cells(new, str(path), {"fp8"})
+    fp8 = {("fp8", c["ctx"], c["heads"], c["rows"]) for c in old["cells"]
+           if c["dtype"] == "fp8"}
+    merged = grid_module.keep_other_cells(new, str(path), fp8)
     assert [c["dtype"] for c in merged["cells"]] == ["bf16"] * 3
     assert merged["command"] == (old["command"] + " && " + new["command"])
-    assert grid_module.keep_other_cells(new, str(tmp_path / "none.json"), {"fp8"}) is new
+    assert grid_module.keep_other_cells(new, str(tmp_path / "none.json"), fp8) is new
     h100 = {**new, "gpu": "NVIDIA H100"}
-    assert grid_module.keep_other_cells(h100, str(path), {"fp8"}) is h100
+    assert grid_module.keep_other_cells(h100, str(path), fp8) is h100
+    # a narrowed rerun of one bf16 cell keeps the others, and both commands
+    narrow = {**grid(command="python evals/bench_verify_attention.py --grid --grid-dtype "
+                             "bf16 --grid-heads 8 --grid-rows 2 --grid-ctx 8192"), "cells": []}
+    merged = grid_module.keep_other_cells(narrow, str(path), {("bf16", 8192, 8, 2)})
+    assert [(c["dtype"], c["heads"], c["rows"]) for c in merged["cells"]] == [
+        ("bf16", 16, 33), ("bf16", 8, 5), ("fp8", 16, 33), ("fp8", 8, 2)]
+    assert merged["command"] == old["command"] + " && " + narrow["command"]
+    # the same narrowed rerun again replaces its own command, not the full run's
+    again = grid_module.kept_commands(merged["command"], narrow["command"], set())
+    assert again == merged["command"]
 
 
 def test_grid_keep_replaces_the_rerun_dtypes_command():
