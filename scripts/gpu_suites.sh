@@ -130,8 +130,8 @@
 #              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; the runs of a cell take turns of
 #              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
-#              repeats' auto / best-other ratios ranged 0.64-1.29 without turns, within
-#              0.12 with);
+#              repeats' auto / best-other ratios ranged 0.64-1.29 without turns,
+#              0.74-0.99 with, a cell's two repeats mostly within 0.09);
 #              SWEEP_REPEATS (1) measures each cell that many times (the runs taking
 #              turns), the tables taking the median, auto's step gate traced step by step (evals/gate_trace.py) into
 #              gate_traces_<stage>.tgz in the log folder (`python evals/gate_trace.py
