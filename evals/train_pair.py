@@ -28,6 +28,7 @@ train split. The chosen counts are printed and saved; passing them back as
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -340,14 +341,7 @@ def init_target(model, path: Path, corpus_tokenizer: dict) -> None:
     ``TARGET_INIT_FIELDS`` that differs, or a tokenizer other than the corpus's
     (``corpus_tokenizer``: the manifest's entry; build the corpus with
     ``--tokenizer <path>``)."""
-    import hashlib
-
-    saved = json.loads((path / "config.json").read_text())
-    for field in TARGET_INIT_FIELDS:
-        want, got = getattr(model.config, field, None), saved.get(field)
-        if got != want:
-            raise ValueError(f"--target-init {path}: {field} is {got!r}, the target being "
-                             f"trained has {want!r}")
+    check_init_fields("--target-init", path, model.config, TARGET_INIT_FIELDS, "target")
     tokenizer = path / "tokenizer.json"
     want = corpus_tokenizer.get("tokenizer_json_sha256")
     got = hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.exists() else None
@@ -509,14 +503,17 @@ def init_from_checkpoint(drafter, path: Path) -> None:
     drafter.load_state_dict(init.state_dict(), strict=True)
 
 
-def check_init_config(config, path: Path) -> None:
-    """ValueError naming the first ``DRAFTER_INIT_FIELDS`` entry in which ``path``'s
-    config differs from ``config`` (the drafter being trained)."""
+def check_init_fields(flag: str, path: Path, config, fields: tuple[str, ...],
+                      what: str, hint: str = "") -> None:
+    """ValueError naming ``flag``, the first of ``fields`` in which ``path``'s
+    config.json differs from ``config`` (the ``what`` being trained) and both values,
+    then ``hint``. A drafter's ``dflash_config`` compares its target layers and mask
+    token only."""
     config_path = path / "config.json"
     if not config_path.exists():
-        raise ValueError(f"--drafter-init {path}: no config.json there")
+        raise ValueError(f"{flag} {path}: no config.json there")
     saved = json.loads(config_path.read_text())
-    for field in DRAFTER_INIT_FIELDS:
+    for field in fields:
         want = getattr(config, field, None)
         if field == "dflash_config":
             want = {k: want.get(k) for k in ("target_layer_ids", "mask_token_id")}
@@ -524,9 +521,15 @@ def check_init_config(config, path: Path) -> None:
         else:
             got = saved.get(field)
         if got != want:
-            raise ValueError(f"--drafter-init {path}: {field} is {got!r}, the drafter "
-                             f"being trained has {want!r}; pass a drafter of this shape "
-                             "(or --target-layer-ids to match it)")
+            raise ValueError(f"{flag} {path}: {field} is {got!r}, the {what} being trained "
+                             f"has {want!r}{hint}")
+
+
+def check_init_config(config, path: Path) -> None:
+    """ValueError naming the first ``DRAFTER_INIT_FIELDS`` entry in which ``path``'s
+    config differs from ``config`` (the drafter being trained)."""
+    check_init_fields("--drafter-init", path, config, DRAFTER_INIT_FIELDS, "drafter",
+                      "; pass a drafter of this shape (or --target-layer-ids to match it)")
 
 
 def refit_selector(drafter, target, pool, eval_pool, dc, seed: int, no_progress: bool):
