@@ -442,6 +442,8 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     from tqdm import tqdm
 
     sm120 = args.force_sm120_configs
+    # the results file names its own path, not the device's output folder
+    command = command.replace(args.grid_out, "evals/results/verify_attention_grid")
     axes = {k: getattr(args, f"grid_{k}") or v for k, v in GRID.items()}
     cells = [(d, c, h, r) for d in axes["dtype"] for c in axes["ctx"] for h in axes["heads"]
              for r in axes["rows"]]
@@ -539,8 +541,14 @@ def _arch() -> str:
 
 
 def write_outputs(report: dict, out: str) -> None:
+    """``<out>.json``, ``.md`` and ``.png`` of ``report``, its cells in grid order (a narrowed
+    rerun's cells take their places among the kept ones)."""
     from verify_grid_report import write_heatmaps, write_markdown
 
+    def order(cell: dict) -> tuple:
+        return (GRID["dtype"].index(cell["dtype"]), cell["ctx"], cell["heads"], cell["rows"])
+
+    report = {**report, "cells": sorted(report["cells"], key=order)}
     with open(out + ".json", "w") as f:
         json.dump(report, f, indent=1)
     write_markdown(report, out + ".md")
