@@ -252,3 +252,14 @@ def test_a_witness_excuses_only_within_the_references_own_spread():
     problems = mismatch_problems(everywhere, want4, witnesses=[shaky])
     assert len(problems) == 1 and "4 of 4 outputs part at a tie" in problems[0]
     assert mismatch_problems(everywhere[:2] + want4[2:], want4, witnesses=[shaky]) == []
+
+
+def test_a_flip_reports_the_compared_runs_own_gap():
+    """Past the tie gap, a flip names the compared run's own top-2 gap there too (their
+    sum bounds how far the two runs' logits of the two tokens moved apart); a run that
+    recorded no gaps is reported without it."""
+    want = [out([1, 2, 3], [1.0, 0.31, 1.0])]
+    (problem,) = mismatch_problems([out([1, 9, 3], [1.0, 0.125, 1.0])], want)
+    assert "reference top-2 gap 0.310" in problem and "its own top-2 gap 0.125" in problem
+    (bare,) = mismatch_problems([{"tokens": [1, 9, 3]}], want)
+    assert "its own" not in bare

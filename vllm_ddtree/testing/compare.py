@@ -129,6 +129,13 @@ def mismatch_problem(
     return f"pos {pos}: {got[pos]} vs {want[pos]} (reference top-2 gap {gap:.3f})"
 
 
+def own_gap_note(got: dict, pos: int) -> str:
+    """The compared run's own top-2 gap where it parted (when it recorded one): with the
+    reference's, how far apart the two runs' logits of the two tokens are (their sum)."""
+    gaps = got.get("top2_gap") or ()
+    return f" (its own top-2 gap {gaps[pos]:.3f})" if pos < len(gaps) else ""
+
+
 def past_stop_string(got: dict, want: dict) -> bool:
     """Whether two outputs differ only by tokens after a stop string: one token list
     extends the other, the texts are equal, and a run stopped on a stop string.
@@ -244,6 +251,7 @@ def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
         ties += tie_positions(b["top2_gap"], compared, tie_gap)
         flip = problem is not None and pos < min(len(a["tokens"]), len(b["tokens"]))
         if flip:
+            problem += own_gap_note(a, pos)
             gap = b["top2_gap"][pos] if pos < len(b["top2_gap"]) else float("inf")
             if moved and gap <= widest:
                 past_gap.append((i, problem))  # within the spread, if few enough
