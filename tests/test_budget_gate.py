@@ -998,6 +998,35 @@ def test_an_offset_keeps_the_error_of_its_window_however_many_samples_it_saw():
     assert min(share_apart(3e-3, seed) for seed in range(5)) == 1.0
 
 
+def test_a_probe_that_scatters_more_than_the_level_counts_within_its_own_error():
+    """A probe's offset error takes the wider of the bucket's spread and its own
+    samples'. The H100 batch-32 cell: the settled arm (32 drafts) alternating between a
+    fast and a slow host phase, then three samples of 64 drafts in a slow phase, one of
+    them stalled (18.3 / 8.5 / 13.5 ms): with the level's spread alone 64 drafts counted
+    4.6 ms slower (the gate left the faster arm for the rest of the cell); with its own
+    scatter nothing. Samples that agree still count a real cost: 2 ms above a steady
+    settled arm counts at least 1.5 ms."""
+    from vllm_ddtree.budget.gate_stats import GateStats
+
+    settled, probed = ARMS.index(32), ARMS.index(64)
+    rng = np.random.default_rng(0)
+    stats = GateStats(len(ARMS), settled, 32)
+    for phase in range(4):
+        for _ in range(5):
+            stats.add_residual(settled, (3.5e-3 if phase % 2 == 0 else 9e-3)
+                               + 0.5e-3 * rng.standard_normal())
+    for seconds in (18.3e-3, 8.5e-3, 13.5e-3):
+        stats.add_residual(probed, seconds)
+    assert stats.residual_seconds[probed] - stats.residual_seconds[settled] < 0.5e-3
+
+    stats = GateStats(len(ARMS), settled, 32)
+    for _ in range(20):
+        stats.add_residual(settled, 4e-3 + 0.2e-3 * rng.standard_normal())
+    for seconds in (6e-3, 6.2e-3, 5.9e-3):
+        stats.add_residual(probed, seconds)
+    assert stats.residual_seconds[probed] - stats.residual_seconds[settled] > 1.5e-3
+
+
 # Tokens per tree by arm at batch 1, shaped by the H100 sweep's fixed runs on the
 # embedded pair (B = 16: 4.21 tokens a round, 64: 4.36): the larger trees commit a few
 # per cent more at the same host-bound step.

@@ -37,6 +37,9 @@ MEDIAN_ERROR = 1.25 * 1.4826
 # Level samples before their spread is known: with fewer, offsets count as none (the
 # arms compare on the start-up model alone; the lower median of two deviations is 0).
 SPREAD_SAMPLES = 5
+# Samples of an offset before its own spread widens its error (the lower median of two
+# deviations from their median is 0: two samples say nothing of their scatter).
+OWN_SPREAD_SAMPLES = 3
 # An arm's offset takes samples until it has this many even while the arm is settled:
 # an offset frozen from one sample kept a host stall in it for good.
 OFFSET_SAMPLES = 3
@@ -117,6 +120,9 @@ class GateStats:
         # offsets' difference beyond their noise
         self.residual_offsets = np.zeros(num_arms)
         self.offset_count = np.zeros(num_arms, dtype=np.int64)  # samples in each offset
+        # fp64 [A]: each offset's own spread (median absolute deviation of its window's
+        # samples; 0 below OWN_SPREAD_SAMPLES)
+        self.offset_spread = np.zeros(num_arms)
         # the settled arm as add_residual last saw it, and its samples since it settled
         self._settled_arm, self._settled_samples = -1, 0
         self.residual_seconds = np.zeros(num_arms)
@@ -187,6 +193,9 @@ class GateStats:
         self.level.add(seconds - offset.value)
         self.residual_offsets[arm] = offset.value
         self.offset_count[arm] = offset.count
+        if len(offset.samples) >= OWN_SPREAD_SAMPLES:
+            deviations = sorted(abs(x - offset.value) for x in offset.samples)
+            self.offset_spread[arm] = deviations[(len(deviations) - 1) // 2]
         self.residual_count[arm] += 1
         self.refresh_residuals()
 
@@ -194,8 +203,9 @@ class GateStats:
         """``residual_seconds`` from the level and the offsets, after a sample or a new
         settled arm: the settled arm's residual is the level plus its offset; another
         arm differs from it by the offsets' difference less one standard error of the
-        arm's own offset (the bucket's spread, as the level's median absolute
-        deviation, over the root of its sample count), none where that error covers it,
+        arm's own offset (the wider of the bucket's spread, as the level's median
+        absolute deviation, and that of the offset's own samples, over the root of its
+        sample count), none where that error covers it,
         and none before ``SPREAD_SAMPLES`` level samples. At batch 64 on a small target
         one interval's spread was half the step (H100 traces): a probe's three samples
         then made offsets of several ms either way, and the gate moved on them; where
@@ -216,7 +226,11 @@ class GateStats:
             # it has seen: its error is that window's (with every sample counted, an
             # arm's offset hundreds of samples old lost its error and the gate moved
             # on noise)
-            error = MEDIAN_ERROR * spread / np.sqrt(
+            # and its spread is the wider of the bucket's and its own samples': a probe
+            # that caught a host stall or a slow phase scatters more than the level
+            # (batch 32, H100: three samples of 64 drafts at 8-18 ms beside the settled
+            # arm's 3-10 kept the gate off the faster arm for the rest of the cell)
+            error = MEDIAN_ERROR * np.maximum(spread, self.offset_spread) / np.sqrt(
                 np.clip(self.offset_count, 1, RESIDUAL_WINDOW))
             np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
         diff[self.residual_count == 0] = 0.0
