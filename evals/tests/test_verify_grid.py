@@ -201,6 +201,21 @@ def test_grid_keep_merges_the_other_dtypes_cells(tmp_path):
     assert again == merged["command"]
 
 
+def test_written_cells_are_in_grid_order(tmp_path):
+    """A narrowed rerun appends its cells after the kept ones; the files list every cell
+    in grid order (cache dtype, context, heads, rows), so a rerun cell takes its place."""
+    import bench_verify_grid as grid_module
+
+    report = grid()
+    report["cells"] = report["cells"][::-1]
+    grid_module.write_outputs(report, str(tmp_path / "grid"))
+    cells = json.loads((tmp_path / "grid.json").read_text())["cells"]
+    assert [(c["dtype"], c["ctx"], c["heads"], c["rows"]) for c in cells] == [
+        ("bf16", 8192, 8, 2), ("bf16", 32768, 16, 33), ("bf16", 131072, 8, 5),
+        ("fp8", 8192, 8, 2), ("fp8", 32768, 16, 33)]
+    assert report["cells"][0]["dtype"] == "fp8"  # the caller's report is left as it was
+
+
 def test_grid_keep_replaces_the_rerun_dtypes_command():
     import bench_verify_grid as grid_module
 
