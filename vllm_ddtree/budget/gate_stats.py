@@ -99,6 +99,12 @@ class _Median:
         ordered = sorted(self.samples)
         self.value = ordered[(len(ordered) - 1) // 2]
 
+    def spread(self) -> float:
+        """The lower median of the window's absolute deviations from its median (0.0
+        below three samples)."""
+        deviations = sorted(abs(x - self.value) for x in self.samples)
+        return deviations[(len(deviations) - 1) // 2] if deviations else 0.0
+
 
 class GateStats:
     """What the gate measured in one batch-size bucket, per arm (index into the gate's
@@ -194,8 +200,7 @@ class GateStats:
         self.residual_offsets[arm] = offset.value
         self.offset_count[arm] = offset.count
         if len(offset.samples) >= OWN_SPREAD_SAMPLES:
-            deviations = sorted(abs(x - offset.value) for x in offset.samples)
-            self.offset_spread[arm] = deviations[(len(deviations) - 1) // 2]
+            self.offset_spread[arm] = offset.spread()
         self.residual_count[arm] += 1
         self.refresh_residuals()
 
@@ -220,16 +225,15 @@ class GateStats:
         if len(samples) < SPREAD_SAMPLES:
             diff[:] = 0.0
         else:
-            deviations = sorted(abs(x - self.level.value) for x in samples)
-            spread = deviations[(len(deviations) - 1) // 2]
-            # an offset is the median of at most RESIDUAL_WINDOW samples, however many
+            # An offset is the median of at most RESIDUAL_WINDOW samples, however many
             # it has seen: its error is that window's (with every sample counted, an
             # arm's offset hundreds of samples old lost its error and the gate moved
-            # on noise)
-            # and its spread is the wider of the bucket's and its own samples': a probe
-            # that caught a host stall or a slow phase scatters more than the level
-            # (batch 32, H100: three samples of 64 drafts at 8-18 ms beside the settled
-            # arm's 3-10 kept the gate off the faster arm for the rest of the cell)
+            # on noise). Its spread is the wider of the bucket's and its own samples':
+            # a probe that caught a host stall or a slow phase scatters more than the
+            # level (batch 32, H100: three samples of 64 drafts at 8-18 ms beside the
+            # settled arm's 3-10 kept the gate off the faster arm for the rest of the
+            # cell).
+            spread = self.level.spread()
             error = MEDIAN_ERROR * np.maximum(spread, self.offset_spread) / np.sqrt(
                 np.clip(self.offset_count, 1, RESIDUAL_WINDOW))
             np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
