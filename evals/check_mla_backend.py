@@ -44,10 +44,11 @@ def main() -> None:
                             detokenize=False, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
     result = []
-    for out in outputs:
+    for prompt, out in zip(prompts, outputs, strict=True):
         completion = out.outputs[0]
         gaps = vllm_top2_gaps(completion.logprobs)
-        result.append({"tokens": list(completion.token_ids), "top2_gap": gaps})
+        result.append({"prompt": prompt, "tokens": list(completion.token_ids),
+                       "top2_gap": gaps})
     with open(args.out, "w") as f:
         json.dump({"backend": args.backend, "graphs": args.graphs,
                    "kv_cache_dtype": args.kv_cache_dtype, "outputs": result}, f)

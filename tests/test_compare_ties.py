@@ -263,3 +263,32 @@ def test_a_flip_reports_the_compared_runs_own_gap():
     assert "reference top-2 gap 0.310" in problem and "its own top-2 gap 0.125" in problem
     (bare,) = mismatch_problems([{"tokens": [1, 9, 3]}], want)
     assert "its own" not in bare
+
+
+def test_an_arbiter_clears_a_flip_only_where_the_exact_result_sides_with_the_run():
+    """Past the tie gap, a flip on which the exact result (``arbiter``: the margin of the
+    compared run's token over the reference's, shared prefix forced) prefers the
+    compared run's token is the reference's error: no problem. Where it prefers the
+    reference's, it stays a problem and says by how much; fp32 clears nothing."""
+    want = [out([1, 2, 3], [1.0, 0.5, 1.0]), out([4, 5, 6], [1.0, 1.0, 2.0])]
+    got = [out([1, 9, 3], [1.0] * 3), out([4, 5, 0], [1.0] * 3)]
+    asked = []
+
+    def sides_with(first_output):
+        def arbiter(i, pos, got_token, want_token):
+            asked.append((i, pos, got_token, want_token))
+            return 0.2 if i == first_output else -0.7
+        return arbiter
+
+    problems = mismatch_problems(got, want, arbiter=sides_with(0))
+    assert asked == [(0, 1, 9, 2), (1, 2, 0, 6)]
+    assert len(problems) == 1 and problems[0].startswith("prompt 1: pos 2")
+    assert "prefers the reference's by 0.700" in problems[0]
+    assert len(mismatch_problems(got, want, arbiter=sides_with(1))) == 1
+    assert len(mismatch_problems(got, want, tie_gap_of("float32"), arbiter=sides_with(0))) == 2
+    # a tie is excused before the arbiter is asked; a length difference never is
+    asked.clear()
+    tie = [out([1, 2, 3], [1.0, 0.1, 1.0])]
+    assert mismatch_problems([out([1, 9, 3], [1.0] * 3)], tie, arbiter=sides_with(0)) == []
+    short = mismatch_problems([out([1, 2], [1.0] * 2)], tie, arbiter=sides_with(0))
+    assert asked == [] and "lengths differ" in short[0]

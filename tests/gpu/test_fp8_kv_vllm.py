@@ -10,6 +10,9 @@ scale (1.0 here: the checkpoint carries no KV scales).
    and TRITON_MLA on the same fp8 cache part from FLASHMLA on some outputs at some
    reference gaps; ours may part on no more outputs, at no wider gap
    (``compare.mismatch_problems``' witnesses; FLASHMLA's fp8 kernel rounds P to e4m3).
+   Past that, a flip is cleared only where the exact result sides with ours: the target
+   in fp32 on CPU, the shared prefix forced, with vLLM's e4m3 query and cache
+   (``vllm_ddtree.testing.fp8_mla_reference``).
 2. DDTree with the fp8 cache and CUDA graphs gives plain decoding's tokens (AR on the same
    fp8 cache and backend, eager) on the embedded pair's mixed batch, its verify steps in FULL
    graphs. A mismatch is allowed only at a tie (``vllm_ddtree.testing.compare``) or
@@ -59,11 +62,34 @@ def test_custom_backend_fp8_matches_flashmla_fp8(tmp_path):
     spread = witness_spread(ref["outputs"], [w["outputs"] for w in witnesses])
     print(f"FLASHMLA fp8 one prompt a step, TRITON_MLA fp8 vs FLASHMLA fp8: {moved}; "
           f"(outputs, widest reference gap): {spread}", flush=True)
-    problems = {"CUSTOM fp8 vs FLASHMLA fp8": compare(ours, ref, witnesses),
+    problems = {"CUSTOM fp8 vs FLASHMLA fp8": compare(ours, ref, witnesses,
+                                                      exact_fp8_arbiter(target, ours)),
                 "CUSTOM fp8 graphs vs eager": compare(graphs, ours)}
     for name, found in problems.items():  # printed at once: a time limit may cut pytest
         print(f"{name}: {found or 'equal up to ties'}", flush=True)
     assert not any(problems.values()), problems
+
+
+def exact_fp8_arbiter(target, ours: dict):
+    """``mismatch_problems``' arbiter: the fp32 target's logit margin of our token over
+    the reference's where they part, on vLLM's e4m3 query and cache (printed)."""
+    from transformers import AutoModelForCausalLM
+
+    from vllm_ddtree.testing.fp8_mla_reference import fp8_cache_logits
+
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def arbiter(i: int, pos: int, our_token: int, ref_token: int) -> float:
+        output = ours["outputs"][i]
+        logits = fp8_cache_logits(model, output["prompt"], output["tokens"][:pos])[-1]
+        top2 = logits.topk(2)
+        margin = (logits[our_token] - logits[ref_token]).item()
+        print(f"exact fp8 result, prompt {i} pos {pos}: ours {our_token} vs FLASHMLA "
+              f"{ref_token}: margin {margin:+.3f} (its top-2 {top2.indices.tolist()}, "
+              f"gap {(top2.values[0] - top2.values[1]).item():.3f})", flush=True)
+        return margin
+
+    return arbiter
 
 
 def test_ddtree_fp8_cache_with_cuda_graphs_equals_ar(tmp_path):

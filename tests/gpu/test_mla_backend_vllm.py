@@ -26,11 +26,12 @@ def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
     return json.loads(out.read_text())
 
 
-def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = ()) -> list[str]:
+def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = (), arbiter=None) -> list[str]:
     """Unexplained mismatches (the first differing position of each prompt);
-    ``witnesses``: runs of the reference's own kind (``vllm_ddtree.testing.compare``)."""
+    ``witnesses``: runs of the reference's own kind, ``arbiter``: the exact result's
+    margin at a flip (``vllm_ddtree.testing.compare.mismatch_problems``)."""
     return mismatch_problems(ours["outputs"], ref["outputs"],
-                             witnesses=[w["outputs"] for w in witnesses])
+                             witnesses=[w["outputs"] for w in witnesses], arbiter=arbiter)
 
 
 @pytest.fixture(scope="module")

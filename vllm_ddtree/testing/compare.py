@@ -37,7 +37,7 @@ position moves logits by whole nats.) fp16 keeps 11 significant bits: the same
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
     "MAX_FLIP_SHARE",
@@ -219,7 +219,9 @@ def witness_spread(want: Sequence[dict], witnesses: Sequence[Sequence[dict]],
 
 def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
                       tie_gap: float = TIE_GAP,
-                      witnesses: Sequence[Sequence[dict]] = ()) -> list[str]:
+                      witnesses: Sequence[Sequence[dict]] = (),
+                      arbiter: Callable[[int, int, int, int], float] | None = None,
+                      ) -> list[str]:
     """The unexplained mismatches of a batch; outputs are dicts with ``tokens`` and
     (the reference's) ``top2_gap``. Each output: :func:`mismatch_problem` (ties only
     at the first divergence, reference gap ``<= tie_gap``; ``tie_gap_of(dtype)`` for
@@ -236,8 +238,15 @@ def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
     outputs as the witnesses part on, none at a reference gap wider than the widest at
     which a witness parted; each output a witness parts on is one more opportunity for
     the cap. A verifier that commits wrong tokens parts on more outputs, at wider gaps,
-    than vLLM does from itself. fp32 (``tie_gap`` 0) excuses nothing, witnessed or not,
-    and a length difference is never excused."""
+    than vLLM does from itself.
+
+    ``arbiter(i, pos, got_token, want_token)``: the exact result's logit margin of
+    ``got``'s token over ``want``'s at output ``i``'s ``pos`` (the shared prefix teacher
+    forced, e.g. :func:`vllm_ddtree.testing.fp8_mla_reference.fp8_cache_logits`). A flip
+    past the tie gap where it is positive is the reference's error, not ``got``'s, and
+    is no problem (nor counted as excused); a verifier that commits wrong tokens parts
+    where the exact result sides with the reference. fp32 (``tie_gap`` 0) excuses
+    nothing, witnessed, arbitrated or not, and a length difference is never excused."""
     moved, widest = witness_spread(want, witnesses) if tie_gap > 0 else (0, 0.0)
     spread = (f"; the witnesses part on {moved} outputs, up to a gap of {widest:.3f}"
               if tie_gap > 0 and witnesses else "")
@@ -252,6 +261,11 @@ def mismatch_problems(got: Sequence[dict], want: Sequence[dict],
         flip = problem is not None and pos < min(len(a["tokens"]), len(b["tokens"]))
         if flip:
             problem += own_gap_note(a, pos)
+            if tie_gap > 0 and arbiter is not None:
+                margin = arbiter(i, pos, a["tokens"][pos], b["tokens"][pos])
+                if margin > 0:
+                    continue
+                problem += f" (the exact result prefers the reference's by {-margin:.3f})"
             gap = b["top2_gap"][pos] if pos < len(b["top2_gap"]) else float("inf")
             if moved and gap <= widest:
                 past_gap.append((i, problem))  # within the spread, if few enough
