@@ -32,6 +32,7 @@ interrupted run keeps what it measured.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -442,8 +443,10 @@ def run_grid(args, bench, gpu: str, command: str) -> int:
     from tqdm import tqdm
 
     sm120 = args.force_sm120_configs
-    # the results file names its own path, not the device's output folder
-    command = command.replace(args.grid_out, "evals/results/verify_attention_grid")
+    if os.path.basename(args.grid_out) == "verify_attention_grid":
+        # the curated grid, written first into a GPU stage's log folder: its command
+        # names the results path; any other --grid-out is recorded as given
+        command = command.replace(args.grid_out, "evals/results/verify_attention_grid")
     axes = {k: getattr(args, f"grid_{k}") or v for k, v in GRID.items()}
     cells = [(d, c, h, r) for d in axes["dtype"] for c in axes["ctx"] for h in axes["heads"]
              for r in axes["rows"]]
@@ -494,8 +497,6 @@ def keep_other_cells(report: dict, path: str, measured: set[tuple]) -> dict:
     does not time (``measured``: its ``(dtype, ctx, heads, rows)`` cells; one grid from
     runs per dtype, each under the 10-minute limit of a call, or a narrowed rerun of a
     few cells), and the commands that made them; nothing from a JSON of another GPU."""
-    import os
-
     if not os.path.exists(path):
         return report
     with open(path) as f:
