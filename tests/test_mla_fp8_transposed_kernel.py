@@ -26,8 +26,8 @@ from kernel_testing import (  # noqa: E402
     skip_unless_kernels_run_here,
 )
 from mla_testing import MLA_COMPILE_PRELUDE  # noqa: E402
-from test_mla_fp8_kernel import dequantized, fp8_batch  # noqa: E402
-from test_mla_tree_kernel import MIXED  # noqa: E402
+from test_mla_fp8_kernel import FP8, dequantized, fp8_batch  # noqa: E402
+from test_mla_tree_kernel import MIXED, make_batch  # noqa: E402
 
 from vllm_ddtree.attention_backends.mla_tree import (  # noqa: E402
     kernels,
@@ -169,6 +169,54 @@ def test_bits_above_the_diagonal_are_ignored():
     batch["ancestor_bits"] = torch.full_like(batch["ancestor_bits"], -1)
     check(batch, M16, num_kv_splits=2)
     check(batch, M32, num_kv_splits=1)
+
+
+# The FLASHMLA comparison's flip (tests/gpu/test_fp8_kv_vllm.py): prompt 3 and the 20
+# tokens both backends gave before parting (evals/check_mla_backend.py's prompts).
+FLIP_PROMPT = [3 + (7 * i) % 900 for i in range(130)]
+FLIP_PREFIX = [84, 269, 360, 269, 337, 478, 596, 527, 275, 13, 437, 13, 479, 13, 3139, 84, 13,
+               3139, 84, 13]
+
+
+@needs_kernels
+def test_real_decode_rows_nearer_exact_than_p_rounded_to_e4m3(monkeypatch):
+    """On the embedded target's own query and cache at the decode row where our backend
+    and FLASHMLA parted (every layer, e4m3 query and cache as vLLM writes them), the
+    transposed kernel's bf16 output is within 2.5x bf16's own rounding of the exact
+    attention, and nearer it than the same attention with P rounded to e4m3 (FlashMLA's
+    fp8 PV product)."""
+    from vllm_ddtree.demo.reference_engine import CHECKPOINTS, load_embedded_pair
+    from vllm_ddtree.testing import fp8_mla_reference
+
+    if not (CHECKPOINTS / "target" / "config.json").exists():
+        pytest.skip("the embedded pair is not trained here")
+    target = load_embedded_pair().target.float()
+    captured = []
+    quantize = fp8_mla_reference.e4m3
+    monkeypatch.setattr(fp8_mla_reference, "e4m3",
+                        lambda x, scale: captured.append(x.float()) or quantize(x, scale))
+    fp8_mla_reference.fp8_cache_logits(target, FLIP_PROMPT, FLIP_PREFIX)
+    scale = target.model.layers[0].self_attn.scaling
+    one = torch.ones(1, device=DEVICE)
+    for q_rows, latents in zip(captured[::2], captured[1::2], strict=True):
+        q = q_rows[:, -1].clamp(-448, 448).to(FP8)  # [H, 576]: the row deciding token 20
+        k = latents.clamp(-448, 448).to(FP8)  # [S, 576]
+        batch = make_batch([(k.shape[0] - 1, [-1])], heads=q.shape[0], kv_lora=512, rope=64,
+                           page_size=16)
+        cache = batch["kv_cache"].clone()
+        for i in range(k.shape[0]):
+            cache[batch["block_table"][0, i // 16], i % 16] = k[i].float()
+        batch.update(q=q[None].to(DEVICE), kv_cache=cache.to(FP8), kv_scale=one, q_scale=one,
+                     scale=scale, out_dtype=torch.bfloat16)
+        out, _ = mla_tree_verify(**batch, config=M16, kernel="triton")
+        exact = mla_tree_verify_reference(**dequantized(batch))[0][0].float()
+        scores = (q.float() @ k.float().T) * scale
+        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+        p_e4m3 = (weights.to(FP8).float() @ k[:, :512].float()) / weights.sum(-1, keepdim=True)
+        errors = [((x.float().cpu() - exact.cpu()).norm() / exact.norm()).item()
+                  for x in (out[0], exact.bfloat16(), p_e4m3)]
+        ours, rounding, flashmla_like = errors
+        assert ours < 2.5 * rounding and ours < flashmla_like, errors
 
 
 def test_refused_on_a_16_bit_cache():
