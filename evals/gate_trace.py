@@ -17,7 +17,10 @@ held or not),
 ``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``,
 ``["s", t_s, num_reqs, shape, prefill_reqs]`` (a step the gate timed),
 ``["p", t_s, bucket, prefill_pairs, typical]`` (its interval reached the prefill check,
-``typical`` 1 or 0); ``t_s`` from
+``typical`` 1 or 0), ``["m", t_s, bucket, arms, model_ms, predicted_ms, rates]`` (each
+rating of the arms, ``SpeculationGate.rates``: the start-up model's step time, the time
+predicted with the bucket's residuals, and the predicted tokens per second a request,
+one value per arm); ``t_s`` from
 the first record of the trace, ``bucket`` the gate's batch-size bucket
 (``vllm_ddtree.budget.gate.bucket_batches``), ``arm`` drafts per request (0: plain).
 """
@@ -47,6 +50,18 @@ def install() -> None:
     decide, bucket = gate_cls.decide, gate_cls.bucket
     add_residual, add_committed = stats_cls.add_residual, stats_cls.add_committed
     step_started, typical_prefill = gate_cls.step_started, stats_cls.typical_prefill
+    rates = gate_cls.rates
+
+    def traced_rates(self, stats, num_reqs, columns, num_arms):
+        rated = rates(self, stats, num_reqs, columns, num_arms)
+        if _RECORDS is not None:
+            arms = self._arm_values[:num_arms]
+            model = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
+            _RECORDS.append(["m", time.perf_counter(), id(stats), arms.tolist(),
+                             [1e3 * float(x) for x in model],
+                             [1e3 * float(x) for x in self._arm_seconds],
+                             [float(x) for x in rated]])
+        return rated
 
     def traced_step_started(self, num_reqs, shape, prefill_reqs=0, prefill_tokens=0,
                             prefill_pairs=0, cap=None):
@@ -86,15 +101,17 @@ def install() -> None:
             _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens)])
 
     originals = {(gate_cls, "decide"): decide, (gate_cls, "bucket"): bucket,
+                 (gate_cls, "rates"): rates,
                  (gate_cls, "step_started"): step_started,
                  (stats_cls, "add_residual"): add_residual,
                  (stats_cls, "add_committed"): add_committed,
                  (stats_cls, "typical_prefill"): typical_prefill}
     for fn in (traced_decide, traced_bucket, traced_residual, traced_committed,
-               traced_step_started, traced_typical):
+               traced_step_started, traced_typical, traced_rates):
         fn._traced = True
     _ORIGINALS.update(originals)
     gate_cls.decide, gate_cls.bucket = traced_decide, traced_bucket
+    gate_cls.rates = traced_rates
     gate_cls.step_started = traced_step_started
     stats_cls.add_residual, stats_cls.add_committed = traced_residual, traced_committed
     stats_cls.typical_prefill = traced_typical
@@ -128,6 +145,12 @@ def take() -> list[list]:
     for kind, t, *rest in records:
         if kind in ("d", "s"):
             out.append([kind, round(t - t0, 6), *rest])
+            continue
+        if kind == "m":
+            stats_id, *values = rest
+            if stats_id in where:
+                out.append([kind, round(t - t0, 6), where[stats_id][0],
+                             *[[round(x, 4) for x in v] for v in values]])
             continue
         stats_id, arm, value = rest
         if stats_id not in where:
@@ -183,7 +206,25 @@ def summary(records: list[list]) -> str:
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
     return ("\n".join(lines) + f"\n\n{len(decisions)} steps, the arm changed {changes} "
-            "times.\n\n" + switch_table(decisions, spread) + "\n" + sample_table(records))
+            "times.\n\n" + switch_table(decisions, spread) + "\n" + sample_table(records)
+            + "\n" + rating_table(records))
+
+
+def rating_table(records: list[list]) -> str:
+    """Markdown: per bucket, the gate's last rating of its arms: the start-up model's
+    step time, the time predicted with the measured residuals, the committed tokens
+    per tree the rate implies, and the predicted rate. Where the model's step times
+    part far more than the measured intervals do (a host-bound step hides the GPU's),
+    an arm's residual offset must carry the difference."""
+    last = {r[2]: r for r in records if r[0] == "m"}
+    lines = ["| batches | arm | model ms | predicted ms | committed | tokens/s a request |",
+             "|---|---|---|---|---|---|"]
+    for batches in sorted(last, key=_bucket_order):
+        _, _, _, arms, model, predicted, rated = last[batches]
+        for arm, m, p, r in zip(arms, model, predicted, rated, strict=True):
+            lines.append(f"| {batches} | {arm} | {m:.2f} | {p:.2f} | {r * p / 1e3:.2f} | "
+                         f"{r:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def sample_table(records: list[list]) -> str:

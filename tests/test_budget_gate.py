@@ -9,6 +9,7 @@ the batch schedule's cap, and make no host sync."""
 import functools
 import logging
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -492,6 +493,46 @@ def test_noisy_host_bound_batch_64_takes_the_largest_tree(seed):
         return engine.tokens / engine.time
 
     assert throughput(ARMS) >= 0.99 * max(throughput([0, 16]), throughput([0, 64]))
+
+
+def overlap_model() -> StepCostModel:
+    """The gate's model with verify graphs 10x this module's: at batch 64 and 1k context
+    0.4 ms a plain step, 2.7 ms with 32 drafts, 4.8 ms with 64 (GPU time, as the
+    start-up measurement gives it)."""
+    tree = [[1e-7 * (1 + 0.05 * b) for b in BUDGETS], [2e-7 * (1 + 0.05 * b) for b in BUDGETS]]
+    model = StepCostModel(2, [1024, 2048], [1e-7, 2e-7], tree, BUDGETS)
+    rows = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4160]
+    model.set_graph_costs({n: 3e-4 + 1e-6 * n for n in rows},
+                          {r: 2e-4 + 1e-6 * r for r in (1, 2, 4, 8, 16, 32, 64)})
+    return model
+
+
+@pytest.mark.xfail(strict=True, reason="known: the gate counts the model's GPU cost of a "
+                   "larger tree whole where the host's step hides it (issue 42)")
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_host_work_that_hides_the_gpu_keeps_the_largest_tree(monkeypatch, seed):
+    """vLLM's host prepares a step while the GPU runs the last, so a step takes the
+    longer of the two: at batch 64 a host of 7 ms hides every arm's verify (H100 traces
+    of the embedded pair: the interval after 64 drafts matched that after 32, 7.2-7.4
+    vs 7.3 ms, and fixed 64 drafts committed 7 % more a tree). Every speculative arm
+    then costs the same and the largest commits most: auto within 3 % of fixed 64
+    drafts. Today it stays below 64 drafts (0.87-0.96x, below fixed 32 too): an arm's
+    offset that would cancel the model's 2 ms difference is shrunk to none within its
+    noise (30 % a step here), so the model's difference counts whole."""
+    monkeypatch.setattr(sys.modules[__name__], "cost_model", overlap_model)
+    model = overlap_model()
+
+    def seconds(num_reqs: int, shape: int, drafted: bool) -> float:
+        gpu = model.step_seconds(num_reqs, np.full(num_reqs, 1024), shape, drafted)
+        return max(7e-3, gpu)
+
+    def throughput(arms):
+        engine = Engine(seconds=seconds, committed=SWEEP_COMMITTED, noise=0.3, seed=seed,
+                        arms=arms)
+        engine.run(64, 3000)
+        return engine.tokens / engine.time
+
+    assert throughput(ARMS) >= 0.97 * throughput([0, 64])
 
 
 def test_cap_below_every_speculative_arm_decodes_plainly():
@@ -1054,3 +1095,33 @@ def test_noisy_trees_at_batch_1_stay_on_the_largest_tree(seed):
     fixed = mean_tokens / (host_bound_seconds(1, 64, True) * noise_mean(0.1))
     assert engine.tokens / engine.time >= 0.96 * fixed
     assert max(set(shapes), key=shapes.count) == 64
+
+
+def test_the_gate_trace_records_each_rating_of_the_arms():
+    """``evals/gate_trace.py``: besides decisions, residuals and committed tokens, each
+    rating of the arms (the model's step time, the predicted time with the residuals,
+    the rate) per bucket, resolved to the bucket's batches and the arms' drafts; its
+    summary's rating table lists the last rating of each arm; uninstall restores the
+    gate."""
+    from evals_scripts import load_evals_script
+
+    gate_trace = load_evals_script("gate_trace")
+    rates = SpeculationGate.rates
+    gate_trace.install()
+    try:
+        engine = Engine(noise=0.1, seed=0)
+        engine.run(64, 400)
+        records = gate_trace.take()
+    finally:
+        gate_trace.uninstall()
+    assert SpeculationGate.rates is rates
+    ratings = [r for r in records if r[0] == "m"]
+    assert ratings and {r[2] for r in ratings} == {"33-64"}
+    _, _, _, arms, model, predicted, rated = ratings[-1]
+    assert arms == ARMS[:len(arms)] and len(model) == len(predicted) == len(rated)
+    want = MODEL.step_seconds_by_drafts(64, np.array(arms), MODEL.attention_columns(
+        np.full(64, 1024)))
+    np.testing.assert_allclose(model, 1e3 * want, rtol=1e-3)
+    assert all(p >= 0.5 * m for p, m in zip(predicted, model, strict=True))
+    table = gate_trace.summary(records)
+    assert "| 33-64 | 64 |" in table.split("tokens/s a request")[1]
