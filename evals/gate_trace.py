@@ -17,7 +17,9 @@ held or not),
 ``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``,
 ``["s", t_s, num_reqs, shape, prefill_reqs]`` (a step the gate timed),
 ``["p", t_s, bucket, prefill_pairs, typical]`` (its interval reached the prefill check,
-``typical`` 1 or 0), ``["m", t_s, bucket, arms, model_ms, predicted_ms, rates]`` (each
+``typical`` 1 or 0), ``["u", t_s, bucket, arm, slack_s]`` (a timed step's GPU idle time
+before the next step's start, ``GateStats.add_slack``),
+``["m", t_s, bucket, arms, model_ms, predicted_ms, rates]`` (each
 rating of the arms, ``SpeculationGate.rates``: the start-up model's step time, the time
 predicted with the bucket's residuals, and the predicted tokens per second a request,
 one value per arm); ``t_s`` from
@@ -50,6 +52,7 @@ def install() -> None:
     decide, bucket = gate_cls.decide, gate_cls.bucket
     add_residual, add_committed = stats_cls.add_residual, stats_cls.add_committed
     step_started, typical_prefill = gate_cls.step_started, stats_cls.typical_prefill
+    add_slack = stats_cls.add_slack
     rates = gate_cls.rates
 
     def traced_rates(self, stats, num_reqs, columns, num_arms):
@@ -95,6 +98,11 @@ def install() -> None:
         if _RECORDS is not None:
             _RECORDS.append(["r", time.perf_counter(), id(self), int(arm), float(seconds)])
 
+    def traced_slack(self, arm, seconds):
+        add_slack(self, arm, seconds)
+        if _RECORDS is not None:
+            _RECORDS.append(["u", time.perf_counter(), id(self), int(arm), float(seconds)])
+
     def traced_committed(self, arm, tokens):
         add_committed(self, arm, tokens)
         if _RECORDS is not None:
@@ -105,9 +113,10 @@ def install() -> None:
                  (gate_cls, "step_started"): step_started,
                  (stats_cls, "add_residual"): add_residual,
                  (stats_cls, "add_committed"): add_committed,
+                 (stats_cls, "add_slack"): add_slack,
                  (stats_cls, "typical_prefill"): typical_prefill}
     for fn in (traced_decide, traced_bucket, traced_residual, traced_committed,
-               traced_step_started, traced_typical, traced_rates):
+               traced_step_started, traced_typical, traced_rates, traced_slack):
         fn._traced = True
     _ORIGINALS.update(originals)
     gate_cls.decide, gate_cls.bucket = traced_decide, traced_bucket
@@ -115,6 +124,7 @@ def install() -> None:
     gate_cls.step_started = traced_step_started
     stats_cls.add_residual, stats_cls.add_committed = traced_residual, traced_committed
     stats_cls.typical_prefill = traced_typical
+    stats_cls.add_slack = traced_slack
 
 
 def uninstall() -> None:
@@ -232,18 +242,31 @@ def sample_table(records: list[list]) -> str:
     prefill check (those with no decode, no propose or past ``MAX_STEP_SECONDS`` stop
     before it), how many of them it found atypical, and the residual samples taken
     (the rest: a step whose arm, draft and shape disagreed, e.g. the last step before
-    plain decoding). Where residuals are few against timed steps, the gate decided
-    blind."""
+    plain decoding), and the GPU's idle time after the settled arm's steps (the host's
+    step outlasting the GPU's: up to it the model's difference between arms is hidden).
+    Where residuals are few against timed steps, the gate decided blind."""
+    import numpy as np
+
     from vllm_ddtree.budget.gate import batch_bucket, bucket_batches
 
     timed = Counter(bucket_batches(batch_bucket(r[2])) for r in records if r[0] == "s")
     checked = Counter(r[2] for r in records if r[0] == "p")
     atypical = Counter(r[2] for r in records if r[0] == "p" and not r[4])
     sampled = Counter(r[2] for r in records if r[0] == "r")
+    slack: dict[str, list[float]] = {}
+    for r in records:
+        if r[0] == "u":
+            slack.setdefault(r[2], []).append(1e3 * r[4])
     lines = ["| batches | steps timed | reached the prefill check | atypical prefill | "
-             "residual samples |", "|---|---|---|---|---|"]
+             "residual samples | GPU idle after a step, ms (median, 10-90 %) |",
+             "|---|---|---|---|---|---|"]
     for b in sorted(set(timed) | set(checked) | set(sampled), key=_bucket_order):
-        lines.append(f"| {b} | {timed[b]} | {checked[b]} | {atypical[b]} | {sampled[b]} |")
+        idle = "—"
+        if slack.get(b):
+            q10, q50, q90 = np.percentile(slack[b], [10, 50, 90])
+            idle = f"{q50:.2f} ({q10:.2f}-{q90:.2f}, {len(slack[b])})"
+        lines.append(f"| {b} | {timed[b]} | {checked[b]} | {atypical[b]} | {sampled[b]} | "
+                     f"{idle} |")
     return "\n".join(lines) + "\n"
 
 

@@ -484,7 +484,9 @@ def test_propose_of_a_held_gate_decision_skips_the_shape_copy_and_the_round_samp
     spec.verify_shape = NS(record_=lambda b: recorded.append(int(b.reshape(-1)[0])))
     if not in_graph:
         monkeypatch.setattr(spec.state, "store_trees_", lambda *a, **k: None)
-    plan = NS(holding=True, gate=None, draft_next=lambda num_reqs, contexts: True)
+    finished = []  # every propose ends the gate's step after its last launch
+    plan = NS(holding=True, gate=None, draft_next=lambda num_reqs, contexts: True,
+              step_finished=lambda: finished.append(True))
     spec.step_plan = plan
     monkeypatch.setattr(DFlashSpeculator, "propose",
                         lambda self, input_batch, *a, **k: self.draft_tokens[:2])
@@ -496,7 +498,7 @@ def test_propose_of_a_held_gate_decision_skips_the_shape_copy_and_the_round_samp
         plan.holding = holding
         spec.propose(batch, None, {}, None, None, ones, ones, None, None, None, None)
     assert observed == [False, False, True, False]
-    assert len(recorded) == 1
+    assert len(recorded) == 1 and len(finished) == 4
 
 
 def test_the_in_graph_choice_refuses_cpu_tensors():

@@ -40,12 +40,15 @@ are cumulative), and the step whose propose decides is timed: the one after the 
 or one whose batch left the hold's bucket or cap (its start ends the hold,
 :meth:`SpeculationGate.step_started`).
 
-Known limitations: the arm is chosen with the batch of the ``propose`` that chooses it,
+Where the host's step outlasts the GPU's (a small target at batch 32-64: vLLM prepares
+a step while the GPU runs the last), the model's difference between speculative arms
+is hidden up to the GPU's idle time after the settled arm's steps (an event at the end
+of ``propose``, :meth:`SpeculationGate.step_finished`): offsets shrink toward that
+prediction instead of toward none (``GateStats.residuals``).
+
+Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
 so a batch that jumps every few steps between far-apart buckets (say 3 and 200
-requests) runs each step with the previous step's bucket's decision. Where the host's
-step hides the GPU's (a small target at batch 32-64), the model's extra GPU time of a
-larger arm counts whole unless that arm's offset clears its noise, so the gate stays
-below the largest arm that costs nothing more (``tests/test_budget_gate.py``'s xfail).
+requests) runs each step with the previous step's bucket's decision.
 """
 
 from __future__ import annotations
@@ -134,6 +137,7 @@ class _Mark:
     drafted: bool | None = None  # its propose ran the block pass (None: not decided yet)
     model: float | None = None  # modeled seconds of the step at its shape
     timed: bool = True  # False: it only closes the timed step before it
+    end: Any = None  # event after its propose's last launch (step_finished)
 
 
 @dataclass
@@ -217,6 +221,7 @@ class SpeculationGate:
         self._hold_batches = (0, -1)  # the bucket's batch sizes (gate_stats.bucket_bounds)
         self._decision_seconds = Ema()
         self._close_next = False  # the next step's start closes a timed step
+        self._finishing: _Mark | None = None  # the timed step step_finished ends
 
     @property
     def speculative_arms(self) -> list[int]:
@@ -337,6 +342,17 @@ class SpeculationGate:
         while len(self.marks) > _MARKS:
             self.marks.popleft()
 
+    def step_finished(self) -> None:
+        """At the end of ``propose`` (after its last launch): mark on the stream where
+        the timed step's GPU work ends, so that the GPU's idle time until the next
+        step's start (the host's step outlasting it) is measured. No host sync."""
+        mark, self._finishing = self._finishing, None
+        if mark is not None:
+            mark.end = self.make_event()
+            record = getattr(mark.end, "record", None)
+            if record is not None:
+                record()
+
     def record_acceptance_(self, accepted_sum: torch.Tensor, num_trees: torch.Tensor,
                            num_reqs: int, arm_accepted: torch.Tensor | None = None) -> None:
         """At ``propose``, after the step's walk: DDTree's cumulative counters (int64
@@ -431,6 +447,9 @@ class SpeculationGate:
             if not typical or spec != first.drafted or spec != (first.shape > 0):
                 continue
             stats.add_residual(self._index[first.arm], seconds - first.model)
+            if spec and first.end is not None:
+                stats.add_slack(self._index[first.arm],
+                                first.end.elapsed_time(second.event) / 1e3)
 
     def _modeled_seconds(self, mark: _Mark, contexts: np.ndarray,
                          columns: np.ndarray) -> float | None:
@@ -451,15 +470,16 @@ class SpeculationGate:
               num_arms: int) -> np.ndarray:
         """fp64 ``[num_arms]``: predicted tokens per second a request of the first arms
         at this batch size, ``committed / (model + residual)`` (at least half the model;
-        residuals: ``GateStats.refresh_residuals``; above the settled arm: scaled by
+        residuals: ``GateStats.hidden_residuals``; above the settled arm: scaled by
         ``gate_stats.follow_settled_arm``; without counted trees: the committed tokens of the
         nearest arm with some, else ``PRIOR_COMMITTED``); ``columns``: the contexts'
         ``StepCostModel.attention_columns``."""
         arms = self._arm_values[:num_arms]
         seconds = self.model.step_seconds_by_drafts(num_reqs, arms, columns)
+        residuals = stats.hidden_residuals(seconds)
         # a residual far below zero (a stall in a few samples' level) must not make a
         # step free: no arm is predicted below half its model time
-        seconds = np.maximum(seconds + stats.residual_seconds[:num_arms], 0.5 * seconds)
+        seconds = np.maximum(seconds + residuals[:num_arms], 0.5 * seconds)
         self._arm_seconds = seconds
         committed = stats.committed_tokens[:num_arms].copy()
         committed[0] = 1.0  # a plain step commits one token a request
@@ -518,6 +538,7 @@ class SpeculationGate:
             mark.drafted = arm > 0
             if mark.arm in self._index:
                 mark.model = self._modeled_seconds(mark, contexts, columns)
+        self._finishing = mark
         self._drain_marks()
         self.arm = arm
         if self._log_pending:

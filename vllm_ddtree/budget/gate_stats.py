@@ -50,6 +50,9 @@ OFFSET_SAMPLES = 3
 PREFILL_WINDOW = 128
 PREFILL_SHARE = 0.25
 TYPICAL_PREFILL = 4.0
+# Host slack samples (the GPU idle between a settled speculative step's last launch's
+# end and the next step's start) before the slack hides any arm's modeled difference.
+SLACK_SAMPLES = 5
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -153,6 +156,12 @@ class GateStats:
         self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
         # prefill attention pairs of the bucket's last timed steps (0: none)
         self.prefill_pairs: deque[int] = deque(maxlen=PREFILL_WINDOW)
+        # fp64 [A]: each arm's offset less the settled arm's (0 without samples) and its
+        # standard error (inf before SPREAD_SAMPLES level samples: it counts as none)
+        self.offset_diff = np.zeros(num_arms)
+        self.offset_error = np.full(num_arms, np.inf)
+        # the GPU's idle time after the settled arm's steps (add_slack) and that arm
+        self.slack, self._slack_arm = _Median(), -1
 
     def typical_prefill(self, pairs: int) -> bool:
         """Record a timed step's prefill attention pairs (0 without a prefill); whether
@@ -217,13 +226,15 @@ class GateStats:
         steps are steady the offsets count whole. (Counting the settled arm's error
         too shrank real differences the start-up model misses, and the committed tokens
         alone chose: ``tests/test_budget_gate.py``'s prefill case.) An arm without
-        samples takes the settled arm's residual."""
+        samples takes the settled arm's residual. :meth:`residuals` shrinks toward the
+        host slack's prediction instead of toward none."""
         samples = self.level.samples
         settled = self.settled
         base = self.residual_offsets[settled] if self.residual_count[settled] else 0.0
-        diff = self.residual_offsets - base
+        np.subtract(self.residual_offsets, base, out=self.offset_diff)
+        self.offset_diff[self.residual_count == 0] = 0.0
         if len(samples) < SPREAD_SAMPLES:
-            diff[:] = 0.0
+            self.offset_error[:] = np.inf
         else:
             # An offset is the median of at most RESIDUAL_WINDOW samples, however many
             # it has seen: its error is that window's (with every sample counted, an
@@ -234,11 +245,65 @@ class GateStats:
             # settled arm's 3-10 kept the gate off the faster arm for the rest of the
             # cell).
             spread = self.level.spread()
-            error = MEDIAN_ERROR * np.maximum(spread, self.offset_spread) / np.sqrt(
-                np.clip(self.offset_count, 1, RESIDUAL_WINDOW))
-            np.copysign(np.maximum(np.abs(diff) - error, 0.0), diff, out=diff)
-        diff[self.residual_count == 0] = 0.0
-        np.add(self.level.value + base, diff, out=self.residual_seconds)
+            self.offset_error[:] = MEDIAN_ERROR * np.maximum(spread, self.offset_spread) / (
+                np.sqrt(np.clip(self.offset_count, 1, RESIDUAL_WINDOW)))
+        self.residual_seconds = self.residuals(np.zeros(len(self.offset_diff)))
+
+    def residuals(self, prior: np.ndarray) -> np.ndarray:
+        """fp64 ``[A]``: each arm's residual where, without samples beyond their noise,
+        it is predicted to differ from the settled arm's by ``prior`` (fp64 ``[A]``,
+        0 at the settled arm; zeros: the start-up model's difference counts whole): the
+        level and the settled arm's offset, plus ``prior`` and the measured difference
+        from it less its error (soft thresholding), none for an arm without samples."""
+        level = self.level.value
+        if self.residual_count[self.settled]:
+            level += self.residual_offsets[self.settled]
+        beyond = self.offset_diff - prior
+        shrunk = np.maximum(np.abs(beyond) - self.offset_error, 0.0)
+        np.copysign(shrunk, beyond, out=shrunk)
+        shrunk[self.residual_count == 0] = 0.0
+        return level + prior + shrunk
+
+    def hidden_residuals(self, model_seconds: np.ndarray) -> np.ndarray:
+        """fp64 ``[A]``: :meth:`residuals` where the host's step hides part of the
+        model's difference between speculative arms (vLLM prepares a step on the host
+        while the GPU runs the last: a step takes the longer of the two), as the GPU's
+        idle time after the settled arm's last steps (:meth:`slack_samples`) says: a
+        step ``d`` longer on the GPU takes ``max(0, d - idle)`` more after one that
+        idled and ``d`` more after one that did not; ``d`` shorter, nothing less after
+        one that idled (the host is what it waits for) and ``d`` less after one that
+        did not. ``residual_seconds`` without slack samples. ``model_seconds``: fp64
+        ``[n]``, the start-up model's step of the first ``n`` arms at this batch."""
+        n = len(model_seconds)
+        idle = self.slack_samples() if self.settled < n else None
+        if idle is None:
+            return self.residual_seconds
+        gpu = np.asarray(model_seconds[1:]) - model_seconds[self.settled]
+        longer = np.maximum(gpu[:, None] - idle[None, :], 0.0).mean(axis=1)
+        step = np.where(gpu > 0.0, longer, gpu * float(np.mean(idle <= 0.0)))
+        prior = np.zeros(len(self.offset_diff))
+        prior[1:n] = step - gpu
+        return self.residuals(prior)
+
+    def add_slack(self, arm: int, seconds: float) -> None:
+        """A timed step of ``arm`` (index, speculative) left the GPU idle ``seconds``
+        before the next step's start: the host's step outlasted the GPU's by that much.
+        Kept for the settled arm only (a probe's own GPU time moves it), from the
+        settled arm's first sample."""
+        if arm != self.settled:
+            return
+        if self._slack_arm != arm:
+            self.slack, self._slack_arm = _Median(), arm
+        self.slack.add(max(seconds, 0.0))
+
+    def slack_samples(self) -> np.ndarray | None:
+        """fp64 ``[k]``: the GPU's idle time after each of the settled arm's last
+        ``k <= RESIDUAL_WINDOW`` timed steps (seconds, 0 where it did not wait); None
+        before ``SLACK_SAMPLES`` of them or where the settled arm is plain decoding."""
+        if (self.settled == 0 or self._slack_arm != self.settled
+                or self.slack.count < SLACK_SAMPLES):
+            return None
+        return np.fromiter(self.slack.samples, dtype=np.float64)
 
     def add_committed(self, arm: int, tokens: float) -> None:
         ema = self.committed[arm]

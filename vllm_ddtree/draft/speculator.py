@@ -618,6 +618,8 @@ class DDTreeSpeculator(DFlashSpeculator):
             self._store_context_kv(input_batch, aux_hidden_states, last_hidden_states,
                                    num_sampled, num_rejected, last_sampled,
                                    next_prefill_tokens)
+            if self.step_plan is not None:
+                self.step_plan.step_finished()
             return self.draft_tokens[:num_reqs]
         fused = not dummy_run and self._prepare_inputs_in_one_launch(
             input_batch, num_sampled, num_rejected, last_sampled, next_prefill_tokens)
@@ -664,4 +666,6 @@ class DDTreeSpeculator(DFlashSpeculator):
                 self.batch_ancestor_bits[:num_reqs],
                 active,
             )
+        if self.step_plan is not None and not dummy_run:
+            self.step_plan.step_finished()
         return draft_tokens

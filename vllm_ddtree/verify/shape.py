@@ -327,6 +327,12 @@ class StepPlan:
             self.gate.step_started(num_reqs, shape, *prefill, cap=cap)
         return shape
 
+    def step_finished(self) -> None:
+        """At the end of ``propose``, after its last launch: the gate's timed step ends
+        on the stream here (``SpeculationGate.step_finished``)."""
+        if self.gate is not None:
+            self.gate.step_finished()
+
     def draft_next(self, num_reqs: int, contexts: Any = None) -> bool:
         """At ``propose`` (after this step's verify): whether to run the drafter's block
         pass, i.e. whether the next step verifies trees. No when the schedule's budget
