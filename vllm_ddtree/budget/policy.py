@@ -66,7 +66,11 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   lower median of its probe steps less the level of the moment; the settled arm's steps
   move the level), so that the host's speed, which moves every arm's steps together,
   moves every arm's residual; an offset's difference from the settled arm's counts
-  only beyond one standard error of its median (the device's
+  only beyond one standard error of its median, from what the host's step hides: vLLM
+  prepares a step on the host while the GPU runs the last, so where the GPU idled after
+  the settled arm's steps (an event at the end of each timed ``propose``), an arm ``d``
+  longer on the GPU is predicted ``max(0, d - idle)`` longer per such step and one
+  ``d`` shorter no shorter (the device's
   budget may cut an arm's trees further; a prefill's tokens in the step priced as more
   rows of the forward): what they actually took beyond the model, from CUDA timing
   events at the start of each step the gate times and of the step after it, read only
