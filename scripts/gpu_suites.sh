@@ -21,7 +21,9 @@
 #              the round's Triton kernels of tests/ compiled for this GPU
 #   backend    the CUSTOM attention backends in vLLM: MLA against TRITON_MLA /
 #              FLASH_ATTN_MLA, GQA against FLASH_ATTN (tiny models, 4 engines each)
-#   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference
+#   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference, and
+#              the transposed kernel compiled on the embedded target's real decode rows
+#              (fp32 output within 5e-4 of the exact attention, bf16 output rounded once)
 #   cascade    the cascade (FlashMLA over the context, our kernel over the tree; sm_90)
 #              against the reference, bf16 and fp8, CUDA graphs; then in vLLM against the
 #              vLLM backends (tiny MLA model, CUDA graphs: FLASHMLA in bf16 and in
@@ -397,7 +399,8 @@ for stage in "$@"; do
     backend)
       stage_pytest backend_mla 300 tests/gpu/test_mla_backend_vllm.py
       stage_pytest backend_gqa 300 tests/gpu/test_gqa_backend_vllm.py ;;
-    fp8) stage_pytest fp8 240 tests/gpu/test_mla_tree_kernel_gpu.py -k "fp8 and not sm120" ;;
+    fp8) stage_pytest fp8 300 tests/gpu/test_mla_tree_kernel_gpu.py tests/test_mla_fp8_transposed_kernel.py \
+           -k "fp8 and not sm120 or real_decode" ;;
     cascade)
       stage_pytest cascade 240 tests/gpu/test_mla_cascade_gpu.py
       stage_pytest cascade_vllm 400 tests/gpu/test_mla_backend_vllm.py -k cascade

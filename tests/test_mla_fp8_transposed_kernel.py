@@ -179,12 +179,19 @@ FLIP_PREFIX = [84, 269, 360, 269, 337, 478, 596, 527, 275, 13, 437, 13, 479, 13,
 
 
 @needs_kernels
-def test_real_decode_rows_nearer_exact_than_p_rounded_to_e4m3(monkeypatch):
-    """On the embedded target's own query and cache at the decode row where our backend
-    and FLASHMLA parted (every layer, e4m3 query and cache as vLLM writes them), the
-    transposed kernel's bf16 output is within 2.5x bf16's own rounding of the exact
-    attention, and nearer it than the same attention with P rounded to e4m3 (FlashMLA's
-    fp8 PV product)."""
+def test_real_decode_rows_within_bf16_rounding_of_the_exact_attention(monkeypatch):
+    """On the embedded target's own queries and cache where our backend and FLASHMLA
+    parted (every layer; the 20 decode rows of the shared prefix, which decide tokens
+    1-20, verified as one chain over the prompt; e4m3 query and cache as vLLM writes
+    them), row by row: the transposed kernel's fp32 output is within 5e-4 of the exact
+    attention (relative; under a third of bf16's rounding, 1.2-2.0e-3 here), and its
+    bf16 output is that result rounded once, so nothing in the kernel moves a row more
+    than the output's rounding. (Triton's interpreter casts fp32 to bf16 by truncation,
+    twice round-to-nearest's error: 3.1-4.5e-3 here, which an earlier bound of 2.5x the
+    rounding read as the kernel's own; a GPU rounds to nearest. FlashMLA's fp8 PV
+    product, P rounded to e4m3, is 1.8e-3 to 1.1e-2 from the exact attention on these
+    rows.) Compiled on a GPU too (sm_90's fp8 rule picks this kernel for the embedded
+    target's short contexts)."""
     from vllm_ddtree.demo.reference_engine import CHECKPOINTS, load_embedded_pair
     from vllm_ddtree.testing import fp8_mla_reference
 
@@ -198,25 +205,34 @@ def test_real_decode_rows_nearer_exact_than_p_rounded_to_e4m3(monkeypatch):
     fp8_mla_reference.fp8_cache_logits(target, FLIP_PROMPT, FLIP_PREFIX)
     scale = target.model.layers[0].self_attn.scaling
     one = torch.ones(1, device=DEVICE)
+    context, rows = len(FLIP_PROMPT), len(FLIP_PREFIX)
     for q_rows, latents in zip(captured[::2], captured[1::2], strict=True):
-        q = q_rows[:, -1].clamp(-448, 448).to(FP8)  # [H, 576]: the row deciding token 20
+        q = q_rows.clamp(-448, 448).to(FP8).transpose(0, 1)  # [rows, H, 576]
         k = latents.clamp(-448, 448).to(FP8)  # [S, 576]
-        batch = make_batch([(k.shape[0] - 1, [-1])], heads=q.shape[0], kv_lora=512, rope=64,
+        assert q.shape[0] == rows and k.shape[0] == context + rows
+        batch = make_batch([(context, chain(rows))], heads=q.shape[1], kv_lora=512, rope=64,
                            page_size=16)
         cache = batch["kv_cache"].clone()
         for i in range(k.shape[0]):
             cache[batch["block_table"][0, i // 16], i % 16] = k[i].float()
-        batch.update(q=q[None].to(DEVICE), kv_cache=cache.to(FP8), kv_scale=one, q_scale=one,
+        batch.update(q=q.to(DEVICE), kv_cache=cache.to(FP8), kv_scale=one, q_scale=one,
                      scale=scale, out_dtype=torch.bfloat16)
         out, _ = mla_tree_verify(**batch, config=M16, kernel="triton")
-        exact = mla_tree_verify_reference(**dequantized(batch))[0][0].float()
-        scores = (q.float() @ k.float().T) * scale
-        weights = torch.exp(scores - scores.amax(-1, keepdim=True))
-        p_e4m3 = (weights.to(FP8).float() @ k[:, :512].float()) / weights.sum(-1, keepdim=True)
-        errors = [((x.float().cpu() - exact.cpu()).norm() / exact.norm()).item()
-                  for x in (out[0], exact.bfloat16(), p_e4m3)]
-        ours, rounding, flashmla_like = errors
-        assert ours < 2.5 * rounding and ours < flashmla_like, errors
+        wide, _ = mla_tree_verify(**{**batch, "out_dtype": torch.float32}, config=M16,
+                                  kernel="triton")
+        exact = mla_tree_verify_reference(**dequantized(batch))[0].float().cpu()
+
+        ours_fp32 = relative_row_error(wide, exact)
+        assert (ours_fp32 < 5e-4).all(), ours_fp32
+        # the bf16 output is that result rounded once (at most a bf16 step from it)
+        torch.testing.assert_close(out.float(), wide.to(torch.bfloat16).float(), atol=0,
+                                   rtol=2.0**-7)
+
+
+def relative_row_error(x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[rows]``: ``||x - exact|| / ||exact||`` per query row of ``[rows, ...]``."""
+    diff = (x.float().cpu() - exact).flatten(1).norm(dim=1)
+    return diff / exact.flatten(1).norm(dim=1)
 
 
 def test_refused_on_a_16_bit_cache():
