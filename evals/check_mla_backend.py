@@ -13,6 +13,14 @@ import argparse
 import json
 import os
 
+# The prompts' lengths; prompt n's tokens: 3 + (7 * i) % 900 for i < n.
+PROMPT_LENGTHS = (5, 17, 64, 130, 700)
+
+
+def prompts() -> list[list[int]]:
+    """The token ids of every prompt (the same on every backend)."""
+    return [[3 + (7 * i) % 900 for i in range(n)] for n in PROMPT_LENGTHS]
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -37,14 +45,11 @@ def main() -> None:
               enforce_eager=not args.graphs, **gpu_memory_args(), max_model_len=4096,
               dtype="bfloat16", max_num_seqs=args.max_num_seqs, seed=0,
               kv_cache_dtype=args.kv_cache_dtype)
-    prompts = [
-        [3 + (7 * i) % 900 for i in range(n)] for n in (5, 17, 64, 130, 700)
-    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2,
                             detokenize=False, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
     result = []
-    for prompt, out in zip(prompts, outputs, strict=True):
+    for prompt, out in zip(prompts(), outputs, strict=True):
         completion = out.outputs[0]
         gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
