@@ -9,7 +9,8 @@ makes each step: ``StepPlan.step_shape`` (``execute_model``; with a
 ``SpeculationGate.record_acceptance_``, ``BudgetPolicy.observe_round``,
 ``StepPlan.draft_next`` and the chooser's ``record_`` of the device's choice after a
 drafted round (``propose``; the last two skipped where the gate holds its decision,
-in versions whose ``StepPlan`` has ``holding``, as ``DDTreeSpeculator.propose`` does).
+in versions whose ``StepPlan`` has ``holding``, as ``DDTreeSpeculator.propose`` does),
+and ``StepPlan.step_finished`` at the end of ``propose`` (in versions that have it).
 The engine's own simulation is not timed. The gate times its decisions on the real host
 clock, as in vLLM, so a decision holds for as many of the simulated steps (about 1 ms
 at batch 1, 4 ms at 64) as in a run with steps that long. CPU host time only (no
@@ -39,7 +40,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-CALLS = ("step_shape", "record_acceptance_", "observe_round", "draft_next", "shape_record_")
+CALLS = ("step_shape", "record_acceptance_", "observe_round", "draft_next", "shape_record_",
+         "step_finished")
 
 
 def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str, float]:
@@ -48,6 +50,8 @@ def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str,
     from test_budget_gate import Engine
 
     engine = Engine(seed=0, host_clock=None)  # the gate's own clock: its decisions hold
+    if not hasattr(engine.plan, "step_finished"):  # versions before the GPU-end mark
+        engine.plan.step_finished = lambda: None
     policy, chooser, chosen = _auto_parts(engine.plan.max_budget)
     engine.plan.chooser = chooser
     spent = dict.fromkeys(CALLS, 0.0)
@@ -77,6 +81,7 @@ def host_microseconds(num_reqs: int, steps: int, warmup: int = 500) -> dict[str,
     engine.plan.step_shape = timed("step_shape", engine.plan.step_shape)
     engine.gate.record_acceptance_ = timed("record_acceptance_",
                                            engine.gate.record_acceptance_)
+    engine.plan.step_finished = timed("step_finished", engine.plan.step_finished)
     engine.run(num_reqs, steps)
     return {name: 1e6 * seconds / steps for name, seconds in spent.items()}
 
