@@ -33,17 +33,19 @@ def main() -> None:
                         help="vLLM's max_num_seqs (1: each prompt alone, a witness run)")
     parser.add_argument("--kv-cache-dtype", default="auto",
                         help="vLLM's --kv-cache-dtype (fp8: e4m3 latent cache, scale 1.0)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the model's dtype (float32: CUSTOM only, an exactness check)")
     args = parser.parse_args()
 
     from check_ddtree_vllm import gpu_memory_args  # VLLM_DDTREE_TEST_KV_GIB: fixed KV
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_ddtree.testing.compare import vllm_top2_gaps
+    from vllm_ddtree.testing.compare import vllm_top2_gaps, vllm_top_logprobs
 
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enforce_eager=not args.graphs, **gpu_memory_args(), max_model_len=4096,
-              dtype="bfloat16", max_num_seqs=args.max_num_seqs, seed=0,
+              dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
               kv_cache_dtype=args.kv_cache_dtype)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2,
                             detokenize=False, ignore_eos=True)
@@ -53,9 +55,10 @@ def main() -> None:
         completion = out.outputs[0]
         gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
-                       "top2_gap": gaps})
+                       "top2_gap": gaps,
+                       "top_logprobs": vllm_top_logprobs(completion.logprobs)})
     with open(args.out, "w") as f:
-        json.dump({"backend": args.backend, "graphs": args.graphs,
+        json.dump({"backend": args.backend, "graphs": args.graphs, "dtype": args.dtype,
                    "kv_cache_dtype": args.kv_cache_dtype, "outputs": result}, f)
     exit_now()
 

@@ -29,6 +29,8 @@
 #              vLLM backends (tiny MLA model, CUDA graphs: FLASHMLA in bf16 and in
 #              fp8) and DDTree through it against AR (tiny MLA pair, bf16 and fp8)
 #   sm120      sm_120's MLA tile configs forced on this GPU, every head count, bf16 and fp8
+#   fp8exact   --kv-cache-dtype fp8 with an fp32 model: CUSTOM's log-probs and tokens
+#              against the exact fp8 reference (CPU), no bf16 in either (1 engine)
 #   fp8backend --kv-cache-dtype fp8: CUSTOM against FLASHMLA on the embedded target (sm_90)
 #              (eager, and CUSTOM with CUDA graphs; witnesses: FLASHMLA one prompt a step,
 #              TRITON_MLA; 5 engines)
@@ -407,6 +409,7 @@ for stage in "$@"; do
       stage_pytest cascade_ddtree 590 tests/gpu/test_ddtree_vllm.py -k cascade ;;
     sm120) stage_pytest sm120 240 tests/gpu/test_mla_tree_kernel_gpu.py -k sm120 ;;
     fp8backend) stage_pytest fp8backend 400 tests/gpu/test_fp8_kv_vllm.py -k flashmla ;;
+    fp8exact) stage_pytest fp8exact 240 tests/gpu/test_fp8_kv_vllm.py -k exact_fp8_reference ;;
     fp8ddtree) stage_pytest fp8ddtree 560 tests/gpu/test_fp8_kv_vllm.py -k ddtree ;;
     ddtree) stage_pytest ddtree 420 tests/gpu/test_ddtree_vllm.py \
               -k "not tiny_random and not graphs and not auto" ;;

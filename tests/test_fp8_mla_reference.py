@@ -46,3 +46,18 @@ def test_only_decode_rows_see_the_quantized_query_and_cache(target):
         assert ((alone[1:] - exact[1:]).abs().amax(-1) > 1e-4).all()
     with pytest.raises(ValueError, match="one sequence"):
         fp8_cache_logits(target, [prompt, prompt], generated)
+
+
+def test_a_quantized_prompt_moves_the_prefill_row_too(target):
+    """``quantized_prompt``: every row attends on the e4m3 query and cache, as the tree
+    backend computes an fp32 model's prefill; the same as decoding the prompt's last
+    token on the cache (its row then equals a decode row's: one more generated token
+    scored from a prompt one shorter)."""
+    prompt, generated = [3 + (7 * i) % 400 for i in range(30)], [5, 9, 11]
+    exact_prompt = fp8_cache_logits(target, prompt, generated)
+    quantized = fp8_cache_logits(target, prompt, generated, quantized_prompt=True)
+    assert (quantized[0] - exact_prompt[0]).abs().amax() > 1e-3
+    # a prompt one shorter, its last token decoded: that row is quantized either way
+    shorter = fp8_cache_logits(target, prompt[:-1], [prompt[-1], *generated],
+                               quantized_prompt=True)
+    torch.testing.assert_close(shorter[1:], quantized, atol=1e-5, rtol=1e-5)

@@ -16,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
-                kv_cache_dtype: str = "auto", max_num_seqs: int = 8) -> dict:
-    out = tmp_path / f"{backend}-{graphs}-{kv_cache_dtype}-{max_num_seqs}.json"
+                kv_cache_dtype: str = "auto", max_num_seqs: int = 8,
+                dtype: str = "bfloat16") -> dict:
+    out = tmp_path / f"{backend}-{graphs}-{kv_cache_dtype}-{max_num_seqs}-{dtype}.json"
     cmd = [sys.executable, str(ROOT / "evals/check_mla_backend.py"), str(model),
            "--backend", backend, "--out", str(out), "--kv-cache-dtype", kv_cache_dtype,
-           "--max-num-seqs", str(max_num_seqs)]
+           "--max-num-seqs", str(max_num_seqs), "--dtype", dtype]
     cmd += ["--graphs"] if graphs else []
     subprocess.run(cmd, check=True, timeout=900)
     return json.loads(out.read_text())

@@ -110,17 +110,21 @@ def _swapped_attention(model: torch.nn.Module, forward) -> Iterator[None]:
 
 @torch.no_grad()
 def fp8_cache_logits(model: torch.nn.Module, prompt: Sequence[int], generated: Sequence[int],
-                     kv_scale: float | None = 1.0, q_scale: float | None = 1.0) -> torch.Tensor:
+                     kv_scale: float | None = 1.0, q_scale: float | None = 1.0,
+                     quantized_prompt: bool = False) -> torch.Tensor:
     """``[len(generated) + 1, vocab]`` fp32 logits: row ``j`` scores generated token
     ``j`` given the prompt and ``generated[:j]`` (teacher-forced), as plain decoding on
     vLLM's fp8 MLA cache computes it in exact arithmetic; the last row scores the token
-    after all of ``generated``. Row 0 comes from the prefill (no quantization).
+    after all of ``generated``. Row 0 comes from the prefill (no quantization; with
+    ``quantized_prompt`` the prompt's rows attend on the e4m3 query and cache too, as
+    our tree backend computes an fp32 model's prefill: every token a decode there).
     ``model``: a ``DeepseekV3ForCausalLM``, cast to fp32 by the caller."""
     tokens = list(prompt) + list(generated)
     if not prompt or not all(isinstance(t, int) for t in tokens):
         raise ValueError("fp8_cache_logits runs one sequence: prompt (non-empty) and "
                          "generated are lists of token ids")
     ids = torch.tensor([tokens], device=model.device)
-    with _swapped_attention(model, absorbed_mla_forward(len(prompt), kv_scale, q_scale)):
+    exact_rows = 0 if quantized_prompt else len(prompt)
+    with _swapped_attention(model, absorbed_mla_forward(exact_rows, kv_scale, q_scale)):
         logits = model(input_ids=ids, use_cache=False).logits[0].float()
     return logits[len(prompt) - 1:]
