@@ -865,6 +865,22 @@ def test_one_stalled_step_does_not_move_the_settled_arm():
     assert engine.gate.settled_arms() == {0: 8}
 
 
+def test_an_idle_engine_between_steps_is_not_a_step():
+    """The engine idles between bursts of requests (or between a benchmark's turns) for
+    less than MAX_STEP_SECONDS: the interval that spans it is mostly GPU idle time
+    (the end of the step's GPU work to the next start) and is left out, so no arm's
+    residual takes it (a probe's one sample of 0.5 s put its arm at 0.5 s a step for
+    good) and batch 1 stays on 8 drafts."""
+    engine = Engine()
+    for _ in range(40):
+        engine.run(1, 37)
+        engine.clock.now += 0.5  # after the last step's GPU work: nothing to run
+    stats = engine.gate.stats[batch_bucket(1)]
+    samples = [*stats.level.samples, *(x for o in stats.offsets for x in o.samples)]
+    assert max(abs(x) for x in samples) < 0.05, max(samples)
+    assert engine.gate.settled_arms() == {0: 8}
+
+
 def test_arms_must_hold_a_speculative_shape():
     for arms in ([], [0], [-1, 4], [2.5]):
         with pytest.raises(ValueError, match="arms must be verify shapes"):

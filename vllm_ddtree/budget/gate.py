@@ -73,6 +73,7 @@ from vllm_ddtree.budget.gate_stats import (
     bucket_batches,
     bucket_bounds,
     follow_settled_arm,
+    idle_engine,
 )
 from vllm_ddtree.budget.step_cost import StepCostModel
 
@@ -231,11 +232,9 @@ class SpeculationGate:
     @property
     def holding(self) -> bool:
         """Whether the next :meth:`decide` keeps the held decision (after this step's
-        :meth:`step_started`, which ends a hold that the batch left). The speculator
-        then also skips the round's copy of the device's budget choice and its wall
-        time sample: the step runs the held arm, and a copy and a sample a decision
-        are enough for the verify shape and the base time (``VerifyShapeChooser``,
-        ``BudgetPolicy.observe_round``)."""
+        :meth:`step_started`, which ends a hold that the batch left); the speculator then
+        skips the round's copy of the device's choice and its wall time sample (one a
+        decision serves ``VerifyShapeChooser`` and ``BudgetPolicy.observe_round``)."""
         return self._hold > 0
 
     # -- feeds --------------------------------------------------------------------------
@@ -342,9 +341,8 @@ class SpeculationGate:
             self.marks.popleft()
 
     def step_finished(self) -> None:
-        """At the end of ``propose`` (after its last launch): mark on the stream where
-        the timed step's GPU work ends, so that the GPU's idle time until the next
-        step's start (the host's step outlasting it) is measured. No host sync."""
+        """At the end of ``propose`` (after its last launch): mark where the timed step's
+        GPU work ends, for the GPU's idle time until the next start. No host sync."""
         mark, self._finishing = self._finishing, None
         if mark is not None:
             mark.end = self.make_event()
@@ -431,14 +429,16 @@ class SpeculationGate:
         and (with each arm's own window, as the gate then kept) the bucket moved to a
         slower arm for thousands of steps. Steps that mix kinds
         (a tree verified without a new draft, or the reverse), have no decode, or span an
-        idle engine are left out."""
+        idle engine (``gate_stats.idle_engine``) are left out."""
         while len(self.marks) >= 2:
             first, second = self.marks[0], self.marks[1]
             if first.drafted is None or not second.event.query():
                 break
             self.marks.popleft()
             seconds = first.event.elapsed_time(second.event) / 1e3
-            if first.model is None or not 0 < seconds <= MAX_STEP_SECONDS:
+            idle = None if first.end is None else first.end.elapsed_time(second.event) / 1e3
+            if (first.model is None or not 0 < seconds <= MAX_STEP_SECONDS
+                    or idle_engine(seconds, idle)):
                 continue
             stats = self.bucket(first.num_reqs)
             typical = stats.typical_prefill(first.prefill_pairs if first.prefill_reqs else 0)
@@ -446,9 +446,8 @@ class SpeculationGate:
             if not typical or spec != first.drafted or spec != (first.shape > 0):
                 continue
             stats.add_residual(self._index[first.arm], seconds - first.model)
-            if spec and first.end is not None:
-                stats.add_slack(self._index[first.arm],
-                                first.end.elapsed_time(second.event) / 1e3)
+            if spec and idle is not None:
+                stats.add_slack(self._index[first.arm], idle)
 
     def _modeled_seconds(self, mark: _Mark, contexts: np.ndarray,
                          columns: np.ndarray) -> float | None:

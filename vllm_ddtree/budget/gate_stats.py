@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds",
-           "follow_settled_arm"]
+           "follow_settled_arm", "idle_engine"]
 
 # An arm above the settled one follows the settled arm's acceptance (accepted nodes per
 # tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
@@ -50,9 +50,21 @@ OFFSET_SAMPLES = 3
 PREFILL_WINDOW = 128
 PREFILL_SHARE = 0.25
 TYPICAL_PREFILL = 4.0
+# An interval is an idle engine, not a step, where the GPU idled after the step's work
+# more than IDLE_GAP_SECONDS and IDLE_GAP_FACTOR times what the step itself took (no
+# requests for a while, a benchmark's turn elsewhere; a host stall as well).
+IDLE_GAP_SECONDS = 0.05
+IDLE_GAP_FACTOR = 4.0
 # Host slack samples (the GPU idle between a settled speculative step's last launch's
 # end and the next step's start) before the slack hides any arm's modeled difference.
 SLACK_SAMPLES = 5
+
+
+def idle_engine(seconds: float, idle: float | None) -> bool:
+    """Whether an interval of ``seconds`` whose GPU idled ``idle`` of them after the
+    step's work (None: not measured) spans an idle engine rather than a step."""
+    return idle is not None and idle > max(IDLE_GAP_SECONDS,
+                                           IDLE_GAP_FACTOR * (seconds - idle))
 
 
 def batch_bucket(num_reqs: int) -> int:
