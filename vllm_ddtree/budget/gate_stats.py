@@ -172,8 +172,9 @@ class GateStats:
         # standard error (inf before SPREAD_SAMPLES level samples: it counts as none)
         self.offset_diff = np.zeros(num_arms)
         self.offset_error = np.full(num_arms, np.inf)
-        # the GPU's idle time after the settled arm's steps (add_slack) and that arm
-        self.slack, self._slack_arm = _Median(), -1
+        # the GPU's idle time after the settled arm's last steps (add_slack) and that arm
+        self.slack: deque[float] = deque(maxlen=RESIDUAL_WINDOW)
+        self._slack_arm = -1
 
     def typical_prefill(self, pairs: int) -> bool:
         """Record a timed step's prefill attention pairs (0 without a prefill); whether
@@ -305,17 +306,18 @@ class GateStats:
         if arm != self.settled:
             return
         if self._slack_arm != arm:
-            self.slack, self._slack_arm = _Median(), arm
-        self.slack.add(max(seconds, 0.0))
+            self._slack_arm = arm
+            self.slack.clear()
+        self.slack.append(max(seconds, 0.0))
 
     def slack_samples(self) -> np.ndarray | None:
         """fp64 ``[k]``: the GPU's idle time after each of the settled arm's last
         ``k <= RESIDUAL_WINDOW`` timed steps (seconds, 0 where it did not wait); None
         before ``SLACK_SAMPLES`` of them or where the settled arm is plain decoding."""
         if (self.settled == 0 or self._slack_arm != self.settled
-                or self.slack.count < SLACK_SAMPLES):
+                or len(self.slack) < SLACK_SAMPLES):
             return None
-        return np.fromiter(self.slack.samples, dtype=np.float64)
+        return np.fromiter(self.slack, dtype=np.float64)
 
     def add_committed(self, arm: int, tokens: float) -> None:
         ema = self.committed[arm]
