@@ -61,3 +61,82 @@ def test_a_quantized_prompt_moves_the_prefill_row_too(target):
     shorter = fp8_cache_logits(target, prompt[:-1], [prompt[-1], *generated],
                                quantized_prompt=True)
     torch.testing.assert_close(shorter[1:], quantized, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def embedded_target():
+    from vllm_ddtree.demo.reference_engine import load_embedded_pair
+
+    return load_embedded_pair().target.float().eval()
+
+
+def as_run(model, prompt: list[int], tokens: list[int], **reference) -> dict:
+    """What check_mla_backend records for a run whose logits are ``fp8_cache_logits``
+    with ``reference``'s arguments: the drawn token's and the top 2's log-probs."""
+    logprobs = fp8_cache_logits(model, prompt, tokens, **reference)[:-1].log_softmax(-1)
+    seen = []
+    for j, token in enumerate(tokens):
+        top = logprobs[j].topk(2).indices.tolist()
+        seen.append({str(t): logprobs[j, t].item() for t in {token, *top}})
+    return {"prompt": prompt, "tokens": tokens, "top_logprobs": seen}
+
+
+@pytest.fixture(scope="module")
+def decoded(embedded_target):
+    """check_mla_backend's 17-token prompt and 16 greedy tokens of the embedded target as
+    the tree backend decodes an fp32 model on the fp8 cache (the prompt quantized too)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from check_mla_backend import prompts
+
+    prompt, tokens = prompts()[1], []
+    for _ in range(16):
+        logits = fp8_cache_logits(embedded_target, prompt, tokens, quantized_prompt=True)
+        tokens.append(int(logits[-1].argmax()))
+    return prompt, tokens
+
+
+def test_fp32_bars_pass_rounding_noise_and_fail_a_systematic_error(embedded_target, decoded):
+    """The bars of the GPU fp32 test (``FP32_LOGPROB_*_BAR``) hold for a run whose only
+    error is relative noise of 1e-4 in every row's attention output (the tree kernel's
+    measured fp32 error, amplified by the e4m3 query codes it moves) and fail for a run
+    that leaves the query unquantized or prefills the prompt exactly."""
+    import numpy as np
+
+    from vllm_ddtree.testing.fp8_mla_reference import (
+        FP32_LOGPROB_MEDIAN_BAR,
+        FP32_LOGPROB_P95_BAR,
+        logprob_deviations,
+    )
+
+    prompt, tokens = decoded
+    model = embedded_target
+
+    def within_bars(run: dict) -> bool:
+        deviations = logprob_deviations(model, [run], quantized_prompt=True)
+        median, p95 = np.percentile(deviations, [50, 95])
+        return median < FP32_LOGPROB_MEDIAN_BAR and p95 < FP32_LOGPROB_P95_BAR
+
+    exact = as_run(model, prompt, tokens, quantized_prompt=True)
+    assert logprob_deviations(model, [exact], quantized_prompt=True) == pytest.approx(
+        [0.0] * sum(len(s) for s in exact["top_logprobs"]), abs=1e-5)
+    layers = [m for m in model.modules() if type(m).__name__ == "DeepseekV3Attention"]
+    rng = torch.Generator().manual_seed(0)
+
+    def noise(module, args):
+        (x,) = args
+        return (x * (1 + 1e-4 * torch.randn(x.shape, generator=rng)),)
+
+    hooks = [layer.o_proj.register_forward_pre_hook(noise) for layer in layers]
+    try:
+        noisy = as_run(model, prompt, tokens, quantized_prompt=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert within_bars(noisy)
+    assert not within_bars(as_run(model, prompt, tokens, q_scale=None, quantized_prompt=True))
+    assert not within_bars(as_run(model, prompt, tokens))  # the prompt prefilled exactly
+    with pytest.raises(ValueError, match="top_logprobs has 15 positions for 16 tokens"):
+        logprob_deviations(model, [{**exact, "top_logprobs": exact["top_logprobs"][1:]}])

@@ -26,7 +26,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["E4M3_MAX", "absorbed_mla_forward", "e4m3", "fp8_cache_logits"]
+__all__ = ["E4M3_MAX", "FP32_LOGPROB_MEDIAN_BAR", "FP32_LOGPROB_P95_BAR", "absorbed_mla_forward",
+           "e4m3", "exact_fp8_arbiter", "fp8_cache_logits", "logprob_deviations"]
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; vLLM's conversion saturates there
 
@@ -128,3 +129,58 @@ def fp8_cache_logits(model: torch.nn.Module, prompt: Sequence[int], generated: S
     with _swapped_attention(model, absorbed_mla_forward(exact_rows, kv_scale, q_scale)):
         logits = model(input_ids=ids, use_cache=False).logits[0].float()
     return logits[len(prompt) - 1:]
+
+
+# An fp32 model on the fp8 cache against fp8_cache_logits(quantized_prompt=True): bars on
+# |log-prob difference| over the log-probs a run returned (median, 95th percentile).
+# Each e4m3 query code amplifies the run's own fp32 rounding: relative noise of 3e-5,
+# 1e-4 and 3e-4 in every row's attention output (the tree kernel's fp32 output is 3e-5 to
+# 1e-4 from the exact attention) moves the embedded target's log-probs by a median of
+# 6.7e-4, 1.3e-3 and 2.2e-3 (95th percentile 8e-3, 1.2e-2, 2.0e-2); a systematic error
+# moves them further: the query left unquantized 1.2e-2 (5.7e-2), the cache left
+# unquantized 2.9e-2 (0.17), the prompt prefilled exactly 6.9e-3 (8.8e-2). Four of
+# check_mla_backend's prompts, 24 greedy tokens, 3 noise seeds (tests/test_fp8_mla_reference.py
+# checks both sides on one prompt).
+FP32_LOGPROB_MEDIAN_BAR = 3e-3
+FP32_LOGPROB_P95_BAR = 3e-2
+
+
+def logprob_deviations(model: torch.nn.Module, outputs: Sequence[dict],
+                       quantized_prompt: bool = False) -> list[float]:
+    """|vLLM's log-prob - the exact fp8 result's| for every log-prob a run returned.
+
+    ``outputs``: dicts with ``prompt`` and ``tokens`` (lists of ids) and ``top_logprobs``
+    (per generated token, ``{token id: log-prob}``, keys int or str as JSON gives them);
+    each is scored teacher-forced on its own tokens by :func:`fp8_cache_logits`."""
+    deviations: list[float] = []
+    for output in outputs:
+        tokens, seen = list(output["tokens"]), output["top_logprobs"]
+        if len(seen) != len(tokens):
+            raise ValueError(f"top_logprobs has {len(seen)} positions for "
+                             f"{len(tokens)} tokens")
+        reference = fp8_cache_logits(model, list(output["prompt"]), tokens,
+                                     quantized_prompt=quantized_prompt)[:-1].log_softmax(-1)
+        for j, logprobs in enumerate(seen):
+            deviations += [abs(float(lp) - reference[j, int(t)].item())
+                           for t, lp in logprobs.items()]
+    return deviations
+
+
+def exact_fp8_arbiter(model: torch.nn.Module, outputs: Sequence[dict],
+                      names: tuple[str, str] = ("ours", "the reference")):
+    """``compare.mismatch_problems``' arbiter for runs on vLLM's fp8 cache: the exact
+    result's logit margin of the first run's token over the reference's where they part
+    (``outputs``: the first run's, with ``prompt`` and ``tokens``), printed."""
+
+    def arbiter(i: int, pos: int, got_token: int, want_token: int) -> float:
+        output = outputs[i]
+        logits = fp8_cache_logits(model, list(output["prompt"]), list(output["tokens"][:pos]))[-1]
+        top2 = logits.topk(2)
+        margin = (logits[got_token] - logits[want_token]).item()
+        print(f"exact fp8 result, output {i} pos {pos}: {names[0]} {got_token} vs "
+              f"{names[1]} {want_token}: margin {margin:+.3f} (its top-2 "
+              f"{top2.indices.tolist()}, gap {(top2.values[0] - top2.values[1]).item():.3f})",
+              flush=True)
+        return margin
+
+    return arbiter
