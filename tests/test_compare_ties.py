@@ -34,6 +34,12 @@ def test_tie_gap_is_two_bf16_steps_below_the_logit_bound():
     assert tie_gap_of("float32") == 0.0 == tie_gap_of("fp32")
     with pytest.raises(ValueError, match="dtype='int8' is not allowed"):
         tie_gap_of("int8")
+    # an fp8 cache widens bf16's gap only; fp32 excuses nothing on any cache
+    assert tie_gap_of("bfloat16", "fp8") == 0.5 == tie_gap_of("bf16", "fp8_e4m3")
+    assert tie_gap_of("bfloat16", "auto") == TIE_GAP == tie_gap_of("bfloat16", "bfloat16")
+    assert tie_gap_of("float32", "fp8") == 0.0
+    with pytest.raises(ValueError, match="dtype='float16' on an fp8 cache is not measured"):
+        tie_gap_of("float16", "fp8")
 
 
 def test_the_gap_bar_does_not_move_with_the_runs_judged():

@@ -51,3 +51,20 @@ def test_perturbation_leaves_the_model_as_it_was(target):
     before = fp8_cache_logits(target, prompt, [84, 13])
     fp8_margin_noise.noise_spread(target, prompt, [84, 13], 1, [1e-2], seeds=1)
     assert torch.equal(fp8_cache_logits(target, prompt, [84, 13]), before)
+
+
+def test_bf16_rounding_moves_gaps_by_a_reproducible_draw(target):
+    """``--bf16``: one change per decoded position and seed (the prefill row left out),
+    two log-probs each; the same seeds give the same draw; the hooks come off."""
+    from vllm_ddtree.testing.fp8_mla_reference import fp8_cache_logits
+
+    prompt = [3 + (7 * i) % 900 for i in range(17)]
+    before = fp8_cache_logits(target, prompt, [84, 13])
+    gaps, logprobs = fp8_margin_noise.bf16_rounding_spread(target, [prompt], 5, seeds=2)
+    assert gaps.shape == (2 * 4,) and logprobs.shape == (2 * 5 * 2,)
+    assert (gaps > 0).any() and np.isfinite(gaps).all() and (logprobs < 1.0).all()
+    again = fp8_margin_noise.bf16_rounding_spread(target, [prompt], 5, seeds=2)
+    np.testing.assert_array_equal(again[0], gaps)
+    assert torch.equal(fp8_cache_logits(target, prompt, [84, 13]), before)
+    table = fp8_margin_noise.bf16_report(gaps, logprobs)
+    assert table.splitlines()[-1].startswith("| 8 | ")

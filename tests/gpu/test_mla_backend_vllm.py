@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_ddtree.testing.compare import mismatch_problems
+from vllm_ddtree.testing.compare import TIE_GAP, mismatch_problems
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -27,11 +27,13 @@ def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
     return json.loads(out.read_text())
 
 
-def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = (), arbiter=None) -> list[str]:
+def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = (), arbiter=None,
+            tie_gap: float = TIE_GAP) -> list[str]:
     """Unexplained mismatches (the first differing position of each prompt);
     ``witnesses``: runs of the reference's own kind, ``arbiter``: the exact result's
-    margin at a flip (``vllm_ddtree.testing.compare.mismatch_problems``)."""
-    return mismatch_problems(ours["outputs"], ref["outputs"],
+    margin at a flip, ``tie_gap``: bf16's by default
+    (``vllm_ddtree.testing.compare.mismatch_problems``)."""
+    return mismatch_problems(ours["outputs"], ref["outputs"], tie_gap,
                              witnesses=[w["outputs"] for w in witnesses], arbiter=arbiter)
 
 
