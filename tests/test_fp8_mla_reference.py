@@ -140,3 +140,18 @@ def test_fp32_bars_pass_rounding_noise_and_fail_a_systematic_error(embedded_targ
     assert not within_bars(as_run(model, prompt, tokens))  # the prompt prefilled exactly
     with pytest.raises(ValueError, match="top_logprobs has 15 positions for 16 tokens"):
         logprob_deviations(model, [{**exact, "top_logprobs": exact["top_logprobs"][1:]}])
+
+
+def test_exact_fp8_arbiter_gives_the_margin_of_the_first_runs_token(target, capsys):
+    """Where two runs part at ``pos``, the arbiter scores the shared prefix exactly on
+    the fp8 cache: positive where the exact result sides with the first run's token."""
+    from vllm_ddtree.testing.fp8_mla_reference import exact_fp8_arbiter
+
+    prompt, tokens = [3 + (7 * i) % 400 for i in range(30)], [5, 9, 11, 300]
+    logits = fp8_cache_logits(target, prompt, tokens[:2])[-1]
+    best, other = logits.topk(2).indices.tolist()
+    arbiter = exact_fp8_arbiter(target, [{"prompt": prompt, "tokens": tokens}], ("a", "b"))
+    margin = arbiter(0, 2, best, other)
+    assert margin == pytest.approx((logits[best] - logits[other]).item()) and margin > 0
+    assert arbiter(0, 2, other, best) == pytest.approx(-margin)
+    assert "exact fp8 result, output 0 pos 2: a " in capsys.readouterr().out
