@@ -146,6 +146,8 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     from e2e_engine import (
         engine_active_counters,
         engine_allocator_counts,
+        engine_gate_trace_start,
+        engine_gate_trace_take,
         engine_host_speed,
         engine_threads,
         engine_timer_begin,
@@ -171,6 +173,9 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None
     allocator_before = engine.call(engine_allocator_counts)
+    trace_dir = os.environ.get("BENCH_E2E_GATE_TRACE") if run.budget == "auto" else None
+    if trace_dir:  # the step gate's choices, ratings and idle samples of this generate
+        engine.call(engine_gate_trace_start)
     engine.call(engine_timer_begin, context)
     cpu_before = host_cpu_state()
     t0 = time.perf_counter()
@@ -180,6 +185,11 @@ def measure_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer)
         wall = time.perf_counter() - t0
         steps = engine.call(engine_timer_end)
     host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
+    if trace_dir:
+        from gate_trace import write
+
+        write(engine.call(engine_gate_trace_take), trace_dir, f"{spec['run']}-{kind}",
+              context, batch, spec.get("repeat", 0))
     python_ms_after = engine.call(engine_host_speed)[0]
     allocator = allocator_delta(allocator_before, engine.call(engine_allocator_counts))
     counters = counter_delta(before, spec_counters(llm))

@@ -1,6 +1,7 @@
 """Step by step, what ``ddtree_budget: "auto"``'s step gate decided and measured, for
-offline study of its choices (``BENCH_E2E_GATE_TRACE=<dir>`` in ``evals/bench_e2e.py
---sweep``: one ``gate_trace_<run>_<context>x<batch>_r<repeat>.json`` per auto cell).
+offline study of its choices (``BENCH_E2E_GATE_TRACE=<dir>`` in ``evals/bench_e2e.py``:
+one ``gate_trace_<run>_<context>x<batch>_r<repeat>.json`` per auto cell, the run's name
+followed by the prompt set outside ``--sweep``).
 
 The product code keeps no trace; :func:`install` wraps, in the engine's process,
 ``SpeculationGate.decide`` (host time, batch, cap, the arm chosen) and

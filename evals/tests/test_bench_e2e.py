@@ -432,6 +432,44 @@ def test_measure_cell_in_process_reads_the_local_engine(tmp_path, monkeypatch):
     assert "(engine-core process)" in profile.read_text()
 
 
+def test_measure_cell_writes_auto_gate_trace_per_prompt_set(tmp_path, monkeypatch):
+    """``BENCH_E2E_GATE_TRACE`` outside ``--sweep``: an auto cell starts the gate's trace
+    before its measured generate and writes what it took, named by run and prompt set;
+    a fixed-budget cell traces nothing."""
+    import e2e_engine
+    import gate_trace
+
+    calls = []
+    monkeypatch.setattr(gate_trace, "install", lambda: calls.append("install"))
+    monkeypatch.setattr(gate_trace, "take", lambda: calls.append("take") or [["d", 1.0]])
+
+    class FakeLLM:
+        def generate(self, inputs, params, use_tqdm=False):
+            calls.append("generate")
+            return [type("Output", (), {"outputs": [type("C", (), {"token_ids": [1] * 4})()],
+                                        "num_cached_tokens": 64, "metrics": None})()
+                    for _ in inputs]
+
+        def get_metrics(self):
+            return []
+
+    monkeypatch.setattr(e2e_engine, "_TIMER", None)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_vllm", lambda self: self.installed)
+    monkeypatch.setattr(e2e_timing.StepTimer, "install_graph_modes", lambda self: None)
+    monkeypatch.setenv("BENCH_E2E_GATE_TRACE", str(tmp_path / "traces"))
+    spec = {"setup": "kimi8", "run": "ddtree-auto", "max_tokens": 4, "prime": "cache",
+            "temperature": 0.0, "repeat": 1}
+    e2e_child.measure_cell(FakeLLM(), e2e_engine.LocalEngine(), spec, (64, 1, "random@1"), None)
+    assert calls == ["generate", "install", "generate", "take"]  # prime, traced generate
+    saved = json.loads((tmp_path / "traces" / "gate_trace_ddtree-auto-random_1_64x1_r1.json")
+                       .read_text())
+    assert saved["records"] == [["d", 1.0]] and saved["batch"] == 1
+    calls.clear()
+    e2e_child.measure_cell(FakeLLM(), e2e_engine.LocalEngine(), dict(spec, run="ddtree-64"),
+                           (64, 1, "random"), None)
+    assert calls == ["generate", "generate"]
+
+
 def test_report_compares_tokens_with_ar_and_totals_prompt_sets(tmp_path):
     """Every cell's generated ids against AR's in the same cell (same / how many / the
     first differing token), the share of distinct 4-grams (low = looping text), and
