@@ -123,8 +123,9 @@
 #              generate (host time per function and step: profiles/host_profile_*.md and
 #              .prof, archived as profiles.tgz in the log folder; `python
 #              evals/host_profile.py diff AUTO.prof B64.prof` tables auto's surplus per
-#              function) and auto's gate trace per cell (gate_trace_*.json, BENCH_E2E_GATE_TRACE:
-#              `python evals/gate_trace.py`); the GPU to itself for the step times
+#              function); the GPU to itself for the step times. With
+#              BENCH_E2E_GATE_TRACE=$OUT/profiles also auto's gate trace per cell, archived
+#              with them (`python evals/gate_trace.py`; its wrappers add host time to auto)
 #   sweep_trained / sweep_v2lite / sweep_v2lite_moe
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
@@ -560,8 +561,7 @@ for stage in "$@"; do
       done ;;
     autoprofile)  # where auto's steps lose time against B = 64 (host profile per function)
       E2E_RUNS="${E2E_RUNS:-ddtree-64 ddtree-auto}" E2E_BATCHES="${E2E_BATCHES:-1 8}" \
-        BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" BENCH_E2E_GATE_TRACE="$LOG_DIR/profiles" \
-        run_e2e e2e_trained_yarn
+        BENCH_E2E_HOST_PROFILE="$LOG_DIR/profiles" run_e2e e2e_trained_yarn
       # one archive: a device call brings back a limited number of files
       ls "$LOG_DIR/profiles" 2>/dev/null && tar czf "$LOG_DIR/profiles.tgz" -C "$LOG_DIR" \
         profiles && rm -rf "$LOG_DIR/profiles" ;;
