@@ -28,7 +28,7 @@ scale (1.0 here: the checkpoint carries no KV scales).
 import pytest
 import torch
 from test_ddtree_vllm import first_mismatches, run_mixed_vs_ar, run_script
-from test_mla_backend_vllm import compare, run_backend
+from test_mla_backend_vllm import compare, fp32_target, run_backend
 
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import (
@@ -44,12 +44,6 @@ pytestmark = [
                        reason="embedded pair not trained yet"),
 ]
 FP8 = ["--kv-cache-dtype", "fp8"]
-
-
-def fp32_target(target):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
 
 
 def deviation_summary(deviations: list[float]) -> tuple[float, float]:
@@ -117,18 +111,19 @@ def test_custom_backend_fp8_in_fp32_equals_the_exact_fp8_reference(tmp_path):
     from vllm_ddtree.testing.fp8_mla_reference import (
         FP32_LOGPROB_MEDIAN_BAR,
         FP32_LOGPROB_P95_BAR,
+        deviations_from,
         fp8_cache_logits,
-        logprob_deviations,
     )
 
     target = CHECKPOINTS / "target"
     ours = run_backend(target, "CUSTOM", tmp_path, kv_cache_dtype="fp8", dtype="float32")
     model = fp32_target(target)
-    problems = []
+    problems, deviations = [], []
     for i, output in enumerate(ours["outputs"]):
-        logits = fp8_cache_logits(model, output["prompt"], output["tokens"],
-                                  quantized_prompt=True)[:-1]
-        top2 = logits.topk(2, dim=-1)
+        logprobs = fp8_cache_logits(model, output["prompt"], output["tokens"],
+                                    quantized_prompt=True)[:-1].log_softmax(-1)
+        deviations += deviations_from(logprobs, output["top_logprobs"])
+        top2 = logprobs.topk(2, dim=-1)
         for j, token in enumerate(output["tokens"]):
             gap = (top2.values[j, 0] - top2.values[j, 1]).item()
             if token != int(top2.indices[j, 0]):
@@ -136,7 +131,6 @@ def test_custom_backend_fp8_in_fp32_equals_the_exact_fp8_reference(tmp_path):
                     problems.append(f"prompt {i} pos {j}: {token} vs the reference's "
                                     f"{int(top2.indices[j, 0])} (its top-2 gap {gap:.3f})")
                 break
-    deviations = logprob_deviations(model, ours["outputs"], quantized_prompt=True)
     median, p95 = deviation_summary(deviations)
     print(f"CUSTOM fp8 fp32 vs the exact fp8 reference: |log-prob difference| median "
           f"{median:.2e}, 95th percentile {p95:.2e}, max {max(deviations):.2e} over "

@@ -27,6 +27,13 @@ def run_backend(model: Path, backend: str, tmp_path: Path, graphs: bool = False,
     return json.loads(out.read_text())
 
 
+def fp32_target(model: Path):
+    """The checkpoint as a Hugging Face model in fp32 (the exact fp8 arbiter's)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+
+
 def compare(ours: dict, ref: dict, witnesses: tuple[dict, ...] = (), arbiter=None,
             tie_gap: float = TIE_GAP) -> list[str]:
     """Unexplained mismatches (the first differing position of each prompt);
@@ -83,12 +90,10 @@ def test_cascade_matches_vllm_backends(tiny_mla, tmp_path, monkeypatch, kv_cache
                        kv_cache_dtype=kv_cache_dtype)
     arbiter = None
     if kv_cache_dtype == "fp8":  # past the tie gap, the exact fp8 result decides a flip
-        from transformers import AutoModelForCausalLM
-
         from vllm_ddtree.testing.fp8_mla_reference import exact_fp8_arbiter
 
-        model = AutoModelForCausalLM.from_pretrained(tiny_mla, dtype=torch.float32).eval()
-        arbiter = exact_fp8_arbiter(model, ours["outputs"], ("cascade", reference))
+        arbiter = exact_fp8_arbiter(fp32_target(tiny_mla), ours["outputs"],
+                                    ("cascade", reference))
     problems = compare(ours, ref, arbiter=arbiter)
     print(f"cascade ({kv_cache_dtype}, graphs) vs {reference} (graphs): "
           f"{problems or 'equal up to bf16 ties'}", flush=True)

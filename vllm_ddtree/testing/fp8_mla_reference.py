@@ -27,7 +27,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 __all__ = ["E4M3_MAX", "FP32_LOGPROB_MEDIAN_BAR", "FP32_LOGPROB_P95_BAR", "absorbed_mla_forward",
-           "e4m3", "exact_fp8_arbiter", "fp8_cache_logits", "logprob_deviations"]
+           "deviations_from", "e4m3", "exact_fp8_arbiter", "fp8_cache_logits",
+           "logprob_deviations"]
 
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn; vLLM's conversion saturates there
 
@@ -154,16 +155,22 @@ def logprob_deviations(model: torch.nn.Module, outputs: Sequence[dict],
     each is scored teacher-forced on its own tokens by :func:`fp8_cache_logits`."""
     deviations: list[float] = []
     for output in outputs:
-        tokens, seen = list(output["tokens"]), output["top_logprobs"]
-        if len(seen) != len(tokens):
-            raise ValueError(f"top_logprobs has {len(seen)} positions for "
-                             f"{len(tokens)} tokens")
+        tokens = list(output["tokens"])
+        if len(output["top_logprobs"]) != len(tokens):
+            raise ValueError(f"top_logprobs has {len(output['top_logprobs'])} positions "
+                             f"for {len(tokens)} tokens")
         reference = fp8_cache_logits(model, list(output["prompt"]), tokens,
                                      quantized_prompt=quantized_prompt)[:-1].log_softmax(-1)
-        for j, logprobs in enumerate(seen):
-            deviations += [abs(float(lp) - reference[j, int(t)].item())
-                           for t, lp in logprobs.items()]
+        deviations += deviations_from(reference, output["top_logprobs"])
     return deviations
+
+
+def deviations_from(reference: torch.Tensor, top_logprobs: Sequence[dict]) -> list[float]:
+    """|returned log-prob - ``reference``'s| for each ``{token id: log-prob}`` of
+    ``top_logprobs`` (one dict per position); ``reference``: fp32 ``[positions, vocab]``
+    log-probs of the same tokens (:func:`logprob_deviations` for one output)."""
+    return [abs(float(lp) - reference[j, int(t)].item())
+            for j, logprobs in enumerate(top_logprobs) for t, lp in logprobs.items()]
 
 
 def exact_fp8_arbiter(model: torch.nn.Module, outputs: Sequence[dict],
