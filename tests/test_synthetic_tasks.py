@@ -6,7 +6,13 @@ import ast
 import pytest
 
 from vllm_ddtree.evaluation.metrics import synthetic_results
-from vllm_ddtree.training.synthetic import KINDS, eval_docs, make_doc, training_texts
+from vllm_ddtree.training.synthetic import (
+    KINDS,
+    eval_docs,
+    make_doc,
+    selection_docs,
+    training_texts,
+)
 
 
 def test_every_answer_is_right():
@@ -29,6 +35,9 @@ def test_documents_are_deterministic_and_disjoint_from_training():
     train = set(training_texts(400).values())
     assert not train & {d["context"] + d["target"] + "\n" for d in eval_docs(25)}
     assert {k.split("/")[1].split("_")[0] for k in training_texts(8)} == set(KINDS)
+    selection = {prompt + answer + "\n" for _, prompt, answer in selection_docs(25)}
+    assert len(selection) == 100 and not selection & train
+    assert not selection & {d["context"] + d["target"] + "\n" for d in eval_docs(25)}
     with pytest.raises(ValueError, match="kind='nope' is not allowed"):
         make_doc("nope", 0)
 
@@ -56,3 +65,22 @@ def test_corpus_puts_synthetic_documents_in_train_only(tmp_path):
     for split in ("valid", "heldout"):
         assert mixed["splits"][split] == plain["splits"][split]
     assert sum(p["path"].startswith("synthetic/") for p in mixed["train_files"]) == 8
+
+
+def test_long_documents_fill_the_budget_and_end_with_the_snippet():
+    from vllm_ddtree.evaluation import task_data
+
+    tokenizer = task_data.tokenizer_for({})
+    snippets = eval_docs(2)
+    docs = task_data.synthetic_long_docs(tokenizer, 2000, snippets)
+    for doc, snippet in zip(docs, snippets, strict=True):
+        counted = len(tokenizer.encode(doc["context"], add_special_tokens=False))
+        assert doc["prompt_tokens"] == counted and 1900 <= counted <= 2000, counted
+        assert doc["context"].endswith(task_data.SNIPPET_SEPARATOR + snippet["context"])
+        assert doc["target"] == snippet["target"] and doc["kind"] == snippet["kind"]
+        assert doc["context"].startswith("# ===== ")
+    assert len({d["context"][:200] for d in docs}) == len(docs)  # fillers rotate
+    with pytest.raises(ValueError, match="synthetic_context_tokens 500000 needs more text"):
+        task_data.synthetic_long_docs(tokenizer, 500_000, snippets)
+    assert task_data.synthetic_context_length({}) == 16384 - 96
+    assert task_data.synthetic_context_length({"synthetic_context_tokens": "8192"}) == 8192

@@ -37,7 +37,13 @@ from vllm_ddtree.training.train_drafter import (
     sample_anchors,
     train_drafter,
 )
-from vllm_ddtree.training.train_target import TargetTrainConfig, evaluate_nll, train_target
+from vllm_ddtree.training.train_target import (
+    AnswerSet,
+    TargetTrainConfig,
+    answer_nll,
+    evaluate_nll,
+    train_target,
+)
 
 
 @pytest.fixture(scope="module")
@@ -564,3 +570,70 @@ def test_train_pair_target_init_starts_from_the_checkpoint(tmp_path, monkeypatch
     with pytest.raises(SystemExit):
         mod.main([*flags, "--data", str(data), "--out", str(tmp_path / "x"),
                   "--target-init", str(tmp_path / "missing")])
+
+
+def test_answer_nll_scores_only_the_answer_tokens_of_each_padded_row():
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(configs.target_config(VOCAB, 0, tiny=True)).eval()
+    pairs = [([5, 6, 7], [8, 9]), ([10], [11, 12, 13]), ([14, 15, 16, 17], [18])]
+    answers = AnswerSet.from_pairs(pairs, pad_id=0)
+    total, count = 0.0, 0
+    for prompt, answer in pairs:  # one unpadded row at a time
+        ids = torch.tensor([prompt + answer])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits.float(), -1)[0]
+        for j, tok in enumerate(answer):
+            total -= float(logp[len(prompt) - 1 + j, tok])
+            count += 1
+    assert answer_nll(model, answers, batch_size=2) == pytest.approx(total / count, rel=1e-5)
+    with pytest.raises(ValueError, match="non-empty prompt and answer"):
+        AnswerSet.from_pairs([([1], [])], pad_id=0)
+
+
+def test_target_selection_on_answers_stays_within_the_validation_slack(monkeypatch):
+    """Kept: the lowest answer loss among evaluations whose validation loss is within
+    the slack of the starting weights'; its weights are the ones restored."""
+    from vllm_ddtree.training import train_target as module
+
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(configs.target_config(VOCAB, 0, tiny=True))
+    data = np.tile(np.arange(2, 26), 200).astype(np.uint16)
+    # evaluations at steps 0 (the start), 4, 8, 12, 16; each evaluates seq_len windows
+    # (16 tokens), then the slack's 8-token windows
+    valid = iter([9.0, 2.00, 8.0, 1.99, 7.0, 2.01, 6.0, 2.05, 5.0, 2.02])
+    answer = iter([3.0, 2.5, 1.2, 1.0, 1.5])
+    snapshots = []
+
+    def fake_answer_nll(model, answers, **kwargs):
+        snapshots.append({k: v.clone() for k, v in model.state_dict().items()})
+        return next(answer)
+
+    monkeypatch.setattr(module, "evaluate_nll", lambda *a, **k: (next(valid), 1))
+    monkeypatch.setattr(module, "answer_nll", fake_answer_nll)
+    cfg = TargetTrainConfig(seq_len=16, batch_size=4, lr=3e-3, warmup_steps=1, steps=16,
+                            eval_every=4, valid_slack=0.03, slack_seq_len=8, seed=0)
+    answers = AnswerSet.from_pairs([([1, 2], [3])], pad_id=0)
+    log = train_target(model, data, data, cfg, "cpu", progress=False, answers=answers)
+    assert log.eval_steps == [0, 4, 8, 12, 16]
+    # step 12 answers best (1.0) but its short-window loss 2.05 is past 2.00 + 0.03
+    assert log.extra["kept_step"] == 8
+    assert log.extra["kept_answer_loss"] == 1.2 and log.extra["kept_eval_loss"] == 7.0
+    assert log.extra["slack_eval_losses"] == [2.00, 1.99, 2.01, 2.05, 2.02]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, snapshots[2][name]), name
+    with pytest.raises(ValueError, match="needs valid_slack and eval_tokens"):
+        train_target(model, data, None, cfg, "cpu", progress=False, answers=answers)
+
+
+def test_train_pair_selects_the_target_on_held_out_answers(tmp_path, capsys):
+    data = tmp_path / "data"
+    tiny_corpus(data)
+    mod = load_evals_script("train_pair")
+    mod.main(["--tiny", "--no-progress", "--stage", "target", "--target-steps", "3",
+              "--target-valid-slack", "0.05", "--data", str(data),
+              "--out", str(tmp_path / "out")])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "kept step" in x)
+    assert "answer loss" in line, line
+    log = json.loads((tmp_path / "out" / "results" / "train_pair.json").read_text())
+    log = log["target"]["log"]
+    assert len(log["answer_losses"]) == len(log["eval_losses"]) >= 2

@@ -23,6 +23,7 @@ __all__ = [
     "target_agreement_16k_dataset",
     "agreement_results",
     "synthetic_dataset",
+    "synthetic_16k_dataset",
     "synthetic_results",
 ]
 
@@ -55,6 +56,16 @@ def synthetic_dataset(**metadata):
     from vllm_ddtree.training.synthetic import eval_docs
 
     return task_data.as_dataset(eval_docs())
+
+
+def synthetic_16k_dataset(**metadata):
+    """The exact-answer snippets, each behind about 16k tokens of held-out files
+    (``synthetic_context_tokens``, metadata or ``DDTREE_SYNTHETIC_CONTEXT_TOKENS``)."""
+    from vllm_ddtree.training.synthetic import eval_docs
+
+    length = task_data.synthetic_context_length(metadata)
+    return task_data.as_dataset(task_data.synthetic_long_docs(
+        task_data.tokenizer_for(metadata), length, eval_docs()))
 
 
 def long_context_dataset(**metadata):

@@ -11,13 +11,17 @@
   continuations of the target served with YaRN x64 (``target_agreement_16k.json.gz``).
 - Long context: whole held-out files concatenated up to a token budget, then one
   file cut at a line; the target is the next lines after the cut.
+- Exact answers at long context: each ``ddtree_synthetic`` snippet after held-out files
+  that fill the prompt up to a token budget (the answer is in the snippet).
 
 Everything is deterministic for a given Python (its standard library) and tokenizer.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
+import itertools
 import os
 from pathlib import Path
 
@@ -30,6 +34,11 @@ MIN_CONTEXT_LINES = 16
 # must fit, so the default leaves room for the tokens generated after the prompt.
 DEFAULT_LONG_CONTEXT_TOKENS = 3584
 DEFAULT_LONG_CONTEXT_DOCS = 4
+# 16,384 positions (the embedded target under YaRN x4) hold the prompt and the task's
+# 96 generated tokens.
+DEFAULT_SYNTHETIC_CONTEXT_TOKENS = 16384 - 96
+SYNTHETIC_CONTEXT_ENV = "DDTREE_SYNTHETIC_CONTEXT_TOKENS"
+SNIPPET_SEPARATOR = "\n\n\n"
 LONG_CONTEXT_ENV = "DDTREE_LONG_CONTEXT_TOKENS"
 FILE_HEADER = "# ===== {path} =====\n"
 
@@ -180,6 +189,56 @@ def _long_doc(tokenizer, files, sizes, start: int, length: int, target_lines: in
                 "prompt_tokens": _token_count(tokenizer, prompt),
             }
     raise ValueError(f"no cut point fits in {length} tokens")
+
+
+def synthetic_long_docs(tokenizer, length: int, snippets: list[dict]) -> list[dict]:
+    """``snippets`` (``training.synthetic.eval_docs``) each behind held-out files filling
+    its prompt up to ``length`` tokens (``tokenizer`` counts them): files in turn, each
+    under a ``# ===== path =====`` header, cut after the last whole line that fits, then
+    ``SNIPPET_SEPARATOR`` and the snippet. Snippet ``j`` starts its filler at a
+    different file (rotation). Adds ``prompt_tokens`` (exact) and ``filler_tokens``."""
+    files = heldout_files()
+    sizes = [_token_count(tokenizer, FILE_HEADER.format(path=p) + t) for p, t in files]
+    total = sum(sizes)
+    if length > 0.9 * total:
+        raise ValueError(f"synthetic_context_tokens {length} needs more text than the "
+                         f"held-out files hold ({total} tokens with this tokenizer)")
+    docs = []
+    for j, snippet in enumerate(snippets):
+        tail = SNIPPET_SEPARATOR + snippet["context"]
+        lines, first, size = [], (j * len(files)) // max(1, len(snippets)), 0
+        for k in range(len(files)):  # files in turn until they hold the prompt
+            path, text = files[(first + k) % len(files)]
+            lines += (FILE_HEADER.format(path=path) + text).split("\n")
+            size += sizes[(first + k) % len(files)]
+            if size > length:
+                break
+
+        def prompt_tokens(n: int, lines=lines, tail=tail) -> int:
+            return _token_count(tokenizer, "\n".join(lines[:n]) + tail)
+
+        # Token start offsets of all lines joined give each line count's prompt size up
+        # to the merge at the cut: the largest count that fits by them, then exact steps.
+        text = "\n".join(lines)
+        starts = [a for a, _ in tokenizer(text, add_special_tokens=False,
+                                          return_offsets_mapping=True)["offset_mapping"]]
+        ends = list(itertools.accumulate(len(line) + 1 for line in lines))
+        budget = length - _token_count(tokenizer, tail)
+        lo = bisect.bisect_right([bisect.bisect_left(starts, e - 1) for e in ends], budget)
+        while lo > 0 and prompt_tokens(lo) > length:
+            lo -= 1
+        filler = "\n".join(lines[:lo])
+        docs.append({**snippet, "context": filler + tail,
+                     "prompt_tokens": prompt_tokens(lo),
+                     "filler_tokens": _token_count(tokenizer, filler)})
+    return docs
+
+
+def synthetic_context_length(metadata: dict) -> int:
+    """Prompt length of ``ddtree_synthetic_16k``: metadata ``synthetic_context_tokens``,
+    else the ``DDTREE_SYNTHETIC_CONTEXT_TOKENS`` variable, else 16,288."""
+    value = metadata.get("synthetic_context_tokens") or os.environ.get(SYNTHETIC_CONTEXT_ENV)
+    return int(value) if value else DEFAULT_SYNTHETIC_CONTEXT_TOKENS
 
 
 def parse_lengths(value) -> list[int]:

@@ -23,6 +23,7 @@ import argparse
 import hashlib
 import json
 import platform
+import random
 import shutil
 import sys
 import sysconfig
@@ -273,7 +274,9 @@ def build_corpus(
     files) and the valid / held-out splits stay what they are without them.
     ``synthetic_docs``: that many exact-answer snippets (``training.synthetic``: copy,
     lookup, brackets, sort) added to the *train* split as ``synthetic/<kind>_<i>.py``,
-    after the tokenizer is trained."""
+    after the tokenizer is trained, the train files then in a seeded random order: a
+    training window sees snippets after code as well as after other snippets, as a
+    task's long prompt ends in one."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     root = Path(root) if root is not None else stdlib_root()
@@ -297,6 +300,7 @@ def build_corpus(
         synthetic = training_texts(synthetic_docs)
         kept.update(synthetic)
         files["train"].extend(synthetic)
+        random.Random(0).shuffle(files["train"])
     tok_dir = out_dir / TOKENIZER_SUBDIR
     if tokenizer_dir is None:
         save_tokenizer(tok, tok_dir)

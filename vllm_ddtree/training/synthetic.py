@@ -13,19 +13,23 @@ whose last line is completed by a unique answer:
 - ``sort``: ``assert sorted([...]) == ``; the answer is the sorted list.
 
 Training (``python -m vllm_ddtree.training.corpus --synthetic-docs N``) draws documents
-with seeds ``0..N-1``; the task draws with seeds from ``EVAL_SEED_BASE`` on, which the
-training never uses. Identifiers come from a fixed word list, so both sides share the
-vocabulary but not the documents.
+with seeds ``0..N-1``; the task draws with seeds from ``EVAL_SEED_BASE`` on, and the
+trainer's checkpoint selection (``selection_docs``) from ``SELECT_SEED_BASE`` on: three
+disjoint ranges, so neither the training nor the selection sees a task document.
+Identifiers come from a fixed word list, so all share the vocabulary but not the
+documents.
 """
 
 from __future__ import annotations
 
 import random
 
-__all__ = ["EVAL_SEED_BASE", "KINDS", "eval_docs", "make_doc", "training_texts"]
+__all__ = ["EVAL_SEED_BASE", "KINDS", "SELECT_SEED_BASE", "eval_docs", "make_doc",
+           "selection_docs", "training_texts"]
 
 KINDS = ("copy", "lookup", "brackets", "sort")
 EVAL_SEED_BASE = 10**9
+SELECT_SEED_BASE = 10**8
 WORDS = ("name", "value", "path", "mode", "size", "timeout", "encoding", "errors", "buffer",
          "parent", "level", "flags", "prefix", "suffix", "data", "count", "offset", "limit",
          "stream", "handler", "key", "default", "callback", "context", "options", "host",
@@ -107,3 +111,10 @@ def eval_docs(per_kind: int = 25) -> list[dict]:
     return [{"kind": kind, "context": prompt, "target": answer}
             for kind in KINDS for i in range(per_kind)
             for prompt, answer in [make_doc(kind, EVAL_SEED_BASE + i)]]
+
+
+def selection_docs(per_kind: int = 64) -> list[tuple[str, str, str]]:
+    """``(kind, prompt, answer)`` of ``per_kind`` documents of each kind, seeds from
+    ``SELECT_SEED_BASE``: the held-out answers a trainer selects its checkpoint on."""
+    return [(kind, *make_doc(kind, SELECT_SEED_BASE + i))
+            for kind in KINDS for i in range(per_kind)]

@@ -7,6 +7,14 @@ repeatable. The step count is capped by ``max_epochs`` passes over the train
 tokens (the corpus is small: a time budget alone would repeat it hundreds of
 times on a GPU); the weights with the lowest validation loss (evaluated every
 ``eval_every`` steps) are kept. ``evaluate_nll`` gives the loss / perplexity.
+
+A fine-tune that teaches exact answers (``training.synthetic``) selects on those instead:
+given an ``AnswerSet`` and ``valid_slack``, it keeps the weights of the lowest answer
+loss among the evaluations whose validation loss on ``slack_seq_len``-token windows
+stays within ``valid_slack`` nats of the starting weights' (evaluated before the first
+step): what the fine-tune adds, at no more than that cost to the code it was trained
+on, measured at the windows the starting weights were trained on (a fine-tune on
+longer windows lowers the loss at long range whatever it does at short range).
 """
 
 from __future__ import annotations
@@ -36,6 +44,53 @@ class TargetTrainConfig(StepLoopConfig):
     batch_size: int = 64
     max_epochs: float | None = 30.0  # caps the steps at this many passes over the data
     eval_windows: int = 64  # validation windows per periodic evaluation
+    valid_slack: float | None = None  # with an AnswerSet: selection on answers, see above
+    slack_seq_len: int | None = None  # windows of the slack's validation loss (seq_len)
+
+
+@dataclass
+class AnswerSet:
+    """Held-out prompts with exact answers, right-padded into one batch.
+
+    ``tokens [N, L]`` int64 (prompt then answer, then padding), ``answer_mask [N, L - 1]``
+    bool: True where the next token (``tokens[:, 1:]``) is an answer token."""
+
+    tokens: torch.Tensor
+    answer_mask: torch.Tensor
+
+    @classmethod
+    def from_pairs(cls, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> AnswerSet:
+        """From ``(prompt ids, answer ids)`` pairs (each part non-empty)."""
+        if not pairs or any(not p or not a for p, a in pairs):
+            raise ValueError("an AnswerSet needs at least one pair, each with a non-empty "
+                             "prompt and answer")
+        length = max(len(p) + len(a) for p, a in pairs)
+        tokens = torch.full((len(pairs), length), pad_id, dtype=torch.int64)
+        mask = torch.zeros((len(pairs), length - 1), dtype=torch.bool)
+        for i, (p, a) in enumerate(pairs):
+            tokens[i, : len(p) + len(a)] = torch.tensor(p + a)
+            mask[i, len(p) - 1 : len(p) + len(a) - 1] = True
+        return cls(tokens, mask)
+
+
+@torch.no_grad()
+def answer_nll(model, answers: AnswerSet, batch_size: int = 64,
+               device: torch.device | str | None = None) -> float:
+    """Mean NLL (nats) of the answer tokens of ``answers``, teacher-forced."""
+    device = torch.device(device or next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, answers.tokens.shape[0], batch_size):
+        tokens = answers.tokens[start : start + batch_size].to(device)
+        mask = answers.answer_mask[start : start + batch_size].to(device)
+        with autocast_for(device):
+            logits = model(input_ids=tokens[:, :-1]).logits
+        nll = F.cross_entropy(logits.float().transpose(1, 2), tokens[:, 1:], reduction="none")
+        total += float(nll[mask].sum())
+        count += int(mask.sum())
+    model.train(was_training)
+    return total / count
 
 
 def autocast_for(device: torch.device):
@@ -119,13 +174,23 @@ def train_target(
     cfg: TargetTrainConfig,
     device: torch.device | str,
     progress: bool = True,
+    answers: AnswerSet | None = None,
 ) -> TrainLog:
     """Train ``model`` in place on ``train_tokens`` (flat ``uint16``/int array).
 
     ``eval_tokens`` (the validation split) is evaluated every ``cfg.eval_every``
     steps on its first ``cfg.eval_windows`` windows; with ``cfg.keep_best`` the
-    model ends with the weights of the lowest such loss. Returns the ``TrainLog``.
+    model ends with the weights of the lowest such loss. With ``answers`` (and
+    ``cfg.valid_slack`` and ``eval_tokens``) every evaluation also scores the answers,
+    the starting weights are evaluated first, and the kept weights are those of the
+    lowest answer loss whose validation loss is within ``cfg.valid_slack`` of the
+    start's (module docstring). Returns the ``TrainLog``; ``extra["answer_losses"]``
+    runs beside ``eval_losses`` then.
     """
+    on_answers = answers is not None
+    if on_answers and (cfg.valid_slack is None or eval_tokens is None):
+        raise ValueError("selection on answers needs valid_slack and eval_tokens: the "
+                         "validation loss bounds what the answers may cost")
     device = torch.device(device)
     model.to(device).train()
     tokens = torch.as_tensor(np.asarray(train_tokens, dtype=np.int64), device=device)
@@ -165,19 +230,37 @@ def train_target(
         )
         log.eval_steps.append(step)
         log.eval_losses.append(nll)
+        score = nll
+        if on_answers:
+            score = answer_nll(model, answers, device=device)
+            log.extra.setdefault("answer_losses", []).append(score)
+            short = nll
+            if cfg.slack_seq_len not in (None, cfg.seq_len):
+                short, _ = evaluate_nll(model, eval_tokens, cfg.slack_seq_len,
+                                        max_windows=cfg.eval_windows, device=device)
+            shorts = log.extra.setdefault("slack_eval_losses", [])
+            shorts.append(short)
+            if short > shorts[0] + cfg.valid_slack:
+                score = math.inf  # the code loss rose too far: not a candidate
         if cfg.keep_best:
-            best.update(model, nll, step)
+            best.update(model, score, step)
 
     def compute_loss() -> torch.Tensor:
         windows = sample_windows(tokens, cfg.batch_size, cfg.seq_len + 1, gen)
         with autocast_for(device):
             return lm_loss(model, windows)
 
+    if on_answers:
+        evaluate(0)  # the starting weights: the validation loss's bound, a candidate too
     step = run_step_loop(plan, cfg, opt, list(model.parameters()), compute_loss, pending, bar,
                          flush, evaluate, log)
     log.extra["tokens_seen"] = step * cfg.batch_size * cfg.seq_len
     log.extra["train_epochs"] = log.extra["tokens_seen"] / max(1, len(train_tokens))
     log.extra["kept_step"] = best.step if best.restore(model) else step
-    log.extra["kept_eval_loss"] = best.loss if best.step is not None else None
+    kept = log.eval_steps.index(best.step) if best.step is not None else None
+    log.extra["kept_eval_loss"] = log.eval_losses[kept] if kept is not None else None
+    if on_answers:
+        log.extra["kept_answer_loss"] = (log.extra["answer_losses"][kept]
+                                         if kept is not None else None)
     model.eval()
     return log
