@@ -732,12 +732,35 @@ def test_smaller_arms_committed_tokens_come_from_the_settled_arms_trees(arm_coun
     assert stats.committed_count[larger] < 30
 
 
+def test_a_larger_arm_is_never_rated_below_a_smaller_arms_fresher_figure():
+    """The trace of auto's first batch-1 code cell (H100): settled on 64 drafts, whose
+    3.2 tokens a tree came from the first, harder rounds, a probe of 32 drafts met an
+    easy stretch (6.0). Rated on those figures the bucket moved to 32, then 16 and 8.
+    64 drafts commit at least what 32 do on the same trees: it is rated at 6.0, and at
+    nearly the same step time the bucket stays."""
+    gate = SpeculationGate(cost_model(), "cpu", ARMS)
+    stats = gate.bucket(1)
+    largest, probed = len(ARMS) - 1, len(ARMS) - 2
+    for _ in range(10):
+        stats.add_committed(largest, 3.2)
+    for _ in range(2):
+        stats.add_committed(probed, 6.0)
+    stats.settled = largest
+    columns = gate.model.attention_columns(np.full(1, 1024))
+    seconds = gate.model.step_seconds_by_drafts(1, np.asarray(ARMS), columns)
+    committed = gate.rates(stats, 1, columns, len(ARMS)) * seconds
+    assert committed[largest] == pytest.approx(6.0)
+    assert committed[probed] == pytest.approx(6.0)
+    assert stats.committed_tokens[largest] == pytest.approx(3.2, abs=0.5)  # as counted
+
+
 def test_arms_above_the_settled_one_follow_the_settled_arms_acceptance():
     """An arm above the settled one counted trees only in its probe; the rates scale
     what it accepted then by how the settled arm's figure moved since, as the probe's
     own trees cut to the settled arm measured it: 16 drafts accepted 2.0 a tree when
     those trees cut to 4 drafts accepted 0.5, and 4 drafts now accept 1.0 -> predicted
-    1 + 4.0. Arms at or below the settled one keep their own (fresh) figures; a probe
+    1 + 4.0. Arms at or below the settled one keep their own (fresh) figures, floored
+    by the smaller arms' (the same trees accept at least as much with more drafts); a probe
     cut to another arm than the settled one is not scaled (the smallest arm is the
     reference when the bucket decodes plainly); the factor stays within 2x either way
     and never comes from a reference near a plain step's one token."""
@@ -757,7 +780,7 @@ def test_arms_above_the_settled_one_follow_the_settled_arms_acceptance():
 
     got = committed(3)  # settled on 4 drafts
     assert got[5] == pytest.approx(5.0)
-    assert got[1:4] == pytest.approx([2.0, 2.5, 2.0])
+    assert got[1:4] == pytest.approx([2.0, 2.5, 2.5])  # 4 drafts floored by 2's 2.5
     assert committed(5)[5] == pytest.approx(3.0)  # settled on 16: its own figure
     assert committed(2)[5] == pytest.approx(3.0)  # its cut is to 4 drafts, not 2
     assert committed(0)[5] == pytest.approx(3.0)  # plain: 1 draft is the reference
@@ -767,6 +790,8 @@ def test_arms_above_the_settled_one_follow_the_settled_arms_acceptance():
     for _ in range(20):  # 4 drafts now accept 2.0: 4x the reference, kept to 2x
         stats.add_committed(3, 3.0)
     assert committed(3)[5] == pytest.approx(5.0)
+    stats.reset_committed(1)  # uncounted smaller arms: no floor from them below
+    stats.reset_committed(2)
     for _ in range(40):  # 4 drafts accept 0.1: 1/5 of the reference, kept to 1/2
         stats.add_committed(3, 1.1)
     assert committed(3)[5] == pytest.approx(2.0, abs=1e-3)

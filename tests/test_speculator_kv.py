@@ -182,3 +182,30 @@ def test_compaction_views_are_kept_across_rounds_and_rebuilt_on_a_rebound_cache(
     spec._compact_target_kv({"target.0": slots}, qsl, kv_src_rows)
     assert spec._compactor[1] is not first
     assert rebound[slots[:3], 0, 0].tolist() == [0.0, 4.0, 7.0]
+
+
+def test_path_row_move_is_compiled_at_the_first_propose_with_aux_states(monkeypatch):
+    """``_warm_path_rows``: once, with the aux states' own tensors (the compiled variant
+    is keyed on their dtype, strides and count) and a walk of width L whose every source
+    is -1 (nothing moves); skipped while a CUDA graph is being captured."""
+    from vllm_ddtree.draft import speculator as module
+
+    calls = []
+    monkeypatch.setattr(module, "use_triton", lambda t: True)
+    monkeypatch.setattr(module, "move_path_rows_triton",
+                        lambda xs, qsl, src: calls.append((xs, qsl.clone(), src.clone())))
+    spec = NS(num_draft_depths=DEPTHS, _path_rows_warm=False)
+    aux = [torch.randn(9, 8) for _ in range(3)]
+    before = [x.clone() for x in aux]
+    qsl = torch.tensor([0, 9, 9], dtype=torch.int32)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    module.DDTreeSpeculator._warm_path_rows(spec, aux, qsl)
+    assert not calls and not spec._path_rows_warm
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    module.DDTreeSpeculator._warm_path_rows(spec, aux, qsl)
+    assert spec._path_rows_warm and len(calls) == 1
+    xs, got_qsl, src = calls[0]
+    assert xs is aux and got_qsl.tolist() == [0, 9]
+    assert src.shape == (1, DEPTHS) and bool((src == -1).all())
+    assert all(torch.equal(a, b) for a, b in zip(aux, before, strict=True))

@@ -137,6 +137,7 @@ class DDTreeSpeculator(DFlashSpeculator):
     verify_shape = None  # VerifyShapeChooser with adaptive verify shapes
     step_plan = None  # StepPlan: auto's shapes and step gate, a batch schedule
     store_trees_in_graph = False  # the trees are stored in the draft step, see __init__
+    _path_rows_warm = False  # the path-row move kernel compiled (_warm_path_rows)
     # (first cache of each group, PathCompactor over the groups' views), see
     # _path_compactor
     _compactor: tuple[list[torch.Tensor], PathCompactor] | None = None
@@ -544,6 +545,21 @@ class DDTreeSpeculator(DFlashSpeculator):
         self.model.precompute_and_store_context_kv(
             self.hidden_states[:num_tokens], self.context_positions[:num_tokens], slots)
 
+    def _warm_path_rows(self, aux_hidden_states: list[torch.Tensor],
+                        query_start_loc: torch.Tensor) -> None:
+        """Compile the path-row move for these aux states at start-up (vLLM's dummy
+        runs reach here first): rounds whose requests verify at most 1 + L rows (``auto``'s
+        small arms, prefill chunks) move rows instead of compacting them, and their first
+        launch otherwise compiled mid-serving (477 ms inside ``auto``'s first batch-1
+        cell, H100). Nothing moves: every source row is -1."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
+        self._path_rows_warm = True
+        none = torch.full((1, self.num_draft_depths), -1, dtype=torch.int64,
+                          device=aux_hidden_states[0].device)
+        if use_triton(none):
+            move_path_rows_triton(aux_hidden_states, query_start_loc[:2], none)
+
     @torch.inference_mode()
     def propose(
         self,
@@ -567,6 +583,8 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Same contract as ``DFlashSpeculator.propose`` (``:286-454``): returns the
         draft tokens int64 ``[R, B]`` (a view of ``draft_tokens``)."""
         num_reqs = input_batch.num_reqs
+        if aux_hidden_states and not self._path_rows_warm:
+            self._warm_path_rows(aux_hidden_states, input_batch.query_start_loc)
         walk = None if dummy_run else self.state.take_walk(num_reqs)
         # auto's step gate keeps its held decision at this propose: the round's wall
         # time and the device's budget choice are taken where it decides
