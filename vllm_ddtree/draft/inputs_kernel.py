@@ -36,6 +36,8 @@ from vllm.v1.attention.backends.utils import PAD_SLOT_ID
 __all__ = ["MAX_GROUPS", "prepare_dflash_inputs_groups"]
 
 MAX_GROUPS = 8  # drafter KV-cache groups per launch; more fall back to vLLM's calls
+# Tokens of one request a program handles: vLLM's largest block, for every round.
+BLOCK_TOKENS = 256
 # Entries of each padded buffer one program of the padding row writes.
 _PAD_BLOCK = 1024
 
@@ -67,7 +69,10 @@ def _group_slots(
     tl.store(q_slots_ptr + query_idx, q_slot, mask=is_query)
 
 
-@triton.jit(do_not_specialize=["num_reqs", "num_blocks"])
+# One variant for every round: num_sampled / num_rejected may be the rows of one [2, R]
+# allocation (the fused walk's), whose alignment follows R (see BLOCK_TOKENS too).
+@triton.jit(do_not_specialize=["num_reqs", "num_blocks"],
+            do_not_specialize_on_alignment=["num_sampled_ptr", "num_rejected_ptr"])
 def _prepare_dflash_inputs_groups_kernel(
     # Outputs
     out_input_ids_ptr,
@@ -323,11 +328,12 @@ def prepare_dflash_inputs_groups(
         return False
     num_reqs = input_batch.num_reqs
     assert num_reqs > 0
-    # vLLM's grid: the longest per-request span (ctx + query).
+    # vLLM's grid: the longest per-request span (ctx + query), in blocks of one size for
+    # every round (vLLM sizes them to the span: each verify shape of auto, a prefill
+    # chunk and a tree decode compiled a variant of their own, mid-serving).
     max_target_query_len = int(input_batch.num_scheduled_tokens.max())
     max_tokens_per_req = max_target_query_len + num_query_per_req
-    BLOCK_SIZE = min(256, triton.next_power_of_2(max(1, max_tokens_per_req)))
-    num_blocks = triton.cdiv(max_tokens_per_req, BLOCK_SIZE)
+    num_blocks = triton.cdiv(max_tokens_per_req, BLOCK_TOKENS)
     pad = MAX_GROUPS - num_groups
     q_offs = [row * query_slot_mappings.stride(0) for row in group_rows]
     longest_pad = max(max_num_tokens - num_reqs * num_query_per_req,
@@ -348,6 +354,6 @@ def prepare_dflash_inputs_groups(
         parallel_drafting_token_id, num_query_per_req, num_speculative_steps,
         max_num_reqs, max_num_tokens, max_model_len, num_reqs, num_blocks,
         NUM_GROUPS=num_groups, SAMPLE_FROM_ANCHOR=sample_from_anchor,
-        PAD_SLOT_ID=PAD_SLOT_ID, BLOCK_SIZE=BLOCK_SIZE, PAD_BLOCK=_PAD_BLOCK,
+        PAD_SLOT_ID=PAD_SLOT_ID, BLOCK_SIZE=BLOCK_TOKENS, PAD_BLOCK=_PAD_BLOCK,
     )  # fmt: skip
     return True

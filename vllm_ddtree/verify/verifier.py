@@ -173,6 +173,8 @@ class DDTreeVerifier:
             temperatures and seeds. Tests inject a CPU version.
     """
 
+    _scratch_counters: dict | None = None  # a warm-up batch's counters (_walk_counters)
+
     def __init__(
         self,
         sampler: Any,
@@ -409,27 +411,41 @@ class DDTreeVerifier:
         (``tree_walk_kernel.verify_walk_triton``). Returns ``(walk, sampled,
         num_sampled, num_rejected)``."""
         assert self.state.parents is not None and self.state.walk_kv_src_rows is not None
-        counters = None
-        if self._counts(input_batch):
-            counters = (self.state.accepted_sum, self.state.num_drafts)
+        counters, active_sum, arm_counters = self._walk_counters(input_batch)
         out = verify_walk_triton(
             input_batch.input_ids, input_batch.logits_indices, drawn,
             input_batch.cu_num_logits, input_batch.idx_mapping, self.state.parents,
             self.max_depth, self.budget, self.state.walk_kv_src_rows,
             input_batch.seq_lens, self.sampler.req_states.prefill_len.gpu,
             self.state.active_nodes if self.state.adaptive else None, counters,
-            self.state.active_nodes_sum, self._arm_counters(counters),
+            active_sum, arm_counters,
         )  # fmt: skip
         self.state.mark_walk_(input_batch.idx_mapping.shape[0])
         return out
 
-    def _arm_counters(self, counters: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(arm_sizes, arm_accepted_sum)`` where the round counts and the step gate
-        asked for them (``DDTreeRuntimeState.enable_arm_counters_``), else None."""
-        if counters is None or self.state.arm_sizes is None:
-            return None
-        assert self.state.arm_accepted_sum is not None
-        return self.state.arm_sizes, self.state.arm_accepted_sum
+    def _walk_counters(self, input_batch: Any) -> tuple[Any, Any, Any]:
+        """``(counters, active_sum, arm_counters)`` of ``verify_walk_triton``: DDTree's
+        acceptance counters (``arm_counters`` where the step gate asked for them,
+        ``DDTreeRuntimeState.enable_arm_counters_``). A V2 warm-up batch, which does not
+        count (``_counts``), gets scratch copies instead of none: its launch is then the
+        counting one, compiled at start-up and not at the first request."""
+        st = self.state
+        if st.accepted_sum is None or st.num_drafts is None:
+            return None, st.active_nodes_sum, None
+        names = ("accepted_sum", "num_drafts", "active_nodes_sum", "arm_accepted_sum")
+        if self._counts(input_batch):
+            into = {name: getattr(st, name) for name in names}
+        else:
+            if self._scratch_counters is None:
+                self._scratch_counters = {
+                    name: None if getattr(st, name) is None else torch.zeros_like(getattr(st, name))
+                    for name in names}
+            into = self._scratch_counters
+        arms = None
+        if st.arm_sizes is not None:
+            assert into["arm_accepted_sum"] is not None
+            arms = (st.arm_sizes, into["arm_accepted_sum"])
+        return (into["accepted_sum"], into["num_drafts"]), into["active_nodes_sum"], arms
 
     def _counts(self, input_batch: Any) -> bool:
         """Whether this batch's walks go into DDTree's acceptance counters.

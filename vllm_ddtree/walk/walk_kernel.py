@@ -89,7 +89,11 @@ def _walk_path(
     return path, path_tokens, bonus
 
 
-@triton.jit(do_not_specialize=["num_nodes", "max_depth", "budget", "walk_width"])
+# One variant for every batch: num_reqs == 1 would be specialized, and num_rejected is
+# the second row of one [2, R] int32 allocation, its 16-byte alignment following R (a
+# batch-1 request compiled its own variant mid-serving after vLLM's warm-up batches).
+@triton.jit(do_not_specialize=["num_reqs", "num_nodes", "max_depth", "budget", "walk_width"],
+            do_not_specialize_on_alignment=["num_sampled_ptr", "num_rejected_ptr"])
 def _verify_walk_kernel(
     input_ids_ptr,  # int [T]
     logits_indices_ptr,  # int [num_logits]
