@@ -161,3 +161,24 @@ def test_the_drafter_inputs_compile_once_for_every_round(monkeypatch):
         assert done
     assert len(recorder.keys) == len(rounds)
     assert not differences(recorder.keys)
+
+
+def test_the_context_row_compaction_compiles_once_for_every_batch_size(monkeypatch):
+    """``num_sampled`` as the fused walk returns it (the first row of one ``[2, R]``
+    allocation); the rows of every round of ``tests/test_context_rows.py``."""
+    from test_context_rows import CASES, random_round
+
+    from vllm_ddtree.draft import hidden_rows_kernel
+
+    recorder = Recorder(hidden_rows_kernel._compact_path_rows_kernel)
+    monkeypatch.setattr(hidden_rows_kernel, "_compact_path_rows_kernel", recorder)
+    out_positions = torch.zeros(40 * 8, dtype=torch.int64)
+    out_rejected = torch.zeros(40, dtype=torch.int32)
+    for qlens, accepted in CASES:
+        xs, qsl, src, positions, num_sampled = random_round(qlens, accepted)
+        counts = torch.empty(2, len(qlens), dtype=torch.int32)
+        counts[0] = num_sampled
+        assert hidden_rows_kernel.compact_path_rows_triton(
+            xs, qsl, src, positions, counts[0], 8, out_positions, out_rejected)
+    assert len(recorder.keys) == len(CASES)
+    assert not differences(recorder.keys)
