@@ -309,6 +309,9 @@ run_e2e() {  # e2e_<setup>
   timeout "$limit" python3 evals/bench_e2e.py "${args[@]}" > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
   grep -A14 "^## Step latency" "$e2e_dir/e2e_$setup.md" 2>/dev/null | head -30
+  # vLLM's JIT monitor: a Triton kernel compiled after start-up (a latency spike)
+  grep -o "Triton kernel JIT compilation during inference: [A-Za-z0-9_]*" \
+    "$LOG_DIR/$stage.log" | sort | uniq -c | sed "s/^/$stage: /" | tee -a "$LOG_DIR/summary.txt"
 }
 
 run_sweep() {  # sweep_trained / sweep_v2lite
