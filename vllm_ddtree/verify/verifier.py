@@ -436,11 +436,15 @@ class DDTreeVerifier:
         if self._counts(input_batch):
             into = {name: getattr(st, name) for name in names}
         else:
-            if self._scratch_counters is None:
-                self._scratch_counters = {
+            shapes = {name: None if getattr(st, name) is None else getattr(st, name).shape
+                      for name in names}
+            scratch = self._scratch_counters
+            if scratch is None or {name: None if t is None else t.shape
+                                   for name, t in scratch.items()} != shapes:
+                scratch = self._scratch_counters = {
                     name: None if getattr(st, name) is None else torch.zeros_like(getattr(st, name))
                     for name in names}
-            into = self._scratch_counters
+            into = scratch
         arms = None
         if st.arm_sizes is not None:
             assert into["arm_accepted_sum"] is not None
