@@ -193,7 +193,7 @@ def test_warm_up_scratch_counters_follow_the_state(monkeypatch):
                                  state=sc.state, draw_fn=sc.sampler.draw_fn)
     sc.batch.req_ids = [f"_warmup_{i}_" for i in range(sc.batch.num_reqs)]
     vf(sc.logits.clone(), sc.batch)
-    assert vf._scratch_counters["arm_accepted_sum"] is None
+    assert vf._scratch_counters.arm_accepted_sum is None
     sc.state.enable_adaptive_(6, "cpu")
     sc.state.enable_arm_counters_([1, 2, 4, 8, 16], "cpu")
     counters, active_sum, arms = vf._walk_counters(sc.batch)

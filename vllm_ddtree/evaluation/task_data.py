@@ -225,11 +225,10 @@ def synthetic_long_docs(tokenizer, length: int, snippets: list[dict]) -> list[di
         ends = list(itertools.accumulate(len(line) + 1 for line in lines))
         budget = length - _token_count(tokenizer, tail)
         lo = bisect.bisect_right([bisect.bisect_left(starts, e - 1) for e in ends], budget)
-        while lo > 0 and prompt_tokens(lo) > length:
+        while (count := prompt_tokens(lo)) > length and lo > 0:
             lo -= 1
         filler = "\n".join(lines[:lo])
-        docs.append({**snippet, "context": filler + tail,
-                     "prompt_tokens": prompt_tokens(lo),
+        docs.append({**snippet, "context": filler + tail, "prompt_tokens": count,
                      "filler_tokens": _token_count(tokenizer, filler)})
     return docs
 

@@ -29,6 +29,7 @@ parent structure instead:
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,8 @@ __all__ = [
 # sampling feature (``SamplingParams.for_sampler_warmup``): penalties and bad words
 # are applied to them chain-wise only to warm the kernels; their tokens are dropped.
 _WARMUP_PREFIX = "_warmup_"
+# DDTreeRuntimeState's acceptance counters that a walk adds to.
+_COUNTER_NAMES = ("accepted_sum", "num_drafts", "active_nodes_sum", "arm_accepted_sum")
 
 # draw(processed_logits [N, V], expanded_idx_mapping [N], positions [N]) -> int64 [N]
 DrawFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -173,7 +176,7 @@ class DDTreeVerifier:
             temperatures and seeds. Tests inject a CPU version.
     """
 
-    _scratch_counters: dict | None = None  # a warm-up batch's counters (_walk_counters)
+    _scratch_counters: SimpleNamespace | None = None  # a warm-up batch's (_walk_counters)
 
     def __init__(
         self,
@@ -432,24 +435,25 @@ class DDTreeVerifier:
         st = self.state
         if st.accepted_sum is None or st.num_drafts is None:
             return None, st.active_nodes_sum, None
-        names = ("accepted_sum", "num_drafts", "active_nodes_sum", "arm_accepted_sum")
-        if self._counts(input_batch):
-            into = {name: getattr(st, name) for name in names}
-        else:
-            shapes = {name: None if getattr(st, name) is None else getattr(st, name).shape
-                      for name in names}
-            scratch = self._scratch_counters
-            if scratch is None or {name: None if t is None else t.shape
-                                   for name, t in scratch.items()} != shapes:
-                scratch = self._scratch_counters = {
-                    name: None if getattr(st, name) is None else torch.zeros_like(getattr(st, name))
-                    for name in names}
-            into = scratch
+        into = st if self._counts(input_batch) else self._warm_up_counters()
         arms = None
         if st.arm_sizes is not None:
-            assert into["arm_accepted_sum"] is not None
-            arms = (st.arm_sizes, into["arm_accepted_sum"])
-        return (into["accepted_sum"], into["num_drafts"]), into["active_nodes_sum"], arms
+            assert into.arm_accepted_sum is not None
+            arms = (st.arm_sizes, into.arm_accepted_sum)
+        return (into.accepted_sum, into.num_drafts), into.active_nodes_sum, arms
+
+    def _warm_up_counters(self) -> SimpleNamespace:
+        """Zeroed copies of the state's counters (``_COUNTER_NAMES``), made again when one
+        of them appears or changes shape (counters enabled after a warm-up batch)."""
+        real = [getattr(self.state, name) for name in _COUNTER_NAMES]
+        scratch = self._scratch_counters
+        if scratch is None or any(
+                (t is None) != (c is None) or (t is not None and t.shape != c.shape)
+                for t, c in zip(real, vars(scratch).values(), strict=True)):
+            scratch = self._scratch_counters = SimpleNamespace(**{
+                name: None if t is None else torch.zeros_like(t)
+                for name, t in zip(_COUNTER_NAMES, real, strict=True)})
+        return scratch
 
     def _counts(self, input_batch: Any) -> bool:
         """Whether this batch's walks go into DDTree's acceptance counters.
