@@ -125,11 +125,13 @@
 #              evals/host_profile.py diff AUTO.prof B64.prof` tables auto's surplus per
 #              function); the GPU to itself for the step times. With
 #              BENCH_E2E_GATE_TRACE=$OUT/profiles also auto's gate trace per cell, archived
-#              with them (`python evals/gate_trace.py`; its wrappers add host time to auto)
+#              with them (`python evals/gate_trace.py`; its wrappers add about 1 us to a step of auto)
 #   sweep_trained / sweep_v2lite / sweep_v2lite_moe
 #              evals/bench_e2e.py --sweep --lockstep (batch 1 4 8 16 32 64, continuous
 #              batching, AR / chain / chain +perbatch / DDTree 16, 64, 64 +perbatch /
-#              auto): the embedded pair with YaRN x4 at 512 and 1k (about 7 min), the
+#              auto): the embedded pair with YaRN x4 at 1k, pools of 12 x b requests,
+#              2 repeats (the whole call: 4 of its 8.8 min start 7 engines; 512 and 1k
+#              together leave batch 16-64 unrun; SWEEP_CONTEXTS=512 for the other), the
 #              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
 #              9 min; cells past --max-minutes are listed as not run; _moe: its MoE
 #              layers, which need vLLM's fused-MoE ops: scripts/kit_moe_ops.sh); one 10-minute
@@ -138,11 +140,11 @@
 #              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
 #              repeats' auto / best-other ratios ranged 0.64-1.29 without turns,
 #              0.74-0.99 with, a cell's two repeats mostly within 0.09);
-#              SWEEP_REPEATS (1) measures each cell that many times (the runs taking
+#              SWEEP_REPEATS (2 and 1) measures each cell that many times (the runs taking
 #              turns), the tables taking the median, auto's step gate traced step by step (evals/gate_trace.py) into
 #              gate_traces_<stage>.tgz in the log folder (`python evals/gate_trace.py
 #              TRACE.json --plot-dir DIR` tables and plots one),
-#              and SWEEP_POOL_FACTOR (8 and 2) sets the requests per cell as a multiple
+#              and SWEEP_POOL_FACTOR (12 and 2) sets the requests per cell as a multiple
 #              of the batch: REPEATS 3 with POOL_FACTOR 3 takes about the time of one
 #              repeat of 8 and spreads each run over three moments of the host's
 #              speed, which moved up to 2.4x between cells; E2E_OUT_DIR receives
@@ -315,13 +317,17 @@ run_e2e() {  # e2e_<setup>
 }
 
 run_sweep() {  # sweep_trained / sweep_v2lite
-  local stage="$1" limit="${STAGE_LIMIT:-570}" setup contexts prompts pool minpool stem start
+  local stage="$1" limit="${STAGE_LIMIT:-570}" setup contexts prompts pool minpool repeats stem
+  local start
   local runs="ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA+perbatch ddtree-16 ddtree-64 ddtree-64+perbatch ddtree-auto"
   case "$stage" in
-    sweep_trained) setup=trained_yarn contexts="512 1k" prompts=code pool=8 minpool=16 stem=e2e_batch_sweep ;;
-    sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 minpool=6 stem=e2e_batch_sweep_v2lite ;;
+    # sweep_trained's defaults are the command in evals/results/e2e_batch_sweep.md
+    sweep_trained) setup=trained_yarn contexts="1k" prompts=code pool=12 minpool=16 repeats=2 \
+      stem=e2e_batch_sweep ;;
+    sweep_v2lite) setup=v2lite contexts="1k 32k" prompts=random pool=2 minpool=6 repeats=1 \
+      stem=e2e_batch_sweep_v2lite ;;
     sweep_v2lite_moe) setup=v2lite_moe contexts="1k 32k" prompts=random pool=2 minpool=6 \
-      stem=e2e_batch_sweep_v2lite_moe ;;
+      repeats=1 stem=e2e_batch_sweep_v2lite_moe ;;
   esac
   local e2e_dir="${E2E_OUT_DIR:-$LOG_DIR}" r c b pin interleave="${SWEEP_INTERLEAVE_S-0.25}"
   [ "$interleave" = 0 ] && interleave=""  # 0 or empty: no turns
@@ -338,7 +344,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
     --min-pool "$minpool" \
-    --repeats "${SWEEP_REPEATS:-1}" ${interleave:+--interleave-s "$interleave"} \
+    --repeats "${SWEEP_REPEATS:-$repeats}" ${interleave:+--interleave-s "$interleave"} \
     ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
     > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
