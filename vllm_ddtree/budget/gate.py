@@ -568,7 +568,8 @@ class SpeculationGate:
         self._restart_interval(stats, current)
         best = int(np.argmax(np.where(measured, rates, -np.inf)))
         target = None
-        if best != current and rates[best] >= rates[current] * (1 + HYSTERESIS):
+        if (best != current and rates[best] >= rates[current] * (1 + HYSTERESIS)
+                and stats.may_switch(best, self._arm_seconds)):
             if stats.residual_count[best] >= SWITCH_SAMPLES:
                 current = stats.settled = best
                 stats.refresh_residuals()

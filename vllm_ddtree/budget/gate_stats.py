@@ -58,6 +58,9 @@ IDLE_GAP_FACTOR = 4.0
 # Host slack samples (the GPU idle between a settled speculative step's last launch's
 # end and the next step's start) before the slack hides any arm's modeled difference.
 SLACK_SAMPLES = 5
+# Before any slack is known in a bucket, a smaller speculative arm must be predicted at
+# least this much faster for the bucket to move to it (GateStats.may_switch).
+UNSEEN_SLACK_EDGE = 0.1
 
 
 def idle_engine(seconds: float, idle: float | None) -> bool:
@@ -175,6 +178,7 @@ class GateStats:
         # the GPU's idle time after the settled arm's last steps (add_slack) and that arm
         self.slack: deque[float] = deque(maxlen=RESIDUAL_WINDOW)
         self._slack_arm = -1
+        self.slack_seen = False  # some settled arm had SLACK_SAMPLES of them
 
     def typical_prefill(self, pairs: int) -> bool:
         """Record a timed step's prefill attention pairs (0 without a prefill); whether
@@ -309,6 +313,7 @@ class GateStats:
             self._slack_arm = arm
             self.slack.clear()
         self.slack.append(max(seconds, 0.0))
+        self.slack_seen = self.slack_seen or len(self.slack) >= SLACK_SAMPLES
 
     def slack_samples(self) -> np.ndarray | None:
         """fp64 ``[k]``: the GPU's idle time after each of the settled arm's last
@@ -318,6 +323,22 @@ class GateStats:
                 or len(self.slack) < SLACK_SAMPLES):
             return None
         return np.fromiter(self.slack, dtype=np.float64)
+
+    def may_switch(self, arm: int, seconds: np.ndarray) -> bool:
+        """Whether the bucket may move to ``arm`` (index) now, ``seconds`` (fp64 ``[n]``)
+        the arms' predicted steps: before the bucket first knew a settled speculative
+        arm's host slack (:meth:`slack_samples`), not to a smaller speculative arm
+        predicted less than ``UNSEEN_SLACK_EDGE`` faster, an edge the host may hide
+        (batch 1, H100: the gate moved from 64 to 32 drafts 0.15 s in, after 3 slack
+        samples, on a 2 % modelled edge that the GPU's 0.6 ms idle after each step hid,
+        and ran 191 steps on 32 where 64's trees committed 8 % more). A larger arm is
+        predicted no faster for an unknown slack (the slack only hides its extra time),
+        and a larger edge is not all hidden time: waiting for the slack there cost
+        probes of the arms above (batch 256: 4 % of the next 600 steps)."""
+        settled = self.settled
+        if arm == 0 or settled == 0 or arm > settled or self.slack_seen:
+            return True
+        return bool(seconds[settled] > (1.0 + UNSEEN_SLACK_EDGE) * seconds[arm])
 
     def add_committed(self, arm: int, tokens: float) -> None:
         ema = self.committed[arm]
