@@ -131,10 +131,11 @@ def apply() -> None:
         plan = getattr(getattr(self, "speculator", None), "step_plan", None)
         if (plan is not None and not _is_dummy(args, kwargs)
                 and scheduler_output.total_num_scheduled_tokens > 0):
-            from vllm_ddtree.verify.shape import prefill_load, truncate_drafts
+            from vllm_ddtree.verify.shape import prefill_load, truncate_drafts, warm_up_batch
 
-            shape = plan.step_shape(len(scheduler_output.num_scheduled_tokens),
-                                    prefill_load(scheduler_output))
+            scheduled = scheduler_output.num_scheduled_tokens
+            shape = plan.step_shape(len(scheduled), prefill_load(scheduler_output),
+                                    warm_up_batch(scheduled))
             scheduler_output = truncate_drafts(scheduler_output, shape)
         return original_execute(self, scheduler_output, *args, **kwargs)
 

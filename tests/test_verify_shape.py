@@ -320,6 +320,37 @@ def test_execute_model_cuts_drafts_to_the_chosen_shape(shape_patch):
     assert calls[-1] is original
 
 
+def test_vllms_warm_up_batch_verifies_b_where_the_schedule_decodes_plainly(shape_patch):
+    """vLLM's kernel warm-up decodes with many requests (``_warmup_{i}_``), where a
+    batch schedule is often at 0: its step must still verify B, so that the walk and
+    the compaction kernels compile at start-up, not at the first request. A real batch
+    of that size follows the schedule."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from vllm_ddtree.budget.schedule import BatchSchedule
+    from vllm_ddtree.verify.shape import StepPlan, warm_up_batch
+
+    runner_cls, calls = shape_patch
+    schedule = BatchSchedule([[1, 1, 8], [2, 4, 0]], max_num_reqs=4, max_budget=8)
+    runner = NS(speculator=NS(step_plan=StepPlan(8, [0, 8], schedule)))
+
+    def decode_step(prefix):
+        out = SchedulerOutput.make_empty()
+        ids = [f"{prefix}{i}_" for i in range(3)]
+        out.num_scheduled_tokens = dict.fromkeys(ids, 9)
+        out.total_num_scheduled_tokens = 27
+        out.scheduled_spec_decode_tokens = {r: [-1] * 8 for r in ids}
+        return out
+
+    assert warm_up_batch(["_warmup_0_"]) and not warm_up_batch(["req-0"])
+    assert not warm_up_batch([])
+    runner_cls.execute_model(runner, decode_step("_warmup_"))
+    assert calls[-1].total_num_scheduled_tokens == 27  # B = 8 drafts kept
+    runner_cls.execute_model(runner, decode_step("req-"))
+    assert calls[-1].total_num_scheduled_tokens == 3  # the schedule's 0: plain
+    assert calls[-1].scheduled_spec_decode_tokens == {}
+
+
 def test_shape_choice_has_no_host_sync():
     """record_ (the copy of the chosen budget to pinned host memory) and next_shape
     (reading it back once its event completed) do not make the host wait: the read is

@@ -102,6 +102,7 @@ from vllm_ddtree.tree.build_kernel import build_ddtree_fast
 from vllm_ddtree.tree.draft_tree import DraftTree, num_mask_words
 from vllm_ddtree.tree.store_kernel import store_trees_triton
 from vllm_ddtree.triton_path import use_triton
+from vllm_ddtree.verify.shape import warm_up_batch
 
 __all__ = [
     "DDTreeSpeculator",
@@ -492,8 +493,7 @@ class DDTreeSpeculator(DFlashSpeculator):
         plan = self.step_plan
         if plan is None:
             return True
-        req_ids = getattr(input_batch, "req_ids", None)
-        if req_ids and str(req_ids[0]).startswith("_warmup_"):
+        if warm_up_batch(getattr(input_batch, "req_ids", None) or ()):
             plan.drafted = True
             return True
         num_reqs = input_batch.num_reqs

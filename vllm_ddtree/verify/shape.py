@@ -54,8 +54,11 @@ __all__ = [
     "step_shapes",
     "truncate_drafts",
     "prefill_load",
+    "warm_up_batch",
 ]
 
+# Ids of the requests vLLM V2's kernel warm-up creates (``warmup.py:224``).
+WARMUP_PREFIX = "_warmup_"
 # Pinned slots in flight; the host runs at most a step or two ahead of the GPU.
 _SLOTS = 8
 
@@ -237,6 +240,13 @@ class VerifyShapeChooser:
         return next((s for s in self.shapes if s >= budget), self.max_budget)
 
 
+def warm_up_batch(req_ids: Any) -> bool:
+    """Whether a batch of these request ids is vLLM V2's kernel warm-up
+    (``warmup.py:224``: ids ``_warmup_{i}_``)."""
+    first = next(iter(req_ids), None)
+    return first is not None and str(first).startswith(WARMUP_PREFIX)
+
+
 def prefill_load(scheduler_output: Any) -> tuple[int, int, int]:
     """``(requests, tokens, pairs)`` the step schedules that are not decodes (a new
     request, a chunk of a prompt, a recomputed preempted request: anything but a
@@ -308,12 +318,16 @@ class StepPlan:
         """The schedule's budget for a batch of ``num_reqs`` (B without a schedule)."""
         return self.max_budget if self.schedule is None else self.schedule.budget_for(num_reqs)
 
-    def step_shape(self, num_reqs: int, prefill: tuple[int, int, int] = (0, 0, 0)) -> int:
+    def step_shape(self, num_reqs: int, prefill: tuple[int, int, int] = (0, 0, 0),
+                   warm_up: bool = False) -> int:
         """Drafts per request this step verifies: 0 after a propose without the block
         pass, else ``min(cap, chooser's shape, the gate's arm)`` (a member of
         ``shapes``). ``prefill``: the step's :func:`prefill_load` (for the gate's
-        timing). Host only, no sync."""
-        cap = self.cap(num_reqs)
+        timing). ``warm_up``: vLLM's kernel warm-up batch (:func:`warm_up_batch`), which
+        verifies B whatever the schedule's budget for its size: a schedule at 0 there
+        (its many requests) left the walk and compaction kernels to compile at the
+        first request (H100 sweep, ``ddtree-64+perbatch``). Host only, no sync."""
+        cap = self.max_budget if warm_up else self.cap(num_reqs)
         if not self.drafted:
             shape = 0
         else:

@@ -40,6 +40,7 @@ from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_ro
 from vllm_ddtree.tree.draft_tree import DraftTree
 from vllm_ddtree.triton_path import use_triton
 from vllm_ddtree.verify.batch import sampled_rows_from_walk
+from vllm_ddtree.verify.shape import WARMUP_PREFIX
 from vllm_ddtree.walk.follow import WalkResult, follow_tree
 from vllm_ddtree.walk.walk_kernel import verify_walk_triton
 
@@ -52,10 +53,9 @@ __all__ = [
     "tree_inputs_from_rows",
 ]
 
-# Requests the V2 warm-up creates (``warmup.py:224``, ids ``_warmup_{i}_``) use every
+# Requests the V2 warm-up creates (``verify.shape.WARMUP_PREFIX``) use every
 # sampling feature (``SamplingParams.for_sampler_warmup``): penalties and bad words
 # are applied to them chain-wise only to warm the kernels; their tokens are dropped.
-_WARMUP_PREFIX = "_warmup_"
 # DDTreeRuntimeState's acceptance counters that a walk adds to.
 _COUNTER_NAMES = ("accepted_sum", "num_drafts", "active_nodes_sum", "arm_accepted_sum")
 
@@ -254,7 +254,7 @@ class DDTreeVerifier:
         bad_words = getattr(self.sampler, "bad_words_state", None)
         if bad_words is not None and int(bad_words.num_bad_words.np[idx].max(initial=0)) > 0:
             problems.append("bad_words")
-        if problems and not all(r.startswith(_WARMUP_PREFIX) for r in input_batch.req_ids):
+        if problems and not all(r.startswith(WARMUP_PREFIX) for r in input_batch.req_ids):
             raise UnsupportedForTreeError(
                 f"speculative method 'ddtree' does not support {', '.join(problems)}: "
                 "they assume the draft tokens form a chain. Drop them from the request's "
@@ -467,7 +467,7 @@ class DDTreeVerifier:
         # V2 warm-up batches hold only warm-up requests (dummy drafts); vLLM's own
         # spec-decode counters skip them too, so both reports count the same rounds.
         req_ids = getattr(input_batch, "req_ids", None)
-        return not (req_ids and req_ids[0].startswith(_WARMUP_PREFIX))
+        return not (req_ids and req_ids[0].startswith(WARMUP_PREFIX))
 
     def _update_stats(self, walk: WalkResult, input_batch: Any) -> None:
         if not self._counts(input_batch):
