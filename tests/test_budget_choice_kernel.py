@@ -145,6 +145,54 @@ def test_kernel_adds_the_row_cost_as_the_pytorch_policy_does(num_reqs):
     torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("num_reqs", [1, 5])
+@pytest.mark.parametrize("hidden", [0.0, 1e-5, 1e-3])
+def test_hidden_gpu_time_counts_as_the_pytorch_policy_counts_it(num_reqs, hidden):
+    """``BudgetPolicy.hide_(64, s)``: every candidate's modeled cost is at least 64's
+    plus ``s`` (the host's step outlasts the GPU's by ``s`` after 64-node steps, so a
+    smaller tree saves nothing): the kernel makes PyTorch's choice and records the
+    same modeled time; these trees, cut to 32 or 16 nodes when every row costs, keep
+    all 64 once any time is hidden, and none hidden changes nothing."""
+    gen = torch.Generator().manual_seed(10 + num_reqs)
+    policy = make_policy(64, [1024, 16384, 131072], True, 2e-3, gen)
+    policy.set_row_costs({b: 1e-3 + 4e-6 * b + 1e-7 * b * b for b in candidate_budgets(64)})
+    scores = (torch.randn(num_reqs, 64, generator=gen) - 2).sort(dim=1, descending=True)
+    scores = scores.values.clamp(max=0).float()
+    ctx = torch.randint(1000, 20_000, (num_reqs,), generator=gen, dtype=torch.int32)
+    free = int(policy.choose(scores, ctx))
+    policy.hide_(64, hidden)
+    np_hidden = policy.hidden.tolist()
+    assert np_hidden == ([64.0, pytest.approx(hidden)] if hidden else [0.0, 0.0])
+    want = policy.choose(scores, ctx)
+    want_modeled = policy.last_attention.clone()
+    table = policy.table
+    last = torch.zeros(1, device=DEVICE)
+    got = choose_budget_triton(
+        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
+        table.seconds.to(DEVICE), policy.budgets.to(DEVICE),
+        policy.base_seconds.to(DEVICE), last, policy.num_layers, table.extrapolate,
+        row_seconds=policy.row_seconds.to(DEVICE), hidden=policy.hidden.to(DEVICE))
+    assert int(got) == int(want)
+    torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
+    assert free < 64
+    assert int(want) == (64 if hidden else free)
+    modeled = policy.modeled_seconds(ctx)
+    if hidden:
+        torch.testing.assert_close(want_modeled, modeled[-1:] + hidden)
+
+
+def test_hide_copies_only_a_changed_pair():
+    """The gate calls ``hide_`` at every drafting propose: a pinned copy only when the
+    pair changed; a time of 0 or below is none (the arm is then dropped too)."""
+    policy = make_policy(64, [1024], False, 1e-3, torch.Generator().manual_seed(0))
+    policy.hide_(32, 2e-4)
+    slot = policy._hidden_slot
+    policy.hide_(32, 2e-4)
+    assert policy._hidden_slot == slot
+    policy.hide_(64, -1.0)
+    assert policy.hidden.tolist() == [0.0, 0.0] and policy._hidden_slot != slot
+
+
 def _policy_args(policy):
     table = policy.table
     return (table.contexts.to(DEVICE), table.seconds.to(DEVICE), policy.budgets.to(DEVICE))

@@ -564,6 +564,32 @@ def test_host_slack_is_the_gpus_idle_time_after_the_settled_arms_steps(monkeypat
     assert not serial.gate.stats[batch_bucket(64)].slack_samples().any()
 
 
+def test_the_device_choice_is_told_the_gpu_time_the_host_hides(monkeypatch):
+    """``device_hidden`` (for ``BudgetPolicy.hide_``): the settled arm and the lower
+    median of the GPU's idle time after its steps: 7 ms of host beside the GPU's
+    step where the host outlasts it, none where the GPU runs throughout or the bucket
+    decodes plainly."""
+    from vllm_ddtree.budget.gate_stats import GateStats, hidden_seconds
+
+    model = overlap_model()
+    monkeypatch.setattr(sys.modules[__name__], "cost_model", lambda: model)
+    engine = Engine(seconds=lambda n, s, d: (7e-3, model.step_seconds(
+        n, np.full(n, 1024), s, d)), committed=SWEEP_COMMITTED, arms=[0, 16, 32, 64])
+    engine.run(64, 300)
+    gate = engine.gate
+    stats = gate.stats[batch_bucket(64)]
+    arm, seconds = gate.device_hidden
+    gpu = model.step_seconds_by_drafts(64, np.array([arm]),
+                                       model.attention_columns(np.full(64, 1024)))
+    assert arm == gate.arms[stats.settled] > 0
+    assert seconds == pytest.approx(7e-3 - gpu[0], abs=1e-9) and seconds > 1e-3
+    serial = Engine(seconds=lambda n, s, d: model.step_seconds(n, np.full(n, 1024), s, d))
+    serial.run(64, 300)
+    assert serial.gate.device_hidden[1] == 0.0
+    plain = GateStats(4, settled=0, interval=32)
+    assert hidden_seconds(plain) == 0.0 and hidden_seconds(None) == 0.0
+
+
 def test_host_slack_is_kept_for_the_settled_speculative_arm_only():
     """A probe's GPU time moves its own slack: only the settled arm's samples count,
     from its first after it settled, and none before ``SLACK_SAMPLES`` of them or

@@ -134,3 +134,27 @@ def test_dummy_runs_leave_the_plan_alone(monkeypatch, dummy):
                     torch.ones(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int32),
                     None, None, None, None, dummy_run=dummy)
     assert calls["block"] == 1 and sc.spec.step_plan.drafted is False
+
+
+@pytest.mark.parametrize("arm", [0, 32])
+def test_a_drafting_propose_hands_the_gates_hidden_time_to_the_device_choice(arm):
+    """auto: after the gate decides, a propose that drafts passes the gate's
+    ``device_hidden`` to ``BudgetPolicy.hide_`` (the device's choice of active nodes
+    that runs next); a plain one (arm 0) does not."""
+    from vllm_ddtree.draft.speculator import DDTreeSpeculator
+
+    class Gate:
+        device_hidden = (64, 3e-4)
+        holding = False
+
+        def decide(self, num_reqs, contexts, cap):
+            return arm
+
+    hidden = []
+    spec = object.__new__(DDTreeSpeculator)
+    spec.step_plan = StepPlan(64, [0, 32, 64], gate=Gate())
+    spec.budget_policy = NS(hide_=lambda *pair: hidden.append(pair))
+    spec.state = NS(accepted_sum=None)
+    batch = NS(req_ids=["a", "b"], num_reqs=2, num_computed_tokens_np=None)
+    assert spec._draft_next(batch, None) is (arm > 0)
+    assert hidden == ([(64, 3e-4)] if arm else [])

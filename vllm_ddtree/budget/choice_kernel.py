@@ -56,6 +56,7 @@ def _choose_budget_kernel(
     ema_weight,  # fp32
     rows_ptr,  # fp32 [K]: one request's row cost at 1 + b_k rows (read when has_rows)
     has_rows,  # int
+    hidden_ptr,  # fp32 [2]: (arm, seconds) the host hides beyond the arm's cost (HAS_HIDDEN)
     rate_tolerance,  # fp32
     num_reqs,
     num_nodes,
@@ -68,6 +69,7 @@ def _choose_budget_kernel(
     EXTRAPOLATE: tl.constexpr,
     HAS_IDX: tl.constexpr,
     SAMPLE_FLAG: tl.constexpr,
+    HAS_HIDDEN: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -144,6 +146,12 @@ def _choose_budget_kernel(
             y_hi = tl.load(rows_ptr + hi, mask=valid_k, other=0.0)
             w = (x - x_lo) / (x_hi - x_lo)
             attention += tl.where(valid_k, tl.maximum(y_lo + w * (y_hi - y_lo), 0.0), 0.0)
+    if HAS_HIDDEN:  # BudgetPolicy.hidden_costs
+        arm = tl.load(hidden_ptr)
+        hidden = tl.load(hidden_ptr + 1)
+        at_arm = tl.sum(tl.where(valid_k & (budgets.to(tl.float32) == arm), attention, 0.0),
+                        axis=0)
+        attention = tl.where(hidden > 0, tl.maximum(attention, at_arm + hidden), attention)
     base = tl.load(base_ptr)
     if SAMPLE_FLAG:
         pending = tl.load(wall_ptr + 1) != 0
@@ -184,6 +192,7 @@ def choose_budget_triton(
     idx_stride: int = 1,
     sample_flag: bool = False,
     out: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The batch's active budget, as ``BudgetPolicy.choose`` computes it.
 
@@ -209,6 +218,9 @@ def choose_budget_triton(
             is folded only if pending != 0, and pending is cleared (a graph replayed
             every round reads whether the host recorded a sample).
         out: int64 ``[1]`` to write ``b`` to (a persistent buffer under a CUDA graph).
+        hidden: fp32 ``[2]``, ``(arm, seconds)``: where ``seconds > 0``, every
+            candidate's modeled cost is at least the arm's plus ``seconds`` (the host's
+            step hides that much GPU time: ``BudgetPolicy.hidden_costs``); None: none.
 
     Returns:
         int64 0-dim tensor ``b`` (one of ``budgets``; a view of ``out`` when given).
@@ -226,11 +238,13 @@ def choose_budget_triton(
         last_attention, base_seconds if wall_seconds is None else wall_seconds,
         int(wall_seconds is not None), float(ema_weight),
         base_seconds if row_seconds is None else row_seconds, int(row_seconds is not None),
+        base_seconds if hidden is None else hidden,
         RATE_TOLERANCE,
         num_reqs, num_nodes, budgets.numel(), contexts.numel(),
         scores.stride(0), float(num_layers),
         chosen if row_of_sample is None else row_of_sample, idx_stride,
         EXTRAPOLATE=extrapolate, HAS_IDX=row_of_sample is not None, SAMPLE_FLAG=sample_flag,
+        HAS_HIDDEN=hidden is not None,
         BLOCK_R=min(BLOCK_R, max(1, 4096 // block_b)),
         BLOCK_B=block_b,
         BLOCK_K=triton.next_power_of_2(budgets.numel()),

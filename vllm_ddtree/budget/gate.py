@@ -40,16 +40,15 @@ are cumulative), and the step whose propose decides is timed: the one after the 
 or one whose batch left the hold's bucket or cap (its start ends the hold,
 :meth:`SpeculationGate.step_started`).
 
-Where the host's step outlasts the GPU's (a small target at batch 32-64: vLLM prepares
-a step while the GPU runs the last), the model's difference between speculative arms
-is hidden up to the GPU's idle time after the settled arm's steps (an event at the end
-of ``propose``, :meth:`SpeculationGate.step_finished`): offsets shrink toward that
-prediction instead of toward none (``GateStats.residuals``).
+Where the host's step outlasts the GPU's (a small target at batch 1 or 32-64), the
+model's difference between speculative arms is hidden up to the GPU's idle time after
+the settled arm's steps (an event at the end of ``propose``, :meth:`step_finished`):
+offsets shrink toward that prediction (``GateStats.residuals``), and the device's cut
+of each round's trees counts it hidden too (``device_hidden``, ``BudgetPolicy.hide_``).
 
-Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it,
-so a batch that jumps every few steps between far-apart buckets (say 3 and 200
-requests) runs each step with the previous step's bucket's decision.
-"""
+Known limitation: the arm is chosen with the batch of the ``propose`` that chooses it:
+a batch that jumps every few steps between far-apart buckets (say 3 and 200 requests)
+runs each step with the previous step's bucket's decision."""
 
 from __future__ import annotations
 
@@ -73,6 +72,7 @@ from vllm_ddtree.budget.gate_stats import (
     bucket_batches,
     bucket_bounds,
     follow_settled_arm,
+    hidden_seconds,
     idle_engine,
 )
 from vllm_ddtree.budget.step_cost import StepCostModel
@@ -221,6 +221,7 @@ class SpeculationGate:
         self._hold_batches = (0, -1)  # the bucket's batch sizes (gate_stats.bucket_bounds)
         self._decision_seconds = Ema()
         self._close_next = False  # the next step's start closes a timed step
+        self.device_hidden = (0, 0.0)  # (settled arm, hidden s): BudgetPolicy.hide_'s
         self._finishing: _Mark | None = None  # the timed step step_finished ends
 
     @property
@@ -528,6 +529,7 @@ class SpeculationGate:
         self._arm_seconds = None
         arm = self._choose(num_reqs, contexts, cap, columns)
         stats = self.stats.get(key[0])
+        self.device_hidden = (self.arms[stats.settled] if stats else 0, hidden_seconds(stats))
         if cap > 0 and stats is not None:  # the gate's steps by arm, for the report
             stats.chosen[self._index[arm]] += 1
             self._hold = self._hold_steps(stats, arm, self.host_clock() - start)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 __all__ = ["Ema", "GateStats", "batch_bucket", "bucket_batches", "bucket_bounds",
-           "follow_settled_arm", "idle_engine"]
+           "follow_settled_arm", "hidden_seconds", "idle_engine"]
 
 # An arm above the settled one follows the settled arm's acceptance (accepted nodes per
 # tree) by at most this factor either way, from a reference of at least MIN_REFERENCE.
@@ -58,6 +58,9 @@ IDLE_GAP_FACTOR = 4.0
 # Host slack samples (the GPU idle between a settled speculative step's last launch's
 # end and the next step's start) before the slack hides any arm's modeled difference.
 SLACK_SAMPLES = 5
+# A median idle time below this is the gap between two queued steps' launches, not a
+# host that outlasts the GPU (hidden_seconds).
+MIN_HIDDEN_SECONDS = 10e-6
 # Before any slack is known in a bucket, a smaller speculative arm must be predicted at
 # least this much faster for the bucket to move to it (GateStats.may_switch).
 UNSEEN_SLACK_EDGE = 0.1
@@ -68,6 +71,19 @@ def idle_engine(seconds: float, idle: float | None) -> bool:
     step's work (None: not measured) spans an idle engine rather than a step."""
     return idle is not None and idle > max(IDLE_GAP_SECONDS,
                                            IDLE_GAP_FACTOR * (seconds - idle))
+
+
+def hidden_seconds(stats: GateStats | None) -> float:
+    """GPU time the host's step hides beyond the settled speculative arm's: the lower
+    median of the GPU's idle time after that arm's last steps
+    (:meth:`GateStats.slack_samples`); 0.0 where most of them did not idle, before
+    ``SLACK_SAMPLES`` of them, below ``MIN_HIDDEN_SECONDS``, or where the bucket decodes
+    plainly. For the device's per-round budget choice (``BudgetPolicy.hide_``)."""
+    idle = None if stats is None else stats.slack_samples()
+    if idle is None:
+        return 0.0
+    seconds = float(np.sort(idle)[(len(idle) - 1) // 2])
+    return seconds if seconds >= MIN_HIDDEN_SECONDS else 0.0
 
 
 def batch_bucket(num_reqs: int) -> int:

@@ -489,7 +489,9 @@ class DDTreeSpeculator(DFlashSpeculator):
         """Whether this ``propose`` runs the drafter's block pass (the next step verifies
         trees): the step plan's choice (a batch schedule's budget 0, auto's arm 0), yes
         without a plan and for V2 warm-up batches (their trees warm the verifier). Feeds
-        auto's gate the acceptance counters after a verified step. Host only."""
+        auto's gate the acceptance counters after a verified step, and hands the gate's
+        hidden GPU time to the device's budget choice (``BudgetPolicy.hide_``). Host
+        only."""
         plan = self.step_plan
         if plan is None:
             return True
@@ -502,7 +504,10 @@ class DDTreeSpeculator(DFlashSpeculator):
                                          num_reqs, self.state.arm_accepted_sum)
         computed = getattr(input_batch, "num_computed_tokens_np", None)
         contexts = None if computed is None else computed[:num_reqs]
-        return plan.draft_next(num_reqs, contexts)
+        draft = plan.draft_next(num_reqs, contexts)
+        if draft and plan.gate is not None and self.budget_policy is not None:
+            self.budget_policy.hide_(*plan.gate.device_hidden)
+        return draft
 
     def _store_context_kv(self, input_batch, aux_hidden_states, last_hidden_states,
                           num_sampled, num_rejected, last_sampled,
