@@ -73,6 +73,8 @@ def differences(keys: list[tuple]) -> list:
         (a, b) for k in keys[1:-1] for a, b in zip(keys[0], k, strict=True) if a != b]
 
 
+@pytest.mark.skipif(not walk_kernel._interpreted(),
+                    reason="CPU tensors: needs Triton's interpreter")
 def test_the_walk_compiles_once_for_every_batch_size(monkeypatch):
     recorder = Recorder(walk_kernel._verify_walk_kernel)
     monkeypatch.setattr(walk_kernel, "_verify_walk_kernel", recorder)
