@@ -120,6 +120,19 @@ def test_kernel_folds_the_wall_sample_as_update_base_(base, wall, last):
     torch.testing.assert_close(last_dev.cpu(), want_attention, rtol=1e-5, atol=0)
 
 
+def _choose_with_row_costs(policy, scores, ctx, **kwargs):
+    """The kernel on ``policy``'s table, base time and row costs (copies on DEVICE):
+    ``(b, the modeled time it recorded)``."""
+    table = policy.table
+    last = torch.zeros(1, device=DEVICE)
+    got = choose_budget_triton(
+        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
+        table.seconds.to(DEVICE), policy.budgets.to(DEVICE),
+        policy.base_seconds.to(DEVICE), last, policy.num_layers, table.extrapolate,
+        row_seconds=policy.row_seconds.to(DEVICE), **kwargs)
+    return got, last
+
+
 @pytest.mark.parametrize("num_reqs", [1, 3, 40])
 def test_kernel_adds_the_row_cost_as_the_pytorch_policy_does(num_reqs):
     """With measured row costs (adaptive verify shapes) the modeled round time adds
@@ -134,13 +147,7 @@ def test_kernel_adds_the_row_cost_as_the_pytorch_policy_does(num_reqs):
     ctx = torch.randint(1000, 150_000, (num_reqs,), generator=gen, dtype=torch.int32)
     want = policy.choose(scores, ctx)
     want_modeled = policy.last_attention.clone()
-    table = policy.table
-    last = torch.zeros(1, device=DEVICE)
-    got = choose_budget_triton(
-        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
-        table.seconds.to(DEVICE), policy.budgets.to(DEVICE),
-        policy.base_seconds.to(DEVICE), last, policy.num_layers, table.extrapolate,
-        row_seconds=policy.row_seconds.to(DEVICE))
+    got, last = _choose_with_row_costs(policy, scores, ctx)
     assert int(got) == int(want)
     torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
 
@@ -165,13 +172,7 @@ def test_hidden_gpu_time_counts_as_the_pytorch_policy_counts_it(num_reqs, hidden
     assert np_hidden == ([64.0, pytest.approx(hidden)] if hidden else [0.0, 0.0])
     want = policy.choose(scores, ctx)
     want_modeled = policy.last_attention.clone()
-    table = policy.table
-    last = torch.zeros(1, device=DEVICE)
-    got = choose_budget_triton(
-        scores.to(DEVICE), ctx.to(DEVICE), table.contexts.to(DEVICE),
-        table.seconds.to(DEVICE), policy.budgets.to(DEVICE),
-        policy.base_seconds.to(DEVICE), last, policy.num_layers, table.extrapolate,
-        row_seconds=policy.row_seconds.to(DEVICE), hidden=policy.hidden.to(DEVICE))
+    got, last = _choose_with_row_costs(policy, scores, ctx, hidden=policy.hidden.to(DEVICE))
     assert int(got) == int(want)
     torch.testing.assert_close(last.cpu(), want_modeled, rtol=1e-5, atol=0)
     assert free < 64

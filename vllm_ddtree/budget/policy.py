@@ -311,7 +311,7 @@ class BudgetPolicy:
         as saving its whole GPU time, the cut left 37 of 64 nodes a round active and
         committed 10 % fewer tokens a round than fixed B = 64 at the same step time.
         ``arm``: a candidate budget (the step gate's settled arm), ``seconds``: the
-        GPU's idle time after that arm's steps (``SpeculationGate.hidden_seconds``). A
+        GPU's idle time after that arm's steps (``SpeculationGate.device_hidden``). A
         pinned non-blocking copy when the pair changed; no host sync."""
         pair = (int(arm), float(seconds)) if seconds > 0 else (0, 0.0)
         if pair == self._hidden_last:

@@ -40,7 +40,7 @@ from vllm_ddtree.runtime_state import DDTREE_STATE, DDTreeRuntimeState, logit_ro
 from vllm_ddtree.tree.draft_tree import DraftTree
 from vllm_ddtree.triton_path import use_triton
 from vllm_ddtree.verify.batch import sampled_rows_from_walk
-from vllm_ddtree.verify.shape import WARMUP_PREFIX
+from vllm_ddtree.verify.shape import WARMUP_PREFIX, warm_up_batch
 from vllm_ddtree.walk.follow import WalkResult, follow_tree
 from vllm_ddtree.walk.walk_kernel import verify_walk_triton
 
@@ -466,8 +466,7 @@ class DDTreeVerifier:
             return False
         # V2 warm-up batches hold only warm-up requests (dummy drafts); vLLM's own
         # spec-decode counters skip them too, so both reports count the same rounds.
-        req_ids = getattr(input_batch, "req_ids", None)
-        return not (req_ids and req_ids[0].startswith(WARMUP_PREFIX))
+        return not warm_up_batch(getattr(input_batch, "req_ids", None) or ())
 
     def _update_stats(self, walk: WalkResult, input_batch: Any) -> None:
         if not self._counts(input_batch):
