@@ -200,21 +200,22 @@ def install_trace(max_steps: int) -> list:
 
 def record_step_plan() -> dict[str, list]:
     """From now on, record the host's step plan (``vllm_ddtree.verify.shape.StepPlan``):
-    per verify step ``{num_reqs, drafted_before, cap, shape, uniform, prefill}``
-    (``shape``: the drafts each request verifies, 0 after a propose without the
-    drafter's pass; ``prefill``: the step's ``(requests, tokens, pairs)`` that are not
-    decodes, ``uniform``: no such request) and per propose ``{num_reqs, draft}``, in
-    order."""
+    per verify step ``{num_reqs, drafted_before, cap, shape, warm_up, uniform,
+    prefill}`` (``shape``: the drafts each request verifies, 0 after a propose without
+    the drafter's pass; ``warm_up``: vLLM's warm-up batch, whose cap is B; ``prefill``:
+    the step's ``(requests, tokens, pairs)`` that are not decodes, ``uniform``: no such
+    request) and per propose ``{num_reqs, draft}``, in order."""
     from vllm_ddtree.verify.shape import StepPlan
 
     seen: dict[str, list] = {"steps": [], "drafts": []}
     step_shape, draft_next = StepPlan.step_shape, StepPlan.draft_next
 
-    def recording_step_shape(self, num_reqs, prefill=(0, 0, 0)):
+    def recording_step_shape(self, num_reqs, prefill=(0, 0, 0), warm_up=False):
         before = self.drafted
-        shape = step_shape(self, num_reqs, prefill)
+        shape = step_shape(self, num_reqs, prefill, warm_up)
+        cap = self.max_budget if warm_up else self.cap(num_reqs)
         seen["steps"].append({"num_reqs": num_reqs, "drafted_before": before,
-                              "cap": self.cap(num_reqs), "shape": shape,
+                              "cap": cap, "shape": shape, "warm_up": warm_up,
                               "uniform": prefill[0] == 0, "prefill": list(prefill)})
         return shape
 

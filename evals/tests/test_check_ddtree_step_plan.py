@@ -18,3 +18,23 @@ def test_step_plan_recorder_keeps_the_prefill_load(monkeypatch):
     assert [(s["shape"], s["uniform"], s["prefill"]) for s in seen["steps"]] == [
         (8, True, [0, 0, 0]), (8, False, [1, 100, 5050]), (8, True, [0, 0, 0])]
     assert seen["drafts"] == [{"num_reqs": 4, "draft": True}]
+
+
+def test_step_plan_recorder_takes_the_patch_arguments(monkeypatch):
+    """The patch (``patches/verify_shapes.py``) passes ``warm_up`` positionally; the
+    recorder must take every argument ``StepPlan.step_shape`` takes, and a warm-up
+    batch's cap is B whatever the schedule says for its size."""
+    import inspect
+
+    from vllm_ddtree.verify.shape import warm_up_batch
+
+    monkeypatch.setattr(StepPlan, "step_shape", StepPlan.step_shape)
+    monkeypatch.setattr(StepPlan, "draft_next", StepPlan.draft_next)
+    wanted = list(inspect.signature(StepPlan.step_shape).parameters)
+    seen = check_ddtree_vllm.record_step_plan()
+    assert list(inspect.signature(StepPlan.step_shape).parameters) == wanted
+    plan = StepPlan(8, [0, 2, 4, 8])
+    warm = {f"_warmup_{i}": 1 for i in range(3)}
+    assert plan.step_shape(3, (0, 0, 0), warm_up_batch(warm)) == 8
+    assert plan.step_shape(3, (0, 0, 0), False) == 8
+    assert [(s["warm_up"], s["cap"]) for s in seen["steps"]] == [(True, 8), (False, 8)]
