@@ -67,6 +67,7 @@ from vllm_ddtree.training.common import (  # noqa: E402
 from vllm_ddtree.training.corpus import (  # noqa: E402
     SPLITS,
     TOKENIZER_SUBDIR,
+    load_code_train,
     load_split,
     load_tokenizer,
 )
@@ -181,6 +182,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "weights' (a fine-tune "
                    "with --target-init on a corpus with --synthetic-docs); default: the "
                    "lowest validation loss")
+    p.add_argument("--target-anchor-kl", type=non_negative_float, default=None,
+                   metavar="WEIGHT",
+                   help="add WEIGHT * KL(starting target || target) on code windows of "
+                   "512 tokens to every target step (a fine-tune with --target-init: its "
+                   "code predictions, and a drafter's acceptance on them, stay the "
+                   "starting target's; code only: the corpus's train_code.npy when it "
+                   "has synthetic snippets); default: no anchor")
     p.add_argument("--target-init", default=None,
                    help="start the target from this checkpoint instead of random weights "
                    "(fine-tune; e.g. vllm_ddtree/checkpoints/target on a corpus built with "
@@ -217,6 +225,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.target_init and not (Path(args.target_init) / "config.json").exists():
         p.error(f"--target-init {args.target_init}: no config.json there (a target "
                 "checkpoint directory, e.g. vllm_ddtree/checkpoints/target)")
+    if args.target_anchor_kl and not args.target_init:
+        p.error(f"--target-anchor-kl {args.target_anchor_kl} anchors a fine-tune to its "
+                "starting weights: it needs --target-init")
     if args.selector_only:
         arch = None
         if args.drafter_init and (Path(args.drafter_init) / "config.json").exists():
@@ -291,6 +302,8 @@ def train_configs(args) -> tuple[TargetTrainConfig, DrafterTrainConfig]:
     tc.valid_slack = args.target_valid_slack
     # the slack's code loss at the windows the embedded target was trained on
     tc.slack_seq_len = min(tc.seq_len, EMBEDDED_TARGET_SEQ_LEN)
+    tc.anchor_weight = args.target_anchor_kl
+    tc.anchor_seq_len = tc.slack_seq_len
     if args.gen_sequences is not None:
         dc.gen_sequences = args.gen_sequences
     if args.gen_batch is not None:
@@ -387,8 +400,10 @@ def run_target(args, out, results, device, tok, splits, summary) -> None:
         answers = AnswerSet.from_pairs(
             [(ids(prompt), ids(answer)) for _, prompt, answer in selection_docs()],
             tok.eos_token_id)
+    anchor_tokens = load_code_train(args.data) if tc.anchor_weight else None
     log = train_target(model, splits["train"], splits["valid"], tc, device,
-                       progress=not args.no_progress, answers=answers)
+                       progress=not args.no_progress, answers=answers,
+                       anchor_tokens=anchor_tokens)
     planned = "fixed" if tc.steps is not None else "from time budget"
     print(
         f"[target] {log.total_steps} steps ({planned}) in {log.seconds:.1f} s, "
@@ -399,6 +414,8 @@ def run_target(args, out, results, device, tok, splits, summary) -> None:
            f"{[round(x, 3) for x in log.eval_losses]}, at {tc.slack_seq_len}-token windows "
            f"{[round(x, 3) for x in log.extra['slack_eval_losses']]})"
            if answers is not None else ")")
+        + (f", KL to the start on code {[round(x, 4) for x in log.extra['anchor_kls']]}"
+           if log.extra.get("anchor_kls") else "")
         + ("  [stopped by the clock]" if log.stopped_by_clock else "")
     )
     size = save_checkpoint(model, out / "target", Path(args.data) / TOKENIZER_SUBDIR)

@@ -3,6 +3,7 @@ training and evaluation documents disjoint, and the task's metric."""
 
 import ast
 
+import numpy as np
 import pytest
 
 from vllm_ddtree.evaluation.metrics import synthetic_results
@@ -65,6 +66,13 @@ def test_corpus_puts_synthetic_documents_in_train_only(tmp_path):
     for split in ("valid", "heldout"):
         assert mixed["splits"][split] == plain["splits"][split]
     assert sum(p["path"].startswith("synthetic/") for p in mixed["train_files"]) == 8
+    # a fine-tune's anchor text: the same code files as the plain corpus's train split
+    # (in the mixed corpus's shuffled order), no snippet
+    code = corpus.load_code_train(tmp_path / "mixed")
+    plain_train = corpus.load_split(tmp_path / "plain", "train")
+    assert mixed["code_train_npy"] == "train_code.npy" and plain["code_train_npy"] is None
+    assert np.array_equal(np.sort(code), np.sort(plain_train))
+    assert np.array_equal(corpus.load_code_train(tmp_path / "plain"), plain_train)
 
 
 def test_long_documents_fill_the_budget_and_end_with_the_snippet():

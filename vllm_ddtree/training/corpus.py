@@ -39,6 +39,7 @@ DEFAULT_VOCAB_SIZE = 4096
 DEFAULT_HELDOUT_FRACTION = 0.05
 DEFAULT_VALID_FRACTION = 0.05
 SPLITS = ("train", "valid", "heldout")
+CODE_TRAIN_SPLIT = "train_code"  # with synthetic snippets: the train split's code alone
 TOKENIZER_SUBDIR = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -315,6 +316,10 @@ def build_corpus(
     for name in SPLITS:
         arrays[name] = tokenize_texts(tok, (kept[p] for p in files[name]), eos_id)
         np.save(out_dir / f"{name}.npy", arrays[name])
+    if synthetic_docs:  # the train split's code alone: a fine-tune's anchor text
+        code = tokenize_texts(tok, (kept[p] for p in files["train"] if p not in synthetic),
+                              eos_id)
+        np.save(out_dir / f"{CODE_TRAIN_SPLIT}.npy", code)
 
     def file_entries(paths):
         return [
@@ -361,6 +366,7 @@ def build_corpus(
         "skipped_files": skipped,
         "extra_packages": extras,
         "synthetic_docs": synthetic_docs,
+        "code_train_npy": f"{CODE_TRAIN_SPLIT}.npy" if synthetic_docs else None,
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -369,6 +375,13 @@ def build_corpus(
 def load_split(data_dir: str | Path, name: str) -> np.ndarray:
     """The flat ``uint16`` token array of split ``name`` (``train``/``valid``/``heldout``)."""
     return np.load(Path(data_dir) / f"{name}.npy")
+
+
+def load_code_train(data_dir: str | Path) -> np.ndarray:
+    """The train split's code without the synthetic snippets (``train_code.npy`` of a
+    corpus built with ``synthetic_docs``; the train split itself otherwise)."""
+    path = Path(data_dir) / f"{CODE_TRAIN_SPLIT}.npy"
+    return np.load(path) if path.exists() else load_split(data_dir, "train")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -15,10 +15,20 @@ stays within ``valid_slack`` nats of the starting weights' (evaluated before the
 step): what the fine-tune adds, at no more than that cost to the code it was trained
 on, measured at the windows the starting weights were trained on (a fine-tune on
 longer windows lowers the loss at long range whatever it does at short range).
+
+Such a fine-tune also moves the target's code distribution, and with it what a drafter
+can predict: the exact-answer mix at 0.03 nats of code loss cost the embedded pair a
+third of its tokens per round on code (a drafter retrained on the new target's own
+greedy text included). ``anchor_weight`` adds ``anchor_weight * KL(start || model)``
+on windows of code only (``anchor_tokens``, ``anchor_seq_len`` tokens, the windows
+the starting weights were trained on) to every step's loss: the fine-tune learns the
+answers while its code predictions stay the starting weights'. The evaluations then
+also log that KL on the validation split (``extra["anchor_kls"]``).
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -46,6 +56,8 @@ class TargetTrainConfig(StepLoopConfig):
     eval_windows: int = 64  # validation windows per periodic evaluation
     valid_slack: float | None = None  # with an AnswerSet: selection on answers, see above
     slack_seq_len: int | None = None  # windows of the slack's validation loss (seq_len)
+    anchor_weight: float | None = None  # KL to the starting weights on code, see above
+    anchor_seq_len: int | None = None  # windows of the anchor's KL (seq_len)
 
 
 @dataclass
@@ -117,6 +129,38 @@ def lm_loss(model, windows: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
 
 
+def anchor_kl(model, anchor, windows: torch.Tensor) -> torch.Tensor:
+    """Mean over the tokens of ``windows [B, T]`` (int64) of ``KL(anchor || model)``
+    between their next-token distributions, fp32 (gradient through ``model`` only)."""
+    with torch.no_grad():
+        ref = F.log_softmax(anchor(input_ids=windows).logits.float(), dim=-1)
+    cur = F.log_softmax(model(input_ids=windows).logits.float(), dim=-1)
+    return F.kl_div(cur, ref, log_target=True, reduction="none").sum(-1).mean()
+
+
+@torch.no_grad()
+def evaluate_anchor_kl(model, anchor, tokens: np.ndarray | torch.Tensor, seq_len: int,
+                       batch_size: int = 32, max_windows: int | None = None,
+                       device: torch.device | str | None = None) -> float:
+    """:func:`anchor_kl` over consecutive ``seq_len``-token windows of ``tokens``."""
+    device = torch.device(device or next(model.parameters()).device)
+    toks = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    n_windows = toks.shape[0] // seq_len
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, n_windows, batch_size):
+        idx = torch.arange(start, min(n_windows, start + batch_size))
+        windows = toks[idx[:, None] * seq_len + torch.arange(seq_len)].to(device)
+        with autocast_for(device):
+            total += float(anchor_kl(model, anchor, windows)) * windows.numel()
+        count += windows.numel()
+    model.train(was_training)
+    return total / max(1, count)
+
+
 @torch.no_grad()
 def evaluate_nll(
     model,
@@ -175,6 +219,7 @@ def train_target(
     device: torch.device | str,
     progress: bool = True,
     answers: AnswerSet | None = None,
+    anchor_tokens: np.ndarray | None = None,
 ) -> TrainLog:
     """Train ``model`` in place on ``train_tokens`` (flat ``uint16``/int array).
 
@@ -185,15 +230,29 @@ def train_target(
     the starting weights are evaluated first, and the kept weights are those of the
     lowest answer loss whose validation loss is within ``cfg.valid_slack`` of the
     start's (module docstring). Returns the ``TrainLog``; ``extra["answer_losses"]``
-    runs beside ``eval_losses`` then.
+    runs beside ``eval_losses`` then. With ``cfg.anchor_weight`` every step adds the KL
+    to the starting weights on a batch of ``anchor_tokens`` (flat, code only) windows.
     """
     on_answers = answers is not None
     if on_answers and (cfg.valid_slack is None or eval_tokens is None):
         raise ValueError("selection on answers needs valid_slack and eval_tokens: the "
                          "validation loss bounds what the answers may cost")
+    anchored = bool(cfg.anchor_weight)
+    anchor_len = cfg.anchor_seq_len or cfg.seq_len
+    if cfg.anchor_weight is not None and not cfg.anchor_weight >= 0:
+        raise ValueError(f"anchor_weight={cfg.anchor_weight!r} is not allowed: a KL "
+                         "weight >= 0 (0 or None: no anchor)")
+    if anchored and (anchor_tokens is None or len(anchor_tokens) <= anchor_len):
+        raise ValueError(f"anchor_weight={cfg.anchor_weight} needs anchor_tokens (code "
+                         f"only) longer than anchor_seq_len={anchor_len}, got "
+                         f"{None if anchor_tokens is None else len(anchor_tokens)} tokens")
     device = torch.device(device)
     model.to(device).train()
     tokens = torch.as_tensor(np.asarray(train_tokens, dtype=np.int64), device=device)
+    anchor = code = None
+    if anchored:  # the starting weights, frozen
+        anchor = copy.deepcopy(model).eval().requires_grad_(False)
+        code = torch.as_tensor(np.asarray(anchor_tokens, dtype=np.int64), device=device)
     gen = torch.Generator().manual_seed(cfg.seed)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -242,13 +301,24 @@ def train_target(
             shorts.append(short)
             if short > shorts[0] + cfg.valid_slack:
                 score = math.inf  # the code loss rose too far: not a candidate
+        if anchored:
+            log.extra.setdefault("anchor_kls", []).append(evaluate_anchor_kl(
+                model, anchor, eval_tokens, anchor_len, max_windows=cfg.eval_windows,
+                device=device))
         if cfg.keep_best:
             best.update(model, score, step)
 
     def compute_loss() -> torch.Tensor:
         windows = sample_windows(tokens, cfg.batch_size, cfg.seq_len + 1, gen)
         with autocast_for(device):
-            return lm_loss(model, windows)
+            loss = lm_loss(model, windows)
+            if anchored:
+                # a quarter of the step's tokens: the KL needs no more to hold the
+                # distribution, and the steps stay within a third longer
+                rows = max(1, cfg.batch_size * cfg.seq_len // (4 * anchor_len))
+                loss = loss + cfg.anchor_weight * anchor_kl(
+                    model, anchor, sample_windows(code, rows, anchor_len, gen))
+            return loss
 
     if on_answers:
         evaluate(0)  # the starting weights: the validation loss's bound, a candidate too
