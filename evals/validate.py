@@ -112,6 +112,8 @@ class TaskRun:
     # the speculative run: where its generations part from plain decoding's, and the
     # documents the tie rule excuses
     ties: TieExcusal | None = None
+    # per doc id: its kind where the task's documents have one (ddtree_synthetic*)
+    kinds: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -165,8 +167,32 @@ def run_task(lm, task: str, limit: int | None, metadata: dict, gen_kwargs: dict 
     gen_kwargs = {s["doc_id"]: dict(s["arguments"][0][1] or {}) for s in out["samples"][task]}
     items = {s["doc_id"]: {m: float(s[m]) for m in metrics if m in s}
              for s in out["samples"][task]}
+    kinds = {s["doc_id"]: str(s["doc"]["kind"]) for s in out["samples"][task]
+             if isinstance(s.get("doc"), dict) and "kind" in s["doc"]}
     return TaskRun(label, metrics, generations, seconds, contexts=contexts,
-                   gen_kwargs=gen_kwargs, items=items)
+                   gen_kwargs=gen_kwargs, items=items, kinds=kinds)
+
+
+def by_kind_markdown(baseline: TaskRun, speculative: TaskRun) -> list[str]:
+    """Each metric's mean per document kind, both runs (a task whose documents have
+    kinds: one kind can score well while the task's mean does not); no lines without
+    kinds."""
+    if not baseline.kinds:
+        return []
+    metrics = list(baseline.metrics)
+    lines = ["", "## By kind", "",
+             "| kind | docs | " + " | ".join(f"{m} ({run.label})" for m in metrics
+                                            for run in (baseline, speculative)) + " |",
+             "|---|---|" + "---|" * (2 * len(metrics))]
+    for kind in dict.fromkeys(baseline.kinds.values()):
+        docs = [d for d, k in baseline.kinds.items() if k == kind]
+        cells = []
+        for m in metrics:
+            for run in (baseline, speculative):
+                vals = [run.items[d][m] for d in docs if m in run.items.get(d, {})]
+                cells.append(f"{sum(vals) / len(vals):.4f}" if vals else "n/a")
+        lines.append(f"| {kind} | {len(docs)} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def vllm_spec_decode_stats(lm) -> dict:
@@ -359,6 +385,7 @@ def report_markdown(report: TaskReport, command: str) -> str:
     for run in (b, s):
         values = " | ".join(f"{run.metrics.get(k, float('nan')):.4f}" for k in b.metrics)
         lines.append(f"| {run.label} | {values} | {run.seconds:.1f} |")
+    lines += by_kind_markdown(b, s)
     acc = s.acceptance or {}
     lines += ["", "## Acceptance of the speculative run", ""]
     if "depth_histogram" in acc:
