@@ -200,22 +200,25 @@ def install_trace(max_steps: int) -> list:
 
 def record_step_plan() -> dict[str, list]:
     """From now on, record the host's step plan (``vllm_ddtree.verify.shape.StepPlan``):
-    per verify step ``{num_reqs, drafted_before, cap, shape, warm_up, uniform,
-    prefill}`` (``shape``: the drafts each request verifies, 0 after a propose without
-    the drafter's pass; ``warm_up``: vLLM's warm-up batch, whose cap is B; ``prefill``:
-    the step's ``(requests, tokens, pairs)`` that are not decodes, ``uniform``: no such
-    request) and per propose ``{num_reqs, draft}``, in order."""
+    per served verify step ``{num_reqs, drafted_before, cap, shape, uniform, prefill}``
+    (``shape``: the drafts each request verifies, 0 after a propose without the
+    drafter's pass; ``prefill``: the step's ``(requests, tokens, pairs)`` that are not
+    decodes, ``uniform``: no such request), per propose ``{num_reqs, draft}``, and
+    vLLM's kernel warm-up steps apart (``warm_up_steps``: ``{num_reqs, shape}``; they
+    verify B whatever a schedule says), in order."""
     from vllm_ddtree.verify.shape import StepPlan
 
-    seen: dict[str, list] = {"steps": [], "drafts": []}
+    seen: dict[str, list] = {"steps": [], "drafts": [], "warm_up_steps": []}
     step_shape, draft_next = StepPlan.step_shape, StepPlan.draft_next
 
     def recording_step_shape(self, num_reqs, prefill=(0, 0, 0), warm_up=False):
         before = self.drafted
         shape = step_shape(self, num_reqs, prefill, warm_up)
-        cap = self.max_budget if warm_up else self.cap(num_reqs)
+        if warm_up:  # vLLM's kernel warm-up verifies B whatever the schedule: not served
+            seen["warm_up_steps"].append({"num_reqs": num_reqs, "shape": shape})
+            return shape
         seen["steps"].append({"num_reqs": num_reqs, "drafted_before": before,
-                              "cap": cap, "shape": shape, "warm_up": warm_up,
+                              "cap": self.cap(num_reqs), "shape": shape,
                               "uniform": prefill[0] == 0, "prefill": list(prefill)})
         return shape
 

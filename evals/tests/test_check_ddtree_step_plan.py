@@ -22,8 +22,9 @@ def test_step_plan_recorder_keeps_the_prefill_load(monkeypatch):
 
 def test_step_plan_recorder_takes_the_patch_arguments(monkeypatch):
     """The patch (``patches/verify_shapes.py``) passes ``warm_up`` positionally; the
-    recorder must take every argument ``StepPlan.step_shape`` takes, and a warm-up
-    batch's cap is B whatever the schedule says for its size."""
+    recorder must take every argument ``StepPlan.step_shape`` takes, and keeps vLLM's
+    warm-up steps (B whatever a schedule says) out of the served steps the GPU tests
+    hold to the schedule."""
     import inspect
 
     from vllm_ddtree.verify.shape import warm_up_batch
@@ -37,4 +38,5 @@ def test_step_plan_recorder_takes_the_patch_arguments(monkeypatch):
     warm = {f"_warmup_{i}": 1 for i in range(3)}
     assert plan.step_shape(3, (0, 0, 0), warm_up_batch(warm)) == 8
     assert plan.step_shape(3, (0, 0, 0), False) == 8
-    assert [(s["warm_up"], s["cap"]) for s in seen["steps"]] == [(True, 8), (False, 8)]
+    assert seen["warm_up_steps"] == [{"num_reqs": 3, "shape": 8}]
+    assert [(s["num_reqs"], s["cap"], s["shape"]) for s in seen["steps"]] == [(3, 8, 8)]
