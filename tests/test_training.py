@@ -270,6 +270,15 @@ def test_checkpoint_round_trip(tmp_path):
     assert raw["dtype"] == "bfloat16" and raw["sliding_window"] == 12
     assert raw["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
     check_drafter_target_pair(d2.config, t2.config)
+    # another checkpoint as the tokenizer's directory gives its tokenizer, not its weights
+    other = tiny_target(seed=1)
+    save_checkpoint(other, tmp_path / "other", tmp_path / "target")
+    t3 = DeepseekV3ForCausalLM.from_pretrained(str(tmp_path / "other"), dtype=torch.float32)
+    want = other.state_dict()
+    for name, value in t3.state_dict().items():
+        assert torch.equal(value, want[name].to(torch.bfloat16).float()), name
+    assert (tmp_path / "other" / "tokenizer.json").read_bytes() == (
+        tok_dir / "tokenizer.json").read_bytes()
 
     # Same logits as the in-memory models with their weights rounded to bf16
     # (parameters only: `.to(bf16)` would also round the RoPE buffers).

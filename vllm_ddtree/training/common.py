@@ -271,9 +271,9 @@ def save_checkpoint(
     model, out_dir: str | Path, tokenizer_dir: str | Path | None = None, dtype=torch.bfloat16
 ) -> int:
     """Save a copy of ``model`` in ``dtype`` as a Hugging Face checkpoint
-    (``config.json``, ``model.safetensors``) plus the tokenizer files of
-    ``tokenizer_dir``; returns the directory's size in bytes. ``model`` itself is
-    not changed."""
+    (``config.json``, ``model.safetensors``) plus the other files of ``tokenizer_dir``
+    (its tokenizer; e.g. a corpus's ``tokenizer/`` or another checkpoint); returns the
+    directory's size in bytes. ``model`` itself is not changed."""
     out_dir = Path(out_dir)
     if out_dir.exists():
         shutil.rmtree(out_dir)
@@ -281,8 +281,10 @@ def save_checkpoint(
     cpu_copy = copy.deepcopy(model).to(device="cpu", dtype=dtype)
     cpu_copy.save_pretrained(str(out_dir), safe_serialization=True)
     if tokenizer_dir is not None:
+        # never over the weights and config just written (a checkpoint directory given
+        # as the tokenizer's would put its own weights back)
         for f in sorted(Path(tokenizer_dir).iterdir()):
-            if f.is_file():
+            if f.is_file() and not (out_dir / f.name).exists():
                 shutil.copy2(f, out_dir / f.name)
     return dir_size(out_dir)
 
