@@ -158,13 +158,15 @@
 #   trainsynthetic  fine-tunes the embedded pair (--target-init, --drafter-init) on the
 #              standard library beside SYNTHETIC_DOCS (40000) exact-answer snippets, the
 #              corpus rebuilt in data/ with the pair's tokenizer: the target on 4096-token
-#              windows, its checkpoint selected on held-out answers within 0.03 nats of
-#              its code loss at 512-token windows; packs like trainpair (then
+#              windows, anchored to the shipped target on code (KL weight 2), its
+#              checkpoint selected on held-out answers within 0.03 nats of its code loss
+#              at 512-token windows; packs like trainpair (then
 #              evalsynthetic decides)
 #   evalsynthetic  the pair in TRAIN_OUT (default /tmp/ckpt) on the GPU (reference engine,
 #              fp32, DDTree B = 64 against plain decoding): ddtree_synthetic (100 docs),
 #              ddtree_synthetic_16k on its YaRN x4 copy, and tokens per round on 40
-#              HumanEval prompts beside the embedded pair's; evalsynthetic/*.md
+#              HumanEval prompts beside the embedded pair's and beside its target with
+#              the embedded drafter; evalsynthetic/*.md
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -602,19 +604,27 @@ for stage in "$@"; do
         summary evalsynthetic 4 "$start"; continue; }
       ref=(--device cuda --budget 64 --threads 8)
       worst=0
-      # each run bounded; a FAIL (exit 1) does not stop the others
-      for spec in "new ddtree_synthetic $ckpt" "new ddtree_humaneval $ckpt 40" \
-                  "shipped ddtree_humaneval - 40" "new16k ddtree_synthetic_16k /tmp/pair_yarn4"; do
-        read -r name task pair limit <<< "$spec"
+      # each run bounded; a FAIL (exit 1) does not stop the others. Spec: name, task,
+      # target and drafter directories (- : the embedded ones), document limit. The
+      # new target beside the shipped drafter tells whether an anchored fine-tune
+      # needs its drafter retrained at all.
+      shipped=vllm_ddtree/checkpoints
+      for spec in "new ddtree_synthetic $ckpt/target $ckpt/drafter" \
+                  "new ddtree_humaneval $ckpt/target $ckpt/drafter 40" \
+                  "new_target_shipped_drafter ddtree_humaneval $ckpt/target $shipped/drafter 40" \
+                  "shipped ddtree_humaneval - - 40" \
+                  "new16k ddtree_synthetic_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter"; do
+        read -r name task target drafter limit <<< "$spec"
         pair_args=()
-        [ "$pair" != - ] && pair_args=(--pretrained "$pair/target" --drafter "$pair/drafter")
+        [ "$target" != - ] && pair_args=(--pretrained "$target" --drafter "$drafter")
+        echo "== $name" >> "$dir/evalsynthetic.log"
         timeout "${STAGE_LIMIT:-560}" python3 evals/validate.py "${ref[@]}" --tasks "$task" \
           ${limit:+--limit "$limit"} "${pair_args[@]}" --out-dir "$dir/$name" \
           >> "$dir/evalsynthetic.log" 2>&1
         rc=$?; [ "$rc" -gt "$worst" ] && worst=$rc
       done
       summary evalsynthetic "$worst" "$start"
-      grep -h "^PASS\|^FAIL" "$dir/evalsynthetic.log" ;;
+      grep -h "^== \|^PASS\|^FAIL" "$dir/evalsynthetic.log" ;;
     trainyarn)  # the target as trained, served with YaRN x4; the drafter starts from the
       # embedded one. The corpus reuses the target's tokenizer (another Python's standard
       # library would train another one).
