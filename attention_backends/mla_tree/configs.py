@@ -72,7 +72,7 @@ LARGE_SMEM_TILE_CONFIGS: tuple[MLATileConfig, ...] = (
 # fp8 caches: the transposed-products kernel (``fp8_transposed.py``): 64 keys a tile as the
 # wgmma M dimension (one 4-warp warpgroup), 16 / 32 query rows as its N. sm_90's rule for
 # an fp8 cache (``dispatch.fp8_transposed_method``: 0.55-0.84x the fp8 kernel above at
-# 128k, ``evals/results/verify_attention_fp8.md``); sm_120 has not run it (it spills
+# 128k, ``evals/results/README.md``, the grid's entry); sm_120 has not run it (it spills
 # there), so its fp8 rule stays the kernel above. At DeepSeek's dims the 16-row tile fits
 # sm_120 (72 KB compiled); the 32-row one is estimated at 111 KB (Hopper's compile), so on
 # sm_120 ``fit_config`` shrinks it to 32 keys.

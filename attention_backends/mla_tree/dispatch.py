@@ -90,8 +90,8 @@ def fp8_transposed_method(rows: int) -> str:
     """sm_90's method for an fp8 cache without an entry, ``rows`` = query rows x heads
     of the longest request: the transposed fp8 kernel, its 32-row tile from 32 rows (below,
     it would compute padding). Timed on sm_90 at 128k it beat the fp8 kernel that widens
-    its tiles in shared memory at every cell, 1.2-1.8x (``evals/results/
-    verify_attention_fp8.md``), and the grid's older fp8 cells did not time it."""
+    its tiles in shared memory at every cell, 1.2-1.8x (``evals/results/README.md``,
+    the grid's entry), and the grid's older fp8 cells did not time it."""
     return "fp8t_m32" if rows >= 32 else "fp8t_m16"
 
 

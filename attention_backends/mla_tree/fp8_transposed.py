@@ -2,8 +2,8 @@
 """KV loop of the MLA tree-verify kernel on an fp8 (e4m3) cache with transposed products:
 ``kernels._mla_tree_fwd_kernel`` with ``KV_FP8_TRANSPOSED`` (a tile config with
 ``fp8_transposed``; sm_90's dispatch rule for an fp8 cache, ``dispatch.
-fp8_transposed_method``; 1.2-1.8x faster than ``KV_FP8`` there,
-``evals/results/verify_attention_fp8.md``).
+fp8_transposed_method``; 1.2-1.8x faster than ``KV_FP8`` there at 128k, H100:
+``evals/results/README.md``, the grid's entry).
 
 Why: in the plain fp8 variant (``KV_FP8``) the widened tile is the *B* operand of both
 MMAs. On sm_90 a wgmma B operand must sit in shared memory, so the 64-row tile writes the
