@@ -158,7 +158,7 @@
 #   trainsynthetic  fine-tunes the embedded pair (--target-init, --drafter-init) on the
 #              standard library beside SYNTHETIC_DOCS (40000) exact-answer snippets, the
 #              corpus rebuilt in data/ with the pair's tokenizer: the target on 4096-token
-#              windows, anchored to the shipped target on code (KL weight 2), its
+#              windows, anchored to the shipped target on code (KL weight 1), its
 #              checkpoint selected on held-out answers within 0.03 nats of its code loss
 #              at 512-token windows; packs like trainpair (then
 #              evalsynthetic decides)
@@ -593,7 +593,7 @@ for stage in "$@"; do
       rm -rf data
       build_corpus --tokenizer vllm_ddtree/checkpoints/target \
         --synthetic-docs "${SYNTHETIC_DOCS:-40000}"
-      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 1.75 --target-valid-slack 0.03 --target-anchor-kl 2 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
+      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 1.75 --target-valid-slack 0.03 --target-anchor-kl 1 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
     evalsynthetic)  # the pair in TRAIN_OUT against the shipped one (see the list above)
       start=$(date +%s)
       ckpt="${TRAIN_OUT:-/tmp/ckpt}" dir="$LOG_DIR/evalsynthetic"
