@@ -138,22 +138,29 @@ def anchor_kl(model, anchor, windows: torch.Tensor) -> torch.Tensor:
     return F.kl_div(cur, ref, log_target=True, reduction="none").sum(-1).mean()
 
 
+def consecutive_windows(tokens: np.ndarray | torch.Tensor, seq_len: int, overlap: int,
+                        batch_size: int, max_windows: int | None, device: torch.device):
+    """Batches ``[b, seq_len + overlap]`` int64 (on ``device``) of the windows starting
+    every ``seq_len`` tokens of the flat ``tokens``, at most ``max_windows`` of them."""
+    toks = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    n_windows = (toks.shape[0] - overlap) // seq_len
+    if max_windows is not None:
+        n_windows = min(n_windows, max_windows)
+    for start in range(0, n_windows, batch_size):
+        idx = torch.arange(start, min(n_windows, start + batch_size))
+        yield toks[idx[:, None] * seq_len + torch.arange(seq_len + overlap)].to(device)
+
+
 @torch.no_grad()
 def evaluate_anchor_kl(model, anchor, tokens: np.ndarray | torch.Tensor, seq_len: int,
                        batch_size: int = 32, max_windows: int | None = None,
                        device: torch.device | str | None = None) -> float:
     """:func:`anchor_kl` over consecutive ``seq_len``-token windows of ``tokens``."""
     device = torch.device(device or next(model.parameters()).device)
-    toks = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    n_windows = toks.shape[0] // seq_len
-    if max_windows is not None:
-        n_windows = min(n_windows, max_windows)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for start in range(0, n_windows, batch_size):
-        idx = torch.arange(start, min(n_windows, start + batch_size))
-        windows = toks[idx[:, None] * seq_len + torch.arange(seq_len)].to(device)
+    for windows in consecutive_windows(tokens, seq_len, 0, batch_size, max_windows, device):
         with autocast_for(device):
             total += float(anchor_kl(model, anchor, windows)) * windows.numel()
         count += windows.numel()
@@ -175,18 +182,11 @@ def evaluate_nll(
     non-overlapping windows of ``seq_len + 1`` tokens (each window predicts
     ``seq_len`` tokens; the first token of a window has no earlier context)."""
     device = torch.device(device or next(model.parameters()).device)
-    toks = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
-    n_windows = (toks.shape[0] - 1) // seq_len
-    if max_windows is not None:
-        n_windows = min(n_windows, max_windows)
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     ctx = autocast_for(device) if amp else nullcontext()
-    for start in range(0, n_windows, batch_size):
-        idx = torch.arange(start, min(n_windows, start + batch_size))
-        rows = idx[:, None] * seq_len + torch.arange(seq_len + 1)
-        windows = toks[rows].to(device)
+    for windows in consecutive_windows(tokens, seq_len, 1, batch_size, max_windows, device):
         with ctx:
             logits = model(input_ids=windows[:, :-1]).logits
         nll = F.cross_entropy(
@@ -253,6 +253,9 @@ def train_target(
     if anchored:  # the starting weights, frozen
         anchor = copy.deepcopy(model).eval().requires_grad_(False)
         code = torch.as_tensor(np.asarray(anchor_tokens, dtype=np.int64), device=device)
+        # a quarter of a step's tokens: the KL needs no more to hold the distribution,
+        # and the steps stay within a third longer
+        anchor_rows = max(1, cfg.batch_size * cfg.seq_len // (4 * anchor_len))
     gen = torch.Generator().manual_seed(cfg.seed)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -313,11 +316,8 @@ def train_target(
         with autocast_for(device):
             loss = lm_loss(model, windows)
             if anchored:
-                # a quarter of the step's tokens: the KL needs no more to hold the
-                # distribution, and the steps stay within a third longer
-                rows = max(1, cfg.batch_size * cfg.seq_len // (4 * anchor_len))
                 loss = loss + cfg.anchor_weight * anchor_kl(
-                    model, anchor, sample_windows(code, rows, anchor_len, gen))
+                    model, anchor, sample_windows(code, anchor_rows, anchor_len, gen))
             return loss
 
     if on_answers:
