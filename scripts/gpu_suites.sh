@@ -166,7 +166,9 @@
 #              fp32, DDTree B = 64 against plain decoding): ddtree_synthetic (100 docs),
 #              ddtree_synthetic_16k on its YaRN x4 copy, and tokens per round on 40
 #              HumanEval prompts beside the embedded pair's and beside its target with
-#              the embedded drafter; evalsynthetic/*.md
+#              the embedded drafter; evalsynthetic/*.md. EVALSYNTHETIC_RUNS: the runs to do
+#              by name (new new_target_shipped_drafter shipped new16k; default all), e.g.
+#              "new" after a drafter-only retrain, whose target's answers are known
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -615,6 +617,7 @@ for stage in "$@"; do
                   "shipped ddtree_humaneval - - 40" \
                   "new16k ddtree_synthetic_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter"; do
         read -r name task target drafter limit <<< "$spec"
+        [[ " ${EVALSYNTHETIC_RUNS:-$name} " == *" $name "* ]] || continue
         pair_args=()
         [ "$target" != - ] && pair_args=(--pretrained "$target" --drafter "$drafter")
         echo "== $name" >> "$dir/evalsynthetic.log"
