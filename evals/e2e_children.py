@@ -42,11 +42,13 @@ LOCKSTEP_GPU_MEM = 0.05
 LOCKSTEP_KV_FACTOR = 3  # vLLM's hybrid KV groups took 2.8x kv_cache_bytes (kimi8, 128k)
 
 
-def gpu_memory_used_mib() -> int | None:
+def gpu_memory_mib(field: str = "memory.used") -> int | None:
+    """nvidia-smi's ``field`` (``memory.used`` / ``memory.total``) in MiB, the largest
+    over the visible GPUs; None without nvidia-smi."""
     try:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # other GPUs may run other work
         select = ["-i", visible] if visible else []
-        out = subprocess.run(["nvidia-smi", *select, "--query-gpu=memory.used",
+        out = subprocess.run(["nvidia-smi", *select, f"--query-gpu={field}",
                               "--format=csv,noheader,nounits"], capture_output=True,
                              text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
@@ -55,12 +57,31 @@ def gpu_memory_used_mib() -> int | None:
     return max(values) if values else None
 
 
+def lockstep_fit_problem(num_engines: int, target_weight_bytes: int, kv_bytes: int,
+                         gpu_total_bytes: int | None) -> str | None:
+    """Why ``num_engines`` ``--lockstep`` engines cannot share the GPU, or None. A lower
+    bound: each holds the target's weights and its fixed KV cache (the drafter, CUDA
+    graphs, activations and the CUDA context come on top), so a refusal is certain to
+    be right and a pass may still run out of memory at the edge. Without a GPU total
+    (no nvidia-smi) nothing is refused."""
+    need = num_engines * (target_weight_bytes + kv_bytes)
+    if gpu_total_bytes is None or need <= gpu_total_bytes:
+        return None
+    gib = 2**30
+    return (f"--lockstep: {num_engines} engines need at least {need / gib:.1f} GiB "
+            f"({num_engines} x (target weights {target_weight_bytes / gib:.1f} GiB + KV "
+            f"cache {kv_bytes / gib:.1f} GiB), before the drafter, CUDA graphs and "
+            f"activations); the GPU has {gpu_total_bytes / gib:.1f} GiB. Pass fewer "
+            f"--runs per command (their rows merge into the same JSON) or a smaller "
+            f"--lockstep-kv-gib")
+
+
 def wait_gpu_released(limit_s: float = 90.0, below_mib: int = 2048) -> None:
     """After a child: wait until the GPU's memory is back (a new LLM checks that
     gpu_memory_utilization x total is free at start)."""
     start, last, same = time.time(), None, 0
     while time.time() - start < limit_s:
-        used = gpu_memory_used_mib()
+        used = gpu_memory_mib()
         if used is None or used < below_mib:
             return
         same = same + 1 if used == last else 0
@@ -410,6 +431,14 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
     (measured, failed, not run) as it comes."""
     kv = lockstep_kv_bytes(models, max_model_len, max(c[1] for c in cells),
                            args.lockstep_kv_gib)
+    if not args.fake:
+        from e2e_models import weight_bytes
+
+        total_mib = gpu_memory_mib("memory.total")
+        problem = lockstep_fit_problem(len(runs), weight_bytes(models.target), kv,
+                                       total_mib * 2**20 if total_mib else None)
+        if problem:
+            raise SystemExit(f"{setup.name}: {problem}")
     invocation["lockstep_kv_cache_gib"] = round(kv / 2**30, 2)
     invocation["lockstep_gpu_mem"] = LOCKSTEP_GPU_MEM
     print(f"{setup.name}: lockstep, {len(runs)} engines at once, kv_cache_memory_bytes "

@@ -376,6 +376,18 @@ def read_config(path: Path) -> dict:
     return json.loads((Path(path) / "config.json").read_text())
 
 
+def weight_bytes(model_dir: Path, dtype_bytes: int = 2) -> int:
+    """Bytes of the parameters of the model whose ``config.json`` is in ``model_dir``
+    (built on the meta device by transformers: no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
+
+
 def kv_cache_bytes(target: dict, drafter: dict, context: int, batch: int,
                    dtype_bytes: int = 2) -> dict:
     """KV-cache bytes ``batch`` sequences of ``context`` tokens need (config.json

@@ -135,7 +135,12 @@
 #              DeepSeek-V2-Lite-shaped target with the rank oracle at 1k and 32k (about
 #              9 min; cells past --max-minutes are listed as not run; _moe: its MoE
 #              layers, which need vLLM's fused-MoE ops: scripts/kit_moe_ops.sh); one 10-minute
-#              device call each, the GPU to itself. SWEEP_RUNS, SWEEP_CONTEXTS,
+#              device call each, the GPU to itself. Memory: each v2lite engine holds 4.95 GiB
+#              of target weights (the MoE 29.3) and a KV cache of 4.9 GiB at 1k, 7.5 at 32k:
+#              seven engines at 32k exceed an 80 GB card (bench_e2e refuses before starting
+#              them) and at 1k leave it under 10 GiB for drafters, graphs and activations;
+#              there give each call at most four runs (SWEEP_RUNS; rows merge into the JSON
+#              in E2E_OUT_DIR). The MoE target fits two engines an 80 GB card, four a 141 GB. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; the runs of a cell take turns of
 #              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
 #              repeats' auto / best-other ratios ranged 0.64-1.29 without turns,

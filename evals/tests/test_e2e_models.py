@@ -142,3 +142,30 @@ def test_code_prompts_come_from_the_python_311_snapshot(monkeypatch):
     total = sum(map(len, snapshot.values()))
     past = e2e_models.stdlib_source(total + 1)
     assert past == "".join(snapshot.values()) + f"# {e2e_models.CODE_MODULES[len(names)]}\n"
+
+
+def test_weight_bytes_of_the_v2lite_targets(tmp_path):
+    """The dense V2-Lite-shaped target holds about 2.66 B parameters (its MoE 15.7 B,
+    DeepSeek-V2-Lite's published size): a lockstep sweep of seven engines cannot hold
+    the MoE target on one GPU."""
+    sizes = {}
+    for name in ("v2lite", "v2lite_moe"):
+        models = e2e_models.prepare_setup(e2e_models.SETUPS[name], tmp_path)
+        sizes[name] = e2e_models.weight_bytes(models.target) / 2
+    assert 2.6e9 < sizes["v2lite"] < 2.7e9
+    assert 15.6e9 < sizes["v2lite_moe"] < 15.8e9
+
+
+def test_lockstep_fit_refuses_what_cannot_fit_and_names_the_way_out():
+    from e2e_children import lockstep_fit_problem
+
+    gib = 2**30
+    # The dense V2-Lite target (4.95 GiB) with the 32k sweep's KV cache (6.5 GiB each):
+    # seven engines exceed an 80 GB card, four do not.
+    problem = lockstep_fit_problem(7, int(4.95 * gib), int(6.5 * gib), int(79.1 * gib))
+    assert problem is not None
+    for part in ("7 engines", "80.1 GiB", "4.9 GiB", "6.5 GiB", "79.1 GiB", "fewer --runs",
+                 "--lockstep-kv-gib"):
+        assert part in problem, (part, problem)
+    assert lockstep_fit_problem(4, int(4.95 * gib), int(6.5 * gib), int(79.1 * gib)) is None
+    assert lockstep_fit_problem(7, int(4.95 * gib), int(6.5 * gib), None) is None
