@@ -140,7 +140,9 @@
 #              seven engines at 32k exceed an 80 GB card (bench_e2e refuses before starting
 #              them) and at 1k leave it under 10 GiB for drafters, graphs and activations;
 #              there give each call at most four runs (SWEEP_RUNS; rows merge into the JSON
-#              in E2E_OUT_DIR). The MoE target fits two engines an 80 GB card, four a 141 GB. SWEEP_RUNS, SWEEP_CONTEXTS,
+#              in E2E_OUT_DIR), or all seven at 1k with SWEEP_KV_GIB=3.5 (each engine's KV
+#              cache: the shared 1k prefix and 64 requests' tails and outputs need 1.9 GiB,
+#              target and drafter; the default doubles that and adds 1 GiB: 4.9). The MoE target fits two engines an 80 GB card, four a 141 GB. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; the runs of a cell take turns of
 #              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
 #              repeats' auto / best-other ratios ranged 0.64-1.29 without turns,
@@ -354,8 +356,8 @@ run_sweep() {  # sweep_trained / sweep_v2lite
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
     --min-pool "$minpool" \
     --repeats "${SWEEP_REPEATS:-$repeats}" ${interleave:+--interleave-s "$interleave"} \
-    ${pin:+--pin-cpus "$pin"} --out-dir "$e2e_dir" \
-    > "$LOG_DIR/$stage.log" 2>&1
+    ${pin:+--pin-cpus "$pin"} ${SWEEP_KV_GIB:+--lockstep-kv-gib "$SWEEP_KV_GIB"} \
+    --out-dir "$e2e_dir" > "$LOG_DIR/$stage.log" 2>&1
   summary "$stage" $? "$start"
   # auto's step gate, step by step (evals/gate_trace.py), as one archive
   [ -d "$traces" ] && tar czf "$traces.tgz" -C "$LOG_DIR" "gate_traces_$stage" \
