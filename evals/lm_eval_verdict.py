@@ -47,6 +47,8 @@ PRIMARY_METRIC = {
     "ddtree_target_agreement_16k": "exact_match",
     "ddtree_synthetic": "exact_match",
     "ddtree_synthetic_16k": "exact_match",
+    "ddtree_copy": "exact_match",
+    "ddtree_copy_16k": "exact_match",
 }
 
 

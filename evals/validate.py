@@ -86,7 +86,8 @@ METADATA_KEYS = {
     "long_context_tokens": "prompt length(s) of ddtree_long_context: an int, a list of "
     "ints or a comma-separated string of them",
     "long_context_docs": "documents per length of ddtree_long_context: an int >= 1",
-    "synthetic_context_tokens": "prompt length of ddtree_synthetic_16k: an int >= 1",
+    "synthetic_context_tokens": "prompt length of ddtree_synthetic_16k and "
+    "ddtree_copy_16k: an int >= 1",
     "tokenizer": "the tokenizer that sizes long prompts (default: the target's)",
     "pretrained": "the target model (the vllm backend sets it from --model-args)",
 }
@@ -112,7 +113,8 @@ class TaskRun:
     # the speculative run: where its generations part from plain decoding's, and the
     # documents the tie rule excuses
     ties: TieExcusal | None = None
-    # per doc id: its kind where the task's documents have one (ddtree_synthetic*)
+    # per doc id: its kind where the task's documents have one (ddtree_synthetic*,
+    # ddtree_copy*)
     kinds: dict[int, str] = field(default_factory=dict)
 
 

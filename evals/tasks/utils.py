@@ -15,6 +15,8 @@ from vllm_ddtree.evaluation.metrics import (
 
 __all__ = [
     "completion_results",
+    "copy_dataset",
+    "copy_16k_dataset",
     "humaneval_dataset",
     "humaneval_results",
     "long_context_dataset",
@@ -66,6 +68,24 @@ def synthetic_16k_dataset(**metadata):
     length = task_data.synthetic_context_length(metadata)
     return task_data.as_dataset(task_data.synthetic_long_docs(
         task_data.tokenizer_for(metadata), length, eval_docs()))
+
+
+def copy_dataset(**metadata):
+    """100 copy snippets of ``vllm_ddtree.training.synthetic`` (long answers), seeds
+    never trained on."""
+    from vllm_ddtree.training.synthetic import eval_docs
+
+    return task_data.as_dataset(eval_docs(100, kinds=("copy",)))
+
+
+def copy_16k_dataset(**metadata):
+    """The copy snippets of ``copy_dataset``, each behind about 16k tokens of held-out
+    files (``synthetic_context_tokens``, metadata or ``DDTREE_SYNTHETIC_CONTEXT_TOKENS``)."""
+    from vllm_ddtree.training.synthetic import eval_docs
+
+    length = task_data.synthetic_context_length(metadata)
+    return task_data.as_dataset(task_data.synthetic_long_docs(
+        task_data.tokenizer_for(metadata), length, eval_docs(100, kinds=("copy",))))
 
 
 def long_context_dataset(**metadata):

@@ -11,8 +11,9 @@
   continuations of the target served with YaRN x64 (``target_agreement_16k.json.gz``).
 - Long context: whole held-out files concatenated up to a token budget, then one
   file cut at a line; the target is the next lines after the cut.
-- Exact answers at long context: each ``ddtree_synthetic`` snippet after held-out files
-  that fill the prompt up to a token budget (the answer is in the snippet).
+- Exact answers at long context: each ``ddtree_synthetic`` (or ``ddtree_copy``) snippet
+  after held-out files that fill the prompt up to a token budget (the answer is in the
+  snippet).
 
 Everything is deterministic for a given Python (its standard library) and tokenizer.
 """
@@ -34,9 +35,11 @@ MIN_CONTEXT_LINES = 16
 # must fit, so the default leaves room for the tokens generated after the prompt.
 DEFAULT_LONG_CONTEXT_TOKENS = 3584
 DEFAULT_LONG_CONTEXT_DOCS = 4
-# 16,384 positions (the embedded target under YaRN x4) hold the prompt and the task's
-# 96 generated tokens.
-DEFAULT_SYNTHETIC_CONTEXT_TOKENS = 16384 - 96
+# 16,384 positions (the embedded target under YaRN x4) hold the prompt and the tasks'
+# 136 generated tokens (max_gen_toks of ddtree_synthetic*/ddtree_copy*: the longest copy
+# answer, 117 tokens, and a margin).
+SYNTHETIC_MAX_GEN_TOKENS = 136
+DEFAULT_SYNTHETIC_CONTEXT_TOKENS = 16384 - SYNTHETIC_MAX_GEN_TOKENS
 SYNTHETIC_CONTEXT_ENV = "DDTREE_SYNTHETIC_CONTEXT_TOKENS"
 SNIPPET_SEPARATOR = "\n\n\n"
 LONG_CONTEXT_ENV = "DDTREE_LONG_CONTEXT_TOKENS"
@@ -234,8 +237,9 @@ def synthetic_long_docs(tokenizer, length: int, snippets: list[dict]) -> list[di
 
 
 def synthetic_context_length(metadata: dict) -> int:
-    """Prompt length of ``ddtree_synthetic_16k``: metadata ``synthetic_context_tokens``,
-    else the ``DDTREE_SYNTHETIC_CONTEXT_TOKENS`` variable, else 16,288."""
+    """Prompt length of ``ddtree_synthetic_16k`` and ``ddtree_copy_16k``: metadata
+    ``synthetic_context_tokens``, else the ``DDTREE_SYNTHETIC_CONTEXT_TOKENS`` variable,
+    else 16,248."""
     value = metadata.get("synthetic_context_tokens") or os.environ.get(SYNTHETIC_CONTEXT_ENV)
     return int(value) if value else DEFAULT_SYNTHETIC_CONTEXT_TOKENS
 

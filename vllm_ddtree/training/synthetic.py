@@ -1,23 +1,33 @@
 """Exact-answer Python snippets: training text that teaches in-context copying and simple
-algorithms, and the documents of the ``ddtree_synthetic`` lm-eval task.
+algorithms, and the documents of the ``ddtree_synthetic`` and ``ddtree_copy`` lm-eval
+tasks.
 
 Four kinds, each a short module (well inside the target's 512-token training windows)
 whose last line is completed by a unique answer:
 
-- ``copy``: a function is defined, then redefined under a new name with the same
-  signature; the answer is its body, copied line for line.
+- ``copy``: a function of 2-6 arguments whose body sets an accumulator from one argument,
+  then updates it in 3-10 statements (``acc = acc OP x`` or ``acc = x OP acc``, ``x`` an
+  argument drawn with replacement in random order or a small literal; ``//`` and ``%``
+  by a nonzero literal; some under ``if acc > x:``) and returns it; the function is then
+  redefined under a new name with the same signature and the answer is its body, copied
+  line for line. Since the operands do not follow the header, only reading the first
+  body gives the copy. Answers are 25-117 tokens (mean 53) with the shipped tokenizer
+  over the 100 ``ddtree_copy`` documents, without a blank line (tasks stop at one).
 - ``lookup``: a dict literal of identifiers to ints, then ``assert TABLE[key] == ``;
-  the answer is the value.
+  the answer is the value (1-3 tokens).
 - ``brackets``: a nested literal of lists, tuples and dicts cut after its last atom; the
-  answer closes every bracket.
-- ``sort``: ``assert sorted([...]) == ``; the answer is the sorted list.
+  answer closes every bracket (2-6 tokens).
+- ``sort``: ``assert sorted([...]) == ``; the answer is the sorted list (12-24
+  tokens).
 
 Training (``python -m vllm_ddtree.training.corpus --synthetic-docs N``) draws documents
-with seeds ``0..N-1``; the task draws with seeds from ``EVAL_SEED_BASE`` on, and the
-trainer's checkpoint selection (``selection_docs``) from ``SELECT_SEED_BASE`` on: three
-disjoint ranges, so neither the training nor the selection sees a task document.
-Identifiers come from a fixed word list, so all share the vocabulary but not the
-documents.
+with seeds ``0..N-1``: every other one a copy, the others lookup, brackets and sort in
+turn (copy, lookup, copy, brackets, copy, sort, ...), since the long copies are what a
+lossy verifier is caught on and the hardest to learn. The tasks draw with seeds from
+``EVAL_SEED_BASE`` on, and the trainer's checkpoint selection (``selection_docs``) from
+``SELECT_SEED_BASE`` on: three disjoint ranges, so neither the training nor the
+selection sees a task document. Identifiers come from a fixed word list, so all share
+the vocabulary but not the documents.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from __future__ import annotations
 import random
 
 __all__ = ["EVAL_SEED_BASE", "KINDS", "SELECT_SEED_BASE", "eval_docs", "make_doc",
-           "selection_docs", "training_texts"]
+           "selection_docs", "training_kind", "training_texts"]
 
 KINDS = ("copy", "lookup", "brackets", "sort")
 EVAL_SEED_BASE = 10**9
@@ -42,13 +52,34 @@ def _ident(rng: random.Random, n: int) -> list[str]:
     return rng.sample(WORDS, n)
 
 
+def _copy_operand(rng: random.Random, args: list[str]) -> str:
+    """An argument, or now and then a small int literal."""
+    return str(rng.randint(2, 9)) if rng.random() < 0.15 else rng.choice(args)
+
+
+def _copy_line(rng: random.Random, acc: str, args: list[str], indent: str) -> str:
+    """One line ``acc = acc OP X`` or ``acc = X OP acc`` after ``indent``; floor division
+    and modulo only by a nonzero literal, so every body is defined for any int arguments."""
+    op = rng.choice(("+", "-", "*", "+", "-", "*", "//", "%"))
+    if op in ("//", "%"):
+        return f"{indent}{acc} = {acc} {op} {rng.randint(2, 9)}"
+    x = _copy_operand(rng, args)
+    left, right = (acc, x) if rng.random() < 0.5 else (x, acc)
+    return f"{indent}{acc} = {left} {op} {right}"
+
+
 def _copy(rng: random.Random) -> tuple[str, str]:
-    args = _ident(rng, rng.randint(2, 4))
+    args = _ident(rng, rng.randint(2, 6))
     acc = rng.choice([w for w in WORDS if w not in args])
-    body = [f"    {acc} = {args[0]}"]
-    for a in args[1:]:
-        op = rng.choice(["+", "-", "*"])
-        body.append(f"    {acc} = {acc} {op} {a}")
+    # Operands are drawn with replacement in random order: the copy must be read back
+    # from the first body, not rebuilt from the header.
+    body = [f"    {acc} = {rng.choice(args)}"]
+    for _ in range(rng.randint(3, 10)):
+        if rng.random() < 0.2:
+            body.append(f"    if {acc} > {_copy_operand(rng, args)}:")
+            body.append(_copy_line(rng, acc, args, " " * 8))
+        else:
+            body.append(_copy_line(rng, acc, args, " " * 4))
     body.append(f"    return {acc}")
     name, copy = rng.sample([f"{w}_{v}" for w in ("get", "make", "compute", "read")
                              for v in WORDS], 2)
@@ -94,22 +125,30 @@ def make_doc(kind: str, seed: int) -> tuple[str, str]:
     return _MAKERS[kind](random.Random(f"{kind}:{seed}"))
 
 
+def training_kind(i: int) -> str:
+    """The kind of training document ``i``: ``copy`` at even ``i``, the other kinds in
+    turn at odd ``i`` (half of the documents are copies)."""
+    others = KINDS[1:]
+    return "copy" if i % 2 == 0 else others[(i // 2) % len(others)]
+
+
 def training_texts(n: int, seed: int = 0) -> dict[str, str]:
-    """``n`` documents (kinds in turn) as training files ``{"synthetic/<kind>_<i>.py":
-    prompt + answer + "\\n"}``, seeds ``seed..seed + n - 1``."""
+    """``n`` documents (kinds by ``training_kind``) as training files
+    ``{"synthetic/<kind>_<i>.py": prompt + answer + "\\n"}``, seeds ``seed..seed + n - 1``."""
     out = {}
     for i in range(n):
-        kind = KINDS[i % len(KINDS)]
+        kind = training_kind(i)
         prompt, answer = make_doc(kind, seed + i)
         out[f"synthetic/{kind}_{i}.py"] = prompt + answer + "\n"
     return out
 
 
-def eval_docs(per_kind: int = 25) -> list[dict]:
-    """The task's documents: ``{"kind", "context", "target"}``, ``per_kind`` of each kind,
-    seeds from ``EVAL_SEED_BASE``."""
+def eval_docs(per_kind: int = 25, kinds: tuple[str, ...] = KINDS) -> list[dict]:
+    """A task's documents: ``{"kind", "context", "target"}``, ``per_kind`` of each of
+    ``kinds``, seeds from ``EVAL_SEED_BASE`` (``ddtree_synthetic``: 25 of every kind;
+    ``ddtree_copy``: 100 copies)."""
     return [{"kind": kind, "context": prompt, "target": answer}
-            for kind in KINDS for i in range(per_kind)
+            for kind in kinds for i in range(per_kind)
             for prompt, answer in [make_doc(kind, EVAL_SEED_BASE + i)]]
 
 
