@@ -171,11 +171,13 @@
 #              evalsynthetic decides)
 #   evalsynthetic  the pair in TRAIN_OUT (default /tmp/ckpt) on the GPU (reference engine,
 #              fp32, DDTree B = 64 against plain decoding): ddtree_synthetic (100 docs),
-#              ddtree_synthetic_16k on its YaRN x4 copy, and tokens per round on 40
+#              ddtree_synthetic_16k on its YaRN x4 copy, ddtree_copy[_16k] (100 docs), and tokens per round on 40
 #              HumanEval prompts beside the embedded pair's and beside its target with
 #              the embedded drafter; evalsynthetic/*.md. EVALSYNTHETIC_RUNS: the runs to do
-#              by name (new new_target_shipped_drafter shipped new16k; default all), e.g.
-#              "new" after a drafter-only retrain, whose target's answers are known
+#              by name (new new_target_shipped_drafter shipped new16k copy copylossy copy16k
+#              copy16klossy; default all), e.g. "new" after a drafter-only retrain, whose
+#              target's answers are known; the *lossy runs inject a 2 % lossy verifier
+#              into ddtree_copy[_16k] (they must FAIL)
 #   trainyarn  fine-tunes the embedded drafter on the YaRN x4 copy of its target, then
 #              packs like trainpair
 #   traindflash2  a DFlash2 drafter for the embedded target: starts as the embedded DFlash
@@ -602,7 +604,7 @@ for stage in "$@"; do
       rm -rf data
       build_corpus --tokenizer vllm_ddtree/checkpoints/target \
         --synthetic-docs "${SYNTHETIC_DOCS:-40000}"
-      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 1.75 --target-valid-slack 0.03 --target-anchor-kl 1 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
+      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 2.5 --target-valid-slack 0.03 --target-anchor-kl 1 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
     evalsynthetic)  # the pair in TRAIN_OUT against the shipped one (see the list above)
       start=$(date +%s)
       ckpt="${TRAIN_OUT:-/tmp/ckpt}" dir="$LOG_DIR/evalsynthetic"
@@ -622,14 +624,19 @@ for stage in "$@"; do
                   "new ddtree_humaneval $ckpt/target $ckpt/drafter 40" \
                   "new_target_shipped_drafter ddtree_humaneval $ckpt/target $shipped/drafter 40" \
                   "shipped ddtree_humaneval - - 40" \
-                  "new16k ddtree_synthetic_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter"; do
-        read -r name task target drafter limit <<< "$spec"
+                  "new16k ddtree_synthetic_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter" \
+                  "copy ddtree_copy $ckpt/target $ckpt/drafter" \
+                  "copylossy ddtree_copy $ckpt/target $ckpt/drafter - --inject-lossy-rate=0.02" \
+                  "copy16k ddtree_copy_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter" \
+                  "copy16klossy ddtree_copy_16k /tmp/pair_yarn4/target /tmp/pair_yarn4/drafter - --inject-lossy-rate=0.02"; do
+        read -r name task target drafter limit extra <<< "$spec"
+        [ "$limit" = - ] && limit=""
         [[ " ${EVALSYNTHETIC_RUNS:-$name} " == *" $name "* ]] || continue
         pair_args=()
         [ "$target" != - ] && pair_args=(--pretrained "$target" --drafter "$drafter")
         echo "== $name" >> "$dir/evalsynthetic.log"
         timeout "${STAGE_LIMIT:-560}" python3 evals/validate.py "${ref[@]}" --tasks "$task" \
-          ${limit:+--limit "$limit"} "${pair_args[@]}" --out-dir "$dir/$name" \
+          ${limit:+--limit "$limit"} ${extra:+"$extra"} "${pair_args[@]}" --out-dir "$dir/$name" \
           >> "$dir/evalsynthetic.log" 2>&1
         rc=$?; [ "$rc" -gt "$worst" ] && worst=$rc
       done
