@@ -604,7 +604,7 @@ for stage in "$@"; do
       rm -rf data
       build_corpus --tokenizer vllm_ddtree/checkpoints/target \
         --synthetic-docs "${SYNTHETIC_DOCS:-40000}"
-      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 2.5 --target-valid-slack 0.03 --target-anchor-kl 1 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 256 --gen-sequences 6144" ;;
+      run_trainpair trainsynthetic "--stage all --target-init vllm_ddtree/checkpoints/target --target-seq-len 4096 --target-lr 4e-4 --target-minutes 2.25 --target-valid-slack 0.03 --target-anchor-kl 1 --drafter-init vllm_ddtree/checkpoints/drafter --drafter-lr 5e-4 --drafter-minutes 1.75 --drafter-seq-len 1024 --drafter-prefix-max 768 --drafter-continuation 128 --gen-sequences 12288" ;;
     evalsynthetic)  # the pair in TRAIN_OUT against the shipped one (see the list above)
       start=$(date +%s)
       ckpt="${TRAIN_OUT:-/tmp/ckpt}" dir="$LOG_DIR/evalsynthetic"
