@@ -59,8 +59,9 @@ Usage (GPU machine, project root; device-time estimates in evals/results/README.
         --runs ar@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA dflash@FLASH_ATTN_MLA+perbatch \
         ddtree-16 ddtree-64 ddtree-64+perbatch ddtree-auto    # (scripts/gpu_suites.sh)
 
-``--lockstep``: every run's child starts at once (one ``LLM`` each on the one GPU, its KV
-cache fixed by ``kv_cache_memory_bytes``), then the parent has each cell measured by every
+``--lockstep``: every run's child starts before the first cell (one ``LLM`` each on the
+one GPU, its KV cache fixed by ``kv_cache_memory_bytes``; ``auto``'s first and alone, since
+it times its graphs at start-up), then the parent has each cell measured by every
 run in turn, one engine working at a time (order reversed on alternate rounds, rotated
 from cell to cell), so that the methods of a cell are measured seconds apart, not
 minutes (the host's speed drifts).
@@ -399,7 +400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(the timer reads the runner there through collective_rpc); default: "
                    "in the child's process, with the front end on the engine's thread")
     p.add_argument("--lockstep", action="store_true",
-                   help="start every run's engine at once (fixed KV cache each, "
+                   help="start every run's engine first (auto's alone; fixed KV cache each, "
                    "--lockstep-kv-gib) and measure each cell by every run in turn, one "
                    "engine working at a time, alternate rounds reversed: the runs of a "
                    "cell are measured seconds apart (default: one run after another)")

@@ -106,8 +106,8 @@
 #   e2e_trained / e2e_trained_dflash2 / e2e_trained_yarn / e2e_kimi8 / e2e_kimi64
 #              evals/bench_e2e.py on one setup. E2E_RUNS, E2E_CONTEXTS, E2E_BATCHES,
 #              E2E_PROMPTS, E2E_REPEATS replace the setup's defaults; --lockstep unless
-#              E2E_LOCKSTEP=0 (every run's engine starts at once, then the runs take turns
-#              per cell: a stage cut short by its limit still compares every run on the
+#              E2E_LOCKSTEP=0 (every run's engine starts first, auto's alone, then the
+#              runs take turns per cell: a stage cut short by its limit still compares every run on the
 #              cells it reached; run by run, a fresh machine's first engine (3.7 min cold)
 #              used up the limit and the runs after it were not run); E2E_OUT_DIR
 #              (default: the log folder) receives e2e_<setup>.md / .png / .json;

@@ -37,9 +37,10 @@ def test_cost_model_covers_batch_size_rows_and_context():
     assert model.attention_seconds(np.array([4096]), 0) == pytest.approx(2 * 4e-6)
     assert model.attention_seconds(np.array([1024]), 3) == pytest.approx(
         2 * (1e-6 + 4e-7))
-    # timing noise never makes more rows cheaper
+    # more rows never cost less: a reading above a larger count's is interference
+    # (it only adds time) and is lowered to it
     model.set_graph_costs({1: 2e-4, 2: 1e-4}, {})
-    assert model.verify_seconds.tolist() == [2e-4, 2e-4]
+    assert model.verify_seconds.tolist() == [1e-4, 1e-4]
     bare = cost_model(graphs=False)
     assert not bare.has_graph_costs
     assert bare.step_seconds(4, np.full(4, 1024), 8, True) == pytest.approx(
@@ -154,3 +155,22 @@ def test_rows_past_the_timed_graphs_follow_more_than_the_last_two():
     plain = model.step_seconds(64, np.full(64, 1024), 64, False) - model.attention_seconds(
         np.full(64, 1024), 64)
     assert plain == pytest.approx(3e-4 + 64 * 65e-7, rel=0.25)
+
+
+def test_slow_start_up_readings_do_not_carry_to_larger_shapes():
+    """The V2-Lite-shaped target's start-up graph times beside six starting engines
+    (H100, us by verify rows): 33-96 rows read 6.1-8.1 ms, 128-136 rows 3.6-3.9 ms. The
+    readings out of order are the slow ones: the model keeps every count at most what
+    any larger count took, and the smaller, consistent readings as they are."""
+    read = {1: 3051.7, 2: 3073.3, 4: 3087.9, 9: 3144.3, 16: 3236.4, 17: 3223.8,
+            24: 3264.8, 32: 6990.3, 33: 7230.1, 64: 7431.9, 65: 7399.3, 96: 8093.1,
+            128: 3925.2, 130: 3642.8, 136: 3662.8, 144: 5343.2, 160: 5986.5,
+            260: 11140.3, 520: 17111.6, 1040: 32875.6, 1088: 17287.9, 4160: 70072.2}
+    model = cost_model()
+    model.set_graph_costs({n: t * 1e-6 for n, t in read.items()}, {})
+    kept = dict(zip(model.verify_rows.astype(int).tolist(),
+                    (model.verify_seconds * 1e6).tolist(), strict=True))
+    assert all(kept[n] <= 3642.8 + 1e-6 for n in (32, 33, 64, 65, 96, 128))
+    assert kept[16] == pytest.approx(3223.8) and kept[24] == pytest.approx(3264.8)
+    assert kept[1040] == pytest.approx(17287.9) and kept[4160] == pytest.approx(70072.2)
+    assert all(np.diff(model.verify_seconds) >= 0)

@@ -550,3 +550,28 @@ def test_shape_timer_failure_leaves_auto_without_row_costs():
     timer = ShapeGraphTimer(graphs, [1], broken)
     timer.time_new_graphs()
     assert timer.failed and "replay failed" in timer.failed and timer.seconds == {}
+
+
+def test_shape_timer_lowers_one_request_times_above_larger_graphs():
+    """One request's 33 and 65 rows timed at 7.2 and 7.4 ms while two requests' 130 rows
+    took 3.6 ms (the V2-Lite-shaped target beside six starting engines, H100): the row
+    costs auto budgets by keep each shape at most what any graph of as many tokens or
+    more took; the consistent readings stay, and so does the device's choice input."""
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor as Desc
+
+    from vllm_ddtree.budget.attention_timing import measure_attention_table
+    from vllm_ddtree.budget.policy import BudgetPolicy
+    from vllm_ddtree.budget.verify_costs import ShapeGraphTimer
+
+    read = {(1, 0): 3.05e-3, (1, 16): 3.22e-3, (1, 32): 7.23e-3, (1, 64): 7.40e-3,
+            (2, 64): 3.64e-3}
+    graphs = {Desc("FULL", r * (1 + s), r, 1 + s): NS(replay=(r, s)) for r, s in read}
+    timer = ShapeGraphTimer(graphs, [0, 16, 32, 64], lambda run: read[run],
+                            request_counts=(1, 2))
+    timer.time_new_graphs()
+    assert timer.seconds == pytest.approx({0: 3.05e-3, 16: 3.22e-3, 32: 3.64e-3,
+                                           64: 3.64e-3})
+    policy = BudgetPolicy(measure_attention_table(lambda c, q: 1e-6, [1024], [16, 32, 64]),
+                          64)
+    policy.set_row_costs({16: 3.22e-3, 32: 7.23e-3, 64: 3.64e-3})  # 32 read slow
+    assert policy.row_seconds.tolist() == pytest.approx([0.0, 0.42e-3, 0.42e-3])

@@ -606,6 +606,33 @@ def test_lockstep_measures_each_cell_by_every_run_in_turn(tmp_path):
     assert not list(tmp_path.glob("*.lockstep*.log"))  # merged into the setup's log
 
 
+def test_lockstep_starts_auto_alone_before_the_other_engines(tmp_path, monkeypatch):
+    """``auto`` times its graphs at start-up: its engine starts, and is ready, before
+    the other runs' engines start (together); the children keep the runs' order."""
+    specs = parse_args(["--runs", "ar@FLASH_ATTN_MLA", "ddtree-auto", "ddtree-64",
+                        "ddtree-auto-32"]).run_specs
+    waves = e2e_children.start_waves(specs)
+    assert [[i for i, _ in wave] for wave in waves] == [[1, 3], [0, 2]]
+    assert e2e_children.start_waves(specs[:1]) == [[(0, specs[0])]]
+    events = []
+    real_start, real_wait = e2e_children.start_lockstep_child, e2e_children.wait_lockstep_ready
+
+    def start(spec, tmp, index, log_path):
+        events.append(("start", index))
+        return real_start(spec, tmp, index, log_path)
+
+    def wait(children, *args):
+        events.append(("ready", sorted(c.run.name for c in children)))
+        return real_wait(children, *args)
+
+    monkeypatch.setattr(e2e_children, "start_lockstep_child", start)
+    monkeypatch.setattr(e2e_children, "wait_lockstep_ready", wait)
+    data = _lockstep(tmp_path)
+    assert events == [("start", 2), ("ready", ["ddtree-auto-64"]), ("start", 0),
+                      ("start", 1), ("ready", ["ar@FLASH_ATTN_MLA", "ddtree-64"])]
+    assert all(r["status"] == "ok" for r in data["rows"])
+
+
 def test_lockstep_child_that_dies_fails_only_its_remaining_cells(tmp_path, monkeypatch):
     """A lockstep child that crashes on its second command: its later (cell, repeat)s
     are failed rows naming the crash, the other runs measure every cell; a spent

@@ -274,8 +274,8 @@ class BudgetPolicy:
     def set_row_costs(self, seconds_by_shape: dict[int, float]) -> None:
         """Take one request's measured verify forward time per shape (``{s: seconds}``
         for every candidate ``s``, 1 + s rows): the row cost is each minus the smallest
-        shape's, made non-decreasing. Raises ``ValueError`` when a candidate is missing
-        or a time is not positive."""
+        shape's, each time first lowered to the least at any larger shape. Raises
+        ``ValueError`` when a candidate is missing or a time is not positive."""
         budgets = self.budgets.tolist()
         missing = [b for b in budgets if b not in seconds_by_shape]
         if missing:
@@ -283,7 +283,10 @@ class BudgetPolicy:
         times = torch.tensor([float(seconds_by_shape[b]) for b in budgets])
         if not bool((times > 0).all()):
             raise ValueError(f"verify times must be positive, got {times.tolist()}")
-        rows = (times - times[0]).clamp_min(0).cummax(dim=0).values
+        # non-decreasing from above, as step_cost._monotone_points: a reading above a
+        # larger shape's is interference (it only adds time)
+        kept = times.flip(0).cummin(dim=0).values.flip(0)
+        rows = kept - kept[0]
         self._row_seconds_buffer.copy_(rows)
         self.row_seconds = self._row_seconds_buffer
         logger.info(
