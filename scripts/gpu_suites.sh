@@ -140,9 +140,10 @@
 #              seven engines at 32k exceed an 80 GB card (bench_e2e refuses before starting
 #              them) and at 1k leave it under 10 GiB for drafters, graphs and activations;
 #              there give each call at most four runs (SWEEP_RUNS; rows merge into the JSON
-#              in E2E_OUT_DIR), or all seven at 1k with SWEEP_KV_GIB=3.5 (each engine's KV
+#              in E2E_OUT_DIR), or five at 1k with SWEEP_KV_GIB=3.5 (each engine's KV
 #              cache: the shared 1k prefix and 64 requests' tails and outputs need 1.9 GiB,
-#              target and drafter; the default doubles that and adds 1 GiB: 4.9). The MoE target fits two engines an 80 GB card, four a 141 GB. SWEEP_RUNS, SWEEP_CONTEXTS,
+#              target and drafter; the default doubles that and adds 1 GiB: 4.9); each
+#              engine then held 10-12 GiB on an H100, and of seven three ran out of memory. The MoE target fits two engines an 80 GB card, four a 141 GB. SWEEP_RUNS, SWEEP_CONTEXTS,
 #              SWEEP_BATCHES replace the defaults; the runs of a cell take turns of
 #              SWEEP_INTERLEAVE_S (0.25; 0: none) seconds of steps (--interleave-s: the
 #              repeats' auto / best-other ratios ranged 0.64-1.29 without turns,
