@@ -65,27 +65,33 @@ def synthetic_16k_dataset(**metadata):
     (``synthetic_context_tokens``, metadata or ``DDTREE_SYNTHETIC_CONTEXT_TOKENS``)."""
     from vllm_ddtree.training.synthetic import eval_docs
 
-    length = task_data.synthetic_context_length(metadata)
-    return task_data.as_dataset(task_data.synthetic_long_docs(
-        task_data.tokenizer_for(metadata), length, eval_docs()))
+    return _behind_held_out_files(metadata, eval_docs())
 
 
-def copy_dataset(**metadata):
+def _copy_docs() -> list[dict]:
     """100 copy snippets of ``vllm_ddtree.training.synthetic`` (long answers), seeds
     never trained on."""
     from vllm_ddtree.training.synthetic import eval_docs
 
-    return task_data.as_dataset(eval_docs(100, kinds=("copy",)))
+    return eval_docs(100, kinds=("copy",))
+
+
+def _behind_held_out_files(metadata: dict, snippets: list[dict]):
+    """``snippets``, each behind about 16k tokens of held-out files
+    (``synthetic_context_tokens``, metadata or ``DDTREE_SYNTHETIC_CONTEXT_TOKENS``)."""
+    length = task_data.synthetic_context_length(metadata)
+    return task_data.as_dataset(task_data.synthetic_long_docs(
+        task_data.tokenizer_for(metadata), length, snippets))
+
+
+def copy_dataset(**metadata):
+    """The copy snippets (:func:`_copy_docs`)."""
+    return task_data.as_dataset(_copy_docs())
 
 
 def copy_16k_dataset(**metadata):
-    """The copy snippets of ``copy_dataset``, each behind about 16k tokens of held-out
-    files (``synthetic_context_tokens``, metadata or ``DDTREE_SYNTHETIC_CONTEXT_TOKENS``)."""
-    from vllm_ddtree.training.synthetic import eval_docs
-
-    length = task_data.synthetic_context_length(metadata)
-    return task_data.as_dataset(task_data.synthetic_long_docs(
-        task_data.tokenizer_for(metadata), length, eval_docs(100, kinds=("copy",))))
+    """The copy snippets, each behind about 16k tokens of held-out files."""
+    return _behind_held_out_files(metadata, _copy_docs())
 
 
 def long_context_dataset(**metadata):

@@ -61,14 +61,24 @@ def _interp_many(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 def _monotone_points(points: dict[int, float]) -> tuple[np.ndarray, np.ndarray]:
     """Sorted ``(x, seconds)`` arrays, seconds made non-decreasing in x by lowering
-    each to the least time at any larger x: interference (another process's kernels on
-    the GPU while the graphs are timed) only ever adds time, so of two readings out of
-    order the earlier one is the wrong one. Raising the later ones instead carried one
-    slow reading to every larger shape (V2-Lite-shaped target beside six starting
-    engines: 33 rows timed 7.2 ms, 128 rows 3.9 ms; all of 33-96 then cost 7.2)."""
-    xs = np.array(sorted(points), dtype=np.float64)
-    ys = np.array([points[int(x)] for x in xs], dtype=np.float64)
-    return xs, np.minimum.accumulate(ys[::-1])[::-1].copy()
+    each to the least time at any larger x (:func:`lower_envelope`)."""
+    kept = lower_envelope(points)
+    xs = np.array(sorted(kept), dtype=np.float64)
+    return xs, np.array([kept[int(x)] for x in xs], dtype=np.float64)
+
+
+def lower_envelope(points: dict[int, float]) -> dict[int, float]:
+    """``points`` (``{size: seconds}``) with each time lowered to the least at any
+    larger size: interference (another process's kernels on the GPU while the graphs
+    are timed) only ever adds time, so of two readings out of order the earlier one is
+    the wrong one. Raising the later ones instead carried one slow reading to every
+    larger shape (V2-Lite-shaped target beside six starting engines: 33 rows timed
+    7.2 ms, 128 rows 3.9 ms; all of 33-96 then cost 7.2)."""
+    floor, kept = float("inf"), {}
+    for x in sorted(points, reverse=True):
+        floor = min(floor, points[x])
+        kept[x] = floor
+    return kept
 
 
 class StepCostModel:

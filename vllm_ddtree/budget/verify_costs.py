@@ -72,12 +72,13 @@ class ShapeGraphTimer:
         cost less; a time above such a graph's was taken while another process's
         kernels ran, as the engines of a benchmark starting beside it: one request's
         33 and 65 rows at 7.2 and 7.4 ms, two requests' 130 rows at 3.6 ms)."""
-        by_tokens = sorted((n, t) for n, t in self.times.values())
-        floor, suffix = float("inf"), {}
-        for n, t in reversed(by_tokens):
-            floor = min(floor, t)
-            suffix[n] = floor
-        return {s: min(t, suffix[n]) for (s, r), (n, t) in self.times.items() if r == 1}
+        from vllm_ddtree.budget.step_cost import lower_envelope
+
+        least: dict[int, float] = {}  # the least time of each token count
+        for n, t in self.times.values():
+            least[n] = min(t, least.get(n, t))
+        floor = lower_envelope(least)
+        return {s: floor[n] for (s, r), (n, _) in self.times.items() if r == 1}
 
     def by_tokens(self) -> dict[int, float]:
         """Time by the graph's token count (every shape and request count; the mean
