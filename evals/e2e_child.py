@@ -401,6 +401,10 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         from gate_variants import apply_max_prior_gate
 
         apply_max_prior_gate()
+    if "+nocut" in run.variants:
+        from gate_variants import apply_no_device_cut
+
+        apply_no_device_cut()
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -44,9 +44,11 @@ RUN_VARIANTS = (
     # ddtree-auto: a new batch-size bucket starts on the largest arm within the cap, not
     # on the nearest bucket's arm (evals/gate_variants.py)
     ("+maxprior", "buckets start at B", ("ddtree",)),
+    # ddtree-auto: no per-round cut on the device below the gate's arm
+    ("+nocut", "no device cut", ("ddtree",)),
 )
 # Suffixes that change auto's step gate (ddtree-auto runs only): evals/gate_variants.py
-GATE_VARIANTS = ("+pin16", "+pin32", "+pin64", "+maxprior")
+GATE_VARIANTS = ("+pin16", "+pin32", "+pin64", "+maxprior", "+nocut")
 
 
 def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:

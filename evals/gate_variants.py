@@ -1,7 +1,15 @@
 """Step-gate variants for A/B runs of ``evals/bench_e2e.py`` (never in the product):
 ``+pin16`` / ``+pin32`` / ``+pin64`` on a ``ddtree-auto`` run applies :func:`apply_pinned_gate`,
-``+maxprior`` :func:`apply_max_prior_gate`, in the run's process before its engine
-starts.
+``+maxprior`` :func:`apply_max_prior_gate`, ``+nocut`` :func:`apply_no_device_cut`, in
+the run's process before its engine starts.
+
+**No device cut.** In the V2-Lite-shaped sweep (H100, 1k, after the start-up timing
+fix) auto at batch 1 settled on arm 32 and verified 22 nodes a round on average: the
+device's per-round choice (``BudgetPolicy.choose_in_graph``, expected tokens from the
+drafter's own probabilities) cut below the arm, and its trees committed 4.24 tokens
+against 4.51 for a fixed B = 16. ``ddtree-auto+nocut`` keeps the policy's side effects
+but every round's choice is B, so the verify shape is the gate's arm (its measured
+rates) and nothing below it.
 
 **Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
 settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64
@@ -88,3 +96,38 @@ def remove_pinned_gate() -> None:
     for name, fn in _PINNED.items():
         setattr(gate_module.SpeculationGate, name, fn)
     _PINNED.clear()
+
+
+_NO_CUT: dict[str, object] = {}
+
+
+def apply_no_device_cut() -> None:
+    """Patch ``BudgetPolicy.choose`` / ``choose_in_graph`` in this process (idempotent):
+    the policy runs as in the product (its base-time EMA, its recorded attention), then
+    the round's choice is overwritten with B (device ops only, so a captured graph
+    replays it)."""
+    from vllm_ddtree.budget.policy import BudgetPolicy
+
+    if _NO_CUT:
+        return
+    _NO_CUT.update(choose=BudgetPolicy.choose, choose_in_graph=BudgetPolicy.choose_in_graph)
+    choose, choose_in_graph = BudgetPolicy.choose, BudgetPolicy.choose_in_graph
+
+    def full_choose(self, scores, context_lens):
+        return choose(self, scores, context_lens).clone().fill_(self.max_budget)
+
+    def full_choose_in_graph(self, scores, context_lens, row_of_sample, idx_stride):
+        return choose_in_graph(self, scores, context_lens, row_of_sample,
+                               idx_stride).fill_(self.max_budget)
+
+    BudgetPolicy.choose = full_choose
+    BudgetPolicy.choose_in_graph = full_choose_in_graph
+
+
+def remove_no_device_cut() -> None:
+    """Undo :func:`apply_no_device_cut`."""
+    from vllm_ddtree.budget.policy import BudgetPolicy
+
+    for name, fn in _NO_CUT.items():
+        setattr(BudgetPolicy, name, fn)
+    _NO_CUT.clear()

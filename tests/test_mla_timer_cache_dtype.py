@@ -163,3 +163,31 @@ def test_mla_timer_reads_the_runs_page_size(monkeypatch, block_size):
     measure(24, 1 + 2)
     _, kv_cache, block_table, *_ = launches[-1]
     assert kv_cache.shape[1] == (block_size or 64)
+
+
+@pytest.mark.parametrize("use_mla", [True, False])
+@pytest.mark.parametrize("max_num_seqs", [None, 1, 3, 1000])
+def test_timers_time_a_batch_and_give_one_requests_share(use_mla, max_num_seqs):
+    """The start-up table is one request's share of a batch's launch: the timed call
+    verifies ``min(TIMING_REQUESTS, max_num_seqs)`` requests of ``1 + b`` active rows
+    each (every one computed), and the seconds are the call's over that count.
+    Timed alone, a short-context request costs the kernel's latency, which a step pays
+    once, not once a request. Real kernels (CPU reference / interpreter), fixed clock."""
+    from vllm_ddtree.budget.attention_timing import TIMING_REQUESTS, target_attention_timer
+
+    config = fake_vllm_config(use_mla)
+    if max_num_seqs is not None:
+        config.scheduler_config = NS(max_num_seqs=max_num_seqs)
+    want = min(TIMING_REQUESTS, max_num_seqs or 1)
+    outputs = []
+
+    def time_fn(run):
+        outputs.append(run())
+        return 0.5
+
+    measure = target_attention_timer(config, 1 + 4, torch.device("cpu"), time_fn=time_fn)
+    assert measure(24, 1 + 2) == pytest.approx(0.5 / want)
+    out = outputs[-1][0] if isinstance(outputs[-1], tuple) else outputs[-1]
+    assert out.shape[0] == want * (1 + 4)  # fixed verify shape: 1 + B rows a request
+    rows = out.float().reshape(want, 1 + 4, -1)[:, : 1 + 2]  # the active rows
+    assert torch.isfinite(rows).all() and bool((rows != 0).any(dim=-1).all())

@@ -1,8 +1,10 @@
 """Timing the target's verify attention for ``ddtree_budget: "auto"``'s start-up table.
 
 :func:`target_attention_timer` builds, from the run's vLLM config, a
-``measure_fn(context, 1 + b) -> seconds``: one request's verify attention in one target
-layer (``1 + B`` query rows, the first ``1 + b`` active; with adaptive verify shapes the
+``measure_fn(context, 1 + b) -> seconds``: one request's share of a batch's verify
+attention in one target layer (a batch of up to :data:`TIMING_REQUESTS` requests:
+summed over a step's requests, lone requests' times would count the kernel's latency
+once a request) (``1 + B`` query rows, the first ``1 + b`` active; with adaptive verify shapes the
 ``1 + b`` rows a round of budget ``b`` verifies), timed with the target's own
 tree kernel (MLA or GQA, the run's cache dtype and page size) on dummy tensors;
 :func:`measure_attention_table` runs it over the (context x budget) grid
@@ -37,6 +39,7 @@ __all__ = [
     "CONTEXT_GRID",
     "GraphTimer",
     "MeasureFn",
+    "TIMING_REQUESTS",
     "TimeFn",
     "attention_time_fn",
     "cuda_time_fn",
@@ -52,8 +55,8 @@ __all__ = [
 # Under "vllm." so that a capture failure reaches vLLM's log handler.
 logger = logging.getLogger("vllm.ddtree.attention_timing")
 
-# measure_fn(context tokens, active query rows 1 + b) -> seconds of one request's verify
-# attention (1 + B rows, the first 1 + b active) in one layer.
+# measure_fn(context tokens, active query rows 1 + b) -> seconds of one request's share
+# of a batch's verify attention (1 + B rows, the first 1 + b active) in one layer.
 MeasureFn = Callable[[int, int], float]
 
 CONTEXT_GRID = (1024, 4096, 16384, 65536, 131072)
@@ -77,7 +80,8 @@ def measure_attention_table(
     """Time ``measure_fn(context, 1 + b)`` on the grid ``contexts x budgets``.
 
     Args:
-        measure_fn: seconds of one request's verify attention in one layer.
+        measure_fn: seconds of one request's share of a batch's verify attention in
+            one layer.
         contexts: increasing context lengths.
         budgets: increasing candidate budgets.
         device: where the table lives (the device the choice runs on).
@@ -300,10 +304,23 @@ def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
     return pack_ancestor_mask(mask).to(device)
 
 
-class _OneRequestBatch:
-    """The dummy verify batch both timers share: one request of up to ``max_query_len``
-    rows (chain bits) over a paged cache of ``max_context + max_query_len`` tokens whose
-    pages are mapped in order. ``randn`` draws the dummy tensors (fixed seed).
+# Requests in the dummy verify batch: one request's attention is the launch's time over
+# this many (capped by the run's max_num_seqs). Alone, a request at a short context
+# costs the kernel's latency (about 26 us a layer on an H100 at 1k for a
+# V2-Lite-shaped target), which a batch pays once: summed over 64 requests and 27
+# layers it modeled 45 ms of attention the step never spent.
+TIMING_REQUESTS = 64
+# Cached tokens the dummy batch holds at most in distinct pages (as the single request
+# of the longest context did): past it requests share pages, copy by copy.
+_TIMING_CACHE_TOKENS = 131072
+
+
+class _VerifyBatch:
+    """The dummy verify batch both timers share: ``num_reqs`` requests of up to
+    ``max_query_len`` rows each (chain bits) over a paged cache of ``max_context +
+    max_query_len`` tokens a request, in distinct pages while the batch holds at most
+    :data:`_TIMING_CACHE_TOKENS` tokens (else requests share page copies in turn).
+    ``randn`` draws the dummy tensors (fixed seed).
 
     ``adaptive_shapes``: the run verifies adaptive shapes (``ddtree_verify_shape``
     "adaptive"), so a round of budget ``b`` launches ``1 + b`` rows, all active; else
@@ -311,15 +328,23 @@ class _OneRequestBatch:
 
     def __init__(self, max_query_len: int, max_context: int, page_size: int,
                  dtype: torch.dtype, device: torch.device,
-                 adaptive_shapes: bool = False) -> None:
+                 adaptive_shapes: bool = False, num_reqs: int = 1) -> None:
+        if num_reqs < 1:
+            raise ValueError(f"num_reqs must be >= 1, got {num_reqs}")
         self.dtype, self.device = dtype, device
         self.max_query_len = max_query_len
         self.adaptive_shapes = adaptive_shapes
-        self.num_blocks = -(-(max_context + max_query_len) // page_size)
+        self.num_reqs = num_reqs
+        tokens = max_context + max_query_len
+        blocks = -(-tokens // page_size)
+        copies = max(1, min(num_reqs, _TIMING_CACHE_TOKENS // tokens))
+        self.num_blocks = copies * blocks
         self.gen = torch.Generator(device=device).manual_seed(0)
-        self.block_table = torch.arange(self.num_blocks, dtype=torch.int32,
-                                        device=device)[None]
+        copy = torch.arange(num_reqs, dtype=torch.int32, device=device) % copies
+        self.block_table = (copy[:, None] * blocks
+                            + torch.arange(blocks, dtype=torch.int32, device=device)[None])
         self.bits = _chain_bits(max_query_len, device)
+        self.num_rows = num_reqs * max_query_len
 
     def randn(self, *shape: int) -> torch.Tensor:
         return torch.randn(shape, generator=self.gen, device=self.device,
@@ -327,18 +352,24 @@ class _OneRequestBatch:
 
     def measure_fn(self, time_fn: TimeFn, attend: Callable[..., Any]) -> MeasureFn:
         """``measure(context, query_len)``: ``time_fn`` of ``attend(rows,
-        query_start_loc, seq_lens, active_query_lens, seq_len)`` (the launched query
-        rows, int32 ``[2]`` / ``[1]`` / ``[1]`` tensors and the host seq_len) for a
-        request with ``context`` cached tokens and ``query_len`` active rows:
-        ``rows = query_len`` with adaptive shapes, else ``max_query_len``."""
+        query_start_loc, seq_lens, active_query_lens, bits, seq_len)`` (the launched
+        query rows of the batch, int32 ``[R + 1]`` / ``[R]`` / ``[R]`` tensors, int64
+        ancestor bits ``[rows, W]`` and the host seq_len) for ``R = num_reqs`` requests
+        of ``context`` cached tokens and ``query_len`` active rows each (``query_len``
+        rows a request with adaptive shapes, else ``max_query_len``), divided by ``R``:
+        one request's share of a batch's launch."""
         def measure(context: int, query_len: int) -> float:
-            rows = query_len if self.adaptive_shapes else self.max_query_len
-            seq_len = context + rows
+            per_req = query_len if self.adaptive_shapes else self.max_query_len
+            seq_len = context + per_req
+            n = self.num_reqs
             i32 = dict(dtype=torch.int32, device=self.device)
-            query_start_loc = torch.tensor([0, rows], **i32)
-            seq_lens = torch.tensor([seq_len], **i32)
-            active = torch.tensor([query_len], **i32)
-            return time_fn(lambda: attend(rows, query_start_loc, seq_lens, active, seq_len))
+            query_start_loc = torch.arange(n + 1, **i32) * per_req
+            seq_lens = torch.full((n,), seq_len, **i32)
+            active = torch.full((n,), query_len, **i32)
+            bits = self.bits[:per_req].repeat(n, 1)
+            rows = n * per_req
+            return time_fn(lambda: attend(rows, query_start_loc, seq_lens, active, bits,
+                                          seq_len)) / n
 
         return measure
 
@@ -349,7 +380,7 @@ _FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 _CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _mla_timer_cache(batch: _OneRequestBatch, page_size: int, head_dim: int,
+def _mla_timer_cache(batch: _VerifyBatch, page_size: int, head_dim: int,
                      kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The dummy latent cache ``[num_blocks, page_size, head_dim]`` in the run's
     ``kv_cache_dtype`` (vLLM's ``cache_config.cache_dtype``) and its ``kv_scale``:
@@ -377,10 +408,11 @@ def mla_attention_timer(
     num_heads: int, kv_lora_rank: int, rope_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
     graph_max_seq_len: int | None = None, time_fn: TimeFn | None = None,
-    kv_cache_dtype: str = "auto", adaptive_shapes: bool = False,
+    kv_cache_dtype: str = "auto", adaptive_shapes: bool = False, num_reqs: int = 1,
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.mla_tree.mla_tree_verify`` for one
-    request as the adaptive verify step runs it: ``max_query_len = 1 + B`` query rows
+    request's share of a batch of ``num_reqs`` (:class:`_VerifyBatch`) as the adaptive
+    verify step runs it: ``max_query_len = 1 + B`` query rows
     (``dtype``) of which the first ``query_len`` are active (``active_query_lens``), or
     with ``adaptive_shapes`` ``query_len`` rows, on a dummy latent cache of
     ``max_context + max_query_len`` tokens (allocated once) in the run's
@@ -396,21 +428,21 @@ def mla_attention_timer(
     from vllm_ddtree.attention_backends.mla_tree import mla_tree_verify
     from vllm_ddtree.attention_backends.mla_tree.ops import quantize_query
 
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device,
-                             adaptive_shapes)
+    batch = _VerifyBatch(max_query_len, max_context, page_size, dtype, device,
+                         adaptive_shapes, num_reqs)
     head_dim = kv_lora_rank + rope_dim
     kv_cache, kv_scale = _mla_timer_cache(batch, page_size, head_dim, kv_cache_dtype)
-    q = batch.randn(max_query_len, num_heads, head_dim)
+    q = batch.randn(batch.num_rows, num_heads, head_dim)
     q_scale = None
     if kv_scale is not None:  # the e4m3 query MLAAttention hands an fp8 cache's backend
         q_scale = torch.ones((), dtype=torch.float32, device=batch.device)
         q = quantize_query(q, q_scale)
     scale = head_dim ** -0.5
 
-    def attend(rows, query_start_loc, seq_lens, active, seq_len):
+    def attend(rows, query_start_loc, seq_lens, active, bits, seq_len):
         return mla_tree_verify(
-            q[:rows], kv_cache, batch.block_table, seq_lens, query_start_loc, batch.bits,
-            scale, kv_lora_rank, max_query_len=rows,
+            q[:rows], kv_cache, batch.block_table, seq_lens, query_start_loc, bits,
+            scale, kv_lora_rank, max_query_len=rows // batch.num_reqs,
             max_seq_len=max(seq_len, graph_max_seq_len or 0), validate_values=False,
             active_query_lens=active, kv_scale=kv_scale, q_scale=q_scale,
             out_dtype=None if kv_scale is None else dtype, mostly_active=adaptive_shapes,
@@ -423,25 +455,25 @@ def mla_attention_timer(
 def gqa_attention_timer(
     num_q_heads: int, num_kv_heads: int, head_dim: int, max_query_len: int, max_context: int,
     dtype: torch.dtype, device: torch.device, page_size: int = 64,
-    time_fn: TimeFn | None = None, adaptive_shapes: bool = False,
+    time_fn: TimeFn | None = None, adaptive_shapes: bool = False, num_reqs: int = 1,
 ) -> MeasureFn:
     """``measure_fn`` timing ``vllm_ddtree.attention_backends.gqa_tree.gqa_tree_verify`` for one
-    request (full attention; sliding-window layers cost less and are modeled as full),
-    ``query_len`` active rows of ``max_query_len`` (``adaptive_shapes``: of
-    ``query_len``), as :func:`mla_attention_timer`."""
+    request's share of a batch of ``num_reqs`` (full attention; sliding-window layers
+    cost less and are modeled as full), ``query_len`` active rows of ``max_query_len``
+    (``adaptive_shapes``: of ``query_len``), as :func:`mla_attention_timer`."""
     from vllm_ddtree.attention_backends.gqa_tree import gqa_tree_verify
 
-    batch = _OneRequestBatch(max_query_len, max_context, page_size, dtype, device,
-                             adaptive_shapes)
+    batch = _VerifyBatch(max_query_len, max_context, page_size, dtype, device,
+                         adaptive_shapes, num_reqs)
     k_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
     v_cache = batch.randn(batch.num_blocks, page_size, num_kv_heads, head_dim)
-    q = batch.randn(max_query_len, num_q_heads, head_dim)
+    q = batch.randn(batch.num_rows, num_q_heads, head_dim)
     scale = head_dim ** -0.5
 
-    def attend(rows, query_start_loc, seq_lens, active, seq_len):
+    def attend(rows, query_start_loc, seq_lens, active, bits, seq_len):
         return gqa_tree_verify(
             q[:rows], k_cache, v_cache, batch.block_table, seq_lens, query_start_loc,
-            batch.bits, scale, max_query_len=rows, max_seq_len=seq_len,
+            bits, scale, max_query_len=rows // batch.num_reqs, max_seq_len=seq_len,
             validate_values=False, active_query_lens=active,
         )
 
@@ -467,7 +499,8 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
                            time_fn: TimeFn | None = None,
                            adaptive_shapes: bool = False) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
-    config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``).
+    config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``),
+    over a batch of ``min(TIMING_REQUESTS, max_num_seqs)`` requests.
     ``time_fn``: default :func:`attention_time_fn` (graph replays where the run's
     decode steps replay FULL CUDA graphs, else eager launches). ``adaptive_shapes``:
     the run verifies adaptive shapes, ``1 + b`` rows for budget ``b`` (see
@@ -486,6 +519,9 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
     max_context = measurement_contexts(model_config.max_model_len)[-1]
     heads = model_config.get_num_attention_heads(parallel)
     time_fn = time_fn or attention_time_fn(vllm_config, device)
+    max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs",
+                           None)
+    num_reqs = min(TIMING_REQUESTS, int(max_num_seqs or 1))
     if model_config.use_mla:
         graphs = full_decode_graphs(vllm_config)
         return mla_attention_timer(
@@ -493,9 +529,10 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
             device, graph_max_seq_len=model_config.max_model_len if graphs else None,
             page_size=_run_page_size(vllm_config), time_fn=time_fn,
             kv_cache_dtype=_run_cache_dtype(vllm_config), adaptive_shapes=adaptive_shapes,
+            num_reqs=num_reqs,
         )
     return gqa_attention_timer(
         heads, model_config.get_num_kv_heads(parallel), model_config.get_head_size(),
         max_query_len, max_context, dtype, device, page_size=_run_page_size(vllm_config),
-        time_fn=time_fn, adaptive_shapes=adaptive_shapes,
+        time_fn=time_fn, adaptive_shapes=adaptive_shapes, num_reqs=num_reqs,
     )
