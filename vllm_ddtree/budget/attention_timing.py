@@ -310,6 +310,9 @@ def _chain_bits(rows: int, device: torch.device) -> torch.Tensor:
 # V2-Lite-shaped target), which a batch pays once: summed over 64 requests and 27
 # layers it modeled 45 ms of attention the step never spent.
 TIMING_REQUESTS = 64
+# ... and at most this many query rows in all (its dummy queries, outputs and split
+# partials: at 128 heads about 3 GB for 8192 rows).
+_TIMING_ROWS = 8192
 # Cached tokens the dummy batch holds at most in distinct pages (as the single request
 # of the longest context did): past it requests share pages, copy by copy.
 _TIMING_CACHE_TOKENS = 131072
@@ -500,7 +503,8 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
                            adaptive_shapes: bool = False) -> MeasureFn:
     """The timer for the target's tree backend, with its per-GPU shapes from the HF
     config (heads / tensor-parallel size; MLA: ``kv_lora_rank``, ``qk_rope_head_dim``),
-    over a batch of ``min(TIMING_REQUESTS, max_num_seqs)`` requests.
+    over a batch of ``min(TIMING_REQUESTS, max_num_seqs)`` requests (fewer where their
+    ``max_query_len`` rows would pass 8192 in all).
     ``time_fn``: default :func:`attention_time_fn` (graph replays where the run's
     decode steps replay FULL CUDA graphs, else eager launches). ``adaptive_shapes``:
     the run verifies adaptive shapes, ``1 + b`` rows for budget ``b`` (see
@@ -521,7 +525,8 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
     time_fn = time_fn or attention_time_fn(vllm_config, device)
     max_num_seqs = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs",
                            None)
-    num_reqs = min(TIMING_REQUESTS, int(max_num_seqs or 1))
+    num_reqs = max(1, min(TIMING_REQUESTS, int(max_num_seqs or 1),
+                          _TIMING_ROWS // max_query_len))
     if model_config.use_mla:
         graphs = full_decode_graphs(vllm_config)
         return mla_attention_timer(

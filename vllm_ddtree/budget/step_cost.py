@@ -87,8 +87,8 @@ class StepCostModel:
     Args:
         num_layers: target attention layers on this GPU.
         contexts: increasing context lengths the attention was timed at.
-        plain_attention: ``[C]`` seconds of one request's verify attention, one layer,
-            one row (a plain step).
+        plain_attention: ``[C]`` seconds of one request's share of a batch's verify
+            attention, one layer, one row (a plain step).
         tree_attention: ``[C, K]`` the same at ``1 + b_k`` rows.
         budgets: the ``K`` candidate budgets ``b_k`` (increasing).
     """
