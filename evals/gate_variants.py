@@ -10,6 +10,11 @@ drafter's own probabilities) cut below the arm, and its trees committed 4.24 tok
 against 4.51 for a fixed B = 16. ``ddtree-auto+nocut`` keeps the policy's side effects
 but every round's choice is B, so the verify shape is the gate's arm (its measured
 rates) and nothing below it.
+In the next sweep (same setup, one command beside AR, the chain and B = 64) auto was
+0.74 / 0.99 / 0.73 / 0.63 / 0.70 / 0.70x the best other run at batch 1-64 and
+``+nocut`` 0.89 / 0.82 / 0.82 / 0.71 / 0.75 / 0.65x: mixed, one repeat, and both
+measured before the start-up attention table became a request's share of a batch's
+launch (it had counted a lone launch's latency once a request). Rerun before deciding.
 
 **Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
 settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64
