@@ -2,10 +2,11 @@
 
 :func:`target_attention_timer` builds, from the run's vLLM config, a
 ``measure_fn(context, 1 + b) -> seconds``: one request's share of a batch's verify
-attention in one target layer (a batch of up to :data:`TIMING_REQUESTS` requests:
-summed over a step's requests, lone requests' times would count the kernel's latency
-once a request) (``1 + B`` query rows, the first ``1 + b`` active; with adaptive verify shapes the
-``1 + b`` rows a round of budget ``b`` verifies), timed with the target's own
+attention in one target layer (``1 + B`` query rows a request, the first ``1 + b``
+active; with adaptive verify shapes the ``1 + b`` rows a round of budget ``b``
+verifies), over a batch of up to :data:`TIMING_REQUESTS` requests (summed over a
+step's requests, lone requests' times would count the kernel's latency once a
+request), timed with the target's own
 tree kernel (MLA or GQA, the run's cache dtype and page size) on dummy tensors;
 :func:`measure_attention_table` runs it over the (context x budget) grid
 ``vllm_ddtree.budget.policy.BudgetPolicy`` chooses from, and
@@ -511,10 +512,13 @@ def target_attention_timer(vllm_config: Any, max_query_len: int, device: torch.d
     :func:`mla_attention_timer`).
 
     Start-up cost: 5 contexts x ``log2(B) + 1`` query lengths (and the one-row column),
-    eagerly 7 launches each; about 0.1-0.5 s on an H200 for a 64-head MLA target up to
-    128k with B = 64 (well under 3 s), plus the kernel's first Triton compile, which
-    vLLM's warm-up would do anyway. In graphs each also takes one eager launch, a
-    capture of 4 calls and 10 replays (:class:`GraphTimer`).
+    eagerly 7 launches each, plus the kernel's first Triton compile, which vLLM's
+    warm-up would do anyway. In graphs each also takes one eager launch, a capture of 4
+    calls and 10 replays (:class:`GraphTimer`). One request a launch took about 0.1-0.5
+    s on an H200 for a 64-head MLA target up to 128k with B = 64, and 2.8 s in graphs on
+    an H100 for a V2-Lite-shaped one at 1.5k; a batch's launch reads up to 64 requests'
+    keys (at 128k: about 10 GB, some 3 ms, a launch), which adds a few seconds at long
+    contexts (estimated, not yet measured).
     """
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
