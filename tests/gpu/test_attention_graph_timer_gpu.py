@@ -1,9 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """``GraphTimer`` on the GPU: the start-up attention timer captures the tree kernels
-(GQA and MLA, one request, 1 + b active rows) in a CUDA graph and times replays; the
-caller's stream is current again afterwards, also after a capture that fails (then
-the timer falls back to eager launches). Only sanity bounds on the times (CPU side:
-tests/test_attention_graph_timing.py)."""
+(GQA and MLA, one request or a batch of 64, 1 + b active rows each) in a CUDA graph
+and times replays; the caller's stream is current again afterwards, also after a
+capture that fails (then the timer falls back to eager launches). Only sanity bounds
+on the times (CPU side: tests/test_attention_graph_timing.py)."""
 
 import math
 import os
@@ -29,23 +29,24 @@ SANITY_FACTOR = 3.0
 MAX_QUERY_LEN, MAX_CONTEXT = 9, 4096
 
 
-def attention_measure(kind: str, time_fn):
+def attention_measure(kind: str, time_fn, num_reqs: int = 1):
     device = torch.device("cuda")
     if kind == "gqa":
         return gqa_attention_timer(32, 8, 128, MAX_QUERY_LEN, MAX_CONTEXT, torch.bfloat16,
-                                   device, time_fn=time_fn)
+                                   device, time_fn=time_fn, num_reqs=num_reqs)
     return mla_attention_timer(16, 512, 64, MAX_QUERY_LEN, MAX_CONTEXT, torch.bfloat16,
                                device, graph_max_seq_len=MAX_CONTEXT + MAX_QUERY_LEN,
-                               time_fn=time_fn)
+                               time_fn=time_fn, num_reqs=num_reqs)
 
 
+@pytest.mark.parametrize("num_reqs", [1, 64])
 @pytest.mark.parametrize("kind", ["gqa", "mla"])
-def test_graph_timing_runs_captured_and_keeps_the_callers_stream(kind):
+def test_graph_timing_runs_captured_and_keeps_the_callers_stream(kind, num_reqs):
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         timer = GraphTimer()
-        in_graphs = attention_measure(kind, timer)
-        eager = attention_measure(kind, cuda_time_fn())
+        in_graphs = attention_measure(kind, timer, num_reqs)
+        eager = attention_measure(kind, cuda_time_fn(), num_reqs)
         for context, rows in ((1024, 1), (1024, 5), (MAX_CONTEXT, MAX_QUERY_LEN)):
             graph_seconds = in_graphs(context, rows)
             assert torch.cuda.current_stream() == stream
