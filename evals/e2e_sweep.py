@@ -25,6 +25,7 @@ it (the cell is then skipped with the refusal as its note).
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import zlib
 from collections.abc import Callable
@@ -133,8 +134,14 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
     ``has_unfinished_requests()``), refilling from the pool in order; the window ends
     after the first step at which a finished request cannot be replaced. Returns
     ``wall_s`` and ``steps`` of the window, ``tokens`` generated in it, ``finished``
-    requests, ``mean_in_flight`` (requests per step) and ``outputs`` (token ids per
-    pool request, as far as it got). The requests still in flight are aborted.
+    requests, ``mean_in_flight`` (requests per step), ``outputs`` (token ids per pool
+    request, as far as it got), ``step_ms_median`` (the median ``step()`` call, in ms:
+    a step without a refill's prefill where most steps have none) and
+    ``refill_excess_ms``: the window's time beyond ``steps x step_ms_median``, per
+    request added within it (a refill's prefill lands in whichever step runs it, and a
+    speculative method, finishing requests in fewer steps, holds a prefill in more of
+    its steps; this charges each run's prefills to the requests that caused them; None
+    without a refill). The requests still in flight are aborted.
 
     ``pause(stepped_s)``, between steps (``--interleave-s``: the lockstep child hands the
     GPU to the next run's engine there): gets the window's stepping time so far and
@@ -164,13 +171,16 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
     steps = finished = in_flight_sum = 0
     away = 0.0
     slices = 1
+    step_s: list[float] = []
     while True:
         if pause is not None and steps:
             gone = pause(clock() - start - away)
             away += gone
             slices += gone > 0
         in_flight_sum += len(in_flight)
+        step_start = clock()
         outs = engine.step()
+        step_s.append(clock() - step_start)
         steps += 1
         for out in outs:
             i = index_of.get(out.request_id)
@@ -185,13 +195,17 @@ def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request]
         if len(in_flight) < batch:
             break
     wall = clock() - start - away
+    median_s = statistics.median(step_s)
+    refills = added - batch
     if in_flight:
         engine.abort_request([f"{tag}{i}" for i in sorted(in_flight)])
     while engine.has_unfinished_requests():
         engine.step()
     return {"wall_s": wall, "steps": steps, "tokens": sum(len(o) for o in outputs),
             "finished": finished, "mean_in_flight": in_flight_sum / steps,
-            "outputs": outputs, "slices": slices}
+            "outputs": outputs, "slices": slices, "step_ms_median": 1000 * median_s,
+            "refill_excess_ms": (1000 * (wall - steps * median_s) / refills if refills
+                                 else None)}
 
 
 def output_crcs(outputs: list[list[int]], n: int = CRC_TOKENS) -> list[int | None]:
@@ -348,7 +362,8 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
     row = dict(spec_base_row(spec, cell), status=STATUS_OK, pool=len(pool),
                tokens=got["tokens"], decode_s=got["wall_s"], steps=got["steps"],
                finished=got["finished"], mean_in_flight=got["mean_in_flight"],
-               slices=got["slices"],
+               slices=got["slices"], step_ms_median=got["step_ms_median"],
+               refill_excess_ms=got["refill_excess_ms"],
                engine_mean_reqs=engine_mean_reqs,
                prime_s=prime_s, sweep=pool_spec.to_json(), python_ms=python_ms,
                python_ms_after=python_ms_after, cpu=cpu, cpu_after=cpu_after,

@@ -298,6 +298,8 @@ def write_sweep_markdown(data: dict, path: str) -> None:
                                for r in stepped], "tokens_per_step")
     step_ms = median_by_cell([dict(r, step_ms=1000 * r["decode_s"] / r["steps"])
                               for r in stepped], "step_ms")
+    median_step = median_by_cell(rows, "step_ms_median")
+    refill_excess = median_by_cell(rows, "refill_excess_ms")
     sweep = data.get("sweep") or {}
     inv = (data.get("invocations") or [{}])[-1]
     lines = [f"# Batch sweep: {data.get('setup_title', data.get('setup'))}", "",
@@ -363,6 +365,15 @@ def write_sweep_markdown(data: dict, path: str) -> None:
                       f"against a fixed B), ms per step also on the host's speed:", ""]
             lines += table + [""] + _value_table(rows, step_ms, runs, names, context,
                                                  kind) + [""]
+        table = _value_table(rows, median_step, runs, names, context, kind)
+        if table:
+            lines += [f"Where the ms per step go, {title}: the median engine step (ms; a "
+                      f"step without a refill's prefill where most steps have none), then "
+                      f"the window's time beyond steps x that median, per request added in "
+                      f"the window (ms; a refill's prefill, and for `auto` also its probes "
+                      f"of other arms). Every run prefills the same requests:", ""]
+            lines += table + [""] + _value_table(rows, refill_excess, runs, names, context,
+                                                 kind, 1) + [""]
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]

@@ -95,7 +95,8 @@ def test_drive_keeps_the_batch_in_flight_until_the_pool_is_spent():
     for i, out in enumerate(got["outputs"]):  # outputs mapped by the internal ids
         assert out == [1000 * i + k for k in range(1, len(out) + 1)]
         assert len(out) <= lengths[i]
-    assert got["mean_in_flight"] == 3.0 and got["wall_s"] == 1.0
+    # the clock ticks at each reading: the window's start, before and after each step
+    assert got["mean_in_flight"] == 3.0 and got["wall_s"] == 2 * got["steps"] + 1
 
 
 def test_drive_pauses_between_steps_and_leaves_the_time_away_out():
@@ -128,6 +129,37 @@ def test_drive_pauses_between_steps_and_leaves_the_time_away_out():
     assert seen == [float(k) for k in range(1, got["steps"])]  # stepping time only
     assert got["wall_s"] == float(got["steps"])
     assert got["slices"] == 1 + (len(seen) + 1) // 2
+
+
+def test_drive_charges_the_time_beyond_the_median_step_to_the_refills():
+    """Steps that run a refill's prefill cost more; the median step is a steady one and
+    the window's surplus over it, per request added in the window, is the refills'."""
+    pool = [SimpleNamespace(prompt=[1], max_tokens=n) for n in (2, 2, 2, 2, 2, 2)]
+    now = [0.0]
+    engine_ref = []
+
+    class Refilling(FakeEngine):
+        def add_request(self, name, prompt, params):
+            self.fresh = getattr(self, "fresh", 0) + 1
+            return super().add_request(name, prompt, params)
+
+        def step(self):
+            # 1 s a step, plus 5 s for each request added since the last step (prefill)
+            now[0] += 1.0 + 5.0 * (self.fresh if engine_ref else 0)
+            self.fresh = 0
+            engine_ref.append(1)
+            return super().step()
+
+    got = drive(Refilling(), pool, 2, params_of=lambda r: r.max_tokens,
+                clock=lambda: now[0])
+    # steps: 1 (first, its requests counted before the window), 1, 6 (2 refills' 10 s
+    # land in it), 1, 11, 1: the window adds 4 requests and ends when the pool is spent
+    assert got["step_ms_median"] == 1000.0
+    added = len(pool) - 2
+    assert got["refill_excess_ms"] == pytest.approx(
+        1000 * (got["wall_s"] - got["steps"]) / added)
+    assert got["refill_excess_ms"] == pytest.approx(5000.0)
+    assert drive(FakeEngine(), pool[:2], 2, lambda r: 2)["refill_excess_ms"] is None
 
 
 def test_drive_refuses_a_pool_smaller_than_the_batch():
@@ -529,12 +561,18 @@ def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
 
     rows = [row("ar@FLASH_ATTN_MLA", 0, 400, 100, 0.2), row("ddtree-auto-64", 0, 400, 40, 0.16),
             row("ddtree-auto-64", 1, 400, 50, 0.2), row("ddtree-auto-64", 2, 400, 25, 0.1)]
+    for r, (median, excess) in zip(rows, [(1.5, 4.0), (3.0, 20.0), (3.5, 30.0), (2.5, None)],
+                                   strict=True):
+        r.update(step_ms_median=median, refill_excess_ms=excess)
     path = tmp_path / "sweep.md"
     write_sweep_markdown({"rows": rows, "invocations": [], "sweep": {}}, str(path))
     text = path.read_text()
     tables = text.split("Tokens per engine step")[1].split("\n\n")
     assert "| 4 | 4.0 | 10.0 |" in tables[1]   # 400 / 40: the median of 8, 10, 16
     assert "| 4 | 2.00 | 4.00 |" in tables[2]  # 1000 * 0.16 / 40, of 4.0, 4.0, 4.0
+    where = text.split("Where the ms per step go")[1].split("\n\n")
+    assert "| 4 | 1.50 | 3.00 |" in where[1]  # the median step, median over repeats
+    assert "| 4 | 4.0 | 25.0 |" in where[2]  # per refill; a repeat without refills left out
 
 
 def test_a_turn_is_never_a_timed_step_of_autos_gate():
