@@ -14,8 +14,12 @@ depths run past the known output is dropped.
 
 Writes ``evals/data/drafter_ranks.json``: ``vectors`` (one string per round, one
 character per depth: ``0-9a-v`` = ranks 0..31, ``x`` = rank >= 32, i.e. out of reach of
-the trees benchmarked), ``top1_prob`` (mean top-1 probability per depth), per-depth rank
-histograms, the chain's and DDTree B = 64's measured tokens per round, and the command.
+the trees benchmarked), ``top1_prob`` (mean top-1 probability per depth, also over the
+rounds whose true token ranks first, ``top1_prob_rank0``, and the others,
+``top1_prob_missed``), per-depth rank histograms, ``calibration`` (what the best-first
+tree of b nodes promises by the drafter's own probabilities against what it commits,
+means by budget: the oracle's logits are fitted to it), the chain's and DDTree B = 64's
+measured tokens per round, and the command.
 Drawing whole vectors (not depth by depth) keeps the correlation between depths: an easy
 passage is easy at every depth.
 """
@@ -38,6 +42,10 @@ for _p in (str(EVALS), str(REPO)):
 from cli_args import positive_int  # noqa: E402
 
 TABLE_PATH = EVALS / "data" / "drafter_ranks.json"
+# Budgets of the calibration curve: what the drafter's own probabilities promise a tree
+# of b nodes commits (``budget.choice.expected_committed_by_budget``, what auto's device
+# cut trusts) against what it commits.
+CALIBRATION_BUDGETS = (1, 2, 4, 8, 16, 32, 64)
 RANK_CAP = 32  # ranks >= this are stored as "beyond" (RANK_CHARS[RANK_CAP])
 RANK_CHARS = "0123456789abcdefghijklmnopqrstuvx"  # 0..31, then "x" = beyond
 
@@ -90,6 +98,26 @@ def rank_of(logits_row, token: int) -> int:
     return int((logits_row > logits_row[token]).sum())
 
 
+def calibration(logits, truth: list[int], budgets=CALIBRATION_BUDGETS,
+                ) -> tuple[list[float], list[int]]:
+    """One round's calibration: for each budget b, the committed tokens the drafter's
+    probabilities promise the best-first tree of b nodes (1 + the b largest node
+    probabilities) and those it commits (1 + the depth of ``truth`` in it). ``logits``
+    float ``[L, V]`` of depths 1..L; ``truth`` the L true tokens."""
+    from vllm_ddtree.budget.choice import expected_committed_by_budget, mask_inactive_nodes
+    from vllm_ddtree.testing.oracle import true_path_depth
+    from vllm_ddtree.tree.draft_tree import build_ddtree
+
+    tree = build_ddtree(logits[None].float(), max(budgets))
+    promised = expected_committed_by_budget(tree.scores)[0]
+    parents = tree.parents[0].tolist()
+    got = []
+    for b in budgets:
+        tokens = mask_inactive_nodes(tree.tokens, promised.new_tensor([b]))[0].tolist()
+        got.append(1 + true_path_depth(tokens, parents, truth))
+    return [float(promised[b - 1]) for b in budgets], got
+
+
 def measure(pair, prompts: list[list[int]], new_tokens: int, budget: int,
             progress: bool = True) -> dict:
     """Rank vectors, top-1 probabilities and tokens per round over ``prompts``."""
@@ -107,7 +135,7 @@ def measure(pair, prompts: list[list[int]], new_tokens: int, budget: int,
         seen.append((position, logits.detach().clone()))
         return logits
 
-    vectors, probs, committed = [], [], []
+    vectors, probs, committed, promised, got = [], [], [], [], []
     drafter.block_logits = recording
     try:
         for prompt in tqdm(prompts, desc="prompts", disable=not progress):
@@ -120,12 +148,38 @@ def measure(pair, prompts: list[list[int]], new_tokens: int, budget: int,
                 depths = logits.shape[0]
                 if position + depths >= len(truth):
                     continue
-                vectors.append([rank_of(logits[d], truth[position + 1 + d])
-                                for d in range(depths)])
+                true = truth[position + 1: position + 1 + depths]
+                vectors.append([rank_of(logits[d], true[d]) for d in range(depths)])
                 probs.append(torch.softmax(logits, -1).max(-1).values.tolist())
+                p, g = calibration(logits, true)
+                promised.append(p)
+                got.append(g)
     finally:
         drafter.block_logits = original
-    return {"vectors": vectors, "probs": probs, "committed": committed}
+    return {"vectors": vectors, "probs": probs, "committed": committed,
+            "promised": promised, "got": got}
+
+
+def top1_prob_split(vectors: list[list[int]], probs: list[list[float]]
+                    ) -> tuple[list[float | None], list[float | None]]:
+    """Mean top-1 probability per depth over the rounds whose true token ranks first,
+    and over the others (None where a depth has no such round)."""
+    right, wrong = [], []
+    for d in range(len(vectors[0])):
+        hit = [p[d] for v, p in zip(vectors, probs, strict=True) if v[d] == 0]
+        miss = [p[d] for v, p in zip(vectors, probs, strict=True) if v[d] != 0]
+        right.append(round(sum(hit) / len(hit), 4) if hit else None)
+        wrong.append(round(sum(miss) / len(miss), 4) if miss else None)
+    return right, wrong
+
+
+def calibration_curve(promised: list[list[float]], got: list[list[int]],
+                      budgets=CALIBRATION_BUDGETS) -> dict:
+    """Means over rounds of :func:`calibration`: ``{"budgets", "promised", "committed"}``."""
+    n = len(promised)
+    return {"budgets": list(budgets),
+            "promised": [round(sum(p[i] for p in promised) / n, 3) for i in range(len(budgets))],
+            "committed": [round(sum(g[i] for g in got) / n, 3) for i in range(len(budgets))]}
 
 
 def summarize(measured: dict, command: str, prompt_len: int, new_tokens: int,
@@ -142,6 +196,7 @@ def summarize(measured: dict, command: str, prompt_len: int, new_tokens: int,
     n = len(vectors)
     top1 = [sum(p[d] for p in measured["probs"]) / n for d in range(depths)]
     committed = measured["committed"]
+    right, wrong = top1_prob_split(vectors, measured["probs"])
     return {
         "command": command,
         "date": time.strftime("%Y-%m-%d"),
@@ -153,6 +208,9 @@ def summarize(measured: dict, command: str, prompt_len: int, new_tokens: int,
         "rounds": n,
         "top1_prob": [round(p, 4) for p in top1],
         "rank0_share": [round(hist[d][0] / n, 4) for d in range(depths)],
+        "top1_prob_rank0": right,
+        "top1_prob_missed": wrong,
+        "calibration": calibration_curve(measured["promised"], measured["got"]),
         "rank_hist": hist,
         "tokens_per_round": {
             f"ddtree-{budget} (measured)": round(sum(committed) / len(committed), 3),
@@ -197,7 +255,8 @@ def main(argv=None) -> int:
     Path(args.out).write_text(text[:-2] + ',\n "vectors": '
                               + json.dumps(table["vectors"]) + "\n}\n")
     print(json.dumps({k: table[k] for k in ("rounds", "top1_prob", "rank0_share",
-                                            "tokens_per_round")}, indent=1))
+                                            "top1_prob_rank0", "top1_prob_missed",
+                                            "calibration", "tokens_per_round")}, indent=1))
     print(f"wrote {args.out}")
     return 0
 

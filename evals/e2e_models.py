@@ -189,8 +189,10 @@ def _v2lite_setup(name: str, moe: bool) -> Setup:
             f"128, vocab 102400; {mlp}. DFlash drafter shaped like Qwen3-4B-DFlash-b16 at "
             "hidden 2048 (3 layers, block 16). Dummy weights made into a known greedy "
             "output, and drafter logits that rank the true token as the embedded drafter "
-            "did on code (evals/e2e_oracle.py, evals/data/drafter_ranks.json): "
-            "acceptance is the embedded drafter's, cost is V2-Lite's."
+            "did on code, with probabilities fitted to its calibration (what its trees "
+            "promise against what they commit, evals/e2e_oracle.py, "
+            "evals/data/drafter_ranks.json): acceptance and confidence are the embedded "
+            "drafter's, cost is V2-Lite's."
         ),
         dummy=True,
         heads=16,

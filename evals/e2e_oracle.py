@@ -13,20 +13,26 @@ sqrt(hidden): a margin far beyond bf16's rounding), every layer still computes a
 cost (zeros cost what other values cost), and a request's output is the chain ``f(last
 prompt token), f(f(...)), ...``: lossless decoding is checkable token for token.
 
-**Drafter logits with measured ranks.** The drafter (dummy weights) runs at full cost;
-its logits then pass through :func:`oracle_logits_`, in place and inside its CUDA graph
-(tensor ops only, no host sync): noise clamped to +-``NOISE``, and at depth d the true
-token ``f^d(bonus)`` placed at rank ``r_d``, ``(r_0 .. r_{L-1})`` one vector of the
-measured table (``evals/data/drafter_ranks.json``, ``evals/drafter_ranks.py``) chosen by
-a hash of (bonus token, bonus position, seed): the same request at the same position gets
-the same vector in every method. Ranks of a vector follow a Zipf profile: the tokens of
-ranks ``j <= r`` get logits ``c_d + log((r + 1) / (j + 1))`` (the true token the last,
-at ``c_d``; the others ``decoy`` tokens), ``c_d = log(V p_d / (1 - p_d))`` so that the
-top token of a rank-0 depth holds about ``p_d``, the embedded drafter's mean top-1
-probability at depth d. A depth of rank "beyond" (>= the table's cap) gets the decoys
-and no true token. The chain (argmax) accepts the leading rank-0 depths; the tree
-accepts as deep as its nodes cover the true path: each method gets the acceptance the
-embedded drafter's ranks give it.
+**Drafter logits with measured ranks and measured confidence.** The drafter (dummy
+weights) runs at full cost; its logits then pass through :meth:`RankOracle.apply_`, in place
+and inside its CUDA graph (tensor ops only, no host sync): noise clamped to +-``NOISE``,
+and at depth d the true token ``f^d(bonus)`` placed at rank ``r_d``, ``(r_0 .. r_{L-1})``
+one vector of the measured table (``evals/data/drafter_ranks.json``,
+``evals/drafter_ranks.py``) chosen by a hash of (bonus token, bonus position, seed): the
+same request at the same position gets the same vector in every method. The ranked
+tokens (the true one and ``decoy`` tokens around it) get the probabilities a drafter
+like the embedded one gives them: the top token the embedded drafter's mean top-1
+probability at that depth, measured apart over the rounds where it was right
+(``top1_prob_rank0``) and where it was not (``top1_prob_missed``); ranks 1..cap share
+a fixed part of the rest on a power law (``oracle_tail``: ``share``, ``exponent``,
+fitted by :func:`fit_tail` so that what the trees' own probabilities promise and what
+they commit, budget by budget, come near the embedded drafter's measured calibration
+curve, ``calibration``); the rest is the noise's. The device's budget cut and the gate
+trust those probabilities, so they must be as right (and as wrong) as a real
+drafter's. A depth of rank "beyond" (>= the table's cap) gets the decoys and no true
+token. The chain (argmax) accepts the leading rank-0 depths; the tree accepts as deep
+as its nodes cover the true path: each method gets the acceptance the embedded
+drafter's ranks give it.
 
 Both hooks are benchmark instruments installed in the child process before its
 ``LLM`` starts (:func:`install_rank_oracle`): they wrap vLLM 0.26.0's
@@ -37,11 +43,10 @@ both call on the sampled rows of the drafter's step).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 NOISE = 0.5  # drafter noise logits are clamped to +-NOISE
+RANK_STEP = 0.9  # a ranked token's probability at most this times the rank above it
 TARGET_SEED = 1234
 ZERO_SUFFIXES = ("o_proj.weight", "down_proj.weight", "w2_weight")
 _HASH_MUL = 6364136223846793005  # < 2**63; int64 products wrap on CPU and GPU alike
@@ -75,14 +80,28 @@ def chain_of(perm: torch.Tensor, last_prompt_token: int, n: int) -> list[int]:
     return out
 
 
-def confident_logits(top1_prob: list[float], vocab_size: int) -> torch.Tensor:
-    """float32 ``[L]``: ``c_d = log(V p_d / (1 - p_d))``, ``p_d`` clipped to
-    [0.02, 0.995]: a lone true token at ``c_d`` over ~0 noise holds about ``p_d``."""
-    out = []
+def ranked_logits(top1_prob: list[float], share: float, exponent: float, cap: int,
+                  vocab_size: int) -> torch.Tensor:
+    """float32 ``[L, cap + 1]``: the logit of rank k (0..cap) at depth d over noise ~0
+    when the top token holds ``p_d`` (clipped to [0.02, 0.995]) and ranks 1..cap hold
+    ``share`` of the rest on the power law ``k ** -exponent``, each at most ``RANK_STEP``
+    times the rank above it: ``log(q_k V / q_noise)`` with ``q_noise = (1 - p_d)
+    (1 - share)`` spread over the vocabulary."""
+    if not 0.0 < share < 1.0 or exponent < 0.0:
+        raise ValueError(f"oracle_tail share={share!r} / exponent={exponent!r} is not "
+                         "allowed: 0 < share < 1 and exponent >= 0")
+    k = torch.arange(1, cap + 1, dtype=torch.float64)
+    law = k.pow(-exponent)
+    law = law / law.sum()
+    rows = []
     for p in top1_prob:
         p = min(max(float(p), 0.02), 0.995)
-        out.append(math.log(vocab_size * p / (1 - p)))
-    return torch.tensor(out, dtype=torch.float32, device="cpu")
+        noise = (1 - p) * (1 - share) / vocab_size
+        q = torch.cat([torch.tensor([p], dtype=torch.float64), (1 - p) * share * law])
+        for j in range(1, cap + 1):  # ranks stay apart, in bf16 too (its step at 8-16: 1/16)
+            q[j] = min(q[j], RANK_STEP * q[j - 1])
+        rows.append(torch.log(q / noise))
+    return torch.stack(rows).to(torch.float32)
 
 
 def rank_vectors(table: dict) -> torch.Tensor:
@@ -105,21 +124,33 @@ def vector_index(bonus: torch.Tensor, bonus_pos: torch.Tensor, seed: int,
 
 class RankOracle:
     """Device tensors of the oracle (see the module docstring): ``truth`` int64
-    ``[L, V]``, ``vectors`` int64 ``[N, L]``, ``confident`` float32 ``[L]``, the decoy
-    offsets ``[cap]`` and the rank cap."""
+    ``[L, V]``, ``vectors`` int64 ``[N, L]``, the ranked logits of a right and of a
+    missed top token ``[L, cap + 1]`` each, and the rank cap."""
 
     def __init__(self, perm: torch.Tensor, table: dict, vocab_size: int, seed: int = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", tail: dict | None = None):
         depths, cap = int(table["depths"]), int(table["rank_cap"])
-        if len(table["top1_prob"]) != depths:
-            raise ValueError(f"rank table: top1_prob has {len(table['top1_prob'])} depths, "
-                             f"not depths={depths}")
+        for key in ("top1_prob_rank0", "top1_prob_missed"):
+            got = table.get(key)
+            if not isinstance(got, list) or len(got) != depths:
+                raise ValueError(f"rank table: {key} must list {depths} depths (python "
+                                 f"evals/drafter_ranks.py writes it), got {got!r}")
+        tail = tail or table.get("oracle_tail")
+        if not tail:
+            raise ValueError("rank table: no oracle_tail (python evals/e2e_oracle.py fits "
+                             "and stores it)")
         self.depths, self.cap, self.seed = depths, cap, int(seed)
         self.vocab_size = vocab_size
         self.truth = truth_table(perm.long(), depths).to(device)
         self.vectors = rank_vectors(table).to(device)
-        self.confident = confident_logits(table["top1_prob"], vocab_size).to(device)
-        self.offsets = torch.arange(1, cap + 1, dtype=torch.int64, device=device)  # [cap]
+        # a depth the drafter never got right (or never missed) takes the overall mean
+        right = [p if p is not None else q
+                 for p, q in zip(table["top1_prob_rank0"], table["top1_prob"], strict=True)]
+        missed = [p if p is not None else q
+                  for p, q in zip(table["top1_prob_missed"], table["top1_prob"], strict=True)]
+        share, exponent = float(tail["share"]), float(tail["exponent"])
+        self.right = ranked_logits(right, share, exponent, cap, vocab_size).to(device)
+        self.missed = ranked_logits(missed, share, exponent, cap, vocab_size).to(device)
         self.columns = torch.arange(cap, dtype=torch.int64, device=device)  # j = 0..cap-1
 
     def apply_(self, logits: torch.Tensor, bonus: torch.Tensor, bonus_pos: torch.Tensor,
@@ -127,25 +158,22 @@ class RankOracle:
         """Oracle logits, in place: ``logits`` ``[n, V]`` (any float dtype); ``bonus``,
         ``bonus_pos``, ``depth`` int ``[n]`` per row (``depth`` 0-based: row predicts the
         token ``depth + 1`` after ``bonus``). Tensor ops only (CUDA-graph safe)."""
-        n = logits.shape[0]
         depth = depth.long().clamp(0, self.depths - 1)
         bonus = bonus.long().clamp(0, self.vocab_size - 1)
         true = self.truth[depth, bonus]  # [n]
         which = vector_index(bonus, bonus_pos, self.seed, self.vectors.shape[0])
         rank = self.vectors[which, depth]  # [n], cap = beyond
-        c = self.confident[depth]  # [n]
+        ranked = torch.where((rank == 0)[:, None], self.right[depth], self.missed[depth])
         logits.clamp_(-NOISE, NOISE)
-        # Decoy j (0-based, j < rank) is token true + 1 + j; it ranks j: logit
-        # c + log((rank + 1) / (j + 1)). Columns j >= rank keep their noise.
-        cols = self.columns[None, :].expand(n, -1)  # [n, cap]
+        # Decoy j (0-based) is token true + 1 + j; it takes rank j below the true token's
+        # rank and j + 1 from it on (a "beyond" depth: every decoy at its own j).
+        cols = self.columns[None, :].expand(rank.shape[0], -1)  # [n, cap]
         decoy_tok = (true[:, None] + 1 + cols) % self.vocab_size
-        rank_f = rank.to(torch.float32)[:, None]
-        decoy_val = c[:, None] + torch.log((rank_f + 1) / (cols.to(torch.float32) + 1))
-        noise = logits.gather(1, decoy_tok).to(torch.float32)
-        keep = cols < rank[:, None]
-        logits.scatter_(1, decoy_tok, torch.where(keep, decoy_val, noise).to(logits.dtype))
-        true_val = torch.where(rank < self.cap, c, logits.gather(1, true[:, None])[:, 0]
-                               .to(torch.float32))
+        decoy_rank = cols + (cols >= rank[:, None]).long() * (rank[:, None] < self.cap)
+        logits.scatter_(1, decoy_tok, ranked.gather(1, decoy_rank).to(logits.dtype))
+        true_val = torch.where(rank < self.cap,
+                               ranked.gather(1, rank.clamp(max=self.cap)[:, None])[:, 0],
+                               logits.gather(1, true[:, None])[:, 0].to(torch.float32))
         logits.scatter_(1, true[:, None], true_val[:, None].to(logits.dtype))
         return logits
 
@@ -233,40 +261,95 @@ def install_rank_oracle(table: dict, seed: int = 0) -> None:
     DFlashSpeculator.load_draft_model = oracle_load_draft_model
 
 
+def oracle_logits_of(oracle: RankOracle, index: int, seed: int, gen: torch.Generator,
+                     ) -> tuple[torch.Tensor, list[int]]:
+    """The oracle's logits ``[L, V]`` (noise 0) of a random bonus token at a position
+    whose hash draws vector ``index``, and the true tokens of its L depths."""
+    n = oracle.vectors.shape[0]
+    bonus = torch.randint(0, oracle.vocab_size, (1,), generator=gen)
+    pos = next(p for p in range(100 * n)
+               if int(vector_index(bonus, torch.tensor([p]), seed, n)) == index)
+    logits = torch.zeros(oracle.depths, oracle.vocab_size)
+    oracle.apply_(logits, bonus.repeat(oracle.depths), torch.full((oracle.depths,), pos),
+                  torch.arange(oracle.depths))
+    return logits, oracle.truth[:, bonus[0]].tolist()
+
+
 def oracle_tokens_per_round(table: dict, vocab_size: int, budgets: list[int],
-                            seed: int = 0) -> dict[str, float]:
-    """Tokens per round the oracle gives each method over every vector of ``table``
-    (CPU, ``build_ddtree`` on the oracle logits of a random truth; noise 0): ``chain``
-    (argmax per depth) and ``ddtree-B``. What a sweep's acceptance should come near."""
+                            seed: int = 0, tail: dict | None = None) -> dict:
+    """What the oracle gives over every vector of ``table`` (CPU, the trees built on its
+    logits for a random truth; noise 0): tokens per round of ``chain`` (argmax per
+    depth) and ``ddtree-B``, what a sweep's acceptance should come near, and
+    ``calibration``: the trees' promised and committed tokens by budget
+    (``drafter_ranks.calibration_curve``), to set beside the embedded drafter's."""
+    from drafter_ranks import calibration, calibration_curve
+
     from vllm_ddtree.testing.oracle import true_path_depth
     from vllm_ddtree.tree.draft_tree import build_ddtree
 
-    perm = next_token_permutation(vocab_size)
-    oracle = RankOracle(perm, table, vocab_size, seed)
+    oracle = RankOracle(next_token_permutation(vocab_size), table, vocab_size, seed,
+                        tail=tail)
     depths, n = oracle.depths, oracle.vectors.shape[0]
     sums = {"chain": 0.0} | {f"ddtree-{b}": 0.0 for b in budgets}
+    promised, got = [], []
     gen = torch.Generator().manual_seed(seed)
     for i in range(n):
-        bonus = torch.randint(0, vocab_size, (1,), generator=gen)
-        truth = oracle.truth[:, bonus[0]].tolist()
-        # a position whose hash picks vector i: search the first few
-        pos = next(p for p in range(100 * n)
-                   if int(vector_index(bonus, torch.tensor([p]), seed, n)) == i)
-        logits = torch.zeros(depths, vocab_size)
-        oracle.apply_(logits, bonus.repeat(depths), torch.full((depths,), pos),
-                      torch.arange(depths))
+        logits, truth = oracle_logits_of(oracle, i, seed, gen)
         argmax = logits.argmax(-1).tolist()
         sums["chain"] += 1 + next((d for d in range(depths) if argmax[d] != truth[d]), depths)
         for b in budgets:
             tree = build_ddtree(logits[None], b)
             sums[f"ddtree-{b}"] += 1 + true_path_depth(tree.tokens[0].tolist(),
                                                        tree.parents[0].tolist(), truth)
-    return {k: round(v / n, 3) for k, v in sums.items()}
+        p, g = calibration(logits, truth)
+        promised.append(p)
+        got.append(g)
+    return {k: round(v / n, 3) for k, v in sums.items()} | {
+        "calibration": calibration_curve(promised, got)}
+
+
+# The tails :func:`fit_tail` tries: the share of the non-top mass on ranks 1..cap, and
+# the power law's exponent.
+TAIL_SHARES = (0.3, 0.5, 0.7, 0.85, 0.95)
+TAIL_EXPONENTS = (0.5, 1.0, 1.5, 2.0, 3.0)
+
+
+def calibration_distance(curve: dict, target: dict) -> float:
+    """Sum of squared differences, budget by budget, of promised and of committed
+    tokens between two calibration curves (same budgets)."""
+    if curve["budgets"] != target["budgets"]:
+        raise ValueError(f"calibration budgets differ: {curve['budgets']} vs "
+                         f"{target['budgets']}")
+    return sum((a - b) ** 2 for key in ("promised", "committed")
+               for a, b in zip(curve[key], target[key], strict=True))
+
+
+def fit_tail(table: dict, vocab_size: int, shares=TAIL_SHARES, exponents=TAIL_EXPONENTS,
+             progress: bool = True) -> tuple[dict, dict]:
+    """The ``oracle_tail`` of the grid whose calibration curve comes nearest the
+    embedded drafter's (``table["calibration"]``), and that curve."""
+    from tqdm import tqdm
+
+    target = table.get("calibration")
+    if not target:
+        raise ValueError("rank table: no calibration curve (python evals/drafter_ranks.py "
+                         "measures it)")
+    best = None
+    grid = [(s, e) for s in shares for e in exponents]
+    for share, exponent in tqdm(grid, desc="oracle tails", disable=not progress):
+        tail = {"share": share, "exponent": exponent}
+        curve = oracle_tokens_per_round(table, vocab_size, [], tail=tail)["calibration"]
+        distance = calibration_distance(curve, target)
+        if best is None or distance < best[0]:
+            best = (distance, tail, curve)
+    return best[1], best[2]
 
 
 def main(argv=None) -> int:
-    """``python evals/e2e_oracle.py``: store :func:`oracle_tokens_per_round` (V of
-    DeepSeek-V2-Lite, B = 16 and 64) in the rank table, beside the measured figures."""
+    """``python evals/e2e_oracle.py``: fit the oracle's tail to the embedded drafter's
+    calibration (:func:`fit_tail`) and store it with :func:`oracle_tokens_per_round`
+    (V of DeepSeek-V2-Lite, B = 16 and 64) in the rank table, beside the measured
+    figures."""
     import argparse
     import json
     import sys
@@ -279,16 +362,19 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=102400)
     args = p.parse_args(argv)
     table = load_table(Path(args.table))
-    figures = oracle_tokens_per_round(table, args.vocab, [16, 64])
-    text = Path(args.table).read_text()
-    data = json.loads(text)
+    tail, _ = fit_tail(table, args.vocab)
+    figures = oracle_tokens_per_round(table, args.vocab, [16, 64], tail=tail)
+    data = json.loads(Path(args.table).read_text())
+    data["oracle_tail"] = tail
+    data["oracle_calibration"] = figures.pop("calibration")
     data["oracle_tokens_per_round"] = dict(
         figures, vocab=args.vocab,
         command="python " + " ".join(["evals/e2e_oracle.py"] + (argv or sys.argv[1:])))
     vectors = data.pop("vectors")
     body = json.dumps(data, indent=1)
     Path(args.table).write_text(body[:-2] + ',\n "vectors": ' + json.dumps(vectors) + "\n}\n")
-    print(json.dumps(data["oracle_tokens_per_round"]))
+    print(json.dumps({k: data[k] for k in ("oracle_tail", "calibration", "oracle_calibration",
+                                           "oracle_tokens_per_round")}))
     return 0
 
 

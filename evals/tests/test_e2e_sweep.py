@@ -11,7 +11,9 @@ import bench_e2e
 import pytest
 import torch
 from drafter_ranks import (
+    CALIBRATION_BUDGETS,
     RANK_CAP,
+    calibration,
     chain_accepted,
     decode_ranks,
     encode_ranks,
@@ -231,9 +233,34 @@ def test_stored_rank_table_is_consistent():
         assert table["rank_hist"][d][0] == sum(v[d] == 0 for v in vectors)
     chain = sum(chain_accepted(v) + 1 for v in vectors) / len(vectors)
     assert table["tokens_per_round"]["chain (leading rank-0 depths + 1)"] == round(chain, 3)
+    promised = [[1.0 + b / 64 for b in CALIBRATION_BUDGETS]] * len(vectors)
     again = summarize({"vectors": vectors, "probs": [[0.5] * 15] * len(vectors),
-                       "committed": [2]}, "cmd", 256, 128, 64)
+                       "committed": [2], "promised": promised,
+                       "got": [[1] * len(CALIBRATION_BUDGETS)] * len(vectors)},
+                      "cmd", 256, 128, 64)
     assert again["vectors"] == table["vectors"]
+    assert again["calibration"]["committed"] == [1.0] * len(CALIBRATION_BUDGETS)
+    # the top-1 probability split: rounds the drafter got right, the others
+    assert all(p == 0.5 for p in again["top1_prob_rank0"] + again["top1_prob_missed"])
+    for d in range(15):
+        assert table["top1_prob_rank0"][d] > table["top1_prob_missed"][d]
+    curve = table["calibration"]
+    assert curve["budgets"] == list(CALIBRATION_BUDGETS)
+    assert curve["committed"] == sorted(curve["committed"])  # nested trees
+
+
+def test_calibration_of_one_round_promises_the_top_probabilities_and_walks_the_truth():
+    """A drafter sure of one token per depth: the tree of b nodes promises 1 + b x p
+    (a chain while b <= L) and commits up to the first depth whose true token it lacks."""
+    vocab, depths, p = 50, 4, 0.9
+    logits = torch.full((depths, vocab), -1e4)
+    logits[:, 7] = 0.0  # the sure token at every depth
+    logits[:, 8] = float(torch.log(torch.tensor((1 - p) / p)))  # the runner-up
+    promised, got = calibration(logits, [7, 7, 8, 7], budgets=(1, 2, 3, 4))
+    # node probabilities: p, p^2, p^3, (1 - p)... : the b largest
+    assert promised == pytest.approx([1 + p, 1 + p + p * p, 1 + p + p * p + p ** 3,
+                                      1 + p + p * p + p ** 3 + p ** 4])
+    assert got == [2, 3, 3, 3]  # depth 3's true token (8) is never in the chain of 7s
 
 
 def test_oracle_logits_put_the_true_token_at_the_drawn_rank():
@@ -438,6 +465,24 @@ def test_oracle_tokens_per_round_chain_matches_the_table_and_trees_go_deeper():
     stored = table["oracle_tokens_per_round"]
     assert stored["chain"] == table["tokens_per_round"]["chain (leading rank-0 depths + 1)"]
     assert stored["command"].startswith("python evals/e2e_oracle.py")
+
+
+def test_oracle_trees_are_calibrated_like_the_embedded_drafters():
+    """What the oracle's trees promise (their own node probabilities: what auto's device
+    cut and gate trust) and what they commit, budget by budget, stay near the embedded
+    drafter's measured curve. The oracle that placed decoys above the true token with
+    more confidence the deeper it ranked promised 2.72 tokens at B = 64 and committed
+    4.88 (the drafter: 4.51 and 4.09), so the cut dropped the branches that held it."""
+    from e2e_oracle import calibration_distance, oracle_tokens_per_round
+
+    table = load_table()
+    measured = table["calibration"]
+    curve = oracle_tokens_per_round(table, 102400, [])["calibration"]
+    assert curve == table["oracle_calibration"]  # the stored curve is this oracle's
+    for key in ("promised", "committed"):
+        for got, want in zip(curve[key], measured[key], strict=True):
+            assert abs(got - want) <= 0.12 * want, (key, curve, measured)
+    assert calibration_distance(curve, measured) < 0.5
 
 
 def test_gate_table_counts_the_cells_own_decisions_and_marks_older_residuals():
