@@ -291,10 +291,12 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
         engine_gate_trace_start,
         engine_gate_trace_take,
         engine_host_speed,
+        engine_timer_begin,
+        engine_timer_end,
     )
     from e2e_models import SETUPS
     from e2e_runs import STATUS_OK, RunSpec, counter_delta, spec_base_row
-    from e2e_timing import host_cpu_delta, host_cpu_state
+    from e2e_timing import host_cpu_delta, host_cpu_state, split_by_prefill
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
@@ -347,9 +349,15 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
             if away > 0:
                 llm.collective_rpc(engine_gate_skip_gap)
             return away
-    got = drive(llm.llm_engine, pool, batch, params,
-                prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag,
-                pause=pause)
+    # CUDA events around the runner's stages (evals/e2e_timing.py; read once at the end):
+    # where the steps that prefill a refill spend their time, beside the decode steps
+    engine.call(engine_timer_begin, None)
+    try:
+        got = drive(llm.llm_engine, pool, batch, params,
+                    prompt_of=lambda r: TokensPrompt(prompt_token_ids=r.prompt), tag=tag,
+                    pause=pause)
+    finally:
+        timed_steps = engine.call(engine_timer_end)
     host_cpu = host_cpu_delta(cpu_before, host_cpu_state())
     engine_mean_reqs = engine.call(engine_batch_count_take)
     python_ms_after, cpu_after, _ = engine.call(engine_host_speed)
@@ -369,6 +377,7 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
                python_ms_after=python_ms_after, cpu=cpu, cpu_after=cpu_after,
                **{f"host_{k}": v for k, v in host_cpu.items()})
     row["tokens_per_s"] = got["tokens"] / got["wall_s"] if got["wall_s"] else None
+    row.update(split_by_prefill(timed_steps))
     drafts = counters.get("vllm:spec_decode_num_drafts", 0.0)
     accepted = counters.get("vllm:spec_decode_num_accepted_tokens", 0.0)
     row.update(drafts=drafts, accepted=accepted,

@@ -164,6 +164,23 @@ def _value_table(rows, values, runs, names, context, kind, digits=2) -> list[str
     return lines
 
 
+def _pair_table(rows, first, second, runs, names, context, kind, digits=1) -> list[str]:
+    """A table of ``first / second`` per run and batch (medians by cell of two row keys)."""
+    a, b = median_by_cell(rows, first), median_by_cell(rows, second)
+    batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
+    used = [r for r in runs if any((r, context, kind, x) in a or (r, context, kind, x) in b
+                                   for x in batches)]
+    if not used:
+        return []
+    lines = ["| batch | " + " | ".join(names[r] for r in used) + " |",
+             "|" + "---|" * (len(used) + 1)]
+    for x in batches:
+        lines.append(f"| {x} | " + " | ".join(
+            f"{_fmt(a.get((r, context, kind, x)), digits)} / "
+            f"{_fmt(b.get((r, context, kind, x)), digits)}" for r in used) + " |")
+    return lines
+
+
 def _bucket_of(batch: int) -> str:
     """The step gate's bucket label of a batch size (``gate.bucket_batches``)."""
     from vllm_ddtree.budget.gate import batch_bucket, bucket_batches
@@ -374,6 +391,20 @@ def write_sweep_markdown(data: dict, path: str) -> None:
                       f"of other arms). Every run prefills the same requests:", ""]
             lines += table + [""] + _value_table(rows, refill_excess, runs, names, context,
                                                  kind, 1) + [""]
+        table = _pair_table(rows, "decode_verify_ms", "prefill_verify_ms", runs, names,
+                            context, kind)
+        if table:
+            lines += [f"The steps that only decode / those that also prefill a refill, "
+                      f"{title} (CUDA events around vLLM's runner, means in ms, "
+                      f"evals/e2e_timing.py): `execute_model`'s GPU span (input preparation "
+                      f"and the target's forward), then the host's time inside it (close to "
+                      f"the span: the GPU waited for the host), then the drafter's "
+                      f"propose:", ""]
+            lines += table + [""]
+            lines += _pair_table(rows, "decode_host_verify_ms", "prefill_host_verify_ms",
+                                 runs, names, context, kind) + [""]
+            lines += _pair_table(rows, "decode_draft_ms", "prefill_draft_ms", runs, names,
+                                 context, kind) + [""]
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]

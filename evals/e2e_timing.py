@@ -454,6 +454,27 @@ def summarize_steps(steps: list[dict]) -> dict | None:
     }
 
 
+def split_by_prefill(steps: list[dict]) -> dict:
+    """Means over the steps that run only decodes and over those that also prefill (a
+    refill's prompt, ``decode`` False), in ms: ``n``, ``verify`` (``execute_model``'s
+    GPU span: input preparation and the target forward), ``host_verify`` (the host's
+    time inside it: near the span, the GPU waited for the host), ``draft`` (propose's
+    span) and ``sample`` (``sample_tokens`` beside propose). Keys ``decode_*`` and
+    ``prefill_*``; a kind without steps is left out."""
+    out: dict = {}
+    for kind, chosen in (("decode", [s for s in steps if s["decode"]]),
+                         ("prefill", [s for s in steps if not s["decode"]])):
+        if not chosen:
+            continue
+        n = len(chosen)
+        out[f"{kind}_n"] = n
+        out[f"{kind}_verify_ms"] = sum(s[VERIFY] for s in chosen) / n
+        out[f"{kind}_host_verify_ms"] = sum(s.get(f"host_{VERIFY}", 0.0) for s in chosen) / n
+        out[f"{kind}_draft_ms"] = sum(s[DRAFT] for s in chosen) / n
+        out[f"{kind}_sample_ms"] = sum(s[SAMPLE_TOKENS] - s[DRAFT] for s in chosen) / n
+    return out
+
+
 def full_graph_steps(decode_steps: list[dict]) -> dict[str, list[int]]:
     """Per dispatch label (``verify`` / ``draft``): ``[full, dispatched]``, the decode
     steps whose dispatches all chose a FULL graph and those that dispatched at all

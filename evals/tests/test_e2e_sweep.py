@@ -608,7 +608,8 @@ def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
             row("ddtree-auto-64", 1, 400, 50, 0.2), row("ddtree-auto-64", 2, 400, 25, 0.1)]
     for r, (median, excess) in zip(rows, [(1.5, 4.0), (3.0, 20.0), (3.5, 30.0), (2.5, None)],
                                    strict=True):
-        r.update(step_ms_median=median, refill_excess_ms=excess)
+        r.update(step_ms_median=median, refill_excess_ms=excess, decode_verify_ms=median,
+                 prefill_verify_ms=10 * median)
     path = tmp_path / "sweep.md"
     write_sweep_markdown({"rows": rows, "invocations": [], "sweep": {}}, str(path))
     text = path.read_text()
@@ -618,6 +619,8 @@ def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
     where = text.split("Where the ms per step go")[1].split("\n\n")
     assert "| 4 | 1.50 | 3.00 |" in where[1]  # the median step, median over repeats
     assert "| 4 | 4.0 | 25.0 |" in where[2]  # per refill; a repeat without refills left out
+    split = text.split("those that also prefill a refill")[1].split("\n\n")
+    assert "| 4 | 1.5 / 15.0 | 3.0 / 30.0 |" in split[1]  # decode / prefill, by run
 
 
 def test_a_turn_is_never_a_timed_step_of_autos_gate():

@@ -46,6 +46,26 @@ def test_summarize_steps_split_adds_up():
     assert split["other_ms"] == pytest.approx(0.75)
 
 
+def test_split_by_prefill_keeps_decode_and_refill_steps_apart():
+    """The sweep's question: do the steps that prefill a refill cost more in the
+    target's forward, in the host's launches, or in the drafter's propose?"""
+    steps = [_step(True, 0.0, 5.0, 2.0, 3.0, 2.5), _step(True, 5.0, 10.0, 4.0, 2.0, 1.5),
+             _step(False, 10.0, 40.0, 20.0, 9.0, 8.0)]
+    steps[0]["host_verify"], steps[1]["host_verify"], steps[2]["host_verify"] = 1.0, 3.0, 18.0
+    got = e2e_timing.split_by_prefill(steps)
+    assert got["decode_n"] == 2 and got["prefill_n"] == 1
+    assert got["decode_verify_ms"] == pytest.approx(3.0)
+    assert got["decode_host_verify_ms"] == pytest.approx(2.0)
+    assert got["decode_draft_ms"] == pytest.approx(2.0)
+    assert got["decode_sample_ms"] == pytest.approx(0.5)
+    assert got["prefill_verify_ms"] == pytest.approx(20.0)
+    assert got["prefill_host_verify_ms"] == pytest.approx(18.0)
+    assert got["prefill_sample_ms"] == pytest.approx(1.0)
+    assert e2e_timing.split_by_prefill(steps[:2]).keys() == {
+        "decode_n", "decode_verify_ms", "decode_host_verify_ms", "decode_draft_ms",
+        "decode_sample_ms"}  # no prefill step: nothing of that kind
+
+
 # ---------------------------------------------------------------------------------------
 # Runner hooks on fake vLLM classes
 
