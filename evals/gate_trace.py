@@ -217,8 +217,36 @@ def summary(records: list[list]) -> str:
                      f"{spread(intervals.get(arm, []))} | {spread(residuals.get(arm, []))} |")
     changes = sum(1 for a, b in zip(decisions, decisions[1:], strict=False) if a[4] != b[4])
     return ("\n".join(lines) + f"\n\n{len(decisions)} steps, the arm changed {changes} "
-            "times.\n\n" + switch_table(decisions, spread) + "\n" + sample_table(records)
+            "times.\n\n" + switch_table(decisions, spread) + "\n"
+            + refill_table(decisions, spread) + "\n" + sample_table(records)
             + "\n" + rating_table(records))
+
+
+def refill_table(decisions: list[list], spread, turn_s: float = 0.25) -> str:
+    """Markdown: per arm, the interval after a decision where the batch stayed full (the
+    most requests any decision saw, before and after) and where it did not (a request
+    finished and the next one's prompt was prefilled around it: continuous batching's
+    refills), with counts and the time each kind took in all. A refill scheduled in the
+    step its predecessor finished keeps the batch full and counts as full here (the
+    sweep's CUDA-event split, ``e2e_timing.split_by_prefill``, labels every step).
+    Intervals of ``turn_s`` or more (the other runs' turns of ``--interleave-s``) are
+    left out."""
+    if not decisions:
+        return ""
+    full = max(d[2] for d in decisions)
+    split: dict[int, tuple[list[float], list[float]]] = {}
+    for a, b in zip(decisions, decisions[1:], strict=False):
+        ms = 1e3 * (b[1] - a[1])
+        if ms >= 1e3 * turn_s:
+            continue
+        steady, refill = split.setdefault(a[4], ([], []))
+        (steady if a[2] == b[2] == full else refill).append(ms)
+    lines = [f"| arm | full batch ({full}): interval, ms (median, 10-90 %) (n) | around a "
+             "refill | time, s: full / refill |", "|---|---|---|---|"]
+    for arm, (steady, refill) in sorted(split.items()):
+        lines.append(f"| {arm} | {spread(steady)} ({len(steady)}) | {spread(refill)} "
+                     f"({len(refill)}) | {sum(steady) / 1e3:.2f} / {sum(refill) / 1e3:.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def rating_table(records: list[list]) -> str:

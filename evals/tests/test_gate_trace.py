@@ -99,6 +99,21 @@ def test_switch_table_separates_the_first_step_of_an_arm():
     assert "| 64 | 8.00 (8.00-8.00) (2) | 3.00 (3.00-3.00) (21) |" in text
 
 
+def test_refill_table_keeps_steps_around_a_refill_apart():
+    """Continuous batching: the intervals where a request finished and the next one was
+    prefilled (the batch below its full size before or after) go to their own column;
+    another run's turn (0.25 s or more) counts nowhere."""
+    records, t = [], 0.0
+    for i in range(12):
+        num_reqs = 31 if i in (4, 8) else 32
+        records.append(["d", t, num_reqs, 64, 4])
+        t += 0.040 if num_reqs == 31 else (1.0 if i == 10 else 0.006)
+    text = gate_trace.summary(records)
+    # full: 6 intervals of 6 ms; around each refill the step into it (6 ms) and the
+    # refill's own (40 ms)
+    assert "| 4 | 6.00 (6.00-6.00) (6) | 23.00 (6.00-40.00) (4) | 0.04 / 0.09 |" in text
+
+
 def test_sample_table_shows_where_timing_samples_were_lost():
     """Per bucket: steps timed, intervals that reached the prefill check, those found
     atypical, residual samples taken."""
