@@ -4,11 +4,21 @@ baselines (GPU; torch.profiler trace of a window of decode steps).
     python evals/count_host_syncs.py [--methods ddtree dflash ar] [--budget 32]
         [--top-k K] [--auto [--pin-arm S]] [--steps 20] [--warmup-steps 8] [--prompts 4] [--graphs]
         [--with-stack/--no-with-stack] [--out evals/results/host_syncs.md]
-        [--setup trained|kimi8|kimi64 [--context 16384] [--gpu-mem 0.6]]
+        [--setup trained|kimi8|kimi64|v2lite [--context 16384] [--gpu-mem 0.6]]
+        [--refill-every N [--refill-tail T]]
 
 ``--setup kimi8`` / ``kimi64``: the Kimi-K2-shaped target and drafter of
 ``evals/bench_e2e.py`` with dummy weights and random prompts of ``--context`` tokens
-(where does a long-context round's time go); default: the embedded trained pair.
+(where does a long-context round's time go); ``--setup v2lite`` the DeepSeek-V2-Lite-
+shaped target with the rank oracle's drafter (acceptance as the embedded drafter's);
+default: the embedded trained pair.
+
+``--refill-every N``: continuous batching's refills inside the window: every N profiled
+steps the oldest request is aborted and a new one added (the first prompt's tokens but
+its last ``--refill-tail``, which are new: a shared prefix from the prefix cache and a
+tail to prefill, as ``bench_e2e.py --sweep`` serves them); the steps right after an
+add are counted apart (``REFILL_STEP_NAME``), a second row per method: where the steps
+that prefill a refill spend their host and GPU time, beside the decode steps.
 
 Each method runs in its own child process (a fresh ``LLM``; vLLM does not free a GPU
 engine reliably inside one process) with the engine in-process
@@ -65,6 +75,7 @@ import tempfile
 from pathlib import Path
 
 from host_sync_trace import (
+    REFILL_STEP_NAME,
     STEP_NAME,
     TOP_REGION_KERNELS,
     count_trace,
@@ -157,6 +168,22 @@ def speculative_config(method: str, budget: int, top_k: int | None, drafter: str
     return spec
 
 
+def refill_prompt(first: list[int], tail: int, ids: tuple[int, int]):
+    """``i -> prompt``: ``first`` with its last ``tail`` tokens replaced by seeded tokens
+    in ``[ids[0], ids[1])`` (seed ``i``): the prefix is cached, the tail is prefilled."""
+    if not 0 < tail < len(first):
+        raise ValueError(f"--refill-tail {tail} is not allowed: 1 .. {len(first) - 1} "
+                         f"(the prompts have {len(first)} tokens)")
+
+    def prompt(i: int) -> list[int]:
+        import random
+
+        rng = random.Random(i)
+        return list(first[:-tail]) + [rng.randrange(*ids) for _ in range(tail)]
+
+    return prompt
+
+
 def run_child(args: argparse.Namespace) -> None:
     """Profile ``args.child`` and write ``count_trace``'s dict to ``args.child_out``."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -201,6 +228,11 @@ def run_child(args: argparse.Namespace) -> None:
     backend = {"ar": args.ar_backend, "dflash": args.dflash_backend}.get(method, "auto")
     if backend != "auto":
         extra["attention_backend"] = backend
+    if setup.oracle:  # the rank oracle's structured target and drafter logits
+        from drafter_ranks import load_table
+        from e2e_oracle import install_rank_oracle
+
+        install_rank_oracle(load_table())
     llm = LLM(model=str(target),
               speculative_config=speculative_config(method, args.budget, args.top_k, drafter,
                                                    args.auto, setup.block_size),
@@ -218,29 +250,51 @@ def run_child(args: argparse.Namespace) -> None:
         engine.step()
     torch.cuda.synchronize()
 
+    refill = refill_prompt(prompts[0], args.refill_tail, setup.random_ids if setup.dummy
+                           else (0, 1000))
+    running = [f"sync-{i}" for i in range(len(prompts))]
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, with_stack=args.with_stack) as prof:
-        for _ in range(args.steps):
-            with torch.profiler.record_function(STEP_NAME):
+        for i in range(args.steps):
+            name = STEP_NAME
+            if args.refill_every and i and i % args.refill_every == 0:
+                engine.abort_request([running.pop(0)])
+                running.append(f"refill-{i}")
+                params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
+                                        ignore_eos=True, detokenize=not setup.dummy)
+                engine.add_request(running[-1], TokensPrompt(prompt_token_ids=refill(i)),
+                                   params)
+                name = REFILL_STEP_NAME
+            with torch.profiler.record_function(name):
                 engine.step()
     unfinished = engine.get_num_unfinished_requests()
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(args.keep_trace) if args.keep_trace else Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        result = count_trace(load_trace_events(trace), region_top=args.region_kernels)
+        events = load_trace_events(trace)
+        result = count_trace(events, region_top=args.region_kernels)
+        refills = (count_trace(events, REFILL_STEP_NAME, region_top=args.region_kernels)
+                   if args.refill_every else None)
     result["method"] = method
     auto = args.auto or method == "ddtree-auto"
     result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
         method, (f"DDTree auto (B <= {args.budget})" if auto else f"DDTree B={args.budget}")
         + (f" top_k={args.top_k}" if args.top_k else "")
         + (f", gate pinned to {args.pin_arm}" if args.pin_arm is not None else ""))
+    if refills is not None:
+        refills.update(method=method, label=result["label"] + ", steps that prefill a refill")
+        result["label"] += ", decode steps"
     notes = [f"setup: {setup.name}" + (f", {args.context}-token prompts" if setup.dummy else ""),
              f"attention backend: {backend}", f"annotations: {len(labels)}"]
     if unfinished < len(prompts):
         notes.append(f"only {unfinished}/{len(prompts)} requests still running at the end "
                      "of the window: later steps had smaller batches")
     result["note"] = "; ".join(notes)
-    Path(args.child_out).write_text(json.dumps(result))
+    if refills is not None:
+        refills["note"] = (f"every {args.refill_every} steps a request aborted and one added: "
+                           f"a {len(prompts[0]) - args.refill_tail}-token prefix from the "
+                           f"prefix cache, {args.refill_tail} new tokens")
+    Path(args.child_out).write_text(json.dumps([result] + ([refills] if refills else [])))
     sys.stdout.flush()
     os._exit(0)  # vLLM engines can hang at interpreter exit
 
@@ -274,7 +328,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "tree MLA backend DDTree's target uses)")
     p.add_argument("--dflash-backend", default="auto",
                    help="DFlash attention backend ('auto' = vLLM's choice)")
-    p.add_argument("--setup", choices=["trained", "kimi8", "kimi64"], default="trained",
+    p.add_argument("--setup", choices=["trained", "kimi8", "kimi64", "v2lite"],
+                   default="trained",
                    help="model pair (evals/e2e_models.py): the embedded pair, or a "
                    "Kimi-K2-shaped target with dummy weights")
     p.add_argument("--context", type=int, default=1024,
@@ -285,6 +340,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the Kimi-shaped config files are written")
     p.add_argument("--region-kernels", type=int, default=TOP_REGION_KERNELS,
                    help="kernels listed per region (costliest first)")
+    p.add_argument("--refill-every", type=int, default=0, metavar="N",
+                   help="abort the oldest request and add one every N profiled steps (0: "
+                        "never); those steps are counted apart")
+    p.add_argument("--refill-tail", type=int, default=128, metavar="T",
+                   help="new tokens of a refilled prompt (the rest: the prefix cache's)")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
@@ -292,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.pin_arm is not None and not args.auto:
         p.error(f"--pin-arm {args.pin_arm} pins auto's step gate: add --auto")
+    if args.refill_every < 0:
+        p.error(f"--refill-every must be >= 0 (0: no refills), got {args.refill_every}")
     if args.pin_arm is not None and args.pin_arm < 0:
         p.error(f"--pin-arm must be >= 0 (0: plain decoding), got {args.pin_arm}")
     return args
@@ -306,6 +368,7 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
            "--dflash-backend", args.dflash_backend, "--setup", args.setup,
            "--context", str(args.context), "--gpu-mem", str(args.gpu_mem),
            "--model-dir", args.model_dir, "--region-kernels", str(args.region_kernels),
+           "--refill-every", str(args.refill_every), "--refill-tail", str(args.refill_tail),
            "--graphs" if args.graphs else "--enforce-eager",
            "--with-stack" if args.with_stack else "--no-with-stack"]
     if args.top_k is not None:
@@ -338,7 +401,8 @@ def main(argv: list[str] | None = None) -> None:
                                 "step_gpu_us": 0.0,
                                 "note": f"child failed (exit code {proc.returncode})"})
                 continue
-            results.append(json.loads(out.read_text()))
+            got = json.loads(out.read_text())
+            results += got if isinstance(got, list) else [got]
     report = format_markdown(results, command)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(report + "\n")

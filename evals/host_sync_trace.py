@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 STEP_NAME = "count_host_syncs::step"
+# A step that also prefills a refilled request (``count_host_syncs.py --refill-every``).
+REFILL_STEP_NAME = "count_host_syncs::refill_step"
 OUR_PREFIXES = ("ddtree::", "vllm::")
 
 SYNC_APIS = frozenset({

@@ -6,6 +6,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "evals"))
@@ -348,3 +349,32 @@ def test_pin_arm_needs_auto_and_reaches_the_child(tmp_path):
     args = count_host_syncs.parse_args(["--auto", "--budget", "64", "--pin-arm", "32"])
     cmd = count_host_syncs.child_command(args, "ddtree", tmp_path / "out.json")
     assert cmd[cmd.index("--pin-arm") + 1] == "32" and "--auto" in cmd
+
+
+def test_refill_steps_are_counted_apart_and_reach_the_child():
+    """``--refill-every``: the steps right after a refill carry their own range name, so
+    the same trace counts decode steps and refill steps as two rows; a refilled prompt
+    keeps the first prompt's prefix (cached) and gets a new tail."""
+    events = synthetic_trace()
+    refill = X("user_annotation", host_sync_trace.REFILL_STEP_NAME, 400, 50)
+    events += [refill, X("user_annotation", "vllm::execute_model", 405, 40),
+               X("cuda_runtime", "cudaStreamSynchronize", 410, 20, correlation=30)]
+    decode = host_sync_trace.count_trace(events)
+    refills = host_sync_trace.count_trace(events, host_sync_trace.REFILL_STEP_NAME)
+    assert decode["steps"] == 2 and refills["steps"] == 1
+    assert refills["per_step_syncs"] == [1] and refills["step_wall_us"] == 50
+    assert refills["sites"][0]["region"] == "vllm::execute_model"
+    assert decode["outside_steps"]["syncs"] == 2  # the refill's sync is no decode step's
+
+    args = count_host_syncs.parse_args(["--setup", "v2lite", "--refill-every", "4",
+                                        "--refill-tail", "64"])
+    child = count_host_syncs.parse_args(count_host_syncs.child_command(
+        args, "ar", Path("/tmp/x.json"))[2:])
+    assert (child.setup, child.refill_every, child.refill_tail) == ("v2lite", 4, 64)
+    prompt = count_host_syncs.refill_prompt(list(range(200)), 64, (1000, 2000))
+    first, again, other = prompt(3), prompt(3), prompt(4)
+    assert first[:136] == list(range(136)) and len(first) == 200
+    assert all(1000 <= t < 2000 for t in first[136:])
+    assert first == again and first[136:] != other[136:]
+    with pytest.raises(ValueError, match="--refill-tail 2 is not allowed: 1 .. 1"):
+        count_host_syncs.refill_prompt([1, 2], 2, (0, 9))
