@@ -397,14 +397,16 @@ def write_sweep_markdown(data: dict, path: str) -> None:
             lines += [f"The steps that only decode / those that also prefill a refill, "
                       f"{title} (CUDA events around vLLM's runner, means in ms, "
                       f"evals/e2e_timing.py): `execute_model`'s GPU span (input preparation "
-                      f"and the target's forward), then the host's time inside it (close to "
-                      f"the span: the GPU waited for the host), then the drafter's "
-                      f"propose:", ""]
+                      f"and the target's forward), the host's time inside it (close to the "
+                      f"span: the GPU waited for the host), the drafter's propose (GPU "
+                      f"span), the host's time in `sample_tokens` (propose included) and "
+                      f"the garbage collector's pauses:", ""]
             lines += table + [""]
-            lines += _pair_table(rows, "decode_host_verify_ms", "prefill_host_verify_ms",
-                                 runs, names, context, kind) + [""]
-            lines += _pair_table(rows, "decode_draft_ms", "prefill_draft_ms", runs, names,
-                                 context, kind) + [""]
+            for first, second in (("decode_host_verify_ms", "prefill_host_verify_ms"),
+                                  ("decode_draft_ms", "prefill_draft_ms"),
+                                  ("decode_host_sample_ms", "prefill_host_sample_ms"),
+                                  ("decode_gc_ms", "prefill_gc_ms")):
+                lines += _pair_table(rows, first, second, runs, names, context, kind) + [""]
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]

@@ -459,8 +459,10 @@ def split_by_prefill(steps: list[dict]) -> dict:
     refill's prompt, ``decode`` False), in ms: ``n``, ``verify`` (``execute_model``'s
     GPU span: input preparation and the target forward), ``host_verify`` (the host's
     time inside it: near the span, the GPU waited for the host), ``draft`` (propose's
-    span) and ``sample`` (``sample_tokens`` beside propose). Keys ``decode_*`` and
-    ``prefill_*``; a kind without steps is left out."""
+    span), ``sample`` (``sample_tokens`` beside propose), ``host_sample`` (the host's
+    time in ``sample_tokens``, propose included) and ``gc`` (the garbage collector's
+    pauses charged to the step). Keys ``decode_*`` and ``prefill_*``; a kind without
+    steps is left out."""
     out: dict = {}
     for kind, chosen in (("decode", [s for s in steps if s["decode"]]),
                          ("prefill", [s for s in steps if not s["decode"]])):
@@ -472,6 +474,8 @@ def split_by_prefill(steps: list[dict]) -> dict:
         out[f"{kind}_host_verify_ms"] = sum(s.get(f"host_{VERIFY}", 0.0) for s in chosen) / n
         out[f"{kind}_draft_ms"] = sum(s[DRAFT] for s in chosen) / n
         out[f"{kind}_sample_ms"] = sum(s[SAMPLE_TOKENS] - s[DRAFT] for s in chosen) / n
+        for label, key in ((SAMPLE_TOKENS, "host_sample"), (HOST_GC, "gc")):
+            out[f"{kind}_{key}_ms"] = sum(s.get(f"host_{label}", 0.0) for s in chosen) / n
     return out
 
 

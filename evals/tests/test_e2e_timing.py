@@ -52,6 +52,7 @@ def test_split_by_prefill_keeps_decode_and_refill_steps_apart():
     steps = [_step(True, 0.0, 5.0, 2.0, 3.0, 2.5), _step(True, 5.0, 10.0, 4.0, 2.0, 1.5),
              _step(False, 10.0, 40.0, 20.0, 9.0, 8.0)]
     steps[0]["host_verify"], steps[1]["host_verify"], steps[2]["host_verify"] = 1.0, 3.0, 18.0
+    steps[2]["host_gc"], steps[2]["host_sample_tokens"] = 12.0, 9.5
     got = e2e_timing.split_by_prefill(steps)
     assert got["decode_n"] == 2 and got["prefill_n"] == 1
     assert got["decode_verify_ms"] == pytest.approx(3.0)
@@ -61,9 +62,12 @@ def test_split_by_prefill_keeps_decode_and_refill_steps_apart():
     assert got["prefill_verify_ms"] == pytest.approx(20.0)
     assert got["prefill_host_verify_ms"] == pytest.approx(18.0)
     assert got["prefill_sample_ms"] == pytest.approx(1.0)
+    assert got["prefill_gc_ms"] == 12.0 and got["decode_gc_ms"] == 0.0
+    assert got["prefill_host_sample_ms"] == 9.5
     assert e2e_timing.split_by_prefill(steps[:2]).keys() == {
         "decode_n", "decode_verify_ms", "decode_host_verify_ms", "decode_draft_ms",
-        "decode_sample_ms"}  # no prefill step: nothing of that kind
+        "decode_sample_ms", "decode_host_sample_ms",
+        "decode_gc_ms"}  # no prefill step: nothing of that kind
 
 
 # ---------------------------------------------------------------------------------------
