@@ -233,12 +233,21 @@ def run_child(args: argparse.Namespace) -> None:
         from e2e_oracle import install_rank_oracle
 
         install_rank_oracle(load_table())
+    num_seqs = max(8, args.prompts)
+    need = num_seqs * tokens_per_step + (args.refill_tail if args.refill_every else 0)
+    if args.graphs and need > 512:
+        # vLLM captures decode graphs up to min(2 x max_num_seqs x (1 + spec), 512) tokens:
+        # a larger verify batch (and one beside a refill's prefill) would run without
+        # them, as evals/e2e_child.py raises it for the sweep
+        extra["compilation_config"] = {"max_cudagraph_capture_size": -(-need // 16) * 16}
+        if need > 8192:
+            extra["max_num_batched_tokens"] = -(-need // 16) * 16
     llm = LLM(model=str(target),
               speculative_config=speculative_config(method, args.budget, args.top_k, drafter,
                                                    args.auto, setup.block_size),
               enforce_eager=not args.graphs, dtype="bfloat16",
               gpu_memory_utilization=args.gpu_mem, max_model_len=max_model_len,
-              max_num_seqs=max(8, args.prompts), seed=0, **extra)
+              max_num_seqs=num_seqs, seed=0, **extra)
     engine = llm.llm_engine
     max_tokens = min(max_model_len - max(map(len, prompts)) - 1, steps_tokens)
     for i, prompt in enumerate(prompts):
