@@ -56,68 +56,75 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
 * **what it compares**: per batch-size bucket (powers of two) and arm, the predicted
   tokens per second ``E(a) / (T(a) + residual(a))`` for this batch of ``R`` requests and
   their contexts. ``T`` = the start-up model (``vllm_ddtree.budget.step_cost.
-  StepCostModel``: the target's verify forward by total rows, timed on its own FULL CUDA
-  graphs of every verify shape at 1, 2, 4, ... requests; the drafter's block pass by
-  requests, timed on its graphs; the verify attention per request (its share of a
+  StepCostModel``: the target's verify forward by total rows, timed on its own FULL
+  CUDA graphs of every verify shape at 1, 2, 4, ... requests; the drafter's block pass
+  by requests, timed on its graphs; the verify attention per request (its share of a
   batch's launch), layer and context at 1 and ``1 + b`` rows, the table above plus a
-  one-row column), the arm taken as the step's shape. ``residual(a)`` = what steps of
-  that arm in that bucket took beyond ``T`` of each at the shape it verified: the
-  bucket's level (the lower median of the last 15 intervals of any arm, each less its
-  arm's offset) plus the arm's offset (the lower median of its probe steps less the
-  level of the moment; the settled arm's steps move the level), so that the host's
-  speed, which moves every arm's steps together, moves every arm's residual; an offset's
-  difference from the settled arm's counts only beyond one standard error of its median,
-  from what the host's step hides: vLLM prepares a step on the host while the GPU runs
-  the last, so where the GPU idled after the settled arm's steps (an event at the end of
-  each timed ``propose``), an arm ``d`` longer on the GPU is predicted ``max(0, d -
-  idle)`` longer per such step and one ``d`` shorter no shorter (the device's budget may
-  cut an arm's trees further; a prefill's tokens in the step priced as more rows of the
-  forward): what they actually took beyond the model, from CUDA timing events at the
-  start of each step the gate times and of the step after it, read only once completed
-  (``Event.query``); the gate times the step whose propose decides, and a decision holds
-  for as many steps as keep its own host time at 1 % of theirs (several at batch 1,
-  where the step's time is the host's). A step that holds a prefill counts only where at
-  least a quarter of the bucket's last 128 timed steps hold one (continuous batching at
-  large batch) and its prefill's attention (query-key pairs) is at most 4x the median of
-  theirs: a long prompt's chunks on consecutive steps, their attention growing with the
-  prompt, would fill the level's window. ``E(a)`` = tokens committed per tree of that
-  arm's trees (an EMA of DDTree's device counters, copied to pinned memory at each
-  decision, the held steps' trees with it, and read once their copy completed; 1 for
-  plain decoding; for an arm without counted trees the nearest arm's figure). The walk
-  also counts what each tree would have accepted cut to every arm's size (the accepted
-  path's nodes below it: a parent precedes its children in the tree's best-first order),
-  so each step of an arm gives every smaller arm's figure from the same trees, paired
-  with its own, not from a probe's few trees of other requests; an arm above the settled
-  one, counted in its probes only, follows how the settled arm's figure moved since, as
-  its probe's trees cut to the settled arm measured it (at most 2x either way). So the
-  model carries the batch-size and row dependence of the GPU work, the residuals what no
-  start-up measurement sees; neither needs a host sync. * **settling**: each bucket
-  keeps a settled arm (a new bucket starts from the nearest bucket's) and moves to its
-  best measured arm when that is predicted 2 % faster and was measured on at least 3
-  intervals (else it is probed again first). * **probes** (three steps of another arm;
-  the middle ones are clean intervals of it; the probe's trees replace the arm's
-  committed figure): the first time in a bucket, every unmeasured neighbour of the
-  settled arm (the next smaller and larger arms), the arm beyond a neighbour that
-  measured faster (so a slope where each hop gains less than 2 % is still followed) and,
-  from plain decoding, the arm below the smallest measured one; then every 32 decisions
-  of a bucket the least recently probed of the neighbours and, from plain decoding, of
-  the best measured speculative arm, that arm below and (smallest first) the measured
-  arms not probed since plain decoding began or the requests changed: plain steps count
-  no trees, so the way back must be probed, and where one draft loses to plain decoding
-  a larger tree may still win. The interval doubles up to 1,024 and restarts when the
-  settled arm's committed tokens per tree (from plain decoding: a probed arm's) move by
-  20 % (the requests changed); decisions, not steps: under a hold of up to 16 steps they
-  are further apart. A speculative step after plain ones loses nothing: a plain step's
-  ``propose`` still writes the drafter's context K/V of the tokens it committed
+  one-row column), the arm taken as the
+  step's shape. ``residual(a)`` = what steps of that arm in that bucket took beyond
+  ``T`` of each at the shape it verified: the bucket's level (the lower median of the
+  last 15 intervals of any arm, each less its arm's offset) plus the arm's offset (the
+  lower median of its probe steps less the level of the moment; the settled arm's steps
+  move the level), so that the host's speed, which moves every arm's steps together,
+  moves every arm's residual; an offset's difference from the settled arm's counts
+  only beyond one standard error of its median, from what the host's step hides: vLLM
+  prepares a step on the host while the GPU runs the last, so where the GPU idled after
+  the settled arm's steps (an event at the end of each timed ``propose``), an arm ``d``
+  longer on the GPU is predicted ``max(0, d - idle)`` longer per such step and one
+  ``d`` shorter no shorter (the device's
+  budget may cut an arm's trees further; a prefill's tokens in the step priced as more
+  rows of the forward): what they actually took beyond the model, from CUDA timing
+  events at the start of each step the gate times and of the step after it, read only
+  once completed (``Event.query``); the gate times the step whose propose decides, and a
+  decision holds for as many steps as keep its own host time at 1 % of theirs (several
+  at batch 1, where the step's time is the host's). A step that
+  holds a prefill counts only where at least a quarter of the bucket's last 128 timed
+  steps hold one (continuous batching at large batch) and its prefill's attention
+  (query-key pairs) is at most 4x the median of theirs: a long prompt's chunks on
+  consecutive steps, their attention growing with the prompt, would fill the level's
+  window. ``E(a)`` =
+  tokens committed per tree of that arm's trees (an EMA of DDTree's device counters,
+  copied to pinned memory at each decision, the held steps' trees with it, and read once
+  their copy completed; 1 for plain
+  decoding; for an arm without counted trees the nearest arm's figure). The walk also
+  counts what each tree would have accepted cut to every arm's size (the accepted
+  path's nodes below it: a parent precedes its children in the tree's best-first
+  order), so each step of an arm gives every smaller arm's figure from the same trees,
+  paired with its own, not from a probe's few trees of other requests; an arm above the
+  settled one, counted in its probes only, follows how the settled arm's figure moved
+  since, as its probe's trees cut to the settled arm measured it (at most 2x either
+  way). So the model
+  carries the batch-size and row dependence of the GPU work, the residuals what no
+  start-up measurement sees; neither needs a host sync.
+* **settling**: each bucket keeps a settled arm (a new bucket starts from the nearest
+  bucket's) and moves to its best measured arm when that is predicted 2 % faster and
+  was measured on at least 3 intervals (else it is probed again first).
+* **probes** (three steps of another arm; the middle ones are clean intervals of it;
+  the probe's trees replace the arm's committed figure): the first time in a bucket,
+  every unmeasured neighbour of the settled arm (the next smaller and larger arms), the
+  arm beyond a neighbour that measured faster (so a slope where each hop gains less
+  than 2 % is still followed) and, from plain decoding, the arm below the smallest
+  measured one; then every 32 decisions of a bucket the least recently probed of the
+  neighbours and, from plain decoding, of the best measured speculative arm, that arm
+  below and (smallest first) the measured arms not probed since plain decoding began
+  or the requests changed: plain steps count no trees, so the way back must be probed,
+  and where one draft loses to plain decoding a larger tree may still win. The
+  interval doubles up to 1,024 and restarts when the settled arm's committed tokens per
+  tree (from plain decoding: a probed arm's) move by 20 % (the requests changed);
+  decisions, not steps: under a hold of up to 16 steps they are further apart. A
+  speculative step after plain ones loses nothing: a plain step's ``propose`` still
+  writes the drafter's context K/V of the tokens it committed
   (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
-  drafter's cache is the one it would have had. * **the batch schedule**
-  (``num_speculative_tokens_per_batch_size``, ``vllm_ddtree.budget.schedule``) caps the
-  arms per batch size (a cap below every speculative arm leaves plain decoding); a cap
-  of 0 is a plain step without the gate, and then no probe runs. * **the log**: an INFO
-  line (logger ``vllm.ddtree.budget_gate``) lists the settled arms by batch size
-  whenever one changes, at most once a minute. * Not at TP > 1: each rank would time its
-  own steps and could decide differently, while the ranks must cut the same drafts;
-  auto's smallest budget stays 1 there. """
+  drafter's cache is the one it would have had.
+* **the batch schedule** (``num_speculative_tokens_per_batch_size``,
+  ``vllm_ddtree.budget.schedule``) caps the arms per batch size (a cap below every
+  speculative arm leaves plain decoding); a cap of 0 is a plain step without the gate,
+  and then no probe runs.
+* **the log**: an INFO line (logger ``vllm.ddtree.budget_gate``) lists the settled arms
+  by batch size whenever one changes, at most once a minute.
+* Not at TP > 1: each rank would time its own steps and could decide differently,
+  while the ranks must cut the same drafts; auto's smallest budget stays 1 there.
+"""
 
 from __future__ import annotations
 
