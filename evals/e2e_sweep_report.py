@@ -151,34 +151,32 @@ def _speed_table(rows, speed, runs, names, context, kind) -> list[str]:
     return lines
 
 
-def _value_table(rows, values, runs, names, context, kind, digits=2) -> list[str]:
+def _cell_table(rows, cells: dict[tuple, str], runs, names, context, kind) -> list[str]:
+    """A table of ``cells`` (``{(run, context, kind, batch): text}``) by batch, one
+    column per run that has a cell; "—" where a run lacks a batch."""
     batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
-    used = [r for r in runs if any((r, context, kind, b) in values for b in batches)]
+    used = [r for r in runs if any((r, context, kind, b) in cells for b in batches)]
     if not used:
         return []
     lines = ["| batch | " + " | ".join(names[r] for r in used) + " |",
              "|" + "---|" * (len(used) + 1)]
     for b in batches:
-        lines.append(f"| {b} | " + " | ".join(_fmt(values.get((r, context, kind, b)), digits)
+        lines.append(f"| {b} | " + " | ".join(cells.get((r, context, kind, b), _fmt(None))
                                             for r in used) + " |")
     return lines
+
+
+def _value_table(rows, values, runs, names, context, kind, digits=2) -> list[str]:
+    """A table of ``values`` (``median_by_cell``) by batch and run."""
+    return _cell_table(rows, {k: _fmt(v, digits) for k, v in values.items()}, runs, names,
+                       context, kind)
 
 
 def _pair_table(rows, first, second, runs, names, context, kind, digits=1) -> list[str]:
     """A table of ``first / second`` per run and batch (medians by cell of two row keys)."""
     a, b = median_by_cell(rows, first), median_by_cell(rows, second)
-    batches = sorted({r["batch"] for r in rows if (r["context"], r["kind"]) == (context, kind)})
-    used = [r for r in runs if any((r, context, kind, x) in a or (r, context, kind, x) in b
-                                   for x in batches)]
-    if not used:
-        return []
-    lines = ["| batch | " + " | ".join(names[r] for r in used) + " |",
-             "|" + "---|" * (len(used) + 1)]
-    for x in batches:
-        lines.append(f"| {x} | " + " | ".join(
-            f"{_fmt(a.get((r, context, kind, x)), digits)} / "
-            f"{_fmt(b.get((r, context, kind, x)), digits)}" for r in used) + " |")
-    return lines
+    cells = {k: f"{_fmt(a.get(k), digits)} / {_fmt(b.get(k), digits)}" for k in a.keys() | b}
+    return _cell_table(rows, cells, runs, names, context, kind)
 
 
 def _bucket_of(batch: int) -> str:
