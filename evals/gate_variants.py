@@ -14,7 +14,11 @@ In the next sweep (same setup, one command beside AR, the chain and B = 64) auto
 0.74 / 0.99 / 0.73 / 0.63 / 0.70 / 0.70x the best other run at batch 1-64 and
 ``+nocut`` 0.89 / 0.82 / 0.82 / 0.71 / 0.75 / 0.65x: mixed, one repeat, and both
 measured before the start-up attention table became a request's share of a batch's
-launch (it had counted a lone launch's latency once a request). Rerun before deciding.
+launch (it had counted a lone launch's latency once a request). The cut's loss at
+batch 1 came from the rank oracle's drafter probabilities, which promised 2.72 tokens at
+B = 64 where its trees committed 4.88 (the embedded drafter: 4.51 / 4.09); the oracle is
+now fitted to the embedded drafter's calibration (``evals/e2e_oracle.py``). Rerun with
+it before deciding.
 
 **Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
 settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64
