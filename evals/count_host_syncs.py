@@ -168,6 +168,31 @@ def speculative_config(method: str, budget: int, top_k: int | None, drafter: str
     return spec
 
 
+def method_label(spec: str, args: argparse.Namespace, block_size: int) -> str:
+    """A report's name for ``--methods`` entry ``spec`` (``METHOD[@BACKEND]``)."""
+    method, _, backend = spec.partition("@")
+    auto = args.auto or method == "ddtree-auto"
+    label = {"ar": "AR", "dflash": f"DFlash (vLLM, {block_size - 1} drafts)"}.get(
+        method, (f"DDTree auto (B <= {args.budget})" if auto else f"DDTree B={args.budget}")
+        + (f" top_k={args.top_k}" if args.top_k else "")
+        + (f", gate pinned to {args.pin_arm}" if args.pin_arm is not None else ""))
+    return f"{label}, {backend}" if backend else label
+
+
+def method_spec(text: str) -> str:
+    """``--methods`` entry: ``METHOD`` or ``METHOD@BACKEND`` (an attention backend for
+    ``ar`` / ``dflash``, e.g. ``ar@FLASH_ATTN_MLA``)."""
+    method, at, backend = text.partition("@")
+    if method not in METHODS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the method must be one of {', '.join(METHODS)}")
+    if at and (method not in ("ar", "dflash") or not backend):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: '@BACKEND' names the attention backend of ar or dflash "
+            "(DDTree picks its own), e.g. ar@FLASH_ATTN_MLA")
+    return text
+
+
 def refill_prompt(first: list[int], tail: int, ids: tuple[int, int]):
     """``i -> prompt``: ``first`` with its last ``tail`` tokens replaced by seeded tokens
     in ``[ids[0], ids[1])`` (seed ``i``): the prefix is cached, the tail is prefilled."""
@@ -200,7 +225,7 @@ def run_child(args: argparse.Namespace) -> None:
     from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
     labels = install_annotations()
-    method = args.child
+    method, _, backend_choice = args.child.partition("@")
     if args.pin_arm is not None:
         from gate_variants import apply_pinned_gate
 
@@ -225,7 +250,8 @@ def run_child(args: argparse.Namespace) -> None:
 
         prompts = [tokenizer.encode(PROMPTS[i % len(PROMPTS)]) for i in range(args.prompts)]
         max_model_len = 4096
-    backend = {"ar": args.ar_backend, "dflash": args.dflash_backend}.get(method, "auto")
+    backend = backend_choice or {"ar": args.ar_backend,
+                                 "dflash": args.dflash_backend}.get(method, "auto")
     if backend != "auto":
         extra["attention_backend"] = backend
     if setup.oracle:  # the rank oracle's structured target and drafter logits
@@ -262,19 +288,31 @@ def run_child(args: argparse.Namespace) -> None:
     refill = refill_prompt(prompts[0], args.refill_tail, setup.random_ids if setup.dummy
                            else (0, 1000))
     running = [f"sync-{i}" for i in range(len(prompts))]
+
+    def next_step(i: int) -> str:
+        """Add step ``i``'s refill (every ``--refill-every`` steps); the step's kind."""
+        if not (args.refill_every and i and i % args.refill_every == 0):
+            return STEP_NAME
+        engine.abort_request([running.pop(0)])
+        running.append(f"refill-{i}")
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
+                                ignore_eos=True, detokenize=not setup.dummy)
+        engine.add_request(running[-1], TokensPrompt(prompt_token_ids=refill(i)), params)
+        return REFILL_STEP_NAME
+
+    label = method_label(args.child, args, setup.block_size)
+    if args.cprofile:
+        from refill_profile import profile_steps
+
+        results = profile_steps(engine, next_step, args.steps, Path(args.child_out).parent,
+                                method, label)
+        Path(args.child_out).write_text(json.dumps(results))
+        sys.stdout.flush()
+        os._exit(0)  # vLLM engines can hang at interpreter exit
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=activities, with_stack=args.with_stack) as prof:
         for i in range(args.steps):
-            name = STEP_NAME
-            if args.refill_every and i and i % args.refill_every == 0:
-                engine.abort_request([running.pop(0)])
-                running.append(f"refill-{i}")
-                params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                                        ignore_eos=True, detokenize=not setup.dummy)
-                engine.add_request(running[-1], TokensPrompt(prompt_token_ids=refill(i)),
-                                   params)
-                name = REFILL_STEP_NAME
-            with torch.profiler.record_function(name):
+            with torch.profiler.record_function(next_step(i)):
                 engine.step()
     unfinished = engine.get_num_unfinished_requests()
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,11 +323,7 @@ def run_child(args: argparse.Namespace) -> None:
         refills = (count_trace(events, REFILL_STEP_NAME, region_top=args.region_kernels)
                    if args.refill_every else None)
     result["method"] = method
-    auto = args.auto or method == "ddtree-auto"
-    result["label"] = {"ar": "AR", "dflash": f"DFlash (vLLM, {setup.block_size - 1} drafts)"}.get(
-        method, (f"DDTree auto (B <= {args.budget})" if auto else f"DDTree B={args.budget}")
-        + (f" top_k={args.top_k}" if args.top_k else "")
-        + (f", gate pinned to {args.pin_arm}" if args.pin_arm is not None else ""))
+    result["label"] = label
     if refills is not None:
         refills.update(method=method, label=result["label"] + ", steps that prefill a refill")
         result["label"] += ", decode steps"
@@ -310,8 +344,11 @@ def run_child(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", choices=METHODS,
-                   default=["ddtree", "dflash", "ar"])
+    p.add_argument("--methods", nargs="+", type=method_spec,
+                   default=["ddtree", "dflash", "ar"],
+                   help=f"any of {', '.join(METHODS)}; ar@BACKEND / dflash@BACKEND with an "
+                        "attention backend of their own (else --ar-backend / "
+                        "--dflash-backend)")
     p.add_argument("--budget", type=int, default=32, help="DDTree tree nodes B")
     p.add_argument("--top-k", type=int, default=None, help="DDTree children per node")
     p.add_argument("--auto", action="store_true",
@@ -354,9 +391,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "never); those steps are counted apart")
     p.add_argument("--refill-tail", type=int, default=128, metavar="T",
                    help="new tokens of a refilled prompt (the rest: the prefix cache's)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="cProfile instead of torch.profiler: each step's wall time in an "
+                        "unprofiled window, then host time by Python function, decode "
+                        "steps apart from steps that prefill a refill (refill_profile.py; "
+                        "the .prof files beside --out)")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--child", type=method_spec, help=argparse.SUPPRESS)
     p.add_argument("--child-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.pin_arm is not None and not args.auto:
@@ -380,6 +422,8 @@ def child_command(args: argparse.Namespace, method: str, out: Path) -> list[str]
            "--refill-every", str(args.refill_every), "--refill-tail", str(args.refill_tail),
            "--graphs" if args.graphs else "--enforce-eager",
            "--with-stack" if args.with_stack else "--no-with-stack"]
+    if args.cprofile:
+        cmd.append("--cprofile")
     if args.top_k is not None:
         cmd += ["--top-k", str(args.top_k)]
     if args.auto:
@@ -399,7 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in args.methods:
-            out = Path(tmp) / f"{method}.json"
+            out = Path(tmp) / f"{method.replace('@', '_')}.json"
             proc = subprocess.run(child_command(args, method, out), timeout=1800)
             if proc.returncode != 0 or not out.exists():
                 results.append({"method": method, "label": method, "steps": 0, "syncs": 0,
@@ -409,14 +453,19 @@ def main(argv: list[str] | None = None) -> None:
                                 "gpu_time": [], "top_kernels": [], "region_top_kernels": [],
                                 "step_gpu_us": 0.0,
                                 "note": f"child failed (exit code {proc.returncode})"})
-                continue
-            got = json.loads(out.read_text())
-            results += got if isinstance(got, list) else [got]
-    report = format_markdown(results, command)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(report + "\n")
-    print(report)
+            else:
+                got = json.loads(out.read_text())
+                results += got if isinstance(got, list) else [got]
+            # Written after every run: a stage cut short keeps the runs it finished.
+            if args.cprofile:
+                from refill_profile import format_report
 
+                report = format_report(results, command, Path(args.out).parent)
+            else:
+                report = format_markdown(results, command)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(report + "\n")
+    print(report)
 
 if __name__ == "__main__":
     main()

@@ -48,18 +48,21 @@ def engine_steps(stats: pstats.Stats) -> int:
                 if name == "execute_model" and "model_runner" in path), default=0)
 
 
-def summarize(profile: cProfile.Profile, title: str, limit: int = 40) -> str:
+def summarize(profile: cProfile.Profile | pstats.Stats, title: str, limit: int = 40,
+              heading: str = "# Host profile") -> str:
     """Markdown tables of a profile, per engine step: the top functions by own time
     and by cumulative time, and our own functions (``OWN_PATHS``) by cumulative time."""
-    stats = pstats.Stats(profile, stream=io.StringIO())
+    stats = (profile if isinstance(profile, pstats.Stats)
+             else pstats.Stats(profile, stream=io.StringIO()))
     steps = max(1, engine_steps(stats))
-    out = [f"# Host profile: {title}", "",
+    sub = "#" * (heading.count("#") + 1)
+    out = [f"{heading}: {title}", "",
            f"{steps} engine steps under cProfile (times include the profiler's overhead).",
-           "", "## By own time", ""]
+           "", f"{sub} By own time", ""]
     out += _rows(stats, "tottime", limit, None)
-    out += ["", "## By cumulative time", ""]
+    out += ["", f"{sub} By cumulative time", ""]
     out += _rows(stats, "cumtime", limit, None)
-    out += ["", "## Speculator, patches and backends by cumulative time", ""]
+    out += ["", f"{sub} Speculator, patches and backends by cumulative time", ""]
     out += _rows(stats, "cumtime", limit, OWN_PATHS)
     return "\n".join(out) + "\n"
 

@@ -2,6 +2,7 @@
 pure Python, on synthetic Chrome traces), the command line and the annotations it
 installs on the GPU run."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -378,3 +379,81 @@ def test_refill_steps_are_counted_apart_and_reach_the_child():
     assert first == again and first[136:] != other[136:]
     with pytest.raises(ValueError, match="--refill-tail 2 is not allowed: 1 .. 1"):
         count_host_syncs.refill_prompt([1, 2], 2, (0, 9))
+
+
+def test_methods_take_an_attention_backend_and_cprofile_reaches_the_child():
+    """``ar@FLASH_ATTN_MLA`` picks AR's backend per run (the label names it); a backend
+    for DDTree, or an unknown method, is refused naming the entry."""
+    args = count_host_syncs.parse_args(["--methods", "ar@FLASH_ATTN_MLA", "ar", "ddtree-auto",
+                                        "--cprofile"])
+    assert args.methods == ["ar@FLASH_ATTN_MLA", "ar", "ddtree-auto"]
+    child = count_host_syncs.parse_args(count_host_syncs.child_command(
+        args, "ar@FLASH_ATTN_MLA", Path("/tmp/x.json"))[2:])
+    assert child.child == "ar@FLASH_ATTN_MLA" and child.cprofile
+    assert count_host_syncs.method_label("ar@FLASH_ATTN_MLA", args, 16) == "AR, FLASH_ATTN_MLA"
+    assert count_host_syncs.method_label("ar", args, 16) == "AR"
+    assert count_host_syncs.method_label("ddtree-auto", args, 16) == "DDTree auto (B <= 32)"
+    for bad, message in (("ddtree@CUSTOM", "'@BACKEND' names the attention backend"),
+                         ("ar@", "'@BACKEND' names the attention backend"),
+                         ("beam", "the method must be one of")):
+        with pytest.raises(argparse.ArgumentTypeError, match=message):
+            count_host_syncs.method_spec(bad)
+
+
+def test_cprofile_windows_time_and_profile_refill_steps_apart(tmp_path):
+    """``refill_profile.profile_steps``: an unprofiled window times each step by kind,
+    a second window (refills numbered on) profiles each kind apart; the report tables
+    both and puts the refill steps' extra function first in the diff against the first
+    run."""
+    import importlib.util
+    import sys
+
+    from refill_profile import format_report, profile_steps
+
+    path = tmp_path / "model_runner.py"
+    path.write_text("def execute_model(refill):\n"
+                    "    return sum(range(50)) + (prefill_tail() if refill else 0)\n\n"
+                    "def prefill_tail():\n"
+                    "    total = 0\n"
+                    "    for i in range(20000):\n"
+                    "        total += i\n"
+                    "    return total\n")
+    spec = importlib.util.spec_from_file_location("fake_model_runner", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    sys.modules.pop("fake_model_runner", None)
+
+    class Engine:
+        def __init__(self, refill_work):
+            self.refill_work, self.pending = refill_work, False
+
+        def step(self):
+            runner.execute_model(self.pending and self.refill_work)
+            self.pending = False
+
+    results, seen = [], []
+    for method, work in (("ar@FLASH_ATTN_MLA", False), ("ddtree-auto", True)):
+        engine = Engine(work)
+
+        def next_step(i, engine=engine):
+            seen.append(i)
+            if i and i % 4 == 0:
+                engine.pending = True
+                return host_sync_trace.REFILL_STEP_NAME
+            return host_sync_trace.STEP_NAME
+
+        results += profile_steps(engine, next_step, 12, tmp_path, method, method.upper())
+    assert seen[:24] == list(range(24))  # the profiled window's refills are new ones
+    kinds = [(r["method"], r["kind"], len(r["wall_ms"]), len(r["profiled_wall_ms"]))
+             for r in results]
+    assert kinds == [("ar@FLASH_ATTN_MLA", "decode", 10, 9), ("ar@FLASH_ATTN_MLA", "refill",
+                                                              2, 3),
+                     ("ddtree-auto", "decode", 10, 9), ("ddtree-auto", "refill", 2, 3)]
+    out = tmp_path / "report"
+    text = format_report(results, "cmd", out)
+    assert (out / "host_profile_ddtree_auto_refill.prof").is_file()
+    assert "| DDTREE-AUTO, steps that prefill a refill | 2 |" in text
+    diff = text.split("## Steps that prefill a refill: DDTREE-AUTO against AR@FLASH_ATTN_MLA")[1]
+    first_row = [line for line in diff.splitlines() if line.startswith("| `")][0]
+    assert "prefill_tail" in first_row and "| 0.0 | 3.0 |" not in first_row
+    assert "| 1.0 | 0.0 |" in first_row  # calls per step: the refill run's, the first's
