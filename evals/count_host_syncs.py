@@ -305,7 +305,7 @@ def run_child(args: argparse.Namespace) -> None:
         from refill_profile import profile_steps
 
         results = profile_steps(engine, next_step, args.steps, Path(args.child_out).parent,
-                                method, label)
+                                args.child, label)
         Path(args.child_out).write_text(json.dumps(results))
         sys.stdout.flush()
         os._exit(0)  # vLLM engines can hang at interpreter exit
