@@ -113,7 +113,7 @@ from e2e_models import (  # noqa: E402
     parse_prompt_kind,
     prepare_setup,
 )
-from e2e_report import GATE_VARIANTS  # noqa: E402
+from e2e_report import PROCESS_VARIANTS  # noqa: E402
 from e2e_runs import (  # noqa: E402
     DEFAULT_AUTO_MAX,
     MAX_BUDGET,
@@ -472,7 +472,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not runs:
         p.error("no runs selected")
     patched = sorted({v for r in runs for v in r.variants
-                      if v in ("+skipprefix", "+marginals", *GATE_VARIANTS)})
+                      if v in PROCESS_VARIANTS})
     if args.engine_process and patched:
         p.error(f"{', '.join(patched)} patch the run's own process, not a separate engine "
                 "core: drop --engine-process")

@@ -18,7 +18,7 @@ import traceback
 from pathlib import Path
 
 from e2e_models import SETUPS, cell_seed
-from e2e_report import GATE_VARIANTS
+from e2e_report import PROCESS_VARIANTS
 from e2e_runs import (
     STATUS_FAILED,
     STATUS_NOT_RUN,
@@ -384,7 +384,7 @@ def skip_common_prefix_in_every_engine() -> None:
 
 def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
     """Apply ``run``'s ``RUN_VARIANTS`` in this process, before its engine starts."""
-    for variant in ("+skipprefix", "+marginals", *GATE_VARIANTS):
+    for variant in PROCESS_VARIANTS:
         if variant in run.variants and engine_process:
             raise ValueError(f"{run.name}: {variant} patches the run's process; drop "
                              "--engine-process")
@@ -392,6 +392,8 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         skip_common_prefix_in_every_engine()
     if "+marginals" in run.variants:
         marginal_trees_over_dflash2()
+    if "+prefillpath" in run.variants:
+        extends_on_the_prefill_path()
     for pin in ("+pin16", "+pin32", "+pin64"):
         if pin in run.variants:
             from gate_variants import apply_pinned_gate
@@ -405,6 +407,20 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         from gate_variants import apply_no_device_cut
 
         apply_no_device_cut()
+
+
+def extends_on_the_prefill_path() -> None:
+    """``+prefillpath``: MLA tree backends built in this process afterwards send every
+    query longer than vLLM's threshold down vLLM's MLA prefill path, as before
+    ``attention_backends/mla_tree/short_extends.py``: the A/B of that routing, for this
+    benchmark only (the decode limit as without host context lengths)."""
+    import vllm_ddtree.attention_backends.mla_tree.backend as backend
+    from vllm_ddtree.attention_backends.mla_tree.short_extends import decode_limit
+
+    def prefill_path_limit(query_start_loc, seq_lens, *args):
+        return decode_limit(query_start_loc, None, *args)
+
+    backend.decode_limit = prefill_path_limit
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -18,7 +18,11 @@ launch (it had counted a lone launch's latency once a request). The cut's loss a
 batch 1 came from the rank oracle's drafter probabilities, which promised 2.72 tokens at
 B = 64 where its trees committed 4.88 (the embedded drafter: 4.51 / 4.09); the oracle is
 now fitted to the embedded drafter's calibration (``evals/e2e_oracle.py``). Rerun with
-it before deciding.
+it (one command, H100): auto 704 / 1,548 / 2,592 / 4,095 / 4,423 / 4,552 tokens/s at
+batch 1 / 4 / 8 / 16 / 32 / 64, ``+nocut`` 675 / 1,550 / 2,079 / 3,991 / 4,452 / 6,275:
+still mixed (the batch-64 gap is where each gate settled, arm 0 against 4), and both
+lose most at the steps that prefill a refill, which the next run measures with the tree
+backend's short-extend routing.
 
 **Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
 settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64
