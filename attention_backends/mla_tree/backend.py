@@ -98,11 +98,13 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             device=device,
         )
 
-    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False):
+    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False,
+              **kwargs):
         """vLLM's build with this step's ``reorder_batch_threshold``: which extends the
         decode kernel computes (``short_extends.decode_limit``; in fp32 every query)."""
         if not self._route_extends:
-            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+            return super().build(common_prefix_len, common_attn_metadata, fast_build,
+                                 **kwargs)
         cm = common_attn_metadata
         seq_lens = cm.seq_lens_cpu_upper_bound
         dims = self.mla_dims
@@ -113,7 +115,7 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             self._decode_floor, limit, self.num_heads, dims.kv_lora_rank,
             dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim)
         try:
-            return super().build(common_prefix_len, cm, fast_build)
+            return super().build(common_prefix_len, cm, fast_build, **kwargs)
         finally:
             self.reorder_batch_threshold = limit
 
