@@ -120,12 +120,16 @@ def test_builder_builds_with_the_steps_threshold(monkeypatch):
     qlens, ctx = [65, 5, 200, 400], [900, 900, 800, 40000]
     loc = torch.tensor(np.concatenate([[0], np.cumsum(qlens)]), dtype=torch.int32)
     cm = NS(num_reqs=4, query_start_loc_cpu=torch.cat([loc, loc[-1:]]),  # padded entry
-            seq_lens_cpu_upper_bound=torch.tensor(ctx) + torch.tensor(qlens))
+            seq_lens_cpu_upper_bound=torch.tensor(ctx) + torch.tensor(qlens),
+            max_query_len=400)
     builder.build(0, cm)
     assert seen == [200] and builder.reorder_batch_threshold == 512
     builder._route_extends = False
     builder.build(0, cm)
     assert seen == [200, 512]
+    builder._route_extends = True  # nothing past the floor: vLLM's build as it is
+    builder.build(0, NS(**{**vars(cm), "max_query_len": 129, "query_start_loc_cpu": None}))
+    assert seen == [200, 512, 512]
 
 
 @skip_unless_kernels_run_here(triton.language.max, kernels._page_ids)

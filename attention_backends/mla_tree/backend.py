@@ -102,7 +102,8 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
               **kwargs):
         """vLLM's build with this step's ``reorder_batch_threshold``: which extends the
         decode kernel computes (``short_extends.decode_limit``; in fp32 every query)."""
-        if not self._route_extends:
+        if (not self._route_extends
+                or common_attn_metadata.max_query_len <= self._decode_floor):
             return super().build(common_prefix_len, common_attn_metadata, fast_build,
                                  **kwargs)
         cm = common_attn_metadata
