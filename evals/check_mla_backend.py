@@ -15,11 +15,16 @@ import os
 
 # The prompts' lengths; prompt n's tokens: 3 + (7 * i) % 900 for i < n.
 PROMPT_LENGTHS = (5, 17, 64, 130, 700)
+# A second round after the first has finished: longer prompts of the same tokens, so the
+# first round's full pages come from the prefix cache and the rest is an extend (CUSTOM
+# and FLASH_ATTN_MLA take one of up to 512 new tokens through their decode kernels,
+# attention_backends/mla_tree/short_extends.py).
+EXTEND_LENGTHS = (230, 850)
 
 
-def prompts() -> list[list[int]]:
+def prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     """The token ids of every prompt (the same on every backend)."""
-    return [[3 + (7 * i) % 900 for i in range(n)] for n in PROMPT_LENGTHS]
+    return [[3 + (7 * i) % 900 for i in range(n)] for n in lengths]
 
 
 def main() -> None:
@@ -46,12 +51,14 @@ def main() -> None:
     llm = LLM(model=args.model, skip_tokenizer_init=True, attention_backend=args.backend,
               enforce_eager=not args.graphs, **gpu_memory_args(), max_model_len=4096,
               dtype=args.dtype, max_num_seqs=args.max_num_seqs, seed=0,
-              kv_cache_dtype=args.kv_cache_dtype)
+              kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, logprobs=2,
                             detokenize=False, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params)
+    rounds = (prompts(), prompts(EXTEND_LENGTHS))
+    outputs = [out for batch in rounds for out in llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)]
     result = []
-    for prompt, out in zip(prompts(), outputs, strict=True):
+    for prompt, out in zip(rounds[0] + rounds[1], outputs, strict=True):
         completion = out.outputs[0]
         gaps = vllm_top2_gaps(completion.logprobs)
         result.append({"prompt": prompt, "tokens": list(completion.token_ids),
