@@ -8,8 +8,8 @@ prefilling) of up to 512 new tokens whose context is short enough that the absor
 costs about what vLLM's MLA prefill path does (``mla_tree/short_extends.py``); other
 prefill chunks keep that path (in fp32, which vLLM's MLA prefill backends lack, every
 token takes the tree kernel). Without a DDTree tree the mask is causal, so the backend
-is a plain MLA backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
-kernel also gets the speculator's per-request active query rows
+is a plain MLA backend usable with ``--attention-backend CUSTOM``. With an adaptive tree
+budget the kernel also gets the speculator's per-request active query rows
 (``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
 ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
 (faster on sm_90; nothing reads them). ``--kv-cache-dtype fp8`` (``fp8_e4m3``): vLLM's

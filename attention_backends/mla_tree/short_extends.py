@@ -19,8 +19,8 @@ prefill path's launches on the host (measured on an H100, V2-Lite shape, batch 3
 context: the prefill path took a quarter of a refill step's host time,
 ``evals/refill_profile.py``); at 32k+ tokens with many heads it is tens of
 milliseconds. So each step an extend takes the decode path while its extra FLOPs a
-layer stay under ``EXTRA_FLOPS_PER_LAYER``, up to ``tree_mask_state.
-MLA_MAX_EXTEND_TOKENS`` new tokens (the mask words are sized for that many).
+layer stay under ``EXTRA_FLOPS_PER_LAYER``, up to ``MLA_MAX_EXTEND_TOKENS`` new tokens
+(``tree_mask_state``: the mask words are sized for that many).
 """
 
 from __future__ import annotations
