@@ -29,27 +29,15 @@ BITS_PER_WORD = 64
 ALL_ROWS_ACTIVE = torch.iinfo(torch.int32).max
 
 
-# Extends (requests still prefilling) of up to this many new tokens may take the MLA tree
-# backend's decode kernel when their context is short (mla_tree/short_extends.py), as up
-# to 512 take vLLM's FLASH_ATTN_MLA decode kernel (flashattn_mla.py:118).
-MLA_MAX_EXTEND_TOKENS = 512
-
-
 def decode_query_limit(vllm_config, threshold: int) -> int:
     """The longest query the tree kernel takes (vLLM's ``reorder_batch_threshold``):
-    ``threshold`` (vLLM's, ``1 + 2B`` with DFlash drafts), for an MLA target at least
-    ``MLA_MAX_EXTEND_TOKENS`` (the backend picks, step by step, which extends up to it
-    take the kernel), or in fp32 the batch's token budget. vLLM's MLA prefill backends
-    are bf16 / fp16 only, so in fp32 (exactness checks) every request is a "decode"
-    and the tree kernel computes prefill chunks too, in the absorbed form
-    (``patches/mla_fp32_prefill.py``). The speculator sizes the per-token mask words
-    by the same limit."""
+    ``threshold`` (vLLM's, ``1 + 2B`` with DFlash drafts), or in fp32 the batch's token
+    budget. vLLM's MLA prefill backends are bf16 / fp16 only, so in fp32 (exactness
+    checks) every request is a "decode" and the tree kernel computes prefill chunks
+    too, in the absorbed form (``patches/mla_fp32_prefill.py``). The speculator sizes
+    the per-token mask words by the same limit."""
     if vllm_config.model_config.dtype == torch.float32:
         return max(threshold, vllm_config.scheduler_config.max_num_batched_tokens)
-    parallel = getattr(vllm_config, "parallel_config", None)
-    if (getattr(vllm_config.model_config, "use_mla", False)
-            and getattr(parallel, "decode_context_parallel_size", 1) == 1):
-        return max(threshold, MLA_MAX_EXTEND_TOKENS)
     return threshold
 
 

@@ -16,9 +16,9 @@ import os
 # The prompts' lengths; prompt n's tokens: 3 + (7 * i) % 900 for i < n.
 PROMPT_LENGTHS = (5, 17, 64, 130, 700)
 # A second round after the first has finished: longer prompts of the same tokens, so the
-# first round's full pages come from the prefix cache and the rest is an extend (CUSTOM
-# and FLASH_ATTN_MLA take one of up to 512 new tokens through their decode kernels,
-# attention_backends/mla_tree/short_extends.py).
+# first round's full pages come from the prefix cache and the rest is an extend with
+# context (CUSTOM takes it down vLLM's MLA prefill path, FLASH_ATTN_MLA one of up to 512
+# new tokens through its decode kernel).
 EXTEND_LENGTHS = (230, 850)
 
 

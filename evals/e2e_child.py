@@ -392,8 +392,6 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         skip_common_prefix_in_every_engine()
     if "+marginals" in run.variants:
         marginal_trees_over_dflash2()
-    if "+prefillpath" in run.variants:
-        extends_on_the_prefill_path()
     for pin in ("+pin16", "+pin32", "+pin64"):
         if pin in run.variants:
             from gate_variants import apply_pinned_gate
@@ -407,20 +405,6 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         from gate_variants import apply_no_device_cut
 
         apply_no_device_cut()
-
-
-def extends_on_the_prefill_path() -> None:
-    """``+prefillpath``: MLA tree backends built in this process afterwards send every
-    query longer than vLLM's threshold down vLLM's MLA prefill path, as before
-    ``attention_backends/mla_tree/short_extends.py``: the A/B of that routing, for this
-    benchmark only (the decode limit as without host context lengths)."""
-    import vllm_ddtree.attention_backends.mla_tree.backend as backend
-    from vllm_ddtree.attention_backends.mla_tree.short_extends import decode_limit
-
-    def prefill_path_limit(query_start_loc, seq_lens, *args):
-        return decode_limit(query_start_loc, None, *args)
-
-    backend.decode_limit = prefill_path_limit
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -34,9 +34,6 @@ RUN_VARIANTS = (
     # vLLM's hybrid KV-cache manager where DDTree would pick one KV-cache group
     # (vllm_ddtree/kv_group_choice.py): --no-disable-hybrid-kv-cache-manager
     ("+hybrid", "hybrid KV-cache manager", ("ddtree",)),
-    # the MLA tree backend's extends past vLLM's threshold all on vLLM's MLA prefill path,
-    # as before attention_backends/mla_tree/short_extends.py (the A/B of that routing)
-    ("+prefillpath", "extends on the prefill path", ("ddtree",)),
     # ddtree-auto: the step gate pinned to one arm, every step (evals/gate_variants.py):
     # auto's machinery at a verify shape below its maximum, against ddtree-16 / ddtree-32
     ("+pin16", "gate pinned to 16", ("ddtree",)),
@@ -53,7 +50,7 @@ RUN_VARIANTS = (
 # Suffixes that change auto's step gate (ddtree-auto runs only): evals/gate_variants.py
 GATE_VARIANTS = ("+pin16", "+pin32", "+pin64", "+maxprior", "+nocut")
 # Suffixes whose patch applies in the run's own process (not with --engine-process).
-PROCESS_VARIANTS = ("+skipprefix", "+marginals", "+prefillpath", *GATE_VARIANTS)
+PROCESS_VARIANTS = ("+skipprefix", "+marginals", *GATE_VARIANTS)
 
 
 def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:

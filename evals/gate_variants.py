@@ -21,8 +21,8 @@ now fitted to the embedded drafter's calibration (``evals/e2e_oracle.py``). Reru
 it (one command, H100): auto 704 / 1,548 / 2,592 / 4,095 / 4,423 / 4,552 tokens/s at
 batch 1 / 4 / 8 / 16 / 32 / 64, ``+nocut`` 675 / 1,550 / 2,079 / 3,991 / 4,452 / 6,275:
 still mixed (the batch-64 gap is where each gate settled, arm 0 against 4), and both
-lose most at the steps that prefill a refill, which the next run measures with the tree
-backend's short-extend routing.
+lose most at the steps that prefill a refill (their host time: the tree kernel's launch
+a layer; taking short extends through it as well did not shorten those steps).
 
 **Largest-arm prior.** In the H100 batch sweep (cells of about 100-140 steps) auto
 settled on smaller trees from batch 4 up (2-4 drafts at batch 64) while a fixed B = 64

@@ -3,13 +3,11 @@
 Registered as ``AttentionBackendEnum.CUSTOM`` by the plugin. Decode and verify
 tokens (requests with up to ``reorder_batch_threshold`` new tokens, any mix of
 lengths) go through ``mla_tree_verify``, which reads each request's latent context
-once for all its query tokens and heads. So do, step by step, extends (requests still
-prefilling) of up to 512 new tokens whose context is short enough that the absorbed form
-costs about what vLLM's MLA prefill path does (``mla_tree/short_extends.py``); other
-prefill chunks keep that path (in fp32, which vLLM's MLA prefill backends lack, every
-token takes the tree kernel). Without a DDTree tree the mask is causal, so the backend
-is a plain MLA backend usable with ``--attention-backend CUSTOM``. With an adaptive tree
-budget the kernel also gets the speculator's per-request active query rows
+once for all its query tokens and heads. Prefill chunks keep vLLM's MLA prefill
+path (in fp32, which vLLM's MLA prefill backends lack, every token takes the tree
+kernel). Without a DDTree tree the mask is causal, so the backend is a plain MLA
+backend usable with ``--attention-backend CUSTOM``. With an adaptive tree budget the
+kernel also gets the speculator's per-request active query rows
 (``vllm_ddtree.attention_backends.tree_mask_state``): the Triton kernel skips the inactive
 ones; with adaptive verify shapes (most rows active) the Gluon kernel computes them instead
 (faster on sm_90; nothing reads them). ``--kv-cache-dtype fp8`` (``fp8_e4m3``): vLLM's
@@ -39,7 +37,6 @@ from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, Attent
 
 from vllm_ddtree.attention_backends.mla_tree.cascade import CascadePlan
 from vllm_ddtree.attention_backends.mla_tree.ops import MAX_ROPE_DIM, mla_tree_verify
-from vllm_ddtree.attention_backends.mla_tree.short_extends import decode_limit
 from vllm_ddtree.attention_backends.tree_mask_state import (
     TREE_MASK_STATE,
     causal_bits_,
@@ -82,13 +79,8 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
         TREE_MASK_STATE.clear_unless_ddtree(vllm_config)
         max_tokens = vllm_config.scheduler_config.max_num_batched_tokens
         self._max_model_len = vllm_config.model_config.max_model_len
-        # vLLM's threshold (1 + 2B with DFlash drafts): queries up to it are decodes in
-        # every step; longer extends up to the raised limit only where build() says so.
-        self._decode_floor = self.reorder_batch_threshold
         self.reorder_batch_threshold = decode_query_limit(vllm_config,
                                                           self.reorder_batch_threshold)
-        self._route_extends = (vllm_config.model_config.dtype != torch.float32
-                               and self.reorder_batch_threshold > self._decode_floor)
         # Causal bits live in our own persistent buffer (stable address under
         # FULL CUDA graphs); the DDTree speculator provides the tree's.
         self._causal_bits = torch.zeros(
@@ -97,28 +89,6 @@ class TreeMLAMetadataBuilder(MLACommonMetadataBuilder[TreeMLAMetadata]):
             dtype=torch.int64,
             device=device,
         )
-
-    def build(self, common_prefix_len: int, common_attn_metadata, fast_build: bool = False,
-              **kwargs):
-        """vLLM's build with this step's ``reorder_batch_threshold``: which extends the
-        decode kernel computes (``short_extends.decode_limit``; in fp32 every query)."""
-        if (not self._route_extends
-                or common_attn_metadata.max_query_len <= self._decode_floor):
-            return super().build(common_prefix_len, common_attn_metadata, fast_build,
-                                 **kwargs)
-        cm = common_attn_metadata
-        seq_lens = cm.seq_lens_cpu_upper_bound
-        dims = self.mla_dims
-        limit = self.reorder_batch_threshold
-        self.reorder_batch_threshold = decode_limit(
-            cm.query_start_loc_cpu[: cm.num_reqs + 1].numpy(),
-            None if seq_lens is None else seq_lens[: cm.num_reqs].numpy(),
-            self._decode_floor, limit, self.num_heads, dims.kv_lora_rank,
-            dims.qk_rope_head_dim, dims.qk_nope_head_dim, dims.v_head_dim)
-        try:
-            return super().build(common_prefix_len, cm, fast_build, **kwargs)
-        finally:
-            self.reorder_batch_threshold = limit
 
     def _build_decode(
         self,

@@ -100,27 +100,3 @@ def test_max_prior_gate_starts_new_buckets_at_the_largest_arm_and_still_descends
     fresh.run(1, 400)
     assert fresh.run(64, 2)[1] == 8  # the product gate again
 
-
-def test_prefill_path_variant_keeps_extends_off_the_decode_kernel(monkeypatch):
-    """``ddtree-auto+prefillpath``: DDTree runs only, not with --engine-process; in the
-    run's process the MLA tree backend's step limit stays at vLLM's threshold for any
-    extend past it (the routing before ``short_extends.py``), where the product takes a
-    short-context refill through the decode kernel."""
-    import bench_e2e
-    import numpy as np
-    from e2e_child import extends_on_the_prefill_path
-
-    import vllm_ddtree.attention_backends.mla_tree.backend as backend
-
-    assert RunSpec.parse("ddtree-auto+prefillpath").variants == ("+prefillpath",)
-    with pytest.raises(ValueError, match=r"\+prefillpath applies to ddtree runs only"):
-        RunSpec.parse("ar@FLASH_ATTN_MLA+prefillpath")
-    with pytest.raises(SystemExit):
-        bench_e2e.parse_args(["--runs", "ddtree-64+prefillpath", "--engine-process"])
-    loc, seq = np.array([0, 65, 70, 270]), np.array([965, 905, 1024])  # a 200-token refill
-    dims = (129, 512, 16, 512, 64, 128, 128)
-    assert backend.decode_limit(loc, seq, *dims) == 200
-    monkeypatch.setattr(backend, "decode_limit", backend.decode_limit)  # undone after
-    extends_on_the_prefill_path()
-    assert backend.decode_limit(loc, seq, *dims) == 129
-    assert backend.decode_limit(np.array([0, 65, 70]), seq[:2], *dims) == 512

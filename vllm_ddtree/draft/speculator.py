@@ -202,9 +202,9 @@ class DDTreeSpeculator(DFlashSpeculator):
             self.max_num_reqs, self.budget, dtype=torch.float32, device=device
         )
 
-        # The tree backends treat queries up to their reorder_batch_threshold, 1 + 2B
-        # for DFlash (backend.py:651-681; MLA: short extends up to 512 tokens too; in
-        # fp32 every query), as decodes: size the mask for them.
+        # The MLA tree backend treats queries up to its reorder_batch_threshold,
+        # 1 + 2B for DFlash (backend.py:651-681; in fp32 every query), as decodes:
+        # size the mask for them.
         max_decode_query = decode_query_limit(vllm_config, 1 + 2 * self.budget)
         self.state = DDTREE_STATE
         self.state.allocate(
