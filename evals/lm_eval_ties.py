@@ -11,12 +11,14 @@ fp32; nothing is calibrated on the runs judged):
 - generations are compared, and plain decoding's is prefilled, in the token ids the
   engines generated, recorded while lm-eval ran (``evals/lm_eval_generated_ids.py``; cut
   after the token that completes lm-eval's text, so a stop string's and the
-  end-of-sequence tokens are not compared). Where no ids were recorded (the reference
-  engine ``ddtree-ref``), the generated text is re-encoded, which need not give back the
-  engine's tokens; the report says for how many documents. Equal texts never diverge;
+  end-of-sequence tokens are not compared; the reference engine ``ddtree-ref`` records
+  them itself). Where no ids were recorded, the generated text is re-encoded, which need
+  not give back the engine's tokens; the report says for how many documents. Equal
+  texts never diverge;
 - plain decoding's log-probs come from ONE prefill of its own generation (prompt +
-  generated tokens) on the baseline engine (:func:`reference_logprobs`): at each
-  generated position its two best log-probs and that of the token it chose;
+  generated tokens) on the baseline engine (:func:`reference_logprobs`; ``ddtree-ref``:
+  through its target, ``evals/hf_prompt_logprobs.py``): at each generated position its
+  two best log-probs and that of the token it chose;
 - only the first divergence of a document counts. It is excused when both tokens there
   (plain decoding's and DDTree's) are within ``tie_gap`` of plain decoding's best
   log-prob, and plain decoding's own tokens before it line up with the recorded

@@ -25,8 +25,9 @@ task's decision metric; PASS when its lower bound is above ``-margin``. Document
 whose generations part at a bf16 / fp16 tie of plain decoding count as unchanged, by a
 fixed rule with a cap (``evals/lm_eval_ties.py``; vllm backend: the engines' own
 generated token ids, recorded while lm-eval runs, and plain decoding's log-probs from one
-prefill of its generated ids on the baseline engine; fp32 and the reference engine
-excuse nothing). Exit status 1 when a task fails.
+prefill of its generated ids on the baseline engine; ddtree-ref: the reference engine's
+token ids, and the prefill through its target; fp32 excuses nothing). Exit status 1
+when a task fails.
 
 ``--inject-lossy-rate R`` (fault injection, evals only): the speculative run's verifier
 commits the drafter's token instead of the target's in a fraction R of its rounds
@@ -62,6 +63,7 @@ from lm_eval_ties import (  # noqa: E402
     TieExcusal,
     lm_eval_prompts,
     plain_reference,
+    reference_logprobs,
     tie_divergences,
     ties_markdown,
 )
@@ -259,7 +261,17 @@ def _free(lm) -> None:
         pass
 
 
+def _record_ids(records: list[dict], key: str) -> dict[int, list[int]]:
+    """``key``'s token ids per doc id from a ``DDTreeRefLM``'s ``records``."""
+    return {r["doc_id"]: list(r[key]) for r in records}
+
+
 def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
+    """Plain decoding, then the speculative method, per task on the reference engine;
+    in bf16 / fp16 plain decoding's log-probs come from one prefill of each of its
+    generations through the target (``hf_prompt_logprobs``), for the tie rule."""
+    from hf_prompt_logprobs import HFPromptLogprobLLM
+
     from vllm_ddtree.evaluation.ref_lm import DDTreeRefLM, acceptance_summary, load_pair
     from vllm_ddtree.testing.compare import tie_gap_of
     from vllm_ddtree.testing.lossy_verifier import lossy_reference
@@ -274,17 +286,24 @@ def _run_ref(args, tasks: list[str], metadata: dict, gen_kwargs: dict | None):
         base_lm = DDTreeRefLM(method="ar", **common)
         spec_lm = DDTreeRefLM(method=args.method, budget=args.budget, top_k=args.top_k,
                               **common)
-        run = run_task(base_lm, task, args.limit, metadata, gen_kwargs, "ar (no speculation)")
-        run.acceptance = acceptance_summary(base_lm.records)
-        runs["baseline"][task] = run
+        base = run_task(base_lm, task, args.limit, metadata, gen_kwargs, "ar (no speculation)")
+        base.acceptance = acceptance_summary(base_lm.records)
+        base.generated_ids = _record_ids(base_lm.records, "generated_ids")
+        if tie_gap > 0:  # fp32 excuses nothing: no prefill needed
+            base.reference = reference_logprobs(
+                HFPromptLogprobLLM(pair.target), pair.tokenizer,
+                _record_ids(base_lm.records, "prompt_ids"), base.generations,
+                base_lm.max_length, base.generated_ids)
+        runs["baseline"][task] = base
         with lossy_reference(args.inject_lossy_rate, args.lossy_seed) as lossy:
             run = run_task(spec_lm, task, args.limit, metadata, gen_kwargs, spec_label)
         run.acceptance = acceptance_summary(spec_lm.records)
+        run.generated_ids = _record_ids(spec_lm.records, "generated_ids")
         if args.inject_lossy_rate:
             run.acceptance["lossy_rounds_corrupted"] = lossy["corrupted"]
-        # No log-probs of plain decoding here: its divergences are listed, none excused.
-        run.ties = tie_divergences(pair.tokenizer, runs["baseline"][task].generations,
-                                   run.generations, {}, tie_gap)
+        run.ties = tie_divergences(pair.tokenizer, base.generations, run.generations,
+                                   base.reference, tie_gap, base.generated_ids,
+                                   run.generated_ids)
         runs["speculative"][task] = run
     return runs, {"pair": pair.label.replace(f"{REPO}/", ""), "method": args.method,
                   "budget": args.budget, "top_k": args.top_k, "dtype": args.dtype,

@@ -69,7 +69,7 @@ def test_a_lossy_verifier_still_fails_with_bf16_ties_excused(ref_runs):
     standing in for vLLM's prompt log-probs): the exact verifier differs nowhere and
     PASSES; the lossy one commits the drafter's tokens mostly where the target is far
     from a tie, and FAILS with whatever the rule excuses."""
-    from hf_prompt_logprobs import HFPromptLogprobLLM
+    HFPromptLogprobLLM = load_evals_script("hf_prompt_logprobs").HFPromptLogprobLLM
 
     from vllm_ddtree.testing.compare import tie_gap_of
 

@@ -15,7 +15,12 @@ from vllm_ddtree.evaluation.metrics import (  # noqa: E402
     humaneval_results,
     next_lines_match,
 )
-from vllm_ddtree.evaluation.ref_lm import rounds_until, stop_index, tokens_used  # noqa: E402
+from vllm_ddtree.evaluation.ref_lm import (  # noqa: E402
+    load_pair,
+    rounds_until,
+    stop_index,
+    tokens_used,
+)
 from vllm_ddtree.reference import RoundStats  # noqa: E402
 from vllm_ddtree.training.corpus import is_heldout  # noqa: E402
 
@@ -168,3 +173,35 @@ def test_acceptance_per_task_is_formed_from_counter_differences():
     # The first task of an engine: no earlier counters.
     first = validate._stats_delta({}, after)
     assert first["ddtree_mean_acceptance_length"] == pytest.approx(1 + 326 / 142)
+
+
+def test_validate_ref_in_bf16_judges_divergences_by_plain_decodings_log_probs(tmp_path):
+    """bf16 on the reference engine: each run records its prompts' and generations' token
+    ids (the generation's decode to lm-eval's text, no stop or end-of-sequence token),
+    and plain decoding's log-probs come from one prefill of each of its generations
+    through the target, so the tie rule has what it judges by; every divergence is
+    listed with its top-2 gap and a verdict (nothing is excused without log-probs)."""
+    validate = load_evals_script("validate")
+    args = validate.parse_args(["--limit", "3", "--max-gen-toks", "32", "--budget", "32",
+                                "--dtype", "bfloat16"])
+    (report,) = validate.validate(["ddtree_humaneval"], "ddtree-ref", args, tmp_path, "pytest")
+    base, spec = report.baseline, report.speculative
+    tok = load_pair(None, None, need_drafter=False).tokenizer
+    for run in (base, spec):
+        assert sorted(run.generated_ids) == sorted(run.generations)
+        for doc, ids in run.generated_ids.items():
+            assert tok.decode(ids, skip_special_tokens=True) == run.generations[doc]
+            assert tok.eos_token_id not in ids
+    assert sorted(base.reference) == sorted(base.generations)
+    for doc, ref in base.reference.items():
+        assert ref.tokens == base.generated_ids[doc] and len(ref.top) == len(ref.tokens)
+    ties = spec.ties
+    assert ties.has_reference and ties.reencoded == [] and ties.tie_gap == 0.25
+    differing = {d for d in base.generations if base.generations[d] != spec.generations[d]}
+    assert {d["doc"] for d in ties.divergences} == differing
+    for entry in ties.divergences:
+        assert entry["excused"] == (entry["doc"] in ties.excused)
+        if entry["excused"]:
+            assert entry["gap"] <= ties.tie_gap
+    text = (tmp_path / "lm_eval_ddtree_humaneval.md").read_text()
+    assert "Tie rule (`evals/lm_eval_ties.py`, fixed in advance)" in text

@@ -230,7 +230,7 @@ def test_plain_decodings_log_probs_from_one_prefill_of_its_own_generation():
     is the model's own at that position. With a model length that cuts the generation,
     the positions past the cut have none."""
     import torch
-    from hf_prompt_logprobs import HFPromptLogprobLLM
+    HFPromptLogprobLLM = load_evals_script("hf_prompt_logprobs").HFPromptLogprobLLM
 
     from vllm_ddtree.demo.reference_engine import load_embedded_pair
     from vllm_ddtree.reference import generate

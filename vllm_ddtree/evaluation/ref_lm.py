@@ -15,8 +15,9 @@ before any model loads (``vllm_ddtree.evaluation.ref_args``).
 
 Only ``generate_until`` is implemented: log-likelihood tasks involve no decoding,
 so there is nothing for speculation to change (use lm-eval's ``hf`` model).
-Per request, the engine's ``RoundStats`` are kept in ``records`` (rounds up to the
-stop sequence only), for ``acceptance_summary``.
+Per request, ``records`` keeps the engine's ``RoundStats`` (rounds up to the stop
+sequence only), for ``acceptance_summary``, and the prompt's and the generation's
+token ids, for the tie rule of ``evals/validate.py``.
 """
 
 from __future__ import annotations
@@ -210,6 +211,10 @@ class DDTreeRefLM(LM):
             used = max(1, tokens_used(self.tokenizer, result.tokens, cut))
         rounds = rounds_until(result.stats, used)
         return text, {
+            "prompt_ids": ids,
+            # the tokens of ``text``: a stop string's and the end-of-sequence token dropped
+            "generated_ids": result.tokens[:tokens_used(self.tokenizer, result.tokens,
+                                                        len(text))],
             "prompt_tokens": len(ids),
             "tokens_generated": len(result.tokens),
             "tokens_used": used,
