@@ -296,17 +296,20 @@ def _send(child: LockstepChild, line: str) -> bool:
 
 
 def start_waves(runs: list[RunSpec]) -> list[list[tuple[int, RunSpec]]]:
-    """``(index, run)`` in the groups ``--lockstep`` starts together: first every
-    ``ddtree-auto`` run, then the others. ``auto`` times its verify and drafter graphs
-    at start-up (``vllm_ddtree.budget.verify_costs``) and budgets every step by them;
-    started beside six other engines capturing their graphs, it timed the V2-Lite
-    target's 33-row verify at 7.2 ms against 3.2 ms for 17 rows and 3.9 ms for 128
-    (H100), and ran small trees all sweep. A server starts alone on its GPU: so does
-    auto here. The other runs measure nothing at start-up and start together."""
+    """``(index, run)`` in the groups ``--lockstep`` starts together: each
+    ``ddtree-auto`` run alone, one after another, then the others. ``auto`` times its
+    verify and drafter graphs at start-up (``vllm_ddtree.budget.verify_costs``) and
+    budgets every step by them; started beside six other engines capturing their graphs,
+    it timed the V2-Lite target's 33-row verify at 7.2 ms against 3.2 ms for 17 rows and
+    3.9 ms for 128 (H100), and ran small trees all sweep; two auto variants started
+    together timed each other's graphs (1,040 rows: 18.0 and 22.2 ms, drafter at 64
+    requests 7.6 and 8.5 ms, where the chain's whole step of 1,024 rows took 14.6). A
+    server starts alone on its GPU: so does each auto run here. The other runs measure
+    nothing at start-up and start together."""
     indexed = list(enumerate(runs))
-    first = [(i, r) for i, r in indexed if r.budget == "auto"]
+    alone = [[(i, r)] for i, r in indexed if r.budget == "auto"]
     rest = [(i, r) for i, r in indexed if r.budget != "auto"]
-    return [wave for wave in (first, rest) if wave]
+    return alone + ([rest] if rest else [])
 
 
 def wait_lockstep_ready(children: list[LockstepChild], limit: float, poll: float,
@@ -436,7 +439,7 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
                  cells: list[tuple[int, int, str]], models, max_model_len: int,
                  log_path: Path, add_rows, progress, deadline: float | None,
                  invocation: dict) -> None:
-    """``--lockstep``: start every run's child (auto's first, alone: :func:`start_waves`),
+    """``--lockstep``: start every run's child (each auto run first, alone: :func:`start_waves`),
     wait for their engines, then send
     each cell to every run in turn (:func:`lockstep_order`), waiting for one child's row
     before the next command, so that one engine works at a time. ``--interleave-s S``
