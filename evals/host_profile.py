@@ -31,8 +31,8 @@ def _label(key: tuple[str, int, str]) -> str:
 
 
 def _rows(stats: pstats.Stats, sort: str, limit: int,
-          only: tuple[str, ...] | None) -> list[str]:
-    entries = [(key, values) for key, values in per_step(stats).items()
+          only: tuple[str, ...] | None, steps: int | None = None) -> list[str]:
+    entries = [(key, values) for key, values in per_step(stats, steps).items()
                if only is None or any(part in key[0] for part in only)]
     column = 1 if sort == "tottime" else 2
     entries.sort(key=lambda e: e[1][column], reverse=True)
@@ -49,21 +49,23 @@ def engine_steps(stats: pstats.Stats) -> int:
 
 
 def summarize(profile: cProfile.Profile | pstats.Stats, title: str, limit: int = 40,
-              heading: str = "# Host profile") -> str:
+              heading: str = "# Host profile", steps: int | None = None) -> str:
     """Markdown tables of a profile, per engine step: the top functions by own time
-    and by cumulative time, and our own functions (``OWN_PATHS``) by cumulative time."""
+    and by cumulative time, and our own functions (``OWN_PATHS``) by cumulative time.
+    ``steps``: the engine steps profiled, where the caller counted them (default:
+    :func:`engine_steps`)."""
     stats = (profile if isinstance(profile, pstats.Stats)
              else pstats.Stats(profile, stream=io.StringIO()))
-    steps = max(1, engine_steps(stats))
+    steps = _steps(stats, steps)
     sub = "#" * (heading.count("#") + 1)
     out = [f"{heading}: {title}", "",
            f"{steps} engine steps under cProfile (times include the profiler's overhead).",
            "", f"{sub} By own time", ""]
-    out += _rows(stats, "tottime", limit, None)
+    out += _rows(stats, "tottime", limit, None, steps)
     out += ["", f"{sub} By cumulative time", ""]
-    out += _rows(stats, "cumtime", limit, None)
+    out += _rows(stats, "cumtime", limit, None, steps)
     out += ["", f"{sub} Speculator, patches and backends by cumulative time", ""]
-    out += _rows(stats, "cumtime", limit, OWN_PATHS)
+    out += _rows(stats, "cumtime", limit, OWN_PATHS, steps)
     return "\n".join(out) + "\n"
 
 
@@ -120,28 +122,37 @@ def profile_generate(llm: Any, inputs: list, params: Any, out_path: Path, title:
     return out_path
 
 
-def per_step(stats: pstats.Stats) -> dict[tuple[str, int, str], tuple[float, float, float]]:
-    """``{(file, line, function): (calls, own ms, cumulative ms)}`` per engine step."""
-    steps = max(1, engine_steps(stats))
+def _steps(stats: pstats.Stats, steps: int | None) -> int:
+    """``steps`` where given, else :func:`engine_steps` (at least 1)."""
+    return max(1, engine_steps(stats) if steps is None else steps)
+
+
+def per_step(stats: pstats.Stats, steps: int | None = None
+             ) -> dict[tuple[str, int, str], tuple[float, float, float]]:
+    """``{(file, line, function): (calls, own ms, cumulative ms)}`` per engine step
+    (``steps``: as in :func:`summarize`)."""
+    steps = _steps(stats, steps)
     return {key: (ncalls / steps, 1e3 * tottime / steps, 1e3 * cumtime / steps)
             for key, (_cc, ncalls, tottime, cumtime, _callers) in stats.stats.items()}
 
 
 def diff_table(first: pstats.Stats, second: pstats.Stats, limit: int = 40,
-               names: tuple[str, str] = ("A", "B")) -> str:
+               names: tuple[str, str] = ("A", "B"),
+               steps: tuple[int | None, int | None] = (None, None)) -> str:
     """Markdown: own ms per engine step of every function in ``first`` and ``second``
     (a function missing from one run counts 0 there), sorted by how much more the
     first spends (its surplus first, then its savings); calls per step beside them.
-    The two totals of own time head the table."""
-    a, b = per_step(first), per_step(second)
+    The two totals of own time head the table. ``steps``: each profile's engine steps
+    where the caller counted them (:func:`summarize`)."""
+    a, b = per_step(first, steps[0]), per_step(second, steps[1])
     keys = set(a) | set(b)
     zero = (0.0, 0.0, 0.0)
     rows = sorted(keys, key=lambda k: a.get(k, zero)[1] - b.get(k, zero)[1], reverse=True)
     total_a = sum(v[1] for v in a.values())
     total_b = sum(v[1] for v in b.values())
     lines = [f"Own host ms per engine step: {names[0]} {total_a:.3f} "
-             f"({engine_steps(first)} steps), {names[1]} {total_b:.3f} "
-             f"({engine_steps(second)} steps), difference {total_a - total_b:+.3f} "
+             f"({_steps(first, steps[0])} steps), {names[1]} {total_b:.3f} "
+             f"({_steps(second, steps[1])} steps), difference {total_a - total_b:+.3f} "
              "(profiler overhead included).", "",
              f"| function | {names[0]} calls / step | {names[1]} calls / step | "
              f"{names[0]} own ms | {names[1]} own ms | difference |", "|---|---|---|---|---|---|"]

@@ -79,9 +79,9 @@ def _median(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
 
 
-def _entry_ms(stats) -> list[str]:
-    """Cumulative ms per step of ``ENTRY_POINTS`` in a profile."""
-    steps = per_step(stats)
+def _entry_ms(stats, steps: int) -> list[str]:
+    """Cumulative ms per step of ``ENTRY_POINTS`` in a profile of ``steps`` steps."""
+    steps = per_step(stats, steps)
     out = []
     for path_part, name in ENTRY_POINTS:
         cum = [v[2] for (path, _line, fn), v in steps.items()
@@ -111,16 +111,19 @@ def format_report(results: list[dict], command: str, out_dir: Path, limit: int =
         kept = out_dir / f"host_profile_{slug(r['method'])}_{r['kind']}.prof"
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(r["prof"], kept)
-        stats[(r["label"], r["kind"])] = st = pstats.Stats(str(kept))
+        # steps counted here: a step need not enter execute_model under the profiler
+        steps = len(r["profiled_wall_ms"])
+        stats[(r["label"], r["kind"])] = st, steps = pstats.Stats(str(kept)), steps
         lines.append(f"| {r['label']}, {KIND_TITLES[r['kind']]} | {len(r['wall_ms'])} | "
                      f"{_median(r['wall_ms'])} | {_median(r['profiled_wall_ms'])} | "
-                     + " | ".join(_entry_ms(st)) + " |")
+                     + " | ".join(_entry_ms(st, steps)) + " |")
     refills = [key for key in stats if key[1] == "refill"]
     for key in refills[1:]:
         lines += ["", f"## Steps that prefill a refill: {key[0]} against {refills[0][0]}", "",
-                  diff_table(stats[key], stats[refills[0]], limit,
-                             (key[0], refills[0][0])).rstrip()]
-    for (label, kind), st in stats.items():
+                  diff_table(stats[key][0], stats[refills[0]][0], limit,
+                             (key[0], refills[0][0]),
+                             (stats[key][1], stats[refills[0]][1])).rstrip()]
+    for (label, kind), (st, steps) in stats.items():
         lines += ["", summarize(st, f"{label}, {KIND_TITLES[kind]}", limit,
-                                heading="##").rstrip()]
+                                heading="##", steps=steps).rstrip()]
     return "\n".join(lines) + "\n"

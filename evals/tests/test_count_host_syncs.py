@@ -457,3 +457,34 @@ def test_cprofile_windows_time_and_profile_refill_steps_apart(tmp_path):
     first_row = [line for line in diff.splitlines() if line.startswith("| `")][0]
     assert "prefill_tail" in first_row and "| 0.0 | 3.0 |" not in first_row
     assert "| 1.0 | 0.0 |" in first_row  # calls per step: the refill run's, the first's
+
+
+def test_cprofile_report_counts_the_steps_it_profiled(tmp_path):
+    """Per-step figures divide by the steps ``profile_steps`` ran under the profiler,
+    not by the ``execute_model`` calls the profile saw: a step that enters no
+    ``execute_model`` there (an engine that ran it ahead) still counts."""
+    from refill_profile import format_report, profile_steps
+
+    def prefill_tail():
+        return sum(range(2000))
+
+    class Engine:
+        refill = False
+
+        def step(self):
+            if self.refill:
+                prefill_tail()
+            self.refill = False
+
+    engine = Engine()
+
+    def next_step(i):
+        engine.refill = bool(i % 2)
+        return host_sync_trace.REFILL_STEP_NAME if i % 2 else host_sync_trace.STEP_NAME
+
+    results = profile_steps(engine, next_step, 6, tmp_path, "ddtree-auto", "AUTO")
+    text = format_report(results, "cmd", tmp_path / "report")
+    refill = text.split("##: AUTO, steps that prefill a refill")[1]
+    assert "3 engine steps under cProfile" in refill
+    row = [line for line in refill.splitlines() if "prefill_tail" in line][0]
+    assert row.split("|")[2].strip() == "1.0"  # calls per step
