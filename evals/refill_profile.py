@@ -81,10 +81,10 @@ def _median(values: list[float]) -> str:
 
 def _entry_ms(stats, steps: int) -> list[str]:
     """Cumulative ms per step of ``ENTRY_POINTS`` in a profile of ``steps`` steps."""
-    steps = per_step(stats, steps)
+    per = per_step(stats, steps)
     out = []
     for path_part, name in ENTRY_POINTS:
-        cum = [v[2] for (path, _line, fn), v in steps.items()
+        cum = [v[2] for (path, _line, fn), v in per.items()
                if fn == name and path_part in path]
         out.append(f"{max(cum):.2f}" if cum else "-")
     return out
@@ -112,8 +112,8 @@ def format_report(results: list[dict], command: str, out_dir: Path, limit: int =
         out_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(r["prof"], kept)
         # steps counted here: a step need not enter execute_model under the profiler
-        steps = len(r["profiled_wall_ms"])
-        stats[(r["label"], r["kind"])] = st, steps = pstats.Stats(str(kept)), steps
+        st, steps = pstats.Stats(str(kept)), len(r["profiled_wall_ms"])
+        stats[(r["label"], r["kind"])] = st, steps
         lines.append(f"| {r['label']}, {KIND_TITLES[r['kind']]} | {len(r['wall_ms'])} | "
                      f"{_median(r['wall_ms'])} | {_median(r['profiled_wall_ms'])} | "
                      + " | ".join(_entry_ms(st, steps)) + " |")

@@ -205,16 +205,15 @@ class DDTreeRefLM(LM):
         seconds = time.perf_counter() - start
         text = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
         cut = stop_index(text, until)
-        used = len(result.tokens)
         if cut is not None:
             text = text[:cut]
-            used = max(1, tokens_used(self.tokenizer, result.tokens, cut))
+        # the tokens of ``text``: a stop string's and the end-of-sequence token dropped
+        text_tokens = tokens_used(self.tokenizer, result.tokens, len(text))
+        used = len(result.tokens) if cut is None else max(1, text_tokens)
         rounds = rounds_until(result.stats, used)
         return text, {
             "prompt_ids": ids,
-            # the tokens of ``text``: a stop string's and the end-of-sequence token dropped
-            "generated_ids": result.tokens[:tokens_used(self.tokenizer, result.tokens,
-                                                        len(text))],
+            "generated_ids": result.tokens[:text_tokens],
             "prompt_tokens": len(ids),
             "tokens_generated": len(result.tokens),
             "tokens_used": used,
