@@ -523,12 +523,15 @@ def run_lockstep(setup: Setup, args: argparse.Namespace, runs: list[RunSpec],
             # A cell's runs one after another; with --interleave-s each hands over after
             # a turn of steps and they go round until each has spent its pool.
             for group in turn_groups(order):
+                # A cell starts for all its runs or for none: one started alone before
+                # --max-minutes and finished in its grace is a row nothing compares with.
+                late = bool(deadline) and time.time() > deadline
                 waiting = []
                 for seq, (cell, repeat, run) in group:
                     child = by_run[run]
                     if progress is not None:
                         progress.set_postfix_str(f"{setup.name} {run.name}")
-                    if child.why is None and deadline and time.time() > deadline:
+                    if child.why is None and late:
                         done(child, cell, repeat, run,
                              [row(cell, repeat, run, STATUS_NOT_RUN, "--max-minutes reached")])
                         continue

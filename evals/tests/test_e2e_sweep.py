@@ -5,6 +5,7 @@ report (``--fake`` children end to end, a refused configuration as skipped cells
 from __future__ import annotations
 
 import json
+import time
 from types import SimpleNamespace
 
 import bench_e2e
@@ -403,6 +404,38 @@ def test_fake_sweep_runs_take_turns_within_a_cell(tmp_path):
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))  # one by one
     md = (tmp_path / "e2e_batch_sweep_v2lite.md").read_text()
     assert "taking turns of 0.5 s of steps (`--interleave-s`)" in md
+
+
+def test_fake_sweep_cell_starts_for_every_run_or_none(tmp_path, monkeypatch):
+    """--max-minutes passing as a cell's first run starts (inside the grace): the cell's
+    other runs still take their turns (every row of the cell is measured), and the
+    next cell, started after the deadline, is not run by any run."""
+    import e2e_children
+
+    offset = [0.0]
+    clock = SimpleNamespace(**{n: getattr(time, n) for n in dir(time)
+                                     if not n.startswith("_")})
+    clock.time = lambda: time.time() + offset[0]
+    monkeypatch.setattr(e2e_children, "time", clock)
+    real_send = e2e_children._send
+
+    def send(child, line):  # the deadline passes as batch 4's first run starts
+        if '"cell": [1024, 4,' in line and not offset[0]:
+            offset[0] = 0.5 * 60 + 5.0  # past --max-minutes 0.5, inside the 2-minute grace
+        return real_send(child, line)
+
+    monkeypatch.setattr(e2e_children, "_send", send)
+    runs = ["ar@FLASH_ATTN_MLA", "ddtree-64"]
+    assert bench_e2e.main(["--fake", "--sweep", "--lockstep", "--interleave-s", "0.5",
+                           "--setup", "v2lite", "--batches", "1", "4", "8", "--contexts",
+                           "1k", "--runs", *runs, "--max-minutes", "0.5",
+                           "--min-child-minutes", "0", "--out-dir", str(tmp_path),
+                           "--model-dir", str(tmp_path / "m")]) == 0
+    data = json.loads((tmp_path / "e2e_batch_sweep_v2lite.json").read_text())
+    status = {(r["run"], r["batch"]): r["status"] for r in data["rows"]}
+    assert offset[0] > 0
+    assert {status[(run, b)] for run in runs for b in (1, 4)} == {"ok"}
+    assert {status[(run, 8)] for run in runs} == {"not run"}
 
 
 def test_sweep_only_flags_need_sweep(capsys):
