@@ -108,6 +108,17 @@ ANNOTATED = [
     ("vllm_ddtree.runtime_state", None, "verify_inputs_", "ddtree::verify_inputs"),
     ("vllm_ddtree.runtime_state", "DDTreeRuntimeState", "store_trees_",
      "ddtree::store_trees"),
+    # An MLA target's attention layers, eager in a step that prefills a refill: vLLM's
+    # prefill path (a cached context gathered and up-projected) and each backend's
+    # decode / verify launch (FLASH_ATTN_MLA also takes short extends there).
+    ("vllm.model_executor.layers.attention.mla_attention", "MLAAttention", "forward_impl",
+     "vllm::mla_attention"),
+    ("vllm.model_executor.layers.attention.mla_attention", "MLACommonBaseImpl", "forward_mha",
+     "vllm::mla_prefill"),
+    ("vllm.v1.attention.backends.mla.flashattn_mla", "FlashAttnMLAImpl", "forward_mqa",
+     "vllm::mla_decode"),
+    ("vllm_ddtree.attention_backends.mla_tree.backend", "TreeMLAImpl", "forward_mqa",
+     "ddtree::mla_decode"),
     # ddtree_budget: "auto" only: what it adds to a round on the host.
     ("vllm_ddtree.budget.policy", "BudgetPolicy", "observe_round", "ddtree::observe_round"),
     ("vllm_ddtree.budget.policy", "BudgetPolicy", "choose", "ddtree::budget_choice"),

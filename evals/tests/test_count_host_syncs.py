@@ -340,6 +340,25 @@ def test_annotated_ddtree_functions_exist():
         assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
 
 
+def test_annotated_mla_layers_exist_in_vllm():
+    """The MLA attention ranges (what a refill step's eager layers spend in vLLM's
+    prefill path and in each backend's decode launch) name functions of vLLM 0.26 (the
+    FLASH_ATTN_MLA impl imports vLLM's CUDA FlashAttention: checked where it imports)."""
+    import importlib
+
+    mla = [a for a in count_host_syncs.ANNOTATED if a[3].endswith(("mla_attention",
+                                                                    "mla_prefill",
+                                                                    "mla_decode"))]
+    assert len(mla) == 4
+    for module, owner, attr, label in mla:
+        try:
+            obj = getattr(importlib.import_module(module), owner)
+        except ImportError:
+            assert module.endswith("flashattn_mla"), (module, label)
+            continue
+        assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
+
+
 def test_pin_arm_needs_auto_and_reaches_the_child(tmp_path):
     """``--pin-arm S`` pins auto's step gate in the profiled child (auto's steps below
     its maximum); without ``--auto`` it is refused by argparse."""
