@@ -327,35 +327,25 @@ def test_count_trace_counts_implicit_syncs_of_frees_and_pinned_allocations():
     assert ops == ["aten::_pin_memory", "cudaFree"]
 
 
-def test_annotated_ddtree_functions_exist():
+def test_annotated_functions_exist():
     """``install_annotations`` skips a missing target silently (vLLM's may move between
-    versions); ours must all resolve, or a profile would lose a region without notice."""
+    versions); ours must all resolve, or a profile would lose a region without notice,
+    and so must the MLA attention ranges of vLLM 0.26 (what a refill step's eager layers
+    spend in vLLM's prefill path and in each backend's decode launch; the FLASH_ATTN_MLA
+    impl imports vLLM's CUDA FlashAttention: checked where it imports)."""
     import importlib
 
-    for module, owner, attr, label in count_host_syncs.ANNOTATED:
-        if not module.startswith("vllm_ddtree"):
-            continue
-        obj = importlib.import_module(module)
-        obj = getattr(obj, owner) if owner else obj
-        assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
-
-
-def test_annotated_mla_layers_exist_in_vllm():
-    """The MLA attention ranges (what a refill step's eager layers spend in vLLM's
-    prefill path and in each backend's decode launch) name functions of vLLM 0.26 (the
-    FLASH_ATTN_MLA impl imports vLLM's CUDA FlashAttention: checked where it imports)."""
-    import importlib
-
-    mla = [a for a in count_host_syncs.ANNOTATED if a[3].endswith(("mla_attention",
-                                                                    "mla_prefill",
-                                                                    "mla_decode"))]
-    assert len(mla) == 4
-    for module, owner, attr, label in mla:
+    mla_labels = ("mla_attention", "mla_prefill", "mla_decode")
+    checked = [a for a in count_host_syncs.ANNOTATED
+               if a[0].startswith("vllm_ddtree") or a[3].endswith(mla_labels)]
+    assert sum(a[3].endswith(mla_labels) for a in checked) == 4
+    for module, owner, attr, label in checked:
         try:
-            obj = getattr(importlib.import_module(module), owner)
+            obj = importlib.import_module(module)
         except ImportError:
             assert module.endswith("flashattn_mla"), (module, label)
             continue
+        obj = getattr(obj, owner) if owner else obj
         assert callable(getattr(obj, attr, None)), (module, owner, attr, label)
 
 
