@@ -131,9 +131,11 @@ METHODS = ("ddtree", "ddtree-auto", "dflash", "ar")
 
 
 
-def install_annotations() -> list[str]:
-    """Wrap ``ANNOTATED`` functions in ``torch.profiler.record_function`` ranges;
-    returns the labels installed (a missing module or attribute is skipped)."""
+def install_annotations(clock=None) -> list[str]:
+    """Wrap ``ANNOTATED`` functions in ``torch.profiler.record_function`` ranges, or with
+    ``clock`` (``refill_profile.RangeClock``) in its host timers instead (no profiler
+    op a call: the unprofiled window's split); returns the labels installed (a missing
+    module or attribute is skipped)."""
     import importlib
 
     import torch
@@ -149,9 +151,12 @@ def install_annotations() -> list[str]:
         if original is None or getattr(original, "_count_host_syncs", False):
             continue
 
-        def wrapper(*args, _original=original, _label=label, **kwargs):
-            with torch.profiler.record_function(_label):
-                return _original(*args, **kwargs)
+        if clock is not None:
+            wrapper = clock.wrap(original, label)
+        else:
+            def wrapper(*args, _original=original, _label=label, **kwargs):
+                with torch.profiler.record_function(_label):
+                    return _original(*args, **kwargs)
 
         functools.update_wrapper(wrapper, original)
         wrapper._count_host_syncs = True
@@ -235,7 +240,12 @@ def run_child(args: argparse.Namespace) -> None:
 
     from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 
-    labels = install_annotations()
+    clock = None
+    if args.cprofile:
+        from refill_profile import RangeClock
+
+        clock = RangeClock()
+    labels = install_annotations(clock)
     method, _, backend_choice = args.child.partition("@")
     if args.pin_arm is not None:
         from gate_variants import apply_pinned_gate
@@ -316,7 +326,7 @@ def run_child(args: argparse.Namespace) -> None:
         from refill_profile import profile_steps
 
         results = profile_steps(engine, next_step, args.steps, Path(args.child_out).parent,
-                                args.child, label)
+                                args.child, label, clock)
         Path(args.child_out).write_text(json.dumps(results))
         sys.stdout.flush()
         os._exit(0)  # vLLM engines can hang at interpreter exit
@@ -404,9 +414,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="new tokens of a refilled prompt (the rest: the prefix cache's)")
     p.add_argument("--cprofile", action="store_true",
                    help="cProfile instead of torch.profiler: each step's wall time in an "
-                        "unprofiled window, then host time by Python function, decode "
-                        "steps apart from steps that prefill a refill (refill_profile.py; "
-                        "the .prof files beside --out)")
+                        "unprofiled window (with the host ms inside each annotated range), "
+                        "then host time by Python function, decode steps apart from steps "
+                        "that prefill a refill (refill_profile.py; the .prof files beside "
+                        "--out)")
     p.add_argument("--out", default="evals/results/host_syncs.md")
     p.add_argument("--keep-trace", default=None, help=argparse.SUPPRESS)
     p.add_argument("--child", type=method_spec, help=argparse.SUPPRESS)

@@ -16,6 +16,7 @@ import cProfile
 import shutil
 import statistics
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,8 +29,36 @@ KIND_TITLES = {"decode": "decode steps", "refill": "steps that prefill a refill"
 ENTRY_POINTS = (("model_runner", "execute_model"), ("model_runner", "sample_tokens"))
 
 
+class RangeClock:
+    """Host time inside named functions, without a profiler: :meth:`wrap` gives a
+    function a ``time.perf_counter`` pair (about a microsecond a call) that adds its
+    inclusive seconds to ``totals[label]`` while ``enabled``."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.totals: dict[str, float] = defaultdict(float)
+
+    def wrap(self, original: Callable, label: str) -> Callable:
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.totals[label] += time.perf_counter() - start
+
+        return timed
+
+    def take_ms(self) -> dict[str, float]:
+        """The totals since the last call, in ms; resets them."""
+        taken = {label: 1e3 * seconds for label, seconds in self.totals.items()}
+        self.totals.clear()
+        return taken
+
+
 def profile_steps(engine, next_step: Callable[[int], str], steps: int, prof_dir: Path,
-                  method: str, label: str) -> list[dict]:
+                  method: str, label: str, clock: RangeClock | None = None) -> list[dict]:
     """Run ``steps`` engine steps timed, then ``steps`` more under cProfile.
 
     Args:
@@ -38,16 +67,27 @@ def profile_steps(engine, next_step: Callable[[int], str], steps: int, prof_dir:
             ``i``'s refill, if any (the second window continues the numbering, so its
             refills prefill new tails).
         prof_dir: where each kind's ``.prof`` file is written.
+        clock: the annotated functions' host timers, read in the unprofiled window only.
     Returns:
         One dict per kind of step: ``method``, ``label``, ``kind``, ``wall_ms`` (the
-        unprofiled steps), ``profiled_wall_ms`` and ``prof`` (the file).
+        unprofiled steps), ``range_ms`` (label -> mean host ms a step inside it, in
+        those steps; empty without ``clock``), ``profiled_wall_ms`` and ``prof``.
     """
     wall = {kind: [] for kind in KINDS.values()}
+    ranges = {kind: defaultdict(float) for kind in KINDS.values()}
+    if clock is not None:
+        clock.take_ms()
+        clock.enabled = True
     for i in range(steps):
         kind = KINDS[next_step(i)]
         start = time.perf_counter()
         engine.step()
         wall[kind].append(1e3 * (time.perf_counter() - start))
+        if clock is not None:
+            for name, ms in clock.take_ms().items():
+                ranges[kind][name] += ms
+    if clock is not None:
+        clock.enabled = False
     profiles = {kind: cProfile.Profile() for kind in KINDS.values()}
     profiled = {kind: [] for kind in KINDS.values()}
     for i in range(steps, 2 * steps):
@@ -63,9 +103,11 @@ def profile_steps(engine, next_step: Callable[[int], str], steps: int, prof_dir:
             continue
         path = prof_dir / f"{slug(method)}_{kind}.prof"
         profile.dump_stats(path)
+        timed = max(len(wall[kind]), 1)
         results.append({"method": method, "label": label, "kind": kind,
-                        "wall_ms": wall[kind], "profiled_wall_ms": profiled[kind],
-                        "prof": str(path)})
+                        "wall_ms": wall[kind],
+                        "range_ms": {name: ms / timed for name, ms in ranges[kind].items()},
+                        "profiled_wall_ms": profiled[kind], "prof": str(path)})
     return results
 
 
@@ -117,6 +159,7 @@ def format_report(results: list[dict], command: str, out_dir: Path, limit: int =
         lines.append(f"| {r['label']}, {KIND_TITLES[r['kind']]} | {len(r['wall_ms'])} | "
                      f"{_median(r['wall_ms'])} | {_median(r['profiled_wall_ms'])} | "
                      + " | ".join(_entry_ms(st, steps)) + " |")
+    lines += range_table(results)
     refills = [key for key in stats if key[1] == "refill"]
     for key in refills[1:]:
         lines += ["", f"## Steps that prefill a refill: {key[0]} against {refills[0][0]}", "",
@@ -127,3 +170,22 @@ def format_report(results: list[dict], command: str, out_dir: Path, limit: int =
         lines += ["", summarize(st, f"{label}, {KIND_TITLES[kind]}", limit,
                                 heading="##", steps=steps).rstrip()]
     return "\n".join(lines) + "\n"
+
+
+def range_table(results: list[dict]) -> list[str]:
+    """Markdown lines: per run and kind of step, the mean host ms a step spent inside
+    each annotated range in the unprofiled window (inclusive: a range holds the ranges
+    it calls); none where no result timed a range."""
+    names = sorted({name for r in results for name in r.get("range_ms", {})})
+    if not names:
+        return []
+    lines = ["", "Host ms per step inside each annotated range, unprofiled window (inclusive "
+             "means over its steps of that kind; `time.perf_counter` around each call):", "",
+             "| run | " + " | ".join(f"`{n}`" for n in names) + " |",
+             "|---|" + "---|" * len(names)]
+    for r in results:
+        if "range_ms" not in r:
+            continue
+        cells = [f"{r['range_ms'][n]:.2f}" if n in r["range_ms"] else "-" for n in names]
+        lines.append(f"| {r['label']}, {KIND_TITLES[r['kind']]} | " + " | ".join(cells) + " |")
+    return lines

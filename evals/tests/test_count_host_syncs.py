@@ -497,3 +497,54 @@ def test_cprofile_report_counts_the_steps_it_profiled(tmp_path):
     assert "3 engine steps under cProfile" in refill
     row = [line for line in refill.splitlines() if "prefill_tail" in line][0]
     assert row.split("|")[2].strip() == "1.0"  # calls per step
+
+
+def test_range_clock_splits_unprofiled_steps_by_annotated_range(tmp_path):
+    """``--cprofile``'s unprofiled window: ``install_annotations(clock)`` times the
+    annotated functions with the clock (no profiler range), per kind of step, and the
+    report tables the mean ms a step inside each; the profiled window is not counted."""
+    import time
+    import types
+
+    from refill_profile import RangeClock, format_report, profile_steps
+
+    module = types.ModuleType("fake_mla_module")
+
+    class Impl:
+        def forward_mha(self, seconds):
+            time.sleep(seconds)
+
+    module.Impl = Impl
+    sys.modules["fake_mla_module"] = module
+    try:
+        clock = RangeClock()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(count_host_syncs, "ANNOTATED",
+                       [("fake_mla_module", "Impl", "forward_mha", "vllm::mla_prefill")])
+            assert count_host_syncs.install_annotations(clock) == ["vllm::mla_prefill"]
+        impl = Impl()
+
+        class Engine:
+            refill = False
+
+            def step(self):
+                impl.forward_mha(0.004 if self.refill else 0.0)
+                self.refill = False
+
+        engine = Engine()
+
+        def next_step(i):
+            engine.refill = i % 3 == 2
+            return host_sync_trace.REFILL_STEP_NAME if engine.refill else host_sync_trace.STEP_NAME
+
+        results = profile_steps(engine, next_step, 6, tmp_path, "ddtree", "DDT", clock)
+        assert not clock.enabled and not clock.totals
+        by_kind = {r["kind"]: r["range_ms"]["vllm::mla_prefill"] for r in results}
+        assert by_kind["refill"] >= 4.0 > 1.0 > by_kind["decode"]
+        text = format_report(results, "cmd", tmp_path / "report")
+        row = [line for line in text.splitlines()
+               if line.startswith("| DDT, steps that prefill a refill | ")][-1]
+        assert float(row.split("|")[2]) >= 4.0
+        assert "`vllm::mla_prefill`" in text
+    finally:
+        sys.modules.pop("fake_mla_module", None)
