@@ -206,10 +206,53 @@ def test_large_tiles_are_planned_only_where_they_were_measured(monkeypatch, arch
     monkeypatch.setattr(dispatch, "device_arch", lambda device: arch)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: NS(shared_memory_per_block_optin=optin))
-    budget = ops._max_shared_memory(NS(type="cuda"))
+    budget = ops._max_shared_memory.__wrapped__(NS(type="cuda"))  # uncached: per arch
     assert budget == want
     rows = 16 * 5  # DeepSeek at TP 8: 16 heads, B = 4
     launched = ops.select_config(rows, 576, 512, torch.bfloat16, budget)
     if arch != "sm_90":
         assert dispatch.rule_method(arch, "bf16", 16, 5) == f"triton_m{launched.block_m}"
         assert launched.block_m < 64
+
+
+def test_the_launchers_device_queries_are_cached(monkeypatch):
+    """The launcher asks the device's shared memory and architecture at every launch
+    (twice for the Gluon kernel's support check): one driver query per device, not per
+    launch (tens of microseconds each, 27 launches a step in an eager MLA forward)."""
+    from types import SimpleNamespace as NS
+
+    from vllm_ddtree.attention_backends.mla_tree import gluon_kernel
+
+    calls = {"capability": 0, "properties": 0}
+
+    def capability(device):
+        calls["capability"] += 1
+        return (9, 0)
+
+    def properties(device):
+        calls["properties"] += 1
+        return NS(shared_memory_per_block_optin=227 * 1024)
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    dispatch.device_arch.cache_clear()
+    ops._max_shared_memory.cache_clear()
+    device = torch.device("cuda", 7)
+
+    class OnCuda(torch.Tensor):  # a CPU tensor that says it lives on ``device``
+        is_cuda = True
+
+        @property
+        def device(self):
+            return device
+
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16).as_subclass(OnCuda)
+    kv = torch.zeros(8, 64, 576, dtype=torch.bfloat16).as_subclass(OnCuda)
+    try:
+        for _ in range(3):
+            assert ops._max_shared_memory(device) == 227 * 1024
+            assert gluon_kernel.gluon_supported(q, kv, 512)
+        assert calls == {"capability": 1, "properties": 1}
+    finally:
+        dispatch.device_arch.cache_clear()
+        ops._max_shared_memory.cache_clear()

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import configs
+from . import configs, dispatch
 
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -132,7 +132,10 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) 
         return False
     if not (q.is_cuda and kv_cache.device == q.device):
         return False
-    if torch.cuda.get_device_capability(q.device)[0] != 9:
+    # device_arch is cached: the driver's capability query costs tens of microseconds,
+    # and this check runs twice a launch (the dispatch, then mla_tree_fwd_gluon)
+    arch = dispatch.device_arch(q.device)
+    if arch is None or not arch.startswith("sm_9"):
         return False
     if q.stride(2) != 1 or kv_cache.stride(2) != 1:
         return False

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -56,12 +57,14 @@ def _log_launch_once(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, **par
                      ", ".join(f"{k}={v}" for k, v in sorted(params.items())))
 
 
+@functools.lru_cache(maxsize=16)
 def _max_shared_memory(device: torch.device) -> int:
     """Shared memory per block the tile choice plans for: the device's opt-in on sm_90,
     where the large tiles were compiled and measured; elsewhere sm_120's budget, whose
     tiles are compiled for sm_120 and tested (forced) on sm_90. The estimate behind the
     choice models mma.sync only (``configs.estimate_shared_memory_bytes``), so a 64-row tile
-    that it fits in an sm_80 / sm_100 opt-in was never checked there."""
+    that it fits in an sm_80 / sm_100 opt-in was never checked there. Cached: asked per
+    launch, and the driver's properties query costs tens of microseconds."""
     if device.type == "cuda" and dispatch.device_arch(device) == "sm_90":
         props = torch.cuda.get_device_properties(device)
         return getattr(props, "shared_memory_per_block_optin", SM120_SHARED_MEMORY_BYTES)
