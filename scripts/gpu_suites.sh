@@ -197,8 +197,9 @@
 #              acceptance_dflash2.md / .png
 #   savecache  the compile caches (Triton's, vLLM's torch.compile / inductor artifacts in
 #              ~/.cache/vllm, inductor's in /tmp/torchinductor_$USER) as compile-cache.part-NN
-#              in the log folder (28 MiB parts: each fits a kit call beside its 28 MiB kit
-#              part); put them in .devkit/ and carry each to /root/kit with a kit part
+#              in the log folder (15 MiB parts: a file that comes back from the GPU machine
+#              holds at most 16 MiB; each part fits a kit call beside its kit part); put
+#              them in .devkit/ and carry each to /root/kit with a kit part
 #              (`mv .devkit/part1 .devkit/compile-cache.part-00 /root/kit/`): `install`
 #              restores them (from /root/kit, or carried in .devkit/) on a fresh machine,
 #              whose engines then skip torch.compile (a stale entry is recompiled)
@@ -695,7 +696,7 @@ for stage in "$@"; do
       for dir in "$TRITON_CACHE_DIR" "$HOME/.cache/vllm" "/tmp/torchinductor_$(id -un)"; do
         [ -d "$dir" ] && caches+=("${dir#/}") && du -sh "$dir"
       done
-      tar czf - -C / "${caches[@]}" 2>/dev/null | split -b 28m -d - "$LOG_DIR/compile-cache.part-"
+      tar czf - -C / "${caches[@]}" 2>/dev/null | split -b 15m -d - "$LOG_DIR/compile-cache.part-"
       summary savecache $? "$start"
       ls -la "$LOG_DIR"/compile-cache.part-* ;;
     *) echo "unknown stage $stage (see the list at the top of scripts/gpu_suites.sh)" ;;
