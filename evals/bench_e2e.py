@@ -379,10 +379,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
     p.add_argument("--gpu-mem", type=float_arg(0.0, 1.0, lo_open=True), default=0.85,
                    help="gpu_memory_utilization")
-    p.add_argument("--prime", choices=["cache", "none"], default="cache",
+    p.add_argument("--prime", choices=["cache", "prefix", "none"], default="cache",
                    help="cache: prefill each cell's prompts into the prefix cache first "
-                   "(default); none: no prefix caching, one generate (batch > 1 then decodes "
-                   "while later requests still prefill)")
+                   "(default); prefix (--sweep only): only the shared prefix, so each "
+                   "request prefills its own tail when it joins, as on a server; none: no "
+                   "prefix caching, one generate (batch > 1 then decodes while later "
+                   "requests still prefill)")
     p.add_argument("--llm-kwargs", type=json.loads, default={},
                    help="JSON merged into LLM(...) kwargs (compilation_config is merged)")
     p.add_argument("--quick", action="store_true",
@@ -455,6 +457,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         for flag in ("prompt_tails", "output_lengths"):
             if getattr(args, flag) is not None:
                 p.error(f"--{flag.replace('_', '-')} needs --sweep")
+        if args.prime == "prefix":
+            p.error("--prime prefix needs --sweep: its requests share a prefix (a cell "
+                    "of the plain benchmark primes its prompts whole, --prime cache)")
     if args.contexts or not args.sweep:
         args.contexts = sorted(set(args.contexts or DEFAULT_CONTEXTS))
     args.batches = sorted(set(args.batches or (SWEEP_BATCHES if args.sweep
@@ -508,7 +513,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def check_sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--sweep``'s arguments (before any model work): ranges, prefix caching, the
     oracle setups' in-process engine, contexts longer than the tails."""
-    from e2e_sweep import DEFAULT_OUTPUTS, DEFAULT_TAILS, PoolSpec, check_range
+    from e2e_sweep import DEFAULT_OUTPUTS, DEFAULT_TAILS, PRIMES, PoolSpec, check_range
 
     try:
         tails = check_range("--prompt-tails", list(args.prompt_tails or DEFAULT_TAILS))
@@ -516,9 +521,9 @@ def check_sweep_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> No
                                                        or DEFAULT_OUTPUTS), lo_min=2)
     except ValueError as e:
         p.error(str(e))
-    if args.prime != "cache":
-        p.error(f"--prime {args.prime} is not allowed with --sweep: the shared prefix and "
-                "the pool's prompts live in the prefix cache (--prime cache)")
+    if args.prime not in PRIMES:
+        p.error(f"--prime {args.prime} is not allowed with --sweep: one of "
+                f"{', '.join(PRIMES)} (the shared prefix lives in the prefix cache)")
     if args.engine_process and any(SETUPS[s].oracle for s in args.setups):
         p.error("--engine-process is not allowed with the rank-oracle setups "
                 f"({', '.join(s for s in args.setups if SETUPS[s].oracle)}): the oracle "

@@ -88,7 +88,7 @@ def llm_kwargs(spec: dict) -> dict:
         "enforce_eager": spec["eager"],
         "disable_log_stats": False,  # spec-decode counters (LLM.get_metrics)
         "skip_tokenizer_init": True,  # token-id prompts, detokenize=False
-        "enable_prefix_caching": spec["prime"] == "cache",
+        "enable_prefix_caching": spec["prime"] in ("cache", "prefix"),
         "speculative_config": run.speculative_config(setup, spec["drafter"]),
         **run.engine_args(),
     }

@@ -124,6 +124,23 @@ def request_pool(setup, context: int, batch: int, kind: str, pool: PoolSpec,
                     outputs[i]) for i in range(n)]
 
 
+PRIMES = ("cache", "prefix")  # --prime choices of a sweep
+
+
+def priming_groups(pool: list[Request], prime: str, prefix_len: int) -> list[list[list[int]]]:
+    """The prompts a cell prefills (one new token each) before its window, in groups run
+    one after another. ``"cache"``: the first prompt alone (requests prefilled side by
+    side would each compute the shared blocks none of them has cached yet), then the whole
+    pool, so that a request joining the window prefills only its last partial page;
+    ``"prefix"``: the shared prefix (``prefix_len`` tokens) alone, so that each request
+    prefills its own tail when it joins, as a server's new request does."""
+    if prime not in PRIMES:
+        raise ValueError(f"prime={prime!r} is not allowed with a sweep: one of {PRIMES}")
+    if prime == "prefix":
+        return [[pool[0].prompt[:prefix_len]]]
+    return [[pool[0].prompt], [r.prompt for r in pool]]
+
+
 def drive(engine, pool: list[Request], batch: int, params_of: Callable[[Request], object],
           prompt_of: Callable[[Request], object] = lambda r: r.prompt, tag: str = "sweep-",
           clock: Callable[[], float] = time.perf_counter,
@@ -279,7 +296,8 @@ def fake_sweep_row(base: dict, num_spec: int,
 
 def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer,
                        pause: Callable[[float], float] | None = None) -> dict:
-    """One sweep cell in a child (GPU): prime the pool's prompts, then :func:`drive`
+    """One sweep cell in a child (GPU): prime the prefix cache (:func:`priming_groups`),
+    then :func:`drive`
     through ``llm.llm_engine`` (``pause``: :func:`drive`'s); the row has the window's
     tokens/s, acceptance from vLLM's spec-decode counters and the correctness figures."""
     from e2e_engine import (
@@ -322,11 +340,9 @@ def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], toke
                               output_kind=RequestOutputKind.DELTA)
 
     t0 = time.perf_counter()
-    # The shared prefix alone first: requests prefilled side by side would each compute
-    # the blocks none of them has cached yet.
-    for group in ([pool[0]], pool):
-        llm.generate([TokensPrompt(prompt_token_ids=r.prompt) for r in group],
-                     [params(r, 1) for r in group], use_tqdm=False)
+    for group in priming_groups(pool, spec["prime"], context - pool_spec.tails[1]):
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in group],
+                     [params(pool[0], 1)] * len(group), use_tqdm=False)
     prime_s = time.perf_counter() - t0
     before = spec_counters(llm)
     active_before = engine.call(engine_active_counters) if run.budget == "auto" else None

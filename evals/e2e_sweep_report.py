@@ -326,7 +326,10 @@ def write_sweep_markdown(data: dict, path: str) -> None:
              "prefix (prefix-cached) plus its own tail of "
              f"{'..'.join(map(str, sweep.get('tails', [])))} tokens, each request "
              f"{'..'.join(map(str, sweep.get('outputs', [])))} new tokens (uniform, "
-             "seeded); the pool's prompts are prefilled first, then b requests stay in "
+             "seeded); " + ("the shared prefix is prefilled first (each request "
+                            "prefills its own tail when it joins)" if inv.get("prime")
+                            == "prefix" else "the pool's prompts are prefilled first")
+             + ", then b requests stay in "
              "flight, the next one added as one finishes, and tokens/s is taken over the "
              "window that ends when the pool is spent (concurrency b throughout). Greedy, "
              "bf16, CUDA graphs" + (", every engine alive at once (`--lockstep`), each cell "

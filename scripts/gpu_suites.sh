@@ -155,7 +155,9 @@
 #              and SWEEP_POOL_FACTOR (12 and 2) sets the requests per cell as a multiple
 #              of the batch: REPEATS 3 with POOL_FACTOR 3 takes about the time of one
 #              repeat of 8 and spreads each run over three moments of the host's
-#              speed, which moved up to 2.4x between cells; E2E_OUT_DIR receives
+#              speed, which moved up to 2.4x between cells; SWEEP_PRIME=prefix primes
+#              only the shared prefix (each request prefills its own tail when it joins,
+#              as on a server; default: the pool's whole prompts); E2E_OUT_DIR receives
 #              e2e_batch_sweep[_v2lite].md / .png / .json.
 #   trainpair  evals/train_pair.py into ${TRAIN_OUT:-/tmp/ckpt} (TRAIN_ARGS replaces the
 #              default arguments, POOL_CACHE keeps the greedy pools between runs; builds the
@@ -374,7 +376,7 @@ run_sweep() {  # sweep_trained / sweep_v2lite
   timeout "$limit" python3 evals/bench_e2e.py --sweep --lockstep --setup "$setup" \
     --max-minutes "$(max_minutes "$limit")" --runs "${r[@]}" --contexts "${c[@]}" \
     --batches "${b[@]}" --prompts "$prompts" --pool-factor "${SWEEP_POOL_FACTOR:-$pool}" \
-    --min-pool "$minpool" \
+    --min-pool "$minpool" ${SWEEP_PRIME:+--prime "$SWEEP_PRIME"} \
     --repeats "${SWEEP_REPEATS:-$repeats}" ${interleave:+--interleave-s "$interleave"} \
     ${pin:+--pin-cpus "$pin"} ${SWEEP_KV_GIB:+--lockstep-kv-gib "$SWEEP_KV_GIB"} \
     --out-dir "$e2e_dir" > "$LOG_DIR/$stage.log" 2>&1

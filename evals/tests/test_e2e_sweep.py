@@ -724,3 +724,42 @@ def test_a_child_stops_a_cell_the_parent_aborts_between_turns(tmp_path, monkeypa
     assert "an earlier cell failed" in result["rows"][1]["note"]
     assert json.loads((tmp_path / "result.json.slice").read_text())["n"] == 2
     assert slice_path(str(out)).endswith(".slice") and len(emptied) >= 2
+
+
+def test_priming_the_prefix_alone_leaves_each_tail_to_its_request(capsys):
+    """``--prime cache`` prefills the first prompt, then the pool's whole prompts (a
+    request joining the window prefills its last partial page only); ``--prime prefix``
+    only the shared prefix, so each request prefills its own tail when it joins, as on a
+    server. ``prefix`` needs ``--sweep``; other values are refused by name."""
+    from e2e_sweep import PoolSpec, priming_groups, request_pool
+
+    pool_spec = PoolSpec(pool_factor=2, tails=(8, 16), outputs=(4, 8))
+    pool = request_pool(SETUPS["kimi8"], 64, 3, "random", pool_spec)
+    prefix_len = 64 - 16
+    groups = priming_groups(pool, "cache", prefix_len)
+    assert groups == [[pool[0].prompt], [r.prompt for r in pool]]
+    (only,), = priming_groups(pool, "prefix", prefix_len)
+    assert only == pool[0].prompt[:prefix_len]
+    assert all(r.prompt[:prefix_len] == only and len(r.prompt) > prefix_len for r in pool)
+    with pytest.raises(ValueError, match="prime='none' is not allowed with a sweep"):
+        priming_groups(pool, "none", prefix_len)
+    args = bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--runs", "ar@FLASH_ATTN_MLA",
+                                 "--prime", "prefix"])
+    assert args.prime == "prefix"
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--setup", "kimi8", "--prime", "prefix"])
+    assert "--prime prefix needs --sweep" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench_e2e.parse_args(["--sweep", "--setup", "v2lite", "--prime", "none"])
+    assert "--prime none is not allowed with --sweep" in capsys.readouterr().err
+
+
+def test_fake_sweep_report_says_what_was_primed(tmp_path):
+    for prime, said in (("cache", "the pool's prompts are prefilled first"),
+                        ("prefix", "each request prefills its own tail when it joins")):
+        out = tmp_path / prime
+        assert bench_e2e.main(["--fake", "--sweep", "--setup", "v2lite", "--batches", "1",
+                               "--contexts", "1k", "--runs", "ar@FLASH_ATTN_MLA", "--prime",
+                               prime, "--out-dir", str(out), "--model-dir",
+                               str(tmp_path / "m")]) == 0
+        assert said in (out / "e2e_batch_sweep_v2lite.md").read_text()
