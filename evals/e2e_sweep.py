@@ -297,9 +297,9 @@ def fake_sweep_row(base: dict, num_spec: int,
 def measure_sweep_cell(llm, engine, spec: dict, cell: tuple[int, int, str], tokenizer,
                        pause: Callable[[float], float] | None = None) -> dict:
     """One sweep cell in a child (GPU): prime the prefix cache (:func:`priming_groups`),
-    then :func:`drive`
-    through ``llm.llm_engine`` (``pause``: :func:`drive`'s); the row has the window's
-    tokens/s, acceptance from vLLM's spec-decode counters and the correctness figures."""
+    then :func:`drive` through ``llm.llm_engine`` (``pause``: :func:`drive`'s); the row
+    has the window's tokens/s, acceptance from vLLM's spec-decode counters and the
+    correctness figures."""
     from e2e_engine import (
         engine_active_counters,
         engine_batch_count_start,
