@@ -405,6 +405,24 @@ def apply_run_variants(run: RunSpec, engine_process: bool) -> None:
         from gate_variants import apply_no_device_cut
 
         apply_no_device_cut()
+    if "+extends512" in run.variants:
+        extends_through_tree_kernel(512)
+
+
+def extends_through_tree_kernel(rows: int) -> None:
+    """``+extends512``: MLA tree backends (and the DDTree speculator's mask, sized by the
+    same limit) built in this process afterwards take every query of up to ``rows``
+    tokens as a decode, as FLASH_ATTN_MLA does (its ``reorder_batch_threshold``), so a
+    refill's short uncached tail runs the tree kernel with causal bits instead of
+    vLLM's MLA prefill path; for this benchmark only."""
+    import vllm_ddtree.attention_backends.mla_tree.backend as backend
+    import vllm_ddtree.draft.speculator as speculator
+    from vllm_ddtree.attention_backends.tree_mask_state import decode_query_limit
+
+    def limit(vllm_config, threshold: int) -> int:
+        return max(decode_query_limit(vllm_config, threshold), rows)
+
+    backend.decode_query_limit = speculator.decode_query_limit = limit
 
 
 def marginal_trees_over_dflash2() -> None:

@@ -46,11 +46,16 @@ RUN_VARIANTS = (
     ("+maxprior", "buckets start at B", ("ddtree",)),
     # ddtree-auto: no per-round cut on the device below the gate's arm
     ("+nocut", "no device cut", ("ddtree",)),
+    # the MLA tree backend takes extends of up to 512 new tokens (a refill's uncached
+    # tail) as decodes through the tree kernel, as FLASH_ATTN_MLA sends them through its
+    # decode kernel, not through vLLM's MLA prefill path (gather and up-project the
+    # cached context)
+    ("+extends512", "extends <= 512 via the tree kernel", ("ddtree",)),
 )
 # Suffixes that change auto's step gate (ddtree-auto runs only): evals/gate_variants.py
 GATE_VARIANTS = ("+pin16", "+pin32", "+pin64", "+maxprior", "+nocut")
 # Suffixes whose patch applies in the run's own process (not with --engine-process).
-PROCESS_VARIANTS = ("+skipprefix", "+marginals", *GATE_VARIANTS)
+PROCESS_VARIANTS = ("+skipprefix", "+marginals", "+extends512", *GATE_VARIANTS)
 
 
 def split_run_variants(name: str) -> tuple[str, tuple[str, ...]]:

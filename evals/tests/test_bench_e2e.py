@@ -773,3 +773,33 @@ def test_dflash2_variants_pick_the_shipped_drafter_and_its_tree_kind():
         assert speculator.selector_drafting_for(None, None, None) is None
     finally:
         speculator.selector_drafting_for = original
+
+
+def test_extends512_variant_raises_the_tree_backends_decode_limit(monkeypatch):
+    """``+extends512``: the MLA tree backend and the speculator's mask take queries of up
+    to 512 tokens as decodes in bf16 (FLASH_ATTN_MLA's limit); a larger limit (1 + 2B
+    above 512, fp32's every query) is kept."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    import vllm_ddtree.attention_backends.mla_tree.backend as backend
+    import vllm_ddtree.draft.speculator as speculator
+
+    monkeypatch.setattr(backend, "decode_query_limit", backend.decode_query_limit)
+    monkeypatch.setattr(speculator, "decode_query_limit", speculator.decode_query_limit)
+    run = RunSpec.parse("ddtree-64+extends512")
+    assert run.variants == ("+extends512",)
+    with pytest.raises(ValueError, match="applies to ddtree runs only"):
+        RunSpec.parse("ar@FLASH_ATTN_MLA+extends512")
+
+    def config(dtype):
+        return NS(model_config=NS(dtype=dtype),
+                  scheduler_config=NS(max_num_batched_tokens=8192))
+
+    assert backend.decode_query_limit(config(torch.bfloat16), 129) == 129
+    e2e_child.apply_run_variants(run, engine_process=False)
+    for module in (backend, speculator):
+        assert module.decode_query_limit(config(torch.bfloat16), 129) == 512
+        assert module.decode_query_limit(config(torch.bfloat16), 1025) == 1025
+        assert module.decode_query_limit(config(torch.float32), 129) == 8192
