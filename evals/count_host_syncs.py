@@ -87,7 +87,9 @@ from host_sync_trace import (
 # GPU run (child process per method)
 # ----------------------------------------------------------------------------------
 
-# Functions wrapped in a record_function range: (module, class or None, attribute, label).
+_MLA_TREE = "vllm_ddtree.attention_backends.mla_tree."
+# Functions wrapped in a record_function range: (module, class or None, attribute, label);
+# the "class" may be any module attribute (a Triton kernel, whose ``run`` is wrapped).
 ANNOTATED = [
     ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model",
      "vllm::execute_model"),
@@ -119,6 +121,14 @@ ANNOTATED = [
      "vllm::mla_decode"),
     ("vllm_ddtree.attention_backends.mla_tree.backend", "TreeMLAImpl", "forward_mqa",
      "ddtree::mla_decode"),
+    # inside it: the launcher's checks and buffers, and Triton's launch of each kernel
+    # (its JIT's argument binding and cache lookup, then the driver's launch)
+    (_MLA_TREE + "ops", None, "prepare_outputs", "ddtree::mla_prepare"),
+    (_MLA_TREE + "ops", None, "_launch_gluon", "ddtree::mla_gluon"),
+    (_MLA_TREE + "cascade", None, "mla_tree_verify_cascade", "ddtree::mla_cascade"),
+    (_MLA_TREE + "gluon_kernel", "_mla_tree_fwd_gluon_kernel", "run", "triton::gluon_run"),
+    (_MLA_TREE + "kernels", "_mla_tree_fwd_kernel", "run", "triton::tree_run"),
+    (_MLA_TREE + "kernels", "_mla_tree_merge_kernel", "run", "triton::merge_run"),
     # ddtree_budget: "auto" only: what it adds to a round on the host.
     ("vllm_ddtree.budget.policy", "BudgetPolicy", "observe_round", "ddtree::observe_round"),
     ("vllm_ddtree.budget.policy", "BudgetPolicy", "choose", "ddtree::budget_choice"),

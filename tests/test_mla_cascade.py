@@ -211,7 +211,7 @@ def cascade_entry(monkeypatch):
     monkeypatch.setattr(cascade, "cascade_supported", lambda *args: True)
     monkeypatch.setattr(cascade, "flashmla_context", fake_context)
     monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda q, kv, rank: True)
-    monkeypatch.setattr(ops, "mla_tree_fwd_gluon", fake_gluon)
+    monkeypatch.setattr(ops, "_launch_gluon", fake_gluon)
     monkeypatch.delenv("VLLM_DDTREE_MLA_KERNEL", raising=False)
     return record
 

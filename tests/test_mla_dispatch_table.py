@@ -92,7 +92,7 @@ def launches(monkeypatch):
         return config
 
     monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda q, kv, rank: kv.dtype == q.dtype)
-    monkeypatch.setattr(ops, "mla_tree_fwd_gluon", fake_gluon)
+    monkeypatch.setattr(ops, "_launch_gluon", fake_gluon)
     monkeypatch.setattr(ops, "fit_config", fit)
     monkeypatch.setattr(ops, "select_config", select)
     monkeypatch.setattr(dispatch, "TABLE", TABLE)

@@ -242,7 +242,7 @@ def test_fp8_never_takes_the_gluon_kernel(monkeypatch):
     from vllm_ddtree.attention_backends.mla_tree import gluon_kernel, ops
 
     calls = []
-    monkeypatch.setattr(ops, "mla_tree_fwd_gluon", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(ops, "_launch_gluon", lambda *a, **k: calls.append(1))
     monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda q, kv, rank: True)
     check(fp8_batch(MIXED[:2], page_size=4))
     assert not calls

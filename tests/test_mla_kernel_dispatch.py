@@ -31,7 +31,7 @@ def gluon_calls(monkeypatch):
         return torch.full(q.shape[:2] + (args[6],), 7.0), torch.zeros(q.shape[:2])
 
     monkeypatch.setattr(gluon_kernel, "gluon_supported", lambda *a: True)
-    monkeypatch.setattr(ops, "mla_tree_fwd_gluon", fake_gluon)
+    monkeypatch.setattr(ops, "_launch_gluon", fake_gluon)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     return calls
 
@@ -119,3 +119,37 @@ def test_runtime_splits_reach_the_gluon_launch(gluon_calls):
     mla_tree_verify(**_batch(), max_query_len=3, max_seq_len=8, validate_values=False,
                     runtime_kv_splits=True)
     assert gluon_calls[0]["runtime_kv_splits"] is True
+
+
+def test_a_gluon_launch_checks_its_inputs_once(monkeypatch):
+    """``mla_tree_verify`` checks a launch's tensors and the Gluon kernel's support once,
+    then launches (an eager step launches once per MLA layer: each check is host time);
+    ``mla_tree_fwd_gluon`` called directly still checks for itself."""
+    counts = {"checks": 0, "supported": 0, "launches": 0}
+    real_check = ops._check_mla_inputs
+
+    def check(*args, **kwargs):
+        counts["checks"] += 1
+        return real_check(*args, **kwargs)
+
+    def supported(q, kv, rank):
+        counts["supported"] += 1
+        return True
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                counts["launches"] += 1
+            return launch
+
+    monkeypatch.setattr(ops, "_check_mla_inputs", check)
+    monkeypatch.setattr(gluon_kernel, "gluon_supported", supported)
+    monkeypatch.setattr(gluon_kernel, "_mla_tree_fwd_gluon_kernel", Kernel())
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    batch = make_batch([(5, [-1, 0, 0]), (0, [-1])], kv_lora=512, rope=64, page_size=4,
+                       dtype=torch.bfloat16)
+    mla_tree_verify(**batch, max_query_len=3, max_seq_len=8, validate_values=False,
+                    num_kv_splits=1)
+    assert counts == {"checks": 1, "supported": 1, "launches": 1}
+    ops.mla_tree_fwd_gluon(**batch, num_kv_splits=1)
+    assert counts == {"checks": 2, "supported": 2, "launches": 2}

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 
 from vllm_ddtree.attention_backends.mla_tree.configs import (
     resolve_num_kv_splits,
@@ -151,7 +150,7 @@ def gqa_tree_verify(
     rows = stats.max_query_len * group
     if config is None:
         config = select_config(rows, head_dim, q.dtype)
-    row_blocks = triton.cdiv(rows, config.block_m)
+    row_blocks = -(-rows // config.block_m)
     keys = stats.max_seq_len
     if sliding_window is not None:
         keys = min(keys, sliding_window + stats.max_query_len + config.block_n)

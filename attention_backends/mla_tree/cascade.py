@@ -35,7 +35,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from . import cascade_kernel, kernels
 from .configs import MLATileConfig, mma_dtype_of, padded_dims, select_config
@@ -194,7 +193,7 @@ def tree_suffix(
         kwargs = {} if max_shared_memory is None else {"max_shared_memory": max_shared_memory}
         config = select_config(rows, head_dim, kv_lora_rank, mma_dtype_of(q.dtype), **kwargs)
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
-    grid = (triton.cdiv(rows, config.block_m), num_reqs)
+    grid = (-(-rows // config.block_m), num_reqs)
     cascade_kernel._mla_tree_suffix_kernel[grid](
         q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, out, lse,
         ctx_out, ctx_lse, scale * kernels.LOG2E,

@@ -87,15 +87,18 @@ def mma_dtype_of(q_dtype: torch.dtype) -> torch.dtype:
     q (an fp8 cache's) is widened to fp16 (exact)."""
     return torch.float16 if q_dtype == torch.float8_e4m3fn else q_dtype
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """The smallest power of two >= ``x`` (1 for ``x <= 1``); plain Python, as the
+    launchers call it per launch (Triton's host helpers are constexpr functions, a few
+    microseconds a call)."""
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
 
 
 def padded_dims(head_dim: int, kv_lora_rank: int) -> tuple[int, int]:
     """``(BLOCK_L, BLOCK_R)``: the power-of-two tile widths of the nope and rope parts."""
     rope = head_dim - kv_lora_rank
-    block_r = max(16, _next_pow2(rope)) if rope > 0 else 16
-    return _next_pow2(kv_lora_rank), block_r
+    block_r = max(16, next_pow2(rope)) if rope > 0 else 16
+    return next_pow2(kv_lora_rank), block_r
 
 
 def estimate_shared_memory_bytes(
@@ -118,7 +121,7 @@ def estimate_shared_memory_bytes(
     """
     block_l, block_r = padded_dims(head_dim, kv_lora_rank)
     width = block_l + (block_r if head_dim > kv_lora_rank else 0)
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     q_block = config.block_m * width * elem
     if config.fp8_transposed:
         kv_tiles = max(config.num_stages - 1, 1) * config.block_n * (width + block_l)
@@ -129,6 +132,7 @@ def estimate_shared_memory_bytes(
     return q_block + kv_tiles + probs + 1024
 
 
+@functools.lru_cache(maxsize=256)
 def fit_config(
     config: MLATileConfig,
     head_dim: int,
@@ -153,6 +157,7 @@ def fit_config(
     return cfg
 
 
+@functools.lru_cache(maxsize=256)
 def select_config(
     rows_per_request: int,
     head_dim: int,
@@ -163,7 +168,8 @@ def select_config(
     """The config for requests of up to ``rows_per_request = max_query_len * H`` rows.
 
     ``max_shared_memory`` is the device's shared memory per block; the large-tile
-    configs are candidates only where they fit it.
+    configs are candidates only where they fit it. Cached (as :func:`fit_config`): an
+    eager step asks it once per MLA layer with the same arguments.
     """
     candidates = list(MLA_TILE_CONFIGS)
     candidates += [

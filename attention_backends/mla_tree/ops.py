@@ -8,7 +8,6 @@ import logging
 import math
 
 import torch
-import triton
 
 from vllm_ddtree import settings
 
@@ -20,6 +19,7 @@ from .configs import (
     MLATileConfig,
     fit_config,
     mma_dtype_of,
+    next_pow2,
     padded_dims,
     resolve_num_kv_splits,
     select_config,
@@ -237,7 +237,7 @@ def merge_splits(
         merge_base, merge_count, num_heads, block_m,
         KV_LORA=width,
         BLOCK_L=block_l,
-        BLOCK_S=1 if has_active else triton.next_power_of_2(max_splits),
+        BLOCK_S=1 if has_active else next_pow2(max_splits),
         HAS_ACTIVE=has_active,
         num_warps=4,
     )  # fmt: skip
@@ -421,7 +421,7 @@ def mla_tree_verify(
     if (mode in ("auto", "cascade") and config is None and kv_scale is None
             and (active_query_lens is None or mostly_active)
             and gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank)):
-        return mla_tree_fwd_gluon(
+        return _launch_gluon(
             q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
             kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
             max_seq_len=max_seq_len, validate_values=validate_values, out=out,
@@ -446,7 +446,7 @@ def mla_tree_verify(
     else:
         budget = _max_shared_memory(q.device)
         config = fit_config(config, head_dim, kv_lora_rank, mma_dtype, budget=budget)
-    row_blocks = triton.cdiv(rows, config.block_m)
+    row_blocks = -(-rows // config.block_m)
     num_kv_splits = resolve_num_kv_splits(
         num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
         max_keys=stats.max_seq_len, block_n=config.block_n, device=q.device,
@@ -577,6 +577,23 @@ def mla_tree_fwd_gluon(
     _check_mla_inputs(q, kv_cache, scale, kv_lora_rank)
     if not gluon_kernel.gluon_supported(q, kv_cache, kv_lora_rank):
         raise ValueError("mla_tree_fwd_gluon: unsupported launch (see gluon_supported)")
+    return _launch_gluon(
+        q, kv_cache, block_table, seq_lens, query_start_loc, ancestor_bits, scale,
+        kv_lora_rank, num_kv_splits=num_kv_splits, max_query_len=max_query_len,
+        max_seq_len=max_seq_len, validate_values=validate_values, out=out,
+        runtime_kv_splits=runtime_kv_splits)
+
+
+def _launch_gluon(
+    q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, ancestor_bits: torch.Tensor,
+    scale: float, kv_lora_rank: int, *, num_kv_splits: int | None,
+    max_query_len: int | None, max_seq_len: int | None, validate_values: bool,
+    out: torch.Tensor | None, runtime_kv_splits: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mla_tree_fwd_gluon` once its inputs passed ``_check_mla_inputs`` and
+    ``gluon_supported`` (:func:`mla_tree_verify` checked them: an eager step launches
+    once per MLA layer, and each check is host time)."""
     num_tokens, num_heads, _ = q.shape
     block_m, block_n = gluon_kernel.BLOCK_M, gluon_kernel.BLOCK_N
     stats, out, lse = prepare_outputs(
@@ -586,7 +603,7 @@ def mla_tree_fwd_gluon(
     if num_reqs == 0 or stats.max_query_len == 0 or num_tokens == 0:
         return out, lse
 
-    row_blocks = triton.cdiv(stats.max_query_len * num_heads, block_m)
+    row_blocks = -(-(stats.max_query_len * num_heads) // block_m)
     num_kv_splits = resolve_num_kv_splits(
         num_kv_splits, num_requests=num_reqs, row_blocks=row_blocks,
         max_keys=stats.max_seq_len, block_n=block_n, device=q.device, ctas_per_sm=1,

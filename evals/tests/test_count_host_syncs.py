@@ -548,3 +548,34 @@ def test_range_clock_splits_unprofiled_steps_by_annotated_range(tmp_path):
         assert "`vllm::mla_prefill`" in text
     finally:
         sys.modules.pop("fake_mla_module", None)
+
+
+def test_range_clock_times_a_triton_kernels_launch(monkeypatch):
+    """A Triton kernel in ``ANNOTATED`` (its ``run`` wrapped on the kernel object) is
+    timed where the launcher launches it, ``kernel[grid](...)``, and still runs: the
+    interpreted merge kernel of the MLA launcher on the CPU."""
+    import torch
+    from refill_profile import RangeClock
+
+    from vllm_ddtree.attention_backends.mla_tree import kernels, ops
+
+    kernel = kernels._mla_tree_merge_kernel  # interpreted on the CPU (conftest)
+    monkeypatch.setattr(kernel, "run", kernel.run, raising=False)  # undone after the test
+    clock = RangeClock()
+    monkeypatch.setattr(count_host_syncs, "ANNOTATED", [
+        ("vllm_ddtree.attention_backends.mla_tree.kernels", "_mla_tree_merge_kernel", "run",
+         "triton::merge_run")])
+    assert count_host_syncs.install_annotations(clock) == ["triton::merge_run"]
+    tokens, heads, splits, width = 3, 2, 4, 16
+    out_buf = torch.randn(tokens, heads, splits, width)
+    lse_buf = torch.randn(tokens, heads, splits)
+    out = torch.empty(tokens, heads, width)
+    lse = torch.empty(tokens, heads)
+    unused = torch.zeros(tokens, dtype=torch.int32)
+    clock.enabled = True
+    ops.merge_splits(out_buf, lse_buf, out, lse, splits, 1, unused, unused, 16, width, False)
+    clock.enabled = False
+    assert clock.take_ms()["triton::merge_run"] > 0.0
+    weights = torch.softmax(lse_buf, dim=-1)
+    torch.testing.assert_close(out, (weights[..., None] * out_buf).sum(2))
+    torch.testing.assert_close(lse, torch.logsumexp(lse_buf, dim=-1))
