@@ -308,6 +308,28 @@ def oracle_tokens_per_round(table: dict, vocab_size: int, budgets: list[int],
         "calibration": calibration_curve(promised, got)}
 
 
+def round_cuts(table: dict, vocab_size: int, arms: list[int], seed: int = 0,
+               rounds: int | None = None) -> list[list[int]]:
+    """Accepted drafts of each of ``table``'s rounds, in recorded order, by the oracle's
+    tree of each budget in ``arms`` (CPU, noise 0): ``[rounds][arms]``, what the walk's
+    arm counters count for one tree cut to each arm. The rounds keep the recorded
+    stretches (a request's first rounds are harder than its later ones), which
+    ``tests/test_budget_gate.py`` replays through ``auto``'s step gate; ``rounds``: the
+    first rounds only."""
+    from vllm_ddtree.testing.oracle import true_path_depth
+    from vllm_ddtree.tree.draft_tree import build_ddtree
+
+    oracle = RankOracle(next_token_permutation(vocab_size), table, vocab_size, seed)
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(oracle.vectors.shape[0] if rounds is None else rounds):
+        logits, truth = oracle_logits_of(oracle, i, seed, gen)
+        trees = [build_ddtree(logits[None], b) for b in arms]
+        rows.append([true_path_depth(t.tokens[0].tolist(), t.parents[0].tolist(), truth)
+                     for t in trees])
+    return rows
+
+
 # The tails :func:`fit_tail` tries: the share of the non-top mass on ranks 1..cap, and
 # the power law's exponent.
 TAIL_SHARES = (0.3, 0.5, 0.7, 0.85, 0.95)
@@ -360,8 +382,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--table", default=str(TABLE_PATH))
     p.add_argument("--vocab", type=int, default=102400)
+    p.add_argument("--round-cuts", metavar="PATH",
+                   help="only write each round's accepted drafts by tree budget "
+                        "(round_cuts; budgets 1-64) as JSON to PATH")
     args = p.parse_args(argv)
     table = load_table(Path(args.table))
+    command = "python " + " ".join(["evals/e2e_oracle.py"] + (argv or sys.argv[1:]))
+    if args.round_cuts:
+        arms = [1, 2, 4, 8, 16, 32, 64]
+        rows = round_cuts(table, args.vocab, arms)
+        body = ",\n".join("  " + json.dumps(r) for r in rows)
+        Path(args.round_cuts).write_text(
+            f'{{"command": {json.dumps(command)},\n "pair": {json.dumps(table["pair"])},\n'
+            f' "arms": {json.dumps(arms)},\n "accepted": [\n{body}\n]}}\n')
+        return 0
     tail, _ = fit_tail(table, args.vocab)
     figures = oracle_tokens_per_round(table, args.vocab, [16, 64], tail=tail)
     data = json.loads(Path(args.table).read_text())
@@ -369,7 +403,7 @@ def main(argv=None) -> int:
     data["oracle_calibration"] = figures.pop("calibration")
     data["oracle_tokens_per_round"] = dict(
         figures, vocab=args.vocab,
-        command="python " + " ".join(["evals/e2e_oracle.py"] + (argv or sys.argv[1:])))
+        command=command)
     vectors = data.pop("vectors")
     body = json.dumps(data, indent=1)
     Path(args.table).write_text(body[:-2] + ',\n "vectors": ' + json.dumps(vectors) + "\n}\n")

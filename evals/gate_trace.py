@@ -104,8 +104,8 @@ def install() -> None:
         if _RECORDS is not None:
             _RECORDS.append(["u", time.perf_counter(), id(self), int(arm), float(seconds)])
 
-    def traced_committed(self, arm, tokens):
-        add_committed(self, arm, tokens)
+    def traced_committed(self, arm, tokens, trees=None):
+        add_committed(self, arm, tokens, trees)
         if _RECORDS is not None:
             _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens)])
 

@@ -500,6 +500,24 @@ def test_oracle_tokens_per_round_chain_matches_the_table_and_trees_go_deeper():
     assert stored["command"].startswith("python evals/e2e_oracle.py")
 
 
+def test_the_gate_tests_recorded_rounds_are_the_oracles():
+    """``tests/data/drafter_round_cuts.json`` (what the step gate's CPU tests replay) is
+    ``round_cuts`` of the stored table: its first rounds recomputed, every round's cuts
+    never fewer at a larger budget, at most the budget."""
+    from pathlib import Path
+
+    from e2e_oracle import round_cuts
+
+    path = Path(__file__).resolve().parents[2] / "tests" / "data" / "drafter_round_cuts.json"
+    stored = json.loads(path.read_text())
+    table = load_table()
+    assert len(stored["accepted"]) == len(table["vectors"])
+    assert round_cuts(table, 102400, stored["arms"], rounds=4) == stored["accepted"][:4]
+    for row in stored["accepted"]:
+        assert row == sorted(row) and all(a <= b for a, b in zip(row, stored["arms"], strict=True))
+    assert stored["command"].startswith("python evals/e2e_oracle.py --round-cuts")
+
+
 def test_oracle_trees_are_calibrated_like_the_embedded_drafters():
     """What the oracle's trees promise (their own node probabilities: what auto's device
     cut and gate trust) and what they commit, budget by budget, stay near the embedded

@@ -400,13 +400,13 @@ class SpeculationGate:
                 continue
             new_trees = counts[1] - last[1]
             stats = self.bucket(self._accept_reqs[slot])
-            stats.add_committed(arm, 1.0 + (counts[0] - last[0]) / new_trees)
+            stats.add_committed(arm, 1.0 + (counts[0] - last[0]) / new_trees, new_trees)
             if counts[2] < 0 or last[2] < 0:
                 continue  # no arm counters in one of the two copies
             for smaller in range(1, arm):
                 tokens = 1.0 + (counts[1 + smaller] - last[1 + smaller]) / new_trees
-                stats.add_committed(smaller, tokens)
-                stats.add_reference_cut(arm, smaller, tokens)
+                stats.add_committed(smaller, tokens, new_trees)
+                stats.add_reference_cut(arm, smaller, tokens, new_trees)
 
     def _drain_marks(self) -> None:
         """Fold every step whose end (the next step's start) completed into its bucket's

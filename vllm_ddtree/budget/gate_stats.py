@@ -28,6 +28,15 @@ SCALE_LIMIT = 2.0
 MIN_REFERENCE = 0.1
 # Weight of a new sample in an arm's committed tokens per tree (after the first 1 / it).
 EMA_WEIGHT = 0.2
+# A sample of n trees weighs 1 - exp(-n / EMA_TREES), at most EMA_WEIGHT: the figures
+# remember about this many trees at small batch. A sample is the trees since the last
+# decision, one at batch 1, where EMA_WEIGHT alone remembered five trees: a stretch of
+# hard text (a request's first rounds commit 1-2 tokens a tree, its later ones 4-9 on the
+# embedded drafter's recorded rounds) dropped the settled arm's figure below plain
+# decoding's for a few steps, and the bucket decoded plainly until a probe came back
+# (CPU simulation over those rounds in order, tests/test_budget_gate.py: 0.76-0.86 of
+# the best fixed arm at batch 1, 0.96-1.0 with this memory).
+EMA_TREES = 64.0
 # Samples the residual level and each arm's offset are the (lower) median of: one
 # interval stretched by a host stall (a GC pause, a log flush) must not move them.
 RESIDUAL_WINDOW = 15
@@ -106,15 +115,23 @@ def bucket_batches(bucket: int) -> str:
 
 @dataclass
 class Ema:
-    """An EMA that averages its first ``1 / EMA_WEIGHT`` samples equally: a probe's
-    few trees (one a step at batch 1) must not rest on the first one."""
+    """An EMA that averages its first ``1 / weight`` samples equally: a probe's few
+    trees (one a step at batch 1) must not rest on the first one."""
 
     value: float = 0.0
     count: int = 0
 
-    def add(self, sample: float) -> None:
+    def add(self, sample: float, weight: float = EMA_WEIGHT) -> None:
         self.count += 1
-        self.value += max(EMA_WEIGHT, 1.0 / self.count) * (sample - self.value)
+        self.value += max(weight, 1.0 / self.count) * (sample - self.value)
+
+
+def tree_weight(trees: int | None) -> float:
+    """The EMA weight of a committed-tokens sample averaging ``trees`` trees
+    (``EMA_TREES``); None: ``EMA_WEIGHT``."""
+    if trees is None:
+        return EMA_WEIGHT
+    return min(EMA_WEIGHT, -math.expm1(-trees / EMA_TREES))
 
 
 @dataclass
@@ -356,17 +373,19 @@ class GateStats:
             return True
         return bool(seconds[settled] > (1.0 + UNSEEN_SLACK_EDGE) * seconds[arm])
 
-    def add_committed(self, arm: int, tokens: float) -> None:
+    def add_committed(self, arm: int, tokens: float, trees: int | None = None) -> None:
+        """``arm`` committed ``tokens`` a tree over ``trees`` trees (:func:`tree_weight`)."""
         ema = self.committed[arm]
-        ema.add(tokens)
+        ema.add(tokens, tree_weight(trees))
         self.committed_tokens[arm] = ema.value
         self.committed_count[arm] = ema.count
 
-    def add_reference_cut(self, arm: int, reference: int, tokens: float) -> None:
+    def add_reference_cut(self, arm: int, reference: int, tokens: float,
+                          trees: int | None = None) -> None:
         """``arm``'s trees cut to ``reference`` (indices, ``reference < arm``) committed
-        ``tokens`` a tree."""
+        ``tokens`` a tree over ``trees`` trees."""
         ema = self.reference_cut[arm][reference]
-        ema.add(tokens)
+        ema.add(tokens, tree_weight(trees))
         self.reference_cut_tokens[arm, reference] = ema.value
 
     def reset_committed(self, arm: int) -> None:
