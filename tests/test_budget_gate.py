@@ -1361,8 +1361,8 @@ def v2lite_batch1_seconds(num_reqs: int, shape: int, drafted: bool) -> float:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_a_stretch_of_hard_rounds_does_not_send_batch_1_to_plain_decoding(seed):
-    """The recorded rounds in order at batch 1: a request's first rounds commit 1-2
-    tokens a tree, so a figure that remembered five trees (``EMA_WEIGHT`` a sample, one
+    """The recorded rounds in order at batch 1: stretches of them commit 1-2 tokens a
+    tree, so a figure that remembered five trees (``EMA_WEIGHT`` a sample, one
     tree a sample at batch 1) fell below plain decoding's for a few steps, and the
     bucket decoded plainly until a probe came back: 0.76-0.86 of the best fixed arm
     with seeds 0-2, a quarter to a third of the steps plain. A memory of ``EMA_TREES``

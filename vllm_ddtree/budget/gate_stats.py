@@ -31,9 +31,9 @@ EMA_WEIGHT = 0.2
 # A sample of n trees weighs 1 - exp(-n / EMA_TREES), at most EMA_WEIGHT: the figures
 # remember about this many trees at small batch. A sample is the trees since the last
 # decision, one at batch 1, where EMA_WEIGHT alone remembered five trees: a stretch of
-# hard text (a request's first rounds commit 1-2 tokens a tree, its later ones 4-9 on the
-# embedded drafter's recorded rounds) dropped the settled arm's figure below plain
-# decoding's for a few steps, and the bucket decoded plainly until a probe came back
+# hard text (10-round windows of the embedded drafter's recorded rounds commit 1.1 to 9.3
+# tokens a tree) dropped the settled arm's figure below plain decoding's for a few
+# steps, and the bucket decoded plainly until a probe came back
 # (CPU simulation over those rounds in order, tests/test_budget_gate.py: 0.76-0.86 of
 # the best fixed arm at batch 1, 0.96-1.0 with this memory).
 EMA_TREES = 64.0
