@@ -133,7 +133,7 @@ def gluon_supported(q: torch.Tensor, kv_cache: torch.Tensor, kv_lora_rank: int) 
     if not (q.is_cuda and kv_cache.device == q.device):
         return False
     # device_arch is cached: the driver's capability query costs tens of microseconds,
-    # and this check runs twice a launch (the dispatch, then mla_tree_fwd_gluon)
+    # and this check runs at every launch (27 a step in an eager MLA forward)
     arch = dispatch.device_arch(q.device)
     if arch is None or not arch.startswith("sm_9"):
         return False
