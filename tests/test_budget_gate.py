@@ -1366,8 +1366,10 @@ def test_a_stretch_of_hard_rounds_does_not_send_batch_1_to_plain_decoding(seed):
     tree a sample at batch 1) fell below plain decoding's for a few steps, and the
     bucket decoded plainly until a probe came back: 0.76-0.86 of the best fixed arm
     with seeds 0-2, a quarter to a third of the steps plain. A memory of ``EMA_TREES``
-    trees keeps the bucket speculating: 0.96-1.0 of the best fixed arm, and 0.99 at
-    batch 4 (where a sample is four trees; 0.96-0.99 before)."""
+    trees keeps the bucket speculating: 0.94-1.0 of the best fixed arm with seeds 0-7
+    at any memory of 8 to 64 trees (one run of 1,500 steps scatters by about 0.02); at
+    batch 4, where a sample is four trees and weighs ``EMA_WEIGHT`` as before, 0.96-0.99
+    (64 trees: 0.97-0.99)."""
     from vllm_ddtree.budget import gate_stats
 
     _, rounds = recorded_round_cuts()
@@ -1381,5 +1383,37 @@ def test_a_stretch_of_hard_rounds_does_not_send_batch_1_to_plain_decoding(seed):
         engine = RecordedRounds(seconds=v2lite_batch1_seconds, noise=0.1, seed=seed)
         shapes = engine.run(num_reqs, steps)
         best = max(fixed_rate(arm, num_reqs) for arm in BUDGETS)
-        assert engine.tokens / engine.time >= 0.95 * best, (num_reqs, gate_stats.EMA_TREES)
+        assert engine.tokens / engine.time >= 0.93 * best, (num_reqs, gate_stats.EMA_TREES)
         assert shapes.count(0) < 0.1 * steps
+
+
+class UnspeculatableAfter(RecordedRounds):
+    """The recorded rounds until ``hard`` is set, then trees that accept nothing: a
+    request (at batch 1, the batch) whose text the drafter cannot predict."""
+
+    hard = False
+
+    def accepted_at(self, num_reqs, draws, arm):
+        return 0.0 if self.hard else super().accepted_at(num_reqs, draws, arm)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batch_1_goes_plain_soon_when_the_drafter_stops_being_right(seed):
+    """After 600 recorded rounds every tree commits only its bonus token: the gate must
+    see it in tens of trees, not a hundred. Seeds 0-7: a memory of 64 trees first
+    decoded plainly after 91-112 such steps (seeds 0-2) and made 0.82-0.86 of plain
+    decoding's rate over the next 500; ``EMA_TREES`` = 12 after 16-27 steps, 0.93-0.95;
+    five trees (``EMA_WEIGHT`` alone) after 3-11, 0.96-0.97 (seeds 0-2), but below
+    eight trees the recorded rounds' hard stretches win (the test above)."""
+    from vllm_ddtree.budget import gate_stats
+
+    engine = UnspeculatableAfter(seconds=v2lite_batch1_seconds, noise=0.1, seed=seed)
+    engine.run(1, 600)
+    engine.hard = True
+    time, tokens = engine.time, engine.tokens
+    shapes = engine.run(1, 500)
+    plain_rate = 1 / (v2lite_batch1_seconds(1, 0, False) * noise_mean(0.1))
+    first_plain = shapes.index(0) if 0 in shapes else len(shapes)
+    assert first_plain <= 50, (first_plain, gate_stats.EMA_TREES)
+    rate = (engine.tokens - tokens) / (engine.time - time)
+    assert rate >= 0.9 * plain_rate, (rate / plain_rate, gate_stats.EMA_TREES)

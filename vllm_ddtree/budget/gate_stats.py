@@ -29,14 +29,16 @@ MIN_REFERENCE = 0.1
 # Weight of a new sample in an arm's committed tokens per tree (after the first 1 / it).
 EMA_WEIGHT = 0.2
 # A sample of n trees weighs 1 - exp(-n / EMA_TREES), at most EMA_WEIGHT: the figures
-# remember about this many trees at small batch. A sample is the trees since the last
-# decision, one at batch 1, where EMA_WEIGHT alone remembered five trees: a stretch of
-# hard text (10-round windows of the embedded drafter's recorded rounds commit 1.1 to 9.3
-# tokens a tree) dropped the settled arm's figure below plain decoding's for a few
-# steps, and the bucket decoded plainly until a probe came back
-# (CPU simulation over those rounds in order, tests/test_budget_gate.py: 0.76-0.86 of
-# the best fixed arm at batch 1, 0.96-1.0 with this memory).
-EMA_TREES = 64.0
+# remember about this many trees at batch 1-2 (a sample is the trees since the last
+# decision, one at batch 1). Five trees (EMA_WEIGHT alone) let a stretch of hard text
+# drop the settled arm below plain decoding's for a few steps (10-round windows of the
+# embedded drafter's recorded rounds commit 1.1 to 9.3 tokens a tree); a long memory
+# keeps drafting a request the drafter cannot predict. CPU simulation over those rounds
+# in order (tests/test_budget_gate.py, batch 1, 4-8 seeds): 8 to 64 trees all reach
+# 0.94-1.0 of the best fixed arm where five reached 0.76-0.86 (seeds 0-2); after the
+# trees stop committing drafts, 12 trees decode plainly within 16-27 steps (0.93-0.95
+# of plain decoding's rate over 500 steps) where 64 took about a hundred (0.82-0.86).
+EMA_TREES = 12.0
 # Samples the residual level and each arm's offset are the (lower) median of: one
 # interval stretched by a host stall (a GC pause, a log flush) must not move them.
 RESIDUAL_WINDOW = 15

@@ -84,8 +84,9 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   consecutive steps, their attention growing with the prompt, would fill the level's
   window. ``E(a)`` =
   tokens committed per tree of that arm's trees (an EMA of DDTree's device counters
-  that remembers about 64 trees at small batch, ``gate_stats.EMA_TREES``: a stretch of
-  hard rounds must not flip batch 1 to plain decoding; copied to pinned memory at each
+  that remembers about 12 trees at batch 1-2, ``gate_stats.EMA_TREES``: a stretch of
+  hard rounds must not flip batch 1 to plain decoding, nor a request the drafter cannot
+  predict keep drafting for a hundred steps; copied to pinned memory at each
   decision, the held steps' trees with it, and read once their copy completed; 1 for plain
   decoding; for an arm without counted trees the nearest arm's figure). The walk also
   counts what each tree would have accepted cut to every arm's size (the accepted
