@@ -18,7 +18,9 @@
 #              when present, and a compile cache saved by `savecache`
 #   kernels    MLA and GQA tree-verify kernels against their references; the Gluon sm_90
 #              kernel (-x, short limit: a wrong barrier phase hangs rather than fails);
-#              the round's Triton kernels of tests/ compiled for this GPU
+#              the round's Triton kernels of tests/ compiled for this GPU (about 230 of
+#              them ran in 300 s on a cold H100: the three parts take up to 15 minutes, so
+#              `kernels` wants a call of its own after install)
 #   backend    the CUSTOM attention backends in vLLM: MLA against TRITON_MLA /
 #              FLASH_ATTN_MLA, GQA against FLASH_ATTN (tiny models, 4 engines each)
 #   fp8        the MLA tree kernel on an fp8 (e4m3) latent cache against the reference, and
@@ -41,7 +43,8 @@
 #   graphs     the same with CUDA graphs (also one KV-cache group), after the graph-capture
 #              unit tests (drafter context K/V graphs, tree store, auto's attention timer)
 #   auto       ddtree_budget "auto" (B <= 32) against AR: eager, CUDA graphs, fixed shape
-#              and the cycled adaptive shapes
+#              and the cycled adaptive shapes (5 engines: on a cold H100 the first four took
+#              400 s; give it a call of its own)
 #   cycled     only the cycled adaptive-shape test (budgets forced through 0..32, 0 = plain
 #              decoding steps)
 #   schedule   num_speculative_tokens_per_batch_size with method ddtree (budget per batch
@@ -442,7 +445,7 @@ for stage in "$@"; do
       stage_pytest kernels 300 tests/gpu/test_mla_tree_kernel_gpu.py tests/gpu/test_gqa_tree_kernel_gpu.py \
         -k "not fp8 and not sm120"
       stage_pytest kernels_gluon 150 -x tests/gpu/test_mla_gluon_kernel_gpu.py
-      stage_pytest kernels_round 300 tests/test_tree_build_kernel.py tests/test_tree_store_kernel.py \
+      stage_pytest kernels_round 480 tests/test_tree_build_kernel.py tests/test_tree_store_kernel.py \
         tests/test_vocab_top_k_kernel.py tests/test_tree_walk_kernel.py tests/test_active_query_rows.py \
         tests/test_verify_inputs_kernel.py tests/test_kv_compaction_kernel.py \
         tests/test_budget_choice_kernel.py tests/test_context_rows.py tests/test_dflash_inputs_kernel.py ;;
@@ -465,7 +468,7 @@ for stage in "$@"; do
       stage_pytest graphs_capture 240 tests/gpu/test_context_kv_graphs_gpu.py \
         tests/gpu/test_tree_store_graph_gpu.py tests/gpu/test_attention_graph_timer_gpu.py
       stage_pytest graphs 420 tests/gpu/test_ddtree_vllm.py -k "graphs and not auto" ;;
-    auto) stage_pytest auto 480 tests/gpu/test_ddtree_vllm.py -k auto ;;
+    auto) stage_pytest auto 560 tests/gpu/test_ddtree_vllm.py -k auto ;;
     cycled) stage_pytest cycled 400 tests/gpu/test_ddtree_vllm.py -k cycled ;;
     schedule) stage_pytest schedule 540 tests/gpu/test_ddtree_plain_steps_vllm.py ;;
     tiny) stage_pytest tiny 420 tests/gpu/test_ddtree_vllm.py -k tiny_random ;;
