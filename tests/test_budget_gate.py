@@ -1366,7 +1366,7 @@ def test_a_stretch_of_hard_rounds_does_not_send_batch_1_to_plain_decoding(seed):
     tree a sample at batch 1) fell below plain decoding's for a few steps, and the
     bucket decoded plainly until a probe came back: 0.76-0.86 of the best fixed arm
     with seeds 0-2, a quarter to a third of the steps plain. A memory of ``EMA_TREES``
-    trees keeps the bucket speculating: 0.94-1.0 of the best fixed arm with seeds 0-7
+    trees keeps the bucket speculating: 0.94-1.0 of the best fixed arm (seeds 0-3 or 0-7)
     at any memory of 8 to 64 trees (one run of 1,500 steps scatters by about 0.02); at
     batch 4, where a sample is four trees and weighs ``EMA_WEIGHT`` as before, 0.96-0.99
     (64 trees: 0.97-0.99)."""
