@@ -26,7 +26,13 @@ decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batc
   of 5 rows = 15 tokens; 16 was captured for 2-row queries), and the step would run
   piecewise. When that happens the patch takes the smallest FULL graph of the same
   query length that holds the batch (the runner pads requests and tokens, as for
-  any FULL graph).
+  any FULL graph). The same lookup leaves a batch that holds a prefill without any
+  graph where its token count falls just below a count captured only for uniform
+  decodes (``round_up(size, 1 + s)``, not a capture size): with auto's shapes 303 of
+  the counts 2-512 of vLLM's default capture sizes, with a fixed B = 64 28 (65, 129,
+  130, ...), and such a step ran eagerly, every layer's kernels launched from Python.
+  In any DDTree run the patch then takes the smallest graph of the mixed mode
+  (PIECEWISE) that holds the batch, as vLLM does where no decode count shadows it.
 * ``capture`` of that manager: each verify graph of one request, and with auto's
   step gate of 1, 2, 4, ... requests, is replayed right after its capture
   (``vllm_ddtree.budget.verify_costs``); with the gate, the drafter's graphs too. Then
@@ -38,7 +44,8 @@ decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batc
   exits.
 
 All are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` (adaptive
-verify shapes) or a batch schedule.
+verify shapes) or a batch schedule, except ``dispatch``'s mixed-batch fallback, which
+serves every DDTree run.
 """
 
 from __future__ import annotations
@@ -62,6 +69,13 @@ def verify_shapes(vllm_config, max_num_reqs: int) -> list[int] | None:
     return step_shapes(ddtree_config_of(vllm_config.speculative_config),
                        parallel.tensor_parallel_size, max_num_reqs,
                        getattr(parallel, "data_parallel_size", 1))
+
+
+def ddtree_run(vllm_config) -> bool:
+    """Whether the process's speculative method is DDTree (any budget)."""
+    from vllm_ddtree.runtime_state import ddtree_config_of
+
+    return ddtree_config_of(vllm_config.speculative_config) is not None
 
 
 def gate_timings(vllm_config) -> bool:
@@ -143,6 +157,7 @@ def apply() -> None:
         shapes = None
         if isinstance(self, ModelCudaGraphManager):
             shapes = verify_shapes(self.vllm_config, self.max_num_reqs)
+            self._ddtree_mixed_fallback = ddtree_run(self.vllm_config)
         self._ddtree_shapes = shapes
         if shapes is None:
             return original_candidates(self)
@@ -159,14 +174,26 @@ def apply() -> None:
     def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
         desc = original_dispatch(self, num_reqs, num_tokens, uniform_token_count,
                                  num_active_loras)
-        if (desc.cg_mode == CUDAGraphMode.FULL or uniform_token_count is None
-                or not getattr(self, "_ddtree_shapes", None) or not self._graphs_captured):
+        if desc.cg_mode == CUDAGraphMode.FULL or not self._graphs_captured:
             return desc
         loras = self._resolve_effective_loras(num_active_loras)
-        fits = [d for d in self._capture_descs.get(CUDAGraphMode.FULL, [])
-                if d in self.graphs and d.uniform_token_count == uniform_token_count
-                and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
-        return min(fits, key=lambda d: d.num_tokens) if fits else desc
+
+        def smallest(mode, uniform):
+            fits = [d for d in self._capture_descs.get(mode, [])
+                    if (mode != CUDAGraphMode.FULL or d in self.graphs)
+                    and (uniform is None or d.uniform_token_count == uniform)
+                    and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
+            return min(fits, key=lambda d: d.num_tokens) if fits else None
+
+        if uniform_token_count is not None and getattr(self, "_ddtree_shapes", None):
+            full = smallest(CUDAGraphMode.FULL, uniform_token_count)
+            if full is not None:
+                return full
+        if desc.cg_mode == CUDAGraphMode.NONE and getattr(self, "_ddtree_mixed_fallback", False):
+            mixed = self.cudagraph_mode.mixed_mode()
+            if mixed != CUDAGraphMode.NONE:
+                return smallest(mixed, None) or desc
+        return desc
 
     def capture(self, create_forward_fn, *args, **kwargs):
         timer = _shape_timer(self)
