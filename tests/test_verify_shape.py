@@ -240,6 +240,15 @@ def full_decode_lengths(manager) -> set[int]:
     return {d.uniform_token_count for d in manager._capture_descs[CUDAGraphMode.FULL]}
 
 
+def mark_captured(manager) -> None:
+    """As after ``capture``: every planned FULL graph exists (a stand-in), no LoRA."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    manager.graphs = dict.fromkeys(manager._capture_descs[CUDAGraphMode.FULL], "graph")
+    manager._graphs_captured = True
+    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+
+
 @pytest.fixture
 def shape_patch(monkeypatch):
     """``vllm_ddtree.patches.verify_shapes`` applied over this test's own copies of the two vLLM
@@ -275,9 +284,7 @@ def test_graph_manager_plans_every_verify_shape(shape_patch):
     from vllm.config.compilation import CUDAGraphMode
 
     full = manager._capture_descs[CUDAGraphMode.FULL]
-    manager.graphs = dict.fromkeys(full, "graph")
-    manager._graphs_captured = True
-    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    mark_captured(manager)
     vllm_dispatch = manager.dispatch._ddtree_original.__get__(manager)
     rescued = 0
     for reqs in (1, 2, 3, 4):
@@ -306,9 +313,7 @@ def test_batches_with_a_prefill_replay_the_smallest_piecewise_graph(shape_patch,
 
     manager, _ = graph_manager(ddtree)
     manager._init_candidates()
-    manager.graphs = dict.fromkeys(manager._capture_descs[CUDAGraphMode.FULL], "graph")
-    manager._graphs_captured = True
-    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    mark_captured(manager)
     vllm_dispatch = manager.dispatch._ddtree_original.__get__(manager)
     sizes = manager.compilation_config.cudagraph_capture_sizes
     eager_in_vllm = 0
@@ -323,13 +328,10 @@ def test_batches_with_a_prefill_replay_the_smallest_piecewise_graph(shape_patch,
 
 
 def test_other_methods_keep_vllms_mixed_batch_dispatch(shape_patch):
-    from vllm.config.compilation import CUDAGraphMode
 
     manager, _ = graph_manager(None)
     manager._init_candidates()
-    manager.graphs = dict.fromkeys(manager._capture_descs[CUDAGraphMode.FULL], "graph")
-    manager._graphs_captured = True
-    manager._lora_dispatch_map, manager._max_lora_case = {}, 0
+    mark_captured(manager)
     vllm_dispatch = manager.dispatch._ddtree_original.__get__(manager)
     for tokens in range(2, 33):
         assert manager.dispatch(2, tokens, None, 0) == vllm_dispatch(2, tokens, None, 0)
