@@ -174,7 +174,11 @@ def apply() -> None:
     def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
         desc = original_dispatch(self, num_reqs, num_tokens, uniform_token_count,
                                  num_active_loras)
-        if desc.cg_mode == CUDAGraphMode.FULL or not self._graphs_captured:
+        rescue_full = uniform_token_count is not None and getattr(self, "_ddtree_shapes", None)
+        rescue_mixed = (desc.cg_mode == CUDAGraphMode.NONE
+                        and getattr(self, "_ddtree_mixed_fallback", False))
+        if (desc.cg_mode == CUDAGraphMode.FULL or not self._graphs_captured
+                or not (rescue_full or rescue_mixed)):
             return desc
         loras = self._resolve_effective_loras(num_active_loras)
 
@@ -185,11 +189,11 @@ def apply() -> None:
                     and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
             return min(fits, key=lambda d: d.num_tokens) if fits else None
 
-        if uniform_token_count is not None and getattr(self, "_ddtree_shapes", None):
+        if rescue_full:
             full = smallest(CUDAGraphMode.FULL, uniform_token_count)
             if full is not None:
                 return full
-        if desc.cg_mode == CUDAGraphMode.NONE and getattr(self, "_ddtree_mixed_fallback", False):
+        if rescue_mixed:
             mixed = self.cudagraph_mode.mixed_mode()
             if mixed != CUDAGraphMode.NONE:
                 return smallest(mixed, None) or desc
