@@ -31,8 +31,9 @@ decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batc
   decodes (``round_up(size, 1 + s)``, not a capture size): with auto's shapes 303 of
   the counts 2-512 of vLLM's default capture sizes, with a fixed B = 64 28 (65, 129,
   130, ...), and such a step ran eagerly, every layer's kernels launched from Python.
-  In any DDTree run the patch then takes the smallest graph of the mixed mode
-  (PIECEWISE) that holds the batch, as vLLM does where no decode count shadows it.
+  In any DDTree run ``_init_candidates`` adds to each such count's candidates the
+  smallest graph of the mixed mode (PIECEWISE) that holds it, which vLLM's dispatch
+  then finds as it does where no decode count shadows it.
 * ``capture`` of that manager: each verify graph of one request, and with auto's
   step gate of 1, 2, 4, ... requests, is replayed right after its capture
   (``vllm_ddtree.budget.verify_costs``); with the gate, the drafter's graphs too. Then
@@ -44,8 +45,8 @@ decoding steps (b = 0), and the batch schedule ``num_speculative_tokens_per_batc
   exits.
 
 All are no-ops unless the process runs DDTree with ``ddtree_budget: "auto"`` (adaptive
-verify shapes) or a batch schedule, except ``dispatch``'s mixed-batch fallback, which
-serves every DDTree run.
+verify shapes) or a batch schedule, except the mixed-batch candidates of
+``_init_candidates``, which serve every DDTree run.
 """
 
 from __future__ import annotations
@@ -76,6 +77,23 @@ def ddtree_run(vllm_config) -> bool:
     from vllm_ddtree.runtime_state import ddtree_config_of
 
     return ddtree_config_of(vllm_config.speculative_config) is not None
+
+
+def add_mixed_candidates(manager) -> None:
+    """Each token count whose candidates hold no graph of the mixed mode (a count
+    captured only for uniform decodes, ``round_up(size, 1 + s)``) also gets the
+    mixed mode's smallest graph that holds it, last: vLLM's dispatch keeps its
+    order and otherwise runs such a batch eagerly. Once, at start-up."""
+    mixed = manager.cudagraph_mode.mixed_mode() if manager.cudagraph_mode else None
+    descs = sorted(manager._capture_descs.get(mixed, []) if mixed else [],
+                   key=lambda d: d.num_tokens)
+    for (tokens, loras), candidates in list(manager._candidates.items()):
+        if any(d.cg_mode == mixed and d.uniform_token_count is None for d in candidates):
+            continue
+        holds = next((d for d in descs if d.num_tokens >= tokens
+                      and d.num_active_loras == loras), None)
+        if holds is not None:
+            manager._candidates[(tokens, loras)] = [*candidates, holds]
 
 
 def gate_timings(vllm_config) -> bool:
@@ -155,49 +173,36 @@ def apply() -> None:
 
     def _init_candidates(self):
         shapes = None
-        if isinstance(self, ModelCudaGraphManager):
+        ddtree = isinstance(self, ModelCudaGraphManager) and ddtree_run(self.vllm_config)
+        if ddtree:
             shapes = verify_shapes(self.vllm_config, self.max_num_reqs)
-            self._ddtree_mixed_fallback = ddtree_run(self.vllm_config)
         self._ddtree_shapes = shapes
         if shapes is None:
-            return original_candidates(self)
-        spec = self.vllm_config.speculative_config
-        saved = spec.num_speculative_tokens_per_batch_size
-        spec.num_speculative_tokens_per_batch_size = [
-            (1, self.max_num_reqs, s) for s in shapes
-        ]
-        try:
-            return original_candidates(self)
-        finally:
-            spec.num_speculative_tokens_per_batch_size = saved
+            original_candidates(self)
+        else:
+            spec = self.vllm_config.speculative_config
+            saved = spec.num_speculative_tokens_per_batch_size
+            spec.num_speculative_tokens_per_batch_size = [
+                (1, self.max_num_reqs, s) for s in shapes
+            ]
+            try:
+                original_candidates(self)
+            finally:
+                spec.num_speculative_tokens_per_batch_size = saved
+        if ddtree:
+            add_mixed_candidates(self)
 
     def dispatch(self, num_reqs, num_tokens, uniform_token_count, num_active_loras):
         desc = original_dispatch(self, num_reqs, num_tokens, uniform_token_count,
                                  num_active_loras)
-        rescue_full = uniform_token_count is not None and getattr(self, "_ddtree_shapes", None)
-        rescue_mixed = (desc.cg_mode == CUDAGraphMode.NONE
-                        and getattr(self, "_ddtree_mixed_fallback", False))
-        if (desc.cg_mode == CUDAGraphMode.FULL or not self._graphs_captured
-                or not (rescue_full or rescue_mixed)):
+        if (desc.cg_mode == CUDAGraphMode.FULL or uniform_token_count is None
+                or not getattr(self, "_ddtree_shapes", None) or not self._graphs_captured):
             return desc
         loras = self._resolve_effective_loras(num_active_loras)
-
-        def smallest(mode, uniform):
-            fits = [d for d in self._capture_descs.get(mode, [])
-                    if (mode != CUDAGraphMode.FULL or d in self.graphs)
-                    and (uniform is None or d.uniform_token_count == uniform)
-                    and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
-            return min(fits, key=lambda d: d.num_tokens) if fits else None
-
-        if rescue_full:
-            full = smallest(CUDAGraphMode.FULL, uniform_token_count)
-            if full is not None:
-                return full
-        if rescue_mixed:
-            mixed = self.cudagraph_mode.mixed_mode()
-            if mixed != CUDAGraphMode.NONE:
-                return smallest(mixed, None) or desc
-        return desc
+        fits = [d for d in self._capture_descs.get(CUDAGraphMode.FULL, [])
+                if d in self.graphs and d.uniform_token_count == uniform_token_count
+                and _is_compatible(d, num_reqs, num_tokens, uniform_token_count, loras)]
+        return min(fits, key=lambda d: d.num_tokens) if fits else desc
 
     def capture(self, create_forward_fn, *args, **kwargs):
         timer = _shape_timer(self)

@@ -304,31 +304,39 @@ def test_graph_manager_plans_every_verify_shape(shape_patch):
 
 @pytest.mark.parametrize("ddtree", [DDTreeConfig(budget=8, adaptive=True), DDTreeConfig(budget=8)],
                          ids=["auto", "fixed-budget"])
-def test_batches_with_a_prefill_replay_the_smallest_piecewise_graph(shape_patch, ddtree):
+def test_batches_with_a_prefill_replay_the_smallest_piecewise_graph(shape_patch, ddtree,
+                                                                    monkeypatch):
     """vLLM looks only at the smallest captured count >= the batch's; where that count
-    was captured for uniform decodes alone (``round_up(size, 1 + s)``: 3, 5, 9, 10, 18,
-    27 here), a batch holding a prefill found no graph and ran eagerly. Every such batch
-    now replays the smallest PIECEWISE graph that holds it."""
+    was captured for uniform decodes alone (``round_up(size, 1 + s)``), a batch holding
+    a prefill found no graph and ran eagerly. Every such batch now replays the smallest
+    PIECEWISE graph that holds it (``add_mixed_candidates``)."""
     from vllm.config.compilation import CUDAGraphMode
+
+    import vllm_ddtree.patches.verify_shapes as verify_shapes
 
     manager, _ = graph_manager(ddtree)
     manager._init_candidates()
     mark_captured(manager)
-    vllm_dispatch = manager.dispatch._ddtree_original.__get__(manager)
+    with monkeypatch.context() as m:  # vLLM's candidates alone: the witness
+        m.setattr(verify_shapes, "add_mixed_candidates", lambda manager: None)
+        witness, _ = graph_manager(ddtree)
+        witness._init_candidates()
+        mark_captured(witness)
     sizes = manager.compilation_config.cudagraph_capture_sizes
     eager_in_vllm = 0
     for tokens in range(2, max(sizes) + 1):
         desc = manager.dispatch(2, tokens, None, 0)
         assert desc.cg_mode == CUDAGraphMode.PIECEWISE
         assert desc.num_tokens == min(n for n in sizes if n >= tokens)
-        eager_in_vllm += vllm_dispatch(2, tokens, None, 0).cg_mode == CUDAGraphMode.NONE
+        eager_in_vllm += witness.dispatch(2, tokens, None, 0).cg_mode == CUDAGraphMode.NONE
     assert eager_in_vllm >= 3  # 9 (-> 9: 9-row decodes only), 10, 17-18 at least
     # past the largest capture size a batch still runs eagerly
     assert manager.dispatch(2, max(sizes) + 1, None, 0).cg_mode == CUDAGraphMode.NONE
 
 
 def test_other_methods_keep_vllms_mixed_batch_dispatch(shape_patch):
-
+    """Without DDTree the candidates are vLLM's own (its chain's decode counts are
+    capture sizes here, so no mixed batch is left without a graph)."""
     manager, _ = graph_manager(None)
     manager._init_candidates()
     mark_captured(manager)
