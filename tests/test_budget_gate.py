@@ -856,6 +856,74 @@ def test_an_arm_past_a_slower_neighbour_is_probed_when_the_requests_change():
     assert shapes.count(64) >= 900, {a: shapes.count(a) for a in set(shapes)}
 
 
+class BlankTreesAt64(Engine):
+    """Trees verified at 64 drafts accept nothing (at any cut) for the next ``blank``
+    steps that verify 64: a hard stretch that one probe of 64 happens to meet."""
+
+    blank = 0
+
+    def run(self, num_reqs: int, steps: int) -> list[int]:
+        shapes = []
+        for _ in range(steps):
+            self._arm = self.gate.arm  # the arm decided for this step
+            shapes += super().run(num_reqs, 1)
+            if shapes[-1] == 64 and self.blank:
+                self.blank -= 1
+        return shapes
+
+    def accepted_at(self, num_reqs, draws, arm):
+        if self.blank and self._arm == 64:
+            return 0.0
+        return super().accepted_at(num_reqs, draws, arm)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_a_probe_whose_trees_accepted_nothing_runs_again(seed):
+    """Settled on 32 drafts (64 commit the same and verify 10 % slower), then 64 drafts
+    commit 4.6 tokens a tree against 32's 4.0 at about the same step, and the first
+    probe of 64 meets three trees that accept nothing: without the retry the bucket
+    stayed on 32 until the schedule's next probe of 64, about 2,000 steps later (16
+    of 16 runs, noise 0 and 0.05); with it 64 runs at least 0.99 of the next 600
+    steps in 15 of 16 (seed 0 at noise 0.05 stays: the retried probe's three trees
+    committed 4.33 a tree, within the noise of the residuals)."""
+    def slow_64(num_reqs: int, shape: int, drafted: bool) -> float:
+        return v2lite_batch1_seconds(num_reqs, shape, drafted) * (1.1 if shape == 64 else 1.0)
+
+    even = dict(COMMITTED)
+    even.update({8: 3.2, 16: 3.6, 32: 4.0, 64: 4.0})
+    engine = BlankTreesAt64(seconds=slow_64, committed=even, noise=0.05, seed=seed)
+    engine.run(1, 400)
+    assert engine.gate.settled_arms() == {0: 32}
+    engine.seconds, engine.blank = v2lite_batch1_seconds, 3
+    engine.committed = dict(even)
+    engine.committed[64] = 4.6
+    shapes = engine.run(1, 1200)
+    assert engine.blank == 0  # a probe of 64 met the blank trees
+    first = shapes.index(64)
+    assert shapes[first:first + 600].count(64) >= 0.9 * 600
+
+
+def test_a_probe_retries_at_most_twice_while_its_trees_accept_nothing():
+    """Trees of 64 drafts that never accept anything (a stand-in for a stretch of text
+    the larger tree cannot help, the settled arm's trees unchanged): each probe of 64
+    runs again at most ``BLANK_PROBE_RETRIES`` times, so 64 never runs more than
+    ``(1 + BLANK_PROBE_RETRIES) * PROBE_STEPS`` steps in a row."""
+    from vllm_ddtree.budget.gate_probes import BLANK_PROBE_RETRIES
+
+    def slow_64(num_reqs: int, shape: int, drafted: bool) -> float:
+        return v2lite_batch1_seconds(num_reqs, shape, drafted) * (1.1 if shape == 64 else 1.0)
+
+    even = dict(COMMITTED)
+    even.update({8: 3.2, 16: 3.6, 32: 4.0, 64: 4.0})
+    engine = BlankTreesAt64(seconds=slow_64, committed=even, noise=0.05, seed=0)
+    engine.run(1, 400)
+    engine.seconds, engine.blank = v2lite_batch1_seconds, 10**6
+    shapes = engine.run(1, 1500)
+    runs = "".join("x" if s == 64 else "." for s in shapes).split(".")
+    longest = max(len(r) for r in runs)
+    assert 0 < longest <= (1 + BLANK_PROBE_RETRIES) * PROBE_STEPS
+
+
 def test_forget_starts_every_bucket_afresh():
     """``forget`` (the benchmarks call it after their warm-up on random prompts) drops
     every bucket's measurements: the gate then settles where a fresh one does."""

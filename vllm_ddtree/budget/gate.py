@@ -30,7 +30,8 @@ module holds the decision, :class:`SpeculationGate`:
   than both plain decoding and a larger arm: a search through neighbours stops short of
   it), the way back from plain decoding, and, on a doubling schedule, every neighbour
   again (acceptance changes with the requests) and plain decoding where the settled arm
-  is predicted at most ``PLAIN_PROBE_MARGIN`` faster.
+  is predicted at most ``PLAIN_PROBE_MARGIN`` faster; a probe of a larger arm whose
+  trees, cut to the settled arm, accepted no draft runs again (``blank_probe_retry``).
 
 A decision holds for several steps where the gate's own host time would otherwise
 show in the step's (:meth:`SpeculationGate.decide`): at batch 1 the step's time is the
@@ -66,8 +67,10 @@ import numpy as np
 import torch
 
 from vllm_ddtree.budget.gate_probes import (
+    BLANK_PROBE_RETRIES,
     PROBE_INTERVAL,
     PROBE_STEPS,
+    blank_probe_retry,
     probe_target,
     restart_interval,
 )
@@ -571,11 +574,16 @@ class SpeculationGate:
                 self._log_pending = True
             elif stats.decisions - stats.last_probe[best] > 2 * PROBE_STEPS:
                 target = best  # confirm it first (its last probe's samples are in)
+        retries = BLANK_PROBE_RETRIES
+        retry = blank_probe_retry(stats, current)
+        if target is None and retry is not None:
+            target, retries = retry
         if target is None:
             target = probe_target(stats, current, rates, measured, num_arms)
         if target is None:
             return self.arms[current]
         self.probe = _Probe(home, target, PROBE_STEPS - 1)
+        stats.blank_probe = (target, retries) if 0 < current < target else None
         stats.probed.add(target)
         stats.last_probe[target] = stats.decisions
         stats.probed_figure = None

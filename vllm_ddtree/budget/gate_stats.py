@@ -203,6 +203,9 @@ class GateStats:
         self.stale_since = 0
         self.probed_figure: tuple[int, float] | None = None  # a probed arm's figure before
         self.probed: set[int] = set()  # arms probed here (first-time probes run once)
+        # (arm, retries left) of the last probe above the settled arm, until its trees are
+        # in (gate_probes.blank_probe_retry)
+        self.blank_probe: tuple[int, int] | None = None
         self.last_probe = np.full(num_arms, -1, dtype=np.int64)  # decision of the last probe
         # prefill attention pairs of the bucket's last timed steps (0: none)
         self.prefill_pairs: deque[int] = deque(maxlen=PREFILL_WINDOW)

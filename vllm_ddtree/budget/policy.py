@@ -113,7 +113,9 @@ shapes, capping the step's shape (the device still picks ``b <= s``):
   and where one draft loses to plain decoding a larger tree may still win. The
   interval doubles up to 1,024 and restarts when the settled arm's committed tokens per
   tree (from plain decoding: a probed arm's) move by 20 % (the requests changed);
-  decisions, not steps: under a hold of up to 16 steps they are further apart. A
+  decisions, not steps: under a hold of up to 16 steps they are further apart. A probe
+  of a larger arm whose trees, cut to the settled arm, accepted no draft says nothing of
+  what the larger tree adds: it runs again at once, at most twice in a row. A
   speculative step after plain ones loses nothing: a plain step's ``propose`` still
   writes the drafter's context K/V of the tokens it committed
   (``DDTreeSpeculator._store_context_kv``), only the block pass is skipped, so the
