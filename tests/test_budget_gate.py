@@ -924,6 +924,30 @@ def test_a_probe_retries_at_most_twice_while_its_trees_accept_nothing():
     assert 0 < longest <= (1 + BLANK_PROBE_RETRIES) * PROBE_STEPS
 
 
+def test_blank_probe_retry_waits_for_the_trees_and_keeps_to_the_cap():
+    """``blank_probe_retry`` on a bucket settled on 32 drafts (index 6) after a probe
+    of 64 (index 7): nothing until the probe's trees are in, then a retry only where
+    they accepted no draft cut to 32, the retries last, and 64 is within the cap."""
+    from vllm_ddtree.budget.gate_probes import blank_probe_retry
+
+    def probed(tokens_cut_to_32: float, trees: int = PROBE_STEPS):
+        stats = SpeculationGate(cost_model(), "cpu", ARMS).bucket(1)
+        stats.settled, stats.blank_probe = 6, (7, 2)
+        for _ in range(trees):
+            stats.add_committed(7, tokens_cut_to_32)
+            stats.add_reference_cut(7, 6, tokens_cut_to_32)
+        return stats
+
+    assert blank_probe_retry(probed(1.0, trees=PROBE_STEPS - 2), 6, 8) is None  # not in
+    assert blank_probe_retry(probed(1.0), 6, 8) == (7, 1)
+    assert blank_probe_retry(probed(2.5), 6, 8) is None  # the trees accepted drafts
+    assert blank_probe_retry(probed(1.0), 6, 7) is None  # 64 above the batch's cap
+    assert blank_probe_retry(probed(1.0), 0, 8) is None  # the bucket decodes plainly
+    stats = probed(1.0)
+    stats.blank_probe = (7, 0)
+    assert blank_probe_retry(stats, 6, 8) is None and stats.blank_probe is None
+
+
 def test_forget_starts_every_bucket_afresh():
     """``forget`` (the benchmarks call it after their warm-up on random prompts) drops
     every bucket's measurements: the gate then settles where a fresh one does."""

@@ -575,7 +575,7 @@ class SpeculationGate:
             elif stats.decisions - stats.last_probe[best] > 2 * PROBE_STEPS:
                 target = best  # confirm it first (its last probe's samples are in)
         retries = BLANK_PROBE_RETRIES
-        retry = blank_probe_retry(stats, current)
+        retry = blank_probe_retry(stats, current, num_arms)
         if target is None and retry is not None:
             target, retries = retry
         if target is None:

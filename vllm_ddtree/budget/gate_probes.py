@@ -31,9 +31,11 @@ __all__ = ["BLANK_PROBE_RETRIES", "PROBE_INTERVAL", "PROBE_STEPS", "blank_probe_
            "probe_target", "restart_interval"]
 
 
-def blank_probe_retry(stats: GateStats, current: int) -> tuple[int, int] | None:
+def blank_probe_retry(stats: GateStats, current: int,
+                      num_arms: int) -> tuple[int, int] | None:
     """``(arm, retries left)`` where the last probe of an arm above the speculative
-    arm ``current`` (index) drew only trees that, cut to ``current``, accepted no draft:
+    arm ``current`` (index; ``num_arms``: the arms the batch's cap allows) drew only
+    trees that, cut to ``current``, accepted no draft:
     they say nothing of what the larger tree adds (``gate_stats._scale_above_settled``
     takes no factor from them) and left the arm rated at ``current``'s figure, the
     schedule's next probe of it up to ``MAX_PROBE_INTERVAL`` decisions away. Such a
@@ -49,7 +51,7 @@ def blank_probe_retry(stats: GateStats, current: int) -> tuple[int, int] | None:
     if stats.committed_count[arm] < PROBE_STEPS - 1:
         return None
     stats.blank_probe = None
-    if retries <= 0 or current == 0 or arm <= current:
+    if retries <= 0 or current == 0 or not current < arm < num_arms:
         return None
     if stats.reference_cut_tokens[arm, current] - 1.0 >= MIN_REFERENCE:
         return None
