@@ -15,7 +15,8 @@ summarize away.
 
 Record layout (JSON lists): ``["d", t_s, num_reqs, cap, arm]`` (every step's ``decide``,
 held or not),
-``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens]``,
+``["r", t_s, bucket, arm, residual_s]``, ``["c", t_s, bucket, arm, tokens, trees]``
+(``trees``: the trees the sample averages, its EMA weight; null where not given),
 ``["s", t_s, num_reqs, shape, prefill_reqs]`` (a step the gate timed),
 ``["p", t_s, bucket, prefill_pairs, typical]`` (its interval reached the prefill check,
 ``typical`` 1 or 0), ``["u", t_s, bucket, arm, slack_s]`` (a timed step's GPU idle time
@@ -107,7 +108,8 @@ def install() -> None:
     def traced_committed(self, arm, tokens, trees=None):
         add_committed(self, arm, tokens, trees)
         if _RECORDS is not None:
-            _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens)])
+            _RECORDS.append(["c", time.perf_counter(), id(self), int(arm), float(tokens),
+                             None if trees is None else int(trees)])
 
     originals = {(gate_cls, "decide"): decide, (gate_cls, "bucket"): bucket,
                  (gate_cls, "rates"): rates,
@@ -163,14 +165,14 @@ def take() -> list[list]:
                 out.append([kind, round(t - t0, 6), where[stats_id][0],
                              *[[round(x, 4) for x in v] for v in values]])
             continue
-        stats_id, arm, value = rest
+        stats_id, arm, value, *extra = rest  # "c": + trees
         if stats_id not in where:
             continue
         batches, arms = where[stats_id]
         if kind == "p":  # (pairs, typical), no arm
             out.append([kind, round(t - t0, 6), batches, arm, value])
         else:
-            out.append([kind, round(t - t0, 6), batches, arms[arm], round(value, 7)])
+            out.append([kind, round(t - t0, 6), batches, arms[arm], round(value, 7), *extra])
     return out
 
 

@@ -53,6 +53,7 @@ def test_trace_holds_every_decision_and_the_gates_measurements(tmp_path):
     assert len(residuals) > 200 and {r[2] for r in residuals} == {"3-4"}
     assert {r[3] for r in residuals} <= set(ARMS) and len({r[3] for r in residuals}) > 1
     assert committed and all(r[4] == 3.0 for r in committed)  # 1 + 2 accepted a tree
+    assert all(r[5] == 3 for r in committed)  # one step's three trees a sample
     # every step decides (no hold) and is timed; each interval met the prefill check
     # (none holds a prefill: typical) unless its step mixed kinds; residuals follow
     timed = [r for r in records if r[0] == "s"]
