@@ -408,6 +408,12 @@ def write_sweep_markdown(data: dict, path: str) -> None:
                                   ("decode_host_sample_ms", "prefill_host_sample_ms"),
                                   ("decode_gc_ms", "prefill_gc_ms")):
                 lines += _pair_table(rows, first, second, runs, names, context, kind) + [""]
+            table = _pair_table(rows, "decode_eager_share", "prefill_eager_share", runs,
+                                names, context, kind, 2)
+            if table:
+                lines += ["The share of those steps whose target forward ran without a "
+                          "CUDA graph (vLLM dispatched no graph for its token count):", ""]
+                lines += table + [""]
         table = _value_table(rows, active, runs, names, context, kind, 1)
         if table:
             lines += [f"`auto`: verified tree nodes per round, {title}:", ""] + table + [""]

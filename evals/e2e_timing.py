@@ -461,8 +461,10 @@ def split_by_prefill(steps: list[dict]) -> dict:
     time inside it: near the span, the GPU waited for the host), ``draft`` (propose's
     span), ``sample`` (``sample_tokens`` beside propose), ``host_sample`` (the host's
     time in ``sample_tokens``, propose included) and ``gc`` (the garbage collector's
-    pauses charged to the step). Keys ``decode_*`` and ``prefill_*``; a kind without
-    steps is left out."""
+    pauses charged to the step), and ``eager_share``: the share of the steps whose
+    target forward dispatched no CUDA graph (vLLM's mode ``NONE``; among the steps whose
+    modes were noted, where any was). Keys ``decode_*`` and ``prefill_*``; a kind
+    without steps is left out."""
     out: dict = {}
     for kind, chosen in (("decode", [s for s in steps if s["decode"]]),
                          ("prefill", [s for s in steps if not s["decode"]])):
@@ -476,6 +478,9 @@ def split_by_prefill(steps: list[dict]) -> dict:
         out[f"{kind}_sample_ms"] = sum(s[SAMPLE_TOKENS] - s[DRAFT] for s in chosen) / n
         for label, key in ((SAMPLE_TOKENS, "host_sample"), (HOST_GC, "gc")):
             out[f"{kind}_{key}_ms"] = sum(s.get(f"host_{label}", 0.0) for s in chosen) / n
+        modes = [s["graphs"][VERIFY] for s in chosen if s.get("graphs", {}).get(VERIFY)]
+        if modes:
+            out[f"{kind}_eager_share"] = sum("NONE" in m for m in modes) / len(modes)
     return out
 
 

@@ -672,6 +672,12 @@ def test_sweep_markdown_splits_speed_into_tokens_and_ms_per_step(tmp_path):
     assert "| 4 | 4.0 | 25.0 |" in where[2]  # per refill; a repeat without refills left out
     split = text.split("those that also prefill a refill")[1].split("\n\n")
     assert "| 4 | 1.5 / 15.0 | 3.0 / 30.0 |" in split[1]  # decode / prefill, by run
+    assert "ran without a CUDA graph" not in text  # no graph modes noted
+    for r, share in zip(rows, [0.0, 0.5, 0.5, 1.0], strict=True):
+        r.update(decode_eager_share=0.0, prefill_eager_share=share)
+    write_sweep_markdown({"rows": rows, "invocations": [], "sweep": {}}, str(path))
+    eager = path.read_text().split("ran without a CUDA graph")[1].split("\n\n")
+    assert "| 4 | 0.00 / 0.00 | 0.00 / 0.50 |" in eager[1]  # AR / auto's median of 3
 
 
 def test_a_turn_is_never_a_timed_step_of_autos_gate():

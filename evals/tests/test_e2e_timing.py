@@ -64,6 +64,15 @@ def test_split_by_prefill_keeps_decode_and_refill_steps_apart():
     assert got["prefill_sample_ms"] == pytest.approx(1.0)
     assert got["prefill_gc_ms"] == 12.0 and got["decode_gc_ms"] == 0.0
     assert got["prefill_host_sample_ms"] == 9.5
+    assert "decode_eager_share" not in got  # no graph modes noted
+    steps[0]["graphs"] = {e2e_timing.VERIFY: ["FULL"]}
+    steps[1]["graphs"] = {e2e_timing.VERIFY: ["FULL"], e2e_timing.DRAFT: ["NONE"]}
+    steps[2]["graphs"] = {e2e_timing.VERIFY: ["NONE"]}
+    got = e2e_timing.split_by_prefill(steps)
+    assert got["decode_eager_share"] == 0.0 and got["prefill_eager_share"] == 1.0
+    steps[2]["graphs"] = {e2e_timing.VERIFY: ["PIECEWISE"]}
+    assert e2e_timing.split_by_prefill(steps)["prefill_eager_share"] == 0.0
+    del steps[0]["graphs"], steps[1]["graphs"], steps[2]["graphs"]
     assert e2e_timing.split_by_prefill(steps[:2]).keys() == {
         "decode_n", "decode_verify_ms", "decode_host_verify_ms", "decode_draft_ms",
         "decode_sample_ms", "decode_host_sample_ms",
