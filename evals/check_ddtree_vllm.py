@@ -261,6 +261,19 @@ def record_verify_dispatches() -> list[dict]:
     return seen
 
 
+def graph_config(llm) -> dict | None:
+    """The engine's CUDA-graph setup as ``compare.eager_graphable_steps`` reads it:
+    ``mode``, ``mixed_mode`` (the mode of batches that are not uniform decodes) and
+    ``max_capture_size``; None where the engine has no such config."""
+    config = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None),
+                     "compilation_config", None)
+    mode = getattr(config, "cudagraph_mode", None)
+    if mode is None:
+        return None
+    return {"mode": mode.name, "mixed_mode": mode.mixed_mode().name,
+            "max_capture_size": config.max_cudagraph_capture_size}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -461,6 +474,7 @@ def main() -> None:
                        DDTREE_STATE.mean_active_nodes() if args.auto and DDTREE_STATE.enabled
                        else None),
                    "verify_dispatches": verify_dispatches, "step_plan": step_plan,
+                   "graph_config": graph_config(llm) if args.graphs else None,
                    "schedule": json.loads(args.schedule) if args.schedule else None,
                    **kv_cache_grouping(llm),
                    "vllm_metrics": spec_decode_metrics(llm), "trace": trace,

@@ -9,6 +9,7 @@ from vllm_ddtree.testing.compare import (
     MAX_FLIP_SHARE,
     MAX_LOGIT,
     TIE_GAP,
+    eager_graphable_steps,
     max_excused,
     mismatch_problem,
     mismatch_problems,
@@ -206,6 +207,24 @@ def test_non_full_verify_steps_flags_uniform_steps_without_a_full_graph():
     assert non_full_verify_steps([full9, prefill, single, lone_prefill], shapes) == []
     assert non_full_verify_steps([full9, piecewise5, prefill], shapes) == [piecewise5]
     assert non_full_verify_steps([full9, piecewise5], [33]) == []
+
+
+def test_eager_graphable_steps_flags_eager_batches_that_a_mixed_graph_holds():
+    """With a mixed (PIECEWISE) mode every token count up to the largest capture size
+    has a graph: an eager step there is a lookup hole; a larger prefill, or an engine
+    without a mixed mode, runs eagerly by design."""
+    eager65 = {"num_reqs": 2, "num_tokens": 65, "uniform_token_count": None, "mode": "NONE"}
+    eager_long = {"num_reqs": 1, "num_tokens": 900, "uniform_token_count": 900,
+                  "mode": "NONE"}
+    piecewise = {"num_reqs": 3, "num_tokens": 70, "uniform_token_count": None,
+                 "mode": "PIECEWISE"}
+    graphs = {"mode": "FULL_AND_PIECEWISE", "mixed_mode": "PIECEWISE",
+              "max_capture_size": 512}
+    steps = [eager65, eager_long, piecewise]
+    assert eager_graphable_steps(steps, graphs) == [eager65]
+    assert eager_graphable_steps(steps, {**graphs, "mixed_mode": "NONE"}) == []
+    assert eager_graphable_steps(steps, None) == []
+    assert eager_graphable_steps([eager65], graphs) == []  # no mixed graph ever replayed
 
 
 def test_a_witness_excuses_only_within_the_references_own_spread():

@@ -20,6 +20,7 @@ from vllm_ddtree.budget.policy import candidate_budgets
 from vllm_ddtree.demo.reference_engine import CHECKPOINTS
 from vllm_ddtree.testing.compare import (
     TIE_GAP,
+    eager_graphable_steps,
     first_mismatch,
     mismatch_problems,
     non_full_verify_steps,
@@ -220,6 +221,10 @@ def run_mixed_vs_ar(ar_mixed: dict, args: list[str], out, label: str,
         print(f"{label}: {len(got['verify_dispatches'])} target dispatches, "
               f"{len(missed)} uniform verify steps without a FULL graph")
         assert not missed, f"verify steps that missed their FULL graph: {missed[:5]}"
+        eager = eager_graphable_steps(got["verify_dispatches"], got.get("graph_config"))
+        print(f"{label}: graphs {got.get('graph_config')}, {len(eager)} steps eager where a "
+              f"graph holds them")
+        assert not eager, f"steps that ran eagerly where a CUDA graph holds them: {eager[:5]}"
     return got
 
 

@@ -318,3 +318,22 @@ def non_full_verify_steps(dispatches: Sequence[dict], query_lens: Iterable[int])
     lens = set(query_lens)
     return [d for d in dispatches
             if d.get("uniform_token_count") in lens and d.get("mode") != "FULL"]
+
+
+def eager_graphable_steps(dispatches: Sequence[dict], graphs: dict | None) -> list[dict]:
+    """The target graph dispatches (as :func:`non_full_verify_steps`) that ran without
+    any CUDA graph (``NONE``) although a graph of vLLM's mixed mode could serve them:
+    ``graphs`` (``check_ddtree_vllm.graph_config``) has a mixed mode other than
+    ``NONE`` and the step's token count is at most the largest capture size, every
+    one of which has such a graph. vLLM's lookup alone left such batches eager where
+    their count sat just below a count captured only for uniform decodes
+    (``patches/verify_shapes.add_mixed_candidates``); tokens are unchanged, the step
+    far slower. Empty without ``graphs``, a mixed mode, or any step that replayed a
+    graph of that mode (the runner used another setup than the config says)."""
+    mixed = (graphs or {}).get("mixed_mode", "NONE")
+    if mixed == "NONE" or not any(d.get("mode") == mixed for d in dispatches):
+        return []
+    largest = graphs.get("max_capture_size") or 0
+    return [d for d in dispatches
+            if d.get("mode") == "NONE" and 0 < d.get("num_tokens", 0) <= largest]
+
