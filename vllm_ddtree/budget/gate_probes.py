@@ -35,10 +35,10 @@ def blank_probe_retry(stats: GateStats, current: int,
                       num_arms: int) -> tuple[int, int] | None:
     """``(arm, retries left)`` where the last probe of an arm above the speculative
     arm ``current`` (index; ``num_arms``: the arms the batch's cap allows) drew only
-    trees that, cut to ``current``, accepted no draft:
-    they say nothing of what the larger tree adds (``gate_stats._scale_above_settled``
-    takes no factor from them) and left the arm rated at ``current``'s figure, the
-    schedule's next probe of it up to ``MAX_PROBE_INTERVAL`` decisions away. Such a
+    trees that, cut to ``current``, accepted no draft: they say nothing of what the
+    larger tree adds (``gate_stats._scale_above_settled`` takes no factor from them)
+    and left the arm rated at ``current``'s figure, the schedule's next probe of it up
+    to ``MAX_PROBE_INTERVAL`` decisions away. Such a
     probe runs again at once, at most ``BLANK_PROBE_RETRIES`` times in a row. H100,
     V2-Lite at batch 1: settled on 32 drafts, the one probe of 64 drew three trees
     that committed 1 token at every cut, and the bucket stayed on 32 where 64
