@@ -575,9 +575,10 @@ class SpeculationGate:
             elif stats.decisions - stats.last_probe[best] > 2 * PROBE_STEPS:
                 target = best  # confirm it first (its last probe's samples are in)
         retries = BLANK_PROBE_RETRIES
-        retry = blank_probe_retry(stats, current, num_arms)
-        if target is None and retry is not None:
-            target, retries = retry
+        if target is None:
+            retry = blank_probe_retry(stats, current, num_arms)
+            if retry is not None:
+                target, retries = retry
         if target is None:
             target = probe_target(stats, current, rates, measured, num_arms)
         if target is None:

@@ -38,12 +38,12 @@ def blank_probe_retry(stats: GateStats, current: int,
     trees that, cut to ``current``, accepted no draft: they say nothing of what the
     larger tree adds (``gate_stats._scale_above_settled`` takes no factor from them)
     and left the arm rated at ``current``'s figure, the schedule's next probe of it up
-    to ``MAX_PROBE_INTERVAL`` decisions away. Such a
-    probe runs again at once, at most ``BLANK_PROBE_RETRIES`` times in a row. H100,
-    V2-Lite at batch 1: settled on 32 drafts, the one probe of 64 drew three trees
-    that committed 1 token at every cut, and the bucket stayed on 32 where 64
-    committed 15 % more a tree at the same step. None while the probe's trees are
-    not in (``PROBE_STEPS - 1`` of them counted, as ``restart_interval`` waits)."""
+    to ``MAX_PROBE_INTERVAL`` decisions away. Such a probe runs again at once, at most
+    ``BLANK_PROBE_RETRIES`` times in a row. H100, V2-Lite at batch 1: settled on 32
+    drafts, the one probe of 64 drew three trees that committed 1 token at every cut,
+    and the bucket stayed on 32 where 64 committed 15 % more a tree at the same step.
+    None while the probe's trees are not in (``PROBE_STEPS - 1`` of them counted, as
+    ``restart_interval`` waits)."""
     pending = stats.blank_probe
     if pending is None:
         return None
